@@ -1,0 +1,160 @@
+"""The config schema: one dataclass per config group, registered with Hydra, and the one composition path.
+
+Hydra stops here: `compose()` turns overrides into a plain `JobConfig`; nothing past it sees OmegaConf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from checkpoint.config import CheckpointConfig
+from parallel.config import MeshConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # preset name, e.g. tiny, llama3_8b
+    dim: int = MISSING  # hidden size
+    n_layers: int = MISSING  # transformer blocks
+    n_heads: int = MISSING  # query heads
+    n_kv_heads: int = MISSING  # key/value heads (grouped-query attention); = n_heads for MHA
+    vocab_size: int = MISSING  # tokens in the vocabulary
+    ffn_dim: int = MISSING  # SwiGLU hidden size
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    max_seq_len: int = 2048  # longest sequence RoPE tables are built for
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/synthetic-v1.h5"  # HDF5 token file; generated on first use when missing
+    num_samples: int = 4096  # samples (rows) generated into the file
+    gen_seed: int = 1234  # seed of the synthetic language (not of training)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # only adamw
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio after cosine decay
+    warmup_steps: int = 5  # linear warmup steps
+    weight_decay: float = 0.1  # decoupled weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40  # optimizer steps in the run
+    seed: int = 0  # seeds init, data order and every RNG
+    global_batch: int = 8  # samples per optimizer step, across all dp ranks
+    micro_batch: int = 2  # samples per microbatch on one dp rank
+    seq_len: int = 32  # tokens per sample
+    log_every: int = 1  # log metrics every N steps (and at the last step)
+
+
+@dataclass
+class RunConfig:
+    dir: str = MISSING  # the run directory (config, ledger, metrics, checkpoints)
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | slurm
+    nodes: int = 1  # nodes in the job
+    tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
+    master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
+    pg_timeout_s: float = 300.0  # process-group (collective) timeout
+    threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"  # profile name
+    partition: str | None = None  # Slurm partition (-p)
+    account: str | None = None  # Slurm account (-A)
+    qos: str | None = None  # Slurm QOS
+    constraint: str | None = None  # Slurm node features (-C)
+    gpus_per_node: int = 0  # GPUs per node; 0 = CPU ranks (gloo)
+    cpus_per_task: int = 1  # CPUs per rank
+    mem_per_node_gb: int | None = None  # --mem per node; None = the partition default
+    time_min: int = 60  # wall-time limit of a job, minutes
+    run_root: str = "runs"  # shared (parallel) filesystem root for run dirs; run.dir must be under it
+    container_image: str | None = None  # container image for srun (pyxis --container-image), if any
+    container_mounts: str | None = None  # pyxis --container-mounts
+    env: dict[str, str] = field(default_factory=dict)  # exported on every rank before init_process_group
+    # Hardware facts for `jobs.plan` (each profile cites its sources).
+    gpu_mem_gib: float = 0.0  # memory per GPU
+    nvlink_domain: int = 1  # GPUs that share the fast intra-node fabric
+    intra_node_bw_GBps: float = 0.0  # per-GPU intra-node (NVLink) bandwidth, GB/s
+    inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
+    gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
+    fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
+    node_mtbf_hours: float = 50000.0  # one node's mean time between failures
+
+
+@dataclass
+class FailureConfig:
+    mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
+    mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
+    max_requeues: int = 10  # requeue budget before the job stops for good
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = MISSING
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launcher.nodes * self.launcher.tasks_per_node
+
+    @property
+    def world_size_expr(self) -> str:
+        return (
+            f"launcher.nodes({self.launcher.nodes}) * "
+            f"launcher.tasks_per_node({self.launcher.tasks_per_node})"
+        )
+
+
+def register_configs() -> None:
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_job_config(cfg: Any) -> JobConfig:
+    """Converts a composed DictConfig into the plain dataclass tree (Hydra's door closes here)."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, JobConfig), type(obj)
+    return obj
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train") -> JobConfig:
+    """Composes `conf/` with Hydra overrides, as `python -m jobs.train` would, without running anything."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return to_job_config(cfg)

@@ -1,0 +1,158 @@
+"""DistEnv: the one object through which a rank learns where it is (rank, world, master, restarts).
+
+Two sources fill it: the local launcher (torch's standard RANK/WORLD_SIZE/... variables) and Slurm
+(SLURM_PROCID/SLURM_NTASKS/SLURM_JOB_NODELIST/...). Nothing else in the project reads os.environ
+for these facts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["DistEnv", "expand_nodelist", "port_from_job_id"]
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    restart_count: int = 0  # 0 on the first run; Slurm's SLURM_RESTART_COUNT after requeues
+    job_id: str | None = None  # Slurm job id (ARRAY_TASK form for array elements), None locally
+    hostname: str = ""
+
+    @property
+    def is_slurm(self) -> bool:
+        return self.job_id is not None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        """Reads the launcher's contract: Slurm's variables when inside a Slurm step, torch's otherwise."""
+        env = os.environ if environ is None else environ
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_JOB_ID" in env:
+            return cls._from_slurm(env)
+        return cls._from_torch(env)
+
+    @classmethod
+    def _from_torch(cls, env: Mapping[str, str]) -> "DistEnv":
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise RuntimeError(
+                f"rank environment incomplete: {', '.join(missing)} not set; start ranks with "
+                "`python -m jobs.train` (local launcher) or under Slurm (launcher=slurm)"
+            )
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=int(env.get("GROUP_RANK", 0)),
+            nodes=max(1, world // max(1, local_world)),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            restart_count=int(env.get("MESHJOB_RESTART_COUNT", 0)),
+            hostname=env.get("HOSTNAME", os.uname().nodename),
+        )
+
+    @classmethod
+    def _from_slurm(cls, env: Mapping[str, str]) -> "DistEnv":
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        hosts = expand_nodelist(nodelist) if nodelist else [os.uname().nodename]
+        world = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or len(hosts))
+        array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+        job_id = f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]
+        port = env.get("MASTER_PORT")
+        return cls(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=world,
+            local_world_size=max(1, world // max(1, nodes)),
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            nodes=nodes,
+            master_addr=env.get("MASTER_ADDR") or hosts[0],
+            master_port=int(port) if port else port_from_job_id(int(env["SLURM_JOB_ID"])),
+            restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+            job_id=job_id,
+            hostname=env.get("SLURMD_NODENAME", os.uname().nodename),
+        )
+
+    def torch_environ(self) -> dict[str, str]:
+        """The variables torch's env:// rendezvous expects, for this rank."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def port_from_job_id(job_id: int, base: int = 20000, span: int = 20000) -> int:
+    """A rendezvous port every rank of a job derives alike from the job id (no port file needed)."""
+    return base + job_id % span
+
+
+_RANGE = re.compile(r"^(?P<prefix>[^\[]*)\[(?P<body>[^\]]+)\](?P<suffix>.*)$")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expands a Slurm hostlist (`node[1-3,7],gpu01`) into host names, in Slurm's order.
+
+    Uses `scontrol show hostnames` when available (the authority); falls back to a parser of the
+    common forms so this works on a login node without Slurm too.
+    """
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return _parse_hostlist(nodelist)
+
+
+def _split_top_level(s: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _parse_hostlist(nodelist: str) -> list[str]:
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        m = _RANGE.match(part)
+        if not m:
+            hosts.append(part)
+            continue
+        for item in m["body"].split(","):
+            lo, _, hi = item.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{m['prefix']}{i:0{width}d}{m['suffix']}")
+    return hosts

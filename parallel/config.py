@@ -1,0 +1,23 @@
+"""The `mesh` config group: parallelism degrees and the pipeline schedule (plain dataclass, no Hydra)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv_zero_bubble")
+
+
+@dataclass
+class MeshConfig:
+    pp: int = 1  # pipeline-parallel degree (stages across ranks)
+    dp_replicate: int = 1  # data-parallel replicas (HSDP outer axis; DDP-like)
+    dp_shard: int = -1  # FSDP2 sharding degree; -1 = the ranks left after the other axes
+    cp: int = 1  # context-parallel degree (not built yet: must be 1)
+    tp: int = 1  # tensor-parallel degree
+    ep: int = 1  # expert-parallel degree (not built yet: must be 1)
+    pp_schedule: str = "1f1b"  # one of gpipe, 1f1b, interleaved_1f1b, zbv_zero_bubble
+    pp_microbatches: int = -1  # microbatches per step per dp rank; -1 = global_batch / (dp * micro_batch)
+    pp_stages_per_rank: int = -1  # virtual stages per pp rank; -1 = 1, or 2 for multi-stage schedules
+    sequence_parallel: bool = True  # shard norms/activations along the sequence dim across tp
+    loss_parallel: bool = True  # compute the loss on vocab-sharded logits (no all-gather of logits)
