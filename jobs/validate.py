@@ -1,0 +1,134 @@
+"""Validation of a composed config before any process starts: every error names the override and the fix.
+
+The same `validate()` runs on the login node before submit and on every rank at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobs.config import JobConfig
+from parallel.config import MULTI_STAGE_SCHEDULES
+from parallel.dims import ParallelDims, stages_per_rank
+
+__all__ = ["validate", "Derived"]
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """Quantities that follow from a valid config (logged once at start)."""
+
+    dims: ParallelDims
+    microbatches: int  # microbatches per step per dp rank (pipeline microbatches, or accumulation steps)
+    stages_per_rank: int  # virtual pipeline stages held by each pp rank
+    num_stages: int  # pipeline stages in total
+    tokens_per_step: int  # global_batch * seq_len
+
+
+def validate(cfg: JobConfig) -> Derived:
+    """Raises ValueError naming the dotted override and the arithmetic; returns the derived quantities."""
+    m, t, mesh, ln = cfg.model, cfg.train, cfg.mesh, cfg.launcher
+    if ln.nodes < 1 or ln.tasks_per_node < 1:
+        raise ValueError(
+            f"launcher.nodes({ln.nodes}) and launcher.tasks_per_node({ln.tasks_per_node}) must be >= 1"
+        )
+    dims = ParallelDims.from_config(mesh, world_size=cfg.world_size, world_size_expr=cfg.world_size_expr)
+
+    if m.dim % m.n_heads:
+        raise ValueError(f"model.dim({m.dim}) % model.n_heads({m.n_heads}) = {m.dim % m.n_heads} != 0")
+    if m.n_heads % m.n_kv_heads:
+        raise ValueError(
+            f"model.n_heads({m.n_heads}) % model.n_kv_heads({m.n_kv_heads}) != 0: query heads must group evenly"
+        )
+    if m.n_heads % dims.tp:
+        raise ValueError(
+            f"model.n_heads({m.n_heads}) % mesh.tp({dims.tp}) = {m.n_heads % dims.tp} != 0: "
+            "each tp rank needs whole heads; pick mesh.tp dividing the head count"
+        )
+    if m.n_kv_heads % dims.tp:
+        raise ValueError(
+            f"model.n_kv_heads({m.n_kv_heads}) % mesh.tp({dims.tp}) = {m.n_kv_heads % dims.tp} != 0: "
+            "each tp rank needs whole key/value heads; pick mesh.tp dividing the KV head count"
+        )
+    if m.ffn_dim % dims.tp:
+        raise ValueError(f"model.ffn_dim({m.ffn_dim}) % mesh.tp({dims.tp}) != 0")
+    if m.vocab_size % dims.tp and mesh.loss_parallel and dims.tp > 1:
+        raise ValueError(
+            f"model.vocab_size({m.vocab_size}) % mesh.tp({dims.tp}) != 0 with mesh.loss_parallel=true; "
+            "pad the vocabulary or set mesh.loss_parallel=false"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(f"train.seq_len({t.seq_len}) > model.max_seq_len({m.max_seq_len})")
+    if dims.tp > 1 and mesh.sequence_parallel and t.seq_len % dims.tp:
+        raise ValueError(
+            f"train.seq_len({t.seq_len}) % mesh.tp({dims.tp}) != 0 with mesh.sequence_parallel=true; "
+            "make the sequence divisible or set mesh.sequence_parallel=false"
+        )
+
+    spr = stages_per_rank(mesh)
+    multi = mesh.pp_schedule in MULTI_STAGE_SCHEDULES
+    if dims.pp > 1 and multi and spr < 2:
+        raise ValueError(
+            f"mesh.pp_schedule={mesh.pp_schedule} needs mesh.pp_stages_per_rank >= 2, got {spr}"
+        )
+    if dims.pp > 1 and not multi and spr != 1:
+        raise ValueError(
+            f"mesh.pp_schedule={mesh.pp_schedule} runs one stage per rank; mesh.pp_stages_per_rank({spr}) "
+            "must be 1 (or use interleaved_1f1b / zbv_zero_bubble)"
+        )
+    if mesh.pp_schedule == "zbv_zero_bubble" and dims.pp > 1 and spr != 2:
+        raise ValueError(f"mesh.pp_schedule=zbv_zero_bubble needs exactly 2 stages per rank, got {spr}")
+    num_stages = dims.pp * spr if dims.pp > 1 else 1
+    if m.n_layers < num_stages:
+        raise ValueError(
+            f"model.n_layers({m.n_layers}) < pipeline stages mesh.pp({dims.pp}) * stages per rank({spr}) "
+            f"= {num_stages}: every stage needs at least one layer"
+        )
+
+    per_mb = dims.dp * t.micro_batch
+    if t.micro_batch < 1 or t.global_batch < 1:
+        raise ValueError(f"train.global_batch({t.global_batch}) and train.micro_batch({t.micro_batch}) must be >= 1")
+    if t.global_batch % per_mb:
+        raise ValueError(
+            f"train.global_batch({t.global_batch}) is not a multiple of dp({dims.dp}) * "
+            f"train.micro_batch({t.micro_batch}) = {per_mb}; dp = mesh.dp_replicate({dims.dp_replicate}) * "
+            f"mesh.dp_shard({dims.dp_shard})"
+        )
+    microbatches = t.global_batch // per_mb
+    if mesh.pp_microbatches not in (-1, microbatches):
+        raise ValueError(
+            f"train.global_batch({t.global_batch}) != dp({dims.dp}) * train.micro_batch({t.micro_batch}) * "
+            f"mesh.pp_microbatches({mesh.pp_microbatches}) = {per_mb * mesh.pp_microbatches}; "
+            f"set mesh.pp_microbatches={microbatches} (or -1 to derive it)"
+        )
+    if dims.pp > 1 and microbatches < dims.pp:
+        raise ValueError(
+            f"pipeline microbatches {microbatches} = train.global_batch({t.global_batch}) / (dp({dims.dp}) * "
+            f"train.micro_batch({t.micro_batch})) < mesh.pp({dims.pp}): the schedule needs at least one "
+            "microbatch per stage; raise train.global_batch or lower train.micro_batch"
+        )
+    if dims.pp > 1 and multi and microbatches % dims.pp:
+        raise ValueError(
+            f"mesh.pp_schedule={mesh.pp_schedule} needs the microbatches ({microbatches}) to be a multiple "
+            f"of mesh.pp({dims.pp})"
+        )
+
+    for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
+        if value < 1:
+            raise ValueError(f"{name}({value}) must be >= 1")
+    ck = cfg.checkpoint
+    if ck.async_mode not in ("none", "thread", "process"):
+        raise ValueError(f"checkpoint.async_mode={ck.async_mode!r} is not one of none, thread, process")
+    if ck.interval not in ("steps", "auto"):
+        raise ValueError(f"checkpoint.interval={ck.interval!r} is not one of steps, auto")
+    if ck.keep < 2:
+        raise ValueError(f"checkpoint.keep({ck.keep}) must be >= 2 so a damaged newest checkpoint has a fallback")
+    if ck.on_env_drift not in ("warn", "refuse", "allow"):
+        raise ValueError(f"checkpoint.on_env_drift={ck.on_env_drift!r} is not one of warn, refuse, allow")
+    return Derived(
+        dims=dims,
+        microbatches=microbatches,
+        stages_per_rank=spr if dims.pp > 1 else 1,
+        num_stages=num_stages,
+        tokens_per_step=t.global_batch * t.seq_len,
+    )
