@@ -74,6 +74,9 @@ class LauncherConfig:
     master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
     pg_timeout_s: float = 300.0  # process-group (collective) timeout
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
+    wait: bool = False  # slurm: block after submit until the job ends, relaying progress lines
+    array_parallelism: int = 0  # slurm -m sweeps: array elements running at once (sbatch --array=...%N); 0 = all
+    signal_delay_s: int = 120  # slurm: USR2 this many seconds before the time limit (save, then requeue)
 
 
 @dataclass
@@ -90,6 +93,8 @@ class ClusterConfig:
     run_root: str = "runs"  # shared (parallel) filesystem root for run dirs; run.dir must be under it
     container_image: str | None = None  # container image for srun (pyxis --container-image), if any
     container_mounts: str | None = None  # pyxis --container-mounts
+    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun (module load, venv)
+    exclude: str | None = None  # Slurm nodes never to use (-x), e.g. known-bad hosts
     env: dict[str, str] = field(default_factory=dict)  # exported on every rank before init_process_group
     # Hardware facts for `jobs.plan` (each profile cites its sources).
     gpu_mem_gib: float = 0.0  # memory per GPU
