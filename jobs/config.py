@@ -29,6 +29,19 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base
     max_seq_len: int = 2048  # longest sequence RoPE tables are built for
+    # Mixture of experts (DeepSeek-V3 style; planned analytically, not built for training yet).
+    n_routed_experts: int = 0  # routed experts per MoE layer; 0 = dense model
+    n_shared_experts: int = 0  # always-active shared experts per MoE layer
+    experts_per_token: int = 0  # routed experts each token is sent to (top-k)
+    moe_ffn_dim: int = 0  # SwiGLU hidden size of one expert
+    n_dense_layers: int = 0  # leading blocks with a dense FFN (ffn_dim) before the MoE blocks
+    # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
+    attention: str = "gqa"  # gqa | mla
+    q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
+    kv_lora_rank: int = 0  # MLA key/value compression rank
+    qk_nope_head_dim: int = 0  # MLA per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # MLA per-head query/key dims with RoPE (the key part is shared by all heads)
+    v_head_dim: int = 0  # MLA per-head value dims
 
 
 @dataclass
@@ -104,6 +117,7 @@ class ClusterConfig:
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
+    host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
 
 
 @dataclass
@@ -111,6 +125,17 @@ class FailureConfig:
     mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
     mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
     max_requeues: int = 10  # requeue budget before the job stops for good
+
+
+@dataclass
+class PlanConfig:
+    json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
+    fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
+    activation_checkpointing: str = "none"  # none | full: the activation memory the fit check uses
+    usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
+    restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
+    min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
+    mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
 
 
 @dataclass
@@ -125,6 +150,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
     def world_size(self) -> int:

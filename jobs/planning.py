@@ -1,0 +1,495 @@
+"""The planner's arithmetic: parameters, memory per rank, activations, communication, bubble, checkpoint cost.
+
+Pure functions of plain numbers and `ModelConfig`; no torch, no Hydra, no I/O. `jobs.plan` composes
+them into a plan and checks it against a cluster profile; the tests pin them to published figures.
+Conventions: bytes are bytes (GiB = 2**30 only when printed), bandwidths are GB/s = 1e9 bytes/s per
+GPU per direction, times are seconds. Training precision is the one the recipe targets: fp32 sharded
+parameters, gradients and AdamW moments (16 bytes/parameter in all), bf16 compute (activations,
+all-gathered parameters), fp32 gradient reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jobs.config import ModelConfig
+
+__all__ = [
+    "BlockParams",
+    "ParamCount",
+    "block_params",
+    "count_params",
+    "bubble_fraction",
+    "layers_in_flight",
+    "layer_activation_bytes",
+    "logits_bytes",
+    "StageShape",
+    "RankMemory",
+    "rank_memory",
+    "stage_elems_tp",
+    "checkpointed_layer_bytes",
+    "heuristic_bytes_per_rank",
+    "CommItem",
+    "comm_per_step",
+    "axis_spans_nodes",
+    "flops_per_token",
+    "checkpoint_bytes",
+    "PARAM_BYTES",
+    "GRAD_BYTES",
+    "OPTIM_BYTES",
+    "COMPUTE_BYTES",
+    "REDUCE_BYTES",
+    "HEURISTIC_BYTES_PER_PARAM",
+]
+
+PARAM_BYTES = 4  # fp32 sharded parameters (FSDP2 keeps the master copy in the parameter dtype)
+GRAD_BYTES = 4  # fp32 sharded gradients
+OPTIM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
+COMPUTE_BYTES = 2  # bf16 activations and all-gathered parameters (MixedPrecisionPolicy param_dtype)
+REDUCE_BYTES = 4  # fp32 gradient reduce-scatter / all-reduce (MixedPrecisionPolicy reduce_dtype)
+HEURISTIC_BYTES_PER_PARAM = 16  # the planning rule of thumb: 4 + 4 + 8 (Rajbhandari et al. 2020, ZeRO, §3.1 uses 16Ψ for mixed-precision Adam)
+
+
+# --------------------------------------------------------------------------------------------- params
+
+
+@dataclass(frozen=True, slots=True)
+class BlockParams:
+    """One transformer block's parameters, split by how they are sharded."""
+
+    attention: int  # attention projections (tensor-parallel)
+    ffn: int  # dense FFN, or the shared experts of an MoE block (tensor-parallel)
+    experts: int  # routed experts (expert-parallel); 0 for a dense block
+    router: int  # MoE gate (replicated over tp)
+    norms: int  # RMSNorm weights (replicated over tp)
+    active: int  # parameters one token uses: everything but the routed experts it is not sent to
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.ffn + self.experts + self.router + self.norms
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCount:
+    total: int  # every parameter of the model
+    active: int  # parameters one token uses (= total for a dense model)
+    embedding: int  # token embedding
+    output: int  # output head (untied)
+    final_norm: int  # the last RMSNorm
+    blocks: tuple[BlockParams, ...]  # one entry per layer
+
+
+def _attention_params(m: ModelConfig) -> tuple[int, int]:
+    """(projection parameters, norm parameters inside attention) for GQA or MLA."""
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            q = m.dim * m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
+            q_norm = m.q_lora_rank
+        else:
+            q, q_norm = m.dim * m.n_heads * qk, 0
+        kv_a = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
+        kv_b = m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        wo = m.n_heads * m.v_head_dim * m.dim
+        return q + kv_a + kv_b + wo, q_norm + m.kv_lora_rank
+    if m.attention != "gqa":
+        raise ValueError(f"model.attention={m.attention!r} is not one of gqa, mla")
+    hd = m.dim // m.n_heads
+    return m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads), 0
+
+
+def block_params(m: ModelConfig, layer: int) -> BlockParams:
+    """Parameters of block `layer` (dense before `model.n_dense_layers` or when there are no experts)."""
+    attn, attn_norms = _attention_params(m)
+    norms = 2 * m.dim + attn_norms
+    if m.n_routed_experts <= 0 or layer < m.n_dense_layers:
+        ffn = 3 * m.dim * m.ffn_dim
+        return BlockParams(attn, ffn, 0, 0, norms, attn + ffn + norms)
+    expert = 3 * m.dim * m.moe_ffn_dim
+    shared = m.n_shared_experts * expert
+    routed = m.n_routed_experts * expert
+    router = m.n_routed_experts * m.dim
+    active = attn + shared + m.experts_per_token * expert + router + norms
+    return BlockParams(attn, shared, routed, router, norms, active)
+
+
+def count_params(m: ModelConfig) -> ParamCount:
+    """Parameters of the full model from its shapes (untied embedding and head, no multi-token head)."""
+    blocks = tuple(block_params(m, i) for i in range(m.n_layers))
+    emb = out = m.vocab_size * m.dim
+    total = emb + out + m.dim + sum(b.total for b in blocks)
+    active = emb + out + m.dim + sum(b.active for b in blocks)
+    return ParamCount(total, active, emb, out, m.dim, blocks)
+
+
+def flops_per_token(m: ModelConfig, *, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward): 6 x active matmul parameters plus
+    causal attention, 6 * n_layers * seq_len * (qk + v dims over heads) / 2 (Kaplan et al. 2020, §2.1;
+    the causal mask halves the score work, as in the Llama 3 paper's MFU)."""
+    pc = count_params(m)
+    matmul = pc.active - pc.embedding - sum(b.norms for b in pc.blocks) - pc.final_norm
+    if m.attention == "mla":
+        width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    else:
+        width = 2 * m.dim
+    return 6.0 * matmul + 6.0 * m.n_layers * seq_len * width / 2.0
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+def bubble_fraction(*, pp: int, microbatches: int, stages_per_rank: int = 1, schedule: str = "1f1b") -> float:
+    """Idle share of a step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019, GPipe §2.2);
+    (p-1)/(v·m+p-1) with v stages per rank for the interleaved schedule (Narayanan et al. 2021, §2.2.2).
+    Zero-bubble V (Qi et al. 2024) is planned as interleaved with v=2, an upper bound."""
+    if pp <= 1:
+        return 0.0
+    if microbatches < 1:
+        raise ValueError(f"microbatches({microbatches}) must be >= 1")
+    v = stages_per_rank if schedule in ("interleaved_1f1b", "zbv_zero_bubble") else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str) -> float:
+    """Layer-microbatches whose activations the first pp rank (the worst) holds at its peak.
+
+    gpipe: all m forwards before any backward; 1f1b and zbv: min(m, p) (Narayanan et al. 2021, §2.2.1);
+    interleaved: torch's warm-up on pp rank 0, (v-1)·p + 2(p-1) + 1 chunk-microbatches of
+    layers_on_rank / v layers each; no pipeline: one microbatch at a time (gradient accumulation).
+    """
+    if pp <= 1:
+        return float(layers_on_rank)
+    if schedule == "gpipe":
+        return float(microbatches * layers_on_rank)
+    if schedule == "interleaved_1f1b":
+        v = stages_per_rank
+        chunks = min(microbatches * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+        return chunks * layers_on_rank / v
+    return float(min(microbatches, pp) * layers_on_rank)
+
+
+# ---------------------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(
+    m: ModelConfig,
+    *,
+    layer: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    ep: int = 1,
+) -> int:
+    """Bytes one block saves for backward for one microbatch, without activation checkpointing.
+
+    Counts the tensors autograd keeps in our block under DTensor TP: the RMSNorm inputs in fp32
+    (sequence-sharded with SP), the all-gathered input of each column-parallel linear (DTensor keeps
+    the gathered tensor), q/k before RoPE, q and the head-repeated k/v that SDPA saves, the SDPA
+    output (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. The
+    per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
+    with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
+    does not divide it. Context parallel divides the sequence.
+    """
+    s = seq_len // cp
+    sb = s * micro_batch
+    h = m.dim
+    t = max(tp, 1)
+    sharded = t if sequence_parallel else 1  # what the residual stream / norms are divided by
+    cb = COMPUTE_BYTES
+    norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
+    gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = cb * sb * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) * 2
+        heads = cb * sb * m.n_heads * (3 * qk + 2 * m.v_head_dim) // t
+        attn = latents + heads
+    else:
+        hd = h // m.n_heads
+        hkv = m.n_kv_heads * hd
+        pre_rope = cb * sb * (h + hkv) // t
+        sdpa_in = cb * sb * 3 * h // t  # q, and k/v repeated to n_heads (repeat_interleave)
+        sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
+        attn = pre_rope + sdpa_in + sdpa_out
+    if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
+        f = m.moe_ffn_dim
+        routed = cb * sb * m.experts_per_token * (h + 4 * f) // t
+        shared = cb * sb * m.n_shared_experts * 4 * f // t
+        router = 4 * sb * m.n_routed_experts
+        ffn = routed + shared + router
+    else:
+        ffn = cb * sb * 4 * m.ffn_dim // t  # w1 out, w3 out, silu(w1 out), their product
+    return norm_in + gathered_in + attn + ffn
+
+
+def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True) -> int:
+    """Bytes one block keeps per microbatch under full activation checkpointing: its input only."""
+    sharded = tp if sequence_parallel and tp > 1 else 1
+    return COMPUTE_BYTES * (seq_len // cp) * micro_batch * dim // sharded
+
+
+def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True) -> int:
+    """Transient peak of the loss on the last stage for one microbatch: bf16 logits, their fp32
+    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit)."""
+    v = vocab_size // tp if loss_parallel and tp > 1 else vocab_size
+    return 10 * (seq_len // cp) * micro_batch * v
+
+
+# ------------------------------------------------------------------------------------- memory per rank
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """What one pipeline stage holds: its block indices and whether it has the embedding / the head."""
+
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Peak bytes on one rank, by what holds them (all bytes)."""
+
+    params_elems: int  # this rank's shard of the parameters, in elements
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    unsharded_bytes: int  # FSDP working set: all-gathered bf16 parameters and unsharded fp32 grads
+    activation_bytes: int  # saved activations at the schedule's peak (+ one recomputed block under AC)
+    logits_bytes: int  # loss transient on the last stage
+    activation_bytes_no_ac: int  # the same schedule without activation checkpointing
+    activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
+
+    @property
+    def states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+
+def _tp_local(m: ModelConfig, b: BlockParams, tp: int) -> int:
+    """Elements of one block on one tp rank: projections and experts sharded, norms and router replicated."""
+    return (b.attention + b.ffn + b.experts) // tp + b.router + b.norms
+
+
+def stage_elems_tp(m: ModelConfig, stages: list[StageShape], *, tp: int) -> int:
+    """Parameters of the stages one rank holds, on one tp rank, before FSDP sharding."""
+    pc = count_params(m)
+    n = 0
+    for st in stages:
+        n += sum(_tp_local(m, pc.blocks[i], tp) for i in st.layers)
+        if st.first:
+            n += pc.embedding // tp
+        if st.last:
+            n += pc.output // tp + pc.final_norm
+    return n
+
+
+def rank_memory(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    tp: int,
+    fsdp: int,
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int,
+    schedule: str,
+    seq_len: int,
+    micro_batch: int,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    activation_checkpointing: str = "none",
+    params_elems: int | None = None,
+) -> RankMemory:
+    """Peak memory of the rank holding `stages`, FSDP-sharded `fsdp` ways (dp_shard · cp; experts
+    ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
+    one measured on the real sharded model (the fake-backend path)."""
+    if activation_checkpointing not in ("none", "full"):
+        raise ValueError(f"plan.activation_checkpointing={activation_checkpointing!r} is not one of none, full")
+    pc = count_params(m)
+    stage_elems = stage_elems_tp(m, stages, tp=tp)  # this tp rank's elements before FSDP sharding
+    blocks_on_rank = [i for st in stages for i in st.layers]
+    if params_elems is None:
+        params_elems = -(-stage_elems // fsdp)
+    # FSDP2 working set. With a pipeline the stage stays unsharded from the first forward to the
+    # last backward (reshard_after_forward=False) and gradients accumulate unsharded until the last
+    # microbatch's reduce-scatter. Without one, a block is gathered just before it runs (the next one
+    # is prefetched) and the root (embedding, head) stays gathered.
+    if fsdp <= 1:
+        unsharded = 0
+    elif pp > 1:
+        unsharded = stage_elems * (COMPUTE_BYTES + REDUCE_BYTES)
+    else:
+        biggest = max((_tp_local(m, pc.blocks[i], tp) for i in blocks_on_rank), default=0)
+        root = (pc.embedding + pc.output) // tp + pc.final_norm
+        unsharded = biggest * (2 * COMPUTE_BYTES + REDUCE_BYTES) + root * COMPUTE_BYTES
+    n_layers = len(blocks_on_rank)
+    in_flight = layers_in_flight(
+        pp=pp, microbatches=microbatches, layers_on_rank=n_layers, stages_per_rank=stages_per_rank, schedule=schedule
+    )
+    full_layers = [
+        layer_activation_bytes(
+            m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sequence_parallel, ep=ep
+        )
+        for i in blocks_on_rank
+    ]
+    avg_full = sum(full_layers) / max(n_layers, 1)
+    no_ac = int(in_flight * avg_full)
+    ckpt = checkpointed_layer_bytes(
+        seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp, sequence_parallel=sequence_parallel
+    )
+    full_ac = int(in_flight * ckpt) + max(full_layers, default=0)
+    loss = (
+        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp, loss_parallel=loss_parallel)
+        if any(st.last for st in stages)
+        else 0
+    )
+    return RankMemory(
+        params_elems=params_elems,
+        params_bytes=params_elems * PARAM_BYTES,
+        grads_bytes=params_elems * GRAD_BYTES,
+        optimizer_bytes=params_elems * OPTIM_BYTES,
+        unsharded_bytes=unsharded,
+        activation_bytes=full_ac if activation_checkpointing == "full" else no_ac,
+        logits_bytes=loss,
+        activation_bytes_no_ac=no_ac,
+        activation_bytes_full_ac=full_ac,
+    )
+
+
+def heuristic_bytes_per_rank(total_params: int, *, model_shards: int) -> int:
+    """The 16 bytes/parameter rule: params + grads + AdamW spread evenly over the ranks that shard
+    the model (pp · tp · dp_shard · cp; dp_replicate holds copies)."""
+    return HEURISTIC_BYTES_PER_PARAM * total_params // model_shards
+
+
+# ------------------------------------------------------------------------------------- communication
+
+
+@dataclass(frozen=True, slots=True)
+class CommItem:
+    """One kind of collective on one mesh axis, per rank per optimizer step."""
+
+    collective: str  # all_gather | reduce_scatter | all_reduce | send_recv | all_to_all
+    axis: str  # mesh axis name (pp, dp_replicate, dp_shard, cp, tp, ep)
+    what: str  # what it moves
+    count: int  # calls per step
+    bytes: int  # bytes each rank sends per step (ring algorithms: (n-1)/n of the buffer, x2 for all-reduce)
+    group: int  # ranks in one group of this axis
+
+    def as_dict(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def comm_per_step(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    pp: int,
+    dp_replicate: int,
+    fsdp: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    microbatches: int,
+    seq_len: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    activation_checkpointing: str,
+) -> list[CommItem]:
+    """Collectives per optimizer step for the rank holding `stages`, by axis.
+
+    FSDP: with a pipeline, one all-gather and one reduce-scatter per unit per step (the stage stays
+    gathered, gradients sync on the last microbatch); without one, each microbatch gathers every unit
+    for forward and again for backward and reduce-scatters once. HSDP adds an all-reduce of the shard
+    over dp_replicate. TP with SP: per block and microbatch 2 all-gathers + 2 reduce-scatters forward,
+    the mirror image backward (+ forward again when recomputing); without SP, 2 all-reduces each way.
+    PP: one activation send forward and one gradient send backward per microbatch per stage boundary.
+    CP (ring attention): cp-1 K/V exchanges per block forward, twice that backward. EP: dispatch and
+    combine all-to-all per MoE block per microbatch, each way.
+    """
+    items: list[CommItem] = []
+    elems = stage_elems_tp(m, stages, tp=tp)
+    blocks = [i for st in stages for i in st.layers]
+    fsdp_groups = len(blocks) + len(stages)  # one fully_shard per block + the root of each part
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
+    s = seq_len // cp
+    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    fwd_passes = 2 if activation_checkpointing == "full" else 1
+    if fsdp > 1:
+        gathers = 1 if pp > 1 else 2 * microbatches
+        scatters = 1 if pp > 1 else microbatches
+        items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", gathers * fsdp_groups,
+                              int(gathers * _ring(fsdp) * COMPUTE_BYTES * elems), fsdp))
+        items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", scatters * fsdp_groups,
+                              int(scatters * _ring(fsdp) * REDUCE_BYTES * elems), fsdp))
+    if dp_replicate > 1:
+        shard = elems // max(fsdp, 1)
+        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", fsdp_groups,
+                              int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
+    if tp > 1:
+        per_block = microbatches * len(blocks)
+        extra = int(first) + int(last)  # embedding reduce-scatter, head all-gather
+        if sequence_parallel:
+            n = (2 * fwd_passes + 2) * per_block + 2 * extra * microbatches
+            b = int(n * _ring(tp) * act)
+            items.append(CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp))
+            items.append(CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp))
+        else:
+            n = (2 * fwd_passes + 2) * per_block + extra * microbatches
+            items.append(CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp))
+    if pp > 1:
+        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
+        per = act // tp if sequence_parallel and tp > 1 else act
+        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
+    if cp > 1:
+        hd = m.dim // m.n_heads
+        kv_heads = m.n_heads if m.attention == "mla" else m.n_kv_heads
+        kv = COMPUTE_BYTES * s * micro_batch * 2 * kv_heads * hd // max(tp, 1)
+        n = microbatches * len(blocks) * (cp - 1) * (fwd_passes + 2)
+        items.append(CommItem("send_recv", "cp", "bf16 K/V blocks (ring attention)", n, n * kv, cp))
+    if ep > 1 and moe_blocks:
+        n = 2 * microbatches * moe_blocks * (fwd_passes + 1)  # dispatch + combine, per forward and backward
+        tokens = COMPUTE_BYTES * s * micro_batch * m.experts_per_token * m.dim
+        items.append(CommItem("all_to_all", "ep", "bf16 routed tokens (dispatch + combine)", n, int(n * _ring(ep) * tokens), ep))
+    return items
+
+
+def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) -> bool:
+    """Whether one group of `axis` crosses the NVLink domain: the mesh is row-major over
+    (pp, dp_replicate, dp_shard, cp, tp), so a group spans the product of its own size and every
+    inner axis's size (ep is carved out of dp_shard · cp, innermost first)."""
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    if axis == "ep":
+        span = shape.get("ep", 1) * shape.get("tp", 1)
+    else:
+        i = order.index(axis)
+        span = math.prod(shape.get(a, 1) for a in order[i:])
+    return span > max(nvlink_domain, 1)
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+
+
+def checkpoint_bytes(params_elems: int) -> int:
+    """Bytes a checkpoint holds for `params_elems` parameters: fp32 weights + AdamW's two moments
+    (gradients are not saved)."""
+    return params_elems * (PARAM_BYTES + OPTIM_BYTES)
