@@ -54,9 +54,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # only adamw
-    lr: float = 3e-3  # peak learning rate
+    lr: float = 1e-2  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio after cosine decay
-    warmup_steps: int = 5  # linear warmup steps
+    warmup_steps: int = 3  # linear warmup steps
     weight_decay: float = 0.1  # decoupled weight decay
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2

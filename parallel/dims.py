@@ -23,7 +23,7 @@ class ParallelDims:
 
     The mesh is row-major over MESH_AXES: rank = ((((pp·R + r)·S + s)·C + c)·T + t), so tp groups are
     adjacent ranks (one node's NVLink domain) and pp groups are the farthest apart. Derived meshes:
-    `dp` = (dp_replicate, dp_shard) flattened, which the data loader shards over; FSDP2 shards over
+    `dp` = dp_replicate * dp_shard slices of the global batch (see `dp_rank`); FSDP2 shards over
     `dp_shard` and replicates over `dp_replicate` (HSDP).
     """
 
@@ -102,10 +102,13 @@ class ParallelDims:
         return " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """Builds the world DeviceMesh with every axis named (size-1 axes included) plus the `dp` flattening."""
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
-        mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-        return mesh
+        """Builds the world DeviceMesh with every axis named (size-1 axes included)."""
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+
+    @staticmethod
+    def dp_rank(mesh: DeviceMesh) -> int:
+        """This rank's index among the dp = dp_replicate * dp_shard slices of the global batch."""
+        return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:

@@ -1,0 +1,121 @@
+"""`python -m jobs.train [overrides]`: compose the config, check it, prepare the run dir, launch the ranks.
+
+Plain overrides are composed with `jobs.config.compose` (config errors exit 2 before anything is
+written); `-m` sweeps and Hydra's own flags (`--cfg`, `--help`, ...) go through `@hydra.main`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+from jobs import exitcodes
+from jobs.config import JobConfig, compose, register_configs, to_job_config
+from jobs.log import setup_logging
+
+__all__ = ["main", "run", "config_hash"]
+
+
+def config_yaml(cfg: JobConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_hash(cfg: JobConfig) -> str:
+    """Hash of the resolved config (run.dir excluded: the same experiment may move)."""
+    text = "\n".join(l for l in config_yaml(cfg).splitlines() if not l.startswith("  dir:"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prepare_run_dir(cfg: JobConfig) -> Path:
+    """Makes run.dir absolute and writes config.yaml once (a later start of the same run keeps it)."""
+    run_dir = Path(cfg.run.dir).resolve()
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        path.write_text(config_yaml(cfg))
+    return run_dir
+
+
+def run(cfg: JobConfig) -> int:
+    """Validates, then submits (launcher=slurm) or runs locally; returns the exit code."""
+    from jobs.validate import validate
+
+    log = setup_logging()
+    try:
+        derived = validate(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if cfg.launcher.name == "slurm":
+        from jobs.launch_slurm import submit
+
+        return submit(cfg)
+    if cfg.launcher.name != "local":
+        print(f"config error: launcher={cfg.launcher.name!r} is not one of local, slurm", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+
+    from jobs.data import ensure_dataset
+
+    try:
+        ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    run_dir = prepare_run_dir(cfg)
+    log.info("run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
+             run_dir, cfg.model.name, derived.dims.describe(), cfg.world_size, derived.microbatches,
+             derived.tokens_per_step)
+    from jobs.launch_local import launch
+
+    code = launch(cfg)
+    log.info("finished with exit code %d", code) if code == 0 else log.error("failed with exit code %d", code)
+    return code
+
+
+_HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
+                "--resolve", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--shell-completion", "-sc", "--run", "-r")
+
+
+def _hydra_main() -> None:
+    import hydra
+
+    register_configs()
+    try:
+        from jobs.launch_slurm import register_hydra_launcher
+    except ImportError:
+        pass
+    else:
+        register_hydra_launcher()
+
+    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+    def _task(dcfg) -> int:
+        code = run(to_job_config(dcfg))
+        if code:
+            raise SystemExit(code)
+        return code
+
+    _task()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
+        _hydra_main()
+        return exitcodes.OK
+    try:
+        cfg = compose(argv)
+    except Exception as e:  # Hydra/OmegaConf composition errors: unknown key, wrong type, missing group
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+            raise
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The training loop, the file a newcomer reads first: build -> (resume) -> step -> log -> checkpoint.
+
+One step: this dp rank's slice of the global batch -> forward/backward (through the pipeline
+schedule when mesh.pp > 1, else microbatch accumulation) -> global grad-norm clip -> AdamW +
+LR schedule -> one scalar all-reduce for the loss -> a metrics line on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+
+from jobs.config import JobConfig, OptimConfig
+from jobs.env import DistEnv
+from jobs.events import EventLog
+from jobs.log import get_logger
+from jobs.model import Transformer, init_weights
+from jobs.data import BatchSource
+from jobs.validate import Derived
+from parallel.pipeline import build_schedule
+from parallel.recipe import parallelize
+
+__all__ = ["Trainer", "TrainState", "lr_multiplier", "cross_entropy"]
+
+
+@dataclass
+class TrainState:
+    """What the loop itself carries across steps (and checkpoints): the step is also the data cursor."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0
+    loss_tail: list[float] = field(default_factory=list)  # the last few logged losses
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen, self.loss_tail = int(sd["step"]), int(sd["tokens_seen"]), list(sd["loss_tail"])
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (a bf16 loss in a collective would mismatch across ranks)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+    """One AdamW per model part (a rank may hold several pipeline stages); no decay on norm weights."""
+    opts = []
+    for part in parts:
+        decay = [p for p in part.parameters() if p.ndim >= 2]
+        no_decay = [p for p in part.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True))
+    return opts
+
+
+@torch.no_grad()
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, *, pp_group: dist.ProcessGroup | None) -> float:
+    """The global L2 norm of all gradients across every mesh axis; scales them down to `max_norm`.
+
+    DTensor grads are grouped by mesh, each group's norm made whole with `full_tensor()`; the
+    stages of a pipeline hold disjoint parameters, so their squared norms add over the pp group.
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    sq = torch.zeros((), dtype=torch.float32)
+    for mesh, gs in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq += norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    total = float(sq.sqrt())
+    if max_norm > 0 and total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def _replicate_partial_grads(parts: list[nn.Module]) -> None:
+    """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum); reduce them
+    once here, or every optimizer step would all-reduce them implicitly (notes, item 3)."""
+    for part in parts:
+        for p in part.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                p.grad = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+
+
+class Trainer:
+    """Builds this rank's share of the job from the config and runs the loop."""
+
+    def __init__(self, cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog) -> None:
+        self.cfg, self.derived, self.env, self.events = cfg, derived, env, events
+        self.log = get_logger()
+        self.device = torch.device("cpu")
+        dims = derived.dims
+        self.mesh = dims.build_mesh(self.device.type)
+        self.pp_group = self.mesh.get_group("pp") if dims.pp_enabled else None
+        self.use_loss_parallel = dims.tp_enabled and cfg.mesh.loss_parallel
+
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        self.parts, self.stages = parallelize(
+            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+        )
+        for part in self.parts:
+            part.to_empty(device=self.device)
+            init_weights(part, seed=cfg.train.seed)
+            part.train()
+        self.has_first = 0 in self.stages
+        self.has_last = (derived.num_stages - 1) in self.stages
+        self.schedule = None
+        if dims.pp_enabled:
+            self.schedule = build_schedule(
+                self.parts, self.stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
+                n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
+                loss_fn=cross_entropy,
+            )
+        self.optimizers = build_optimizers(self.parts, cfg.optim)
+        o = cfg.optim
+        self.lr_schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
+                s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio))
+            for opt in self.optimizers
+        ]
+        self.data = BatchSource(
+            cfg.data.path, seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
+            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp,
+        )
+        self.state = TrainState()
+        self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+
+    def _loss_ctx(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Runs this dp rank's batch through forward and backward; returns its mean loss (0 off the last stage)."""
+        n_micro = self.derived.microbatches
+        if self.schedule is not None:
+            losses: list[torch.Tensor] | None = [] if self.has_last else None
+            args = (inputs,) if self.has_first else ()
+            with self._loss_ctx():
+                self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
+                                   return_outputs=False)
+            if not self.has_last:
+                return torch.zeros(())
+            return torch.stack([_whole(l) for l in losses]).mean()
+        (model,) = self.parts
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+            if self.derived.dims.fsdp_enabled:
+                model.set_requires_gradient_sync(i == n_micro - 1)
+            with self._loss_ctx():
+                loss = cross_entropy(model(x), y)
+                (loss / n_micro).backward()
+            total += _whole(loss).detach()
+        return total / n_micro
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        inputs, targets = self.data.batch(step)
+        local_loss = self.forward_backward(inputs, targets)
+        _replicate_partial_grads(self.parts)
+        grad_norm = clip_grad_norm(self.parts, self.cfg.optim.grad_clip, pp_group=self.pp_group)
+        lr = self.lr_schedulers[0].get_last_lr()[0]
+        for opt, sched in zip(self.optimizers, self.lr_schedulers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        # Only the last stage's ranks hold a loss, each dp rank's tp*cp ranks the same one: sum / (world/pp).
+        loss = local_loss.detach().float().reshape(())
+        dist.all_reduce(loss)
+        loss = float(loss) / (self.env.world_size // self.derived.dims.pp)
+        dt = time.perf_counter() - t0
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+                "tokens_per_s": self.derived.tokens_per_step / dt}
+
+    def fit(self) -> None:
+        cfg, st = self.cfg.train, self.state
+        self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
+                         world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
+                         microbatches=self.derived.microbatches)
+        step_times: list[float] = []
+        while st.step < cfg.steps:
+            m = self.train_step(st.step)
+            st.step += 1
+            st.tokens_seen += self.derived.tokens_per_step
+            if st.step == 1 or len(step_times) == 0:
+                self.events.emit("first_step", step=st.step, step_time_s=m["step_time_s"])
+            step_times.append(m["step_time_s"])
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {st.step}; lower optim.lr or check the data")
+            if st.step % cfg.log_every == 0 or st.step == cfg.steps:
+                st.loss_tail = (st.loss_tail + [m["loss"]])[-16:]
+                self._log_metrics(st.step, m, step_times)
+        self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
+
+    def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
+        if self.env.rank != 0:
+            return
+        recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
+        eta = recent * (self.cfg.train.steps - step)
+        record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.log.info(
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | ETA %s",
+            step, self.cfg.train.steps, m["loss"], m["lr"], m["grad_norm"], m["tokens_per_s"],
+            m["step_time_s"], _fmt_eta(eta),
+        )
+
+    def close(self) -> None:
+        self.data.close()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _fmt_eta(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

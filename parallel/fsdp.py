@@ -1,0 +1,24 @@
+"""FSDP2 (`fully_shard`) per transformer block and at the root, over dp_shard (HSDP with dp_replicate)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+__all__ = ["apply_fsdp"]
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, per_block: bool = True) -> None:
+    """Wraps each block (one all-gather per block per forward) and the root (embeddings, norm, head).
+
+    The wrap granularity sets the collective count: per block, each block's parameters are gathered
+    just before it runs and freed after, so peak memory holds one block unsharded; root-only gathers
+    everything in one collective. `dp_mesh` is 1-D (dp_shard) for FSDP, 2-D
+    (dp_replicate, dp_shard) for HSDP. With pipeline parallelism pass reshard_after_forward=False:
+    every microbatch would otherwise re-gather the stage's parameters for its backward.
+    """
+    if per_block:
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

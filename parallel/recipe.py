@@ -1,0 +1,48 @@
+"""`parallelize()`: the ordered recipe that turns one meta-device model into this rank's model parts."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp
+from parallel.pipeline import split_stage, stage_ids
+from parallel.tp import apply_tp
+
+__all__ = ["parallelize"]
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    stages_per_rank: int,
+    pp_schedule: str,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    fsdp_per_block: bool = True,
+) -> tuple[list[nn.Module], list[int]]:
+    """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
+
+    The order is fixed, for these reasons:
+      1. pipeline split first, so no rank builds or shards layers it does not own;
+      2. tensor parallel next: it turns parameters into DTensors on the tp axis;
+      3. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
+         FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
+    Model code never changes; every step works on a meta-device model (no memory is touched).
+    """
+    if dims.pp > 1:
+        num_stages = dims.pp * stages_per_rank
+        stages = stage_ids(mesh["pp"].get_local_rank(), dims.pp, stages_per_rank, pp_schedule)
+        parts = [split_stage(model, s, num_stages) for s in stages]
+    else:
+        stages, parts = [0], [model]
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        if dims.fsdp_enabled:
+            dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
+            apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block)
+    return parts, stages
