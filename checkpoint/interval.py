@@ -10,7 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["young_interval", "daly_interval", "expected_wall_time", "IntervalPlan", "plan_interval"]
+__all__ = [
+    "young_interval",
+    "daly_interval",
+    "expected_wall_time",
+    "IntervalPlan",
+    "plan_interval",
+    "job_mtbf_s",
+    "failures_in_ledger",
+    "interval_steps",
+]
 
 
 def young_interval(delta: float, mtbf: float) -> float:
@@ -79,3 +88,59 @@ def _check(delta: float, mtbf: float) -> None:
         raise ValueError(f"save cost δ must be > 0 seconds, got {delta}")
     if mtbf <= 0:
         raise ValueError(f"MTBF must be > 0 seconds, got {mtbf}")
+
+
+# Ledger events that are not failures of the machine: the job was stopped on purpose.
+_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error"})
+
+
+def job_mtbf_s(
+    *,
+    mtbf_job_hours: float | None,
+    mtbf_node_hours: float,
+    nodes: int,
+    failures_seen: int = 0,
+    observed_s: float = 0.0,
+) -> float:
+    """The job's MTBF in seconds.
+
+    The prior is `mtbf_job_hours` when given, else `mtbf_node_hours / nodes` (independent nodes,
+    exponential failures). When this run's ledger has seen k >= 1 failures over `observed_s`
+    seconds, the estimate is the posterior mean with the prior counted as one pseudo-failure:
+    (M_prior + T_observed) / (1 + k). With no failures seen the prior stands.
+    """
+    if nodes < 1:
+        raise ValueError(f"launcher.nodes({nodes}) must be >= 1")
+    if mtbf_job_hours is not None:
+        if mtbf_job_hours <= 0:
+            raise ValueError(f"failure.mtbf_job_hours({mtbf_job_hours}) must be > 0")
+        prior = mtbf_job_hours * 3600.0
+    else:
+        if mtbf_node_hours <= 0:
+            raise ValueError(f"failure.mtbf_node_hours({mtbf_node_hours}) must be > 0")
+        prior = mtbf_node_hours * 3600.0 / nodes
+    if failures_seen <= 0:
+        return prior
+    return (prior + max(0.0, observed_s)) / (1 + failures_seen)
+
+
+def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
+    """(failures, seconds observed) from a run's events.jsonl records.
+
+    A failure is a `failure` event whose `class` is not a deliberate stop (preempted, walltime,
+    config_error); the observed time spans the first to the last event of the ledger.
+    """
+    if not events:
+        return 0, 0.0
+    times = [float(e["time"]) for e in events if "time" in e]
+    failures = sum(
+        1 for e in events if e.get("kind") == "failure" and e.get("class") not in _NOT_FAILURES
+    )
+    return failures, (max(times) - min(times)) if times else 0.0
+
+
+def interval_steps(interval_s: float, step_time_s: float) -> int:
+    """The interval in optimizer steps: τ / step time, rounded, at least 1."""
+    if step_time_s <= 0:
+        raise ValueError(f"step time must be > 0 seconds, got {step_time_s}")
+    return max(1, round(interval_s / step_time_s))

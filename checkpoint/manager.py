@@ -1,0 +1,531 @@
+"""CheckpointManager: sharded DCP save/load with async writes, atomic commit, retention, fallback and the interval.
+
+Layout under `folder` (RUN_DIR/checkpoints):
+    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`)
+    step_<N>/         committed by an atomic rename; valid only once `manifest.json` is written in it
+The commit, per save: every rank's shards written and fsync'ed -> sizes and crc32 gathered on rank 0 ->
+fsync of the folder -> rename to step_<N> -> fsync of the parent -> manifest written last.
+
+Collectives run on two gloo groups of the manager's own: `io` (the commit, possibly in a background
+thread) and `ctl` (everything on the caller's thread), so neither ever races the training collectives.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from checkpoint.config import CheckpointConfig
+from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
+from checkpoint.interval import interval_steps, plan_interval
+from checkpoint.manifest import (
+    MANIFEST,
+    ManifestError,
+    check_files,
+    file_record,
+    fsync_dir,
+    read_manifest,
+    step_dirs,
+    write_manifest,
+)
+from checkpoint.state import capture_rng, restore_rng
+
+__all__ = ["CheckpointManager", "CheckpointSaveError"]
+
+log = logging.getLogger("meshjob.checkpoint")
+Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
+_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; the previous committed checkpoint is untouched."""
+
+
+class CheckpointManager:
+    """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
+
+    Usage (the trainer's whole integration):
+        ckpt = CheckpointManager(run_dir / "checkpoints", cfg=cfg.checkpoint, rank=r, world_size=w,
+                                 emit=events.emit, manifest_extra={"mesh": ..., "config_hash": ...},
+                                 total_steps=cfg.train.steps, mtbf_s=...)
+        start = ckpt.load_latest(model_parts=parts, optimizers=opts, lr_schedulers=scheds,
+                                 train_state=state)          # 0 when there is none; binds the state
+        for step in range(start + 1, steps + 1):
+            ...
+            if ckpt.due(step, step_time_s=dt): ckpt.save(step)
+        ckpt.close()                                          # waits for the last save to commit
+
+    Every rank must call every method at the same point (they are collective). `train_state`,
+    `lr_schedulers` and the interval inputs must be identical on all ranks; the RNG states are
+    saved per rank under `rng.rank<r>` and restored only on the same world size and mesh.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        cfg: CheckpointConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        emit: Emit | None = None,
+        manifest_extra: dict[str, Any] | None = None,
+        total_steps: int | None = None,
+        mtbf_s: float | None = None,
+    ) -> None:
+        if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
+            raise ValueError(
+                f"checkpoint.interval=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
+                "or failure.mtbf_node_hours, or use checkpoint.interval=steps checkpoint.every_steps=N"
+            )
+        self.folder = Path(folder)
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.mtbf_s = mtbf_s
+        self._emit_fn = emit
+        self.manifest_extra = dict(manifest_extra or {})
+        self._dist = world_size > 1
+        if self._dist and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialized")
+        self._io_pg = dist.new_group(backend="gloo") if self._dist else None
+        self._ctl_pg = dist.new_group(backend="gloo") if self._dist else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._pending: Future | None = None
+        self._bound: dict[str, Any] | None = None
+        self._last_save_step = 0
+        self._step_times: list[float] = []
+        self._delta_s: float | None = None  # agreed blocking cost of the last save
+        self._interval_steps: int | None = None  # auto mode: the current interval in steps
+        self.last_plan: dict[str, Any] | None = None
+        hosts = self._all_gather(platform.node(), self._ctl_pg)
+        self.fingerprint = env_fingerprint(hosts=hosts)
+
+    # ------------------------------------------------------------------ public API
+
+    def load_latest(
+        self,
+        *,
+        model_parts: Sequence[torch.nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        lr_schedulers: Sequence[Any] = (),
+        train_state: Any | None = None,
+    ) -> int:
+        """Restores the newest valid checkpoint into the given objects and returns its step (0 when
+        none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
+        the objects that later `save` calls write."""
+        if len(model_parts) != len(optimizers):
+            raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
+        self._bound = {
+            "model_parts": list(model_parts),
+            "optimizers": list(optimizers),
+            "lr_schedulers": list(lr_schedulers),
+            "train_state": train_state,
+        }
+        if not self.cfg.enabled:
+            return 0
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self._remove_stale_tmp()
+        steps = self._bcast([s for s, _ in step_dirs(self.folder)] if self.rank == 0 else None, self._ctl_pg)
+        touched = False
+        for step in steps:
+            d = self.folder / f"step_{step}"
+            problems, manifest = self._validate(step, d)
+            if problems:
+                self._skip(step, d, "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+                continue
+            self._check_drift(step, manifest)
+            try:
+                touched = True
+                info = self._load(d, manifest)
+            except Exception as e:  # noqa: BLE001 - report and fall back to the next one
+                self._skip(step, d, f"load failed: {_describe(e, self.folder)}")
+                continue
+            self._last_save_step = step
+            self._restore_interval(manifest)
+            load_s = time.perf_counter() - t0
+            self._emit("checkpoint_loaded", step=step, path=str(d), load_s=round(load_s, 4),
+                       bytes=manifest["bytes"], saved_world_size=manifest["world_size"], **info)
+            log.info("resumed from %s (%.2f s, resharded=%s)", d, load_s, info["resharded"])
+            return step
+        if touched:
+            raise RuntimeError(
+                f"every checkpoint under {self.folder} failed to load after one was partly read, so the "
+                "model state is undefined; see checkpoint_skipped in events.jsonl, move the damaged ones aside"
+            )
+        self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps))
+        return 0
+
+    def due(self, step: int, *, step_time_s: float | None = None) -> bool:
+        """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
+        when the auto interval (Young/Daly) has elapsed. Identical on all ranks."""
+        if step_time_s is not None and step_time_s > 0:
+            self._step_times.append(float(step_time_s))
+            del self._step_times[:-50]
+        if not self.cfg.enabled or step <= self._last_save_step:
+            return False
+        if self.total_steps is not None and step >= self.total_steps:
+            return True
+        if self.cfg.interval == "steps":
+            return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        if self._interval_steps is None:
+            return True  # nothing measured yet: save once to measure the blocking cost
+        return step - self._last_save_step >= self._interval_steps
+
+    def save(self, step: int) -> None:
+        """Writes checkpoint `step`. Blocks for staging only (async modes) or the whole save
+        (`none`); a previous save still in flight is waited for first (and its failure raised)."""
+        if self._bound is None:
+            raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
+        t0 = time.perf_counter()
+        self.wait()
+        tmp, final = self.folder / f"step_{step}.tmp", self.folder / f"step_{step}"
+        if self.rank == 0:
+            self._prepare(tmp)
+        self._barrier(self._ctl_pg)
+        sd = self._state_dict()
+        writer = FileSystemWriter(
+            str(tmp), single_file_per_rank=True, sync_files=True, thread_count=self.cfg.writer_threads
+        )
+        if self.cfg.async_mode == "none":
+            err = None
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=self._io_pg)
+            except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
+                err = e
+            self._last_save_step = step
+            self._commit(step, tmp, final, None, err, t0, None)
+            blocking = time.perf_counter() - t0
+        else:
+            kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
+            resp = dcp.async_save(sd, storage_writer=writer, process_group=self._io_pg, async_checkpointer_type=kind)
+            fut = getattr(resp, "upload_completion", resp)
+            blocking = time.perf_counter() - t0
+            self._last_save_step = step
+            self._pending = self._pool.submit(self._commit, step, tmp, final, fut, None, t0, blocking)
+        self._retune(step, blocking)
+
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is committed; raises CheckpointSaveError if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the last save, then releases the manager's threads and process groups."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            for pg in (self._io_pg, self._ctl_pg):
+                if pg is not None and dist.is_initialized():
+                    dist.destroy_process_group(pg)
+            self._io_pg = self._ctl_pg = None
+
+    # ------------------------------------------------------------------ state
+
+    def _state_dict(self, metadata_keys: set[str] | None = None) -> dict[str, Any]:
+        b = self._bound
+        assert b is not None
+        model: dict[str, Any] = {}
+        for part in b["model_parts"]:
+            sd = get_model_state_dict(part, options=_OPTS)
+            dup = model.keys() & sd.keys()
+            assert not dup, f"model parts share keys {sorted(dup)[:3]}"
+            model.update(sd)
+        optim: dict[str, Any] = {}
+        for part, opt in zip(b["model_parts"], b["optimizers"]):
+            optim.update(get_optimizer_state_dict(part, opt, options=_OPTS))
+        sd: dict[str, Any] = {"model": model, "optim": optim}
+        loading = metadata_keys is not None
+        if b["lr_schedulers"] and (not loading or "lr_scheduler" in metadata_keys):
+            sd["lr_scheduler"] = b"" if loading else pickle.dumps(b["lr_schedulers"][0].state_dict())
+        if b["train_state"] is not None and (not loading or "train_state" in metadata_keys):
+            sd["train_state"] = b"" if loading else pickle.dumps(b["train_state"].state_dict())
+        rng_key = f"rank{self.rank}"
+        if not loading:
+            sd["rng"] = {rng_key: pickle.dumps(capture_rng())}
+        elif f"rng.{rng_key}" in metadata_keys:
+            sd["rng"] = {rng_key: b""}
+        return sd
+
+    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        b = self._bound
+        assert b is not None
+        md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
+        same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get("mesh")
+        sd = self._state_dict(md_keys)
+        if not same_mesh:
+            sd.pop("rng", None)
+        part_keys = [list(get_model_state_dict(p, options=_OPTS)) for p in b["model_parts"]]
+        dcp.load(sd, checkpoint_id=str(d), process_group=self._ctl_pg)
+        for part, keys in zip(b["model_parts"], part_keys):
+            set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)
+        for part, opt in zip(b["model_parts"], b["optimizers"]):
+            set_optimizer_state_dict(part, opt, sd["optim"], options=_OPTS)
+        if "lr_scheduler" in sd:
+            state = pickle.loads(sd["lr_scheduler"])
+            for sched in b["lr_schedulers"]:
+                sched.load_state_dict(state)
+        if "train_state" in sd:
+            b["train_state"].load_state_dict(pickle.loads(sd["train_state"]))
+        rng = restore_rng(pickle.loads(sd["rng"][f"rank{self.rank}"])) if "rng" in sd else []
+        return {"resharded": not same_mesh, "rng_restored": rng}
+
+    # ------------------------------------------------------------------ commit
+
+    def _prepare(self, tmp: Path) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+            self._emit("checkpoint_tmp_removed", path=str(tmp), reason="leftover of an interrupted save of this step")
+        tmp.mkdir()
+        n = self.cfg.lustre_stripe_count
+        if n > 0:
+            if shutil.which("lfs"):
+                subprocess.run(["lfs", "setstripe", "-c", str(n), str(tmp)], check=True, capture_output=True)
+            else:
+                log.warning("checkpoint.lustre_stripe_count=%d but `lfs` is not on PATH; striping left alone", n)
+
+    def _commit(self, step: int, tmp: Path, final: Path, fut: Future | None, err: BaseException | None,
+                t0: float, blocking_s: float | None) -> None:
+        local_err, files = None, {}
+        try:
+            if err is not None:
+                raise err
+            if fut is not None:
+                fut.result()
+            files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*"))}
+        except BaseException as e:  # noqa: BLE001 - agreed on below, raised on every rank
+            local_err = _describe(e, self.folder)
+        gathered = self._all_gather((local_err, files, blocking_s), self._io_pg)
+        result: dict[str, Any] | None = None
+        if self.rank == 0:
+            result = self._commit_rank0(step, tmp, final, gathered)
+        result = self._bcast(result, self._io_pg)
+        total_s = time.perf_counter() - t0
+        if not result["ok"]:
+            self._emit("checkpoint_failed", step=step, error=result["error"], total_s=round(total_s, 4))
+            raise CheckpointSaveError(f"checkpoint step_{step} was not committed: {result['error']}")
+        blocking = [g[2] for g in gathered if g[2] is not None]
+        self._emit("checkpoint_saved", step=step, path=str(final), bytes=result["bytes"], files=result["files"],
+                   blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
+                   async_mode=self.cfg.async_mode)
+        if self.rank == 0:
+            self._retain()
+
+    def _commit_rank0(self, step: int, tmp: Path, final: Path, gathered: list[Any]) -> dict[str, Any]:
+        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
+        renamed = False
+        if not errors:
+            try:
+                files: dict[str, Any] = {}
+                for _, f, _ in gathered:
+                    files.update(f)
+                for p in sorted(tmp.iterdir()):
+                    if p.name not in files:
+                        files[p.name] = file_record(p)
+                if ".metadata" not in files:
+                    raise RuntimeError(f"DCP wrote no .metadata in {tmp}")
+                fsync_dir(tmp)
+                if final.exists():
+                    aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
+                    os.rename(final, aside)
+                    self._emit("checkpoint_moved_aside", step=step, path=str(aside),
+                               reason="an uncommitted folder of this step was in the way")
+                os.rename(tmp, final)
+                renamed = True
+                fsync_dir(self.folder)
+                nbytes = sum(f["size"] for f in files.values())
+                write_manifest(final, {
+                    "step": step,
+                    "time": time.time(),
+                    "world_size": self.world_size,
+                    "files": files,
+                    "bytes": nbytes,
+                    "env": self.fingerprint,
+                    "data_cursor": {"step": step},
+                    "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
+                    "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
+                    "async_mode": self.cfg.async_mode,
+                    **self.manifest_extra,
+                })
+                return {"ok": True, "bytes": nbytes, "files": len(files)}
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"rank 0 commit: {_describe(e, self.folder)}")
+        for p in (tmp, final if renamed else None):
+            if p is not None and p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save failed")
+        return {"ok": False, "error": "; ".join(errors)[:2000]}
+
+    def _retain(self) -> None:
+        valid = []
+        for step, d in step_dirs(self.folder):
+            try:
+                m = read_manifest(d, step=step)
+            except ManifestError:
+                continue  # damaged: reported at load, never deleted here
+            if not check_files(d, m["files"], sorted(m["files"]), checksum=False):
+                valid.append((step, d))
+        for step, d in valid[self.cfg.keep :]:
+            shutil.rmtree(d)
+            self._emit("checkpoint_deleted", step=step, path=str(d), reason=f"retention: checkpoint.keep={self.cfg.keep}")
+
+    # ------------------------------------------------------------------ load helpers
+
+    def _validate(self, step: int, d: Path) -> tuple[list[str], dict[str, Any] | None]:
+        manifest = None
+        try:
+            manifest = read_manifest(d, step=step)
+            names = sorted(manifest["files"])
+            problems = check_files(d, manifest["files"], names[self.rank :: self.world_size],
+                                   checksum=self.cfg.verify == "checksum")
+        except ManifestError as e:
+            problems = [str(e)]
+        problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
+        return problems, (manifest if not problems else None)
+
+    def _skip(self, step: int, d: Path, reason: str) -> None:
+        self._emit("checkpoint_skipped", step=step, path=str(d), reason=reason)
+        if self.rank == 0:
+            log.warning("skipping checkpoint %s: %s", d, reason)
+
+    def _remove_stale_tmp(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for p in sorted(self.folder.glob("step_*.tmp")):
+            shutil.rmtree(p, ignore_errors=True)
+            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash")
+
+    def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
+        diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)
+        diffs = self._all_gather(diff, self._ctl_pg)
+        merged = {k: v for d in diffs for k, v in d.items()}
+        if not merged:
+            return
+        policy = self.cfg.on_env_drift
+        self._emit("checkpoint_env_drift", step=step, policy=policy, diff=merged,
+                   ranks=[r for r, d in enumerate(diffs) if d])
+        summary = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(merged.items())[:8])
+        if policy == "refuse":
+            raise RuntimeError(
+                f"environment differs from checkpoint step_{step}'s ({summary}); restore the environment "
+                "or set checkpoint.on_env_drift=warn (or allow) to resume anyway"
+            )
+        if policy == "warn" and self.rank == 0:
+            log.warning("environment differs from checkpoint step_%d's: %s", step, summary)
+
+    # ------------------------------------------------------------------ interval
+
+    def _step_time(self) -> float | None:
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def _retune(self, step: int, blocking_s: float) -> None:
+        if self.cfg.interval != "auto":
+            return
+        vals = torch.tensor([blocking_s, self._step_time() or 0.0], dtype=torch.float64)
+        if self._dist:
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        self._delta_s, step_time = float(vals[0]), float(vals[1])
+        self._set_interval(step_time, step=step)
+
+    def _restore_interval(self, manifest: dict[str, Any]) -> None:
+        iv = manifest.get("interval") or {}
+        if self.cfg.interval == "auto" and iv.get("delta_s") and iv.get("step_time_s"):
+            self._delta_s = float(iv["delta_s"])
+            self._set_interval(float(iv["step_time_s"]), step=manifest["step"])
+
+    def _set_interval(self, step_time: float, *, step: int) -> None:
+        assert self.mtbf_s is not None and self._delta_s is not None
+        if step_time <= 0:
+            self._interval_steps = 1
+            return
+        plan = plan_interval(delta=max(self._delta_s, 1e-6), mtbf=self.mtbf_s, restart=self.cfg.restart_s)
+        self._interval_steps = interval_steps(plan.interval_s, step_time)
+        self.last_plan = dict(plan.as_dict(), interval_steps=self._interval_steps, step_time_s=step_time)
+        self._emit("checkpoint_interval", step=step, **{k: round(v, 6) if isinstance(v, float) else v
+                                                         for k, v in self.last_plan.items()})
+        if self.rank == 0:
+            log.info(
+                "checkpoint interval %d steps (Daly %.1f s, Young %.1f s; δ=%.3f s, MTBF=%.0f s, step %.3f s): "
+                "overhead %.2f%%, expected lost work per failure %.1f s",
+                self._interval_steps, plan.interval_s, plan.young_s, plan.delta_s, plan.mtbf_s, step_time,
+                100 * plan.checkpoint_overhead, plan.expected_lost_work_s,
+            )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.rank == 0 and self._emit_fn is not None:
+            self._emit_fn(kind, **fields)
+
+    def _all_gather(self, obj: Any, pg: Any) -> list[Any]:
+        if not self._dist:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=pg)
+        return out
+
+    def _bcast(self, obj: Any, pg: Any) -> Any:
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=pg)
+        return box[0]
+
+    def _barrier(self, pg: Any) -> None:
+        if self._dist:
+            dist.barrier(group=pg)
+
+
+def _describe(e: BaseException, folder: Path) -> str:
+    """A one-line cause; a full disk is named as such, with the free space and the fix."""
+    text = f"{type(e).__name__}: {e}"
+    enospc = "No space left on device" in text or any(
+        getattr(x, "errno", None) == errno.ENOSPC for x in _chain(e)
+    )
+    if enospc:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = -1
+        return (f"no space left on device under {folder} ({free} bytes free); free space or put run.dir on a "
+                "larger filesystem")
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
+    return first[:500]
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out

@@ -1,0 +1,128 @@
+"""The manifest that commits a checkpoint step folder, and the checks that decide whether one is valid."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "read_manifest", "check_files"]
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 8 << 20
+
+
+class ManifestError(Exception):
+    """The manifest is missing or unreadable; str() is the reason."""
+
+
+def step_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """Committed-looking step folders (`step_<N>`, no temp ones), newest first."""
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in folder.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
+    """{"size", "crc32"} of a file, fsync'ed first so what is summed is what is on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        crc = 0
+        if checksum:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+    finally:
+        os.close(fd)
+    rec: dict[str, Any] = {"size": size}
+    if checksum:
+        rec["crc32"] = f"{crc:08x}"
+    return rec
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
+    """Writes the manifest durably: temp file, fsync, rename, fsync of the folder."""
+    body = dict(manifest, format=FORMAT)
+    body["manifest_crc32"] = _self_crc(body)
+    tmp = step_dir / (MANIFEST + ".tmp")
+    data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, step_dir / MANIFEST)
+    fsync_dir(step_dir)
+
+
+def read_manifest(step_dir: Path, *, step: int | None = None) -> dict[str, Any]:
+    """The parsed manifest; raises ManifestError with the reason when it is missing or damaged."""
+    path = step_dir / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"no {MANIFEST} (save never committed)") from None
+    except OSError as e:
+        raise ManifestError(f"{MANIFEST} unreadable: {e}") from None
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{MANIFEST} is not valid JSON ({e}); truncated?") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise ManifestError(f"{MANIFEST} has format {body.get('format') if isinstance(body, dict) else '?'}, expected {FORMAT}")
+    if body.get("manifest_crc32") != _self_crc(body):
+        raise ManifestError(f"{MANIFEST} checksum mismatch (edited or damaged)")
+    if step is not None and body.get("step") != step:
+        raise ManifestError(f"{MANIFEST} says step {body.get('step')}, folder says {step}")
+    if not isinstance(body.get("files"), dict) or ".metadata" not in body["files"]:
+        raise ManifestError(f"{MANIFEST} lists no DCP .metadata file")
+    return body
+
+
+def check_files(step_dir: Path, files: dict[str, dict[str, Any]], names: list[str], *, checksum: bool) -> list[str]:
+    """Problems with the named files against their manifest records (empty when all match)."""
+    problems = []
+    for name in names:
+        want = files[name]
+        p = step_dir / name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} missing")
+            continue
+        if size != want["size"]:
+            problems.append(f"{name} has {size} bytes, manifest says {want['size']} (truncated?)")
+            continue
+        if checksum and "crc32" in want:
+            got = file_record(p, checksum=True)["crc32"]
+            if got != want["crc32"]:
+                problems.append(f"{name} crc32 {got} != manifest {want['crc32']}")
+    return problems
+
+
+def _self_crc(body: dict[str, Any]) -> str:
+    rest = {k: v for k, v in body.items() if k != "manifest_crc32"}
+    return f"{zlib.crc32(json.dumps(rest, sort_keys=True, default=str).encode()):08x}"
