@@ -38,7 +38,10 @@ class DistEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
         """Reads the launcher's contract: Slurm's variables when inside a Slurm step, torch's otherwise."""
         env = os.environ if environ is None else environ
-        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_JOB_ID" in env:
+        # Under torchrun inside a Slurm job, SLURM_PROCID/SLURM_NTASKS count torchrun agents (one per
+        # node), not ranks: torchrun's own variables are the truth there.
+        under_torchrun = "TORCHELASTIC_RUN_ID" in env
+        if not under_torchrun and "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_JOB_ID" in env:
             return cls._from_slurm(env)
         return cls._from_torch(env)
 
@@ -61,8 +64,9 @@ class DistEnv:
             nodes=max(1, world // max(1, local_world)),
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
-            restart_count=int(env.get("MESHJOB_RESTART_COUNT", 0)),
-            hostname=env.get("HOSTNAME", os.uname().nodename),
+            restart_count=int(env.get("MESHJOB_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or 0),
+            job_id=_slurm_job_id(env) if "SLURM_JOB_ID" in env else None,  # torchrun inside a Slurm job
+            hostname=env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or os.uname().nodename,
         )
 
     @classmethod
@@ -71,8 +75,7 @@ class DistEnv:
         hosts = expand_nodelist(nodelist) if nodelist else [os.uname().nodename]
         world = int(env["SLURM_NTASKS"])
         nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or len(hosts))
-        array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-        job_id = f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]
+        job_id = _slurm_job_id(env)
         port = env.get("MASTER_PORT")
         return cls(
             rank=int(env["SLURM_PROCID"]),
@@ -99,6 +102,12 @@ class DistEnv:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
         }
+
+
+def _slurm_job_id(env: Mapping[str, str]) -> str:
+    """The id `scontrol requeue` takes: ARRAY_TASK for array elements, the job id otherwise."""
+    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]
 
 
 def port_from_job_id(job_id: int, base: int = 20000, span: int = 20000) -> int:
