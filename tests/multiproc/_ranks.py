@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
@@ -14,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+import torch  # imported here, in the parent, so each forked rank skips the ~1 s import (notes item 14)
+import torch.distributed as dist
 
 __all__ = ["run_ranks", "RanksResult", "free_port"]
 
@@ -53,8 +57,9 @@ def run_ranks(
     q = ctx.Queue()
     port = free_port()
     procs = []
+    parent = os.getpid()
     for rank in range(world_size):
-        p = ctx.Process(target=_child, args=(q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs))
+        p = ctx.Process(target=_child, args=(q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent))
         p.start()
         procs.append(p)
     out = RanksResult()
@@ -104,15 +109,27 @@ def run_ranks(
     return out
 
 
-def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs) -> None:  # pragma: no cover - runs forked
-    import torch
-    import torch.distributed as dist
+_PR_SET_PDEATHSIG = 1
 
+
+def _die_with_parent(parent: int) -> None:
+    """A rank must not outlive the pytest process (a killed pytest would leave ranks in a collective)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs, parent) -> None:  # pragma: no cover - forked
+    _die_with_parent(parent)
+    os.environ["OMP_NUM_THREADS"] = "1"  # `env` may override it
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # 2 cores shared by all ranks: one intra-op thread each
     code = 0
     try:
         if init_pg:

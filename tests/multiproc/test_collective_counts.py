@@ -1,0 +1,154 @@
+"""Exact collective counts (CommDebugMode) of the project's TP plan and FSDP2 wrapping on the tiny model, 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.debug import CommDebugMode
+
+from jobs.config import ModelConfig, compose
+from jobs.model import Transformer, init_weights
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp
+from parallel.tp import apply_tp
+from tests.multiproc._ranks import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+SEQ, BATCH = 32, 2
+# CommDebugMode's op names: DTensor (TP) uses the functional collectives, FSDP2 the in-place c10d ops.
+ALL_REDUCE = "c10d_functional.all_reduce"
+ALL_GATHER = "c10d_functional.all_gather_into_tensor"
+REDUCE_SCATTER = "c10d_functional.reduce_scatter_tensor"
+FSDP_ALL_GATHER = "c10d._allgather_base_"
+FSDP_REDUCE_SCATTER = "c10d._reduce_scatter_base_"
+
+
+def _counts(cdm: CommDebugMode) -> dict[str, int]:
+    return {str(op): n for op, n in cdm.get_comm_counts().items() if n}
+
+
+def _dims(*, tp: int = 1, dp_shard: int = 1) -> ParallelDims:
+    return ParallelDims(pp=1, dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, ep=1, world_size=tp * dp_shard)
+
+
+def _tp_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict[str, dict[str, int]]:
+    """One block of the real model under apply_tp, without and with sequence parallel."""
+    mesh = _dims(tp=world_size).build_mesh("cpu")
+    out: dict[str, dict[str, int]] = {}
+    for sp in (False, True):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=False)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=0)
+        block = model.layers["0"]
+        # Without SP a block takes the whole sequence; with SP each tp rank holds its Shard(1) slice.
+        x = torch.randn(BATCH, SEQ // world_size if sp else SEQ, cfg.dim, generator=torch.Generator().manual_seed(1))
+        tag = "sp" if sp else "no_sp"
+        with torch.no_grad():
+            with CommDebugMode() as cdm:
+                block.feed_forward(block.ffn_norm(x))
+            out[f"mlp_fwd_{tag}"] = _counts(cdm)
+            with CommDebugMode() as cdm:
+                y = block(x, model.rope)
+            out[f"block_fwd_{tag}"] = _counts(cdm)
+            out[f"block_out_shape_{tag}"] = tuple(y.shape)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelConfig:
+    return compose(["model=tiny"]).model
+
+
+@pytest.fixture(scope="module")
+def tp_counts(tiny: ModelConfig) -> dict[str, dict[str, int]]:
+    res = run_ranks(_tp_counts, 2, tiny, timeout=240)
+    assert res.results[0] == res.results[1]  # both tp ranks issue the same collectives
+    return res.results[0]
+
+
+def test_tp_mlp_forward_without_sequence_parallel_issues_exactly_one_all_reduce(tp_counts):
+    assert tp_counts["mlp_fwd_no_sp"] == {ALL_REDUCE: 1}  # w1/w3 column-, w2 row-parallel
+
+
+def test_tp_block_forward_without_sequence_parallel_issues_two_all_reduces(tp_counts):
+    assert tp_counts["block_fwd_no_sp"] == {ALL_REDUCE: 2}  # attention (wo) + MLP (w2)
+    assert tp_counts["block_out_shape_no_sp"] == (BATCH, SEQ, 64)
+
+
+def test_tp_block_forward_with_sequence_parallel_gathers_and_scatters_instead_of_all_reduce(tp_counts):
+    # Per sub-layer: all-gather the sequence before it, reduce-scatter after; no all-reduce at all.
+    assert tp_counts["block_fwd_sp"] == {ALL_GATHER: 2, REDUCE_SCATTER: 2}
+    assert tp_counts["mlp_fwd_sp"] == {ALL_GATHER: 1, REDUCE_SCATTER: 1}
+    assert tp_counts["block_out_shape_sp"] == (BATCH, SEQ // 2, 64)  # the output stays sequence-sharded
+
+
+_FSDP_VARIANTS = {  # name -> (per_block, reshard_after_forward)
+    "per_block": (True, True),
+    "per_block_no_reshard": (True, False),  # what the recipe uses with pipeline parallelism
+    "root_only": (False, True),
+}
+
+
+def _fsdp_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict[str, dict[str, dict[str, int]]]:
+    """One steady-state step (after a warm-up step) of the real model under apply_fsdp, per variant."""
+    mesh = _dims(dp_shard=world_size).build_mesh("cpu")
+    gen = torch.Generator().manual_seed(100 + rank)  # each dp rank its own batch
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for name, (per_block, raf) in _FSDP_VARIANTS.items():
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        apply_fsdp(model, mesh["dp_shard"], reshard_after_forward=raf, per_block=per_block)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        counts: dict[str, dict[str, int]] = {}
+        for step in range(2):
+            tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
+            with CommDebugMode() as fwd:
+                loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
+            with CommDebugMode() as bwd:
+                loss.backward()
+            with CommDebugMode() as optim:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if step == 1:  # step 0 is the warm-up (lazy init)
+                counts = {"forward": _counts(fwd), "backward": _counts(bwd), "optimizer": _counts(optim)}
+        out[name] = counts
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_counts(tiny: ModelConfig) -> dict[str, dict[str, dict[str, int]]]:
+    res = run_ranks(_fsdp_counts, 2, tiny, timeout=240)
+    assert res.results[0] == res.results[1]
+    return res.results[0]
+
+
+def test_fsdp_per_block_forward_all_gathers_once_per_block_plus_root(fsdp_counts, tiny):
+    n = tiny.n_layers  # 4
+    for name in ("per_block", "per_block_no_reshard"):
+        assert fsdp_counts[name]["forward"] == {FSDP_ALL_GATHER: n + 1}, name
+
+
+def test_fsdp_backward_reduce_scatters_once_per_group_and_regathers_only_when_resharded(fsdp_counts, tiny):
+    n = tiny.n_layers
+    # reshard_after_forward=True frees each group after forward, so backward gathers it again. apply_fsdp
+    # passes the flag to the root too (FSDP2 keeps the root gathered only when the flag is left None),
+    # so the root's embedding/norm/head are re-gathered as well: n + 1 backward all-gathers, not n.
+    assert fsdp_counts["per_block"]["backward"] == {FSDP_ALL_GATHER: n + 1, FSDP_REDUCE_SCATTER: n + 1}
+    assert fsdp_counts["per_block_no_reshard"]["backward"] == {FSDP_REDUCE_SCATTER: n + 1}
+
+
+def test_fsdp_root_only_issues_one_all_gather_per_forward_and_one_reduce_scatter_per_backward(fsdp_counts):
+    assert fsdp_counts["root_only"]["forward"] == {FSDP_ALL_GATHER: 1}
+    # + 1 all-gather: the root was resharded after forward (reshard_after_forward=True, see above).
+    assert fsdp_counts["root_only"]["backward"] == {FSDP_ALL_GATHER: 1, FSDP_REDUCE_SCATTER: 1}
+
+
+def test_fsdp_optimizer_step_issues_no_collectives(fsdp_counts):
+    for name in _FSDP_VARIANTS:
+        assert fsdp_counts[name]["optimizer"] == {}, name
