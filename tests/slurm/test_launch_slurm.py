@@ -1,0 +1,103 @@
+"""The Slurm tier: real jobs on the local cluster, submitted the way a user on a login node would, checked through sacct/scontrol."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_helpers import REPO, cli, jobs_submitted_between, next_job_id, sacct, scontrol_job, submitted_job_id, wait_final
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+STEPS = "train.steps=4"
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_job_on_two_nodes_by_four_tasks_completes_with_the_local_runs_losses(run_root: Path) -> None:
+    slurm_dir, local_dir = run_root / "slurm-job", run_root / "local"
+    sub = cli("jobs.train", "launcher=slurm", STEPS, f"run.dir={slurm_dir}")
+    assert sub.returncode == 0, sub.stderr
+    job = submitted_job_id(sub.stdout)
+    info = scontrol_job(job)
+    assert (info["NumNodes"], info["NumTasks"]) == ("2", "8"), info
+    # The local reference runs meanwhile: the same embedded default, 8 forked ranks, pp2*dp_shard2*tp2.
+    local = subprocess.Popen([sys.executable, "-m", "jobs.train", STEPS, f"run.dir={local_dir}"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (rec,) = wait_final(job)
+    assert local.wait(timeout=240) == 0, local.stdout.read()
+    assert (rec["State"], rec["ExitCode"], rec["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), rec
+    step = next(r for r in sacct(job, steps=True) if r["JobID"] == f"{job}.0")
+    assert (step["State"], step["NNodes"], step["NTasks"]) == ("COMPLETED", "2", "8"), step
+    nodes = {}
+    for log in sorted((slurm_dir / "slurm" / job).glob(f"{job}_*_log.out")):
+        m = re.search(r"rank (\d+)/8 node (\S+)", log.read_text())
+        assert m, log
+        nodes[int(m.group(1))] = m.group(2)
+    assert nodes == {r: "node1" if r < 4 else "node2" for r in range(8)}
+    assert len(losses(slurm_dir)) == 4
+    assert losses(slurm_dir) == losses(local_dir)
+
+
+def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_points_are_pruned(run_root: Path) -> None:
+    sweep = cli("jobs.train", "-m", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2",
+                "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2,3", f"run.dir={run_root}")
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    array = submitted_job_id(sweep.stdout, r"4 submitted as array job (\d+), 2 pruned")
+    # Returned once queued: not every element has finished yet.
+    assert not all(r["State"] == "COMPLETED" for r in sacct(array)), sacct(array)
+    table = [json.loads(l) for l in (run_root / "sweep.jsonl").read_text().splitlines()]
+    pruned = [t for t in table if t["pruned"]]
+    assert sorted(t["idx"] for t in pruned) == [2, 5]
+    assert all("mesh.pp(3)" in t["pruned"] and t["job_id"] is None for t in pruned)
+    assert "mesh.tp=1 mesh.pp=3" in sweep.stdout and "is not divisible by mesh.pp(3)" in sweep.stdout
+    recs = wait_final(array, count=4, timeout=300)
+    assert sorted(r["JobID"] for r in recs) == [f"{array}_{i}" for i in range(4)]  # nothing for pruned points
+    assert {r["State"] for r in recs} == {"COMPLETED"}, recs
+    run_dirs = {t["run_dir"] for t in table if not t["pruned"]}
+    assert len(run_dirs) == 4
+    for t in table:
+        if not t["pruned"]:
+            d = Path(t["run_dir"])
+            assert len(losses(d)) == 3, d
+            assert (d / "slurm").resolve().name == t["job_id"]  # its own submitit logs
+
+
+def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: Path) -> None:
+    script = run_root / "job.sbatch"
+    run_root.mkdir(parents=True)
+    r = cli("jobs.sbatch", "-o", str(script), "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1",
+            "mesh=single", "mesh.dp_shard=2", "train.steps=3", f"run.dir={run_root / 'run'}")
+    assert r.returncode == 0, r.stderr
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp")
+    job = out.stdout.strip()
+    (rec,) = wait_final(job)
+    assert (rec["State"], rec["ExitCode"], rec["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), rec
+    assert len(losses(run_root / "run")) == 3
+    assert (run_root / "run" / "config.yaml").exists()
+    logs = sorted(p.name for p in (run_root / "run" / "slurm").iterdir())
+    assert logs == [f"{job}_batch.out", f"{job}_r0_rank0.err", f"{job}_r0_rank0.out", f"{job}_r0_rank1.err",
+                    f"{job}_r0_rank1.out"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("mesh.tp=3", "mesh.tp(3)"),
+     ("run.dir=/tmp/elsewhere", "is not under cluster.run_root=runs")],
+)
+def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path, override: str, message: str) -> None:
+    args = ["jobs.train", "launcher=slurm", STEPS, f"run.dir={run_root}", override]
+    before = next_job_id()
+    r = cli(*args)
+    after = next_job_id()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "submitted job" not in r.stdout
+    assert jobs_submitted_between(before, after) == []  # nothing reached slurmctld in between
+    assert not run_root.exists()
