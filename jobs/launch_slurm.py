@@ -279,14 +279,17 @@ def _resources(cfg: JobConfig) -> tuple:
             json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True))
 
 
-def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path, explicit_run_dir: bool = False) -> list[SweepPoint]:
+def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoint]:
     """Prunes infeasible points, submits the rest as one array job (per distinct resource shape),
-    writes `sweep_dir/sweep.jsonl`, prints the table, and returns at once (never waits on the jobs)."""
-    for p in points:
-        if p.cfg is not None and p.reason is None:
-            if not explicit_run_dir and not any(o.startswith("run.dir=") for o in p.overrides):
-                p.cfg.run.dir = str(sweep_dir / str(p.idx))
-            p.reason = _feasibility(p.cfg)
+    writes `sweep_dir/sweep.jsonl`, prints the table, and returns at once (never waits on the jobs).
+
+    Each point runs in `sweep_dir/<idx>` unless the sweep itself varies `run.dir`."""
+    composed = [p for p in points if p.cfg is not None and p.reason is None]
+    swept_run_dir = len({p.cfg.run.dir for p in composed}) > 1
+    for p in composed:
+        if not swept_run_dir:
+            p.cfg.run.dir = str(sweep_dir / str(p.idx))
+        p.reason = _feasibility(p.cfg)
     live = [p for p in points if p.reason is None]
     if live:
         _require_slurm()
@@ -320,19 +323,29 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path, explicit_run_dir:
 
 
 def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir: Path) -> str:
+    """The sweep summary: submitted points with job ids and run dirs, pruned points with why."""
     pruned = [p for p in points if p.reason is not None]
+    common = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
+
+    def swept(p: SweepPoint) -> str:  # only what differs between points
+        return " ".join(o for o in p.overrides if o not in common) or "(no overrides)"
+
+    if common:
+        lines_common = f"\ncommon overrides: {' '.join(o for o in points[0].overrides if o in common)}"
+    else:
+        lines_common = ""
     head = (f"sweep: {len(points)} points, {len(points) - len(pruned)} submitted as array job"
             f"{'s' if len(arrays) > 1 else ''} {', '.join(arrays) or '-'}, {len(pruned)} pruned; "
-            f"table in {sweep_dir / 'sweep.jsonl'}")
+            f"table in {sweep_dir / 'sweep.jsonl'}{lines_common}")
     lines = [head]
     submitted = [p for p in points if p.reason is None]
     if submitted:
-        lines.append(f"  {'#':>3}  {'job':<10} {'overrides':<40} run dir")
-        lines += [f"  {p.idx:>3}  {p.job_id:<10} {' '.join(p.overrides):<40} {p.run_dir}" for p in submitted]
+        lines.append(f"  {'#':>3}  {'job':<10} {'point':<28} run dir")
+        lines += [f"  {p.idx:>3}  {p.job_id:<10} {swept(p):<28} {p.run_dir}" for p in submitted]
     if pruned:
         lines.append("pruned (not submitted):")
-        lines.append(f"  {'#':>3}  {'overrides':<40} why")
-        lines += [f"  {p.idx:>3}  {' '.join(p.overrides):<40} {p.reason}" for p in pruned]
+        lines.append(f"  {'#':>3}  {'point':<28} why")
+        lines += [f"  {p.idx:>3}  {swept(p):<28} {p.reason}" for p in pruned]
     return "\n".join(lines)
 
 
