@@ -134,6 +134,7 @@ class PlanConfig:
     activation_checkpointing: str = "none"  # none | full: the activation memory the fit check uses
     usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
     restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
+    save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
 

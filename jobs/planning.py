@@ -27,7 +27,8 @@ __all__ = [
     "StageShape",
     "RankMemory",
     "rank_memory",
-    "stage_elems_tp",
+    "stage_elems",
+    "shard_elems",
     "checkpointed_layer_bytes",
     "heuristic_bytes_per_rank",
     "CommItem",
@@ -277,22 +278,32 @@ class RankMemory:
         return d
 
 
-def _tp_local(m: ModelConfig, b: BlockParams, tp: int) -> int:
-    """Elements of one block on one tp rank: projections and experts sharded, norms and router replicated."""
-    return (b.attention + b.ffn + b.experts) // tp + b.router + b.norms
+def _block_local(b: BlockParams, *, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) elements of one block on one tp/ep rank, before FSDP: projections and shared
+    experts sharded over tp, routed experts over tp and ep, norms and router replicated."""
+    return (b.attention + b.ffn) // tp + b.router + b.norms, b.experts // (tp * ep)
 
 
-def stage_elems_tp(m: ModelConfig, stages: list[StageShape], *, tp: int) -> int:
-    """Parameters of the stages one rank holds, on one tp rank, before FSDP sharding."""
+def stage_elems(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of the stages one rank holds, after tensor and expert parallelism,
+    before FSDP sharding (dense parts shard over dp_shard·cp, experts over dp_shard·cp / ep)."""
     pc = count_params(m)
-    n = 0
+    dense = experts = 0
     for st in stages:
-        n += sum(_tp_local(m, pc.blocks[i], tp) for i in st.layers)
+        for i in st.layers:
+            d, e = _block_local(pc.blocks[i], tp=tp, ep=ep)
+            dense, experts = dense + d, experts + e
         if st.first:
-            n += pc.embedding // tp
+            dense += pc.embedding // tp
         if st.last:
-            n += pc.output // tp + pc.final_norm
-    return n
+            dense += pc.output // tp + pc.final_norm
+    return dense, experts
+
+
+def shard_elems(m: ModelConfig, stages: list[StageShape], *, tp: int, fsdp: int, ep: int = 1) -> int:
+    """Parameters of the largest FSDP shard of those stages (dp_shard rank 0: chunks round up)."""
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
+    return -(-dense // fsdp) + (-(-experts // max(fsdp // ep, 1)) if experts else 0)
 
 
 def rank_memory(
@@ -320,10 +331,10 @@ def rank_memory(
     if activation_checkpointing not in ("none", "full"):
         raise ValueError(f"plan.activation_checkpointing={activation_checkpointing!r} is not one of none, full")
     pc = count_params(m)
-    stage_elems = stage_elems_tp(m, stages, tp=tp)  # this tp rank's elements before FSDP sharding
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
     blocks_on_rank = [i for st in stages for i in st.layers]
     if params_elems is None:
-        params_elems = -(-stage_elems // fsdp)
+        params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
     # FSDP2 working set. With a pipeline the stage stays unsharded from the first forward to the
     # last backward (reshard_after_forward=False) and gradients accumulate unsharded until the last
     # microbatch's reduce-scatter. Without one, a block is gathered just before it runs (the next one
@@ -331,9 +342,9 @@ def rank_memory(
     if fsdp <= 1:
         unsharded = 0
     elif pp > 1:
-        unsharded = stage_elems * (COMPUTE_BYTES + REDUCE_BYTES)
+        unsharded = (dense + experts) * (COMPUTE_BYTES + REDUCE_BYTES)
     else:
-        biggest = max((_tp_local(m, pc.blocks[i], tp) for i in blocks_on_rank), default=0)
+        biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
         root = (pc.embedding + pc.output) // tp + pc.final_norm
         unsharded = biggest * (2 * COMPUTE_BYTES + REDUCE_BYTES) + root * COMPUTE_BYTES
     n_layers = len(blocks_on_rank)
@@ -426,7 +437,7 @@ def comm_per_step(
     combine all-to-all per MoE block per microbatch, each way.
     """
     items: list[CommItem] = []
-    elems = stage_elems_tp(m, stages, tp=tp)
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
     blocks = [i for st in stages for i in st.layers]
     fsdp_groups = len(blocks) + len(stages)  # one fully_shard per block + the root of each part
     first, last = any(st.first for st in stages), any(st.last for st in stages)
@@ -434,15 +445,17 @@ def comm_per_step(
     s = seq_len // cp
     act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
     fwd_passes = 2 if activation_checkpointing == "full" else 1
-    if fsdp > 1:
-        gathers = 1 if pp > 1 else 2 * microbatches
-        scatters = 1 if pp > 1 else microbatches
-        items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", gathers * fsdp_groups,
-                              int(gathers * _ring(fsdp) * COMPUTE_BYTES * elems), fsdp))
-        items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", scatters * fsdp_groups,
-                              int(scatters * _ring(fsdp) * REDUCE_BYTES * elems), fsdp))
+    gathers = 1 if pp > 1 else 2 * microbatches
+    scatters = 1 if pp > 1 else microbatches
+    for axis, group, elems, what in (("dp_shard", fsdp, dense, ""), ("dp_shard/ep", fsdp // max(ep, 1), experts, "expert ")):
+        if group > 1 and elems:
+            units = fsdp_groups if not what else moe_blocks
+            items.append(CommItem("all_gather", axis, f"bf16 {what}parameters", gathers * units,
+                                  int(gathers * _ring(group) * COMPUTE_BYTES * elems), group))
+            items.append(CommItem("reduce_scatter", axis, f"fp32 {what}gradients", scatters * units,
+                                  int(scatters * _ring(group) * REDUCE_BYTES * elems), group))
     if dp_replicate > 1:
-        shard = elems // max(fsdp, 1)
+        shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
         items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", fsdp_groups,
                               int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
     if tp > 1:
@@ -480,6 +493,8 @@ def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) ->
     order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     if axis == "ep":
         span = shape.get("ep", 1) * shape.get("tp", 1)
+    elif axis.startswith("dp_shard"):  # dp_shard, dp_shard*cp, dp_shard/ep: strided over all of dp_shard·cp·tp
+        span = shape.get("dp_shard", 1) * shape.get("cp", 1) * shape.get("tp", 1)
     else:
         i = order.index(axis)
         span = math.prod(shape.get(a, 1) for a in order[i:])
