@@ -1,0 +1,86 @@
+"""Every option in conf/ composes, and bad overrides fail before anything runs, naming the override."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.config import CONF_DIR, compose
+from jobs.validate import validate
+from tests.conftest import run_train
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes(group: str, option: str) -> None:
+    cfg = compose([f"{group}={option}"])
+    assert getattr(cfg, group) is not None
+
+
+@pytest.mark.parametrize("option", _options("experiment"))
+def test_every_experiment_preset_composes(option: str) -> None:
+    compose([f"+experiment={option}"])
+
+
+def test_default_is_tiny_on_8_local_ranks_pp2_dp_shard2_tp2() -> None:
+    cfg = compose([])
+    d = validate(cfg)
+    assert (cfg.model.name, cfg.launcher.name, cfg.world_size) == ("tiny", "local", 8)
+    assert (d.dims.pp, d.dims.dp_replicate, d.dims.dp_shard, d.dims.tp) == (2, 1, 2, 2)
+    assert d.microbatches == 2 and d.tokens_per_step == 8 * 32
+
+
+def test_dp_shard_minus_one_takes_the_remaining_ranks() -> None:
+    d = validate(compose(["mesh.pp=1", "mesh.tp=2", "mesh.dp_shard=-1"]))
+    assert d.dims.dp_shard == 4
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["mesh.tp=3"], "mesh.tp(3) = 12 != world size 8 (launcher.nodes(1) * launcher.tasks_per_node(8))"),
+        (["mesh.tp=4", "mesh.pp=1", "mesh.dp_shard=2", "model.n_kv_heads=2"], "model.n_kv_heads(2) % mesh.tp(4)"),
+        (["mesh.tp=8", "mesh.pp=1", "mesh.dp_shard=1", "model.n_heads=4", "model.n_kv_heads=4"],
+         "model.n_heads(4) % mesh.tp(8)"),
+        (["mesh.cp=2", "mesh.dp_shard=1"], "mesh.cp(2) > 1: context parallel is not built yet"),
+        (["mesh.ep=2"], "mesh.ep(2) > 1: expert parallel is not built yet"),
+        (["train.global_batch=6"], "train.global_batch(6) is not a multiple of dp(2) * train.micro_batch(2) = 4"),
+        (["mesh.pp_microbatches=4"], "set mesh.pp_microbatches=2"),
+        (["mesh.pp=8", "mesh.dp_shard=1", "mesh.tp=1", "train.global_batch=16"],
+         "model.n_layers(4) < pipeline stages mesh.pp(8)"),
+        (["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=2", "mesh.pp_schedule=interleaved_1f1b", "train.global_batch=8"],
+         "model.n_layers(4) < pipeline stages mesh.pp(4) * stages per rank(2) = 8"),
+        (["train.global_batch=4", "train.micro_batch=1", "mesh.pp=4", "mesh.dp_shard=2", "mesh.tp=1"],
+         "pipeline microbatches 2"),
+        (["mesh.pp_schedule=zigzag"], "mesh.pp_schedule='zigzag' is not one of"),
+        (["checkpoint.keep=1"], "checkpoint.keep(1) must be >= 2"),
+    ],
+)
+def test_invalid_config_names_the_override_and_the_arithmetic(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ValueError) as e:
+        validate(compose(overrides))
+    assert needle in str(e.value)
+
+
+def test_cli_refuses_bad_mesh_before_any_process_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = run_train(["mesh.tp=3"], run_dir, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "config error: mesh.pp(2) * mesh.dp_replicate(1) * mesh.dp_shard(2) * mesh.cp(1) * mesh.tp(3) = 12" in r.stderr
+    assert not run_dir.exists()  # nothing written on a config error
+    assert "[rank" not in r.stdout + r.stderr  # no rank was started
+
+
+@pytest.mark.parametrize("override,needle", [("mesh.tpp=2", "tpp"), ("mesh.tp=two", "tp"), ("model=gpt5", "gpt5")])
+def test_cli_refuses_unknown_keys_wrong_types_and_missing_options(tmp_path: Path, override: str, needle: str) -> None:
+    run_dir = tmp_path / "run"
+    r = run_train([override], run_dir, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("config error:") and needle in r.stderr
+    assert not run_dir.exists()
