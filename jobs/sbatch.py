@@ -63,36 +63,38 @@ def render(
         raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
     per_task_cpus = cpus_per_task if style == "srun" else cpus_per_task * tasks_per_node
+    def line(directive: str, comment: str = "") -> str:
+        return f"{directive:<34} # {comment}" if comment else directive
+
+    srun_style = style == "srun"
     header = [
-        f"#SBATCH --job-name={_q(job_name)}",
-        f"#SBATCH --nodes={nodes}                # EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node",
-        f"#SBATCH --ntasks-per-node={tasks_per_node if style == 'srun' else 1}"
-        + ("      # one Slurm task per GPU/rank (launcher.tasks_per_node)" if style == "srun"
-           else "      # one torchrun agent per node; it starts the ranks"),
+        line(f"#SBATCH --job-name={_q(job_name)}"),
+        line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node"),
+        line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
+             "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
+             else "one torchrun agent per node; it starts the ranks"),
     ]
     if gpus_per_node:
-        header.append(f"#SBATCH --gpus-per-node={gpus_per_node}        # cluster.gpus_per_node")
-    header.append(f"#SBATCH --cpus-per-task={per_task_cpus}        # EDIT: cores per "
-                  + ("rank" if style == "srun" else "node's ranks"))
+        header.append(line(f"#SBATCH --gpus-per-node={gpus_per_node}", "cluster.gpus_per_node"))
+    header.append(line(f"#SBATCH --cpus-per-task={per_task_cpus}",
+                       "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks"))
     if mem_per_node_gb:
-        header.append(f"#SBATCH --mem={mem_per_node_gb}G")
-    header.append(f"#SBATCH --time={_hhmm(time_min)}         # EDIT: wall-time limit (cluster.time_min)")
+        header.append(line(f"#SBATCH --mem={mem_per_node_gb}G", "cluster.mem_per_node_gb"))
+    header.append(line(f"#SBATCH --time={_hhmm(time_min)}", "EDIT: wall-time limit (cluster.time_min)"))
     for flag, value in (("partition", partition), ("account", account), ("qos", qos),
                         ("constraint", constraint), ("exclude", exclude)):
         if value:
-            header.append(f"#SBATCH --{flag}={_q(value)}" + ("        # EDIT" if flag in ("partition", "account") else ""))
-    if not partition:
-        header.append("##SBATCH --partition=gpu          # EDIT: your partition (cluster.partition)")
-    if not account:
-        header.append("##SBATCH --account=my-account     # EDIT: your account (cluster.account)")
+            header.append(line(f"#SBATCH --{flag}={_q(value)}", f"EDIT: cluster.{flag}"))
+        elif flag in ("partition", "account"):
+            header.append(line(f"##SBATCH --{flag}=CHANGE_ME", f"EDIT: your {flag} (cluster.{flag})"))
     batch_log = f"{run_dir}/slurm/%j_batch.out"
     header += [
-        "#SBATCH --requeue                  # a preempted or requeued job runs again: same job id, same run dir",
-        f"#SBATCH --signal=USR2@{signal_delay_s}          # USR2 to every rank {signal_delay_s} s before the time limit"
-        " (USR2, not USR1: NCCL may catch USR1)",
-        "#SBATCH --open-mode=append         # requeued attempts append to the logs instead of truncating them",
-        f"#SBATCH --output={_q(batch_log)}",
-        f"#SBATCH --error={_q(batch_log)}",
+        line("#SBATCH --requeue", "a preempted or requeued job runs again: same job id, same run dir"),
+        line(f"#SBATCH --signal=USR2@{signal_delay_s}",
+             f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)"),
+        line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
+        line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
+        line(f"#SBATCH --error={_q(batch_log)}"),
     ]
     env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
     container = []

@@ -46,28 +46,28 @@ def test_tiny_job_on_two_nodes_by_four_tasks_completes_with_the_local_runs_losse
     assert losses(slurm_dir) == losses(local_dir)
 
 
-def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_points_are_pruned(run_root: Path) -> None:
-    sweep = cli("jobs.train", "-m", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2",
-                "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2,3", f"run.dir={run_root}")
+def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_point_is_pruned(run_root: Path) -> None:
+    # 2 x 2 points on 2 ranks (2 nodes x 1 task): tp2 * pp2 = 4 ranks cannot work and must not be submitted.
+    sweep = cli("jobs.train", "-m", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1",
+                "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2", f"run.dir={run_root}")
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
-    array = submitted_job_id(sweep.stdout, r"4 submitted as array job (\d+), 2 pruned")
+    array = submitted_job_id(sweep.stdout, r"4 points, 3 submitted as array job (\d+), 1 pruned")
     # Returned once queued: not every element has finished yet.
     assert not all(r["State"] == "COMPLETED" for r in sacct(array)), sacct(array)
     table = [json.loads(l) for l in (run_root / "sweep.jsonl").read_text().splitlines()]
-    pruned = [t for t in table if t["pruned"]]
-    assert sorted(t["idx"] for t in pruned) == [2, 5]
-    assert all("mesh.pp(3)" in t["pruned"] and t["job_id"] is None for t in pruned)
-    assert "mesh.tp=1 mesh.pp=3" in sweep.stdout and "is not divisible by mesh.pp(3)" in sweep.stdout
-    recs = wait_final(array, count=4, timeout=300)
-    assert sorted(r["JobID"] for r in recs) == [f"{array}_{i}" for i in range(4)]  # nothing for pruned points
+    (pruned,) = [t for t in table if t["pruned"]]
+    assert pruned["idx"] == 3 and pruned["job_id"] is None
+    assert "mesh.pp(2) * mesh.dp_replicate(1) * mesh.cp(1) * mesh.tp(2) = 4" in pruned["pruned"]
+    assert re.search(r"3 +mesh.tp=2 mesh.pp=2 +mesh.dp_shard=-1 cannot be inferred", sweep.stdout), sweep.stdout
+    recs = wait_final(array, count=3, timeout=300)
+    assert sorted(r["JobID"] for r in recs) == [f"{array}_{i}" for i in range(3)]  # nothing for the pruned point
     assert {r["State"] for r in recs} == {"COMPLETED"}, recs
-    run_dirs = {t["run_dir"] for t in table if not t["pruned"]}
-    assert len(run_dirs) == 4
-    for t in table:
-        if not t["pruned"]:
-            d = Path(t["run_dir"])
-            assert len(losses(d)) == 3, d
-            assert (d / "slurm").resolve().name == t["job_id"]  # its own submitit logs
+    submitted = [t for t in table if not t["pruned"]]
+    assert len({t["run_dir"] for t in submitted}) == 3
+    for t in submitted:
+        d = Path(t["run_dir"])
+        assert len(losses(d)) == 3, d
+        assert (d / "slurm").resolve().name == t["job_id"]  # its own submitit logs
 
 
 def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: Path) -> None:
