@@ -1,0 +1,303 @@
+"""Measures the trainer's per-step overhead: `Trainer.train_step` vs a bare torch loop on the same model, mesh and batches.
+
+    python scripts/bench/step_overhead.py [--rounds 8 --block 2 --warmup 2 --phases] [hydra overrides, e.g. mesh.tp=1 mesh.dp_shard=4]
+
+Every rank builds both (a) a bare loop (the same `parallelize()` / `build_schedule()` calls, the
+same BatchSource batches, AdamW; no grad clipping, LR schedule, loss reduction or metrics) and
+(b) the real `jobs.trainer.Trainer`, warms up each, then alternates blocks of steps (ABBA order
+per round) so machine drift hits both alike. A step's time is the slowest rank's, each step
+started after a barrier. Rank 0 prints one human line, then one JSON line. With --phases it also
+times the pieces of the trainer's step (see `_trainer_phases`) to show where any overhead goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+import torch  # noqa: E402 - imported once in the parent, before forking the ranks
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
+
+from jobs import trainer as trainer_mod  # noqa: E402
+from jobs.config import JobConfig, compose  # noqa: E402
+from jobs.data import BatchSource, ensure_dataset  # noqa: E402
+from jobs.env import DistEnv  # noqa: E402
+from jobs.events import EventLog  # noqa: E402
+from jobs.launch_local import free_port  # noqa: E402
+from jobs.model import Transformer, init_weights  # noqa: E402
+from jobs.validate import Derived, validate  # noqa: E402
+from parallel.pipeline import build_schedule  # noqa: E402
+from parallel.recipe import parallelize  # noqa: E402
+
+_PR_SET_PDEATHSIG = 1
+
+
+class BareLoop:
+    """The minimal hand-written step: batch -> forward/backward (schedule or accumulation) -> AdamW."""
+
+    def __init__(self, cfg: JobConfig, derived: Derived) -> None:
+        dims = derived.dims
+        self.cfg, self.n_micro = cfg, derived.microbatches
+        self.mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        self.parts, stages = parallelize(
+            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+        )
+        for part in self.parts:
+            part.to_empty(device="cpu")
+            init_weights(part, seed=cfg.train.seed)
+            part.train()
+        self.first, self.last = 0 in stages, derived.num_stages - 1 in stages
+        self.fsdp = dims.fsdp_enabled
+        self.schedule = None
+        if dims.pp_enabled:
+            self.schedule = build_schedule(
+                self.parts, stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
+                n_microbatches=self.n_micro, pp_group=self.mesh.get_group("pp"), device=torch.device("cpu"),
+                loss_fn=trainer_mod.cross_entropy,
+            )
+        o = cfg.optim
+        self.opts = [torch.optim.AdamW(p.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                       weight_decay=o.weight_decay, foreach=True) for p in self.parts]
+        self.data = BatchSource(cfg.data.path, seed=cfg.train.seed, global_batch=cfg.train.global_batch,
+                                seq_len=cfg.train.seq_len, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp)
+        self.lp = dims.tp_enabled and cfg.mesh.loss_parallel
+
+    def step(self, step: int) -> None:
+        self.forward_backward(*self.data.batch(step))
+        self.optimizer()
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        ctx = loss_parallel() if self.lp else contextlib.nullcontext()
+        if self.schedule is not None:
+            with ctx:
+                self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+                                   losses=[] if self.last else None, return_outputs=False)
+        else:
+            (model,) = self.parts
+            for i, (xm, ym) in enumerate(zip(x.chunk(self.n_micro), y.chunk(self.n_micro))):
+                if self.fsdp:
+                    model.set_requires_gradient_sync(i == self.n_micro - 1)
+                with ctx:
+                    (trainer_mod.cross_entropy(model(xm), ym) / self.n_micro).backward()
+
+    def optimizer(self) -> None:
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.data.close()
+
+
+def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
+    """Trainer.train_step's body (as of this commit) with a clock around each part; keep it in step with it.
+
+    A barrier before each part keeps the pipeline's rank skew out of the part that follows
+    forward/backward (its first collective would otherwise absorb the wait for the slowest stage).
+    """
+    out: dict[str, float] = {}
+
+    def part(name, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = fn()
+        out[name] = time.perf_counter() - t0
+        return r
+
+    def optimizer_lr():
+        for opt, sched in zip(tr.optimizers, tr.lr_schedulers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+
+    def loss_reduce(local_loss):
+        loss = local_loss.detach().float().reshape(())
+        dist.all_reduce(loss)
+        return float(loss)
+
+    inputs, targets = part("data", lambda: tr.data.batch(step))
+    local_loss = part("forward_backward", lambda: tr.forward_backward(inputs, targets))
+    part("replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
+    part("clip_grad_norm", lambda: trainer_mod.clip_grad_norm(tr.parts, tr.cfg.optim.grad_clip, pp_group=tr.pp_group))
+    part("optimizer_lr", optimizer_lr)
+    part("loss_reduce", lambda: loss_reduce(local_loss))
+    return out
+
+
+def _bare_phases(bare: BareLoop, step: int) -> dict[str, float]:
+    """The bare step's parts, timed like `_trainer_phases` (names prefixed bare_)."""
+    out: dict[str, float] = {}
+
+    def part(name, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = fn()
+        out[name] = time.perf_counter() - t0
+        return r
+
+    x, y = part("bare_data", lambda: bare.data.batch(step))
+    part("bare_forward_backward", lambda: bare.forward_backward(x, y))
+    part("bare_optimizer", bare.optimizer)
+    return out
+
+
+def _timed(fn, step: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn(step)
+    return time.perf_counter() - t0
+
+
+def _slowest(times: list[float]) -> list[float]:
+    """Per-step max over ranks (a step ends when its slowest rank does)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Namespace) -> dict | None:
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank)
+    tr = trainer_mod.Trainer(cfg, derived, env, events=events)
+    bare = BareLoop(cfg, derived)
+    runners = {"bare": bare.step, "trainer": tr.train_step}
+    cursor = {"bare": 0, "trainer": 0}  # each runner walks the same batches 0, 1, 2, ...
+    times: dict[str, list[float]] = {"bare": [], "trainer": []}
+    round_ratios: list[float] = []
+
+    def run(name: str, n: int, record: bool) -> list[float]:
+        out = []
+        for _ in range(n):
+            out.append(_timed(runners[name], cursor[name]))
+            cursor[name] += 1
+        if record:
+            times[name].extend(out)
+        return out
+
+    for name in ("bare", "trainer"):
+        run(name, args.warmup, record=False)
+    for r in range(args.rounds):
+        order = ("bare", "trainer") if r % 2 == 0 else ("trainer", "bare")
+        got = {name: _slowest(run(name, args.block, record=True)) for name in order}
+        round_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["bare"]))
+    bare_t, tr_t = _slowest(times["bare"]), _slowest(times["trainer"])
+    phases = None
+    if args.phases:
+        rows = []
+        for _ in range(max(4, args.block * 2)):
+            rows.append({**_trainer_phases(tr, cursor["trainer"]), **_bare_phases(bare, cursor["bare"])})
+            cursor["trainer"] += 1
+            cursor["bare"] += 1
+        keys = list(rows[0])
+        mx = _slowest([row[k] for row in rows for k in keys])  # max over ranks, per (step, phase)
+        phases = {k: statistics.median(mx[i::len(keys)]) for i, k in enumerate(keys)}
+        # What the trainer adds to the bare step (the bare loop has data, forward_backward and AdamW).
+        phases["extras"] = phases["replicate_partial_grads"] + phases["clip_grad_norm"] + phases["loss_reduce"]
+    tr.close()
+    bare.close()
+    if env.rank != 0:
+        return None
+    med_b, med_t = statistics.median(bare_t), statistics.median(tr_t)
+    return {
+        "bench": "step_overhead", "ratio": med_t / med_b, "median_bare_s": med_b, "median_trainer_s": med_t,
+        "goal": 1.03, "mesh": derived.dims.describe(), "world_size": env.world_size, "model": cfg.model.name,
+        "microbatches": derived.microbatches, "steps_each": len(tr_t), "rounds": args.rounds, "block": args.block,
+        "warmup": args.warmup, "round_ratios": [round(x, 4) for x in round_ratios],
+        "min_bare_s": min(bare_t), "min_trainer_s": min(tr_t), "trainer_phases_s": phases,
+        "extras_over_bare": phases["extras"] / med_b if phases else None,
+    }
+
+
+def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: int, args) -> int:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1
+    world = cfg.world_size
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world, node_rank=0, nodes=1,
+                  master_addr="127.0.0.1", master_port=port)
+    os.environ.update(env.torch_environ())
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(args.threads)
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as jobs.worker does
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        result = bench_rank(cfg, derived, env, args)
+        if result is not None:
+            b, t = result["median_bare_s"], result["median_trainer_s"]
+            print(f"step_overhead: trainer/bare = {result['ratio']:.3f} (goal <= 1.03) | bare {b * 1e3:.1f} ms, "
+                  f"trainer {t * 1e3:.1f} ms median over {result['steps_each']} steps each | "
+                  f"{result['mesh']} on {world} ranks, model {result['model']}", flush=True)
+            print(json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8, help="alternating rounds of (bare block, trainer block)")
+    p.add_argument("--block", type=int, default=2, help="steps per block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each runner first")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--phases", action="store_true", help="also time the parts of the trainer's step")
+    args, overrides = p.parse_known_args(argv)
+    tmp = tempfile.mkdtemp(prefix="step_overhead-")
+    cfg = compose([f"run.dir={tmp}", *overrides])
+    cfg.train.steps = max(cfg.train.steps, args.warmup + args.rounds * args.block + max(4, 2 * args.block) + 1)
+    derived = validate(cfg)  # ValueError names the override
+    ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
+    port, parent = free_port(), os.getpid()
+    sys.stdout.flush()
+    pids = []
+    for rank in range(cfg.world_size):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _rank_main(cfg, derived, rank, port, parent, args)
+            except BaseException:  # noqa: BLE001 - print and exit; the parent reports the code
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = {}
+    while pids:
+        pid, status = os.waitpid(-1, 0)
+        if pid in pids:
+            pids.remove(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if code and not failed:  # the others would wait in a collective until the timeout
+                for other in pids:
+                    os.kill(other, signal.SIGKILL)
+            if code:
+                failed[pid] = code
+    if failed:
+        print(f"step_overhead: ranks failed, exit codes {sorted(failed.values())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
