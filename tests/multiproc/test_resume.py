@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from jobs.events import read_events
-from tests.multiproc._harness import mesh_ckpt, train
+from tests.multiproc._harness import Net, mesh_ckpt, train
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -82,3 +84,29 @@ def test_resume_resharded_onto_dp_shard4_tp2_stays_within_fp32_tolerance(referen
 
 def test_resume_resharded_onto_one_process_stays_within_fp32_tolerance(reference, tmp_path):
     _resume_resharded(reference, tmp_path, {"pp": 1, "dp_shard": 1, "tp": 1}, 1)
+
+
+def test_convert_writes_one_torch_save_file_that_loads_into_the_plain_model(reference, tmp_path):
+    run, _, ref_params = reference
+    out = tmp_path / "full.pt"
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "checkpoint.convert", str(run / "checkpoints/step_12"), str(out)],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    sd = torch.load(out, weights_only=False)
+    assert sd["step"] == 12 and sd["train_state"]["step"] == 12
+    model = Net()
+    model.load_state_dict(sd["model"])  # strict: every key matches
+    for name, t in model.named_parameters():
+        assert torch.equal(t.detach(), ref_params[name]), name
+    assert any(k.endswith(".exp_avg") for k in sd["optim"])
+    model_only = tmp_path / "model.pt"
+    assert subprocess.run([sys.executable, "-m", "checkpoint.convert", "--model-only",
+                           str(run / "checkpoints/step_12"), str(model_only)], cwd=repo, timeout=120).returncode == 0
+    assert torch.load(model_only).keys() == sd["model"].keys()
+    broken = tmp_path / "broken"
+    shutil.copytree(run / "checkpoints/step_12", broken)
+    (broken / "manifest.json").unlink()
+    p = subprocess.run([sys.executable, "-m", "checkpoint.convert", str(broken), str(tmp_path / "x.pt")],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "not a committed checkpoint" in p.stderr

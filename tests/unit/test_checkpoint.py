@@ -1,0 +1,172 @@
+"""Checkpoint pieces without processes: manifest validation, fingerprint diff, config checks, RNG/train state, single-process manager."""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import CheckpointConfig, CheckpointManager, TrainState, diff_fingerprint, env_fingerprint
+from checkpoint.manifest import MANIFEST, ManifestError, check_files, file_record, read_manifest, step_dirs, write_manifest
+from checkpoint.state import capture_rng, restore_rng
+
+
+def _committed(tmp_path, step=3):
+    d = tmp_path / f"step_{step}"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"meta")
+    (d / "__0_0.distcp").write_bytes(b"x" * 1000)
+    files = {n: file_record(d / n) for n in (".metadata", "__0_0.distcp")}
+    write_manifest(d, {"step": step, "files": files, "world_size": 1})
+    return d, files
+
+
+def test_manifest_round_trips_and_detects_each_kind_of_damage(tmp_path):
+    d, files = _committed(tmp_path)
+    m = read_manifest(d, step=3)
+    assert m["files"] == files and files["__0_0.distcp"] == {"size": 1000, "crc32": f"{zlib.crc32(b'x' * 1000):08x}"}
+    assert check_files(d, m["files"], sorted(files), checksum=True) == []
+    with pytest.raises(ManifestError, match="says step 3"):
+        read_manifest(d, step=4)
+    # a flipped byte keeps the size: only the checksum notices
+    (d / "__0_0.distcp").write_bytes(b"x" * 999 + b"y")
+    assert check_files(d, m["files"], sorted(files), checksum=False) == []
+    assert "crc32" in check_files(d, m["files"], sorted(files), checksum=True)[0]
+    (d / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert "10 bytes, manifest says 1000" in check_files(d, m["files"], sorted(files), checksum=True)[0]
+    (d / "__0_0.distcp").unlink()
+    assert check_files(d, m["files"], ["__0_0.distcp"], checksum=True) == ["__0_0.distcp missing"]
+    # an edited manifest fails its own checksum; a truncated one is not JSON; a missing one is uncommitted
+    body = json.loads((d / MANIFEST).read_text())
+    body["step"] = 3
+    body["world_size"] = 2
+    (d / MANIFEST).write_text(json.dumps(body))
+    with pytest.raises(ManifestError, match="checksum mismatch"):
+        read_manifest(d)
+    (d / MANIFEST).write_text('{"step": 3, "fi')
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(d)
+    (d / MANIFEST).unlink()
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        read_manifest(d)
+
+
+def test_step_dirs_lists_committed_names_newest_first_and_ignores_temp_ones(tmp_path):
+    for name in ("step_2", "step_10", "step_3.tmp", "step_4.uncommitted-1", "other"):
+        (tmp_path / name).mkdir()
+    assert [s for s, _ in step_dirs(tmp_path)] == [10, 2]
+    assert step_dirs(tmp_path / "absent") == []
+
+
+def test_fingerprint_diff_names_what_changed_and_ignores_hosts():
+    a = env_fingerprint(hosts=["n1"], environ={"NCCL_ALGO": "Ring", "HOME": "/x"})
+    assert a["env"] == {"NCCL_ALGO": "Ring"} and a["torch"] == torch.__version__
+    assert a["distributions"]["torch"] == torch.__version__.split("+")[0] or "torch" in a["distributions"]
+    b = json.loads(json.dumps(a))
+    b["hosts"] = ["n7", "n8"]
+    assert diff_fingerprint(a, b) == {}
+    b["env"]["NCCL_ALGO"] = "Tree"
+    b["distributions"]["numpy"] = "0.0.1"
+    b["torch"] = "9.9"
+    d = diff_fingerprint(a, b)
+    assert d["env.NCCL_ALGO"] == ["Ring", "Tree"] and d["torch"] == [a["torch"], "9.9"]
+    assert d["distributions.numpy"] == [a["distributions"].get("numpy"), "0.0.1"]
+    assert "hosts" not in d and "distributions_sha256" not in d
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("keep", 1, r"checkpoint.keep\(1\) must be >= 2"),
+        ("async_mode", "fork", "checkpoint.async_mode='fork'"),
+        ("interval", "daily", "checkpoint.interval='daily'"),
+        ("on_env_drift", "ignore", "checkpoint.on_env_drift='ignore'"),
+        ("every_steps", -1, r"checkpoint.every_steps\(-1\)"),
+        ("writer_threads", 0, r"checkpoint.writer_threads\(0\)"),
+        ("verify", "none", "checkpoint.verify='none'"),
+    ],
+)
+def test_checkpoint_config_rejects_bad_values_naming_the_override(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig(**{field: value})
+
+
+def test_auto_interval_needs_an_mtbf(tmp_path):
+    with pytest.raises(ValueError, match="failure.mtbf_job_hours"):
+        CheckpointManager(tmp_path, cfg=CheckpointConfig(interval="auto"))
+
+
+def test_rng_capture_restore_replays_every_generator():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = capture_rng()
+    first = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    assert restore_rng(state) == ["python", "torch", "numpy"]
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == first
+
+
+def test_train_state_keeps_a_bounded_loss_tail():
+    st = TrainState(tail_len=3)
+    for s in range(1, 6):
+        st.record(step=s, loss=float(s), tokens=10)
+    assert st.state_dict() == {"step": 5, "tokens_seen": 50, "loss_tail": [3.0, 4.0, 5.0]}
+    other = TrainState()
+    other.load_state_dict(st.state_dict())
+    assert other.step == 5 and other.loss_tail == [3.0, 4.0, 5.0]
+
+
+class _Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4), "1": torch.nn.Linear(4, 4)})
+
+    def forward(self, x):
+        return self.layers["1"](torch.relu(self.layers["0"](x)))
+
+
+def _step(model_parts, opts, x):
+    mods = {name: m for part in model_parts for name, m in part.layers.items()}
+    mods["1"](torch.relu(mods["0"](x))).square().mean().backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
+def test_two_stages_on_one_rank_resume_into_one_model(tmp_path):
+    """A rank holding two pipeline stages (two model parts, two optimizers) saves; one model loads it."""
+    torch.manual_seed(0)
+    full = _Two()
+    a, b = _Two(), _Two()
+    a.load_state_dict(full.state_dict()), b.load_state_dict(full.state_dict())
+    del a.layers["1"], b.layers["0"]  # stage 0 keeps layers.0, stage 1 keeps layers.1 (FQNs kept)
+    opts = [torch.optim.AdamW(p.parameters(), lr=0.1) for p in (a, b)]
+    x = torch.randn(8, 4)
+    cfg = CheckpointConfig(every_steps=1, async_mode="none")
+    ck = CheckpointManager(tmp_path, cfg=cfg, manifest_extra={"mesh": "pp2 (2 stages, 1 rank)"})
+    assert ck.load_latest(model_parts=[a, b], optimizers=opts, train_state=TrainState()) == 0
+    _step([a, b], opts, x)
+    ck.save(1)
+    ck.close()
+    files = read_manifest(tmp_path / "step_1", step=1)["files"]
+    assert ".metadata" in files and "__0_0.distcp" in files
+
+    torch.manual_seed(123)
+    one = _Two()
+    one_opt = torch.optim.AdamW(one.parameters(), lr=0.1)
+    ck2 = CheckpointManager(tmp_path, cfg=cfg, manifest_extra={"mesh": "pp1"})
+    st = TrainState()
+    assert ck2.load_latest(model_parts=[one], optimizers=[one_opt], train_state=st) == 1
+    ck2.close()
+    for name, p in one.named_parameters():
+        src = (a if name.startswith("layers.0") else b).get_parameter(name)
+        assert torch.equal(p, src), name
+        assert torch.equal(one_opt.state[p]["exp_avg"], opts[0 if name.startswith("layers.0") else 1].state[src]["exp_avg"])
+    # and the next step on one model equals the next step on the two stages
+    _step([a, b], opts, x)
+    _step([one], [one_opt], x)
+    for name, p in one.named_parameters():
+        assert torch.equal(p, (a if name.startswith("layers.0") else b).get_parameter(name)), name
