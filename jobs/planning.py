@@ -346,7 +346,10 @@ def rank_memory(
     else:
         biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
         root = (pc.embedding + pc.output) // tp + pc.final_norm
-        unsharded = biggest * (2 * COMPUTE_BYTES + REDUCE_BYTES) + root * COMPUTE_BYTES
+        unsharded = biggest * 2 * COMPUTE_BYTES + root * COMPUTE_BYTES
+        # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
+        # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
+        unsharded += (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
     n_layers = len(blocks_on_rank)
     in_flight = layers_in_flight(
         pp=pp, microbatches=microbatches, layers_on_rank=n_layers, stages_per_rank=stages_per_rank, schedule=schedule
@@ -427,33 +430,48 @@ def comm_per_step(
 ) -> list[CommItem]:
     """Collectives per optimizer step for the rank holding `stages`, by axis.
 
-    FSDP: with a pipeline, one all-gather and one reduce-scatter per unit per step (the stage stays
-    gathered, gradients sync on the last microbatch); without one, each microbatch gathers every unit
-    for forward and again for backward and reduce-scatters once. HSDP adds an all-reduce of the shard
-    over dp_replicate. TP with SP: per block and microbatch 2 all-gathers + 2 reduce-scatters forward,
-    the mirror image backward (+ forward again when recomputing); without SP, 2 all-reduces each way.
+    FSDP (counts from CommDebugMode, notes torch-2.13-cpu.md §9): with a pipeline the stage stays
+    gathered (reshard_after_forward=False), so one all-gather per fully_shard unit per step; without
+    one, each microbatch gathers every block for forward and again for backward and the root once.
+    Gradients reduce-scatter once per unit per step (the pipeline schedule and the trainer sync on
+    the last microbatch only). A unit without parameters of its own (the root of a middle stage)
+    issues nothing. HSDP adds an all-reduce of the shard over dp_replicate.
+    TP (notes §3): with SP, per block and microbatch 2 all-gathers + 2 reduce-scatters forward (again
+    when recomputing) and the mirror image backward, plus one of each for the embedding and for the
+    head; without SP, 2 all-reduces forward and one per column-parallel linear (5) backward.
     PP: one activation send forward and one gradient send backward per microbatch per stage boundary.
-    CP (ring attention): cp-1 K/V exchanges per block forward, twice that backward. EP: dispatch and
-    combine all-to-all per MoE block per microbatch, each way.
+    CP (ring attention): cp-1 K/V exchanges per block per forward, twice that backward. EP: dispatch
+    and combine all-to-all per MoE block per microbatch, per forward and backward.
     """
     items: list[CommItem] = []
+    pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
     blocks = [i for st in stages for i in st.layers]
-    fsdp_groups = len(blocks) + len(stages)  # one fully_shard per block + the root of each part
     first, last = any(st.first for st in stages), any(st.last for st in stages)
+    roots = sum(1 for st in stages if st.first or st.last)  # root units that own parameters
+    root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
     moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
     s = seq_len // cp
     act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
     fwd_passes = 2 if activation_checkpointing == "full" else 1
-    gathers = 1 if pp > 1 else 2 * microbatches
-    scatters = 1 if pp > 1 else microbatches
-    for axis, group, elems, what in (("dp_shard", fsdp, dense, ""), ("dp_shard/ep", fsdp // max(ep, 1), experts, "expert ")):
-        if group > 1 and elems:
-            units = fsdp_groups if not what else moe_blocks
-            items.append(CommItem("all_gather", axis, f"bf16 {what}parameters", gathers * units,
-                                  int(gathers * _ring(group) * COMPUTE_BYTES * elems), group))
-            items.append(CommItem("reduce_scatter", axis, f"fp32 {what}gradients", scatters * units,
-                                  int(scatters * _ring(group) * REDUCE_BYTES * elems), group))
+    block_dense = dense - root_elems
+    if pp > 1:
+        ag_count, ag_elems = len(blocks) + roots, dense
+    else:
+        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * block_dense + root_elems)
+    if fsdp > 1 and dense:
+        items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", ag_count,
+                              int(_ring(fsdp) * COMPUTE_BYTES * ag_elems), fsdp))
+        items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", len(blocks) + roots,
+                              int(_ring(fsdp) * REDUCE_BYTES * dense), fsdp))
+    edp = fsdp // max(ep, 1)  # the experts' own data-parallel degree
+    if edp > 1 and experts:
+        gathers = 1 if pp > 1 else 2 * microbatches
+        items.append(CommItem("all_gather", "dp_shard/ep", "bf16 expert parameters", gathers * moe_blocks,
+                              int(gathers * _ring(edp) * COMPUTE_BYTES * experts), edp))
+        items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
+                              int(_ring(edp) * REDUCE_BYTES * experts), edp))
+    fsdp_groups = len(blocks) + roots
     if dp_replicate > 1:
         shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
         items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", fsdp_groups,
@@ -462,12 +480,12 @@ def comm_per_step(
         per_block = microbatches * len(blocks)
         extra = int(first) + int(last)  # embedding reduce-scatter, head all-gather
         if sequence_parallel:
-            n = (2 * fwd_passes + 2) * per_block + 2 * extra * microbatches
+            n = (2 * fwd_passes + 2) * per_block + extra * microbatches
             b = int(n * _ring(tp) * act)
             items.append(CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp))
             items.append(CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp))
         else:
-            n = (2 * fwd_passes + 2) * per_block + extra * microbatches
+            n = (2 * fwd_passes + 5) * per_block + extra * microbatches
             items.append(CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp))
     if pp > 1:
         sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
