@@ -127,15 +127,17 @@ def job_mtbf_s(
 def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
     """(failures, seconds observed) from a run's events.jsonl records.
 
-    A failure is a `failure` event whose `class` is not a deliberate stop (preempted, walltime,
-    config_error); the observed time spans the first to the last event of the ledger.
+    A failure is a `failure` event whose class (`class` or `cls`) is not a deliberate stop
+    (preempted, walltime, config_error); every rank may report the same one, so an attempt (the
+    event's `restart` count) counts once. The observed time spans the first to the last event.
     """
     if not events:
         return 0, 0.0
     times = [float(e["time"]) for e in events if "time" in e]
-    failures = sum(
-        1 for e in events if e.get("kind") == "failure" and e.get("class") not in _NOT_FAILURES
-    )
+    failures = len({
+        e.get("restart", 0) for e in events
+        if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in _NOT_FAILURES
+    })
     return failures, (max(times) - min(times)) if times else 0.0
 
 

@@ -8,10 +8,11 @@ LR schedule -> one scalar all-reduce for the loss -> a metrics line on rank 0.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,9 +22,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
+from checkpoint import CheckpointManager, failures_in_ledger, job_mtbf_s
 from jobs.config import JobConfig, OptimConfig
 from jobs.env import DistEnv
-from jobs.events import EventLog
+from jobs.events import EventLog, read_events
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
@@ -155,6 +157,7 @@ class Trainer:
         )
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
 
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
@@ -203,6 +206,9 @@ class Trainer:
 
     def fit(self) -> None:
         cfg, st = self.cfg.train, self.state
+        # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0.
+        self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
+                              lr_schedulers=self.lr_schedulers, train_state=st)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
                          microbatches=self.derived.microbatches)
@@ -219,6 +225,9 @@ class Trainer:
             if st.step % cfg.log_every == 0 or st.step == cfg.steps:
                 st.loss_tail = (st.loss_tail + [m["loss"]])[-16:]
                 self._log_metrics(st.step, m, step_times)
+            if self.ckpt.due(st.step, step_time_s=m["step_time_s"]):
+                self.ckpt.save(st.step)
+        self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
@@ -236,7 +245,24 @@ class Trainer:
         )
 
     def close(self) -> None:
-        self.data.close()
+        try:
+            self.ckpt.close()
+        finally:
+            self.data.close()
+
+
+def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog) -> CheckpointManager:
+    """The run's CheckpointManager; the job MTBF for interval=auto also counts the failures in events.jsonl."""
+    failures, observed_s = failures_in_ledger(read_events(events.path))
+    mtbf_s = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
+                        nodes=env.nodes, failures_seen=failures, observed_s=observed_s)
+    resolved = {k: v for k, v in asdict(cfg).items() if k != "run"}
+    config_hash = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return CheckpointManager(
+        Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
+        emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash},
+        total_steps=cfg.train.steps, mtbf_s=mtbf_s,
+    )
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

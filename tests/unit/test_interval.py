@@ -102,9 +102,10 @@ def test_job_mtbf_from_node_mtbf_job_mtbf_and_the_ledger():
 def test_failures_in_ledger_counts_failures_not_deliberate_stops():
     events = [
         {"time": 100.0, "kind": "train_start"},
-        {"time": 200.0, "kind": "failure", "class": "rank_crashed"},
-        {"time": 300.0, "kind": "failure", "class": "preempted"},
-        {"time": 400.0, "kind": "failure", "class": "collective_timeout"},
+        {"time": 200.0, "kind": "failure", "class": "rank_crashed", "restart": 0, "rank": 3},
+        {"time": 200.5, "kind": "failure", "cls": "runtime_error", "restart": 0, "rank": 1},  # same attempt
+        {"time": 300.0, "kind": "failure", "class": "preempted", "restart": 1},
+        {"time": 400.0, "kind": "failure", "class": "collective_timeout", "restart": 2},
         {"time": 1100.0, "kind": "checkpoint_saved"},
     ]
     assert failures_in_ledger(events) == (2, 1000.0)
