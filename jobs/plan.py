@@ -585,7 +585,7 @@ def render(plan: Plan) -> str:
     L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
              f"for params+grads+optim")
     if plan.measured:
-        L.append("  sampled ranks (fake backend):   rank   coords                       measured      analytic   seconds")
+        L.append("  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds")
         for r in plan.measured:
             c = r["coords"]
             L.append(f"    {r['role'][:28]:28s} {r['rank']:6d}   pp{c['pp']} dp_shard{c['dp_shard']:<6d}           "
@@ -654,8 +654,10 @@ def _hydra_main() -> None:
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def _task(dcfg) -> int:
+        from hydra.core.hydra_config import HydraConfig
+
         code = run(to_job_config(dcfg))
-        if code:
+        if code and HydraConfig.get().mode.name != "MULTIRUN":  # a sweep plans every point
             raise SystemExit(code)
         return code
 
