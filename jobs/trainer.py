@@ -33,7 +33,7 @@ from jobs.validate import Derived
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
 
-__all__ = ["Trainer", "TrainState", "lr_multiplier", "cross_entropy"]
+__all__ = ["Trainer", "TrainState", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
 
 @dataclass
@@ -76,30 +76,30 @@ def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.opt
 
 
 @torch.no_grad()
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, *, pp_group: dist.ProcessGroup | None) -> float:
-    """The global L2 norm of all gradients across every mesh axis; scales them down to `max_norm`.
+def stage_grad_sq_norm(parts: list[nn.Module]) -> torch.Tensor:
+    """Squared L2 norm of this rank's stages' gradients, whole over dp/tp (equal on all their ranks).
 
-    DTensor grads are grouped by mesh, each group's norm made whole with `full_tensor()`; the
-    stages of a pipeline hold disjoint parameters, so their squared norms add over the pp group.
+    DTensor grads are grouped by mesh and each group's norm made whole with `full_tensor()`.
     """
     by_mesh: dict[object, list[torch.Tensor]] = {}
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    sq = torch.zeros((), dtype=torch.float32)
-    for mesh, gs in by_mesh.items():
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    sq = torch.zeros((), dtype=torch.float64)
+    for gs in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        sq += norm.float() ** 2
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
-    total = float(sq.sqrt())
-    if max_norm > 0 and total > max_norm:
-        coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
-    return total
+        sq += _whole(norm).double() ** 2
+    return sq
+
+
+@torch.no_grad()
+def clip_grads_(parts: list[nn.Module], *, max_norm: float, total_norm: float) -> None:
+    """Scales every gradient by max_norm / total_norm when the global norm exceeds `max_norm`."""
+    if max_norm <= 0 or total_norm <= max_norm:
+        return
+    local = [_local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
+    torch._foreach_mul_(local, max_norm / (total_norm + 1e-6))
 
 
 def _replicate_partial_grads(parts: list[nn.Module]) -> None:
@@ -189,17 +189,20 @@ class Trainer:
         t0 = time.perf_counter()
         inputs, targets = self.data.batch(step)
         local_loss = self.forward_backward(inputs, targets)
-        _replicate_partial_grads(self.parts)
-        grad_norm = clip_grad_norm(self.parts, self.cfg.optim.grad_clip, pp_group=self.pp_group)
+        if not self.derived.dims.fsdp_enabled:
+            _replicate_partial_grads(self.parts)
+        # One world all-reduce for both scalars: a stage's squared grad norm is held alike by its
+        # world/pp ranks, and only the last stage holds a loss (alike on each dp slice's tp ranks).
+        totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(())])
+        dist.all_reduce(totals)
+        totals /= self.env.world_size // self.derived.dims.pp
+        grad_norm, loss = math.sqrt(float(totals[0])), float(totals[1])
+        clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
         lr = self.lr_schedulers[0].get_last_lr()[0]
         for opt, sched in zip(self.optimizers, self.lr_schedulers):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        # Only the last stage's ranks hold a loss, each dp rank's tp*cp ranks the same one: sum / (world/pp).
-        loss = local_loss.detach().float().reshape(())
-        dist.all_reduce(loss)
-        loss = float(loss) / (self.env.world_size // self.derived.dims.pp)
         dt = time.perf_counter() - t0
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
                 "tokens_per_s": self.derived.tokens_per_step / dt}
@@ -267,6 +270,10 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -136,17 +136,16 @@ def test_fsdp_per_block_forward_all_gathers_once_per_block_plus_root(fsdp_counts
 
 def test_fsdp_backward_reduce_scatters_once_per_group_and_regathers_only_when_resharded(fsdp_counts, tiny):
     n = tiny.n_layers
-    # reshard_after_forward=True frees each group after forward, so backward gathers it again. apply_fsdp
-    # passes the flag to the root too (FSDP2 keeps the root gathered only when the flag is left None),
-    # so the root's embedding/norm/head are re-gathered as well: n + 1 backward all-gathers, not n.
-    assert fsdp_counts["per_block"]["backward"] == {FSDP_ALL_GATHER: n + 1, FSDP_REDUCE_SCATTER: n + 1}
+    # reshard_after_forward=True frees each block after forward, so backward gathers each block again;
+    # the root (embedding, norm, head) stays gathered from its forward into its backward: n, not n + 1.
+    assert fsdp_counts["per_block"]["backward"] == {FSDP_ALL_GATHER: n, FSDP_REDUCE_SCATTER: n + 1}
     assert fsdp_counts["per_block_no_reshard"]["backward"] == {FSDP_REDUCE_SCATTER: n + 1}
 
 
 def test_fsdp_root_only_issues_one_all_gather_per_forward_and_one_reduce_scatter_per_backward(fsdp_counts):
     assert fsdp_counts["root_only"]["forward"] == {FSDP_ALL_GATHER: 1}
-    # + 1 all-gather: the root was resharded after forward (reshard_after_forward=True, see above).
-    assert fsdp_counts["root_only"]["backward"] == {FSDP_ALL_GATHER: 1, FSDP_REDUCE_SCATTER: 1}
+    # The root is never resharded between its forward and backward: no second all-gather.
+    assert fsdp_counts["root_only"]["backward"] == {FSDP_REDUCE_SCATTER: 1}
 
 
 def test_fsdp_optimizer_step_issues_no_collectives(fsdp_counts):
