@@ -122,6 +122,9 @@ class CheckpointManager:
         self._delta_s: float | None = None  # agreed blocking cost of the last save
         self._interval_steps: int | None = None  # auto mode: the current interval in steps
         self.last_plan: dict[str, Any] | None = None
+        # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
+        # and the auto interval must come out the same on every rank.
+        self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
         hosts = self._all_gather(platform.node(), self._ctl_pg)
         self.fingerprint = env_fingerprint(hosts=hosts)
 

@@ -1,4 +1,4 @@
-"""A small FSDP2 + TP + PP training loop that exercises CheckpointManager the way the trainer will.
+"""A small FSDP2 + TP + PP training loop (all imports at the top: forked ranks share them) that exercises CheckpointManager the way the trainer will.
 
 Randomness that touches the bits, so an RNG not restored shows up: the local batch rows are permuted
 with the torch RNG (seeded per dp rank), rolled by a NumPy draw, and the loss is scaled by
@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from checkpoint import CheckpointConfig, CheckpointManager, TrainState
 from jobs.events import EventLog
@@ -83,8 +88,6 @@ class Mesh:
 
 def _parallelize(model: Net, mesh_cfg: Mesh, rank: int):
     """PP split -> TP -> FSDP2 (the order of notes section 5); returns (model, mesh coords)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if mesh_cfg.world == 1:
         return model, None, {"pp": 0, "dp_shard": 0, "tp": 0}
     mesh = init_device_mesh("cpu", (mesh_cfg.pp, mesh_cfg.dp_shard, mesh_cfg.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
@@ -100,9 +103,6 @@ def _parallelize(model: Net, mesh_cfg: Mesh, rank: int):
         if coords["pp"] != mesh_cfg.pp - 1:
             model.output = None
     if mesh_cfg.tp > 1:
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
         plan: dict[str, Any] = {}
         if model.tok_embeddings is not None:
             plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -112,8 +112,6 @@ def _parallelize(model: Net, mesh_cfg: Mesh, rank: int):
         if model.output is not None:
             plan["output"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, mesh["tp"], plan)
-    from torch.distributed.fsdp import fully_shard
-
     dp_mesh = mesh["dp_shard"]
     for blk in model.layers.values():
         fully_shard(blk, mesh=dp_mesh, reshard_after_forward=mesh_cfg.pp == 1)
@@ -146,8 +144,6 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     pp_sched = None
     if mcfg.pp > 1:
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
         scale_box = [1.0]
         stage = PipelineStage(model, coords["pp"], mcfg.pp, torch.device("cpu"), group=dmesh.get_group("pp"))
         pp_sched = ScheduleGPipe(
