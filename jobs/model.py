@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jobs.config import ModelConfig
 
-__all__ = ["Transformer", "init_weights", "count_params"]
+__all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
 
 class RMSNorm(nn.Module):
@@ -161,11 +161,3 @@ def init_weights(model: Transformer, *, seed: int) -> None:
             param.copy_(full)
     model.init_buffers()
 
-
-def count_params(cfg: ModelConfig) -> int:
-    """Parameters of the full model, from the shapes alone."""
-    hd = cfg.dim // cfg.n_heads
-    attn = cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    per_layer = attn + ffn + 2 * cfg.dim
-    return 2 * cfg.vocab_size * cfg.dim + cfg.n_layers * per_layer + cfg.dim

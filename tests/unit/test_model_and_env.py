@@ -9,14 +9,18 @@ import torch
 
 from jobs.config import compose
 from jobs.env import DistEnv, _parse_hostlist, port_from_job_id
-from jobs.model import Transformer, count_params, full_init_tensor, init_weights
+from jobs.model import Transformer, full_init_tensor, init_weights
+from jobs.planning import count_params
 from jobs.trainer import lr_multiplier
 from parallel.pipeline import layer_ranges, stage_ids
 
 
-def test_count_params_matches_the_built_model() -> None:
-    cfg = compose([]).model
-    assert count_params(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
+@pytest.mark.parametrize("model", ["tiny", "llama3_8b"])
+def test_the_planners_param_count_matches_the_built_model(model: str) -> None:
+    cfg = compose([f"model={model}"]).model
+    with torch.device("meta"):
+        built = sum(p.numel() for p in Transformer(cfg).parameters())
+    assert count_params(cfg).total == built
 
 
 def test_init_is_a_function_of_seed_and_name_only() -> None:
