@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+         "REQUEUED"}  # a REQUEUED record is final; the attempt after it has its own record
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -31,7 +32,7 @@ def sacct(job_id: str, *, steps: bool = False) -> list[dict[str, str]]:
     return [dict(zip(cols.split(","), line.split("|"))) for line in out.splitlines() if line.strip()]
 
 
-def wait_final(job_id: str, *, count: int = 1, timeout: float = 240) -> list[dict[str, str]]:
+def wait_final(job_id: str, *, count: int = 1, timeout: float = 360) -> list[dict[str, str]]:
     """Polls sacct until `count` allocation records of the job are in a final state; returns them."""
     deadline = time.monotonic() + timeout
     recs: list[dict[str, str]] = []

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,24 @@ def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path,
     assert message in r.stderr and "submitted job" not in r.stdout
     assert jobs_submitted_between(before, after) == []  # nothing reached slurmctld in between
     assert not run_root.exists()
+
+
+def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir(run_root: Path) -> None:
+    sub = cli("jobs.train", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single",
+              "mesh.dp_shard=2", "train.steps=40", f"run.dir={run_root}")
+    assert sub.returncode == 0, sub.stderr
+    job = submitted_job_id(sub.stdout)
+    metrics = run_root / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):  # training, not still starting
+        assert time.monotonic() < deadline, sacct(job)
+        time.sleep(0.5)
+    # What Slurm sends before a time limit or on preemption (to the steps, as submitit expects).
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    recs = wait_final(job, count=2, timeout=300)
+    assert [r["State"] for r in recs] == ["REQUEUED", "COMPLETED"], recs
+    assert scontrol_job(job)["Restarts"] == "1"
+    log = (run_root / "slurm" / job / f"{job}_0_log.out").read_text()
+    assert f"job {job} restart 0 rank 0/2" in log and f"job {job} restart 1 rank 0/2" in log  # appended
+    assert f"run.dir {run_root}\n" in log.split(f"restart 1 rank 0/2", 1)[1]
+    assert max(json.loads(l)["restart"] for l in metrics.read_text().splitlines()) == 1
