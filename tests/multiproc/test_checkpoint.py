@@ -135,7 +135,7 @@ def test_environment_drift_is_reported_and_acted_on_per_policy(four_steps, tmp_p
     assert drift[0]["ranks"] == [0, 1]
 
 
-@pytest.mark.parametrize("mode", ["none", "thread", "process"])
+@pytest.mark.parametrize("mode", ["none", "thread", pytest.param("process", marks=pytest.mark.slow)])  # process: ~16 s spawn
 def test_every_async_mode_commits_checkpoints_that_resume_bitwise(four_steps, tmp_path, mode):
     _, ref_losses = four_steps
     first = _run(tmp_path, 2, async_mode=mode)
