@@ -5,6 +5,9 @@ Hydra stops here: `compose()` turns overrides into a plain `JobConfig`; nothing 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +166,12 @@ class JobConfig:
             f"launcher.nodes({self.launcher.nodes}) * "
             f"launcher.tasks_per_node({self.launcher.tasks_per_node})"
         )
+
+
+def config_hash(cfg: JobConfig) -> str:
+    """Hash of the resolved config, run.dir excluded (the same experiment may move or be resumed elsewhere)."""
+    resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "run"}
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def register_configs() -> None:

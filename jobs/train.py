@@ -6,7 +6,6 @@ written); `-m` sweeps and Hydra's own flags (`--cfg`, `--help`, ...) go through 
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -14,19 +13,13 @@ from jobs import exitcodes
 from jobs.config import JobConfig, compose, register_configs, to_job_config
 from jobs.log import setup_logging
 
-__all__ = ["main", "run", "config_hash"]
+__all__ = ["main", "run", "prepare_run_dir"]
 
 
 def config_yaml(cfg: JobConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def config_hash(cfg: JobConfig) -> str:
-    """Hash of the resolved config (run.dir excluded: the same experiment may move)."""
-    text = "\n".join(l for l in config_yaml(cfg).splitlines() if not l.startswith("  dir:"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def prepare_run_dir(cfg: JobConfig) -> Path:

@@ -8,11 +8,9 @@ LR schedule -> one scalar all-reduce for the loss -> a metrics line on rank 0.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from checkpoint import CheckpointManager, failures_in_ledger, job_mtbf_s
-from jobs.config import JobConfig, OptimConfig
+from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
+from jobs.config import JobConfig, OptimConfig, config_hash
 from jobs.env import DistEnv
 from jobs.events import EventLog, read_events
 from jobs.log import get_logger
@@ -33,22 +31,7 @@ from jobs.validate import Derived
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
 
-__all__ = ["Trainer", "TrainState", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
-
-
-@dataclass
-class TrainState:
-    """What the loop itself carries across steps (and checkpoints): the step is also the data cursor."""
-
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0
-    loss_tail: list[float] = field(default_factory=list)  # the last few logged losses
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen, self.loss_tail = int(sd["step"]), int(sd["tokens_seen"]), list(sd["loss_tail"])
+__all__ = ["Trainer", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -218,15 +201,13 @@ class Trainer:
         step_times: list[float] = []
         while st.step < cfg.steps:
             m = self.train_step(st.step)
-            st.step += 1
-            st.tokens_seen += self.derived.tokens_per_step
-            if st.step == 1 or len(step_times) == 0:
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {st.step + 1}; lower optim.lr or check the data")
+            st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
+            if not step_times:
                 self.events.emit("first_step", step=st.step, step_time_s=m["step_time_s"])
             step_times.append(m["step_time_s"])
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {st.step}; lower optim.lr or check the data")
             if st.step % cfg.log_every == 0 or st.step == cfg.steps:
-                st.loss_tail = (st.loss_tail + [m["loss"]])[-16:]
                 self._log_metrics(st.step, m, step_times)
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]):
                 self.ckpt.save(st.step)
@@ -259,11 +240,9 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
     failures, observed_s = failures_in_ledger(read_events(events.path))
     mtbf_s = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
                         nodes=env.nodes, failures_seen=failures, observed_s=observed_s)
-    resolved = {k: v for k, v in asdict(cfg).items() if k != "run"}
-    config_hash = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return CheckpointManager(
         Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
-        emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash},
+        emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
         total_steps=cfg.train.steps, mtbf_s=mtbf_s,
     )
 
