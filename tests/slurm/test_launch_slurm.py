@@ -104,11 +104,18 @@ def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path,
     assert not run_root.exists()
 
 
-def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir(run_root: Path) -> None:
-    sub = cli("jobs.train", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single",
-              "mesh.dp_shard=2", "train.steps=40", f"run.dir={run_root}")
-    assert sub.returncode == 0, sub.stderr
-    job = submitted_job_id(sub.stdout)
+def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wait_relays_it(run_root: Path) -> None:
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", "launcher=slurm", "launcher.wait=true", "launcher.nodes=2",
+         "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2", "train.steps=40", f"run.dir={run_root}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert waiting.stdout is not None
+    head = ""
+    while "submitted job" not in head:
+        line = waiting.stdout.readline()
+        assert line, head  # the CLI ended before submitting
+        head += line
+    job = submitted_job_id(head)
     metrics = run_root / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().strip()):  # training, not still starting
@@ -121,5 +128,10 @@ def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir(run_root:
     assert scontrol_job(job)["Restarts"] == "1"
     log = (run_root / "slurm" / job / f"{job}_0_log.out").read_text()
     assert f"job {job} restart 0 rank 0/2" in log and f"job {job} restart 1 rank 0/2" in log  # appended
-    assert f"run.dir {run_root}\n" in log.split(f"restart 1 rank 0/2", 1)[1]
+    assert f"run.dir {run_root}\n" in log.split("restart 1 rank 0/2", 1)[1]
     assert max(json.loads(l)["restart"] for l in metrics.read_text().splitlines()) == 1
+    # launcher.wait=true followed it all and exits with the job's outcome.
+    out = waiting.communicate(timeout=60)[0]
+    assert waiting.returncode == 0, out
+    assert f"job {job}: RUNNING (restart 1)" in out and f"job {job}: COMPLETED" in out, out
+    assert "step=40 " in out, out
