@@ -262,14 +262,18 @@ class SweepPoint:
 
 
 def _feasibility(cfg: JobConfig) -> str | None:
-    """Why a point cannot work (the login-node checks), or None."""
+    """Why a point cannot work (the login-node checks, then the planner's analytic checks: memory per
+    rank, tp within the NVLink domain, checkpoint cost, goodput), or None."""
+    from jobs.plan import check
+
     if cfg.launcher.name != "slurm":
         return f"launcher={cfg.launcher.name}: a Slurm sweep holds only launcher=slurm points"
     try:
         _login_checks(cfg)
     except ValueError as e:
         return str(e)
-    return None
+    failed = [c for c in check(cfg) if not c.ok]
+    return "; ".join(f"{c.name}: {c.why}" for c in failed) or None
 
 
 def _resources(cfg: JobConfig) -> tuple:
