@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_helpers import REPO
+from tests.slurm.slurm_helpers import REPO
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_helpers import REPO, cli, jobs_submitted_between, next_job_id, sacct, scontrol_job, submitted_job_id, wait_final
+from tests.slurm.slurm_helpers import REPO, cli, jobs_submitted_between, next_job_id, sacct, scontrol_job, submitted_job_id, wait_final
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
