@@ -1,0 +1,73 @@
+"""The local launcher: a rank that dies takes the others down, and the launcher says which and how."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import exitcodes
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.multiproc
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
+
+
+def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=10000", f"data.path={data_path}",
+         "checkpoint.enabled=false", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=4", "launcher.tasks_per_node=4"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for_step(run_dir / "metrics.jsonl", 2, proc, timeout=240)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 4, ranks
+        victim = ranks[2]  # forked in rank order: rank 2
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.RANK_DIED, err[-3000:]
+    assert f"rank 2 (pid {victim}) was killed by SIGKILL; stopping the other 3 ranks" in out + err
+    for pid in ranks:  # every rank is gone (reaped by the launcher), none left training
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_rank_that_raises_fails_the_run_with_its_exit_code(tmp_path: Path, data_path: str) -> None:
+    # A data file that does not match the model is refused on the launcher before any rank starts,
+    # so break the run inside the ranks instead: a NaN learning rate makes the first loss non-finite.
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=5", f"data.path={data_path}",
+         "checkpoint.enabled=false", "mesh=single", "launcher.tasks_per_node=1", "optim.lr=1e30",
+         "optim.grad_clip=0", "optim.warmup_steps=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert p.returncode == exitcodes.FAILED, p.stderr[-3000:]
+    assert "lower optim.lr" in p.stdout + p.stderr
+    failures = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()
+                if json.loads(l)["kind"] == "failure"]
+    assert failures and failures[0]["cls"] == "nan_loss"
