@@ -75,6 +75,7 @@ class TrainConfig:
     micro_batch: int = 2  # samples per microbatch on one dp rank
     seq_len: int = 32  # tokens per sample
     log_every: int = 1  # log metrics every N steps (and at the last step)
+    deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
 
 
 @dataclass

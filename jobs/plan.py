@@ -526,22 +526,14 @@ def _readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> 
                  "answer": f"job MTBF {ckpt['mtbf_s'] / 3600:.2f} h; save every {ckpt['interval_s']:.0f} s "
                            f"({ckpt['policy']}); restart {ckpt['restart_s']:.0f} s; lose ~{ckpt['lost_work_per_failure_s']:.0f} s "
                            f"of work per failure; expected goodput {goodput:.3f}"})
-    det = getattr(cfg.train, "deterministic", None)
-    if det is None:
-        rows.append({"question": "will it resume bit-exactly?", "status": "unknown",
-                     "answer": f"train.seed={cfg.train.seed}; the config has no determinism switch yet (train.deterministic), "
-                               "so bitwise resume is not guaranteed by config"})
-    else:
-        rows.append({"question": "will it resume bit-exactly?", "status": "ok" if det else "warn",
-                     "answer": f"train.deterministic={det}, train.seed={cfg.train.seed}"})
-    tel = getattr(cfg, "telemetry", None)
-    if tel is None:
-        rows.append({"question": "will a straggler be seen?", "status": "unknown",
-                     "answer": "no telemetry config group yet: per-rank phase timings are not configured"})
-    else:
-        on = getattr(tel, "enabled", True)
-        rows.append({"question": "will a straggler be seen?", "status": "ok" if on else "warn",
-                     "answer": f"telemetry.enabled={on}"})
+    det = cfg.train.deterministic
+    rows.append({"question": "will it resume bit-exactly?", "status": "ok" if det and cfg.checkpoint.enabled else "warn",
+                 "answer": f"train.deterministic={det}, train.seed={cfg.train.seed}; checkpoints restore every RNG "
+                           "and the data cursor: bitwise on the same mesh, fp32-close on another"
+                           + ("" if cfg.checkpoint.enabled else "; checkpoint.enabled=false: nothing to resume from")})
+    rows.append({"question": "will a straggler be seen?", "status": "unknown",
+                 "answer": "per-rank step times are not collected yet (only rank 0's metrics.jsonl): a slow rank "
+                           "shows only as a slower step for everyone"})
     drift = cfg.checkpoint.on_env_drift
     rows.append({"question": "is the environment pinned?", "status": {"refuse": "ok", "warn": "warn"}.get(drift, "fail"),
                  "answer": f"checkpoint.on_env_drift={drift}: a resume with a different environment fingerprint is "

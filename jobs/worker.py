@@ -33,6 +33,9 @@ def run_rank(cfg: JobConfig, env: DistEnv) -> int:
         return exitcodes.CONFIG_ERROR
     threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
+    if cfg.train.deterministic and torch.cuda.is_available():  # bitwise resume needs deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     trainer = None
