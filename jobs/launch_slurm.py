@@ -186,7 +186,11 @@ def submit(cfg: JobConfig) -> int:
         return exitcodes.ENV_ERROR
     run_dir = _prepare(cfg)
     folder = run_dir / "slurm"
-    job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmRank(cfg))
+    try:
+        job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmRank(cfg))
+    except submitit.core.utils.FailedJobError as e:
+        print(f"error: sbatch refused the job (run dir {run_dir} kept): {str(e).strip()}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
     out = folder / job.job_id
     print(f"submitted job {job.job_id}: {cfg.world_size} ranks ({cfg.world_size_expr}), "
           f"cluster={cfg.cluster.name}")
@@ -308,8 +312,11 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
         first = group[0].cfg
         folder = sweep_dir / "slurm"
         ex = make_executor(first, folder / "%j", job_name=f"meshjob-sweep-{sweep_dir.name}")
-        with ex.batch():
-            jobs = [ex.submit(SlurmRank(p.cfg)) for p in group]
+        try:
+            with ex.batch():
+                jobs = [ex.submit(SlurmRank(p.cfg)) for p in group]
+        except submitit.core.utils.FailedJobError as e:
+            raise RuntimeError(f"sbatch refused the array job: {str(e).strip()}") from None
         for p, job in zip(group, jobs):
             p.job_id = job.job_id
             link = Path(p.run_dir) / "slurm"

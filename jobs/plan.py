@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from jobs import exitcodes
-from jobs.config import JobConfig, compose, register_configs, to_job_config
+from jobs.config import JobConfig
 from jobs import planning as P
 
 __all__ = ["Check", "Plan", "check", "build_plan", "main", "validate_for_planning"]
@@ -639,38 +639,10 @@ def run(cfg: JobConfig) -> int:
     return exitcodes.FAILED if failed else exitcodes.OK
 
 
-def _hydra_main() -> None:
-    import hydra
-
-    register_configs()
-
-    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-    def _task(dcfg) -> int:
-        from hydra.core.hydra_config import HydraConfig
-
-        code = run(to_job_config(dcfg))
-        if code and HydraConfig.get().mode.name != "MULTIRUN":  # a sweep plans every point
-            raise SystemExit(code)
-        return code
-
-    _task()
-
-
 def main(argv: list[str] | None = None) -> int:
-    from jobs.train import _HYDRA_FLAGS
+    from jobs.cli import main_for
 
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
-        _hydra_main()
-        return exitcodes.OK
-    try:
-        cfg = compose(argv)
-    except Exception as e:  # Hydra/OmegaConf composition errors: unknown key, wrong type, missing group
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
-            raise
-        print(f"config error: {e}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    return run(cfg)
+    return main_for(run, argv, sweep_continues=True)  # a sweep plans every point
 
 
 if __name__ == "__main__":

@@ -143,18 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", help="write the script here (and create RUN_DIR/slurm) instead of stdout")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m jobs.train")
     args = parser.parse_args(argv)
-    from jobs.config import compose
+    from jobs.cli import compose_or_report
     from jobs.launch_slurm import check_slurm_config
     from jobs.validate import validate
 
     overrides = list(args.overrides)
+    cfg = compose_or_report(overrides)
+    if cfg is None:
+        return exitcodes.CONFIG_ERROR
     try:
-        cfg = compose(overrides)
         validate(cfg)
         check_slurm_config(cfg)
-    except Exception as e:  # noqa: BLE001 - ValueError from validation or any Hydra composition error
-        if not isinstance(e, ValueError) and type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
-            raise
+    except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     # Pin run.dir: `${now:...}` would otherwise resolve differently on every rank.

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.config import JobConfig, compose, register_configs, to_job_config
+from jobs.cli import main_for
+from jobs.config import JobConfig
 from jobs.log import setup_logging
 
 __all__ = ["main", "run", "prepare_run_dir"]
@@ -69,45 +70,8 @@ def run(cfg: JobConfig) -> int:
     return code
 
 
-_HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
-                "--resolve", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                "--config-dir", "-cd", "--shell-completion", "-sc", "--run", "-r")
-
-
-def _hydra_main() -> None:
-    import hydra
-
-    register_configs()
-    try:
-        from jobs.launch_slurm import register_hydra_launcher
-    except ImportError:
-        pass
-    else:
-        register_hydra_launcher()
-
-    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-    def _task(dcfg) -> int:
-        code = run(to_job_config(dcfg))
-        if code:
-            raise SystemExit(code)
-        return code
-
-    _task()
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
-        _hydra_main()
-        return exitcodes.OK
-    try:
-        cfg = compose(argv)
-    except Exception as e:  # Hydra/OmegaConf composition errors: unknown key, wrong type, missing group
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
-            raise
-        print(f"config error: {e}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    return run(cfg)
+    return main_for(run, argv)
 
 
 if __name__ == "__main__":
