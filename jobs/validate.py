@@ -116,15 +116,6 @@ def validate(cfg: JobConfig) -> Derived:
     for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
-    ck = cfg.checkpoint
-    if ck.async_mode not in ("none", "thread", "process"):
-        raise ValueError(f"checkpoint.async_mode={ck.async_mode!r} is not one of none, thread, process")
-    if ck.interval not in ("steps", "auto"):
-        raise ValueError(f"checkpoint.interval={ck.interval!r} is not one of steps, auto")
-    if ck.keep < 2:
-        raise ValueError(f"checkpoint.keep({ck.keep}) must be >= 2 so a damaged newest checkpoint has a fallback")
-    if ck.on_env_drift not in ("warn", "refuse", "allow"):
-        raise ValueError(f"checkpoint.on_env_drift={ck.on_env_drift!r} is not one of warn, refuse, allow")
     return Derived(
         dims=dims,
         microbatches=microbatches,

@@ -77,7 +77,8 @@ def test_cli_refuses_bad_mesh_before_any_process_starts(tmp_path: Path) -> None:
     assert "[rank" not in r.stdout + r.stderr  # no rank was started
 
 
-@pytest.mark.parametrize("override,needle", [("mesh.tpp=2", "tpp"), ("mesh.tp=two", "tp"), ("model=gpt5", "gpt5")])
+@pytest.mark.parametrize("override,needle", [("mesh.tpp=2", "tpp"), ("mesh.tp=two", "tp"), ("model=gpt5", "gpt5"),
+                                             ("checkpoint.keep=1", "checkpoint.keep(1) must be >= 2")])
 def test_cli_refuses_unknown_keys_wrong_types_and_missing_options(tmp_path: Path, override: str, needle: str) -> None:
     run_dir = tmp_path / "run"
     r = run_train([override], run_dir, timeout=120)
