@@ -1,8 +1,8 @@
 """The training loop, the file a newcomer reads first: build -> (resume) -> step -> log -> checkpoint.
 
 One step: this dp rank's slice of the global batch -> forward/backward (through the pipeline
-schedule when mesh.pp > 1, else microbatch accumulation) -> global grad-norm clip -> AdamW +
-LR schedule -> one scalar all-reduce for the loss -> a metrics line on rank 0.
+schedule when mesh.pp > 1, else microbatch accumulation) -> one all-reduce for the global loss
+and grad norm -> clip -> AdamW + LR schedule -> a metrics line on rank 0 -> a checkpoint when due.
 """
 
 from __future__ import annotations
