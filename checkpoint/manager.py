@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -116,6 +118,10 @@ class CheckpointManager:
         self._ctl_pg = dist.new_group(backend="gloo") if self._dist else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
         self._pending: Future | None = None
+        # Async modes stage into CPU buffers allocated once and reused by every later save (a fresh
+        # deep copy per save was most of save()'s blocking time). Safe to reuse: save() waits for the
+        # previous save to finish writing before staging the next one.
+        self._stager = _ReusedStager() if cfg.async_mode != "none" else None
         self._bound: dict[str, Any] | None = None
         self._last_save_step = 0
         self._step_times: list[float] = []
@@ -224,9 +230,12 @@ class CheckpointManager:
             self._last_save_step = step
             self._commit(step, tmp, final, None, err, t0, None)
             blocking = time.perf_counter() - t0
+            if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in the background
+                self._pending = self._pool.submit(self._retain)
         else:
             kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(sd, storage_writer=writer, process_group=self._io_pg, async_checkpointer_type=kind)
+            resp = dcp.async_save(sd, storage_writer=writer, process_group=self._io_pg, async_checkpointer_type=kind,
+                                  async_stager=self._stager)
             fut = getattr(resp, "upload_completion", resp)
             blocking = time.perf_counter() - t0
             self._last_save_step = step
@@ -245,6 +254,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._stager = None  # frees the staging buffers
             for pg in (self._io_pg, self._ctl_pg):
                 if pg is not None and dist.is_initialized():
                     dist.destroy_process_group(pg)
@@ -252,7 +262,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ state
 
-    def _state_dict(self, metadata_keys: set[str] | None = None) -> dict[str, Any]:
+    def _state_dict(self, metadata_keys: set[str] | None = None,
+                    part_keys: list[list[str]] | None = None) -> dict[str, Any]:
         b = self._bound
         assert b is not None
         model: dict[str, Any] = {}
@@ -261,6 +272,8 @@ class CheckpointManager:
             dup = model.keys() & sd.keys()
             assert not dup, f"model parts share keys {sorted(dup)[:3]}"
             model.update(sd)
+            if part_keys is not None:
+                part_keys.append(list(sd))
         optim: dict[str, Any] = {}
         for part, opt in zip(b["model_parts"], b["optimizers"]):
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTS))
@@ -282,10 +295,10 @@ class CheckpointManager:
         assert b is not None
         md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
         same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get("mesh")
-        sd = self._state_dict(md_keys)
+        part_keys: list[list[str]] = []
+        sd = self._state_dict(md_keys, part_keys)
         if not same_mesh:
             sd.pop("rng", None)
-        part_keys = [list(get_model_state_dict(p, options=_OPTS)) for p in b["model_parts"]]
         dcp.load(sd, checkpoint_id=str(d), process_group=self._ctl_pg)
         for part, keys in zip(b["model_parts"], part_keys):
             set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)
@@ -339,7 +352,7 @@ class CheckpointManager:
         self._emit("checkpoint_saved", step=step, path=str(final), bytes=result["bytes"], files=result["files"],
                    blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
                    async_mode=self.cfg.async_mode)
-        if self.rank == 0:
+        if self.rank == 0 and self.cfg.async_mode != "none":
             self._retain()
 
     def _commit_rank0(self, step: int, tmp: Path, final: Path, gathered: list[Any]) -> dict[str, Any]:
@@ -505,6 +518,19 @@ class CheckpointManager:
     def _barrier(self, pg: Any) -> None:
         if self._dist:
             dist.barrier(group=pg)
+
+
+class _ReusedStager(BlockingAsyncStager):
+    """Stages into CPU buffers made on the first save and reused after (pinned only where CUDA is).
+    Non-tensor values (the pickled train state, RNG, scheduler) are taken fresh each time."""
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
 def _describe(e: BaseException, folder: Path) -> str:

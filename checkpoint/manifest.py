@@ -39,17 +39,33 @@ def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
     try:
         os.fsync(fd)
         size = os.fstat(fd).st_size
-        crc = 0
-        if checksum:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
+        crc = _crc32_fd(fd) if checksum else 0
     finally:
         os.close(fd)
     rec: dict[str, Any] = {"size": size}
     if checksum:
         rec["crc32"] = f"{crc:08x}"
     return rec
+
+
+def _crc32_fd(fd: int) -> int:
+    """crc32 of the whole file, read into one reused buffer (zlib releases the GIL on it)."""
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    crc, off = 0, 0
+    while n := os.preadv(fd, [buf], off):
+        crc = zlib.crc32(view[:n], crc)
+        off += n
+    return crc
+
+
+def _crc32_path(path: Path) -> str:
+    """The crc32 of a file as the manifest writes it; reading only (verification needs no fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return f"{_crc32_fd(fd):08x}"
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -117,7 +133,7 @@ def check_files(step_dir: Path, files: dict[str, dict[str, Any]], names: list[st
             problems.append(f"{name} has {size} bytes, manifest says {want['size']} (truncated?)")
             continue
         if checksum and "crc32" in want:
-            got = file_record(p, checksum=True)["crc32"]
+            got = _crc32_path(p)
             if got != want["crc32"]:
                 problems.append(f"{name} crc32 {got} != manifest {want['crc32']}")
     return problems
