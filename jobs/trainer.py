@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -141,6 +142,11 @@ class Trainer:
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
+        self.stop_signal: int | None = None  # set by the signal handler; acted on at a step boundary
+
+    def _on_stop_signal(self, signum: int, _frame) -> None:
+        """USR2 (Slurm's warning before a time limit or preemption): only set a flag, nothing else."""
+        self.stop_signal = signum
 
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
@@ -174,10 +180,14 @@ class Trainer:
         local_loss = self.forward_backward(inputs, targets)
         if not self.derived.dims.fsdp_enabled:
             _replicate_partial_grads(self.parts)
-        # One world all-reduce for both scalars: a stage's squared grad norm is held alike by its
-        # world/pp ranks, and only the last stage holds a loss (alike on each dp slice's tp ranks).
-        totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(())])
+        # One world all-reduce: a stage's squared grad norm is held alike by its world/pp ranks, only
+        # the last stage holds a loss (alike on each dp slice's tp ranks), and any rank's stop flag
+        # makes every rank stop after this same step.
+        stop = 1.0 if self.stop_signal is not None else 0.0
+        totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(()),
+                              torch.tensor(stop, dtype=torch.float64)])
         dist.all_reduce(totals)
+        stop_agreed = bool(totals[2] > 0)
         totals /= self.env.world_size // self.derived.dims.pp
         grad_norm, loss = math.sqrt(float(totals[0])), float(totals[1])
         clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
@@ -188,10 +198,12 @@ class Trainer:
             sched.step()
         dt = time.perf_counter() - t0
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.derived.tokens_per_step / dt}
+                "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop_agreed}
 
-    def fit(self) -> None:
+    def fit(self) -> bool:
+        """Trains to train.steps; returns False when stopped early by a signal (after saving)."""
         cfg, st = self.cfg.train, self.state
+        signal.signal(signal.SIGUSR2, self._on_stop_signal)
         # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0.
         self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
                               lr_schedulers=self.lr_schedulers, train_state=st)
@@ -201,6 +213,7 @@ class Trainer:
         step_times: list[float] = []
         while st.step < cfg.steps:
             m = self.train_step(st.step)
+            stop = m.pop("stop")
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {st.step + 1}; lower optim.lr or check the data")
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
@@ -209,10 +222,17 @@ class Trainer:
             step_times.append(m["step_time_s"])
             if st.step % cfg.log_every == 0 or st.step == cfg.steps:
                 self._log_metrics(st.step, m, step_times)
-            if self.ckpt.due(st.step, step_time_s=m["step_time_s"]):
+            stop = stop and st.step < cfg.steps  # a signal during the last step changes nothing
+            if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
                 self.ckpt.save(st.step)
+            if stop:
+                self.ckpt.wait()  # committed before the job lets go of its nodes
+                self.events.emit("stop_requested", step=st.step, received=self.stop_signal is not None,
+                                 action="checkpoint saved; exiting to be requeued")
+                return False
         self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
+        return True
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         if self.env.rank != 0:

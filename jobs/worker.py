@@ -51,8 +51,7 @@ def run_rank(cfg: JobConfig, env: DistEnv) -> int:
         from jobs.trainer import Trainer
 
         trainer = Trainer(cfg, derived, env, events=events)
-        trainer.fit()
-        return exitcodes.OK
+        return exitcodes.OK if trainer.fit() else exitcodes.REQUEUE
     except FloatingPointError as e:
         log.error("%s", e)
         events.emit("failure", cls="nan_loss", error=str(e))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs import exitcodes
-from tests.conftest import REPO
+from tests.conftest import REPO, run_train
 
 pytestmark = pytest.mark.multiproc
 
@@ -71,3 +71,37 @@ def test_a_rank_that_raises_fails_the_run_with_its_exit_code(tmp_path: Path, dat
     failures = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()
                 if json.loads(l)["kind"] == "failure"]
     assert failures and failures[0]["cls"] == "nan_loss"
+
+
+def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_path: Path, data_path: str) -> None:
+    # USR2 is what Slurm sends before a time limit or on preemption. Every rank only sets a flag; the
+    # ranks agree in the step's all-reduce, save that step, and exit 75 (REQUEUE).
+    common = ["train.steps=12", f"data.path={data_path}", "mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=2",
+              "launcher.tasks_per_node=4"]
+    ref = run_train(common, tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run_dir / "metrics.jsonl", 3, proc, timeout=240)
+        os.kill(_children(proc.pid)[1], signal.SIGUSR2)  # one rank is enough: the flag is agreed on
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.REQUEUE, err[-3000:]
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    stops = [e for e in events if e["kind"] == "stop_requested"]
+    assert len(stops) == 4 and len({e["step"] for e in stops}) == 1  # all ranks, the same step
+    assert [e["rank"] for e in stops if e["received"]] == [1]
+    stop_step = stops[0]["step"]
+    assert 3 <= stop_step < 12
+    assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
+
+    rerun = run_train(common, run_dir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    losses = {m["step"]: m["loss"] for m in rerun.metrics()}  # the last line of a step wins
+    assert sorted(losses) == list(range(1, 13))
+    assert [losses[s] for s in range(1, 13)] == ref.losses()  # bitwise: same mesh, RNG restored

@@ -104,7 +104,7 @@ def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path,
     assert not run_root.exists()
 
 
-def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wait_relays_it(run_root: Path) -> None:
+def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wait_relays_it(run_root: Path) -> None:
     waiting = subprocess.Popen(
         [sys.executable, "-m", "jobs.train", "launcher=slurm", "launcher.wait=true", "launcher.nodes=2",
          "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2", "train.steps=40", f"run.dir={run_root}"],
@@ -130,6 +130,14 @@ def test_usr2_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wai
     assert f"job {job} restart 0 rank 0/2" in log and f"job {job} restart 1 rank 0/2" in log  # appended
     assert f"run.dir {run_root}\n" in log.split("restart 1 rank 0/2", 1)[1]
     assert max(json.loads(l)["restart"] for l in metrics.read_text().splitlines()) == 1
+    # The ranks saved at the step boundary after the signal, and the requeued run resumed from there.
+    events = [json.loads(l) for l in (run_root / "events.jsonl").read_text().splitlines()]
+    (stop_step,) = {e["step"] for e in events if e["kind"] == "stop_requested"}
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert [(e["step"], e["restart"]) for e in loaded] == [(stop_step, 1)], loaded
+    first_restart_step = min(json.loads(l)["step"] for l in metrics.read_text().splitlines()
+                             if json.loads(l)["restart"] == 1)
+    assert first_restart_step == stop_step + 1  # no step trained twice, none lost
     # launcher.wait=true followed it all and exits with the job's outcome.
     out = waiting.communicate(timeout=60)[0]
     assert waiting.returncode == 0, out
