@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import signal
 import statistics
@@ -127,17 +128,20 @@ def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
             sched.step()
 
-    def loss_reduce(local_loss):
-        loss = local_loss.detach().float().reshape(())
-        dist.all_reduce(loss)
-        return float(loss)
+    def reduce_totals(local_loss):  # the step's one all-reduce: grad norm, loss, stop flag
+        totals = torch.stack([trainer_mod.stage_grad_sq_norm(tr.parts), local_loss.detach().double().reshape(()),
+                              torch.zeros((), dtype=torch.float64)])
+        dist.all_reduce(totals)
+        totals /= tr.env.world_size // tr.derived.dims.pp
+        return math.sqrt(float(totals[0]))
 
     inputs, targets = part("data", lambda: tr.data.batch(step))
     local_loss = part("forward_backward", lambda: tr.forward_backward(inputs, targets))
-    part("replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
-    part("clip_grad_norm", lambda: trainer_mod.clip_grad_norm(tr.parts, tr.cfg.optim.grad_clip, pp_group=tr.pp_group))
+    if not tr.derived.dims.fsdp_enabled:
+        part("replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
+    grad_norm = part("grad_norm_loss_all_reduce", lambda: reduce_totals(local_loss))
+    part("clip", lambda: trainer_mod.clip_grads_(tr.parts, max_norm=tr.cfg.optim.grad_clip, total_norm=grad_norm))
     part("optimizer_lr", optimizer_lr)
-    part("loss_reduce", lambda: loss_reduce(local_loss))
     return out
 
 
@@ -208,7 +212,7 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         mx = _slowest([row[k] for row in rows for k in keys])  # max over ranks, per (step, phase)
         phases = {k: statistics.median(mx[i::len(keys)]) for i, k in enumerate(keys)}
         # What the trainer adds to the bare step (the bare loop has data, forward_backward and AdamW).
-        phases["extras"] = phases["replicate_partial_grads"] + phases["clip_grad_norm"] + phases["loss_reduce"]
+        phases["extras"] = sum(phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip"))
     tr.close()
     bare.close()
     if env.rank != 0:
