@@ -155,6 +155,8 @@ class CheckpointManager:
             "lr_schedulers": list(lr_schedulers),
             "train_state": train_state,
         }
+        if self._stager is not None:
+            self._stager.state_dict_cache = None  # new objects bound: staging buffers are made anew
         if not self.cfg.enabled:
             return 0
         t0 = time.perf_counter()
