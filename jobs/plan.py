@@ -65,26 +65,11 @@ def validate_for_planning(cfg: JobConfig):
         )
     if mesh.cp <= 1 and mesh.ep <= 1:
         return validate(cfg), notes
+    from parallel.dims import ParallelDims
+
     world = cfg.world_size
-    for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
-        if getattr(mesh, axis) < 1:
-            raise ValueError(f"mesh.{axis}({getattr(mesh, axis)}) must be >= 1")
-    others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
-    dp_shard = mesh.dp_shard
-    if dp_shard == -1:
-        if world % others:
-            raise ValueError(
-                f"mesh.dp_shard=-1 cannot be inferred: world size {world} ({cfg.world_size_expr}) is not divisible by "
-                f"mesh.pp({mesh.pp}) * mesh.dp_replicate({mesh.dp_replicate}) * mesh.cp({mesh.cp}) * "
-                f"mesh.tp({mesh.tp}) = {others}; change those degrees or the world size"
-            )
-        dp_shard = world // others
-    if others * dp_shard != world:
-        raise ValueError(
-            f"mesh.pp({mesh.pp}) * mesh.dp_replicate({mesh.dp_replicate}) * mesh.dp_shard({dp_shard}) * "
-            f"mesh.cp({mesh.cp}) * mesh.tp({mesh.tp}) = {others * dp_shard} != world size {world} "
-            f"({cfg.world_size_expr}); make the product equal the world size (mesh.dp_shard=-1 fills the rest)"
-        )
+    dp_shard = ParallelDims.from_config(mesh, world_size=world, world_size_expr=cfg.world_size_expr,
+                                        training=False).dp_shard
     if mesh.cp > 1:
         if t.seq_len % (2 * mesh.cp):
             raise ValueError(

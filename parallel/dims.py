@@ -36,8 +36,11 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, mesh: MeshConfig, *, world_size: int, world_size_expr: str = "") -> "ParallelDims":
-        """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic."""
+    def from_config(cls, mesh: MeshConfig, *, world_size: int, world_size_expr: str = "",
+                    training: bool = True) -> "ParallelDims":
+        """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
+
+        `training=False` (the planner) accepts mesh.cp > 1 and mesh.ep > 1, which training refuses."""
         where = f" ({world_size_expr})" if world_size_expr else ""
         for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
             v = getattr(mesh, axis)
@@ -45,12 +48,12 @@ class ParallelDims:
                 raise ValueError(f"mesh.{axis}({v}) must be >= 1")
         if mesh.dp_shard < 1 and mesh.dp_shard != -1:
             raise ValueError(f"mesh.dp_shard({mesh.dp_shard}) must be >= 1, or -1 for the ranks left over")
-        if mesh.cp > 1:
+        if training and mesh.cp > 1:
             raise ValueError(
                 f"mesh.cp({mesh.cp}) > 1: context parallel is not built yet (torch's ring attention needs "
                 "CUDA SDPA kernels); set mesh.cp=1"
             )
-        if mesh.ep > 1:
+        if training and mesh.ep > 1:
             raise ValueError(f"mesh.ep({mesh.ep}) > 1: expert parallel is not built yet; set mesh.ep=1")
         others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
         dp_shard = mesh.dp_shard
