@@ -30,10 +30,6 @@ class DistEnv:
     job_id: str | None = None  # Slurm job id (ARRAY_TASK form for array elements), None locally
     hostname: str = ""
 
-    @property
-    def is_slurm(self) -> bool:
-        return self.job_id is not None
-
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
         """Reads the launcher's contract: Slurm's variables when inside a Slurm step, torch's otherwise."""

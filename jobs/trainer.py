@@ -174,31 +174,42 @@ class Trainer:
             total += _whole(loss).detach()
         return total / n_micro
 
-    def train_step(self, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        inputs, targets = self.data.batch(step)
-        local_loss = self.forward_backward(inputs, targets)
-        if not self.derived.dims.fsdp_enabled:
-            _replicate_partial_grads(self.parts)
-        # One world all-reduce: a stage's squared grad norm is held alike by its world/pp ranks, only
-        # the last stage holds a loss (alike on each dp slice's tp ranks), and any rank's stop flag
-        # makes every rank stop after this same step.
+    def reduce_totals(self, local_loss: torch.Tensor) -> tuple[float, float, bool]:
+        """The step's one world all-reduce: (global grad norm, global loss, stop agreed).
+
+        A stage's squared grad norm is held alike by its world/pp ranks, only the last stage holds a
+        loss (alike on each dp slice's tp ranks), and any rank's stop flag stops every rank after
+        this same step.
+        """
         stop = 1.0 if self.stop_signal is not None else 0.0
         totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(()),
                               torch.tensor(stop, dtype=torch.float64)])
         dist.all_reduce(totals)
         stop_agreed = bool(totals[2] > 0)
         totals /= self.env.world_size // self.derived.dims.pp
-        grad_norm, loss = math.sqrt(float(totals[0])), float(totals[1])
-        clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
+        return math.sqrt(float(totals[0])), float(totals[1]), stop_agreed
+
+    def optimizer_step(self) -> float:
+        """AdamW and the LR schedule on every model part; returns the learning rate the step used."""
         lr = self.lr_schedulers[0].get_last_lr()[0]
         for opt, sched in zip(self.optimizers, self.lr_schedulers):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        return lr
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        inputs, targets = self.data.batch(step)
+        local_loss = self.forward_backward(inputs, targets)
+        if not self.derived.dims.fsdp_enabled:
+            _replicate_partial_grads(self.parts)
+        grad_norm, loss, stop = self.reduce_totals(local_loss)
+        clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
+        lr = self.optimizer_step()
         dt = time.perf_counter() - t0
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop_agreed}
+                "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop}
 
     def fit(self) -> bool:
         """Trains to train.steps; returns False when stopped early by a signal (after saving)."""

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import ctypes
 import json
-import math
 import os
 import signal
 import statistics
@@ -107,58 +106,39 @@ class BareLoop:
         self.data.close()
 
 
-def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
-    """Trainer.train_step's body (as of this commit) with a clock around each part; keep it in step with it.
+def _timed_part(out: dict[str, float], name: str, fn):
+    """Runs `fn` after a barrier and records its time under `name`.
 
-    A barrier before each part keeps the pipeline's rank skew out of the part that follows
-    forward/backward (its first collective would otherwise absorb the wait for the slowest stage).
+    The barrier keeps the pipeline's rank skew out of the part that follows forward/backward (its
+    first collective would otherwise absorb the wait for the slowest stage).
     """
+    dist.barrier()
+    t0 = time.perf_counter()
+    r = fn()
+    out[name] = time.perf_counter() - t0
+    return r
+
+
+def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
+    """Trainer.train_step's parts (the same Trainer methods it calls), each timed."""
     out: dict[str, float] = {}
-
-    def part(name, fn):
-        dist.barrier()
-        t0 = time.perf_counter()
-        r = fn()
-        out[name] = time.perf_counter() - t0
-        return r
-
-    def optimizer_lr():
-        for opt, sched in zip(tr.optimizers, tr.lr_schedulers):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-
-    def reduce_totals(local_loss):  # the step's one all-reduce: grad norm, loss, stop flag
-        totals = torch.stack([trainer_mod.stage_grad_sq_norm(tr.parts), local_loss.detach().double().reshape(()),
-                              torch.zeros((), dtype=torch.float64)])
-        dist.all_reduce(totals)
-        totals /= tr.env.world_size // tr.derived.dims.pp
-        return math.sqrt(float(totals[0]))
-
-    inputs, targets = part("data", lambda: tr.data.batch(step))
-    local_loss = part("forward_backward", lambda: tr.forward_backward(inputs, targets))
+    inputs, targets = _timed_part(out, "data", lambda: tr.data.batch(step))
+    local_loss = _timed_part(out, "forward_backward", lambda: tr.forward_backward(inputs, targets))
     if not tr.derived.dims.fsdp_enabled:
-        part("replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
-    grad_norm = part("grad_norm_loss_all_reduce", lambda: reduce_totals(local_loss))
-    part("clip", lambda: trainer_mod.clip_grads_(tr.parts, max_norm=tr.cfg.optim.grad_clip, total_norm=grad_norm))
-    part("optimizer_lr", optimizer_lr)
+        _timed_part(out, "replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
+    grad_norm, _, _ = _timed_part(out, "grad_norm_loss_all_reduce", lambda: tr.reduce_totals(local_loss))
+    _timed_part(out, "clip", lambda: trainer_mod.clip_grads_(tr.parts, max_norm=tr.cfg.optim.grad_clip,
+                                                         total_norm=grad_norm))
+    _timed_part(out, "optimizer_lr", tr.optimizer_step)
     return out
 
 
 def _bare_phases(bare: BareLoop, step: int) -> dict[str, float]:
     """The bare step's parts, timed like `_trainer_phases` (names prefixed bare_)."""
     out: dict[str, float] = {}
-
-    def part(name, fn):
-        dist.barrier()
-        t0 = time.perf_counter()
-        r = fn()
-        out[name] = time.perf_counter() - t0
-        return r
-
-    x, y = part("bare_data", lambda: bare.data.batch(step))
-    part("bare_forward_backward", lambda: bare.forward_backward(x, y))
-    part("bare_optimizer", bare.optimizer)
+    x, y = _timed_part(out, "bare_data", lambda: bare.data.batch(step))
+    _timed_part(out, "bare_forward_backward", lambda: bare.forward_backward(x, y))
+    _timed_part(out, "bare_optimizer", bare.optimizer)
     return out
 
 
