@@ -130,13 +130,10 @@ def _require_slurm() -> None:
 
 
 def _prepare(cfg: JobConfig) -> Path:
-    """Dataset once on the login node (never by racing ranks), then the run dir and its config.yaml."""
-    from jobs.data import ensure_dataset
-    from jobs.train import prepare_run_dir
+    """On the login node (or the batch shell of a rendered script): data file, run dir, config.yaml."""
+    from jobs.train import prepare_run
 
-    cfg.data.path = str(Path(cfg.data.path).resolve())
-    ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
-    return prepare_run_dir(cfg)
+    return prepare_run(cfg)
 
 
 def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjob") -> submitit.SlurmExecutor:
@@ -184,7 +181,11 @@ def submit(cfg: JobConfig) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.ENV_ERROR
-    run_dir = _prepare(cfg)
+    try:
+        run_dir = _prepare(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     folder = run_dir / "slurm"
     try:
         job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmRank(cfg))

@@ -14,7 +14,7 @@ from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.log import setup_logging
 
-__all__ = ["main", "run", "prepare_run_dir"]
+__all__ = ["main", "run", "prepare_run"]
 
 
 def config_yaml(cfg: JobConfig) -> str:
@@ -23,8 +23,14 @@ def config_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def prepare_run_dir(cfg: JobConfig) -> Path:
-    """Makes run.dir absolute and writes config.yaml once (a later start of the same run keeps it)."""
+def prepare_run(cfg: JobConfig) -> Path:
+    """Before any rank starts, in one process: the data file (generated once, never by racing ranks),
+    run.dir and data.path made absolute, config.yaml written once (a later start of the run keeps it).
+    Raises ValueError when an existing data file does not match the model."""
+    from jobs.data import ensure_dataset
+
+    cfg.data.path = str(Path(cfg.data.path).resolve())
+    ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
     run_dir = Path(cfg.run.dir).resolve()
     cfg.run.dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -52,14 +58,11 @@ def run(cfg: JobConfig) -> int:
         print(f"config error: launcher={cfg.launcher.name!r} is not one of local, slurm", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
 
-    from jobs.data import ensure_dataset
-
     try:
-        ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
+        run_dir = prepare_run(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    run_dir = prepare_run_dir(cfg)
     log.info("run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
              run_dir, cfg.model.name, derived.dims.describe(), cfg.world_size, derived.microbatches,
              derived.tokens_per_step)
