@@ -36,10 +36,7 @@ def compose_or_report(overrides: Sequence[str]) -> JobConfig | None:
 def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool) -> None:
     import hydra
 
-    register_configs()
-    from jobs.launch_slurm import register_hydra_launcher
-
-    register_hydra_launcher()
+    register_configs()  # hydra/launcher=meshjob_slurm is found by Hydra's plugin discovery (hydra_plugins/)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _task(dcfg) -> int:

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m jobs.train")
     args = parser.parse_args(argv)
     from jobs.cli import compose_or_report
-    from jobs.launch_slurm import check_slurm_config
+    from jobs.launch.slurm import check_slurm_config
     from jobs.validate import validate
 
     overrides = list(args.overrides)

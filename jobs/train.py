@@ -7,37 +7,14 @@ written); `-m` sweeps and Hydra's own flags (`--cfg`, `--help`, ...) go through 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from jobs import exitcodes
 from jobs.cli import main_for
 from jobs.config import JobConfig
+from jobs.launch.prepare import prepare_run
 from jobs.log import setup_logging
 
-__all__ = ["main", "run", "prepare_run"]
-
-
-def config_yaml(cfg: JobConfig) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def prepare_run(cfg: JobConfig) -> Path:
-    """Before any rank starts, in one process: the data file (generated once, never by racing ranks),
-    run.dir and data.path made absolute, config.yaml written once (a later start of the run keeps it).
-    Raises ValueError when an existing data file does not match the model."""
-    from jobs.data import ensure_dataset
-
-    cfg.data.path = str(Path(cfg.data.path).resolve())
-    ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
-    run_dir = Path(cfg.run.dir).resolve()
-    cfg.run.dir = str(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        path.write_text(config_yaml(cfg))
-    return run_dir
+__all__ = ["main", "run"]
 
 
 def run(cfg: JobConfig) -> int:
@@ -51,7 +28,7 @@ def run(cfg: JobConfig) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     if cfg.launcher.name == "slurm":
-        from jobs.launch_slurm import submit
+        from jobs.launch.slurm import submit
 
         return submit(cfg)
     if cfg.launcher.name != "local":
@@ -66,7 +43,7 @@ def run(cfg: JobConfig) -> int:
     log.info("run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
              run_dir, cfg.model.name, derived.dims.describe(), cfg.world_size, derived.microbatches,
              derived.tokens_per_step)
-    from jobs.launch_local import launch
+    from jobs.launch.local import launch
 
     code = launch(cfg)
     log.info("finished with exit code %d", code) if code == 0 else log.error("failed with exit code %d", code)

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
 from jobs.config import JobConfig, OptimConfig, config_hash
-from jobs.env import DistEnv
+from jobs.launch.env import DistEnv
 from jobs.events import EventLog, read_events
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights

@@ -1,7 +1,7 @@
 """Hydra launcher plugin `hydra/launcher=meshjob_slurm`: a `-m` sweep becomes one Slurm array job, pruned first, never blocking.
 
 Hydra only instantiates launchers that live in the `hydra_plugins` namespace, so this thin class sits
-here and the logic in `jobs.launch_slurm`. Selected by conf/launcher/slurm.yaml.
+here and the logic in `jobs.launch.sweep`. Selected by conf/launcher/slurm.yaml.
 """
 
 from collections.abc import Sequence
@@ -32,7 +32,7 @@ class MeshjobSlurmLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from jobs.launch_slurm import hydra_point, launch_sweep
+        from jobs.launch.sweep import hydra_point, launch_sweep
 
         loader = self.hydra_context.config_loader
         points = [hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i)

@@ -34,9 +34,9 @@ from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 from jobs import trainer as trainer_mod  # noqa: E402
 from jobs.config import JobConfig, compose  # noqa: E402
 from jobs.data import BatchSource, ensure_dataset  # noqa: E402
-from jobs.env import DistEnv  # noqa: E402
+from jobs.launch.env import DistEnv  # noqa: E402
 from jobs.events import EventLog  # noqa: E402
-from jobs.launch_local import free_port  # noqa: E402
+from jobs.launch.local import free_port  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
 from jobs.validate import Derived, validate  # noqa: E402
 from parallel.pipeline import build_schedule  # noqa: E402
@@ -220,7 +220,7 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
     torch.set_num_threads(args.threads)
     import logging
 
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as jobs.worker does
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as jobs.launch.rank does
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         result = bench_rank(cfg, derived, env, args)

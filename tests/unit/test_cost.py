@@ -1,4 +1,4 @@
-"""The planner's arithmetic (jobs/planning.py) against published figures; each row cites its source."""
+"""The planner's arithmetic (jobs/planner/arith.py) against published figures; each row cites its source."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from checkpoint.interval import daly_interval, job_mtbf_s, plan_interval, young_interval
-from jobs import planning as P
+from jobs.planner import arith as P
 from jobs.config import CONF_DIR, ModelConfig
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.env import DistEnv, _parse_hostlist, port_from_job_id
+from jobs.launch.env import DistEnv, _parse_hostlist, port_from_job_id
 from jobs.model import Transformer, full_init_tensor, init_weights
-from jobs.planning import count_params
+from jobs.planner.arith import count_params
 from jobs.trainer import lr_multiplier
 from parallel.pipeline import layer_ranges, stage_ids
 

@@ -11,7 +11,8 @@ import pytest
 
 from jobs import exitcodes
 from jobs.config import compose
-from jobs.plan import Check, build_plan, check, main, validate_for_planning
+from jobs.plan import main
+from jobs.planner.gate import Check, build_plan, check, validate_for_planning
 
 from tests.conftest import REPO
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs.config import compose
-from jobs.launch_slurm import _feasibility
+from jobs.launch.sweep import _feasibility
 
 H100 = ["launcher=slurm", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
         "run.dir=/lustre/meshjob/runs/sweep-test", "train.global_batch=8", "train.micro_batch=1",

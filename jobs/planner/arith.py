@@ -1,6 +1,6 @@
 """The planner's arithmetic: parameters, memory per rank, activations, communication, bubble, checkpoint cost.
 
-Pure functions of plain numbers and `ModelConfig`; no torch, no Hydra, no I/O. `jobs.plan` composes
+Pure functions of plain numbers and `ModelConfig`; no torch, no Hydra, no I/O. `jobs.planner.gate` composes
 them into a plan and checks it against a cluster profile; the tests pin them to published figures.
 Conventions: bytes are bytes (GiB = 2**30 only when printed), bandwidths are GB/s = 1e9 bytes/s per
 GPU per direction, times are seconds. Training precision is the one the recipe targets: fp32 sharded

@@ -17,7 +17,7 @@ import time
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.env import DistEnv
+from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 
 __all__ = ["launch", "free_port"]
@@ -46,7 +46,7 @@ def _rank_main(cfg: JobConfig, env: DistEnv, parent: int) -> int:
         return exitcodes.RANK_DIED
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and stops ranks with SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    from jobs.worker import run_rank
+    from jobs.launch.rank import run_rank
 
     return run_rank(cfg, env)
 
@@ -60,7 +60,7 @@ def _describe(status: int) -> tuple[str, int]:
 
 def launch(cfg: JobConfig, *, restart_count: int = 0) -> int:
     """Runs all ranks to completion; returns 0, the failing rank's exit code, or RANK_DIED."""
-    import jobs.worker  # noqa: F401 - import torch and the trainer once, before forking
+    import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
 
     log = get_logger()
     world, per_node = cfg.world_size, cfg.launcher.tasks_per_node

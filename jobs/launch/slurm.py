@@ -1,19 +1,17 @@
-"""The Slurm launcher: submit one job (one Slurm task per rank, through submitit) or a whole `-m` sweep as one array job.
+"""The Slurm launcher: submit one job (one Slurm task per rank, through submitit) and run its ranks.
 
-Login node: `submit(cfg)` validates, prepares the run dir on the shared filesystem, submits and
+Sweeps (`-m`) are in `jobs.launch.sweep`. Login node: `submit(cfg)` validates, prepares the run dir on the shared filesystem, submits and
 returns (fire-and-forget; `launcher.wait=true` follows the job). Compute node: every Slurm task runs
-`SlurmRank`, which builds `DistEnv` from the Slurm environment and calls `jobs.worker.run_rank`.
+`SlurmRank`, which builds `DistEnv` from the Slurm environment and calls `jobs.launch.rank.run_rank`.
 `SlurmRank` is a submitit `Checkpointable`: on USR2 (preemption / time limit) rank 0 requeues the job
 with the same pickled config, hence the same `run.dir`.
 
-`python -m jobs.launch_slurm --rank OVERRIDES...` is the per-rank entry of the scripts rendered by
+`python -m jobs.launch.slurm --rank OVERRIDES...` is the per-rank entry of the scripts rendered by
 `python -m jobs.sbatch` (it composes the config itself instead of unpickling it).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 import shlex
@@ -21,8 +19,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +26,11 @@ import submitit
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.env import DistEnv
+from jobs.launch.env import DistEnv
+from jobs.launch.prepare import prepare_run
 
-__all__ = ["submit", "SlurmRank", "make_executor", "check_slurm_config", "launch_sweep", "SweepPoint",
-           "register_hydra_launcher", "rank_main"]
+__all__ = ["submit", "SlurmRank", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
+           "rank_main", "wait_for_job", "job_state"]
 
 # Variables a submitting shell may carry (a torchrun or local-launcher environment) that must not
 # leak into the job: under Slurm the rendezvous comes from the job itself.
@@ -65,7 +62,7 @@ def rank_main(cfg: JobConfig) -> int:
     print(f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
           f"node {env.hostname} ({env.node_rank}/{env.nodes}) master {env.master_addr}:{env.master_port} "
           f"run.dir {cfg.run.dir}", flush=True)
-    from jobs.worker import run_rank
+    from jobs.launch.rank import run_rank
 
     code = run_rank(cfg, env)
     if code == exitcodes.REQUEUE and env.rank == 0 and env.job_id:
@@ -114,26 +111,19 @@ def check_slurm_config(cfg: JobConfig) -> None:
         raise ValueError(f"launcher.array_parallelism({ln.array_parallelism}) must be >= 0 (0 = all at once)")
 
 
-def _login_checks(cfg: JobConfig) -> None:
+def login_checks(cfg: JobConfig) -> None:
     from jobs.validate import validate
 
     validate(cfg)
     check_slurm_config(cfg)
 
 
-def _require_slurm() -> None:
+def require_slurm() -> None:
     if shutil.which("sbatch") is None:
         raise RuntimeError(
             "sbatch not found on PATH: submit from a Slurm login node, or start the local test cluster "
             "with scripts/slurm/start (launcher=slurm needs a Slurm cluster)"
         )
-
-
-def _prepare(cfg: JobConfig) -> Path:
-    """On the login node (or the batch shell of a rendered script): data file, run dir, config.yaml."""
-    from jobs.train import prepare_run
-
-    return prepare_run(cfg)
 
 
 def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjob") -> submitit.SlurmExecutor:
@@ -172,17 +162,17 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
 def submit(cfg: JobConfig) -> int:
     """Validates on the login node, submits one job, prints job id / run dir / logs; returns an exit code."""
     try:
-        _login_checks(cfg)
+        login_checks(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     try:
-        _require_slurm()
+        require_slurm()
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.ENV_ERROR
     try:
-        run_dir = _prepare(cfg)
+        run_dir = prepare_run(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
@@ -252,138 +242,6 @@ def wait_for_job(job_id: str, run_dir: Path, *, poll_s: float = 2.0) -> int:
         time.sleep(poll_s)
 
 
-# --- sweeps: one array job -----------------------------------------------------------------------
-
-@dataclass
-class SweepPoint:
-    """One point of a `-m` sweep: its overrides and either a config or the reason it was pruned."""
-
-    idx: int
-    overrides: list[str]
-    cfg: JobConfig | None = None
-    reason: str | None = None  # set when pruned
-    job_id: str | None = None  # set once submitted
-    run_dir: str | None = None
-
-
-def _feasibility(cfg: JobConfig) -> str | None:
-    """Why a point cannot work (the login-node checks, then the planner's analytic checks: memory per
-    rank, tp within the NVLink domain, checkpoint cost, goodput), or None."""
-    from jobs.plan import check
-
-    if cfg.launcher.name != "slurm":
-        return f"launcher={cfg.launcher.name}: a Slurm sweep holds only launcher=slurm points"
-    try:
-        _login_checks(cfg)
-    except ValueError as e:
-        return str(e)
-    failed = [c for c in check(cfg) if not c.ok]
-    return "; ".join(f"{c.name}: {c.why}" for c in failed) or None
-
-
-def _resources(cfg: JobConfig) -> tuple:
-    """Points that share these can share one array job (an array has one sbatch header)."""
-    ln = cfg.launcher
-    return (ln.nodes, ln.tasks_per_node, ln.signal_delay_s, ln.array_parallelism, cfg.failure.max_requeues,
-            json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True))
-
-
-def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoint]:
-    """Prunes infeasible points, submits the rest as one array job (per distinct resource shape),
-    writes `sweep_dir/sweep.jsonl`, prints the table, and returns at once (never waits on the jobs).
-
-    Each point runs in `sweep_dir/<idx>` unless the sweep itself varies `run.dir`."""
-    composed = [p for p in points if p.cfg is not None and p.reason is None]
-    swept_run_dir = len({p.cfg.run.dir for p in composed}) > 1
-    for p in composed:
-        if not swept_run_dir:
-            p.cfg.run.dir = str(sweep_dir / str(p.idx))
-        p.reason = _feasibility(p.cfg)
-    live = [p for p in points if p.reason is None]
-    if live:
-        _require_slurm()
-    groups: dict[tuple, list[SweepPoint]] = {}
-    for p in live:
-        groups.setdefault(_resources(p.cfg), []).append(p)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    arrays: list[str] = []
-    for group in groups.values():
-        for p in group:
-            p.run_dir = str(_prepare(p.cfg))
-        first = group[0].cfg
-        folder = sweep_dir / "slurm"
-        ex = make_executor(first, folder / "%j", job_name=f"meshjob-sweep-{sweep_dir.name}")
-        try:
-            with ex.batch():
-                jobs = [ex.submit(SlurmRank(p.cfg)) for p in group]
-        except submitit.core.utils.FailedJobError as e:
-            raise RuntimeError(f"sbatch refused the array job: {str(e).strip()}") from None
-        for p, job in zip(group, jobs):
-            p.job_id = job.job_id
-            link = Path(p.run_dir) / "slurm"
-            if not link.exists() and not link.is_symlink():
-                link.symlink_to(folder / job.job_id, target_is_directory=True)
-        arrays.append(jobs[0].job_id.split("_")[0])
-    with open(sweep_dir / "sweep.jsonl", "a") as f:
-        for p in points:
-            f.write(json.dumps({"idx": p.idx, "overrides": p.overrides, "job_id": p.job_id,
-                                "run_dir": p.run_dir, "pruned": p.reason}) + "\n")
-    print(format_sweep_table(points, arrays=arrays, sweep_dir=sweep_dir), flush=True)
-    if not live:
-        raise ValueError(f"every one of the {len(points)} sweep points was pruned; nothing was submitted")
-    return points
-
-
-def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir: Path) -> str:
-    """The sweep summary: submitted points with job ids and run dirs, pruned points with why."""
-    pruned = [p for p in points if p.reason is not None]
-    common = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
-
-    def swept(p: SweepPoint) -> str:  # only what differs between points
-        return " ".join(o for o in p.overrides if o not in common) or "(no overrides)"
-
-    if common:
-        lines_common = f"\ncommon overrides: {' '.join(o for o in points[0].overrides if o in common)}"
-    else:
-        lines_common = ""
-    head = (f"sweep: {len(points)} points, {len(points) - len(pruned)} submitted as array job"
-            f"{'s' if len(arrays) > 1 else ''} {', '.join(arrays) or '-'}, {len(pruned)} pruned; "
-            f"table in {sweep_dir / 'sweep.jsonl'}{lines_common}")
-    lines = [head]
-    submitted = [p for p in points if p.reason is None]
-    if submitted:
-        lines.append(f"  {'#':>3}  {'job':<10} {'point':<28} run dir")
-        lines += [f"  {p.idx:>3}  {p.job_id:<10} {swept(p):<28} {p.run_dir}" for p in submitted]
-    if pruned:
-        lines.append("pruned (not submitted):")
-        lines.append(f"  {'#':>3}  {'point':<28} why")
-        lines += [f"  {p.idx:>3}  {swept(p):<28} {p.reason}" for p in pruned]
-    return "\n".join(lines)
-
-
-def register_hydra_launcher() -> None:
-    """Registers `hydra/launcher=meshjob_slurm` (conf/launcher/slurm.yaml selects it for `-m` sweeps)."""
-    import hydra_plugins.meshjob_slurm_launcher  # noqa: F401 - registers with Hydra's ConfigStore
-
-
-def hydra_point(config: Any, overrides: Sequence[str], *, loader: Any, idx: int) -> SweepPoint:
-    """Composes one sweep point through Hydra's loader; a composition error prunes the point."""
-    from omegaconf import open_dict
-
-    from jobs.config import to_job_config
-
-    point = SweepPoint(idx=idx, overrides=list(overrides))
-    try:
-        dcfg = loader.load_sweep_config(config, list(overrides))
-        dcfg = copy.deepcopy(dcfg)
-        with open_dict(dcfg):
-            del dcfg["hydra"]
-        point.cfg = to_job_config(dcfg)
-    except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; the point is reported
-        point.reason = f"does not compose: {type(e).__name__}: {e}".splitlines()[0]
-    return point
-
-
 def _script_cli(mode: str, argv: list[str]) -> int:
     """The two steps of a rendered sbatch script: `--prepare` (batch shell, once), `--rank` (every rank)."""
     from jobs.config import compose
@@ -391,19 +249,19 @@ def _script_cli(mode: str, argv: list[str]) -> int:
     try:
         cfg = compose(argv)
         if mode == "--prepare":
-            _login_checks(cfg)
+            login_checks(cfg)
     except Exception as e:  # noqa: BLE001 - ValueError from the checks or any Hydra composition error
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     if mode == "--prepare":
-        _prepare(cfg)
+        prepare_run(cfg)
         return exitcodes.OK
     return rank_main(cfg)
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("--rank", "--prepare"):
-        print("usage: python -m jobs.launch_slurm --prepare|--rank [OVERRIDES...]  (the steps of a script "
+        print("usage: python -m jobs.launch.slurm --prepare|--rank [OVERRIDES...]  (the steps of a script "
               "rendered by `python -m jobs.sbatch`; submit jobs with `python -m jobs.train launcher=slurm`)",
               file=sys.stderr)
         sys.exit(exitcodes.CONFIG_ERROR)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.env import DistEnv
+from jobs.launch.env import DistEnv
 from jobs.events import EventLog
 from jobs.log import setup_logging
 
