@@ -89,7 +89,6 @@ class LauncherConfig:
     nodes: int = 1  # nodes in the job
     tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
     master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
-    pg_timeout_s: float = 300.0  # process-group (collective) timeout
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
     wait: bool = False  # slurm: block after submit until the job ends, relaying progress lines
     array_parallelism: int = 0  # slurm -m sweeps: array elements running at once (sbatch --array=...%N); 0 = all
@@ -128,7 +127,14 @@ class ClusterConfig:
 class FailureConfig:
     mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
     mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
-    max_requeues: int = 10  # requeue budget before the job stops for good
+    max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
+    max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
+    init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
+    collective_timeout_s: float = 300.0  # every process group once the first step has completed
+    hang_timeout_s: float = 180.0  # watchdog: no step completes in this long (after the first) = a hang incident
+    heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
+    requeue_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])  # save, then requeue
+    signal_margin_s: float = 30.0  # slack the submit-time check adds to one step + one blocking save
 
 
 @dataclass

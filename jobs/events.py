@@ -15,13 +15,15 @@ class EventLog:
     """Appends one JSON object per event; each line is one `write` on an O_APPEND file, so lines from
     concurrent ranks never interleave on a local or NFS-like filesystem."""
 
-    def __init__(self, path: str | os.PathLike[str], *, rank: int = 0, restart: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, rank: int = 0, restart: int = 0, attempt: str = "") -> None:
         self.path = Path(path)
         self.rank = rank
         self.restart = restart
+        self.attempt = attempt  # `<job id>.<restart>` under Slurm, `local.<n>` locally (jobs.failure.ledger)
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        record = {"time": time.time(), "kind": kind, "rank": self.rank, "restart": self.restart, **fields}
+        record = {"time": time.time(), "kind": kind, "rank": self.rank, "restart": self.restart,
+                  "attempt": self.attempt, **fields}
         line = (json.dumps(record, default=str) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -5,4 +5,5 @@ FAILED = 1  # an unexpected error in a rank (traceback in its log), or a plan ch
 CONFIG_ERROR = 2  # the config is invalid; nothing was started, submitted or written
 ENV_ERROR = 3  # the environment is wrong: rendezvous failed, a collective timed out, a peer vanished
 RANK_DIED = 4  # the local launcher saw a rank killed by a signal and stopped the others
-REQUEUE = 75  # stopped on purpose to be requeued (preemption, time limit): run again with the same run.dir
+REQUEUE = 75  # stopped on purpose to be requeued (a stop signal, or an incident a restart cures): run again with the same run.dir
+STOPPED = 76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -23,8 +22,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
 from jobs.config import JobConfig, OptimConfig, config_hash
-from jobs.launch.env import DistEnv
 from jobs.events import EventLog, read_events
+from jobs.failure.signals import StopSignals
+from jobs.failure.timeouts import set_pg_timeouts
+from jobs.failure.watchdog import Watchdog
+from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
@@ -99,8 +101,11 @@ def _replicate_partial_grads(parts: list[nn.Module]) -> None:
 class Trainer:
     """Builds this rank's share of the job from the config and runs the loop."""
 
-    def __init__(self, cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog) -> None:
+    def __init__(self, cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog,
+                 stop: StopSignals | None = None, watchdog: Watchdog | None = None) -> None:
         self.cfg, self.derived, self.env, self.events = cfg, derived, env, events
+        self.stop = stop or StopSignals()  # installed at process start by the launcher's rank entry
+        self.watchdog = watchdog
         self.log = get_logger()
         self.device = torch.device("cpu")
         dims = derived.dims
@@ -142,11 +147,7 @@ class Trainer:
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
-        self.stop_signal: int | None = None  # set by the signal handler; acted on at a step boundary
-
-    def _on_stop_signal(self, signum: int, _frame) -> None:
-        """USR2 (Slurm's warning before a time limit or preemption): only set a flag, nothing else."""
-        self.stop_signal = signum
+        set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
 
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
@@ -181,7 +182,7 @@ class Trainer:
         loss (alike on each dp slice's tp ranks), and any rank's stop flag stops every rank after
         this same step.
         """
-        stop = 1.0 if self.stop_signal is not None else 0.0
+        stop = 1.0 if self.stop.received is not None else 0.0
         totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(()),
                               torch.tensor(stop, dtype=torch.float64)])
         dist.all_reduce(totals)
@@ -211,39 +212,65 @@ class Trainer:
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
                 "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop}
 
-    def fit(self) -> bool:
-        """Trains to train.steps; returns False when stopped early by a signal (after saving)."""
+    def fit(self) -> str:
+        """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
+        attempt early (after saving that step; before the first step, without a save)."""
         cfg, st = self.cfg.train, self.state
-        signal.signal(signal.SIGUSR2, self._on_stop_signal)
+        self._phase("load")
         # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0.
         self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
                               lr_schedulers=self.lr_schedulers, train_state=st)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
                          microbatches=self.derived.microbatches)
+        if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
+            self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
+            return "stopped"
+        self._phase("train")
         step_times: list[float] = []
         while st.step < cfg.steps:
             m = self.train_step(st.step)
-            stop = m.pop("stop")
+            stop = m.pop("stop") and st.step + 1 < cfg.steps  # a signal during the last step changes nothing
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {st.step + 1}; lower optim.lr or check the data")
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
-            if not step_times:
-                self.events.emit("first_step", step=st.step, step_time_s=m["step_time_s"])
-            step_times.append(m["step_time_s"])
-            if st.step % cfg.log_every == 0 or st.step == cfg.steps:
-                self._log_metrics(st.step, m, step_times)
-            stop = stop and st.step < cfg.steps  # a signal during the last step changes nothing
+            self._after_step(st.step, m, step_times)
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
-                self.ckpt.save(st.step)
+                self._save(st.step)
             if stop:
                 self.ckpt.wait()  # committed before the job lets go of its nodes
-                self.events.emit("stop_requested", step=st.step, received=self.stop_signal is not None,
-                                 action="checkpoint saved; exiting to be requeued")
-                return False
+                self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
+                                 action="checkpoint saved; ending the attempt")
+                return "stopped"
         self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
-        return True
+        return "done"
+
+    def _agree_stop(self) -> bool:
+        """Whether any rank already holds a stop signal (one all-reduce before the first step)."""
+        flag = torch.tensor(1.0 if self.stop.received is not None else 0.0, dtype=torch.float64)
+        dist.all_reduce(flag)
+        return bool(flag > 0)
+
+    def _after_step(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
+        """Progress for the watchdog, the shorter collective timeout after the first step, metrics."""
+        if self.watchdog is not None:
+            self.watchdog.progress(step)
+        if not step_times:
+            self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
+            set_pg_timeouts(self.cfg.failure.collective_timeout_s)
+        step_times.append(m["step_time_s"])
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+            self._log_metrics(step, m, step_times)
+
+    def _save(self, step: int) -> None:
+        self._phase("checkpoint_save")
+        self.ckpt.save(step)
+        self._phase("train")
+
+    def _phase(self, name: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.phase(name)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         if self.env.rank != 0:

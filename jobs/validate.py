@@ -116,6 +116,7 @@ def validate(cfg: JobConfig) -> Derived:
     for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
+    _check_failure(cfg)
     return Derived(
         dims=dims,
         microbatches=microbatches,
@@ -123,3 +124,20 @@ def validate(cfg: JobConfig) -> Derived:
         num_stages=num_stages,
         tokens_per_step=t.global_batch * t.seq_len,
     )
+
+
+def _check_failure(cfg: JobConfig) -> None:
+    """The failure policy: signals that exist, timeouts that can fire, budgets that can be met."""
+    from jobs.failure.signals import parse_signals
+
+    f = cfg.failure
+    parse_signals(f.requeue_signals)
+    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s"):
+        if getattr(f, name) <= 0:
+            raise ValueError(f"failure.{name}({getattr(f, name)}) must be > 0")
+    if f.hang_timeout_s < 3 * f.heartbeat_s:
+        raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
+                         "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s")
+    if f.max_requeues < 0 or f.max_attempts_without_progress < 1:
+        raise ValueError(f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
+                         f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")

@@ -15,8 +15,16 @@ import socket
 import sys
 import time
 
+from dataclasses import replace
+from pathlib import Path
+
 from jobs import exitcodes
 from jobs.config import JobConfig
+from jobs.events import EventLog, read_events
+from jobs.failure.incident import Incident
+from jobs.failure.ledger import attempts
+from jobs.failure.respond import AttemptContext, on_failure, open_attempt
+from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 
@@ -41,14 +49,13 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(cfg: JobConfig, env: DistEnv, parent: int) -> int:
+    stop = StopSignals().install(parse_signals(cfg.failure.requeue_signals))  # before anything else
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return exitcodes.RANK_DIED
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and stops ranks with SIGTERM
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from jobs.launch.rank import run_rank
 
-    return run_rank(cfg, env)
+    return run_rank(cfg, env, stop=stop)
 
 
 def _describe(status: int) -> tuple[str, int]:
@@ -58,23 +65,37 @@ def _describe(status: int) -> tuple[str, int]:
     return f"exited with code {os.WEXITSTATUS(status)}", os.WEXITSTATUS(status)
 
 
-def launch(cfg: JobConfig, *, restart_count: int = 0) -> int:
-    """Runs all ranks to completion; returns 0, the failing rank's exit code, or RANK_DIED."""
+def _attempt_number(events: EventLog) -> int:
+    """This start's number among the run's local attempts (`local.<n>` in the ledger)."""
+    return sum(1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local."))
+
+
+def launch(cfg: JobConfig) -> int:
+    """Runs all ranks to completion; returns 0, the first failing rank's exit code, or RANK_DIED."""
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
 
-    log = get_logger()
-    world, per_node = cfg.world_size, cfg.launcher.tasks_per_node
-    port = cfg.launcher.master_port or free_port()
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
+    restart = _attempt_number(events)
+    envs = [DistEnv(rank=r, local_rank=r % cfg.launcher.tasks_per_node, world_size=cfg.world_size,
+                    local_world_size=cfg.launcher.tasks_per_node, node_rank=r // cfg.launcher.tasks_per_node,
+                    nodes=cfg.launcher.nodes, master_addr="127.0.0.1",
+                    master_port=cfg.launcher.master_port or free_port(), restart_count=restart,
+                    hostname=os.uname().nodename) for r in range(cfg.world_size)]
+    envs = [replace(e, master_port=envs[0].master_port) for e in envs]
+    events.restart, events.attempt = restart, envs[0].attempt
+    ctx = AttemptContext(run_dir=cfg.run.dir, attempt=envs[0].attempt, rank=-1, world_size=cfg.world_size,
+                         job_id=None, restart_count=restart, cfg=cfg.failure, events=events)
+    open_attempt(ctx, nodes=[envs[0].hostname], launcher="local")
+    pids = _fork_ranks(cfg, envs)
+    return _supervise(pids, ctx)
+
+
+def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
-    for rank in range(world):
-        env = DistEnv(
-            rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node,
-            node_rank=rank // per_node, nodes=cfg.launcher.nodes, master_addr="127.0.0.1", master_port=port,
-            restart_count=restart_count, hostname=os.uname().nodename,
-        )
+    for env in envs:
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -84,36 +105,52 @@ def launch(cfg: JobConfig, *, restart_count: int = 0) -> int:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        pids[pid] = rank
+        pids[pid] = env.rank
+    return pids
 
-    stopping = False
 
-    def _forward(signum, _frame):  # Ctrl-C / SIGTERM to the launcher: stop every rank
-        nonlocal stopping
+def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
+    """Waits for every rank. Ctrl-C, SIGTERM or SIGUSR2 to the launcher reach every rank as SIGUSR2
+    (save at the next step, exit 75); a second Ctrl-C stops them at once. A rank killed by a signal
+    is recorded as a dead-rank incident (the launcher saw it die) and the others are stopped."""
+    log, stopping, signals_seen = get_logger(), False, 0
+
+    def _forward(signum, _frame):
+        nonlocal stopping, signals_seen
+        signals_seen += 1
         stopping = True
         for p in pids:
-            _kill(p, signal.SIGTERM)
+            _kill(p, signal.SIGUSR2 if signals_seen == 1 else signal.SIGKILL)
 
-    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
     result = exitcodes.OK
     try:
         while pids:
-            pid, status = os.waitpid(-1, 0)
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
             rank = pids.pop(pid, None)
-            if rank is None:
-                continue
             how, code = _describe(status)
-            if code == 0:
+            if rank is None or code == 0 or result != exitcodes.OK:
                 continue
-            if result == exitcodes.OK:
-                result = exitcodes.RANK_DIED if code < 0 else code
-                if not stopping:
-                    log.error("rank %d (pid %d) %s; stopping the other %d ranks", rank, pid, how, len(pids))
+            result = exitcodes.RANK_DIED if code < 0 else code
+            if code < 0 and not stopping:
+                log.error("rank %d (pid %d) %s; stopping the other %d ranks", rank, pid, how, len(pids))
+                on_failure(ctx, incident=_dead_rank(ctx, rank=rank, pid=pid, how=how))
+            if code < 0 or code not in (exitcodes.REQUEUE, exitcodes.STOPPED):
                 _stop(pids)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     return result
+
+
+def _dead_rank(ctx: AttemptContext, *, rank: int, pid: int, how: str) -> Incident:
+    node = os.uname().nodename
+    return Incident("dead_rank", ctx.attempt, -1, f"rank {rank} (node {node}, pid {pid}) {how}",
+                    [{"rank": rank, "node": node, "host": node, "pid": pid, "state": "dead"}],
+                    {"waitpid": how, "seen_by": "local launcher"})
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -1,11 +1,17 @@
-"""What every rank runs, under any launcher: rendezvous, train, tear down, and say how it ended."""
+"""What every rank runs, under any launcher: rendezvous, train, and end the attempt the one right way.
+
+Three endings: finished (exit 0); stopped by an agreed signal after saving (the decider, rank 0,
+requeues before anyone tears down and exits 75; the other ranks exit 0, so `srun
+--kill-on-bad-exit` can never kill the decider first); or a failure (an exception, or the watchdog
+seeing no step within the timeout): stacks dumped, the incident classified and recorded by the
+first rank to claim it, which requeues or stops the job (`jobs.failure`).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import traceback
-from datetime import timedelta
+import sys
 from pathlib import Path
 
 import torch
@@ -13,24 +19,23 @@ import torch.distributed as dist
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.launch.env import DistEnv
 from jobs.events import EventLog
+from jobs.failure.respond import AttemptContext, conclude, on_failure
+from jobs.failure.signals import StopSignals
+from jobs.failure.watchdog import Watchdog
+from jobs.launch.env import DistEnv
+from jobs.launch.rendezvous import rendezvous
 from jobs.log import setup_logging
 
-__all__ = ["run_rank"]
+__all__ = ["run_rank", "attempt_context"]
 
 
-def run_rank(cfg: JobConfig, env: DistEnv) -> int:
-    """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises)."""
-    from jobs.validate import validate  # the same checks as on the login node, now on every rank
+def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int) -> AttemptContext:
+    return AttemptContext(run_dir=cfg.run.dir, attempt=env.attempt, rank=rank, world_size=env.world_size,
+                          job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events)
 
-    log = setup_logging(env.rank)
-    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count)
-    try:
-        derived = validate(cfg)
-    except ValueError as e:
-        log.error("config error: %s", e)
-        return exitcodes.CONFIG_ERROR
+
+def _setup_torch(cfg: JobConfig, env: DistEnv) -> None:
     threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
     if cfg.train.deterministic and torch.cuda.is_available():  # bitwise resume needs deterministic kernels
@@ -38,34 +43,76 @@ def run_rank(cfg: JobConfig, env: DistEnv) -> int:
         torch.use_deterministic_algorithms(True)
     # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    trainer = None
+
+
+def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
+    """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises).
+    `stop` was installed at process start, before anything else could take time."""
+    from jobs.validate import validate  # the same checks as on the login node, now on every rank
+
+    log = setup_logging(env.rank)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count,
+                      attempt=env.attempt)
+    ctx = attempt_context(cfg, env, events, rank=env.rank)
     try:
-        os.environ.update(env.torch_environ())
-        dist.init_process_group(
-            "gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(seconds=cfg.launcher.pg_timeout_s),
-        )
+        derived = validate(cfg)
+    except ValueError as e:
+        log.error("config error: %s", e)
+        return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
+    _setup_torch(cfg, env)
+    f = cfg.failure
+    watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
+                        heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
+                        on_hang=lambda idle: _exit_now(on_failure(ctx, during=watchdog.beat.phase,
+                                                                  step=watchdog.beat.step)))
+    watchdog.start()
+    trainer, during = None, "rendezvous"
+    try:
+        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=f.init_timeout_s)
         if env.rank == 0:
             events.emit("rendezvous", world_size=env.world_size, master=f"{env.master_addr}:{env.master_port}",
                         nodes=env.nodes, job_id=env.job_id)
         from jobs.trainer import Trainer
 
-        trainer = Trainer(cfg, derived, env, events=events)
-        return exitcodes.OK if trainer.fit() else exitcodes.REQUEUE
+        during = "build"
+        watchdog.phase(during)
+        trainer = Trainer(cfg, derived, env, events=events, stop=stop, watchdog=watchdog)
+        during = "train"
+        outcome = trainer.fit()
     except FloatingPointError as e:
         log.error("%s", e)
-        events.emit("failure", cls="nan_loss", error=str(e))
-        return exitcodes.FAILED
-    except (RuntimeError, dist.DistError) as e:
-        log.error("distributed/runtime error: %s\n%s", e, traceback.format_exc())
-        events.emit("failure", cls="runtime_error", error=str(e)[:2000])
-        return exitcodes.ENV_ERROR
-    except Exception as e:  # noqa: BLE001 - the rank reports and exits; the launcher decides
-        log.error("unexpected error: %s\n%s", e, traceback.format_exc())
-        events.emit("failure", cls="exception", error=f"{type(e).__name__}: {e}"[:2000])
-        return exitcodes.FAILED
+        watchdog.stop()
+        if env.rank != 0:  # every rank sees the same all-reduced loss; rank 0 records and decides
+            return exitcodes.FAILED
+        events.emit("failure", cls="nan_loss", error=str(e), suspects=[])
+        return conclude(ctx, cause="nan_loss", step=watchdog.beat.step)
+    except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
+        log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
+        _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))
+    watchdog.stop()
+    code = _end_attempt(outcome, ctx, events, step=trainer.state.step, signal_name=stop.name)
+    try:
+        trainer.close()
     finally:
-        if trainer is not None:
-            trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+    return code
+
+
+def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: int, signal_name: str | None) -> int:
+    """Finished: rank 0 closes the attempt. Stopped by a signal: rank 0 decides (and requeues) while
+    every rank is still alive; the others exit 0."""
+    if ctx.rank != 0:
+        return exitcodes.OK
+    if outcome == "done":
+        events.emit("attempt_end", cause="completed", action="done", step=step)
+        return exitcodes.OK
+    return conclude(ctx, cause=signal_name or "stop_signal", step=step)  # the signal may have reached a peer only
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process without teardown: after a failure a peer may be gone, and destroying groups,
+    joining the checkpoint thread or Python's exit handlers could wait on it forever."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

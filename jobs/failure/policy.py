@@ -1,0 +1,100 @@
+"""The policy: after a stop signal or an incident, requeue the job or stop it for good, within budgets.
+
+Exactly one process decides per attempt: the first to claim `incidents/<attempt>/decision.json`
+(an O_EXCL create on the shared run dir, so it works across nodes and when rank 0 is the one that
+died). The decider writes the ledger records, runs `scontrol requeue` *before* any rank tears down,
+and leaves its exit code in the decision file for the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from jobs import exitcodes
+from jobs.config import FailureConfig
+from jobs.failure.incident import REQUEUE_CLASSES, incident_dir
+from jobs.failure.ledger import attempts_without_progress
+
+__all__ = ["Decision", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used"]
+
+
+@dataclass
+class Decision:
+    action: str  # requeue | stop
+    reason: str
+    exit_code: int
+    requeues_used: int
+    max_requeues: int
+    attempts_without_progress: int
+
+
+def requeues_used(events: list[dict], *, restart_count: int) -> int:
+    """Requeues so far: Slurm's restart count of this job (it also counts Slurm's own and an admin's
+    requeues) or the run's ledger (it also counts earlier jobs of the same run dir), the larger."""
+    ours = sum(1 for e in events if e.get("kind") == "decision" and e.get("action") == "requeue")
+    return max(restart_count, ours)
+
+
+def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int) -> Decision:
+    """Requeue for a stop signal or a class a fresh start can cure, unless the requeue budget or the
+    no-progress breaker says stop; stop at once for anything else (a bug fails the same way again)."""
+    used = requeues_used(events, restart_count=restart_count)
+    fruitless = attempts_without_progress(events)
+    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
+    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
+        code = exitcodes.CONFIG_ERROR if cause == "config_error" else exitcodes.FAILED
+        return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
+    if used >= cfg.max_requeues:
+        return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
+                        exitcodes.STOPPED, **facts)
+    if fruitless >= cfg.max_attempts_without_progress:
+        return Decision("stop", f"{fruitless} attempts in a row committed no new checkpoint >= "
+                        f"failure.max_attempts_without_progress({cfg.max_attempts_without_progress})",
+                        exitcodes.STOPPED, **facts)
+    return Decision("requeue", f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
+                    exitcodes.REQUEUE, **facts)
+
+
+def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:
+    """True for exactly one caller per attempt (the decider)."""
+    folder = incident_dir(run_dir, attempt)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -> None:
+    path = incident_dir(run_dir, attempt) / "decision.json"
+    tmp = path.with_name(".decision.json.tmp")
+    tmp.write_text(json.dumps({**asdict(decision), "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_decision(run_dir: str | os.PathLike[str], attempt: str, *, wait_s: float) -> dict | None:
+    """The decider's published decision, waiting up to `wait_s` for it."""
+    path = Path(incident_dir(run_dir, attempt)) / "decision.json"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+
+def requeue_job(job_id: str) -> tuple[bool, str]:
+    """`scontrol requeue JOB` (an array element as ARRAY_TASK); (ok, what scontrol said)."""
+    try:
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    return out.returncode == 0, (out.stdout + out.stderr).strip()

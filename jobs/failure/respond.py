@@ -1,0 +1,93 @@
+"""What a rank (or the local launcher) does when an attempt ends other than by finishing.
+
+`on_failure`: dump this process's stacks, and if this process is the first to claim the attempt,
+classify the incident from the heartbeats, write it, decide (requeue or stop) and act.
+`conclude`: the decider's part, shared with the stop-signal path. `open_attempt`: the ledger's
+record of a new attempt, writing the ends that the previous attempts could not write themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from jobs import exitcodes
+from jobs.config import FailureConfig
+from jobs.events import EventLog, read_events
+from jobs.failure.incident import Incident, classify_settled, dump_stacks, write_incident
+from jobs.failure.ledger import render_summary, unfinished
+from jobs.failure.policy import Decision, claim, decide, publish, read_decision, requeue_job
+from jobs.log import get_logger
+
+__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
+
+_once = threading.Lock()
+
+
+@dataclass
+class AttemptContext:
+    """What the decider needs to know about the attempt it ends."""
+
+    run_dir: str
+    attempt: str
+    rank: int  # -1 for the local launcher
+    world_size: int
+    job_id: str | None  # the Slurm job to requeue (ARRAY_TASK form); None locally
+    restart_count: int
+    cfg: FailureConfig
+    events: EventLog
+
+
+def open_attempt(ctx: AttemptContext, **facts) -> None:
+    """Records `attempt_start`, first closing earlier attempts whose end nobody wrote (their ranks
+    were all killed): each becomes a `failure` of class `lost` and an `attempt_end`."""
+    for a in unfinished(read_events(ctx.events.path), current=ctx.attempt):
+        ctx.events.emit("failure", attempt=a.attempt, cls="lost", summary="no rank of this attempt reported "
+                        "how it ended (the job or its nodes were killed)", suspects=[], reported_by_attempt=ctx.attempt)
+        ctx.events.emit("attempt_end", attempt=a.attempt, cause="lost", action="none", step=a.last_step)
+    ctx.events.emit("attempt_start", job_id=ctx.job_id, world_size=ctx.world_size, **facts)
+
+
+def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None) -> int:
+    """Writes the incident and the ledger records, decides, requeues before anyone tears down;
+    returns this process's exit code (the other ranks read it from the published decision)."""
+    if incident is not None:
+        write_incident(ctx.run_dir, incident)
+        ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
+                        reported_by=incident.reported_by)
+    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count)
+    ctx.events.emit("decision", cause=cause, **asdict(d))
+    ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
+    publish(ctx.run_dir, ctx.attempt, d)
+    if d.action == "requeue" and ctx.job_id:
+        ok, said = requeue_job(ctx.job_id)
+        ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said)
+        if not ok:
+            d = Decision("stop", f"scontrol requeue {ctx.job_id} failed: {said}", exitcodes.STOPPED,
+                         d.requeues_used, d.max_requeues, d.attempts_without_progress)
+            ctx.events.emit("decision", cause=cause, **asdict(d))
+            publish(ctx.run_dir, ctx.attempt, d)
+    log = get_logger()
+    (log.warning if d.action == "requeue" else log.error)("%s: %s -> %s (exit %d)", ctx.attempt, cause, d.reason, d.exit_code)
+    if d.action == "stop":
+        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
+              flush=True)
+    return d.exit_code
+
+
+def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, during: str = "train",
+               step: int | None = None, incident: Incident | None = None) -> int:
+    """The failure path of one process; runs once per process (the watchdog thread and the main
+    thread may both arrive here). Returns the exit code this process should end with."""
+    with _once:
+        if ctx.rank >= 0:
+            dump_stacks(ctx.run_dir, ctx.attempt, ctx.rank)
+        if not claim(ctx.run_dir, ctx.attempt):
+            d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
+            return int(d["exit_code"]) if d else exitcodes.REQUEUE
+        if incident is None:
+            incident = classify_settled(run_dir=ctx.run_dir, world_size=ctx.world_size, me=ctx.rank,
+                                        attempt=ctx.attempt, heartbeat_s=ctx.cfg.heartbeat_s, error=error,
+                                        during=during)
+        get_logger().error("incident %s: %s", incident.cls, incident.summary)
+        return conclude(ctx, cause=incident.cls, step=step, incident=incident)

@@ -1,0 +1,48 @@
+"""The one owner of a rank's stop signals: handlers installed at process start that only set a flag.
+
+The trainer reads the flag at each step boundary and folds it into the step's one all-reduce, so
+every rank stops after the same step (README: "what happens when...").
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+
+__all__ = ["StopSignals", "parse_signals"]
+
+
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """`["SIGUSR2", "TERM"]` -> signals; ValueError naming `failure.requeue_signals` for an unknown name."""
+    out = []
+    for name in names:
+        key = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+        try:
+            out.append(signal.Signals[key])
+        except KeyError:
+            raise ValueError(f"failure.requeue_signals: {name!r} is not a signal name; use e.g. "
+                             "[SIGUSR2,SIGTERM]") from None
+    return out
+
+
+class StopSignals:
+    """Installs handlers for the requeue signals (and SIGINT: Ctrl-C saves and stops); `received` is
+    the first signal that arrived, or None. A handler does nothing but record the signal."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.count = 0
+
+    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True) -> "StopSignals":
+        for sig in {*signals, *([signal.SIGINT] if ctrl_c else [])}:
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.received is None:
+            self.received = signum
+        self.count += 1
+
+    @property
+    def name(self) -> str | None:
+        return None if self.received is None else signal.Signals(self.received).name
