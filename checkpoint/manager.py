@@ -8,6 +8,9 @@ fsync of the folder -> rename to step_<N> -> fsync of the parent -> manifest wri
 
 Collectives run on two gloo groups of the manager's own: `io` (the commit, possibly in a background
 thread) and `ctl` (everything on the caller's thread), so neither ever races the training collectives.
+Load has no collective inside DCP (each rank reads with no_dist): each candidate is validated, then
+loaded, and after each an all_gather that every rank reaches decides for all, so one rank's failure
+makes every rank skip that checkpoint together.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import statistics
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +52,7 @@ from checkpoint.manifest import (
     MANIFEST,
     ManifestError,
     check_files,
+    check_step_dir,
     file_record,
     fsync_dir,
     read_manifest,
@@ -146,7 +151,8 @@ class CheckpointManager:
     ) -> int:
         """Restores the newest valid checkpoint into the given objects and returns its step (0 when
         none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
-        the objects that later `save` calls write."""
+        the objects that later `save` calls write. Every rank skips, loads or raises together: a
+        candidate that fails to validate or load on any one rank is skipped by all."""
         if len(model_parts) != len(optimizers):
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
         self._bound = {
@@ -160,9 +166,7 @@ class CheckpointManager:
         if not self.cfg.enabled:
             return 0
         t0 = time.perf_counter()
-        if self.rank == 0:
-            self._remove_stale_tmp()
-        steps = self._bcast([s for s, _ in step_dirs(self.folder)] if self.rank == 0 else None, self._ctl_pg)
+        steps = self._candidate_steps()
         touched = False
         for step in steps:
             d = self.folder / f"step_{step}"
@@ -171,11 +175,10 @@ class CheckpointManager:
                 self._skip(step, d, "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
                 continue
             self._check_drift(step, manifest)
-            try:
-                touched = True
-                info = self._load(d, manifest)
-            except Exception as e:  # noqa: BLE001 - report and fall back to the next one
-                self._skip(step, d, f"load failed: {_describe(e, self.folder)}")
+            touched = True
+            info, failed = self._load_agreed(d, manifest)
+            if info is None:
+                self._skip(step, d, f"load failed on {failed}")
                 continue
             self._last_save_step = step
             self._restore_interval(manifest)
@@ -292,6 +295,18 @@ class CheckpointManager:
             sd["rng"] = {rng_key: b""}
         return sd
 
+    def _load_agreed(self, d: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
+        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
+        # afterwards, reached by every rank, decides for all.
+        err = info = None
+        try:
+            info = self._load(d, manifest)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            err = _describe(e, self.folder)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
+        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
+
     def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         b = self._bound
         assert b is not None
@@ -301,7 +316,9 @@ class CheckpointManager:
         sd = self._state_dict(md_keys, part_keys)
         if not same_mesh:
             sd.pop("rng", None)
-        dcp.load(sd, checkpoint_id=str(d), process_group=self._ctl_pg)
+        with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(d), no_dist=True)
         for part, keys in zip(b["model_parts"], part_keys):
             set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)
         for part, opt in zip(b["model_parts"], b["optimizers"]):
@@ -403,15 +420,25 @@ class CheckpointManager:
         return {"ok": False, "error": "; ".join(errors)[:2000]}
 
     def _retain(self) -> None:
-        valid = []
-        for step, d in step_dirs(self.folder):
-            try:
-                m = read_manifest(d, step=step)
-            except ManifestError:
-                continue  # damaged: reported at load, never deleted here
-            if not check_files(d, m["files"], sorted(m["files"]), checksum=False):
-                valid.append((step, d))
-        for step, d in valid[self.cfg.keep :]:
+        # Counts toward checkpoint.keep only what load would accept (checkpoint.verify), newest first; of
+        # the older ones, only those whose manifest and sizes check out are deleted (the rest are left for
+        # a human), and never the newest one that passes the checksum.
+        dirs = step_dirs(self.folder)
+        if len(dirs) <= self.cfg.keep:
+            return  # nothing to delete: no need to read any checkpoint back
+        checksum = self.cfg.verify == "checksum"
+        kept: list[tuple[int, Path]] = []
+        retired: list[tuple[int, Path]] = []
+        for step, d in dirs:
+            if len(kept) < self.cfg.keep:
+                if not check_step_dir(d, step=step, checksum=checksum):
+                    kept.append((step, d))
+            elif not check_step_dir(d, step=step, checksum=False):
+                retired.append((step, d))
+        if retired and not checksum:  # kept by size only: the newest one that passes the checksum stays too
+            sound = next((sd for sd in kept + retired if not check_step_dir(sd[1], step=sd[0], checksum=True)), None)
+            retired = [sd for sd in retired if sd != sound]
+        for step, d in retired:
             shutil.rmtree(d)
             self._emit("checkpoint_deleted", step=step, path=str(d), reason=f"retention: checkpoint.keep={self.cfg.keep}")
 
@@ -426,8 +453,23 @@ class CheckpointManager:
                                    checksum=self.cfg.verify == "checksum")
         except ManifestError as e:
             problems = [str(e)]
+        except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
+            problems = [f"rank {self.rank}: {_describe(e, self.folder)}"]
         problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
         return problems, (manifest if not problems else None)
+
+    def _candidate_steps(self) -> list[int]:
+        listing: list[int] | str | None = None
+        if self.rank == 0:
+            try:
+                self._remove_stale_tmp()
+                listing = [s for s, _ in step_dirs(self.folder)]
+            except Exception as e:  # noqa: BLE001 - broadcast, so every rank raises it
+                listing = f"listing {self.folder} failed on rank 0: {_describe(e, self.folder)}"
+        listing = self._bcast(listing, self._ctl_pg)
+        if isinstance(listing, str):
+            raise RuntimeError(f"{listing}; make the folder readable (or fix run.dir) and restart")
+        return listing
 
     def _skip(self, step: int, d: Path, reason: str) -> None:
         self._emit("checkpoint_skipped", step=step, path=str(d), reason=reason)

@@ -9,7 +9,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "read_manifest", "check_files"]
+__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "read_manifest", "check_files",
+           "check_step_dir"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -137,6 +138,17 @@ def check_files(step_dir: Path, files: dict[str, dict[str, Any]], names: list[st
             if got != want["crc32"]:
                 problems.append(f"{name} crc32 {got} != manifest {want['crc32']}")
     return problems
+
+
+def check_step_dir(step_dir: Path, *, step: int, checksum: bool) -> list[str]:
+    """Problems with a whole step folder, manifest and every file (empty when it is valid)."""
+    try:
+        manifest = read_manifest(step_dir, step=step)
+        return check_files(step_dir, manifest["files"], sorted(manifest["files"]), checksum=checksum)
+    except ManifestError as e:
+        return [str(e)]
+    except OSError as e:
+        return [f"{step_dir.name} unreadable: {e}"]
 
 
 def _self_crc(body: dict[str, Any]) -> str:

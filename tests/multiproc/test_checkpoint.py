@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import checkpoint.manager as manager_mod
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import MANIFEST, read_manifest
 from jobs.events import read_events
@@ -71,6 +73,48 @@ def test_damaged_newest_checkpoint_is_reported_skipped_and_kept(four_steps, tmp_
     aside = list((tmp_path / "checkpoints").glob("step_4.uncommitted-*"))
     assert len(aside) == 1
     assert read_manifest(tmp_path / "checkpoints/step_4", step=4)["step"] == 4
+
+
+def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
+    """`train`, with rank 1 alone failing to load step_4: its `.metadata` read fails (EIO) or its
+    optimizer state is refused after the read. Rank 0 sees nothing wrong."""
+    if rank == 1 and fault == "metadata":
+        class Reader(manager_mod.FileSystemReader):
+            def read_metadata(self, *a, **k):
+                if str(self.path).endswith("step_4"):
+                    raise OSError(errno.EIO, "Input/output error", f"{self.path}/.metadata")
+                return super().read_metadata(*a, **k)
+
+        manager_mod.FileSystemReader = Reader
+    elif rank == 1 and fault == "apply":
+        orig, calls = manager_mod.set_optimizer_state_dict, []
+
+        def refuse_first(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("size mismatch for optim state (injected on rank 1)")
+            return orig(*a, **k)
+
+        manager_mod.set_optimizer_state_dict = refuse_first
+    return train(rank, world, **kw)
+
+
+@pytest.mark.parametrize("fault", ["metadata", "apply"])
+def test_a_load_failing_on_one_rank_makes_every_rank_fall_back_together(four_steps, tmp_path, fault):
+    ref_run, ref_losses = four_steps
+    _copy_run(ref_run, tmp_path)
+    # Without agreement rank 1 moves on to step_2 while rank 0 sits in a collective of step_4 (or trains):
+    # a hang, which the 60 s bound turns into a TimeoutError.
+    res = run_ranks(_train_with_rank1_load_fault, 2, fault=fault, run_dir=str(tmp_path), mesh=DP2, steps=4,
+                    ckpt=mesh_ckpt(every_steps=2), timeout=60.0)
+    assert [res.results[r]["start"] for r in (0, 1)] == [2, 2]
+    assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}  # bitwise from step_2 on both ranks
+    skipped = read_events(tmp_path / "events.jsonl", "checkpoint_skipped")
+    assert [e["step"] for e in skipped] == [4]
+    cause = {"metadata": "OSError: [Errno 5]", "apply": "RuntimeError: size mismatch"}[fault]
+    assert "load failed on rank 1: " + cause in skipped[0]["reason"], skipped[0]["reason"]
+    loaded = read_events(tmp_path / "events.jsonl", "checkpoint_loaded")
+    assert [e["step"] for e in loaded] == [2]
 
 
 @pytest.mark.parametrize("where", ["kill_before_rename", "kill_before_manifest"])

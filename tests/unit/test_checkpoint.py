@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint.manager as manager_mod
 from checkpoint import CheckpointConfig, CheckpointManager, TrainState, diff_fingerprint, env_fingerprint
 from checkpoint.manifest import MANIFEST, ManifestError, check_files, file_record, read_manifest, step_dirs, write_manifest
 from checkpoint.state import capture_rng, restore_rng
@@ -170,3 +171,43 @@ def test_two_stages_on_one_rank_resume_into_one_model(tmp_path):
     _step([one], [one_opt], x)
     for name, p in one.named_parameters():
         assert torch.equal(p, (a if name.startswith("layers.0") else b).get_parameter(name)), name
+
+
+def _flip_middle_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("verify", ["checksum", "size"])
+def test_retention_never_deletes_the_last_loadable_checkpoint_for_newer_ones_with_a_flipped_byte(
+        tmp_path, monkeypatch, verify):
+    """keep=2; steps 2 and 3 each get a byte flipped (same size) right after their commit: step 1 must stay."""
+    orig_write = manager_mod.write_manifest
+
+    def write_then_rot(step_dir, body):
+        orig_write(step_dir, body)
+        if body["step"] >= 2:
+            _flip_middle_byte(step_dir / "__0_0.distcp")
+
+    monkeypatch.setattr(manager_mod, "write_manifest", write_then_rot)
+    torch.manual_seed(0)
+    model, x = _Two(), torch.randn(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    events: list[tuple[str, dict]] = []
+    cfg = CheckpointConfig(every_steps=1, async_mode="none", keep=2, verify=verify)
+    ck = CheckpointManager(tmp_path, cfg=cfg, emit=lambda kind, **f: events.append((kind, f)))
+    assert ck.load_latest(model_parts=[model], optimizers=[opt]) == 0
+    for step in (1, 2, 3):
+        _step([model], [opt], x)
+        ck.save(step)
+    ck.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2", "step_3"]
+    assert [f["step"] for k, f in events if k == "checkpoint_deleted"] == []
+
+    fresh = _Two()
+    ck2 = CheckpointManager(tmp_path, cfg=CheckpointConfig(), emit=lambda kind, **f: events.append((kind, f)))
+    assert ck2.load_latest(model_parts=[fresh], optimizers=[torch.optim.AdamW(fresh.parameters())]) == 1
+    ck2.close()
+    assert [f["step"] for k, f in events if k == "checkpoint_skipped"] == [3, 2]
+    assert all("crc32" in f["reason"] for k, f in events if k == "checkpoint_skipped")
