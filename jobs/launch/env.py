@@ -7,13 +7,14 @@ for these facts.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "expand_nodelist", "port_from_job_id"]
+__all__ = ["DistEnv", "expand_nodelist"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +82,16 @@ class DistEnv:
             node_rank=int(env.get("SLURM_NODEID", 0)),
             nodes=nodes,
             master_addr=env.get("MASTER_ADDR") or hosts[0],
-            master_port=int(port) if port else port_from_job_id(int(env["SLURM_JOB_ID"])),
+            master_port=int(port) if port else 0,  # 0: rank 0 publishes the port it got (jobs.launch.rendezvous)
             restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
             job_id=job_id,
             hostname=env.get("SLURMD_NODENAME", os.uname().nodename),
         )
+
+    @property
+    def attempt(self) -> str:
+        """This start of the job's ranks, as the ledger names it: `<job id>.<restart>`, `local.<n>` locally."""
+        return f"{self.job_id or 'local'}.{self.restart_count}"
 
     def torch_environ(self) -> dict[str, str]:
         """The variables torch's env:// rendezvous expects, for this rank."""
@@ -106,14 +112,6 @@ def _slurm_job_id(env: Mapping[str, str]) -> str:
     return f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]
 
 
-def port_from_job_id(job_id: int, base: int = 20000, span: int = 20000) -> int:
-    """A rendezvous port every rank of a job derives alike from the job id (no port file needed)."""
-    return base + job_id % span
-
-
-_RANGE = re.compile(r"^(?P<prefix>[^\[]*)\[(?P<body>[^\]]+)\](?P<suffix>.*)$")
-
-
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expands a Slurm hostlist (`node[1-3,7],gpu01`) into host names, in Slurm's order.
 
@@ -131,33 +129,59 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return _parse_hostlist(nodelist)
 
 
-def _split_top_level(s: str) -> list[str]:
+_BRACKET_GROUP = re.compile(r"\[([^\[\]]*)\]")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+
+
+def _parse_hostlist(nodelist: str) -> list[str]:
+    """Expands a hostlist as `scontrol show hostnames` does: any number of bracket groups per name,
+    zero-padding to the width of each range's lower bound, commas or whitespace between names."""
+    return [host for item in _split_top_level(nodelist) for host in _expand_item(item, nodelist)]
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """The names of a hostlist: split at commas and whitespace outside brackets."""
     parts, depth, cur = [], 0, []
-    for ch in s:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
+    for ch in nodelist:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"invalid hostlist {nodelist!r}: nested or unmatched brackets")
+        if depth == 0 and (ch == "," or ch.isspace()):
             parts.append("".join(cur))
             cur = []
         else:
             cur.append(ch)
-    if cur:
-        parts.append("".join(cur))
+    if depth:
+        raise ValueError(f"invalid hostlist {nodelist!r}: unclosed bracket")
+    parts.append("".join(cur))
     return [p for p in parts if p]
 
 
-def _parse_hostlist(nodelist: str) -> list[str]:
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        m = _RANGE.match(part)
-        if not m:
-            hosts.append(part)
-            continue
-        for item in m["body"].split(","):
-            lo, _, hi = item.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{m['prefix']}{i:0{width}d}{m['suffix']}")
+def _expand_item(item: str, nodelist: str) -> list[str]:
+    """One name with k bracket groups, in Slurm's order: the last group varies fastest; before it, the
+    groups vary from the first (fastest) to the one before last (slowest), as Slurm's hostlist.c
+    recurses from the rightmost group of the prefix."""
+    if "[" not in item:
+        return [item]
+    pieces = _BRACKET_GROUP.split(item)  # literal, group, literal, group, ..., literal
+    literals, groups = pieces[0::2], pieces[1::2]
+    if literals[-1] or any("[" in s or "]" in s for s in literals):
+        raise ValueError(f"invalid hostlist {nodelist!r}: {item!r} must end with its last bracket group")
+    values = [_expand_ranges(g, nodelist) for g in groups]
+    order = [*range(len(groups) - 2, -1, -1), len(groups) - 1]  # slowest first
+    hosts = []
+    for combo in itertools.product(*(values[g] for g in order)):
+        picked = dict(zip(order, combo))
+        hosts.append("".join(lit + picked.get(g, "") for g, lit in enumerate(literals)))
     return hosts
+
+
+def _expand_ranges(group: str, nodelist: str) -> list[str]:
+    """The numbers of one bracket group (`001-002,010`), each padded to its range's lower-bound width."""
+    out = []
+    for rng in group.split(","):
+        m = _RANGE.fullmatch(rng)
+        if not m or int(m[2] or m[1]) < int(m[1]):
+            raise ValueError(f"invalid hostlist {nodelist!r}: invalid range {rng!r}")
+        out += [f"{i:0{len(m[1])}d}" for i in range(int(m[1]), int(m[2] or m[1]) + 1)]
+    return out

@@ -12,13 +12,10 @@ with the same pickled config, hence the same `run.dir`.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +23,12 @@ import submitit
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.launch.env import DistEnv
+from jobs.events import EventLog
+from jobs.failure.respond import open_attempt
+from jobs.failure.signals import StopSignals, parse_signals
+from jobs.launch.env import DistEnv, expand_nodelist
 from jobs.launch.prepare import prepare_run
+from jobs.launch.slurm_state import job_state, wait_for_job
 
 __all__ = ["submit", "SlurmRank", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
            "rank_main", "wait_for_job", "job_state"]
@@ -53,23 +54,23 @@ def rank_environ(cfg: JobConfig, environ: dict[str, str] | None = None) -> dict[
     return env
 
 
-def rank_main(cfg: JobConfig) -> int:
-    """One rank under Slurm: export the profile's env, build DistEnv, train; requeue when asked."""
+def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
+    """One rank under Slurm: stop signals first, export the profile's env, build DistEnv, train.
+    Rank 0 opens the attempt in the ledger; requeues are decided inside `run_rank`."""
+    stop = (stop or StopSignals()).install(parse_signals(cfg.failure.requeue_signals))
     environ = rank_environ(cfg)
     os.environ.clear()
     os.environ.update(environ)  # before init_process_group: NCCL/torch read these at init
     env = DistEnv.from_environ(environ)
     print(f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
-          f"node {env.hostname} ({env.node_rank}/{env.nodes}) master {env.master_addr}:{env.master_port} "
-          f"run.dir {cfg.run.dir}", flush=True)
-    from jobs.launch.rank import run_rank
+          f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
+    from jobs.launch.rank import attempt_context, run_rank
 
-    code = run_rank(cfg, env)
-    if code == exitcodes.REQUEUE and env.rank == 0 and env.job_id:
-        # The worker stopped on purpose (it caught the preemption signal itself): rank 0 asks Slurm to
-        # run the job again; the same run.dir is reused because the job script is unchanged.
-        subprocess.run(["scontrol", "requeue", env.job_id], check=False)
-    return code
+    if env.rank == 0:
+        events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt)
+        open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
+            os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm")
+    return run_rank(cfg, env, stop=stop)
 
 
 class SlurmRank(submitit.helpers.Checkpointable):
@@ -111,11 +112,35 @@ def check_slurm_config(cfg: JobConfig) -> None:
         raise ValueError(f"launcher.array_parallelism({ln.array_parallelism}) must be >= 0 (0 = all at once)")
 
 
+def check_signal_lead(cfg: JobConfig) -> None:
+    """No requeue on a signal without checkpoints; and the time-limit warning must leave time for one
+    step, one blocking save and a margin (the planner's analytic estimates; skipped when the profile
+    has no GPU figures)."""
+    from jobs.planner.gate import build_plan
+
+    if cfg.failure.requeue_signals and not cfg.checkpoint.enabled:
+        raise ValueError(f"failure.requeue_signals={list(cfg.failure.requeue_signals)} with checkpoint.enabled=false: "
+                         "every requeue would start again from step 0; set checkpoint.enabled=true, or "
+                         "failure.requeue_signals=[] to let a signal end the job")
+    if not cfg.failure.requeue_signals or cfg.cluster.gpu_bf16_tflops <= 0:
+        return
+    plan = build_plan(cfg, measure=False)
+    step_s, save_s = plan.step.get("step_s_at_mfu", 0.0), plan.checkpoint.get("blocking_s", 0.0)
+    need = step_s + save_s + cfg.failure.signal_margin_s
+    if cfg.launcher.signal_delay_s < need:
+        raise ValueError(
+            f"launcher.signal_delay_s({cfg.launcher.signal_delay_s}) < one step ({step_s:.0f} s) + one blocking save "
+            f"({save_s:.0f} s) + failure.signal_margin_s({cfg.failure.signal_margin_s:.0f}) = {need:.0f} s (planner "
+            f"estimates for cluster={cfg.cluster.name}): the job would be killed before it saved; set "
+            f"launcher.signal_delay_s={int(need) + 1}")
+
+
 def login_checks(cfg: JobConfig) -> None:
     from jobs.validate import validate
 
     validate(cfg)
     check_slurm_config(cfg)
+    check_signal_lead(cfg)
 
 
 def require_slurm() -> None:
@@ -130,7 +155,9 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     """A submitit SlurmExecutor whose sbatch script matches `cfg` (one task per rank, srun, USR2)."""
     ln, cl = cfg.launcher, cfg.cluster
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.failure.max_requeues)
-    srun_args = ["--kill-on-bad-exit=1"]
+    # No --kill-on-bad-exit: a rank killed by a signal must not take the survivors with it before they
+    # record the incident and requeue (jobs.failure); the watchdog bounds how long anyone can hang.
+    srun_args = ["--kill-on-bad-exit=0"]
     if cl.container_image:
         srun_args.append(f"--container-image={cl.container_image}")
     if cl.container_mounts:
@@ -188,61 +215,14 @@ def submit(cfg: JobConfig) -> int:
     print(f"run dir  {run_dir}")
     print(f"logs     {out}/{job.job_id}_<rank>_log.out|err (appended across requeues)")
     print(f"metrics  {run_dir / 'metrics.jsonl'}")
-    print(f"status   sacct -j {job.job_id} --duplicates -o JobID,State,ExitCode,NodeList,Restarts")
+    print(f"status   python -m jobs.status {run_dir}   (sacct -j {job.job_id} --duplicates -o JobID,State,ExitCode,NodeList)")
     sys.stdout.flush()
     if not cfg.launcher.wait:
         return exitcodes.OK
     return wait_for_job(job.job_id, run_dir)
 
 
-_FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-          "DEADLINE"}
-
-
-def job_state(job_id: str) -> tuple[str, int, int]:
-    """(state, exit code, restarts) of a job's allocation as Slurm reports it (sacct, then scontrol)."""
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
-    fields = dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
-    if out.returncode == 0 and "JobState" in fields:
-        code = int(fields.get("ExitCode", "0:0").split(":")[0])
-        return fields["JobState"], code, int(fields.get("Restarts", 0))
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode"],
-                         capture_output=True, text=True)
-    lines = [l for l in out.stdout.splitlines() if l.strip()]
-    if not lines:
-        return "UNKNOWN", 0, 0
-    state, code = lines[-1].split("|")
-    return state.split()[0], int(code.split(":")[0]), len(lines) - 1
-
-
-def wait_for_job(job_id: str, run_dir: Path, *, poll_s: float = 2.0) -> int:
-    """Follows a job until it ends, relaying state changes and metrics lines; returns an exit code."""
-    metrics, seen, last = run_dir / "metrics.jsonl", 0, None
-    while True:
-        state, code, restarts = job_state(job_id)
-        if (state, restarts) != last:
-            print(f"job {job_id}: {state}" + (f" (restart {restarts})" if restarts else ""), flush=True)
-            last = (state, restarts)
-        if metrics.exists():
-            lines = metrics.read_text().splitlines()
-            for line in lines[seen:]:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line being written; read it next time
-                seen += 1
-                print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in rec.items()), flush=True)
-        if state in _FINAL:
-            if state == "COMPLETED":
-                return exitcodes.OK
-            print(f"job {job_id} ended {state} with exit code {code}; see {run_dir / 'slurm' / job_id}",
-                  file=sys.stderr)
-            return code or exitcodes.FAILED
-        time.sleep(poll_s)
-
-
-def _script_cli(mode: str, argv: list[str]) -> int:
+def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The two steps of a rendered sbatch script: `--prepare` (batch shell, once), `--rank` (every rank)."""
     from jobs.config import compose
 
@@ -256,13 +236,15 @@ def _script_cli(mode: str, argv: list[str]) -> int:
     if mode == "--prepare":
         prepare_run(cfg)
         return exitcodes.OK
-    return rank_main(cfg)
+    return rank_main(cfg, stop)
 
 
 if __name__ == "__main__":
+    # Before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal.
+    _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
     if len(sys.argv) < 2 or sys.argv[1] not in ("--rank", "--prepare"):
         print("usage: python -m jobs.launch.slurm --prepare|--rank [OVERRIDES...]  (the steps of a script "
               "rendered by `python -m jobs.sbatch`; submit jobs with `python -m jobs.train launcher=slurm`)",
               file=sys.stderr)
         sys.exit(exitcodes.CONFIG_ERROR)
-    sys.exit(_script_cli(sys.argv[1], sys.argv[2:]))
+    sys.exit(_script_cli(sys.argv[1], sys.argv[2:], _stop))
