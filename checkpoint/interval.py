@@ -91,7 +91,7 @@ def _check(delta: float, mtbf: float) -> None:
 
 
 # Ledger events that are not failures of the machine: the job was stopped on purpose.
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error"})
+_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss"})  # deliberate stops, bad input
 
 
 def job_mtbf_s(
@@ -127,15 +127,16 @@ def job_mtbf_s(
 def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
     """(failures, seconds observed) from a run's events.jsonl records.
 
-    A failure is a `failure` event whose class (`class` or `cls`) is not a deliberate stop
-    (preempted, walltime, config_error); every rank may report the same one, so an attempt (the
-    event's `restart` count) counts once. The observed time spans the first to the last event.
+    A failure is a `failure` event whose class (`class` or `cls`) is not a deliberate stop or bad
+    input (preempted, walltime, config_error, nan_loss); an attempt counts once (its `attempt` id,
+    else its `restart` count), whoever reported it: a survivor or the next attempt for a dead rank.
+    The observed time spans the first to the last event.
     """
     if not events:
         return 0, 0.0
     times = [float(e["time"]) for e in events if "time" in e]
     failures = len({
-        e.get("restart", 0) for e in events
+        e.get("attempt") or e.get("restart", 0) for e in events
         if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in _NOT_FAILURES
     })
     return failures, (max(times) - min(times)) if times else 0.0

@@ -6,11 +6,13 @@ written); `-m` sweeps and Hydra's own flags (`--cfg`, `--help`, ...) go through 
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from jobs import exitcodes
 from jobs.cli import main_for
 from jobs.config import JobConfig
+from jobs.failure.signals import StopSignals
 from jobs.launch.prepare import prepare_run
 from jobs.log import setup_logging
 
@@ -45,12 +47,18 @@ def run(cfg: JobConfig) -> int:
              derived.tokens_per_step)
     from jobs.launch.local import launch
 
-    code = launch(cfg)
+    code = launch(cfg, early=_early)
     log.info("finished with exit code %d", code) if code == 0 else log.error("failed with exit code %d", code)
     return code
 
 
+# A stop signal (Ctrl-C, SIGTERM, SIGUSR2) while the config is composed and the ranks start is
+# recorded here and handed to the ranks, which then end the attempt before training (exit 75).
+_early = StopSignals()
+
+
 def main(argv: list[str] | None = None) -> int:
+    _early.install([signal.SIGUSR2, signal.SIGTERM])
     return main_for(run, argv)
 
 

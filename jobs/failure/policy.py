@@ -73,6 +73,7 @@ def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:
 
 def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -> None:
     path = incident_dir(run_dir, attempt) / "decision.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(".decision.json.tmp")
     tmp.write_text(json.dumps({**asdict(decision), "time": time.time()}))
     os.replace(tmp, path)

@@ -68,7 +68,8 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
             ctx.events.emit("decision", cause=cause, **asdict(d))
             publish(ctx.run_dir, ctx.attempt, d)
     log = get_logger()
-    (log.warning if d.action == "requeue" else log.error)("%s: %s -> %s (exit %d)", ctx.attempt, cause, d.reason, d.exit_code)
+    (log.warning if d.action == "requeue" else log.error)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
+                                                          cause, d.action, d.reason, d.exit_code)
     if d.action == "stop":
         print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
               flush=True)

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 from dataclasses import replace
 from pathlib import Path
@@ -48,8 +49,12 @@ def _die_with_parent() -> None:
         pass
 
 
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
 def _rank_main(cfg: JobConfig, env: DistEnv, parent: int) -> int:
     stop = StopSignals().install(parse_signals(cfg.failure.requeue_signals))  # before anything else
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # blocked by the launcher across fork
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return exitcodes.RANK_DIED
@@ -70,8 +75,9 @@ def _attempt_number(events: EventLog) -> int:
     return sum(1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local."))
 
 
-def launch(cfg: JobConfig) -> int:
-    """Runs all ranks to completion; returns 0, the first failing rank's exit code, or RANK_DIED."""
+def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
+    """Runs all ranks to completion; returns 0, the first failing rank's exit code, or RANK_DIED.
+    `early`: stop signals the entry point recorded before the ranks existed; they are passed on."""
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
@@ -86,7 +92,16 @@ def launch(cfg: JobConfig) -> int:
     ctx = AttemptContext(run_dir=cfg.run.dir, attempt=envs[0].attempt, rank=-1, world_size=cfg.world_size,
                          job_id=None, restart_count=restart, cfg=cfg.failure, events=events)
     open_attempt(ctx, nodes=[envs[0].hostname], launcher="local")
-    pids = _fork_ranks(cfg, envs)
+    # Signals wait (blocked) until every rank has its handlers and the launcher its forwarder: none is lost.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    try:
+        pids = _fork_ranks(cfg, envs)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+        raise
+    if early is not None and early.received is not None:
+        for p in pids:
+            _kill(p, signal.SIGUSR2)
     return _supervise(pids, ctx)
 
 
@@ -101,6 +116,8 @@ def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:
             code = 1
             try:
                 code = _rank_main(cfg, env, parent)
+            except BaseException:  # noqa: BLE001 - a rank's own bug: show it, exit 1
+                traceback.print_exc()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -122,7 +139,8 @@ def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
         for p in pids:
             _kill(p, signal.SIGUSR2 if signals_seen == 1 else signal.SIGKILL)
 
-    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    old = {s: signal.signal(s, _forward) for s in _FORWARDED}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     result = exitcodes.OK
     try:
         while pids:
