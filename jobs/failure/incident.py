@@ -22,7 +22,8 @@ __all__ = ["Incident", "classify", "classify_settled", "dump_stacks", "write_inc
 # Classes whose cure is a fresh start of the job (requeue); the others stop it (a bug or bad input
 # would fail the same way again).
 REQUEUE_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "collective_mismatch",
-                             "rendezvous_failure", "everything_slow", "rank_crashed", "preempted"})
+                             "rendezvous_failure", "everything_slow", "rank_crashed", "preempted",
+                             "checkpoint_error"})
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET")
 _TIMEOUT = ("Timed out", "timed out", "Timeout", "DistStoreError")
@@ -41,12 +42,14 @@ class Incident:
 
 def error_class(e: BaseException | None) -> str | None:
     """The class an exception's text implies about the job ('collective_timeout', 'peer_gone',
-    'out_of_memory'), or None for an ordinary error."""
+    'out_of_memory', 'checkpoint_error'), or None for an ordinary error."""
     if e is None:
         return None
     text = f"{type(e).__name__}: {e}"
     if "OutOfMemoryError" in text or "out of memory" in text:
         return "out_of_memory"
+    if type(e).__name__ == "CheckpointSaveError":
+        return "checkpoint_error"
     if any(s in text for s in _PEER_GONE):
         return "peer_gone"
     if any(s in text for s in _TIMEOUT) or type(e).__name__ in ("DistBackendError", "DistNetworkError"):
@@ -100,6 +103,9 @@ def _all_alive(beats: dict[int, Beat], *, me: int, attempt: str, hint: str | Non
     if hint == "collective_timeout" or hint == "peer_gone":
         return Incident("collective_timeout", attempt, me, f"a collective failed ({hint}) with every rank alive "
                         "and at the same step", [], ev)
+    if hint in ("out_of_memory", "checkpoint_error"):
+        return Incident(hint, attempt, me, f"rank {me}: {type(error).__name__}: {error}"[:300],
+                        [_suspect(beats[me], hint, now)] if me in beats else [], ev)
     if error is not None:
         return Incident("rank_crashed", attempt, me, f"rank {me} raised {type(error).__name__}: {error}"[:300],
                         [_suspect(beats[me], "crashed", now)] if me in beats else [], ev)
