@@ -1,0 +1,91 @@
+"""Helpers of the chaos tier: the common job, the uninterrupted reference, faults injected from outside, and the bitwise comparison."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint.convert import convert
+from jobs.events import read_events
+from tests.slurm.slurm_helpers import REPO, cli, sacct, submitted_job_id
+
+STEPS = 300
+# Two ranks on two nodes (FSDP over dp_shard2), the debug failure policy (hang named after 20 s).
+COMMON = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
+          f"train.steps={STEPS}", "checkpoint.every_steps=25", "failure=debug"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; a requeued attempt appends, so the newest line of a step wins."""
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def final_state(run_dir: Path, tmp: Path) -> dict:
+    out = tmp / f"{run_dir.name}-{time.monotonic_ns()}.pt"
+    convert(run_dir / f"checkpoints/step_{STEPS}", out)
+    return torch.load(out, weights_only=False)
+
+
+def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path) -> None:
+    """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's."""
+    ref_losses, ref_final = reference
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(set(range(1, STEPS + 1)) - set(got))
+    bad = [(s, got[s], ref_losses[s]) for s in got if got[s] != ref_losses[s]]
+    assert not bad, bad[:5]
+    final = final_state(run_dir, tmp)
+    assert final["model"].keys() == ref_final["model"].keys()
+    for k, v in final["model"].items():
+        assert torch.equal(v, ref_final["model"][k]), k
+    for k, v in final["optim"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, ref_final["optim"][k]), k
+
+
+def submit(run_dir: Path, *extra: str) -> str:
+    r = cli("jobs.train", "launcher=slurm", *COMMON, *extra, f"run.dir={run_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return submitted_job_id(r.stdout)
+
+
+def wait_for_step(run_dir: Path, step: int, *, timeout: float = 240) -> None:
+    """Until metrics.jsonl has reached `step` (the job is training, past its first checkpoint)."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines()[-3:] if l):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir} never reached step {step}")
+
+
+def rank_pid(run_dir: Path, attempt: str, rank: int) -> int:
+    return json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())["pid"]
+
+
+def wait_job_done(job: str, *, timeout: float = 420) -> list[dict[str, str]]:
+    """Polls until the job has no PENDING/RUNNING/REQUEUED-waiting record left; returns sacct's records."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+        if not state:
+            time.sleep(2)  # accounting catches up
+            return sacct(job)
+        time.sleep(1)
+    raise AssertionError(f"job {job} still queued or running after {timeout} s: {sacct(job)}")
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict]:
+    return read_events(run_dir / "events.jsonl", kind)
+
+
+def status(run_dir: Path) -> str:
+    r = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout

@@ -1,0 +1,179 @@
+"""The chaos tier: faults injected from outside into real jobs on the local Slurm cluster; each case asserts
+what Slurm reports (sacct --duplicates, scontrol) and what the run dir holds, and, where the job must
+finish, that its losses and final parameters are bitwise those of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.chaos_helpers import (COMMON, STEPS, assert_bitwise_equal_to_reference, events, final_state, losses,
+                                       rank_pid, status, submit, wait_for_step, wait_job_done)
+from tests.conftest import run_train
+from tests.slurm.slurm_helpers import REPO, cli, scontrol_job
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """The same config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data)."""
+    run_dir = tmp_path_factory.mktemp("chaos_ref") / "run"
+    r = run_train(["launcher=local", *COMMON], run_dir, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(run_dir), final_state(run_dir, tmp_path_factory.mktemp("chaos_ref_pt"))
+
+
+def _states(recs: list[dict]) -> list[str]:
+    return [r["State"].split()[0] for r in recs]
+
+
+def test_usr2_from_scancel_saves_requeues_and_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert scontrol_job(job)["Restarts"] == "1"
+    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
+    assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N", "2", "--exclusive", "-o", "/dev/null",
+                             "--wrap", "sleep 3"], capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip()
+    recs = wait_job_done(job)
+    assert _states(recs)[-1] == "COMPLETED" and _states(recs)[0] in ("PREEMPTED", "REQUEUED"), recs
+    assert int(scontrol_job(job)["Restarts"]) >= 1
+    assert scontrol_job(urgent)["JobState"] == "COMPLETED"
+    assert {e["signal"] for e in events(run_root, "stop_requested") if e["rank"] == 0} == {"SIGUSR2"}
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_kill_9_of_one_rank_mid_step_is_named_requeued_and_the_run_finishes_bitwise(run_root: Path, reference,
+                                                                                     tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    pid = rank_pid(run_root, f"{job}.0", 1)
+    os.kill(pid, signal.SIGKILL)
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    inc = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
+    assert inc["cls"] == "dead_rank" and [(s["rank"], s["pid"], s["node"]) for s in inc["suspects"]] == [(1, pid, "node2")]
+    (failure,) = [e for e in events(run_root, "failure") if e["attempt"] == f"{job}.0"]
+    assert failure["cls"] == "dead_rank" and failure["reported_by"] == 0  # the survivor wrote the dead rank's death
+    assert [e["cause"] for e in events(run_root, "attempt_end")] == ["dead_rank", "completed"]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_kill_9_during_an_async_checkpoint_write_leaves_nothing_loadable_behind(run_root: Path, reference,
+                                                                                 tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    ckpts = run_root / "checkpoints"
+    pid = rank_pid(run_root, f"{job}.0", 1)
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(".tmp") for p in ckpts.iterdir()):  # a save in flight
+        assert time.monotonic() < deadline, sorted(p.name for p in ckpts.iterdir())
+        time.sleep(0.001)
+    (tmp_dir,) = [p for p in ckpts.iterdir() if p.name.endswith(".tmp")]
+    os.kill(pid, signal.SIGKILL)
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    killed_step = int(tmp_dir.name.removeprefix("step_").removesuffix(".tmp"))
+    loaded = [e["step"] for e in events(run_root, "checkpoint_loaded")]
+    assert loaded and loaded[0] < killed_step or loaded[0] == killed_step and _committed_before_kill(run_root, killed_step)
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def _committed_before_kill(run_root: Path, step: int) -> bool:
+    """A save that won the race: its manifest was committed by the first attempt."""
+    return any(e["step"] == step and e["attempt"].endswith(".0") for e in events(run_root, "checkpoint_saved"))
+
+
+def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_and_the_job_requeued(run_root: Path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    pid = rank_pid(run_root, f"{job}.0", 1)
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.time()
+    recs = wait_job_done(job)
+    inc = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
+    hang_timeout_s = 20.0  # conf/failure/debug.yaml
+    assert inc["cls"] == "hung_rank", inc
+    assert [(s["rank"], s["node"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, "node2", pid, "stopped")]
+    assert inc["time"] - t_stop <= 1.1 * hang_timeout_s, inc["time"] - t_stop
+    assert (run_root / f"incidents/{job}.0/stacks-rank0.txt").read_text().count("Thread") >= 2
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert losses(run_root).keys() == set(range(1, STEPS + 1))
+
+
+def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+    # A 1-minute limit with USR2 30 s before it: Slurm checks limits coarsely and sends the warning
+    # 15-30 s into each attempt, so the 300 steps take several attempts, each ended by the warning,
+    # saved and requeued (the budget is raised for that; it does not change the numerics).
+    job = submit(run_root, "cluster.time_min=1", "launcher.signal_delay_s=30", "failure.max_requeues=20",
+                 "failure.max_attempts_without_progress=3")
+    recs = wait_job_done(job, timeout=900)
+    assert _states(recs)[-1] == "COMPLETED" and "REQUEUED" in _states(recs), recs
+    assert "TIMEOUT" not in _states(recs), recs
+    ends = [e["cause"] for e in events(run_root, "attempt_end")]
+    assert ends[-1] == "completed" and set(ends[:-1]) == {"SIGUSR2"}, ends
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_a_crash_on_every_start_stops_at_the_budget_with_do_not_requeue_and_a_summary(run_root: Path) -> None:
+    data = run_root / "tokens.h5"
+    job = submit(run_root, f"data.path={data}", "checkpoint.every_steps=1000")
+    data.write_bytes(b"")  # from outside, after submit: every start of every rank now fails to read its data
+    recs = wait_job_done(job)
+    # debug policy: max_attempts_without_progress=2 -> attempt 0 requeued, attempt 1 stops for good.
+    assert _states(recs) == ["REQUEUED", "FAILED"], recs
+    assert recs[-1]["ExitCode"] == "76:0", recs
+    assert scontrol_job(job)["Restarts"] == "1"
+    decisions = [(e["action"], e["exit_code"]) for e in events(run_root, "decision")]
+    assert decisions == [("requeue", 75), ("stop", 76)], decisions
+    text = status(run_root)
+    assert "attempts: 2" in text and "stopped for good" not in text and "last decision: stop" in text, text
+    logs = "".join(p.read_text() for p in (run_root / "slurm" / job).glob("*_log.out"))
+    assert "stopped for good: 2 attempts in a row committed no new checkpoint" in logs
+
+
+def test_an_admins_scontrol_requeue_saves_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every process, SIGKILL KillWait later
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert {e["signal"] for e in events(run_root, "stop_requested") if e["rank"] == 0} == {"SIGTERM"}
+    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
+    assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [stop]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+@pytest.mark.parametrize("style", ["srun", "torchrun"])
+def test_a_rendered_sbatch_script_preempted_with_usr2_requeues_and_finishes_bitwise(run_root: Path, reference,
+                                                                                     tmp_path, style: str) -> None:
+    script = run_root / "job.sbatch"
+    run_root.mkdir(parents=True)
+    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *COMMON, f"run.dir={run_root}")
+    assert r.returncode == 0, r.stderr
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
+                         cwd="/tmp").stdout.strip()
+    wait_for_step(run_root, 40)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert scontrol_job(job)["Restarts"] == "1"
+    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
+    assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [stop]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
