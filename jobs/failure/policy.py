@@ -19,13 +19,14 @@ from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.failure.incident import REQUEUE_CLASSES, incident_dir
 from jobs.failure.ledger import attempts_without_progress
+from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used"]
+__all__ = ["Decision", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used", "slurm_intent"]
 
 
 @dataclass
 class Decision:
-    action: str  # requeue | stop
+    action: str  # requeue | stop | requeued_by_slurm | none (the job is being cancelled)
     reason: str
     exit_code: int
     requeues_used: int
@@ -40,12 +41,33 @@ def requeues_used(events: list[dict], *, restart_count: int) -> int:
     return max(restart_count, ours)
 
 
-def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int) -> Decision:
+def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
+    """What Slurm is already doing with this job while its ranks got SIGTERM: "requeued" (an admin's
+    `scontrol requeue` or a preemption requeue: Restarts is already past ours), "cancelled" (scancel
+    or the time limit: the job is COMPLETING/CANCELLED/TIMEOUT without a new restart), else None."""
+    if not job_id:
+        return None
+    js = job_state(job_id)
+    if js.restarts > restart_count:
+        return "requeued"
+    if js.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "DEADLINE"):
+        return "cancelled"
+    return None
+
+
+def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
+           slurm: str | None = None) -> Decision:
     """Requeue for a stop signal or a class a fresh start can cure, unless the requeue budget or the
-    no-progress breaker says stop; stop at once for anything else (a bug fails the same way again)."""
+    no-progress breaker says stop; stop at once for anything else (a bug fails the same way again).
+    `slurm` (from `slurm_intent`): Slurm already requeues the job, or is cancelling it (not undone)."""
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
+    if slurm == "requeued":
+        return Decision("requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts)
+    if slurm == "cancelled":
+        return Decision("none", f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
+                        exitcodes.REQUEUE, **facts)
     if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
         code = exitcodes.CONFIG_ERROR if cause == "config_error" else exitcodes.FAILED
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)

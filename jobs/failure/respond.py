@@ -16,7 +16,7 @@ from jobs.config import FailureConfig
 from jobs.events import EventLog, read_events
 from jobs.failure.incident import Incident, classify_settled, dump_stacks, write_incident
 from jobs.failure.ledger import render_summary, unfinished
-from jobs.failure.policy import Decision, claim, decide, publish, read_decision, requeue_job
+from jobs.failure.policy import claim, decide, publish, read_decision, requeue_job, slurm_intent
 from jobs.log import get_logger
 
 __all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
@@ -55,20 +55,20 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
         write_incident(ctx.run_dir, incident)
         ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
                         reported_by=incident.reported_by)
-    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count)
+    # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
+    # back, and one that Slurm already requeues is not requeued twice.
+    slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
+    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm)
     ctx.events.emit("decision", cause=cause, **asdict(d))
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
     publish(ctx.run_dir, ctx.attempt, d)
     if d.action == "requeue" and ctx.job_id:
         ok, said = requeue_job(ctx.job_id)
+        # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
+        # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
         ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said)
-        if not ok:
-            d = Decision("stop", f"scontrol requeue {ctx.job_id} failed: {said}", exitcodes.STOPPED,
-                         d.requeues_used, d.max_requeues, d.attempts_without_progress)
-            ctx.events.emit("decision", cause=cause, **asdict(d))
-            publish(ctx.run_dir, ctx.attempt, d)
     log = get_logger()
-    (log.warning if d.action == "requeue" else log.error)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
+    (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
                                                           cause, d.action, d.reason, d.exit_code)
     if d.action == "stop":
         print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),

@@ -94,6 +94,8 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     try:
         trainer.close()
     finally:
+        if outcome != "done":  # saved and decided: get out of Slurm's way now (KillWait is short)
+            _exit_now(code)
         dist.destroy_process_group()
     return code
 

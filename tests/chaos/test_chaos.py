@@ -16,7 +16,7 @@ import pytest
 from tests.chaos.chaos_helpers import (COMMON, STEPS, assert_bitwise_equal_to_reference, events, final_state, losses,
                                        rank_pid, status, submit, wait_for_step, wait_job_done)
 from tests.conftest import run_train
-from tests.slurm.slurm_helpers import REPO, cli, scontrol_job
+from tests.slurm.slurm_helpers import cli, scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -158,6 +158,20 @@ def test_an_admins_scontrol_requeue_saves_and_the_run_finishes_bitwise(run_root:
     (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
     assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [stop]
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_a_plain_scancel_ends_the_job_cancelled_and_nothing_requeues_it(run_root: Path) -> None:
+    # scancel sends SIGTERM, as `scontrol requeue` does: a rank must tell them apart by asking Slurm,
+    # or it requeues a job its user just cancelled (seen before the fix: CANCELLED came back PENDING).
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    subprocess.run(["scancel", job], check=True)
+    recs = wait_job_done(job)
+    time.sleep(5)  # a wrong requeue would show up as a new PENDING/RUNNING record by now
+    info = scontrol_job(job)
+    assert _states(recs) == ["CANCELLED"] and (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), (recs, info)
+    assert events(run_root, "requeue") == []
+    assert {e["action"] for e in events(run_root, "decision")} <= {"none"}, events(run_root, "decision")
 
 
 @pytest.mark.parametrize("style", ["srun", "torchrun"])
