@@ -58,13 +58,18 @@ def _apply(a: Attempt, e: dict) -> None:
     elif kind == "checkpoint_loaded" and a.start_step is None:
         a.start_step = e.get("step")
     elif kind in ("step", "first_step", "stop_requested", "train_end"):
-        a.last_step = e.get("step", a.last_step)
+        a.last_step = _step_or(e, a.last_step)
     elif kind == "failure":
         a.suspects += [f"rank {s.get('rank')} ({s.get('node', '?')}, {s.get('state', '?')})"
                        for s in e.get("suspects", [])]
     elif kind == "attempt_end" and a.end is None:
         a.end, a.cause, a.action = e["time"], e.get("cause"), e.get("action")
-        a.last_step = e.get("step", a.last_step)
+        a.last_step = _step_or(e, a.last_step)
+
+
+def _step_or(e: dict, last: int | None) -> int | None:
+    """An event's step, or the one known so far: a death before the first step records `step: null`."""
+    return last if e.get("step") is None else e["step"]
 
 
 def unfinished(events: list[dict], *, current: str) -> list[Attempt]:

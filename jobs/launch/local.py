@@ -156,8 +156,9 @@ def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
             if code < 0 and not stopping:
                 log.error("rank %d (pid %d) %s; stopping the other %d ranks", rank, pid, how, len(pids))
                 on_failure(ctx, incident=_dead_rank(ctx, rank=rank, pid=pid, how=how))
-            if code < 0 or code not in (exitcodes.REQUEUE, exitcodes.STOPPED):
-                _stop(pids)
+            # The first rank to end badly ends the attempt: the others are told to stop, whatever the code
+            # (a peer stuck in a collective, or SIGSTOPped, never ends by itself).
+            _stop(pids)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

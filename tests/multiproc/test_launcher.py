@@ -45,6 +45,7 @@ def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: 
         ranks = _children(proc.pid)
         assert len(ranks) == 4, ranks
         victim = ranks[2]  # forked in rank order: rank 2
+        assert json.loads((run_dir / "heartbeats/local.0/rank2.json").read_text())["pid"] == victim
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -54,6 +55,15 @@ def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: 
     assert f"rank 2 (pid {victim}) was killed by SIGKILL; stopping the other 3 ranks" in out + err
     for pid in ranks:  # every rank is gone (reaped by the launcher), none left training
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    # The death reaches the ledger (so the MTBF counts it), reported by the launcher that saw it (rank -1).
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [(e["attempt"], e["cls"], e["rank"], e["reported_by"]) for e in failures] == [("local.0", "dead_rank", -1, -1)]
+    assert [(s["rank"], s["pid"], s["state"]) for s in failures[0]["suspects"]] == [(2, victim, "dead")]
+    assert [(e["attempt"], e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [
+        ("local.0", "dead_rank", "requeue")]
+    incident = json.loads((run_dir / "incidents/local.0/incident.json").read_text())
+    assert (incident["cls"], incident["reported_by"], incident["suspects"][0]["pid"]) == ("dead_rank", -1, victim)
 
 
 def test_a_rank_that_raises_fails_the_run_with_its_exit_code(tmp_path: Path, data_path: str) -> None:
@@ -95,7 +105,7 @@ def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     stops = [e for e in events if e["kind"] == "stop_requested"]
     assert len(stops) == 4 and len({e["step"] for e in stops}) == 1  # all ranks, the same step
-    assert [e["rank"] for e in stops if e["received"]] == [1]
+    assert [(e["rank"], e["signal"]) for e in stops if e["signal"]] == [(1, "SIGUSR2")]
     stop_step = stops[0]["step"]
     assert 3 <= stop_step < 12
     assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()

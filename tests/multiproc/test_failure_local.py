@@ -1,0 +1,262 @@
+"""Failure handling with real ranks: bounded collectives, the published-port rendezvous, stop signals, hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import exitcodes
+from jobs.launch import local as local_launcher
+from tests.conftest import REPO, run_train
+from tests.multiproc._ranks import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+TWO_RANKS = ["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2"]
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _rank_pid(run_dir: Path, rank: int, attempt: str = "local.0") -> int:
+    return json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())["pid"]
+
+
+def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """`python -m jobs.train` as a user starts it; its pid is the launcher's (the ranks are its forks)."""
+    return subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
+
+
+# ---------------------------------------------------------------------------------------- timeouts
+
+
+def _skip_an_all_reduce_on_tp(rank: int, world: int, flag: str) -> dict:  # pragma: no cover - forked
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch.distributed as dist
+    from jobs.failure.incident import error_class
+    from jobs.failure.timeouts import set_pg_timeouts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_group("tp")  # tp groups: {0, 1} and {2, 3}
+    backend = tp._get_backend(torch.device("cpu"))
+    out = {"before_s": backend.options._timeout.total_seconds(), "groups_set": set_pg_timeouts(2.0),
+           "after_s": backend.options._timeout.total_seconds()}
+    dist.barrier()
+    if rank == 1:  # skips the collective, stays alive (an exit would close the pair at once) until rank 0 gave up
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return out
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=tp)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        out["raised"] = error_class(e)
+    out["waited_s"] = time.monotonic() - t0
+    if rank == 0:
+        Path(flag).touch()
+    return out
+
+
+def test_set_pg_timeouts_bounds_a_collective_on_a_device_mesh_sub_group(tmp_path: Path) -> None:
+    res = run_ranks(_skip_an_all_reduce_on_tp, 4, str(tmp_path / "rank0-gave-up"), timeout=120).results
+    # Before: the mesh's sub-group has gloo's default of 30 min, not the world group's 60 s (the
+    # harness's init timeout): a skipped collective would have waited half an hour.
+    assert {r: res[r]["before_s"] for r in range(4)} == {r: 1800.0 for r in range(4)}
+    assert {r: (res[r]["groups_set"], res[r]["after_s"]) for r in range(4)} == {r: (3, 2.0) for r in range(4)}
+    assert res[0]["raised"] == "collective_timeout"
+    assert 2.0 <= res[0]["waited_s"] < 10.0, res[0]
+    assert (res[2]["raised"], res[3]["raised"]) == (None, None)  # the other tp group is unaffected
+    assert res[2]["waited_s"] < 2.0 and res[3]["waited_s"] < 2.0
+
+
+# ---------------------------------------------------------------------------------------- rendezvous
+
+
+def _published_rendezvous(rank: int, world: int, root: str) -> dict:  # pragma: no cover - forked
+    import torch.distributed as dist
+    from jobs.launch.env import DistEnv
+    from jobs.launch.rendezvous import rendezvous
+
+    job, r = rank // 2, rank % 2  # two 2-rank jobs, started at the same time on one host
+    env = DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2, node_rank=0, nodes=1,
+                  master_addr="127.0.0.1", master_port=0, restart_count=0, job_id=f"77{job}",
+                  hostname=os.uname().nodename)
+    env = rendezvous(env, run_dir=f"{root}/job{job}", timeout_s=60)
+    t = torch.tensor([100.0 * job + r + 1])
+    dist.all_reduce(t)
+    out = {"job": job, "port": env.master_port, "sum": t.item(), "world": dist.get_world_size()}
+    dist.destroy_process_group()  # this rank's world, not the harness's
+    return out
+
+
+def test_two_jobs_on_one_host_rendezvous_on_published_ports_without_colliding(tmp_path: Path) -> None:
+    from jobs.launch.rendezvous import port_file
+
+    res = run_ranks(_published_rendezvous, 4, str(tmp_path), init_pg=False, timeout=120).results
+    assert [(res[r]["job"], res[r]["world"], res[r]["sum"]) for r in range(4)] == [
+        (0, 2, 3.0), (0, 2, 3.0), (1, 2, 203.0), (1, 2, 203.0)]  # 1 + 2 and 101 + 102
+    ports = [res[0]["port"], res[2]["port"]]
+    assert res[1]["port"] == ports[0] and res[3]["port"] == ports[1]  # rank 1 read rank 0's port
+    assert ports[0] != ports[1] and all(p > 0 for p in ports)
+    for job, port in enumerate(ports):
+        published = json.loads(port_file(tmp_path / f"job{job}", f"77{job}.0").read_text())
+        assert (published["host"], published["port"]) == ("127.0.0.1", port)
+
+
+# ---------------------------------------------------------------------------------------- stop signals
+
+
+@pytest.mark.slow
+def test_usr2_to_the_launcher_saves_requeues_and_the_rerun_matches_an_uninterrupted_run(
+        tmp_path: Path, data_path: str) -> None:
+    common = ["train.steps=60", f"data.path={data_path}", *TWO_RANKS]
+    ref = run_train(common, tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, common)
+    try:
+        _wait_for_step(run_dir, 1, proc)
+        os.kill(proc.pid, signal.SIGUSR2)  # the launcher only; it forwards to every rank
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.REQUEUE == 75, err[-3000:]
+    events = _events(run_dir)
+    stops = [e for e in events if e["kind"] == "stop_requested"]
+    assert sorted(e["rank"] for e in stops) == [0, 1]
+    stop_step = stops[0]["step"]
+    assert {(e["step"], e["signal"], e["action"]) for e in stops} == {
+        (stop_step, "SIGUSR2", "checkpoint saved; ending the attempt")}
+    assert 1 <= stop_step < 60
+    assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
+    decisions = [e for e in events if e["kind"] == "decision"]
+    assert [(d["action"], d["cause"], d["exit_code"]) for d in decisions] == [("requeue", "SIGUSR2", 75)]
+    ends = [e for e in events if e["kind"] == "attempt_end"]
+    assert [(e["attempt"], e["cause"], e["action"], e["step"]) for e in ends] == [
+        ("local.0", "SIGUSR2", "requeue", stop_step)]
+
+    rerun = run_train(common, run_dir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    starts = [e for e in _events(run_dir) if e["kind"] == "train_start" and e["attempt"] == "local.1"]
+    assert [e["step"] for e in starts] == [stop_step, stop_step]
+    resumed = {m["step"]: m["loss"] for m in rerun.metrics() if m["restart"] == 1}
+    assert sorted(resumed) == list(range(stop_step + 1, 61))
+    reference = {m["step"]: m["loss"] for m in ref.metrics()}
+    assert [resumed[s] for s in sorted(resumed)] == [reference[s] for s in sorted(resumed)]  # bitwise
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether `pid` has a handler installed for `sig` (the SigCgt mask of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_usr2_during_start_up_ends_the_attempt_before_training_without_a_checkpoint(
+        tmp_path: Path, data_path: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, ["train.steps=60", f"data.path={data_path}", *TWO_RANKS])
+    try:
+        # As early as it can be survived: the moment the entry point's handler is installed (before
+        # that, USR2's default action would kill Python), typically while Hydra composes the config.
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGUSR2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        sent_at = time.time()
+        os.kill(proc.pid, signal.SIGUSR2)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.REQUEUE == 75, err[-3000:]
+    events = _events(run_dir)
+    assert [e["kind"] for e in events if e["kind"] in ("attempt_start", "first_step")] == ["attempt_start"]
+    assert events[0]["time"] > sent_at  # the signal came before the launcher opened the attempt
+    stops = [(e["rank"], e["step"], e["signal"], e["action"]) for e in events if e["kind"] == "stop_requested"]
+    assert sorted(stops) == [(0, 0, "SIGUSR2", "exit before training"), (1, 0, "SIGUSR2", "exit before training")]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == []
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert [(e["action"], e["exit_code"]) for e in events if e["kind"] == "decision"] == [("requeue", 75)]
+
+
+# ---------------------------------------------------------------------------------------- hang
+
+
+class LauncherHung(Exception):
+    """The launcher did not exit after the ranks decided."""
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_timeout(
+        tmp_path: Path, data_path: str) -> None:
+    hang_s = 8.0
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, ["train.steps=100000", f"data.path={data_path}", "checkpoint.enabled=false",
+                            "mesh=single", "launcher.tasks_per_node=4", "mesh.dp_shard=4",
+                            f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5"])
+    victim = None
+    try:
+        _wait_for_step(run_dir, 2, proc)
+        victim = _rank_pid(run_dir, 1)
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        inc_path = run_dir / "incidents/local.0/incident.json"
+        while not inc_path.exists() and time.monotonic() - stopped_at < 1.1 * hang_s + 5:
+            time.sleep(0.1)
+        named_after_s = time.monotonic() - stopped_at
+        assert inc_path.exists(), f"no incident {named_after_s:.1f} s after the SIGSTOP"
+        assert hang_s <= named_after_s <= 1.1 * hang_s + 2, named_after_s
+        inc = json.loads(inc_path.read_text())
+        assert inc["cls"] == "hung_rank"
+        assert [(s["rank"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, victim, "stopped")]
+        assert inc["reported_by"] in (0, 2, 3)
+        # Every rank that could still act dumped its stacks; the stopped one could not.
+        time.sleep(1.0)
+        stacks = sorted(p.name for p in (run_dir / "incidents/local.0").glob("stacks-rank*.txt"))
+        assert stacks == ["stacks-rank0.txt", "stacks-rank2.txt", "stacks-rank3.txt"]
+        events = _events(run_dir)
+        assert [(e["cls"], e["suspects"][0]["pid"]) for e in events if e["kind"] == "failure"] == [("hung_rank", victim)]
+        assert [(e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [("hung_rank", "requeue")]
+        # The launcher stops what is left (SIGTERM, SIGKILL after its grace) and exits with the decision.
+        limit = 1.1 * hang_s + local_launcher._STOP_GRACE_S + 5
+        try:
+            proc.communicate(timeout=max(1.0, limit - (time.monotonic() - stopped_at)))
+        except subprocess.TimeoutExpired:
+            raise LauncherHung(f"launcher still running {time.monotonic() - stopped_at:.0f} s after the SIGSTOP") from None
+        assert time.monotonic() - stopped_at <= limit
+        assert proc.returncode == exitcodes.REQUEUE
+    finally:
+        if victim is not None and Path(f"/proc/{victim}").exists():
+            os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
