@@ -7,7 +7,6 @@ import importlib.metadata
 import os
 import platform
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any

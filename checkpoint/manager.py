@@ -49,7 +49,6 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import (
-    MANIFEST,
     ManifestError,
     check_files,
     check_step_dir,
