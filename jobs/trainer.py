@@ -118,7 +118,8 @@ class Trainer:
         self.parts, self.stages = parallelize(
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel,
+            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+            ac_every=cfg.train.ac_every,
         )
         for part in self.parts:
             part.to_empty(device=self.device)

@@ -109,7 +109,7 @@ def test_tp16_on_the_405b_is_a_config_error_naming_the_override(capsys):
 
 def test_a_model_that_cannot_fit_fails_with_the_fix(capsys):
     # Llama 3 70B without TP or activation checkpointing, 8 sequences of 8K per rank.
-    code = main(["+experiment=llama3_70b", "mesh.tp=1", "train.global_batch=512", "plan.activation_checkpointing=none",
+    code = main(["+experiment=llama3_70b", "mesh.tp=1", "train.global_batch=512", "train.activation_checkpointing=none",
                  "plan.fake_backend=false"])
     err = capsys.readouterr().err
     assert code == exitcodes.FAILED
