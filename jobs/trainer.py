@@ -30,9 +30,13 @@ from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
+from jobs.telemetry import PeakMemory, achieved, model_flops_per_token, state_tensors
 from jobs.validate import Derived
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
+
+# On CPU the live-tensor tracker hooks every op (jobs/telemetry/memory.py): only every N-th step is tracked.
+MEMORY_SAMPLE_EVERY = 10
 
 __all__ = ["Trainer", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
@@ -135,6 +139,9 @@ class Trainer:
                 loss_fn=cross_entropy,
             )
         self.optimizers = build_optimizers(self.parts, cfg.optim)
+        self.memory = PeakMemory(_param_device(self.parts), tensors=lambda: state_tensors(self.parts, self.optimizers),
+                                 sample_every=MEMORY_SAMPLE_EVERY)
+        self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
@@ -202,16 +209,20 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        inputs, targets = self.data.batch(step)
-        local_loss = self.forward_backward(inputs, targets)
-        if not self.derived.dims.fsdp_enabled:
-            _replicate_partial_grads(self.parts)
-        grad_norm, loss, stop = self.reduce_totals(local_loss)
-        clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
-        lr = self.optimizer_step()
+        with self.memory.track(step):
+            inputs, targets = self.data.batch(step)
+            local_loss = self.forward_backward(inputs, targets)
+            if not self.derived.dims.fsdp_enabled:
+                _replicate_partial_grads(self.parts)
+            grad_norm, loss, stop = self.reduce_totals(local_loss)
+            clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
+            lr = self.optimizer_step()
         dt = time.perf_counter() - t0
+        peak = self.cfg.cluster.gpu_bf16_tflops if self.memory.device.type == "cuda" else None
+        flops = achieved(flops_per_token=self.flops_per_token, tokens_per_step=self.derived.tokens_per_step,
+                         world_size=self.env.world_size, step_time_s=dt, peak_tflops=peak)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop}
+                "tokens_per_s": self.derived.tokens_per_step / dt, **flops, "stop": stop}
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
@@ -274,6 +285,7 @@ class Trainer:
             self.watchdog.phase(name)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
+        m = {**m, **self.memory.read()}  # every rank ends its memory window
         if self.env.rank != 0:
             return
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
@@ -282,9 +294,9 @@ class Trainer:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.log.info(
-            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | ETA %s",
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | %s | ETA %s",
             step, self.cfg.train.steps, m["loss"], m["lr"], m["grad_norm"], m["tokens_per_s"],
-            m["step_time_s"], _fmt_eta(eta),
+            m["step_time_s"], _fmt_efficiency(m), _fmt_eta(eta),
         )
 
     def close(self) -> None:
@@ -312,6 +324,21 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _param_device(parts: list[nn.Module]) -> torch.device:
+    """Where this rank's parameters live (a DTensor reports its local device)."""
+    return next(p.device for part in parts for p in part.parameters())
+
+
+def _fmt_efficiency(m: dict) -> str:
+    """TFLOP/s per rank, MFU on a GPU, and the window's peak memory when it was measured."""
+    out = f"{m['tflops_per_rank']:.3g} TFLOP/s/rank"
+    if "mfu" in m:
+        out += f" | MFU {m['mfu']:.1%}"
+    if "peak_mem_bytes" in m:
+        out += f" | peak mem {m['peak_mem_bytes'] / 2**20:.1f} MiB"
+    return out
 
 
 def _fmt_eta(seconds: float) -> str:
