@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
@@ -93,13 +93,16 @@ def clip_grads_(parts: list[nn.Module], *, max_norm: float, total_norm: float) -
 
 
 def _replicate_partial_grads(parts: list[nn.Module]) -> None:
-    """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum); reduce them
-    once here, or every optimizer step would all-reduce them implicitly (notes, item 3)."""
+    """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum) and the
+    embedding's grad Replicate (the full vocabulary) while its parameter is Shard(0). Put every
+    grad on its parameter's placements once here: the Partial ones are reduced (or every optimizer
+    step would all-reduce them implicitly, notes item 3), the Replicate one is sliced locally, which
+    frees (tp - 1) / tp of the embedding's gradient until the next backward."""
     for part in parts:
         for p in part.parameters():
             g = p.grad
-            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-                p.grad = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(placements=p.placements)
 
 
 class Trainer:
