@@ -209,6 +209,7 @@ def layer_activation_bytes(
     cp: int = 1,
     sequence_parallel: bool = True,
     ep: int = 1,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> int:
     """Bytes one block saves for backward for one microbatch, without activation checkpointing.
 
@@ -218,14 +219,15 @@ def layer_activation_bytes(
     output (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. The
     per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
-    does not divide it. Context parallel divides the sequence.
+    does not divide it. Context parallel divides the sequence. `compute_bytes`: 2 for bf16 compute,
+    4 for an fp32 run (the norm inputs and the logsumexp are fp32 either way).
     """
     s = seq_len // cp
     sb = s * micro_batch
     h = m.dim
     t = max(tp, 1)
     sharded = t if sequence_parallel else 1  # what the residual stream / norms are divided by
-    cb = COMPUTE_BYTES
+    cb = compute_bytes
     norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
     gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
     if m.attention == "mla":
@@ -251,17 +253,21 @@ def layer_activation_bytes(
     return norm_in + gathered_in + attn + ffn
 
 
-def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True) -> int:
+def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True,
+                             compute_bytes: int = COMPUTE_BYTES) -> int:
     """Bytes one block keeps per microbatch under full activation checkpointing: its input only."""
     sharded = tp if sequence_parallel and tp > 1 else 1
-    return COMPUTE_BYTES * (seq_len // cp) * micro_batch * dim // sharded
+    return compute_bytes * (seq_len // cp) * micro_batch * dim // sharded
 
 
-def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True) -> int:
+def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True,
+                 compute_bytes: int = COMPUTE_BYTES) -> int:
     """Transient peak of the loss on the last stage for one microbatch: bf16 logits, their fp32
-    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit)."""
+    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit); in an
+    fp32 run (compute_bytes=4) the logits, log-softmax and gradient, 12 bytes per logit."""
     v = vocab_size // tp if loss_parallel and tp > 1 else vocab_size
-    return 10 * (seq_len // cp) * micro_batch * v
+    per_logit = 10 if compute_bytes == COMPUTE_BYTES else 12
+    return per_logit * (seq_len // cp) * micro_batch * v
 
 
 def activation_bytes(
@@ -277,6 +283,7 @@ def activation_bytes(
     cp: int = 1,
     ep: int = 1,
     sequence_parallel: bool = True,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> int:
     """Saved activations of a rank holding `layers` with `in_flight` layer-microbatches at its peak.
 
@@ -289,11 +296,11 @@ def activation_bytes(
     kept, recompute = [], 0
     for i in layers:
         full = layer_activation_bytes(m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
-                                      sequence_parallel=sequence_parallel, ep=ep)
+                                      sequence_parallel=sequence_parallel, ep=ep, compute_bytes=compute_bytes)
         if i in ckpt:
             recompute = max(recompute, full)
             full = checkpointed_layer_bytes(seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp,
-                                            sequence_parallel=sequence_parallel)
+                                            sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
         kept.append(full)
     return int(in_flight * sum(kept) / max(len(layers), 1)) + recompute
 
@@ -323,6 +330,7 @@ class RankMemory:
     logits_bytes: int  # loss transient on the last stage
     activation_bytes_no_ac: int  # the same schedule without activation checkpointing
     activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
+    p2p_bytes: int = 0  # pipeline receive buffers, allocated for every microbatch up front
 
     @property
     def states_bytes(self) -> int:
@@ -330,7 +338,7 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes
+        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -386,11 +394,12 @@ def rank_memory(
     ac_every: int = 2,
     pp_rank: int = 0,
     params_elems: int | None = None,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> RankMemory:
     """Peak memory of the rank holding `stages`, FSDP-sharded `fsdp` ways (dp_shard · cp; experts
     ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
     one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
-    microbatches are in flight (`layers_in_flight`)."""
+    microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32."""
     pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
     blocks_on_rank = [i for st in stages for i in st.layers]
@@ -403,11 +412,11 @@ def rank_memory(
     if fsdp <= 1:
         unsharded = 0
     elif pp > 1:
-        unsharded = (dense + experts) * (COMPUTE_BYTES + REDUCE_BYTES)
+        unsharded = (dense + experts) * (compute_bytes + REDUCE_BYTES)
     else:
         biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
         root = (pc.embedding + pc.output) // tp + pc.final_norm
-        unsharded = biggest * 2 * COMPUTE_BYTES + root * COMPUTE_BYTES
+        unsharded = biggest * 2 * compute_bytes + root * compute_bytes
         # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
         # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
         unsharded += (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
@@ -417,10 +426,15 @@ def rank_memory(
     )
     act = functools.partial(
         activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
-        cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every,
+        cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
     )
+    # torch's PipelineStage allocates a receive buffer per microbatch for the activations coming in
+    # (every stage but the first) and for the gradients coming back (every stage but the last).
+    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+    p2p = 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
     loss = (
-        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp, loss_parallel=loss_parallel)
+        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
+                     loss_parallel=loss_parallel, compute_bytes=compute_bytes)
         if any(st.last for st in stages)
         else 0
     )
@@ -434,6 +448,7 @@ def rank_memory(
         logits_bytes=loss,
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
+        p2p_bytes=p2p,
     )
 
 

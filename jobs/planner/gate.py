@@ -416,7 +416,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
             "params_bytes": peak_mem.params_bytes, "grads_bytes": peak_mem.grads_bytes,
             "optimizer_bytes": peak_mem.optimizer_bytes, "unsharded_bytes": peak_mem.unsharded_bytes,
             "activation_bytes": peak_mem.activation_bytes, "logits_bytes": peak_mem.logits_bytes,
-            "peak_bytes": peak_mem.peak_bytes,
+            "p2p_bytes": peak_mem.p2p_bytes, "peak_bytes": peak_mem.peak_bytes,
         },
         roles=role_rows,
         heuristic_bytes_per_rank=heuristic,
