@@ -3,9 +3,9 @@
 On CUDA, `torch.cuda.max_memory_allocated`, reset at every logging window. On CPU torch keeps no
 allocator statistics, and torch's own `torch.distributed._tools.mem_tracker.MemTracker` refuses a
 module called more than once per iteration (every pipeline microbatch and every accumulation step
-does), so `LiveBytes` counts it here: the storages alive when tracking starts (parameters,
-gradients, optimizer state: what `tensors()` yields) plus every storage an op creates while it is
-active, until that storage is freed or resized (FSDP2 frees unsharded parameters with
+does), so `LiveBytes` counts it here: the storages alive when tracking starts (what `tensors()`
+yields; `live_tensors`: every tensor a Python object holds, which costs one garbage-collector scan)
+plus every storage an op creates while it is active, until that storage is freed or resized (FSDP2 frees unsharded parameters with
 `UntypedStorage.resize_(0)`, patched while active, as MemTracker does). It sees tensors that go
 through the dispatcher; buffers allocated inside gloo or by `torch.from_numpy` are not counted.
 Its Python hook on every op costs time, so on CPU only every `sample_every`-th step is tracked
@@ -15,6 +15,7 @@ and a window without a tracked step reports nothing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["LiveBytes", "PeakMemory", "state_tensors", "CUDA_SOURCE", "CPU_SOURCE"]
+__all__ = ["LiveBytes", "PeakMemory", "live_tensors", "CUDA_SOURCE", "CPU_SOURCE"]
 
 CUDA_SOURCE = "torch.cuda.max_memory_allocated"
 CPU_SOURCE = "cpu live tensors (dispatch tracker)"
@@ -84,21 +85,19 @@ class LiveBytes(TorchDispatchMode):
         self.current -= self._sizes.pop(key, 0)
 
 
-def state_tensors(parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    """Parameters, gradients, buffers and optimizer state of this rank's model parts."""
-    for part in parts:
-        yield from part.parameters()
-        yield from (p.grad for p in part.parameters() if p.grad is not None)
-        yield from part.buffers()
-    for opt in optimizers:
-        for st in opt.state.values():
-            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+def live_tensors() -> Iterator[torch.Tensor]:
+    """Every tensor a Python object refers to, as the garbage collector sees them: besides the model
+    and optimizer state, what a pipeline stage keeps between steps (its receive buffers)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            yield obj
 
 
 class PeakMemory:
     """Peak bytes of this rank per logging window: `track()` wraps a step, `read()` ends the window."""
 
-    def __init__(self, device: torch.device, *, tensors: Callable[[], Iterable[torch.Tensor]], sample_every: int) -> None:
+    def __init__(self, device: torch.device, *, sample_every: int,
+                 tensors: Callable[[], Iterable[torch.Tensor]] = live_tensors) -> None:
         self.device, self.sample_every = device, max(sample_every, 1)
         self._tensors = tensors
         self._peak: int | None = None
