@@ -118,7 +118,7 @@ class Trainer:
         self.parts, self.stages = parallelize(
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel,
+            loss_parallel=cfg.mesh.loss_parallel, pp_layers_per_stage=derived.pp_layers_per_stage,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -222,7 +222,7 @@ class Trainer:
                               lr_schedulers=self.lr_schedulers, train_state=st)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
-                         microbatches=self.derived.microbatches)
+                         microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage))
         if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
             self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
             return "stopped"

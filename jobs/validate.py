@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from jobs.config import JobConfig
 from parallel.config import MULTI_STAGE_SCHEDULES
 from parallel.dims import ParallelDims, stages_per_rank
+from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
 __all__ = ["validate", "Derived"]
 
@@ -23,6 +24,7 @@ class Derived:
     stages_per_rank: int  # virtual pipeline stages held by each pp rank
     num_stages: int  # pipeline stages in total
     tokens_per_step: int  # global_batch * seq_len
+    pp_layers_per_stage: tuple[int, ...] = ()  # blocks per pipeline stage (mesh.pp_layers_per_stage or balanced); () without pp
 
 
 def validate(cfg: JobConfig) -> Derived:
@@ -79,11 +81,14 @@ def validate(cfg: JobConfig) -> Derived:
     if mesh.pp_schedule == "zbv_zero_bubble" and dims.pp > 1 and spr != 2:
         raise ValueError(f"mesh.pp_schedule=zbv_zero_bubble needs exactly 2 stages per rank, got {spr}")
     num_stages = dims.pp * spr if dims.pp > 1 else 1
-    if m.n_layers < num_stages:
+    split = _layers_per_stage(cfg, dims, spr)
+    if m.n_layers < num_stages and not split:
         raise ValueError(
             f"model.n_layers({m.n_layers}) < pipeline stages mesh.pp({dims.pp}) * stages per rank({spr}) "
-            f"= {num_stages}: every stage needs at least one layer"
+            f"= {num_stages}: every stage needs at least one layer (or set mesh.pp_layers_per_stage)"
         )
+    if dims.pp > 1 and not split:
+        split = tuple(balanced_layers_per_stage(m.n_layers, num_stages))
 
     per_mb = dims.dp * t.micro_batch
     if t.micro_batch < 1 or t.global_batch < 1:
@@ -123,7 +128,17 @@ def validate(cfg: JobConfig) -> Derived:
         stages_per_rank=spr if dims.pp > 1 else 1,
         num_stages=num_stages,
         tokens_per_step=t.global_batch * t.seq_len,
+        pp_layers_per_stage=split,
     )
+
+
+def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int, ...]:
+    """The user's pipeline split (mesh.pp_layers_per_stage), checked; () when none is set."""
+    given = cfg.mesh.pp_layers_per_stage
+    if given is None:
+        return ()
+    check_layers_per_stage(list(given), n_layers=cfg.model.n_layers, pp=dims.pp, stages_per_rank=spr)
+    return tuple(given)
 
 
 def _check_failure(cfg: JobConfig) -> None:

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
-from parallel.pipeline import split_stage, stage_ids
+from parallel.pipeline import layer_ranges, split_stage, stage_ids
 from parallel.tp import apply_tp
 
 __all__ = ["parallelize"]
@@ -23,11 +23,13 @@ def parallelize(
     sequence_parallel: bool,
     loss_parallel: bool,
     fsdp_per_block: bool = True,
+    pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
 
     The order is fixed, for these reasons:
-      1. pipeline split first, so no rank builds or shards layers it does not own;
+      1. pipeline split first, so no rank builds or shards layers it does not own
+         (`pp_layers_per_stage` blocks per stage; None = balanced by cost);
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
       3. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
@@ -36,7 +38,8 @@ def parallelize(
     if dims.pp > 1:
         num_stages = dims.pp * stages_per_rank
         stages = stage_ids(mesh["pp"].get_local_rank(), dims.pp, stages_per_rank, pp_schedule)
-        parts = [split_stage(model, s, num_stages) for s in stages]
+        ranges = layer_ranges(len(model.layers), num_stages, layers_per_stage=pp_layers_per_stage)
+        parts = [split_stage(model, s, ranges) for s in stages]
     else:
         stages, parts = [0], [model]
     for part in parts:
