@@ -65,6 +65,7 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    fused: bool | None = None  # AdamW kernel: true = fused, false = foreach, null = fused on CUDA, foreach on CPU
 
 
 @dataclass
@@ -76,6 +77,7 @@ class TrainConfig:
     seq_len: int = 32  # tokens per sample
     log_every: int = 1  # log metrics every N steps (and at the last step)
     deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from jobs.validate import Derived
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
 
-__all__ = ["Trainer", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
+__all__ = ["Trainer", "adamw_kernel", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -50,14 +50,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+def adamw_kernel(fused: bool | None, device_type: str) -> dict[str, bool]:
+    """AdamW's implementation flag for optim.fused: fused (one kernel for all tensors) when asked, or
+    by default on CUDA; else foreach (the CPU default: equal losses, see tests/multiproc/test_pp_split.py)."""
+    use_fused = device_type == "cuda" if fused is None else fused
+    return {"fused": True} if use_fused else {"foreach": True}
+
+
+def build_optimizers(parts: list[nn.Module], cfg: OptimConfig, *, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     """One AdamW per model part (a rank may hold several pipeline stages); no decay on norm weights."""
+    kernel = adamw_kernel(cfg.fused, device_type)
     opts = []
     for part in parts:
         decay = [p for p in part.parameters() if p.ndim >= 2]
         no_decay = [p for p in part.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True))
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel))
     return opts
 
 
@@ -119,6 +127,7 @@ class Trainer:
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
             loss_parallel=cfg.mesh.loss_parallel, pp_layers_per_stage=derived.pp_layers_per_stage,
+            compile=cfg.train.compile,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -133,7 +142,7 @@ class Trainer:
                 n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
                 loss_fn=cross_entropy,
             )
-        self.optimizers = build_optimizers(self.parts, cfg.optim)
+        self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         o = cfg.optim
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(

@@ -122,6 +122,7 @@ def validate(cfg: JobConfig) -> Derived:
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
     _check_failure(cfg)
+    _check_compile(cfg, dims)
     return Derived(
         dims=dims,
         microbatches=microbatches,
@@ -139,6 +140,16 @@ def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int
         return ()
     check_layers_per_stage(list(given), n_layers=cfg.model.n_layers, pp=dims.pp, stages_per_rank=spr)
     return tuple(given)
+
+
+def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
+    """train.compile composes with FSDP2 and PP (tests/multiproc/test_compile.py), not with TP."""
+    if cfg.train.compile and dims.tp > 1:
+        raise ValueError(
+            f"train.compile=true with mesh.tp({dims.tp}) > 1: compiled blocks on tensor-parallel DTensors fail in "
+            "backward with torch 2.13 ('Tensor' object has no attribute '_local_tensor'; measured on CPU/gloo, with "
+            "and without sequence and loss parallelism); set train.compile=false or mesh.tp=1"
+        )
 
 
 def _check_failure(cfg: JobConfig) -> None:

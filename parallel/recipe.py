@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
+from parallel.compile import apply_compile
 from parallel.pipeline import layer_ranges, split_stage, stage_ids
 from parallel.tp import apply_tp
 
@@ -24,6 +25,7 @@ def parallelize(
     loss_parallel: bool,
     fsdp_per_block: bool = True,
     pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
+    compile: bool = False,
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
 
@@ -31,7 +33,11 @@ def parallelize(
       1. pipeline split first, so no rank builds or shards layers it does not own
          (`pp_layers_per_stage` blocks per stage; None = balanced by cost);
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
-      3. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
+      3. activation checkpointing (when added) wraps each block after TP, so the recompute sees TP's
+         collectives, and before compile, so the compiled region includes the recompute;
+      4. torch.compile per block (`compile`), after TP and AC, before FSDP: FSDP2's hooks then stay
+         outside the compiled graph, and one block's code is compiled once and reused by every block;
+      5. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
@@ -45,6 +51,9 @@ def parallelize(
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        # (activation checkpointing goes here: after TP, before compile and FSDP)
+        if compile:
+            apply_compile(part)
         if dims.fsdp_enabled:
             dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
             apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block)
