@@ -17,9 +17,9 @@ def apply_compile(model: nn.Module) -> None:
 
     In place keeps every parameter's FQN (no `_orig_mod.` prefix), so the init, checkpoints and
     resharding see the same names with and without compile. All blocks share one code object, so
-    the first block's graph is reused by the others (dynamo recompiles only when shapes change).
-    Compiling blocks rather than the model leaves the pipeline's stage boundaries and FSDP2's
-    per-block hooks between compiled regions.
+    the first block's graph is reused by the others (measured: one unique graph for 4 blocks).
+    Compiling blocks rather than the whole model keeps each graph small and leaves the pipeline
+    stage's embedding and head, and the boundaries between stages, eager.
     """
     for block in model.layers.values():
         block.compile()

@@ -35,8 +35,9 @@ def parallelize(
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
       3. activation checkpointing (when added) wraps each block after TP, so the recompute sees TP's
          collectives, and before compile, so the compiled region includes the recompute;
-      4. torch.compile per block (`compile`), after TP and AC, before FSDP: FSDP2's hooks then stay
-         outside the compiled graph, and one block's code is compiled once and reused by every block;
+      4. torch.compile per block (`compile`), after TP and AC, before FSDP (torchtitan's order):
+         FSDP2 then wraps compiled blocks (no graph breaks or recompiles measured on CPU), and the
+         blocks share one compiled graph;
       5. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
     Model code never changes; every step works on a meta-device model (no memory is touched).

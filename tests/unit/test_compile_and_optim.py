@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from jobs.config import compose
 from jobs.model import Transformer, init_weights
@@ -34,7 +35,7 @@ def test_compile_with_tensor_parallel_is_refused_naming_the_fix() -> None:
 
 
 def test_compile_in_place_keeps_the_parameter_names_and_the_output() -> None:
-    cfg = compose(["mesh=single", "model.n_layers=2"])
+    cfg = compose(["mesh=single", "model.n_layers=3"])
     model = Transformer(cfg.model)
     init_weights(model, seed=0)
     names = [n for n, _ in model.named_parameters()]
@@ -44,6 +45,9 @@ def test_compile_in_place_keeps_the_parameter_names_and_the_output() -> None:
     apply_compile(model)
     assert [n for n, _ in model.named_parameters()] == names  # no _orig_mod.: checkpoints and init unchanged
     assert all(b._compiled_call_impl is not None for b in model.layers.values())
+    torch._dynamo.reset()
+    counters.clear()
     with torch.no_grad():
         compiled = model(tokens)
+    assert counters["stats"]["unique_graphs"] == 1  # both blocks run the first block's graph
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
