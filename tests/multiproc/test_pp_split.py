@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import run_train
@@ -21,6 +23,9 @@ def _losses(overrides: list[str], run_dir) -> list[float]:
 def test_a_user_split_trains_with_the_default_splits_losses(data_path: str, tmp_path) -> None:
     balanced = _losses([*PP2, f"data.path={data_path}"], tmp_path / "balanced")  # [2, 2]
     user = _losses([*PP2, f"data.path={data_path}", "mesh.pp_layers_per_stage=[3,1]"], tmp_path / "user")
+    starts = [json.loads(line) for line in (tmp_path / "user" / "events.jsonl").read_text().splitlines()]
+    logged = [e["pp_layers_per_stage"] for e in starts if e["kind"] == "train_start"]
+    assert logged == [[3, 1], [3, 1]]  # each rank's train_start event names the split
     assert len(balanced) == len(user) == 6
     # The same ops on other ranks; the parity bound of tests/multiproc/test_parity.py.
     for step, (a, b) in enumerate(zip(user, balanced), start=1):
