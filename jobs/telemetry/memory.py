@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
@@ -88,9 +89,10 @@ class LiveBytes(TorchDispatchMode):
 def live_tensors() -> Iterator[torch.Tensor]:
     """Every tensor a Python object refers to, as the garbage collector sees them: besides the model
     and optimizer state, what a pipeline stage keeps between steps (its receive buffers)."""
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            yield obj
+    with warnings.catch_warnings():  # isinstance() touches deprecated module attributes (reduce_op)
+        warnings.simplefilter("ignore", FutureWarning)
+        found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    yield from found
 
 
 class PeakMemory:
