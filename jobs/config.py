@@ -76,6 +76,8 @@ class TrainConfig:
     seq_len: int = 32  # tokens per sample
     log_every: int = 1  # log metrics every N steps (and at the last step)
     deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
+    mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
 
 
 @dataclass
