@@ -143,7 +143,7 @@ def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = Fa
         raise ValueError(
             f"train.device={t.device} with launcher.tasks_per_node({ln.tasks_per_node}) ranks on this node but "
             f"only {n} GPU(s) visible: one rank per GPU; set launcher.tasks_per_node={n} "
-            "(or make the GPUs visible: CUDA_VISIBLE_DEVICES)"
+            "(or make the GPUs visible: CUDA_VISIBLE_DEVICES), or train on CPU ranks: train.device=cpu"
         )
     return device, resolve_mixed_precision(t.mixed_precision, device_type=device)
 
