@@ -10,8 +10,10 @@ from checkpoint.state import capture_rng, restore_rng
 from jobs.config import compose
 from jobs.device import backend_for, export_environ, gpu_index, resolve_device, resolve_mixed_precision
 from jobs.model import Transformer, init_weights
+from jobs.planner.gate import build_plan
 from jobs.validate import check_device, validate
 from parallel.precision import apply_autocast
+from tests.conftest import run_train
 
 
 @pytest.mark.parametrize("name, gpus, want", [("auto", 0, "cpu"), ("auto", 4, "cuda"), ("cpu", 8, "cpu"),
@@ -107,9 +109,14 @@ def test_rng_capture_takes_only_the_current_gpus_generator(monkeypatch) -> None:
 
 
 def test_planning_a_cuda_job_never_initialises_cuda() -> None:
-    from jobs.planner.gate import build_plan
-
     cfg = compose(["train.device=cuda", "train.mixed_precision=bf16", "cluster=h100_ib", "launcher=slurm"])
     plan = build_plan(cfg, measure=False)
     assert plan.world_size == 8 and plan.per_rank
     assert not torch.cuda.is_initialized()
+
+
+def test_train_with_cuda_on_a_cpu_machine_exits_2_before_writing_anything(tmp_path) -> None:
+    r = run_train(["train.device=cuda"], tmp_path / "run", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "config error: train.device=cuda but torch" in r.stderr and "set train.device=cpu" in r.stderr
+    assert not (tmp_path / "run").exists()
