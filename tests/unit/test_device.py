@@ -9,6 +9,7 @@ import torch
 from checkpoint.state import capture_rng, restore_rng
 from jobs.config import compose
 from jobs.device import backend_for, export_environ, gpu_index, resolve_device, resolve_mixed_precision
+from jobs.launch.slurm import check_slurm_config
 from jobs.model import Transformer, init_weights
 from jobs.planner.gate import build_plan
 from jobs.validate import check_device, validate
@@ -120,3 +121,11 @@ def test_train_with_cuda_on_a_cpu_machine_exits_2_before_writing_anything(tmp_pa
     assert r.returncode == 2, r.stderr[-2000:]
     assert "config error: train.device=cuda but torch" in r.stderr and "set train.device=cpu" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_submitting_a_cuda_job_to_a_cpu_profile_is_refused_on_the_login_node(tmp_path) -> None:
+    cfg = compose(["launcher=slurm", "train.device=cuda", f"run.dir={tmp_path}/runs/x", f"cluster.run_root={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=r"train\.device=cuda but cluster=local has cluster\.gpus_per_node=0"):
+        check_slurm_config(cfg)
+    cfg.train.device = "auto"
+    check_slurm_config(cfg)  # auto on CPU nodes trains on their CPUs
