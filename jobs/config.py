@@ -75,6 +75,8 @@ class TrainConfig:
     micro_batch: int = 2  # samples per microbatch on one dp rank
     seq_len: int = 32  # tokens per sample
     log_every: int = 1  # log metrics every N steps (and at the last step)
+    activation_checkpointing: str = "none"  # none | selective (every ac_every-th block) | full (every block); trainer and planner
+    ac_every: int = 2  # selective: checkpoint blocks with (layer + 1) % ac_every == 0
     deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
     device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
     mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
@@ -143,7 +145,6 @@ class FailureConfig:
 class PlanConfig:
     json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
     fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
-    activation_checkpointing: str = "none"  # none | full: the activation memory the fit check uses
     usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
     restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
     save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
@@ -31,9 +31,14 @@ from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
+from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
+
+# On CPU the live-tensor tracker scans the garbage collector and hooks every op (jobs/telemetry/memory.py):
+# a tracked step took 2.9x as long on the default mesh (8 ranks on 2 cores), so only every N-th step is.
+MEMORY_SAMPLE_EVERY = 50
 
 __all__ = ["Trainer", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
@@ -90,13 +95,16 @@ def clip_grads_(parts: list[nn.Module], *, max_norm: float, total_norm: float) -
 
 
 def _replicate_partial_grads(parts: list[nn.Module]) -> None:
-    """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum); reduce them
-    once here, or every optimizer step would all-reduce them implicitly (notes, item 3)."""
+    """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum) and the
+    embedding's grad Replicate (the full vocabulary) while its parameter is Shard(0). Put every
+    grad on its parameter's placements once here: the Partial ones are reduced (or every optimizer
+    step would all-reduce them implicitly, notes item 3), the Replicate one is sliced locally, which
+    frees (tp - 1) / tp of the embedding's gradient until the next backward."""
     for part in parts:
         for p in part.parameters():
             g = p.grad
-            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-                p.grad = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(placements=p.placements)
 
 
 class Trainer:
@@ -120,7 +128,8 @@ class Trainer:
         self.parts, self.stages = parallelize(
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel, mixed_precision=self.mixed_precision,
+            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+            ac_every=cfg.train.ac_every, mixed_precision=self.mixed_precision,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -136,6 +145,8 @@ class Trainer:
                 loss_fn=cross_entropy,
             )
         self.optimizers = build_optimizers(self.parts, cfg.optim)
+        self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
+        self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
@@ -203,16 +214,20 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
-        local_loss = self.forward_backward(inputs, targets)
-        if not self.derived.dims.fsdp_enabled:
-            _replicate_partial_grads(self.parts)
-        grad_norm, loss, stop = self.reduce_totals(local_loss)
-        clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
-        lr = self.optimizer_step()
+        with self.memory.track(step):
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
+            local_loss = self.forward_backward(inputs, targets)
+            if not self.derived.dims.fsdp_enabled:
+                _replicate_partial_grads(self.parts)
+            grad_norm, loss, stop = self.reduce_totals(local_loss)
+            clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
+            lr = self.optimizer_step()
         dt = time.perf_counter() - t0
+        peak = self.cfg.cluster.gpu_bf16_tflops if self.memory.device.type == "cuda" else None
+        flops = achieved(flops_per_token=self.flops_per_token, tokens_per_step=self.derived.tokens_per_step,
+                         world_size=self.env.world_size, step_time_s=dt, peak_tflops=peak)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.derived.tokens_per_step / dt, "stop": stop}
+                "tokens_per_s": self.derived.tokens_per_step / dt, **flops, "stop": stop}
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
@@ -276,6 +291,7 @@ class Trainer:
             self.watchdog.phase(name)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
+        m = {**m, **self.memory.read()}  # every rank ends its memory window
         if self.env.rank != 0:
             return
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
@@ -284,9 +300,9 @@ class Trainer:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.log.info(
-            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | ETA %s",
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | %s | ETA %s",
             step, self.cfg.train.steps, m["loss"], m["lr"], m["grad_norm"], m["tokens_per_s"],
-            m["step_time_s"], _fmt_eta(eta),
+            m["step_time_s"], _fmt_efficiency(m), _fmt_eta(eta),
         )
 
     def close(self) -> None:
@@ -314,6 +330,21 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _param_device(parts: list[nn.Module]) -> torch.device:
+    """Where this rank's parameters live (a DTensor reports its local device)."""
+    return next(p.device for part in parts for p in part.parameters())
+
+
+def _fmt_efficiency(m: dict) -> str:
+    """TFLOP/s per rank, MFU on a GPU, and the window's peak memory when it was measured."""
+    out = f"{m['tflops_per_rank']:.3g} TFLOP/s/rank"
+    if "mfu" in m:
+        out += f" | MFU {m['mfu']:.1%}"
+    if "peak_mem_bytes" in m:
+        out += f" | peak mem {m['peak_mem_bytes'] / 2**20:.1f} MiB"
+    return out
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from jobs.config import JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
+from parallel.ac import checkpointed_layers
 from parallel.config import MULTI_STAGE_SCHEDULES
 from parallel.dims import ParallelDims, stages_per_rank
 
@@ -58,6 +59,7 @@ def validate(cfg: JobConfig) -> Derived:
             f"model.vocab_size({m.vocab_size}) % mesh.tp({dims.tp}) != 0 with mesh.loss_parallel=true; "
             "pad the vocabulary or set mesh.loss_parallel=false"
         )
+    checkpointed_layers([], mode=t.activation_checkpointing, every=t.ac_every)  # raises naming train.*
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len({t.seq_len}) > model.max_seq_len({m.max_seq_len})")
     if dims.tp > 1 and mesh.sequence_parallel and t.seq_len % dims.tp:

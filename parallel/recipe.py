@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.ac import apply_ac
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.pipeline import split_stage, stage_ids
@@ -24,6 +25,8 @@ def parallelize(
     sequence_parallel: bool,
     loss_parallel: bool,
     fsdp_per_block: bool = True,
+    activation_checkpointing: str = "none",
+    ac_every: int = 2,
     mixed_precision: str = "fp32",
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
@@ -31,7 +34,9 @@ def parallelize(
     The order is fixed, for these reasons:
       1. pipeline split first, so no rank builds or shards layers it does not own;
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
-      3. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
+      3. activation checkpointing (`parallel.ac`) after TP, so a recomputed block replays its TP
+         collectives, and before FSDP2, so FSDP's hooks wrap the checkpointed block (as torchtitan);
+      4. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
          `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
          (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
@@ -46,6 +51,7 @@ def parallelize(
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        apply_ac(part, mode=activation_checkpointing, every=ac_every)
         if dims.fsdp_enabled:
             dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
             apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,

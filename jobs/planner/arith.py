@@ -10,6 +10,7 @@ all-gathered parameters), fp32 gradient reduction.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,8 +23,10 @@ __all__ = [
     "count_params",
     "bubble_fraction",
     "layers_in_flight",
+    "checkpointed_layers",
     "layer_activation_bytes",
     "logits_bytes",
+    "activation_bytes",
     "StageShape",
     "RankMemory",
     "rank_memory",
@@ -152,22 +155,45 @@ def bubble_fraction(*, pp: int, microbatches: int, stages_per_rank: int = 1, sch
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str) -> float:
-    """Layer-microbatches whose activations the first pp rank (the worst) holds at its peak.
+def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str,
+                     pp_rank: int = 0) -> float:
+    """Layer-microbatches whose activations pp rank `pp_rank` holds at its peak.
 
-    gpipe: all m forwards before any backward; 1f1b and zbv: min(m, p) (Narayanan et al. 2021, §2.2.1);
-    interleaved: torch's warm-up on pp rank 0, (v-1)·p + 2(p-1) + 1 chunk-microbatches of
-    layers_on_rank / v layers each; no pipeline: one microbatch at a time (gradient accumulation).
+    gpipe: all m forwards before any backward, on every rank; 1f1b: rank r runs min(m, p - r)
+    warm-up forwards before its first backward (Narayanan et al. 2021, §2.2.1; torch's Schedule1F1B),
+    so the last stage holds one microbatch; interleaved: torch's warm-up on rank r,
+    (v-1)·p + 2(p-1-r), plus the steady state's one forward, chunk-microbatches of
+    layers_on_rank / v layers each; zbv: min(m, p) on every rank (not modelled per rank);
+    no pipeline: one microbatch at a time (gradient accumulation).
     """
     if pp <= 1:
         return float(layers_on_rank)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank({pp_rank}) is not in [0, pp({pp}))")
     if schedule == "gpipe":
         return float(microbatches * layers_on_rank)
     if schedule == "interleaved_1f1b":
         v = stages_per_rank
-        chunks = min(microbatches * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+        chunks = min(microbatches * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
         return chunks * layers_on_rank / v
-    return float(min(microbatches, pp) * layers_on_rank)
+    if schedule == "zbv_zero_bubble":
+        return float(min(microbatches, pp) * layers_on_rank)
+    return float(min(microbatches, pp - pp_rank) * layers_on_rank)
+
+
+def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
+    """The layers `train.activation_checkpointing` recomputes: none; full = all; selective = those
+    with (layer + 1) % every == 0. The same rule as parallel.ac (the planner imports no torch);
+    a unit test holds the two together."""
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"train.activation_checkpointing={mode!r} is not one of none, selective, full")
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(layers)
+    if every < 1:
+        raise ValueError(f"train.ac_every({every}) must be >= 1 with train.activation_checkpointing=selective")
+    return [i for i in layers if (i + 1) % every == 0]
 
 
 # ---------------------------------------------------------------------------------------- activations
@@ -183,6 +209,7 @@ def layer_activation_bytes(
     cp: int = 1,
     sequence_parallel: bool = True,
     ep: int = 1,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> int:
     """Bytes one block saves for backward for one microbatch, without activation checkpointing.
 
@@ -192,14 +219,15 @@ def layer_activation_bytes(
     output (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. The
     per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
-    does not divide it. Context parallel divides the sequence.
+    does not divide it. Context parallel divides the sequence. `compute_bytes`: 2 for bf16 compute,
+    4 for an fp32 run (the norm inputs and the logsumexp are fp32 either way).
     """
     s = seq_len // cp
     sb = s * micro_batch
     h = m.dim
     t = max(tp, 1)
     sharded = t if sequence_parallel else 1  # what the residual stream / norms are divided by
-    cb = COMPUTE_BYTES
+    cb = compute_bytes
     norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
     gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
     if m.attention == "mla":
@@ -225,17 +253,56 @@ def layer_activation_bytes(
     return norm_in + gathered_in + attn + ffn
 
 
-def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True) -> int:
+def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True,
+                             compute_bytes: int = COMPUTE_BYTES) -> int:
     """Bytes one block keeps per microbatch under full activation checkpointing: its input only."""
     sharded = tp if sequence_parallel and tp > 1 else 1
-    return COMPUTE_BYTES * (seq_len // cp) * micro_batch * dim // sharded
+    return compute_bytes * (seq_len // cp) * micro_batch * dim // sharded
 
 
-def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True) -> int:
+def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True,
+                 compute_bytes: int = COMPUTE_BYTES) -> int:
     """Transient peak of the loss on the last stage for one microbatch: bf16 logits, their fp32
-    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit)."""
+    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit); in an
+    fp32 run (compute_bytes=4) the logits, log-softmax and gradient, 12 bytes per logit."""
     v = vocab_size // tp if loss_parallel and tp > 1 else vocab_size
-    return 10 * (seq_len // cp) * micro_batch * v
+    per_logit = 10 if compute_bytes == COMPUTE_BYTES else 12
+    return per_logit * (seq_len // cp) * micro_batch * v
+
+
+def activation_bytes(
+    m: ModelConfig,
+    layers: list[int],
+    *,
+    in_flight: float,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    activation_checkpointing: str,
+    ac_every: int = 2,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = True,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> int:
+    """Saved activations of a rank holding `layers` with `in_flight` layer-microbatches at its peak.
+
+    A checkpointed block keeps its input (`checkpointed_layer_bytes`), another its full set
+    (`layer_activation_bytes`); in flight is spread over the rank's blocks evenly. Under any
+    checkpointing one block's full set is live again while it is recomputed in backward (the
+    largest checkpointed one).
+    """
+    ckpt = set(checkpointed_layers(layers, mode=activation_checkpointing, every=ac_every))
+    kept, recompute = [], 0
+    for i in layers:
+        full = layer_activation_bytes(m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
+                                      sequence_parallel=sequence_parallel, ep=ep, compute_bytes=compute_bytes)
+        if i in ckpt:
+            recompute = max(recompute, full)
+            full = checkpointed_layer_bytes(seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp,
+                                            sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
+        kept.append(full)
+    return int(in_flight * sum(kept) / max(len(layers), 1)) + recompute
 
 
 # ------------------------------------------------------------------------------------- memory per rank
@@ -263,6 +330,7 @@ class RankMemory:
     logits_bytes: int  # loss transient on the last stage
     activation_bytes_no_ac: int  # the same schedule without activation checkpointing
     activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
+    p2p_bytes: int = 0  # pipeline receive buffers, allocated for every microbatch up front
 
     @property
     def states_bytes(self) -> int:
@@ -270,7 +338,7 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes
+        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -323,13 +391,15 @@ def rank_memory(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
     activation_checkpointing: str = "none",
+    ac_every: int = 2,
+    pp_rank: int = 0,
     params_elems: int | None = None,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> RankMemory:
     """Peak memory of the rank holding `stages`, FSDP-sharded `fsdp` ways (dp_shard · cp; experts
     ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
-    one measured on the real sharded model (the fake-backend path)."""
-    if activation_checkpointing not in ("none", "full"):
-        raise ValueError(f"plan.activation_checkpointing={activation_checkpointing!r} is not one of none, full")
+    one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
+    microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32."""
     pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
     blocks_on_rank = [i for st in stages for i in st.layers]
@@ -342,32 +412,29 @@ def rank_memory(
     if fsdp <= 1:
         unsharded = 0
     elif pp > 1:
-        unsharded = (dense + experts) * (COMPUTE_BYTES + REDUCE_BYTES)
+        unsharded = (dense + experts) * (compute_bytes + REDUCE_BYTES)
     else:
         biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
         root = (pc.embedding + pc.output) // tp + pc.final_norm
-        unsharded = biggest * 2 * COMPUTE_BYTES + root * COMPUTE_BYTES
+        unsharded = biggest * 2 * compute_bytes + root * compute_bytes
         # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
         # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
         unsharded += (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
-    n_layers = len(blocks_on_rank)
     in_flight = layers_in_flight(
-        pp=pp, microbatches=microbatches, layers_on_rank=n_layers, stages_per_rank=stages_per_rank, schedule=schedule
+        pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
+        schedule=schedule, pp_rank=pp_rank,
     )
-    full_layers = [
-        layer_activation_bytes(
-            m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, sequence_parallel=sequence_parallel, ep=ep
-        )
-        for i in blocks_on_rank
-    ]
-    avg_full = sum(full_layers) / max(n_layers, 1)
-    no_ac = int(in_flight * avg_full)
-    ckpt = checkpointed_layer_bytes(
-        seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp, sequence_parallel=sequence_parallel
+    act = functools.partial(
+        activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
+        cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
     )
-    full_ac = int(in_flight * ckpt) + max(full_layers, default=0)
+    # torch's PipelineStage allocates a receive buffer per microbatch for the activations coming in
+    # (every stage but the first) and for the gradients coming back (every stage but the last).
+    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+    p2p = 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
     loss = (
-        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp, loss_parallel=loss_parallel)
+        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
+                     loss_parallel=loss_parallel, compute_bytes=compute_bytes)
         if any(st.last for st in stages)
         else 0
     )
@@ -377,10 +444,11 @@ def rank_memory(
         grads_bytes=params_elems * GRAD_BYTES,
         optimizer_bytes=params_elems * OPTIM_BYTES,
         unsharded_bytes=unsharded,
-        activation_bytes=full_ac if activation_checkpointing == "full" else no_ac,
+        activation_bytes=act(activation_checkpointing=activation_checkpointing),
         logits_bytes=loss,
-        activation_bytes_no_ac=no_ac,
-        activation_bytes_full_ac=full_ac,
+        activation_bytes_no_ac=act(activation_checkpointing="none"),
+        activation_bytes_full_ac=act(activation_checkpointing="full"),
+        p2p_bytes=p2p,
     )
 
 
@@ -427,6 +495,7 @@ def comm_per_step(
     micro_batch: int,
     sequence_parallel: bool,
     activation_checkpointing: str,
+    ac_every: int = 2,
 ) -> list[CommItem]:
     """Collectives per optimizer step for the rank holding `stages`, by axis.
 
@@ -453,7 +522,8 @@ def comm_per_step(
     moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
     s = seq_len // cp
     act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
-    fwd_passes = 2 if activation_checkpointing == "full" else 1
+    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
+    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if m.n_routed_experts > 0 and i >= m.n_dense_layers)
     block_dense = dense - root_elems
     if pp > 1:
         ag_count, ag_elems = len(blocks) + roots, dense
@@ -480,12 +550,12 @@ def comm_per_step(
         per_block = microbatches * len(blocks)
         extra = int(first) + int(last)  # embedding reduce-scatter, head all-gather
         if sequence_parallel:
-            n = (2 * fwd_passes + 2) * per_block + extra * microbatches
+            n = 4 * per_block + 2 * microbatches * n_re + extra * microbatches
             b = int(n * _ring(tp) * act)
             items.append(CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp))
             items.append(CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp))
         else:
-            n = (2 * fwd_passes + 5) * per_block + extra * microbatches
+            n = 7 * per_block + 2 * microbatches * n_re + extra * microbatches
             items.append(CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp))
     if pp > 1:
         sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
@@ -495,10 +565,10 @@ def comm_per_step(
         hd = m.dim // m.n_heads
         kv_heads = m.n_heads if m.attention == "mla" else m.n_kv_heads
         kv = COMPUTE_BYTES * s * micro_batch * 2 * kv_heads * hd // max(tp, 1)
-        n = microbatches * len(blocks) * (cp - 1) * (fwd_passes + 2)
+        n = microbatches * (cp - 1) * (3 * len(blocks) + n_re)
         items.append(CommItem("send_recv", "cp", "bf16 K/V blocks (ring attention)", n, n * kv, cp))
     if ep > 1 and moe_blocks:
-        n = 2 * microbatches * moe_blocks * (fwd_passes + 1)  # dispatch + combine, per forward and backward
+        n = 2 * microbatches * (2 * moe_blocks + moe_re)  # dispatch + combine, per forward and backward
         tokens = COMPUTE_BYTES * s * micro_batch * m.experts_per_token * m.dim
         items.append(CommItem("all_to_all", "ep", "bf16 routed tokens (dispatch + combine)", n, int(n * _ring(ep) * tokens), ep))
     return items

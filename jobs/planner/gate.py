@@ -285,8 +285,6 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     t0 = time.perf_counter()
     d, notes = validate_for_planning(cfg)
     dims, m, t, cl, pc_cfg = d.dims, cfg.model, cfg.train, cfg.cluster, cfg.plan
-    if pc_cfg.activation_checkpointing not in ("none", "full"):
-        raise ValueError(f"plan.activation_checkpointing={pc_cfg.activation_checkpointing!r} is not one of none, full")
     fsdp = dims.dp_shard * dims.cp
     shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep}
     pcount = P.count_params(m)
@@ -318,8 +316,8 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     for pp_rank, role in roles.items():
         mem = P.rank_memory(
             m, shapes[pp_rank], fsdp=fsdp, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
-            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=pc_cfg.activation_checkpointing,
-            params_elems=measured_max.get(pp_rank), **common,
+            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing,
+            ac_every=t.ac_every, pp_rank=pp_rank, params_elems=measured_max.get(pp_rank), **common,
         )
         row = {"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()}
         role_rows.append(row)
@@ -333,7 +331,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     comm = []
     items = P.comm_per_step(
         m, shapes[peak_pp], dp_replicate=dims.dp_replicate, fsdp=fsdp,
-        activation_checkpointing=pc_cfg.activation_checkpointing, **common,
+        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **common,
     )
     for it in items:
         bw, link = _bw(it.axis, shape, cl)
@@ -353,7 +351,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     if cl.gpu_bf16_tflops > 0:
         peak = cl.gpu_bf16_tflops * 1e12
         compute = model_flops_rank / peak
-        recompute = compute / 3.0 if pc_cfg.activation_checkpointing == "full" else 0.0  # one more forward
+        recompute = compute / 3.0 * _recomputed_share(cfg, shapes[peak_pp])  # one more forward of those blocks
         bub = (compute + recompute) * bubble / (1 - bubble) if bubble < 1 else 0.0
         comm_s = sum(c["seconds"] or 0.0 for c in comm)
         step_s = model_flops_rank / (peak * pc_cfg.mfu)
@@ -393,7 +391,8 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     checks = _analytic_checks(cfg, d, peak_mem, peak_role, checkpoint, goodput) + checks
     readiness = _readiness(cfg, d, peak_mem, peak_role, step, bubble, comm, checkpoint, goodput, checks)
     act = {
-        "activation_checkpointing": pc_cfg.activation_checkpointing,
+        "activation_checkpointing": t.activation_checkpointing,
+        "ac_every": t.ac_every,
         "per_microbatch_per_layer_bytes": P.layer_activation_bytes(
             m, layer=m.n_layers - 1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=dims.tp, cp=dims.cp,
             sequence_parallel=common["sequence_parallel"], ep=dims.ep),
@@ -404,7 +403,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
         "peak_full_ac_bytes": peak_mem.activation_bytes_full_ac,
         "layers_in_flight": P.layers_in_flight(
             pp=dims.pp, microbatches=d.microbatches, layers_on_rank=sum(len(s.layers) for s in shapes[peak_pp]),
-            stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule),
+            stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
     }
     notes.append("assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded params/grads/AdamW")
     return Plan(
@@ -417,7 +416,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
             "params_bytes": peak_mem.params_bytes, "grads_bytes": peak_mem.grads_bytes,
             "optimizer_bytes": peak_mem.optimizer_bytes, "unsharded_bytes": peak_mem.unsharded_bytes,
             "activation_bytes": peak_mem.activation_bytes, "logits_bytes": peak_mem.logits_bytes,
-            "peak_bytes": peak_mem.peak_bytes,
+            "p2p_bytes": peak_mem.p2p_bytes, "peak_bytes": peak_mem.peak_bytes,
         },
         roles=role_rows,
         heuristic_bytes_per_rank=heuristic,
@@ -433,6 +432,14 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
         measured=[asdict(r) for r in measured],
         seconds=time.perf_counter() - t0,
     )
+
+
+def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
+    """Share of a rank's blocks that activation checkpointing runs forward twice."""
+    layers = [i for st in stages for i in st.layers]
+    t = cfg.train
+    ckpt = P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every)
+    return len(ckpt) / max(len(layers), 1)
 
 
 def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict, goodput: float) -> list[Check]:
@@ -459,8 +466,8 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
         if not ok:
             fixes = []
             other = mem.peak_bytes - mem.activation_bytes + mem.activation_bytes_full_ac
-            if pcfg.activation_checkpointing == "none" and other <= usable:
-                fixes.append(f"plan.activation_checkpointing=full fits ({other / GiB:.1f} GiB)")
+            if cfg.train.activation_checkpointing != "full" and other <= usable:
+                fixes.append(f"train.activation_checkpointing=full fits ({other / GiB:.1f} GiB)")
             fixes.append("raise mesh.pp / mesh.tp / mesh.dp_shard, or lower train.micro_batch")
             why = (f"peak {mem.peak_bytes / GiB:.1f} GiB on {role} > {usable / GiB:.1f} GiB usable "
                    f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction})): "
@@ -566,7 +573,7 @@ def render(plan: Plan) -> str:
     a = plan.activation
     L.append(f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
              f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
-             f"plan.activation_checkpointing={a['activation_checkpointing']}")
+             f"train.activation_checkpointing={a['activation_checkpointing']}")
     L.append("")
     L.append(f"communication per step ({plan.peak_role})")
     L.append("  collective      axis          count        bytes   link          seconds  what")

@@ -118,10 +118,10 @@ def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_and_the_job_requeue
 
 
 def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
-    # A 1-minute limit with USR2 30 s before it: Slurm checks limits coarsely and sends the warning
-    # 15-30 s into each attempt, so the 300 steps take several attempts, each ended by the warning,
-    # saved and requeued (the budget is raised for that; it does not change the numerics).
-    job = submit(run_root, "cluster.time_min=1", "launcher.signal_delay_s=30", "failure.max_requeues=20",
+    # A 2-minute limit with USR2 90 s before it: Slurm checks limits coarsely and sends the warning
+    # 30-60 s into each attempt, so the 300 steps take more than one attempt, each but the last ended
+    # by the warning, saved and requeued (the budget is raised for that; it does not change the numerics).
+    job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=90", "failure.max_requeues=20",
                  "failure.max_attempts_without_progress=3")
     recs = wait_job_done(job, timeout=900)
     assert _states(recs)[-1] == "COMPLETED" and "REQUEUED" in _states(recs), recs

@@ -12,7 +12,8 @@ import pytest
 from jobs import exitcodes
 from jobs.config import compose
 from jobs.plan import main
-from jobs.planner.gate import Check, build_plan, check, validate_for_planning
+from jobs.planner import arith as P
+from jobs.planner.gate import Check, _stage_shapes, build_plan, check, validate_for_planning
 
 from tests.conftest import REPO
 
@@ -109,7 +110,7 @@ def test_tp16_on_the_405b_is_a_config_error_naming_the_override(capsys):
 
 def test_a_model_that_cannot_fit_fails_with_the_fix(capsys):
     # Llama 3 70B without TP or activation checkpointing, 8 sequences of 8K per rank.
-    code = main(["+experiment=llama3_70b", "mesh.tp=1", "train.global_batch=512", "plan.activation_checkpointing=none",
+    code = main(["+experiment=llama3_70b", "mesh.tp=1", "train.global_batch=512", "train.activation_checkpointing=none",
                  "plan.fake_backend=false"])
     err = capsys.readouterr().err
     assert code == exitcodes.FAILED
@@ -180,3 +181,30 @@ def test_a_16384_rank_plan_with_the_fake_backend_completes_in_under_60_s():
         if r["coords"]["dp_shard"] == 0:
             assert abs(r["params_elems"] / r["analytic_elems"] - 1) < 1e-3, r
     assert cpu < 60, (cpu, wall)
+
+
+def test_deepseek_v3_last_stage_is_planned_with_the_3_layer_microbatches_it_holds():
+    # 61 layers on pp16 (1F1B): stages 0-12 take 4 layers, 13-15 take 3. Rank r runs min(m, p - r)
+    # warm-up forwards (Narayanan et al. 2021, §2.2.1), so the last stage holds 1 microbatch x 3 layers
+    # (it was planned with min(m, p) x 3 = 48) and the first 16 x 4 = 64.
+    cfg = compose(["+experiment=deepseek_v3_2048gpu"])
+    d, _ = validate_for_planning(cfg)
+    shapes = _stage_shapes(cfg, d)
+    assert d.microbatches == 120 and [len(shapes[r][0].layers) for r in (0, 12, 13, 15)] == [4, 4, 3, 3]
+    flight = {r: P.layers_in_flight(pp=16, microbatches=d.microbatches, layers_on_rank=len(shapes[r][0].layers),
+                                    stages_per_rank=1, schedule="1f1b", pp_rank=r) for r in (0, 1, 15)}
+    assert flight == {0: 64.0, 1: 60.0, 15: 3.0}
+    plan = build_plan(cfg, measure=False)
+    last = next(r for r in plan.roles if r["pp_rank"] == 15)
+    m, t = cfg.model, cfg.train
+    ckpt = P.checkpointed_layer_bytes(seq_len=t.seq_len, micro_batch=1, dim=m.dim, tp=1, sequence_parallel=False)
+    full = max(P.layer_activation_bytes(m, layer=i, seq_len=t.seq_len, micro_batch=1, tp=1, sequence_parallel=False)
+               for i in shapes[15][0].layers)
+    assert last["activation_bytes"] == 3 * ckpt + full  # full AC: 3 layer inputs kept + one block recomputed
+
+
+def test_interleaved_warm_up_depends_on_the_pp_rank():
+    # torch's ScheduleInterleaved1F1B warm-up on rank r: (v-1)·p + 2(p-1-r) chunk-microbatches, +1 in steady state.
+    got = [P.layers_in_flight(pp=4, microbatches=8, layers_on_rank=4, stages_per_rank=2, schedule="interleaved_1f1b",
+                              pp_rank=r) for r in range(4)]
+    assert got == [(4 + 6 + 1) * 2, (4 + 4 + 1) * 2, (4 + 2 + 1) * 2, (4 + 0 + 1) * 2]

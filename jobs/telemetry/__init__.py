@@ -1,0 +1,6 @@
+"""Measurements every run takes: model FLOPs and MFU, peak memory per rank."""
+
+from jobs.telemetry.flops import achieved, model_flops_per_token
+from jobs.telemetry.memory import LiveBytes, PeakMemory, live_tensors
+
+__all__ = ["achieved", "model_flops_per_token", "LiveBytes", "PeakMemory", "live_tensors"]
