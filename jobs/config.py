@@ -65,6 +65,7 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    fused: bool | None = None  # AdamW kernel: true = fused, false = foreach, null = fused on CUDA, foreach on CPU
 
 
 @dataclass
@@ -78,6 +79,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | selective (every ac_every-th block) | full (every block); trainer and planner
     ac_every: int = 2  # selective: checkpoint blocks with (layer + 1) % ac_every == 0
     deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
     mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
 

@@ -40,7 +40,7 @@ from parallel.recipe import parallelize
 # a tracked step took 2.9x as long on the default mesh (8 ranks on 2 cores), so only every N-th step is.
 MEMORY_SAMPLE_EVERY = 50
 
-__all__ = ["Trainer", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
+__all__ = ["Trainer", "adamw_kernel", "lr_multiplier", "cross_entropy", "stage_grad_sq_norm", "clip_grads_"]
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -56,14 +56,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+def adamw_kernel(fused: bool | None, device_type: str) -> dict[str, bool]:
+    """AdamW's implementation flag for optim.fused: fused (one kernel for all tensors) when asked, or
+    by default on CUDA; else foreach (the CPU default: equal losses, see tests/multiproc/test_pp_split.py)."""
+    use_fused = device_type == "cuda" if fused is None else fused
+    return {"fused": True} if use_fused else {"foreach": True}
+
+
+def build_optimizers(parts: list[nn.Module], cfg: OptimConfig, *, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     """One AdamW per model part (a rank may hold several pipeline stages); no decay on norm weights."""
+    kernel = adamw_kernel(cfg.fused, device_type)
     opts = []
     for part in parts:
         decay = [p for p in part.parameters() if p.ndim >= 2]
         no_decay = [p for p in part.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True))
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel))
     return opts
 
 
@@ -129,7 +137,9 @@ class Trainer:
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
             loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
-            ac_every=cfg.train.ac_every, mixed_precision=self.mixed_precision,
+            ac_every=cfg.train.ac_every,
+            pp_layers_per_stage=derived.pp_layers_per_stage,
+            compile=cfg.train.compile, mixed_precision=self.mixed_precision,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -144,7 +154,7 @@ class Trainer:
                 n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
                 loss_fn=cross_entropy,
             )
-        self.optimizers = build_optimizers(self.parts, cfg.optim)
+        self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
@@ -239,8 +249,8 @@ class Trainer:
                               lr_schedulers=self.lr_schedulers, train_state=st)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
-                         microbatches=self.derived.microbatches, device=str(self.device),
-                         mixed_precision=self.mixed_precision)
+                         microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
+                         device=str(self.device), mixed_precision=self.mixed_precision)
         if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
             self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
             return "stopped"

@@ -12,6 +12,7 @@ from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed
 from parallel.ac import checkpointed_layers
 from parallel.config import MULTI_STAGE_SCHEDULES
 from parallel.dims import ParallelDims, stages_per_rank
+from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
 __all__ = ["validate", "check_device", "Derived"]
 
@@ -25,6 +26,7 @@ class Derived:
     stages_per_rank: int  # virtual pipeline stages held by each pp rank
     num_stages: int  # pipeline stages in total
     tokens_per_step: int  # global_batch * seq_len
+    pp_layers_per_stage: tuple[int, ...] = ()  # blocks per pipeline stage (mesh.pp_layers_per_stage or balanced); () without pp
 
 
 def validate(cfg: JobConfig) -> Derived:
@@ -82,11 +84,14 @@ def validate(cfg: JobConfig) -> Derived:
     if mesh.pp_schedule == "zbv_zero_bubble" and dims.pp > 1 and spr != 2:
         raise ValueError(f"mesh.pp_schedule=zbv_zero_bubble needs exactly 2 stages per rank, got {spr}")
     num_stages = dims.pp * spr if dims.pp > 1 else 1
-    if m.n_layers < num_stages:
+    split = _layers_per_stage(cfg, dims, spr)
+    if m.n_layers < num_stages and not split:
         raise ValueError(
             f"model.n_layers({m.n_layers}) < pipeline stages mesh.pp({dims.pp}) * stages per rank({spr}) "
-            f"= {num_stages}: every stage needs at least one layer"
+            f"= {num_stages}: every stage needs at least one layer (or set mesh.pp_layers_per_stage)"
         )
+    if dims.pp > 1 and not split:
+        split = tuple(balanced_layers_per_stage(m.n_layers, num_stages))
 
     per_mb = dims.dp * t.micro_batch
     if t.micro_batch < 1 or t.global_batch < 1:
@@ -124,12 +129,14 @@ def validate(cfg: JobConfig) -> Derived:
     if t.mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
     _check_failure(cfg)
+    _check_compile(cfg, dims)
     return Derived(
         dims=dims,
         microbatches=microbatches,
         stages_per_rank=spr if dims.pp > 1 else 1,
         num_stages=num_stages,
         tokens_per_step=t.global_batch * t.seq_len,
+        pp_layers_per_stage=split,
     )
 
 
@@ -148,6 +155,25 @@ def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = Fa
             "(or make the GPUs visible: CUDA_VISIBLE_DEVICES), or train on CPU ranks: train.device=cpu"
         )
     return device, resolve_mixed_precision(t.mixed_precision, device_type=device)
+
+
+def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int, ...]:
+    """The user's pipeline split (mesh.pp_layers_per_stage), checked; () when none is set."""
+    given = cfg.mesh.pp_layers_per_stage
+    if given is None:
+        return ()
+    check_layers_per_stage(list(given), n_layers=cfg.model.n_layers, pp=dims.pp, stages_per_rank=spr)
+    return tuple(given)
+
+
+def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
+    """train.compile composes with FSDP2 and PP (tests/multiproc/test_compile.py), not with TP."""
+    if cfg.train.compile and dims.tp > 1:
+        raise ValueError(
+            f"train.compile=true with mesh.tp({dims.tp}) > 1: compiled blocks on tensor-parallel DTensors fail in "
+            "backward with torch 2.13 ('Tensor' object has no attribute '_local_tensor'; measured on CPU/gloo, with "
+            "and without sequence and loss parallelism); set train.compile=false or mesh.tp=1"
+        )
 
 
 def _check_failure(cfg: JobConfig) -> None:

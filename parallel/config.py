@@ -19,5 +19,6 @@ class MeshConfig:
     pp_schedule: str = "1f1b"  # one of gpipe, 1f1b, interleaved_1f1b, zbv_zero_bubble
     pp_microbatches: int = -1  # microbatches per step per dp rank; -1 = global_batch / (dp * micro_batch)
     pp_stages_per_rank: int = -1  # virtual stages per pp rank; -1 = 1, or 2 for multi-stage schedules
+    pp_layers_per_stage: list[int] | None = None  # blocks per stage, in stage order (pp * stages per rank entries); None = balanced by cost
     sequence_parallel: bool = True  # shard norms/activations along the sequence dim across tp
     loss_parallel: bool = True  # compute the loss on vocab-sharded logits (no all-gather of logits)

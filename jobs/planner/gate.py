@@ -107,7 +107,7 @@ def _stage_shapes(cfg: JobConfig, d) -> dict[int, list[P.StageShape]]:
     dims = d.dims
     if dims.pp <= 1:
         return {0: [P.StageShape(tuple(range(cfg.model.n_layers)), True, True)]}
-    ranges = layer_ranges(cfg.model.n_layers, d.num_stages)
+    ranges = layer_ranges(cfg.model.n_layers, d.num_stages, layers_per_stage=d.pp_layers_per_stage)
     out = {}
     for r in range(dims.pp):
         out[r] = [
@@ -222,6 +222,7 @@ def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Mea
                 pp_schedule=cfg.mesh.pp_schedule,
                 sequence_parallel=cfg.mesh.sequence_parallel,
                 loss_parallel=cfg.mesh.loss_parallel,
+                pp_layers_per_stage=d.pp_layers_per_stage,
             )
             elems = nbytes = 0
             for part in parts:

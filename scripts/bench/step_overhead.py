@@ -57,7 +57,7 @@ class BareLoop:
         self.parts, stages = parallelize(
             model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
             pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel,
+            loss_parallel=cfg.mesh.loss_parallel, pp_layers_per_stage=derived.pp_layers_per_stage,
         )
         for part in self.parts:
             part.to_empty(device="cpu")

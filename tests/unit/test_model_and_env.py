@@ -14,7 +14,7 @@ from jobs.launch.env import DistEnv, _parse_hostlist
 from jobs.model import Transformer, full_init_tensor, init_weights
 from jobs.planner.arith import count_params
 from jobs.trainer import lr_multiplier
-from parallel.pipeline import layer_ranges, stage_ids
+from parallel.pipeline import stage_ids
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama3_8b"])
@@ -43,11 +43,6 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(14) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
     assert f(24) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
-
-
-def test_layers_split_evenly_with_the_remainder_on_early_stages() -> None:
-    assert [list(r) for r in layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
-    assert [len(r) for r in layer_ranges(8, 8)] == [1] * 8
 
 
 def test_stage_ids_loop_and_v_orders() -> None:
