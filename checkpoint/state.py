@@ -37,7 +37,8 @@ class TrainState:
 
 
 def capture_rng() -> dict[str, Any]:
-    """Every RNG state of this process: Python, NumPy (when imported), torch CPU, CUDA (when present)."""
+    """Every RNG state of this process: Python, NumPy (when imported), torch CPU, the current GPU's
+    CUDA generator (when CUDA is in use)."""
     import torch
 
     out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -45,7 +46,9 @@ def capture_rng() -> dict[str, Any]:
     if np is not None:
         out["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's GPU only: get_rng_state_all() would create a context on every visible GPU
+        # (8 per rank when Slurm shows a task the whole node).
+        out["cuda"] = torch.cuda.get_rng_state()
     return out
 
 
@@ -64,6 +67,6 @@ def restore_rng(state: dict[str, Any]) -> list[str]:
         np.random.set_state(state["numpy"])
         done.append("numpy")
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # onto the current device (jobs.device.rank_device set it)
         done.append("cuda")
     return done

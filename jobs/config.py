@@ -80,6 +80,8 @@ class TrainConfig:
     ac_every: int = 2  # selective: checkpoint blocks with (layer + 1) % ac_every == 0
     deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
+    mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
 
 
 @dataclass

@@ -21,7 +21,7 @@ __all__ = ["main", "run"]
 
 def run(cfg: JobConfig) -> int:
     """Validates, then submits (launcher=slurm) or runs locally; returns the exit code."""
-    from jobs.validate import validate
+    from jobs.validate import check_device, validate
 
     log = setup_logging()
     try:
@@ -38,6 +38,7 @@ def run(cfg: JobConfig) -> int:
         return exitcodes.CONFIG_ERROR
 
     try:
+        check_device(cfg)  # the ranks run on this machine: the GPUs they need must be visible here
         run_dir = prepare_run(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)

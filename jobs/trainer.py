@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
 from jobs.config import JobConfig, OptimConfig, config_hash
+from jobs.device import rank_device
 from jobs.events import EventLog, read_events
 from jobs.failure.signals import StopSignals
 from jobs.failure.timeouts import set_pg_timeouts
@@ -31,7 +32,7 @@ from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
-from jobs.validate import Derived
+from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
 
@@ -75,7 +76,7 @@ def build_optimizers(parts: list[nn.Module], cfg: OptimConfig, *, device_type: s
 
 
 @torch.no_grad()
-def stage_grad_sq_norm(parts: list[nn.Module]) -> torch.Tensor:
+def stage_grad_sq_norm(parts: list[nn.Module], device: torch.device | None = None) -> torch.Tensor:
     """Squared L2 norm of this rank's stages' gradients, whole over dp/tp (equal on all their ranks).
 
     DTensor grads are grouped by mesh and each group's norm made whole with `full_tensor()`.
@@ -85,7 +86,7 @@ def stage_grad_sq_norm(parts: list[nn.Module]) -> torch.Tensor:
         for p in part.parameters():
             if p.grad is not None:
                 by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for gs in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True)
         sq += _whole(norm).double() ** 2
@@ -123,7 +124,8 @@ class Trainer:
         self.stop = stop or StopSignals()  # installed at process start by the launcher's rank entry
         self.watchdog = watchdog
         self.log = get_logger()
-        self.device = torch.device("cpu")
+        device_type, self.mixed_precision = check_device(cfg, per_task=True)  # train.device, train.mixed_precision
+        self.device = rank_device(device_type, local_rank=env.local_rank)
         dims = derived.dims
         self.mesh = dims.build_mesh(self.device.type)
         self.pp_group = self.mesh.get_group("pp") if dims.pp_enabled else None
@@ -137,7 +139,7 @@ class Trainer:
             loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
-            compile=cfg.train.compile,
+            compile=cfg.train.compile, mixed_precision=self.mixed_precision,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -183,10 +185,10 @@ class Trainer:
                 self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
                                    return_outputs=False)
             if not self.has_last:
-                return torch.zeros(())
+                return torch.zeros((), device=self.device)
             return torch.stack([_whole(l) for l in losses]).mean()
         (model,) = self.parts
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
             if self.derived.dims.fsdp_enabled:
                 model.set_requires_gradient_sync(i == n_micro - 1)
@@ -204,8 +206,8 @@ class Trainer:
         this same step.
         """
         stop = 1.0 if self.stop.received is not None else 0.0
-        totals = torch.stack([stage_grad_sq_norm(self.parts), local_loss.detach().double().reshape(()),
-                              torch.tensor(stop, dtype=torch.float64)])
+        totals = torch.stack([stage_grad_sq_norm(self.parts, self.device), local_loss.detach().double().reshape(()),
+                              torch.tensor(stop, dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)
         stop_agreed = bool(totals[2] > 0)
         totals /= self.env.world_size // self.derived.dims.pp
@@ -223,7 +225,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         with self.memory.track(step):
-            inputs, targets = self.data.batch(step)
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
             local_loss = self.forward_backward(inputs, targets)
             if not self.derived.dims.fsdp_enabled:
                 _replicate_partial_grads(self.parts)
@@ -247,7 +249,8 @@ class Trainer:
                               lr_schedulers=self.lr_schedulers, train_state=st)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
-                         microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage))
+                         microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
+                         device=str(self.device), mixed_precision=self.mixed_precision)
         if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
             self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
             return "stopped"

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jobs.config import JobConfig
+from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from parallel.ac import checkpointed_layers
 from parallel.config import MULTI_STAGE_SCHEDULES
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
-__all__ = ["validate", "Derived"]
+__all__ = ["validate", "check_device", "Derived"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,10 @@ def validate(cfg: JobConfig) -> Derived:
     for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
+    if t.device not in DEVICES:
+        raise ValueError(f"train.device={t.device!r} is not one of {', '.join(DEVICES)}")
+    if t.mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
     _check_failure(cfg)
     _check_compile(cfg, dims)
     return Derived(
@@ -133,6 +138,23 @@ def validate(cfg: JobConfig) -> Derived:
         tokens_per_step=t.global_batch * t.seq_len,
         pp_layers_per_stage=split,
     )
+
+
+def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = False) -> tuple[str, str]:
+    """Where the ranks run (not on a login node): (device type, mixed precision) resolved from
+    `train.device` / `train.mixed_precision` and the `gpus` visible here (default: counted).
+    ValueError when the GPUs cannot host the ranks. `per_task`: checked by a rank, which Slurm may
+    have bound to one GPU of its own."""
+    t, ln = cfg.train, cfg.launcher
+    n = visible_gpus() if gpus is None else gpus
+    device = resolve_device(t.device, gpus=n)
+    if device == "cuda" and n < ln.tasks_per_node and not (per_task and n == 1):
+        raise ValueError(
+            f"train.device={t.device} with launcher.tasks_per_node({ln.tasks_per_node}) ranks on this node but "
+            f"only {n} GPU(s) visible: one rank per GPU; set launcher.tasks_per_node={n} "
+            "(or make the GPUs visible: CUDA_VISIBLE_DEVICES), or train on CPU ranks: train.device=cpu"
+        )
+    return device, resolve_mixed_precision(t.mixed_precision, device_type=device)
 
 
 def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int, ...]:

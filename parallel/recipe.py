@@ -10,6 +10,7 @@ from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.compile import apply_compile
 from parallel.pipeline import layer_ranges, split_stage, stage_ids
+from parallel.precision import apply_autocast, fsdp_policy
 from parallel.tp import apply_tp
 
 __all__ = ["parallelize"]
@@ -29,6 +30,7 @@ def parallelize(
     ac_every: int = 2,
     pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
     compile: bool = False,
+    mixed_precision: str = "fp32",
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
 
@@ -43,6 +45,8 @@ def parallelize(
          blocks share one compiled graph;
       5. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
+         `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
+         (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
     if dims.pp > 1:
@@ -60,5 +64,8 @@ def parallelize(
             apply_compile(part)
         if dims.fsdp_enabled:
             dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block)
+            apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
+                       mp_policy=fsdp_policy(mixed_precision))
+        elif mixed_precision == "bf16":
+            apply_autocast(part, device_type=mesh.device_type)
     return parts, stages

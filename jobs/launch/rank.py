@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from jobs import exitcodes
 from jobs.config import JobConfig
+from jobs.device import backend_for, export_environ, rank_device
 from jobs.events import EventLog
 from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
@@ -35,10 +36,16 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
                           job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events)
 
 
-def _setup_torch(cfg: JobConfig, env: DistEnv) -> None:
+def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> None:
+    """Threads, this rank's GPU (set before anything touches one), the NCCL environment, determinism."""
     threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
-    if cfg.train.deterministic and torch.cuda.is_available():  # bitwise resume needs deterministic kernels
+    rank_device(device_type, local_rank=env.local_rank)
+    traces = Path(cfg.run.dir) / "nccl_traces" / env.attempt  # the flight recorder's dumps on a timeout
+    if device_type == "cuda":
+        traces.mkdir(parents=True, exist_ok=True)
+    export_environ(cfg.cluster.env, device_type=device_type, trace_dir=str(traces))
+    if cfg.train.deterministic and device_type == "cuda":  # bitwise resume needs deterministic kernels
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
@@ -48,7 +55,7 @@ def _setup_torch(cfg: JobConfig, env: DistEnv) -> None:
 def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises).
     `stop` was installed at process start, before anything else could take time."""
-    from jobs.validate import validate  # the same checks as on the login node, now on every rank
+    from jobs.validate import check_device, validate  # the same checks as on the login node, now on every rank
 
     log = setup_logging(env.rank)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count,
@@ -56,10 +63,11 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     ctx = attempt_context(cfg, env, events, rank=env.rank)
     try:
         derived = validate(cfg)
+        device_type, _ = check_device(cfg, per_task=True)  # and the GPUs this rank sees
     except ValueError as e:
         log.error("config error: %s", e)
         return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
-    _setup_torch(cfg, env)
+    _setup_torch(cfg, env, device_type=device_type)
     f = cfg.failure
     watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
                         heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
@@ -68,7 +76,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     watchdog.start()
     trainer, during = None, "rendezvous"
     try:
-        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=f.init_timeout_s)
+        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=f.init_timeout_s, backend=backend_for(device_type))
         if env.rank == 0:
             events.emit("rendezvous", world_size=env.world_size, master=f"{env.master_addr}:{env.master_port}",
                         nodes=env.nodes, job_id=env.job_id)

@@ -103,6 +103,11 @@ def check_slurm_config(cfg: JobConfig) -> None:
             f"launcher.tasks_per_node({ln.tasks_per_node}) != cluster.gpus_per_node({cl.gpus_per_node}) "
             f"(cluster={cl.name}): one Slurm task per GPU; set launcher.tasks_per_node={cl.gpus_per_node}"
         )
+    if cfg.train.device == "cuda" and not cl.gpus_per_node:
+        raise ValueError(
+            f"train.device=cuda but cluster={cl.name} has cluster.gpus_per_node=0 (no GPUs requested): "
+            "pick a GPU profile (e.g. cluster=h100_ib) or set train.device=auto"
+        )
     if cl.time_min * 60 <= ln.signal_delay_s:
         raise ValueError(
             f"launcher.signal_delay_s({ln.signal_delay_s}) >= cluster.time_min({cl.time_min}) * 60: the "
