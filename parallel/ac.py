@@ -18,23 +18,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from parallel.config import AC_MODES, checkpointed_layers
+
 __all__ = ["AC_MODES", "checkpointed_layers", "apply_ac"]
-
-AC_MODES = ("none", "selective", "full")
-
-
-def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
-    """The global layer indices among `layers` whose block is checkpointed under `mode`."""
-    if mode not in AC_MODES:
-        raise ValueError(f"train.activation_checkpointing={mode!r} is not one of {', '.join(AC_MODES)}")
-    if mode == "none":
-        return []
-    if mode == "full":
-        return list(layers)
-    if every < 1:
-        raise ValueError(f"train.ac_every({every}) must be >= 1 with train.activation_checkpointing=selective")
-    return [i for i in layers if (i + 1) % every == 0]
-
 
 def apply_ac(model: nn.Module, *, mode: str, every: int) -> list[int]:
     """Checkpoints the blocks of `model.layers` (keys are global layer indices) that `mode` selects;

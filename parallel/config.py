@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv_zero_bubble")
+AC_MODES = ("none", "selective", "full")  # train.activation_checkpointing
+
+
+def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
+    """The global layer indices among `layers` whose block is checkpointed under `mode` (torch-free:
+    the planner and validation use it without importing torch; `parallel.ac` applies it)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"train.activation_checkpointing={mode!r} is not one of {', '.join(AC_MODES)}")
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(layers)
+    if every < 1:
+        raise ValueError(f"train.ac_every({every}) must be >= 1 with train.activation_checkpointing=selective")
+    return [i for i in layers if (i + 1) % every == 0]
 
 
 @dataclass

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from jobs.config import ModelConfig
+from parallel.config import checkpointed_layers
 
 __all__ = [
     "BlockParams",
@@ -179,21 +180,6 @@ def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_
     if schedule == "zbv_zero_bubble":
         return float(min(microbatches, pp) * layers_on_rank)
     return float(min(microbatches, pp - pp_rank) * layers_on_rank)
-
-
-def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
-    """The layers `train.activation_checkpointing` recomputes: none; full = all; selective = those
-    with (layer + 1) % every == 0. The same rule as parallel.ac (the planner imports no torch);
-    a unit test holds the two together."""
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"train.activation_checkpointing={mode!r} is not one of none, selective, full")
-    if mode == "none":
-        return []
-    if mode == "full":
-        return list(layers)
-    if every < 1:
-        raise ValueError(f"train.ac_every({every}) must be >= 1 with train.activation_checkpointing=selective")
-    return [i for i in layers if (i + 1) % every == 0]
 
 
 # ---------------------------------------------------------------------------------------- activations

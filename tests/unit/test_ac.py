@@ -54,10 +54,8 @@ def test_selective_counts_on_the_global_layer_index_so_a_pipeline_stage_agrees()
     assert checkpointed_layers(list(range(61)), mode="selective", every=4) == list(range(3, 61, 4))
 
 
-@pytest.mark.parametrize("mode, every", [("none", 2), ("full", 2), ("selective", 1), ("selective", 2), ("selective", 5)])
-def test_the_planner_checkpoints_the_same_layers_as_the_trainer(mode, every):
-    layers = list(range(3, 17))
-    assert P.checkpointed_layers(layers, mode=mode, every=every) == checkpointed_layers(layers, mode=mode, every=every)
+def test_the_planner_checkpoints_the_same_layers_as_the_trainer():
+    assert P.checkpointed_layers is checkpointed_layers  # one rule, in parallel.config (torch-free)
 
 
 def test_an_unknown_mode_is_refused_naming_the_key():
