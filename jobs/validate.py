@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from jobs.config import JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
-from parallel.config import checkpointed_layers
-from parallel.config import MULTI_STAGE_SCHEDULES
+from parallel.config import MULTI_STAGE_SCHEDULES, checkpointed_layers
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
