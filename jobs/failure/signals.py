@@ -32,11 +32,21 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.count = 0
+        self._installed: set[signal.Signals] = set()
 
     def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True) -> "StopSignals":
-        for sig in {*signals, *([signal.SIGINT] if ctrl_c else [])}:
+        self._installed = {*signals, *([signal.SIGINT] if ctrl_c else [])}
+        for sig in self._installed:
             signal.signal(sig, self._on_signal)
         return self
+
+    def ignore_from_now(self) -> None:
+        """The attempt is finished: a stop signal arriving now (Slurm's time-limit warning during
+        teardown) means nothing. Ignored, not merely unhandled: at interpreter exit CPython puts a
+        signal with a Python handler back to SIG_DFL, and USR2's default action kills the process,
+        which turned a finished job into FAILED (seen on the local cluster)."""
+        for sig in self._installed:
+            signal.signal(sig, signal.SIG_IGN)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.received is None:

@@ -98,6 +98,8 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
         _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))
     watchdog.stop()
+    if outcome == "done":
+        stop.ignore_from_now()
     code = _end_attempt(outcome, ctx, events, step=trainer.state.step, signal_name=stop.name)
     try:
         trainer.close()

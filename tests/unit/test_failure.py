@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -555,3 +556,33 @@ def test_the_slurm_executor_lets_srun_keep_the_other_ranks_when_one_exits_non_ze
     cfg = compose(["launcher=slurm", f"run.dir={tmp_path}"])
     ex = make_executor(cfg, tmp_path / "slurm")
     assert "--kill-on-bad-exit=0" in " ".join(map(str, ex.parameters.get("srun_args") or []))
+
+
+_EXITS_UNDER_USR2 = """
+import os, signal, sys, threading, time
+import torch  # a long interpreter teardown, as a rank's
+from jobs.failure.signals import StopSignals
+stop = StopSignals().install([signal.SIGUSR2])
+if sys.argv[1] == "ignore":
+    stop.ignore_from_now()
+pid = os.getpid()
+if os.fork() == 0:  # a sender that keeps signalling until the parent is gone
+    while True:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            os._exit(0)
+        time.sleep(0.0002)
+time.sleep(0.2)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ignore", "handler"])
+def test_a_stop_signal_during_interpreter_exit_does_not_kill_a_finished_rank(tmp_path: Path, mode: str) -> None:
+    # Slurm's time-limit USR2 reached a rank that had finished and was exiting: CPython had put USR2
+    # back to SIG_DFL during finalization, the rank died of it and the finished job ended FAILED.
+    codes = [subprocess.run([sys.executable, "-c", _EXITS_UNDER_USR2, mode], cwd=Path(__file__).parents[2]).returncode
+             for _ in range(3)]
+    # With only the Python handler (what run_rank left before the fix) every exit is killed by USR2.
+    assert codes == ([0, 0, 0] if mode == "ignore" else [-signal.SIGUSR2] * 3)
