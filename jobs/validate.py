@@ -30,13 +30,39 @@ class Derived:
 
 def validate(cfg: JobConfig) -> Derived:
     """Raises ValueError naming the dotted override and the arithmetic; returns the derived quantities."""
-    m, t, mesh, ln = cfg.model, cfg.train, cfg.mesh, cfg.launcher
+    t, mesh, ln = cfg.train, cfg.mesh, cfg.launcher
     if ln.nodes < 1 or ln.tasks_per_node < 1:
         raise ValueError(
             f"launcher.nodes({ln.nodes}) and launcher.tasks_per_node({ln.tasks_per_node}) must be >= 1"
         )
     dims = ParallelDims.from_config(mesh, world_size=cfg.world_size, world_size_expr=cfg.world_size_expr)
 
+    _check_model(cfg, dims)
+    spr, num_stages, split = _check_pipeline(cfg, dims)
+    microbatches = _check_batch(cfg, dims)
+
+    for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
+        if value < 1:
+            raise ValueError(f"{name}({value}) must be >= 1")
+    if t.device not in DEVICES:
+        raise ValueError(f"train.device={t.device!r} is not one of {', '.join(DEVICES)}")
+    if t.mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
+    _check_failure(cfg)
+    _check_compile(cfg, dims)
+    return Derived(
+        dims=dims,
+        microbatches=microbatches,
+        stages_per_rank=spr if dims.pp > 1 else 1,
+        num_stages=num_stages,
+        tokens_per_step=t.global_batch * t.seq_len,
+        pp_layers_per_stage=split,
+    )
+
+
+def _check_model(cfg: JobConfig, dims: ParallelDims) -> None:
+    """The model's shapes against the tp degree, the sequence and activation checkpointing."""
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
     if m.dim % m.n_heads:
         raise ValueError(f"model.dim({m.dim}) % model.n_heads({m.n_heads}) = {m.dim % m.n_heads} != 0")
     if m.n_heads % m.n_kv_heads:
@@ -69,6 +95,10 @@ def validate(cfg: JobConfig) -> Derived:
             "make the sequence divisible or set mesh.sequence_parallel=false"
         )
 
+
+def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple[int, ...] | None]:
+    """The schedule's stages per rank and the layer split: (stages per rank, stages, blocks per stage)."""
+    m, mesh = cfg.model, cfg.mesh
     spr = stages_per_rank(mesh)
     multi = mesh.pp_schedule in MULTI_STAGE_SCHEDULES
     if dims.pp > 1 and multi and spr < 2:
@@ -91,7 +121,13 @@ def validate(cfg: JobConfig) -> Derived:
         )
     if dims.pp > 1 and not split:
         split = tuple(balanced_layers_per_stage(m.n_layers, num_stages))
+    return spr, num_stages, split
 
+
+def _check_batch(cfg: JobConfig, dims: ParallelDims) -> int:
+    """The global batch against dp, the micro batch and the pipeline; returns the microbatches per step."""
+    t, mesh = cfg.train, cfg.mesh
+    multi = mesh.pp_schedule in MULTI_STAGE_SCHEDULES
     per_mb = dims.dp * t.micro_batch
     if t.micro_batch < 1 or t.global_batch < 1:
         raise ValueError(f"train.global_batch({t.global_batch}) and train.micro_batch({t.micro_batch}) must be >= 1")
@@ -119,24 +155,7 @@ def validate(cfg: JobConfig) -> Derived:
             f"mesh.pp_schedule={mesh.pp_schedule} needs the microbatches ({microbatches}) to be a multiple "
             f"of mesh.pp({dims.pp})"
         )
-
-    for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
-        if value < 1:
-            raise ValueError(f"{name}({value}) must be >= 1")
-    if t.device not in DEVICES:
-        raise ValueError(f"train.device={t.device!r} is not one of {', '.join(DEVICES)}")
-    if t.mixed_precision not in MIXED_PRECISIONS:
-        raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
-    _check_failure(cfg)
-    _check_compile(cfg, dims)
-    return Derived(
-        dims=dims,
-        microbatches=microbatches,
-        stages_per_rank=spr if dims.pp > 1 else 1,
-        num_stages=num_stages,
-        tokens_per_step=t.global_batch * t.seq_len,
-        pp_layers_per_stage=split,
-    )
+    return microbatches
 
 
 def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = False) -> tuple[str, str]:
