@@ -14,10 +14,8 @@ Rank 0 prints the ratio balanced / even (below 1 = the balanced split is faster)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from jobs.config import compose  # noqa: E402
 from jobs.data import ensure_dataset  # noqa: E402
 from jobs.launch.local import free_port  # noqa: E402
 from jobs.validate import validate  # noqa: E402
+from _fork import run_forked_ranks  # noqa: E402
 from step_overhead import BareLoop, _slowest, _timed  # noqa: E402
 
 DEFAULTS = [  # torchtitan llama3 debugmodel-sized (issue 9, item 8), interleaved 1F1B on 2 ranks
@@ -113,35 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     splits = {"balanced": list(derived.pp_layers_per_stage),
               "even": even_layers_per_stage(cfg.model.n_layers, derived.num_stages)}
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
-    port, pids = free_port(), []
-    sys.stdout.flush()
-    for rank in range(cfg.world_size):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                _rank_main(cfg, derived, splits, rank, port, args)
-                code = 0
-            except BaseException:  # noqa: BLE001 - print and exit; the parent reports the code
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    codes = []
-    for _ in pids:
-        pid, status = os.wait()
-        codes.append(os.waitstatus_to_exitcode(status))
-        if codes[-1]:  # the others would wait in a collective until the timeout
-            for other in pids:
-                if other != pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(other, signal.SIGKILL)
-    return 1 if any(codes) else 0
-
+    port = free_port()
+    failed = run_forked_ranks(cfg.world_size, lambda rank: _rank_main(cfg, derived, splits, rank, port, args))
+    return 1 if failed else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,6 +42,8 @@ from jobs.validate import Derived, validate  # noqa: E402
 from parallel.pipeline import build_schedule  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402
 
+from _fork import run_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -249,39 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     derived = validate(cfg)  # ValueError names the override
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
     port, parent = free_port(), os.getpid()
-    sys.stdout.flush()
-    pids = []
-    for rank in range(cfg.world_size):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = _rank_main(cfg, derived, rank, port, parent, args)
-            except BaseException:  # noqa: BLE001 - print and exit; the parent reports the code
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    failed = {}
-    while pids:
-        pid, status = os.waitpid(-1, 0)
-        if pid in pids:
-            pids.remove(pid)
-            code = os.waitstatus_to_exitcode(status)
-            if code and not failed:  # the others would wait in a collective until the timeout
-                for other in pids:
-                    os.kill(other, signal.SIGKILL)
-            if code:
-                failed[pid] = code
+    failed = run_forked_ranks(cfg.world_size, lambda rank: _rank_main(cfg, derived, rank, port, parent, args))
     if failed:
-        print(f"step_overhead: ranks failed, exit codes {sorted(failed.values())}", file=sys.stderr)
+        print(f"step_overhead: ranks failed, exit codes {sorted(failed)}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
