@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,17 @@ class TrainRun:
 
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics()]
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, timeout: float = 180) -> None:
+    """Until the running job `proc` has logged `step` in RUN_DIR/metrics.jsonl (fails if it exits first)."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
 
 
 def run_train(overrides: list[str], run_dir: Path, *, timeout: float = 300, env: dict | None = None) -> TrainRun:

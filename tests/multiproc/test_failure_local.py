@@ -15,7 +15,7 @@ import torch
 
 from jobs import exitcodes
 from jobs.launch import local as local_launcher
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, wait_for_step
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -36,16 +36,6 @@ def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
 
 
 # ---------------------------------------------------------------------------------------- timeouts
@@ -140,7 +130,7 @@ def test_usr2_to_the_launcher_saves_requeues_and_the_rerun_matches_an_uninterrup
     run_dir = tmp_path / "run"
     proc = _start(run_dir, common)
     try:
-        _wait_for_step(run_dir, 1, proc)
+        wait_for_step(run_dir, 1, proc)
         os.kill(proc.pid, signal.SIGUSR2)  # the launcher only; it forwards to every rank
         out, err = proc.communicate(timeout=120)
     finally:
@@ -224,7 +214,7 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
                             f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5"])
     victim = None
     try:
-        _wait_for_step(run_dir, 2, proc)
+        wait_for_step(run_dir, 2, proc)
         victim = _rank_pid(run_dir, 1)
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from jobs import exitcodes
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, wait_for_step
 
 pytestmark = pytest.mark.multiproc
 
@@ -21,16 +20,6 @@ pytestmark = pytest.mark.multiproc
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
 
 
 def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
@@ -41,7 +30,7 @@ def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: 
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_for_step(run_dir / "metrics.jsonl", 2, proc, timeout=240)
+        wait_for_step(run_dir, 2, proc, timeout=240)
         ranks = _children(proc.pid)
         assert len(ranks) == 4, ranks
         victim = ranks[2]  # forked in rank order: rank 2
@@ -95,7 +84,7 @@ def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_
     proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step(run_dir / "metrics.jsonl", 3, proc, timeout=240)
+        wait_for_step(run_dir, 3, proc, timeout=240)
         os.kill(_children(proc.pid)[1], signal.SIGUSR2)  # one rank is enough: the flag is agreed on
         out, err = proc.communicate(timeout=240)
     finally:
