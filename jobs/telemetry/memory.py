@@ -8,6 +8,10 @@ yields; `live_tensors`: every tensor a Python object holds, which costs one garb
 plus every storage an op creates while it is active, until that storage is freed or resized (FSDP2 frees unsharded parameters with
 `UntypedStorage.resize_(0)`, patched while active, as MemTracker does). It sees tensors that go
 through the dispatcher; buffers allocated inside gloo or by `torch.from_numpy` are not counted.
+While active it holds the cyclic garbage collector off (after one collection on entry): otherwise
+unreachable tensors in reference cycles (left by earlier work, or inherited by a forked rank) are
+counted as live at the start and then "freed" whenever a collection happens to run, which makes
+what a block's forward leaves live come out negative (seen in CI on the tp2 plan-vs-measured case).
 Its Python hook on every op costs time, so on CPU only every `sample_every`-th step is tracked
 and a window without a tracked step reports nothing.
 """
@@ -41,6 +45,9 @@ class LiveBytes(TorchDispatchMode):
         self.current = self.peak = 0
 
     def __enter__(self) -> "LiveBytes":
+        self._gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
         self._sizes.clear()
         self.current = 0
         for t in self._tensors():
@@ -60,6 +67,8 @@ class LiveBytes(TorchDispatchMode):
     def __exit__(self, *args) -> None:
         torch.UntypedStorage.resize_ = self._resize
         super().__exit__(*args)
+        if self._gc_was_enabled:
+            gc.enable()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):

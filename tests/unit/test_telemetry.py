@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from jobs.config import compose
-from jobs.telemetry import LiveBytes, PeakMemory, achieved, model_flops_per_token
+from jobs.telemetry import LiveBytes, PeakMemory, achieved, live_tensors, model_flops_per_token
 from jobs.telemetry.memory import CPU_SOURCE
 
 
@@ -43,6 +45,40 @@ def test_live_bytes_counts_what_ops_create_until_it_is_freed_or_resized():
     assert live.peak == 8400
     assert now == 400 + 1000
     assert c.numel() == 250
+
+
+def _garbage_cycle(nbytes: int) -> None:
+    """An unreachable tensor that only the cyclic garbage collector frees."""
+    holder: dict = {"t": torch.zeros(nbytes // 4)}
+    holder["self"] = holder
+
+
+def test_live_bytes_counts_no_garbage_and_no_collection_frees_anything_while_tracking():
+    # CI saw one block's forward leave -68608 bytes live: a tensor in a reference cycle, inherited by the
+    # forked rank, was counted at entry and freed by a collection that ran in the middle of the block.
+    was = gc.isenabled()
+    gc.collect()
+    with LiveBytes(live_tensors) as clean:
+        pass
+    gc.disable()
+    _garbage_cycle(101_376)
+    gc.enable()
+    old = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at (almost) every allocation
+    try:
+        keep = torch.zeros(100)  # noqa: F841 (live through the tracking)
+        with LiveBytes(live_tensors) as live:
+            start = live.current
+            for _ in range(50):
+                _garbage_cycle(4000)  # garbage made while tracking stays counted: nothing collects it
+                [object() for _ in range(10)]
+            grown = live.current - start
+    finally:
+        gc.set_threshold(*old)
+        gc.enable() if was else gc.disable()
+    assert start == clean.current + 400  # `keep`, and not the garbage
+    assert grown == 50 * 4000
+    assert gc.isenabled() == was
 
 
 def test_cpu_peak_memory_is_sampled_and_read_once_per_window():
