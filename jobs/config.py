@@ -134,6 +134,8 @@ class FailureConfig:
     mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
     mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
     max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
+    restarts_in_allocation: int = 3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
+    node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
     max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
     init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
     collective_timeout_s: float = 300.0  # every process group once the first step has completed

@@ -306,7 +306,8 @@ class Trainer:
             return
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
         eta = recent * (self.cfg.train.steps - step)
-        record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count}
+        record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count, "attempt": self.env.attempt,
+                  "time": time.time()}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.log.info(

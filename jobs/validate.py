@@ -200,12 +200,15 @@ def _check_failure(cfg: JobConfig) -> None:
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
-    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s"):
+    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s", "node_probe_timeout_s"):
         if getattr(f, name) <= 0:
             raise ValueError(f"failure.{name}({getattr(f, name)}) must be > 0")
     if f.hang_timeout_s < 3 * f.heartbeat_s:
         raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
                          "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s")
+    if f.restarts_in_allocation < 0:
+        raise ValueError(f"failure.restarts_in_allocation({f.restarts_in_allocation}) must be >= 0 "
+                         "(0: every dead or hung rank sends the job back to the queue)")
     if f.max_requeues < 0 or f.max_attempts_without_progress < 1:
         raise ValueError(f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")

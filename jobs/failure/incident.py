@@ -17,13 +17,16 @@ from pathlib import Path
 from jobs.failure.heartbeat import Beat, process_state, read_beats
 
 __all__ = ["Incident", "classify", "classify_settled", "dump_stacks", "write_incident", "error_class",
-           "REQUEUE_CLASSES"]
+           "REQUEUE_CLASSES", "RESTART_CLASSES"]
 
 # Classes whose cure is a fresh start of the job (requeue); the others stop it (a bug or bad input
 # would fail the same way again).
 REQUEUE_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "collective_mismatch",
                              "rendezvous_failure", "everything_slow", "rank_crashed", "preempted",
                              "checkpoint_error"})
+
+# Classes a restart of the ranks inside the same allocation cures when the suspects' nodes still answer.
+RESTART_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "rank_crashed"})
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET")
 _TIMEOUT = ("Timed out", "timed out", "Timeout", "DistStoreError")

@@ -17,16 +17,25 @@ from pathlib import Path
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
-from jobs.failure.incident import REQUEUE_CLASSES, incident_dir
+from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
 from jobs.failure.ledger import attempts_without_progress
 from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used", "slurm_intent"]
+__all__ = ["Decision", "Restart", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used", "slurm_intent"]
+
+
+@dataclass
+class Restart:
+    """What decides between a restart inside the allocation and a requeue."""
+
+    supervised: bool  # a supervisor will start the ranks again (jobs.launch.supervise, the local launcher)
+    used: int  # restarts inside this allocation so far
+    bad_nodes: list[str]  # suspects' nodes that do not answer, or were named by an earlier incident of the run
 
 
 @dataclass
 class Decision:
-    action: str  # requeue | stop | requeued_by_slurm | none (the job is being cancelled)
+    action: str  # restart (inside the allocation) | requeue | stop | requeued_by_slurm | none (being cancelled)
     reason: str
     exit_code: int
     requeues_used: int
@@ -56,10 +65,12 @@ def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
 
 
 def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
-           slurm: str | None = None) -> Decision:
-    """Requeue for a stop signal or a class a fresh start can cure, unless the requeue budget or the
-    no-progress breaker says stop; stop at once for anything else (a bug fails the same way again).
-    `slurm` (from `slurm_intent`): Slurm already requeues the job, or is cancelling it (not undone)."""
+           slurm: str | None = None, restart: Restart | None = None) -> Decision:
+    """Restart inside the allocation for a dead or hung rank whose node still answers, within
+    failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
+    unless the requeue budget or the no-progress breaker says stop; stop at once for anything else
+    (a bug fails the same way again). `slurm` (from `slurm_intent`): Slurm already requeues the job,
+    or is cancelling it (not undone)."""
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
@@ -71,6 +82,12 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
     if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
         code = exitcodes.CONFIG_ERROR if cause == "config_error" else exitcodes.FAILED
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
+    if restart is not None and restart.supervised and cause in RESTART_CLASSES and fruitless < cfg.max_attempts_without_progress:
+        why = _no_restart(restart, cfg)
+        if why is None:
+            return Decision("restart", f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
+                            f"({cfg.restarts_in_allocation}) inside the allocation", exitcodes.REQUEUE, **facts)
+        cause = f"{cause} ({why})"
     if used >= cfg.max_requeues:
         return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
                         exitcodes.STOPPED, **facts)
@@ -80,6 +97,15 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
                         exitcodes.STOPPED, **facts)
     return Decision("requeue", f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
                     exitcodes.REQUEUE, **facts)
+
+
+def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
+    """Why this failure goes back to the queue instead of restarting in place (None: restart)."""
+    if restart.bad_nodes:
+        return f"suspect node {', '.join(restart.bad_nodes)}: requeue without it"
+    if restart.used >= cfg.restarts_in_allocation:
+        return f"failure.restarts_in_allocation({cfg.restarts_in_allocation}) spent"
+    return None
 
 
 def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:

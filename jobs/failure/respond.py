@@ -16,7 +16,8 @@ from jobs.config import FailureConfig
 from jobs.events import EventLog, read_events
 from jobs.failure.incident import Incident, classify_settled, dump_stacks, write_incident
 from jobs.failure.ledger import render_summary, unfinished
-from jobs.failure.policy import claim, decide, publish, read_decision, requeue_job, slurm_intent
+from jobs.failure.policy import Decision, Restart, claim, decide, publish, read_decision, requeue_job, slurm_intent
+from jobs.failure.quarantine import add_to_quarantine, node_answers, quarantined, requeue_excluding, usable_nodes
 from jobs.log import get_logger
 
 __all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
@@ -36,6 +37,10 @@ class AttemptContext:
     restart_count: int
     cfg: FailureConfig
     events: EventLog
+    supervised: bool = False  # a supervisor starts the ranks again after a "restart" decision
+    restart_in_allocation: int = 0  # restarts inside this allocation before this attempt
+    partition: str | None = None  # where a requeued job must find `nodes_needed` usable nodes
+    nodes_needed: int = 1
 
 
 def open_attempt(ctx: AttemptContext, **facts) -> None:
@@ -58,15 +63,18 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
     # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
     # back, and one that Slurm already requeues is not requeued twice.
     slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
-    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm)
-    ctx.events.emit("decision", cause=cause, **asdict(d))
+    suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
+    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
+               restart=_restart(ctx, suspects, slurm))
+    excluded = _quarantine(ctx, d, suspects, incident)
+    ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
     publish(ctx.run_dir, ctx.attempt, d)
     if d.action == "requeue" and ctx.job_id:
-        ok, said = requeue_job(ctx.job_id)
+        ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
         # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
         # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
-        ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said)
+        ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
     log = get_logger()
     (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
                                                           cause, d.action, d.reason, d.exit_code)
@@ -74,6 +82,34 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
         print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
               flush=True)
     return d.exit_code
+
+
+def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None) -> Restart | None:
+    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed only
+    when a restart is possible at all)."""
+    if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
+        return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [])
+    bad = [n for n in dict.fromkeys(suspects)
+           if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)]
+    return Restart(True, ctx.restart_in_allocation, bad)
+
+
+def _quarantine(ctx: AttemptContext, d: Decision, suspects: list[str], incident: Incident | None) -> list[str]:
+    """A requeue puts the incident's suspects' nodes on the run's quarantine list and excludes the whole
+    list; when that leaves too few nodes, the decision becomes a stop that says so. Returns the list."""
+    if d.action not in ("requeue", "requeued_by_slurm") or not ctx.job_id:
+        return []
+    if suspects and incident is not None:
+        add_to_quarantine(ctx.run_dir, suspects, reason=f"suspect of a {incident.cls} incident", incident=ctx.attempt)
+    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
+    if excluded and d.action == "requeue":
+        usable = usable_nodes(ctx.partition, set(excluded))
+        if len(usable) < ctx.nodes_needed:
+            d.action, d.exit_code = "stop", exitcodes.STOPPED
+            d.reason = (f"the quarantine ({', '.join(excluded)}; {ctx.run_dir}/quarantine.json) leaves "
+                        f"{len(usable)} usable node(s) in partition {ctx.partition or '(default)'}, the job needs "
+                        f"{ctx.nodes_needed}: check the nodes, then remove them from quarantine.json to requeue")
+    return excluded
 
 
 def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, during: str = "train",

@@ -14,7 +14,15 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "expand_nodelist"]
+__all__ = ["DistEnv", "expand_nodelist", "attempt_name", "RESTART_IN_ALLOCATION_VAR"]
+
+# Set by the supervisor (jobs.launch.supervise) on every srun step it starts: 0, 1, 2, ...
+RESTART_IN_ALLOCATION_VAR = "MESHJOB_RESTART_IN_ALLOCATION"
+
+
+def attempt_name(job_id: str | None, restart_count: int, restart_in_allocation: int = 0) -> str:
+    base = f"{job_id or 'local'}.{restart_count}"
+    return f"{base}.{restart_in_allocation}" if restart_in_allocation else base
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +36,7 @@ class DistEnv:
     master_addr: str
     master_port: int
     restart_count: int = 0  # 0 on the first run; Slurm's SLURM_RESTART_COUNT after requeues
+    restart_in_allocation: int = 0  # 0 on the first start in this allocation; n after n restarts inside it
     job_id: str | None = None  # Slurm job id (ARRAY_TASK form for array elements), None locally
     hostname: str = ""
 
@@ -84,14 +93,16 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR") or hosts[0],
             master_port=int(port) if port else 0,  # 0: rank 0 publishes the port it got (jobs.launch.rendezvous)
             restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+            restart_in_allocation=int(env.get(RESTART_IN_ALLOCATION_VAR, 0)),
             job_id=job_id,
             hostname=env.get("SLURMD_NODENAME", os.uname().nodename),
         )
 
     @property
     def attempt(self) -> str:
-        """This start of the job's ranks, as the ledger names it: `<job id>.<restart>`, `local.<n>` locally."""
-        return f"{self.job_id or 'local'}.{self.restart_count}"
+        """This start of the job's ranks, as the ledger names it: `<job id>.<restart>`, then
+        `<job id>.<restart>.<n>` after n restarts inside the allocation; `local.<n>` locally."""
+        return attempt_name(self.job_id, self.restart_count, self.restart_in_allocation)
 
     def torch_environ(self) -> dict[str, str]:
         """The variables torch's env:// rendezvous expects, for this rank."""

@@ -24,9 +24,10 @@ from jobs.config import JobConfig
 from jobs.events import EventLog, read_events
 from jobs.failure.incident import Incident
 from jobs.failure.ledger import attempts
+from jobs.failure.policy import read_decision
 from jobs.failure.respond import AttemptContext, on_failure, open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
-from jobs.launch.env import DistEnv
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.log import get_logger
 
 __all__ = ["launch", "free_port"]
@@ -71,27 +72,45 @@ def _describe(status: int) -> tuple[str, int]:
 
 
 def _attempt_number(events: EventLog) -> int:
-    """This start's number among the run's local attempts (`local.<n>` in the ledger)."""
-    return sum(1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local."))
+    """This launch's number among the run's local launches (`local.<n>` in the ledger; its restarts
+    are `local.<n>.<k>`)."""
+    return sum(1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local.")
+               and a.attempt.count(".") == 1)
 
 
 def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
-    """Runs all ranks to completion; returns 0, the first failing rank's exit code, or RANK_DIED.
+    """Runs all ranks to completion, starting them again after a "restart" decision (a dead or hung
+    rank, within failure.restarts_in_allocation); returns 0, the last attempt's exit code, or RANK_DIED.
     `early`: stop signals the entry point recorded before the ranks existed; they are passed on."""
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
-    restart = _attempt_number(events)
+    restart, n = _attempt_number(events), 0
+    while True:
+        os.environ[RESTART_IN_ALLOCATION_VAR] = str(n)  # the forked ranks may decide "restart"
+        code, attempt = _launch_once(cfg, events, restart=restart, restart_in_allocation=n, early=early)
+        d = read_decision(cfg.run.dir, attempt, wait_s=0)
+        if d is None or d["action"] != "restart":
+            return code
+        get_logger().warning("attempt %s: restarting the ranks (restart %d of failure.restarts_in_allocation(%d))",
+                             attempt, n + 1, cfg.failure.restarts_in_allocation)
+        n, early = n + 1, None
+
+
+def _launch_once(cfg: JobConfig, events: EventLog, *, restart: int, restart_in_allocation: int,
+                 early: StopSignals | None) -> tuple[int, str]:
     envs = [DistEnv(rank=r, local_rank=r % cfg.launcher.tasks_per_node, world_size=cfg.world_size,
                     local_world_size=cfg.launcher.tasks_per_node, node_rank=r // cfg.launcher.tasks_per_node,
                     nodes=cfg.launcher.nodes, master_addr="127.0.0.1",
                     master_port=cfg.launcher.master_port or free_port(), restart_count=restart,
-                    hostname=os.uname().nodename) for r in range(cfg.world_size)]
+                    restart_in_allocation=restart_in_allocation, hostname=os.uname().nodename)
+            for r in range(cfg.world_size)]
     envs = [replace(e, master_port=envs[0].master_port) for e in envs]
     events.restart, events.attempt = restart, envs[0].attempt
     ctx = AttemptContext(run_dir=cfg.run.dir, attempt=envs[0].attempt, rank=-1, world_size=cfg.world_size,
-                         job_id=None, restart_count=restart, cfg=cfg.failure, events=events)
-    open_attempt(ctx, nodes=[envs[0].hostname], launcher="local")
+                         job_id=None, restart_count=restart, cfg=cfg.failure, events=events, supervised=True,
+                         restart_in_allocation=restart_in_allocation)
+    open_attempt(ctx, nodes=[envs[0].hostname], launcher="local", restart_in_allocation=restart_in_allocation)
     # Signals wait (blocked) until every rank has its handlers and the launcher its forwarder: none is lost.
     signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     try:
@@ -102,7 +121,7 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     if early is not None and early.received is not None:
         for p in pids:
             _kill(p, signal.SIGUSR2)
-    return _supervise(pids, ctx)
+    return _supervise(pids, ctx), ctx.attempt
 
 
 def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:

@@ -24,7 +24,7 @@ from jobs.events import EventLog
 from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.watchdog import Watchdog
-from jobs.launch.env import DistEnv
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import setup_logging
 
@@ -32,8 +32,12 @@ __all__ = ["run_rank", "attempt_context"]
 
 
 def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int) -> AttemptContext:
+    """`supervised`: a supervisor (jobs.launch.supervise, the local launcher) can start the ranks again."""
     return AttemptContext(run_dir=cfg.run.dir, attempt=env.attempt, rank=rank, world_size=env.world_size,
-                          job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events)
+                          job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events,
+                          supervised=RESTART_IN_ALLOCATION_VAR in os.environ,
+                          restart_in_allocation=env.restart_in_allocation, partition=cfg.cluster.partition,
+                          nodes_needed=cfg.launcher.nodes)
 
 
 def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> None:

@@ -1,13 +1,14 @@
 """The Slurm launcher: submit one job (one Slurm task per rank, through submitit) and run its ranks.
 
-Sweeps (`-m`) are in `jobs.launch.sweep`. Login node: `submit(cfg)` validates, prepares the run dir on the shared filesystem, submits and
-returns (fire-and-forget; `launcher.wait=true` follows the job). Compute node: every Slurm task runs
-`SlurmRank`, which builds `DistEnv` from the Slurm environment and calls `jobs.launch.rank.run_rank`.
-`SlurmRank` is a submitit `Checkpointable`: on USR2 (preemption / time limit) rank 0 requeues the job
-with the same pickled config, hence the same `run.dir`.
+Sweeps (`-m`) are in `jobs.launch.sweep`. Login node: `submit(cfg)` validates, prepares the run dir on the
+shared filesystem, submits and returns (fire-and-forget; `launcher.wait=true` follows the job). The
+batch step runs `SlurmJob` (submitit, use_srun=False), the supervisor of `jobs.launch.supervise`: it
+starts the ranks as an srun step of `python -m jobs.launch.slurm --rank-config PATH`, each of which
+builds `DistEnv` from the Slurm environment and calls `jobs.launch.rank.run_rank`, and starts them again
+inside the allocation after a "restart" decision. Requeues (signals, incidents) are decided by the ranks.
 
-`python -m jobs.launch.slurm --rank OVERRIDES...` is the per-rank entry of the scripts rendered by
-`python -m jobs.sbatch` (it composes the config itself instead of unpickling it).
+`python -m jobs.launch.slurm --supervise OVERRIDES...` is the same supervisor for the scripts rendered
+by `python -m jobs.sbatch` (it composes the config itself and prepares the run dir first).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from jobs.events import EventLog
 from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import DistEnv, expand_nodelist
+from jobs.failure.quarantine import quarantined
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR
 from jobs.launch.prepare import prepare_run
 from jobs.launch.slurm_state import job_state, wait_for_job
 
-__all__ = ["submit", "SlurmRank", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
+__all__ = ["submit", "SlurmJob", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
            "rank_main", "wait_for_job", "job_state"]
 
 # Variables a submitting shell may carry (a torchrun or local-launcher environment) that must not
@@ -56,7 +59,7 @@ def rank_environ(cfg: JobConfig, environ: dict[str, str] | None = None) -> dict[
 
 def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
     """One rank under Slurm: stop signals first, export the profile's env, build DistEnv, train.
-    Rank 0 opens the attempt in the ledger; requeues are decided inside `run_rank`."""
+    Rank 0 opens the attempt in the ledger unless a supervisor did; requeues are decided inside `run_rank`."""
     stop = (stop or StopSignals()).install(parse_signals(cfg.failure.requeue_signals))
     environ = rank_environ(cfg)
     os.environ.clear()
@@ -66,23 +69,29 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
           f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
     from jobs.launch.rank import attempt_context, run_rank
 
-    if env.rank == 0:
+    if env.rank == 0 and RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor
         events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt)
         open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
             os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm")
     return run_rank(cfg, env, stop=stop)
 
 
-class SlurmRank(submitit.helpers.Checkpointable):
-    """The submitit callable of one rank; pickled once per job, re-pickled as is on requeue."""
+class SlurmJob:
+    """The submitit callable, run once per allocation in the batch step: the supervisor of the ranks.
+    Requeues re-run it as is (Slurm requeues the same batch script)."""
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
 
     def __call__(self) -> int:
-        code = rank_main(self.cfg)
+        from jobs.launch.supervise import supervise
+
+        folder = submitit.JobEnvironment().paths.folder
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" \
+            if "SLURM_ARRAY_TASK_ID" in os.environ else os.environ["SLURM_JOB_ID"]
+        code = supervise(self.cfg, logs=(f"{folder}/{job}_%t_log.out", f"{folder}/{job}_%t_log.err"))
         if code != exitcodes.OK:
-            raise SystemExit(code)  # Slurm records the rank's exit code (sacct ExitCode)
+            raise SystemExit(code)  # Slurm records the job's exit code (sacct ExitCode)
         return code
 
 
@@ -160,13 +169,8 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     """A submitit SlurmExecutor whose sbatch script matches `cfg` (one task per rank, srun, USR2)."""
     ln, cl = cfg.launcher, cfg.cluster
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.failure.max_requeues)
-    # No --kill-on-bad-exit: a rank killed by a signal must not take the survivors with it before they
-    # record the incident and requeue (jobs.failure); the watchdog bounds how long anyone can hang.
-    srun_args = ["--kill-on-bad-exit=0"]
-    if cl.container_image:
-        srun_args.append(f"--container-image={cl.container_image}")
-    if cl.container_mounts:
-        srun_args.append(f"--container-mounts={cl.container_mounts}")
+    # The batch step runs the supervisor (use_srun=False); it starts the ranks with srun itself
+    # (jobs.launch.supervise: --kill-on-bad-exit=0, the container flags).
     params: dict[str, Any] = dict(
         job_name=job_name,
         nodes=ln.nodes,
@@ -174,14 +178,16 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
         cpus_per_task=cl.cpus_per_task,
         time=cl.time_min,
         signal_delay_s=ln.signal_delay_s,
-        use_srun=True,
-        srun_args=srun_args,
+        use_srun=False,
         setup=[*cl.setup, *(f"export {k}={shlex.quote(str(v))}" for k, v in cl.env.items())],
         additional_parameters={"requeue": True},
         array_parallelism=ln.array_parallelism or 256,
     )
+    # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
+    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")),
+                                      *(e["node"] for e in quarantined(cfg.run.dir))]))
     optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint,
-                    exclude=cl.exclude)
+                    exclude=exclude)
     params.update({k: v for k, v in optional.items() if v})
     if cl.gpus_per_node:
         params["gpus_per_node"] = cl.gpus_per_node
@@ -210,7 +216,7 @@ def submit(cfg: JobConfig) -> int:
         return exitcodes.CONFIG_ERROR
     folder = run_dir / "slurm"
     try:
-        job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmRank(cfg))
+        job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmJob(cfg))
     except submitit.core.utils.FailedJobError as e:
         print(f"error: sbatch refused the job (run dir {run_dir} kept): {str(e).strip()}", file=sys.stderr)
         return exitcodes.ENV_ERROR
@@ -228,28 +234,30 @@ def submit(cfg: JobConfig) -> int:
 
 
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
-    """The two steps of a rendered sbatch script: `--prepare` (batch shell, once), `--rank` (every rank)."""
+    """`--supervise OVERRIDES` (the batch step of a rendered sbatch script: prepare, then run the ranks),
+    `--rank-config PATH` (every rank, started by the supervisor)."""
     from jobs.config import compose
+    from jobs.launch.supervise import load_rank_config, supervise
 
+    if mode == "--rank-config":
+        return rank_main(load_rank_config(argv[0]), stop)
     try:
         cfg = compose(argv)
-        if mode == "--prepare":
-            login_checks(cfg)
+        login_checks(cfg)
     except Exception as e:  # noqa: BLE001 - ValueError from the checks or any Hydra composition error
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    if mode == "--prepare":
-        prepare_run(cfg)
-        return exitcodes.OK
-    return rank_main(cfg, stop)
+    prepare_run(cfg)
+    logs = f"{cfg.run.dir}/slurm/%j_r{{attempt}}_rank%t"
+    return supervise(cfg, logs=(f"{logs}.out", f"{logs}.err"))
 
 
 if __name__ == "__main__":
     # Before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal.
     _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
-    if len(sys.argv) < 2 or sys.argv[1] not in ("--rank", "--prepare"):
-        print("usage: python -m jobs.launch.slurm --prepare|--rank [OVERRIDES...]  (the steps of a script "
-              "rendered by `python -m jobs.sbatch`; submit jobs with `python -m jobs.train launcher=slurm`)",
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config"):
+        print("usage: python -m jobs.launch.slurm --supervise [OVERRIDES...] | --rank-config PATH  (the steps of "
+              "a script rendered by `python -m jobs.sbatch`; submit jobs with `python -m jobs.train launcher=slurm`)",
               file=sys.stderr)
         sys.exit(exitcodes.CONFIG_ERROR)
     sys.exit(_script_cli(sys.argv[1], sys.argv[2:], _stop))

@@ -18,7 +18,7 @@ import submitit
 
 from jobs.config import JobConfig
 from jobs.launch.prepare import prepare_run
-from jobs.launch.slurm import SlurmRank, login_checks, make_executor, require_slurm
+from jobs.launch.slurm import SlurmJob, login_checks, make_executor, require_slurm
 from jobs.planner.gate import check
 
 __all__ = ["SweepPoint", "launch_sweep", "format_sweep_table", "hydra_point"]
@@ -83,7 +83,7 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
         ex = make_executor(first, folder / "%j", job_name=f"meshjob-sweep-{sweep_dir.name}")
         try:
             with ex.batch():
-                jobs = [ex.submit(SlurmRank(p.cfg)) for p in group]
+                jobs = [ex.submit(SlurmJob(p.cfg)) for p in group]
         except submitit.core.utils.FailedJobError as e:
             raise RuntimeError(f"sbatch refused the array job: {str(e).strip()}") from None
         for p, job in zip(group, jobs):

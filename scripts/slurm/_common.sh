@@ -2,7 +2,7 @@
 # shellcheck shell=bash
 
 SLURM_CI_ROOT=${SLURM_CI_ROOT:-/var/tmp/meshjob-slurm}   # state, spool, logs, pid files, database
-SLURM_CI_NODES=${SLURM_CI_NODES:-2}                      # emulated nodes node1..nodeN
+SLURM_CI_NODES=${SLURM_CI_NODES:-3}                      # emulated nodes node1..nodeN (3: a 2-node job survives losing one)
 SLURM_CI_CPUS=${SLURM_CI_CPUS:-4}                        # CPUs per node (more than the machine has: config_overrides)
 SLURM_CI_MEM_MB=${SLURM_CI_MEM_MB:-8000}                 # memory per node
 SLURM_CI_ACCOUNTING=${SLURM_CI_ACCOUNTING:-1}            # 1 = slurmdbd + MariaDB, so that sacct works

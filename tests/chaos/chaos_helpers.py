@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,3 +91,19 @@ def status(run_dir: Path) -> str:
     r = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return r.stdout
+
+
+SLURM_RUN = Path(os.environ.get("SLURM_CI_ROOT", "/var/tmp/meshjob-slurm")) / "run"
+
+
+def take_node_down(node: str, rank_pids: list[int]) -> None:
+    """A node lost from outside, as a power cut looks to the rest of the job: its slurmd (so that it no
+    longer answers Slurm or a probe step) and the job's ranks on it, SIGKILLed."""
+    os.kill(int((SLURM_RUN / f"slurmd-{node}.pid").read_text().strip()), signal.SIGKILL)
+    for pid in rank_pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def bring_nodes_back() -> None:
+    """scripts/slurm/start restarts a missing slurmd and resumes nodes left down (idempotent)."""
+    subprocess.run([REPO / "scripts/slurm/start"], check=True, timeout=300, capture_output=True)

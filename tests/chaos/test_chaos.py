@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (COMMON, STEPS, assert_bitwise_equal_to_reference, events, final_state, losses,
-                                       rank_pid, status, submit, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (COMMON, STEPS, assert_bitwise_equal_to_reference, bring_nodes_back, events,
+                                       final_state, losses, rank_pid, status, submit, take_node_down, wait_for_step,
+                                       wait_job_done)
 from tests.conftest import run_train
 from tests.slurm.slurm_helpers import cli, scontrol_job
 
@@ -59,19 +60,81 @@ def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(run
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
-def test_kill_9_of_one_rank_mid_step_is_named_requeued_and_the_run_finishes_bitwise(run_root: Path, reference,
-                                                                                     tmp_path) -> None:
+def test_kill_9_of_one_rank_restarts_the_ranks_inside_the_allocation_and_the_run_finishes_bitwise(
+        run_root: Path, reference, tmp_path) -> None:
     job = submit(run_root)
     wait_for_step(run_root, 40)
     pid = rank_pid(run_root, f"{job}.0", 1)
     os.kill(pid, signal.SIGKILL)
     recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert _states(recs) == ["COMPLETED"], recs  # never back through the queue
+    assert scontrol_job(job)["Restarts"] == "0"
+    out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    steps = [line.split("|") for line in out if line.split("|")[0].split(".")[-1].isdigit() and "." in line]
+    # The ranks, the probe that found node2 answering, the ranks again: new steps of the same job.
+    assert steps == [[f"{job}.0", "meshjob-ranks", "node[1-2]"], [f"{job}.1", "meshjob-probe", "node2"],
+                     [f"{job}.2", "meshjob-ranks", "node[1-2]"]], steps
     inc = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
     assert inc["cls"] == "dead_rank" and [(s["rank"], s["pid"], s["node"]) for s in inc["suspects"]] == [(1, pid, "node2")]
     (failure,) = [e for e in events(run_root, "failure") if e["attempt"] == f"{job}.0"]
     assert failure["cls"] == "dead_rank" and failure["reported_by"] == 0  # the survivor wrote the dead rank's death
+    assert [(e["attempt"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", "restart")]
+    assert [(e["attempt"], e["cause"]) for e in events(run_root, "attempt_end")] == [
+        (f"{job}.0", "dead_rank"), (f"{job}.0.1", "completed")]
+    rdv = [json.loads((run_root / f"rendezvous/{a}.json").read_text())["port"] for a in (f"{job}.0", f"{job}.0.1")]
+    assert rdv[0] != rdv[1]  # a fresh port
+    assert not (run_root / "quarantine.json").exists()
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishes_bitwise(
+        run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root, "failure.restarts_in_allocation=0")
+    wait_for_step(run_root, 40)
+    pid = rank_pid(run_root, f"{job}.0", 1)
+    os.kill(pid, signal.SIGKILL)
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    (d,) = events(run_root, "decision")
+    assert d["action"] == "requeue" and "failure.restarts_in_allocation(0) spent" in d["reason"], d
+    # The suspect's node goes on the quarantine list and the requeued job runs without it.
+    assert [q["node"] for q in json.loads((run_root / "quarantine.json").read_text())] == ["node2"]
+    assert scontrol_job(job)["ExcNodeList"] == "node2" and recs[-1]["NodeList"] == "node[1,3]", recs
     assert [e["cause"] for e in events(run_root, "attempt_end")] == ["dead_rank", "completed"]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finishes_bitwise(
+        run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    try:
+        take_node_down("node2", [rank_pid(run_root, f"{job}.0", 1)])
+        recs = wait_job_done(job, timeout=600)
+    finally:
+        bring_nodes_back()
+    # Back through the queue once (sacct may keep only the last record: the first allocation ended while
+    # node2 did not answer), now without node2.
+    info = scontrol_job(job)
+    assert _states(recs)[-1] == "COMPLETED" and recs[-1]["NodeList"] == "node[1,3]", recs
+    assert (info["Restarts"], info["ExcNodeList"]) == ("1", "node2"), info
+    (d,) = events(run_root, "decision")
+    assert d["action"] == "requeue" and "suspect node node2" in d["reason"] and d["excluded"] == ["node2"], d
+    (q,) = json.loads((run_root / "quarantine.json").read_text())
+    assert (q["node"], q["incident"]) == ("node2", f"{job}.0") and "dead_rank" in q["reason"], q
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+
+
+def test_the_quarantine_list_is_honoured_by_a_later_requeue(run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root)
+    wait_for_step(run_root, 40)
+    (run_root / "quarantine.json").write_text(json.dumps([{"node": "node1", "reason": "by hand", "incident": None,
+                                                            "time": time.time()}]))
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # a preemption: save, then requeue
+    recs = wait_job_done(job)
+    assert _states(recs) == ["REQUEUED", "COMPLETED"] and recs[-1]["NodeList"] == "node[2-3]", recs
+    assert scontrol_job(job)["ExcNodeList"] == "node1"
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
@@ -88,7 +151,7 @@ def test_kill_9_during_an_async_checkpoint_write_leaves_nothing_loadable_behind(
     (tmp_dir,) = [p for p in ckpts.iterdir() if p.name.endswith(".tmp")]
     os.kill(pid, signal.SIGKILL)
     recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    assert _states(recs) == ["COMPLETED"], recs  # restarted inside the allocation
     killed_step = int(tmp_dir.name.removeprefix("step_").removesuffix(".tmp"))
     loaded = [e["step"] for e in events(run_root, "checkpoint_loaded")]
     assert loaded and loaded[0] < killed_step or loaded[0] == killed_step and _committed_before_kill(run_root, killed_step)
@@ -97,10 +160,10 @@ def test_kill_9_during_an_async_checkpoint_write_leaves_nothing_loadable_behind(
 
 def _committed_before_kill(run_root: Path, step: int) -> bool:
     """A save that won the race: its manifest was committed by the first attempt."""
-    return any(e["step"] == step and e["attempt"].endswith(".0") for e in events(run_root, "checkpoint_saved"))
+    return any(e["step"] == step and e["attempt"].count(".") == 1 for e in events(run_root, "checkpoint_saved"))
 
 
-def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_and_the_job_requeued(run_root: Path) -> None:
+def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_killed_and_the_ranks_restarted(run_root: Path) -> None:
     job = submit(run_root)
     wait_for_step(run_root, 40)
     pid = rank_pid(run_root, f"{job}.0", 1)
@@ -113,7 +176,9 @@ def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_and_the_job_requeue
     assert [(s["rank"], s["node"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, "node2", pid, "stopped")]
     assert inc["time"] - t_stop <= 1.1 * hang_timeout_s, inc["time"] - t_stop
     assert (run_root / f"incidents/{job}.0/stacks-rank0.txt").read_text().count("Thread") >= 2
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
+    # The stopped rank never exits by itself: the supervisor kills the step, then starts a new one.
+    assert _states(recs) == ["COMPLETED"], recs
+    assert [e["action"] for e in events(run_root, "decision")] == ["restart"]
     assert losses(run_root).keys() == set(range(1, STEPS + 1))
 
 
@@ -136,12 +201,13 @@ def test_a_crash_on_every_start_stops_at_the_budget_with_do_not_requeue_and_a_su
     job = submit(run_root, f"data.path={data}", "checkpoint.every_steps=1000")
     data.write_bytes(b"")  # from outside, after submit: every start of every rank now fails to read its data
     recs = wait_job_done(job)
-    # debug policy: max_attempts_without_progress=2 -> attempt 0 requeued, attempt 1 stops for good.
-    assert _states(recs) == ["REQUEUED", "FAILED"], recs
+    # debug policy: max_attempts_without_progress=2 -> attempt 0 restarted inside the allocation, the
+    # restart (attempt 1) stops for good: restarts count for the no-progress breaker as requeues do.
+    assert _states(recs) == ["FAILED"], recs
     assert recs[-1]["ExitCode"] == "76:0", recs
-    assert scontrol_job(job)["Restarts"] == "1"
+    assert scontrol_job(job)["Restarts"] == "0"
     decisions = [(e["action"], e["exit_code"]) for e in events(run_root, "decision")]
-    assert decisions == [("requeue", 75), ("stop", 76)], decisions
+    assert decisions == [("restart", 75), ("stop", 76)], decisions
     text = status(run_root)
     assert "attempts: 2" in text and "stopped for good" not in text and "last decision: stop" in text, text
     logs = "".join(p.read_text() for p in (run_root / "slurm" / job).glob("*_log.out"))
@@ -175,7 +241,7 @@ def test_a_plain_scancel_ends_the_job_cancelled_and_nothing_requeues_it(run_root
 
 
 @pytest.mark.parametrize("style", ["srun", "torchrun"])
-def test_a_rendered_sbatch_script_preempted_with_usr2_requeues_and_finishes_bitwise(run_root: Path, reference,
+def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues_and_finishes_bitwise(run_root: Path, reference,
                                                                                      tmp_path, style: str) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
@@ -184,10 +250,19 @@ def test_a_rendered_sbatch_script_preempted_with_usr2_requeues_and_finishes_bitw
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
                          cwd="/tmp").stdout.strip()
     wait_for_step(run_root, 40)
+    restarted = style == "srun"  # the supervisor of the script restarts a killed rank inside the allocation
+    if restarted:
+        os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not [e for e in events(run_root, "checkpoint_loaded") if e["attempt"] == f"{job}.0.1"]:
+            assert time.monotonic() < deadline, events(run_root, "decision")
+            time.sleep(0.5)
+        wait_for_step(run_root, 60)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     recs = wait_job_done(job)
     assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
     assert scontrol_job(job)["Restarts"] == "1"
+    assert [e["action"] for e in events(run_root, "decision")] == ["restart"] * restarted + ["requeue"]
     (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
-    assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [stop]
+    assert [e["step"] for e in events(run_root, "checkpoint_loaded")][restarted:] == [stop]
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)

@@ -22,11 +22,42 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-def test_a_killed_rank_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupted_one(tmp_path: Path,
+                                                                                      data_path: str) -> None:
+    common = ["train.steps=40", f"data.path={data_path}", "checkpoint.every_steps=10", "mesh=single",
+              "mesh.dp_shard=2", "launcher.tasks_per_node=2"]
+    ref = run_train(common, tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 15, proc, timeout=240)
+        os.kill(json.loads((run_dir / "heartbeats/local.0/rank1.json").read_text())["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.OK, err[-3000:]
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["attempt"], e["action"]) for e in events if e["kind"] == "decision"] == [("local.0", "restart")]
+    assert [(e["attempt"], e["cause"]) for e in events if e["kind"] == "attempt_end"] == [
+        ("local.0", "dead_rank"), ("local.0.1", "completed")]
+    (loaded,) = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert loaded["attempt"] == "local.0.1" and 10 <= loaded["step"] < 40
+    assert _losses(run_dir) == _losses(tmp_path / "ref")  # every step's loss, bitwise
+
+
+def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=10000", f"data.path={data_path}",
-         "checkpoint.enabled=false", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=4", "launcher.tasks_per_node=4"],
+         "checkpoint.enabled=false", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=4", "launcher.tasks_per_node=4",
+         "failure.restarts_in_allocation=0"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
