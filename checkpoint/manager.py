@@ -89,8 +89,8 @@ class CheckpointManager:
                                  train_state=state)          # 0 when there is none; binds the state
         for step in range(start + 1, steps + 1):
             ...
-            if ckpt.due(step, step_time_s=dt): ckpt.save(step)
-        ckpt.close()                                          # waits for the last save to commit
+            if ckpt.due(step, step_time_s=dt): ckpt.save(step)   # returns before the staging copy ends;
+        ckpt.close()                                          # the next opt.step() waits for it (a hook)
 
     Every rank must call every method at the same point (they are collective). `train_state`,
     `lr_schedulers` and the interval inputs must be identical on all ranks; the RNG states are
