@@ -1,10 +1,17 @@
 """CheckpointManager: sharded DCP save/load with async writes, atomic commit, retention, fallback and the interval.
 
 Layout under `folder` (RUN_DIR/checkpoints):
-    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`)
-    step_<N>/         committed by an atomic rename; valid only once `manifest.json` is written in it
-The commit, per save: every rank's shards written and fsync'ed -> sizes and crc32 gathered on rank 0 ->
-fsync of the folder -> rename to step_<N> -> fsync of the parent -> manifest written last.
+    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`, then `manifest.json`)
+    step_<N>/         committed by one atomic rename of the whole folder, manifest included
+The commit, per save: every rank's shards written and fsync'ed once, their sizes and crc32 taken from the
+bytes as they were written -> gathered on rank 0 -> manifest written and fsync'ed in the temporary folder
+-> fsync of it -> rename to step_<N> -> fsync of the parent. Checkpoints of the older layout (manifest
+written after the rename) load the same way; a step_<N> without a valid manifest never loads.
+
+Async modes take the state off the blocking path: `save` hands the copy into the CPU staging buffers to
+a thread and returns; the copy overlaps the next forward and backward and is waited for in a step
+pre-hook on every bound optimizer, the first place those tensors change. The state-dict structure is
+built once and rebuilt only when the tensors behind it change. Retention runs in a thread of its own.
 
 Collectives run on two gloo groups of the manager's own: `io` (the commit, possibly in a background
 thread) and `ctl` (everything on the caller's thread), so neither ever races the training collectives.
@@ -16,6 +23,7 @@ makes every rank skip that checkpoint together.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import pickle
@@ -33,9 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -59,6 +65,7 @@ from checkpoint.manifest import (
     write_manifest,
 )
 from checkpoint.state import capture_rng, restore_rng
+from checkpoint.writer import RecordingWriter, ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
 
@@ -82,8 +89,8 @@ class CheckpointManager:
                                  train_state=state)          # 0 when there is none; binds the state
         for step in range(start + 1, steps + 1):
             ...
-            if ckpt.due(step, step_time_s=dt): ckpt.save(step)
-        ckpt.close()                                          # waits for the last save to commit
+            if ckpt.due(step, step_time_s=dt): ckpt.save(step)   # returns before the staging copy ends;
+        ckpt.close()                                          # the next opt.step() waits for it (a hook)
 
     Every rank must call every method at the same point (they are collective). `train_state`,
     `lr_schedulers` and the interval inputs must be identical on all ranks; the RNG states are
@@ -121,12 +128,15 @@ class CheckpointManager:
         self._io_pg = dist.new_group(backend="gloo") if self._dist else None
         self._ctl_pg = dist.new_group(backend="gloo") if self._dist else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
         self._pending: Future | None = None
-        # Async modes stage into CPU buffers allocated once and reused by every later save (a fresh
-        # deep copy per save was most of save()'s blocking time). Safe to reuse: save() waits for the
-        # previous save to finish writing before staging the next one.
-        self._stager = _ReusedStager() if cfg.async_mode != "none" else None
+        self._retaining: Future | None = None
+        # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
+        # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
+        self._stager = ThreadStager() if cfg.async_mode != "none" else None
+        self._hooks: list[Any] = []
         self._bound: dict[str, Any] | None = None
+        self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
         self._last_save_step = 0
         self._step_times: list[float] = []
         self._delta_s: float | None = None  # agreed blocking cost of the last save
@@ -160,8 +170,12 @@ class CheckpointManager:
             "lr_schedulers": list(lr_schedulers),
             "train_state": train_state,
         }
+        self._unhook()
+        self._cached = None  # new objects bound: the state-dict structure and staging buffers are made anew
         if self._stager is not None:
-            self._stager.state_dict_cache = None  # new objects bound: staging buffers are made anew
+            self._stager.reset()
+            wait = self._stager.wait
+            self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
         if not self.cfg.enabled:
             return 0
         t0 = time.perf_counter()
@@ -211,20 +225,20 @@ class CheckpointManager:
         return step - self._last_save_step >= self._interval_steps
 
     def save(self, step: int) -> None:
-        """Writes checkpoint `step`. Blocks for staging only (async modes) or the whole save
-        (`none`); a previous save still in flight is waited for first (and its failure raised)."""
+        """Writes checkpoint `step`. Blocks for the whole save (`none`), else only to hand the state to
+        the staging thread (the optimizer's next step waits for that copy); a previous save still in
+        flight is waited for first (and its failure raised)."""
         if self._bound is None:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
         tmp, final = self.folder / f"step_{step}.tmp", self.folder / f"step_{step}"
-        if self.rank == 0:
-            self._prepare(tmp)
-        self._barrier(self._ctl_pg)
-        sd = self._state_dict()
-        writer = FileSystemWriter(
-            str(tmp), single_file_per_rank=True, sync_files=True, thread_count=self.cfg.writer_threads
-        )
+        if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
+            if self.rank == 0:
+                self._prepare(tmp)
+            self._barrier(self._ctl_pg)
+        sd = self._save_state_dict()
+        writer = RecordingWriter(tmp, thread_count=self.cfg.writer_threads)  # DCP makes the folder on each rank
         if self.cfg.async_mode == "none":
             err = None
             try:
@@ -232,18 +246,16 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
                 err = e
             self._last_save_step = step
-            self._commit(step, tmp, final, None, err, t0, None)
+            self._commit(step, tmp, final, None, err, t0, None, writer)
             blocking = time.perf_counter() - t0
-            if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in the background
-                self._pending = self._pool.submit(self._retain)
         else:
             kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
             resp = dcp.async_save(sd, storage_writer=writer, process_group=self._io_pg, async_checkpointer_type=kind,
                                   async_stager=self._stager)
-            fut = getattr(resp, "upload_completion", resp)
             blocking = time.perf_counter() - t0
             self._last_save_step = step
-            self._pending = self._pool.submit(self._commit, step, tmp, final, fut, None, t0, blocking)
+            self._pending = self._pool.submit(self._commit, step, tmp, final, resp.upload_completion, None, t0,
+                                              blocking, writer)
         self._retune(step, blocking)
 
     def wait(self) -> None:
@@ -253,18 +265,75 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Waits for the last save, then releases the manager's threads and process groups."""
+        """Waits for the last save and the retention pass, then releases the manager's threads and process groups."""
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            self._stager = None  # frees the staging buffers
+            self._retain_pool.shutdown(wait=True)
+            self._unhook()
+            if self._stager is not None:
+                self._stager.close()  # frees the staging buffers
+            self._stager = None
             for pg in (self._io_pg, self._ctl_pg):
                 if pg is not None and dist.is_initialized():
                     dist.destroy_process_group(pg)
             self._io_pg = self._ctl_pg = None
 
     # ------------------------------------------------------------------ state
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _save_state_dict(self) -> dict[str, Any]:
+        """The state to save. Model and optimizer tensors come from a structure built once and rebuilt
+        only when the tensors behind it change; the optimizer's hyperparameters (lr), the scheduler, the
+        train state and the RNG are read fresh each time."""
+        sig = self._tensor_signature()
+        if self._cached is None or self._cached[0] != sig:
+            sd = self._state_dict()
+            self._cached = (sig, sd, _param_group_refs(sd["optim"], self._bound["optimizers"]))
+            if self._stager is not None:
+                self._stager.reset()
+            return sd
+        _, sd, refs = self._cached
+        if refs is None:  # hyperparameters not traceable to a param group: the optimizer part fresh each time
+            b = self._bound
+            sd["optim"] = {k: v for part, opt in zip(b["model_parts"], b["optimizers"])
+                           for k, v in get_optimizer_state_dict(part, opt, options=_OPTS).items()}
+        else:
+            opts = self._bound["optimizers"]
+            for key, oi, gi, name in refs:
+                sd["optim"][key] = opts[oi].param_groups[gi][name]
+        sd.update(self._small_state())
+        return sd
+
+    def _tensor_signature(self) -> tuple:
+        """Which tensors (and storages) the model and optimizer state consist of now; a change means
+        the cached state-dict structure points at tensors no longer in use."""
+        b = self._bound
+        assert b is not None
+        sig: list[Any] = []
+        for part in b["model_parts"]:
+            sig += [(id(t), _local(t).data_ptr()) for t in itertools.chain(part.parameters(), part.buffers())]
+        for opt in b["optimizers"]:
+            sig += [(id(t), _local(t).data_ptr()) for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor)]
+        return tuple(sig)
+
+    def _small_state(self) -> dict[str, Any]:
+        """The non-tensor state of a save, pickled now: scheduler, train state, this rank's RNG."""
+        b = self._bound
+        assert b is not None
+        out: dict[str, Any] = {}
+        if b["lr_schedulers"]:
+            out["lr_scheduler"] = pickle.dumps(b["lr_schedulers"][0].state_dict())
+        if b["train_state"] is not None:
+            out["train_state"] = pickle.dumps(b["train_state"].state_dict())
+        out["rng"] = {f"rank{self.rank}": pickle.dumps(capture_rng())}
+        return out
 
     def _state_dict(self, metadata_keys: set[str] | None = None,
                     part_keys: list[list[str]] | None = None) -> dict[str, Any]:
@@ -347,14 +416,14 @@ class CheckpointManager:
                 log.warning("checkpoint.lustre_stripe_count=%d but `lfs` is not on PATH; striping left alone", n)
 
     def _commit(self, step: int, tmp: Path, final: Path, fut: Future | None, err: BaseException | None,
-                t0: float, blocking_s: float | None) -> None:
+                t0: float, blocking_s: float | None, writer: RecordingWriter) -> None:
         local_err, files = None, {}
         try:
             if err is not None:
                 raise err
             if fut is not None:
                 fut.result()
-            files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*"))}
+            files = _own_records(writer.records, self.rank, tmp)
         except BaseException as e:  # noqa: BLE001 - agreed on below, raised on every rank
             local_err = _describe(e, self.folder)
         gathered = self._all_gather((local_err, files, blocking_s), self._io_pg)
@@ -370,8 +439,8 @@ class CheckpointManager:
         self._emit("checkpoint_saved", step=step, path=str(final), bytes=result["bytes"], files=result["files"],
                    blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
                    async_mode=self.cfg.async_mode)
-        if self.rank == 0 and self.cfg.async_mode != "none":
-            self._retain()
+        if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in a thread of its own
+            self._retaining = self._retain_pool.submit(self._retain_logged)
 
     def _commit_rank0(self, step: int, tmp: Path, final: Path, gathered: list[Any]) -> dict[str, Any]:
         errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
@@ -386,17 +455,8 @@ class CheckpointManager:
                         files[p.name] = file_record(p)
                 if ".metadata" not in files:
                     raise RuntimeError(f"DCP wrote no .metadata in {tmp}")
-                fsync_dir(tmp)
-                if final.exists():
-                    aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
-                    os.rename(final, aside)
-                    self._emit("checkpoint_moved_aside", step=step, path=str(aside),
-                               reason="an uncommitted folder of this step was in the way")
-                os.rename(tmp, final)
-                renamed = True
-                fsync_dir(self.folder)
                 nbytes = sum(f["size"] for f in files.values())
-                write_manifest(final, {
+                write_manifest(tmp, {
                     "step": step,
                     "time": time.time(),
                     "world_size": self.world_size,
@@ -408,7 +468,15 @@ class CheckpointManager:
                     "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
                     "async_mode": self.cfg.async_mode,
                     **self.manifest_extra,
-                })
+                })  # fsyncs the manifest and the folder
+                if final.exists():
+                    aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
+                    os.rename(final, aside)
+                    self._emit("checkpoint_moved_aside", step=step, path=str(aside),
+                               reason="an uncommitted folder of this step was in the way")
+                os.rename(tmp, final)  # the commit
+                renamed = True
+                fsync_dir(self.folder)
                 return {"ok": True, "bytes": nbytes, "files": len(files)}
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank 0 commit: {_describe(e, self.folder)}")
@@ -417,6 +485,12 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
                 self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save failed")
         return {"ok": False, "error": "; ".join(errors)[:2000]}
+
+    def _retain_logged(self) -> None:
+        try:
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - retention failing costs disk space, not the run
+            log.warning("retention under %s failed: %s", self.folder, _describe(e, self.folder))
 
     def _retain(self) -> None:
         # Counts toward checkpoint.keep only what load would accept (checkpoint.verify), newest first; of
@@ -563,17 +637,37 @@ class CheckpointManager:
             dist.barrier(group=pg)
 
 
-class _ReusedStager(BlockingAsyncStager):
-    """Stages into CPU buffers made on the first save and reused after (pinned only where CUDA is).
-    Non-tensor values (the pickled train state, RNG, scheduler) are taken fresh each time."""
+def _own_records(records: dict[str, dict[str, Any]], rank: int, tmp: Path) -> dict[str, dict[str, Any]]:
+    """This rank's shard files with their size and crc32, from the writer's records; read back from disk
+    only where the writer ran elsewhere (async_mode=process) and left none here."""
+    mine = {n: r for n, r in records.items() if n.startswith(f"__{rank}_") or n == ".metadata"}
+    if mine:
+        return mine
+    return {p.name: file_record(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
 
-    def __init__(self) -> None:
-        super().__init__(cache_staged_state_dict=True)
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+def _param_group_refs(optim_sd: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+                      ) -> list[tuple[str, int, int, str]] | None:
+    """(key, optimizer, param group, name) of every flattened `param_groups.<fqn>.<name>` entry, traced
+    through the state tensors `state.<fqn>.*` that alias the optimizer's own; None when one is not traceable."""
+    owner = {id(t): (oi, gi) for oi, opt in enumerate(optimizers) for gi, g in enumerate(opt.param_groups)
+             for p in g["params"] for t in opt.state.get(p, {}).values()}
+    fqn_owner = {}
+    for key, v in optim_sd.items():
+        if key.startswith("state.") and id(v) in owner:
+            fqn_owner[key[len("state."):key.rindex(".")]] = owner[id(v)]
+    refs = []
+    for key in optim_sd:
+        if key.startswith("param_groups."):
+            fqn, name = key[len("param_groups."):key.rindex(".")], key[key.rindex(".") + 1:]
+            if fqn not in fqn_owner:
+                return None
+            refs.append((key, *fqn_owner[fqn], name))
+    return refs
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _describe(e: BaseException, folder: Path) -> str:

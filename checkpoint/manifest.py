@@ -35,7 +35,8 @@ def step_dirs(folder: Path) -> list[tuple[int, Path]]:
 
 
 def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
-    """{"size", "crc32"} of a file, fsync'ed first so what is summed is what is on disk."""
+    """{"size", "crc32"} of a file, fsync'ed first so what is summed is what is on disk (for files
+    whose writer did not record them, see checkpoint.writer)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,12 +79,12 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
-    """Writes the manifest durably: temp file, fsync, rename, fsync of the folder."""
+    """Writes the manifest into a step folder not yet under its final name (the rename that follows is
+    the commit, so a torn manifest is never seen): the file, its fsync, the folder's fsync."""
     body = dict(manifest, format=FORMAT)
     body["manifest_crc32"] = _self_crc(body)
-    tmp = step_dir / (MANIFEST + ".tmp")
     data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(step_dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -91,7 +92,6 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, step_dir / MANIFEST)
     fsync_dir(step_dir)
 
 

@@ -214,7 +214,9 @@ class Trainer:
         return math.sqrt(float(totals[0])), float(totals[1]), stop_agreed
 
     def optimizer_step(self) -> float:
-        """AdamW and the LR schedule on every model part; returns the learning rate the step used."""
+        """AdamW and the LR schedule on every model part; returns the learning rate the step used.
+        A checkpoint save may still be copying these parameters: each opt.step() first waits for that
+        copy (a step pre-hook that CheckpointManager.load_latest put on every optimizer)."""
         lr = self.lr_schedulers[0].get_last_lr()[0]
         for opt, sched in zip(self.optimizers, self.lr_schedulers):
             opt.step()

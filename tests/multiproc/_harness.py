@@ -215,7 +215,10 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
     """Faults for the corruption tests, applied inside the forked rank only.
 
     kill_before_rename:<step>: SIGKILL every rank once the shards of <step> are written (tmp folder left);
-    kill_before_manifest:<step>: SIGKILL every rank after the rename, before the manifest is written.
+    kill_before_manifest:<step>: SIGKILL every rank before the manifest of <step> is written;
+    kill_after_manifest:<step>: SIGKILL every rank once the manifest of <step> is written, before the rename;
+    stall_write:<step>: the last rank's writer stops after its first write of <step>'s shard, having
+    written its pid to run_dir/stalled (for a test to kill it from outside).
     """
     if patch is None:
         return
@@ -235,15 +238,20 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
             return orig(step, *a, **k)
 
         manager._commit = commit
-    elif what == "kill_before_manifest":
+    elif what in ("kill_before_manifest", "kill_after_manifest"):
         orig_write = m.write_manifest
 
         def write(step_dir, body):
+            if body["step"] == at and what == "kill_before_manifest":
+                os.kill(os.getpid(), signal.SIGKILL)
+            orig_write(step_dir, body)
             if body["step"] == at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return orig_write(step_dir, body)
 
         m.write_manifest = write
+    elif what == "stall_write":
+        if manager.rank == manager.world_size - 1:
+            _stall_writes(f"step_{at}.tmp")
     else:
         raise ValueError(patch)
 
@@ -251,3 +259,36 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
 def mesh_ckpt(**over: Any) -> dict[str, Any]:
     """Checkpoint config fields for the harness (plain dict, picklable across fork)."""
     return asdict(replace(CheckpointConfig(every_steps=0), **over))
+
+
+def _stall_writes(folder_name: str) -> None:
+    """Every file DCP opens for writing under a folder named `folder_name` stops after its first write,
+    once this process's pid is in run_dir/stalled (the folder's grandparent)."""
+    import contextlib
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    orig = FileSystem.create_stream
+
+    class Stalling:
+        def __init__(self, f: Any, marker: Path) -> None:
+            self.f, self.marker, self.name = f, marker, f.name
+
+        def write(self, b: Any) -> int:
+            n = self.f.write(b)
+            self.f.flush()
+            self.marker.write_text(str(os.getpid()))
+            time.sleep(120)
+            return n
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.f, attr)
+
+    @contextlib.contextmanager
+    def create_stream(fs, path, mode):
+        with orig(fs, path, mode) as f:
+            p = Path(path)
+            yield Stalling(f, p.parent.parent.parent / "stalled") if p.parent.name == folder_name else f
+
+    FileSystem.create_stream = create_stream

@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import pytest
 
 import checkpoint.manager as manager_mod
 from checkpoint.interval import interval_steps, plan_interval
-from checkpoint.manifest import MANIFEST, read_manifest
+from checkpoint.manifest import MANIFEST, check_step_dir, read_manifest, step_dirs
 from jobs.events import read_events
 from tests.multiproc._harness import mesh_ckpt, train
 from tests.multiproc._ranks import run_ranks
@@ -117,26 +120,23 @@ def test_a_load_failing_on_one_rank_makes_every_rank_fall_back_together(four_ste
     assert [e["step"] for e in loaded] == [2]
 
 
-@pytest.mark.parametrize("where", ["kill_before_rename", "kill_before_manifest"])
+@pytest.mark.parametrize("where", ["kill_before_rename", "kill_before_manifest", "kill_after_manifest"])
 def test_kill_in_the_middle_of_a_save_falls_back_to_the_previous_checkpoint(four_steps, tmp_path, where):
     _, ref_losses = four_steps
     killed = _run(tmp_path, 4, allow_kill=True, patch=f"{where}:4", async_mode="none")
     assert killed.killed
     ck = tmp_path / "checkpoints"
-    if where == "kill_before_rename":
-        assert (ck / "step_4.tmp/.metadata").exists() and not (ck / "step_4").exists()
-    else:
-        assert (ck / "step_4").is_dir() and not (ck / "step_4" / MANIFEST).exists()
+    # The manifest is written inside the temporary folder and the rename commits both: wherever the
+    # save dies, no step_4 exists (the old order left a step_4 without a manifest behind).
+    assert (ck / "step_4.tmp/.metadata").exists() and not (ck / "step_4").exists()
+    assert (ck / "step_4.tmp" / MANIFEST).exists() == (where == "kill_after_manifest")
     res = _run(tmp_path, 4)
     assert res.results[0]["start"] == 2
     assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}
     ev = read_events(tmp_path / "events.jsonl")
-    if where == "kill_before_rename":
-        removed = [e for e in ev if e["kind"] == "checkpoint_tmp_removed"]
-        assert removed and removed[0]["path"].endswith("step_4.tmp")
-    else:
-        skipped = [e for e in ev if e["kind"] == "checkpoint_skipped"]
-        assert skipped[0]["step"] == 4 and "no manifest.json" in skipped[0]["reason"]
+    removed = [e for e in ev if e["kind"] == "checkpoint_tmp_removed"]
+    assert removed and removed[0]["path"].endswith("step_4.tmp")
+    assert not [e for e in ev if e["kind"] == "checkpoint_skipped"]
 
 
 def test_full_disk_fails_the_save_clearly_and_keeps_the_previous_checkpoint(tmp_path):
@@ -217,3 +217,35 @@ def test_auto_interval_saves_first_to_measure_then_at_the_daly_interval(tmp_path
     assert first["interval_steps"] > 10  # δ is far below MTBF: nothing between the first and the last save
     assert saves == [1, 10]
     assert json.dumps(first)  # plain JSON in the ledger
+
+
+def _kill_when_stalled(marker: Path, timeout: float = 60.0) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if marker.exists() and marker.read_text():
+                os.kill(int(marker.read_text()), signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_rank_killed_from_outside_while_its_save_is_in_flight_leaves_nothing_loadable_behind(four_steps, tmp_path):
+    _, ref_losses = four_steps
+    watcher = _kill_when_stalled(tmp_path / "stalled")
+    # Rank 1's writer stops in the middle of step_4's shard (async, training goes on to step 5); the
+    # test SIGKILLs it from outside, then the harness kills rank 0, which waits for it in a collective.
+    killed = _run(tmp_path, 6, allow_kill=True, patch="stall_write:4")
+    watcher.join()
+    assert killed.exitcodes[1] == -signal.SIGKILL, killed.exitcodes
+    ck = tmp_path / "checkpoints"
+    assert (ck / "step_4.tmp").is_dir() and not (ck / "step_4").exists()
+    assert [s for s, _ in step_dirs(ck)] == [2]
+    for step, d in step_dirs(ck):
+        assert check_step_dir(d, step=step, checksum=True) == [], d  # every step_N there is has a valid manifest
+    res = _run(tmp_path, 4)
+    assert res.results[0]["start"] == 2
+    assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}  # bitwise from step_2

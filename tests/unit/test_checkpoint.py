@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -211,3 +214,138 @@ def test_retention_never_deletes_the_last_loadable_checkpoint_for_newer_ones_wit
     ck2.close()
     assert [f["step"] for k, f in events if k == "checkpoint_skipped"] == [3, 2]
     assert all("crc32" in f["reason"] for k, f in events if k == "checkpoint_skipped")
+
+
+def _one_layer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def _train_step(model, opt):
+    model(torch.ones(2, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_save_returns_before_the_staging_copy_and_the_optimizer_step_waits_for_it(tmp_path, monkeypatch):
+    import checkpoint.writer as writer_mod
+
+    orig_copy = writer_mod._copy_state_dict
+
+    def slow_copy(*a, **k):
+        time.sleep(0.5)
+        return orig_copy(*a, **k)
+
+    monkeypatch.setattr(writer_mod, "_copy_state_dict", slow_copy)
+    model, opt = _one_layer()
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    _train_step(model, opt)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    ck.save(1)
+    assert time.perf_counter() - t0 < 0.3  # the 0.5 s copy runs behind save()
+    _train_step(model, opt)  # changes the parameters: must wait for the copy first
+    assert not torch.equal(model.weight, at_save["weight"])
+    ck.close()
+    fresh, fresh_opt = _one_layer()
+    fresh.weight.data.zero_()
+    assert CheckpointManager(tmp_path, cfg=CheckpointConfig()).load_latest(model_parts=[fresh], optimizers=[fresh_opt]) == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at_save[k]), k  # step 1's values, not step 2's
+
+
+def test_the_state_dict_structure_is_built_once_and_each_save_has_the_current_lr(tmp_path, monkeypatch):
+    calls = []
+    orig = manager_mod.get_model_state_dict
+    monkeypatch.setattr(manager_mod, "get_model_state_dict", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    model, opt = _one_layer()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread", keep=5))
+    ck.load_latest(model_parts=[model], optimizers=[opt], lr_schedulers=[sched])
+    calls.clear()
+    lrs = {}
+    for step in (1, 2, 3):
+        _train_step(model, opt)
+        sched.step()
+        lrs[step] = opt.param_groups[0]["lr"]
+        ck.save(step)
+    ck.close()
+    assert len(calls) == 1 and len(set(lrs.values())) == 3
+    for step in (1, 3):
+        fresh, fresh_opt = _one_layer()
+        monkeypatch.setattr(manager_mod, "step_dirs", lambda folder, s=step: [(s, folder / f"step_{s}")])
+        CheckpointManager(tmp_path, cfg=CheckpointConfig()).load_latest(model_parts=[fresh], optimizers=[fresh_opt])
+        assert fresh_opt.param_groups[0]["lr"] == lrs[step], step
+
+
+def test_each_file_is_fsynced_once_and_summed_as_written_not_read_back(tmp_path, monkeypatch):
+    import stat
+
+    import checkpoint.manifest as manifest_mod
+
+    synced: list[str] = []
+    orig_fsync = os.fsync
+
+    def spy_fsync(fd):
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        return orig_fsync(fd)
+
+    def no_read_back(*a, **k):
+        raise AssertionError("a file of the save was read back for its crc32")
+
+    model, opt = _one_layer()
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="none"))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    _train_step(model, opt)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(manifest_mod, "_crc32_fd", no_read_back)
+    ck.save(1)
+    ck.close()
+    monkeypatch.undo()
+    files = read_manifest(tmp_path / "step_1", step=1)["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp"]
+    # DCP's shard and .metadata, then the manifest; the temporary folder and its parent
+    assert synced.count("file") == 3 and synced.count("dir") == 2, synced
+    assert check_files(tmp_path / "step_1", files, sorted(files), checksum=True) == []
+
+
+def test_torch_save_skips_the_zip_crc32_only_while_a_checkpoint_is_written(tmp_path, monkeypatch):
+    seen = []
+    orig_save = torch.save
+
+    def spy_save(*a, **k):
+        if k.get("_use_new_zipfile_serialization", True):  # the legacy format (pickled RNG state) has no zip crc32
+            seen.append(torch.serialization.get_crc32_options())
+        return orig_save(*a, **k)
+
+    monkeypatch.setattr(torch, "save", spy_save)
+    model, opt = _one_layer()
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    _train_step(model, opt)
+    ck.save(1)
+    ck.close()
+    assert seen and not any(seen)
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_retention_runs_behind_the_commit_and_close_waits_for_it(tmp_path, monkeypatch):
+    release, started = threading.Event(), threading.Event()
+    monkeypatch.setattr(CheckpointManager, "_retain", lambda self: started.set() or release.wait(30))
+    model, opt = _one_layer()
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    _train_step(model, opt)
+    ck.save(1)
+    waiter = threading.Thread(target=ck.wait)
+    waiter.start()
+    waiter.join(timeout=5)
+    blocked = waiter.is_alive()
+    release.set()
+    waiter.join()
+    assert started.wait(5) and not blocked  # the commit was done while retention still ran
+    ck.close()
+    assert read_manifest(tmp_path / "step_1", step=1)["step"] == 1
