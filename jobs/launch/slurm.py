@@ -234,8 +234,10 @@ def submit(cfg: JobConfig) -> int:
 
 
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
-    """`--supervise OVERRIDES` (the batch step of a rendered sbatch script: prepare, then run the ranks),
-    `--rank-config PATH` (every rank, started by the supervisor)."""
+    """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
+    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
+    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once) and
+    `--rank OVERRIDES` (every rank, started by torchrun; no restart inside the allocation)."""
     from jobs.config import compose
     from jobs.launch.supervise import load_rank_config, supervise
 
@@ -243,11 +245,16 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
         return rank_main(load_rank_config(argv[0]), stop)
     try:
         cfg = compose(argv)
-        login_checks(cfg)
+        if mode != "--rank":
+            login_checks(cfg)
     except Exception as e:  # noqa: BLE001 - ValueError from the checks or any Hydra composition error
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    if mode == "--rank":
+        return rank_main(cfg, stop)
     prepare_run(cfg)
+    if mode == "--prepare":
+        return exitcodes.OK
     logs = f"{cfg.run.dir}/slurm/%j_r{{attempt}}_rank%t"
     return supervise(cfg, logs=(f"{logs}.out", f"{logs}.err"))
 
@@ -255,9 +262,9 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 if __name__ == "__main__":
     # Before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal.
     _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config"):
-        print("usage: python -m jobs.launch.slurm --supervise [OVERRIDES...] | --rank-config PATH  (the steps of "
-              "a script rendered by `python -m jobs.sbatch`; submit jobs with `python -m jobs.train launcher=slurm`)",
-              file=sys.stderr)
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank"):
+        print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH  "
+              "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
+              "`python -m jobs.train launcher=slurm`)", file=sys.stderr)
         sys.exit(exitcodes.CONFIG_ERROR)
     sys.exit(_script_cli(sys.argv[1], sys.argv[2:], _stop))

@@ -84,3 +84,17 @@ def test_cli_refuses_an_invalid_config_naming_the_knob() -> None:
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2
     assert "launcher.tasks_per_node(4) != cluster.gpus_per_node(8)" in r.stderr
+
+
+@pytest.mark.parametrize("style", ["srun", "torchrun"])
+def test_every_step_a_rendered_script_runs_is_one_jobs_launch_slurm_accepts(style: str) -> None:
+    # Found when the supervisor replaced --prepare/--rank: the torchrun style still ran them and got "usage".
+    import re
+
+    commands = "\n".join(l for l in _rendered(LOCAL, style).splitlines() if not l.lstrip().startswith("#"))
+    modes = set(re.findall(r"-m jobs\.launch\.slurm (--[a-z-]+)", commands))
+    assert modes == ({"--supervise"} if style == "srun" else {"--prepare", "--rank"})
+    for mode in modes:
+        r = subprocess.run([sys.executable, "-m", "jobs.launch.slurm", mode, "no_such_group.key=1"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "config error" in r.stderr and "usage" not in r.stderr, (mode, r.stderr[-500:])
