@@ -57,6 +57,7 @@ def render(
     container_image: str | None = None,
     container_mounts: str | None = None,
     description: str = "",
+    restarts_in_allocation: int = 3,
 ) -> str:
     """The sbatch script text; `setup` lines are shell by definition and go in verbatim, every other value quoted."""
     if style not in STYLES:
@@ -112,6 +113,7 @@ def render(
         workdir=_q(workdir),
         python=_q(python),
         tasks_per_node=tasks_per_node,
+        restarts_in_allocation=restarts_in_allocation,
         container=(" ".join(container) + " ") if container else "",
         overrides=(" " + args) if args else "",
     )
@@ -131,6 +133,7 @@ def render_for(cfg: JobConfig, *, overrides: Sequence[str], style: str = "srun",
         overrides=passed, gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account,
         qos=cl.qos, constraint=cl.constraint, exclude=cl.exclude, mem_per_node_gb=cl.mem_per_node_gb,
         setup=cl.setup, env=cl.env, container_image=cl.container_image, container_mounts=cl.container_mounts,
+        restarts_in_allocation=cfg.failure.restarts_in_allocation,
         description=(f"model={cfg.model.name}, mesh pp{mesh.pp}*dp_replicate{mesh.dp_replicate}*"
                      f"dp_shard{mesh.dp_shard}*tp{mesh.tp}, {cfg.world_size} ranks, cluster={cl.name}"),
     )

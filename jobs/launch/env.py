@@ -71,6 +71,8 @@ class DistEnv:
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             restart_count=int(env.get("MESHJOB_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or 0),
+            # torchrun's agents restart the ranks inside the allocation (the torchrun-style sbatch script)
+            restart_in_allocation=int(env.get(RESTART_IN_ALLOCATION_VAR) or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
             job_id=_slurm_job_id(env) if "SLURM_JOB_ID" in env else None,  # torchrun inside a Slurm job
             hostname=env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or os.uname().nodename,
         )

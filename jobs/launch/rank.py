@@ -28,14 +28,20 @@ from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import setup_logging
 
-__all__ = ["run_rank", "attempt_context"]
+__all__ = ["run_rank", "attempt_context", "supervised"]
+
+
+def supervised() -> bool:
+    """Whether something starts the ranks again after a "restart" decision: our supervisor (srun step,
+    local launcher) or torchrun's agents (`--max-restarts` > 0)."""
+    return RESTART_IN_ALLOCATION_VAR in os.environ or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
 
 
 def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int) -> AttemptContext:
     """`supervised`: a supervisor (jobs.launch.supervise, the local launcher) can start the ranks again."""
     return AttemptContext(run_dir=cfg.run.dir, attempt=env.attempt, rank=rank, world_size=env.world_size,
                           job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events,
-                          supervised=RESTART_IN_ALLOCATION_VAR in os.environ,
+                          supervised=supervised(),
                           restart_in_allocation=env.restart_in_allocation, partition=cfg.cluster.partition,
                           nodes_needed=cfg.launcher.nodes)
 

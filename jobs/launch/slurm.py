@@ -29,7 +29,8 @@ from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import DistEnv, expand_nodelist
 from jobs.failure.quarantine import quarantined
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR
+from jobs.failure.policy import read_decision
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name
 from jobs.launch.prepare import prepare_run
 from jobs.launch.slurm_state import job_state, wait_for_job
 
@@ -69,11 +70,31 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
           f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
     from jobs.launch.rank import attempt_context, run_rank
 
-    if env.rank == 0 and RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor
-        events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt)
-        open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
-            os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm")
+    if RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor of ours
+        ended = _ended_for_good(cfg, env)
+        if ended is not None:
+            return ended
+        if env.rank == 0:
+            events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count,
+                              attempt=env.attempt)
+            open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
+                os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm",
+                restart_in_allocation=env.restart_in_allocation)
     return run_rank(cfg, env, stop=stop)
+
+
+def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
+    """Under torchrun, whose agents restart the ranks after any failure: the previous attempt's exit code
+    when its decision was anything but "restart" (a stop, or a requeue in progress), so that the ranks
+    do not train again; None to go on."""
+    if env.restart_in_allocation == 0:
+        return None
+    d = read_decision(cfg.run.dir, attempt_name(env.job_id, env.restart_count, env.restart_in_allocation - 1),
+                      wait_s=0)
+    if d is None or d["action"] == "restart":
+        return None
+    print(f"meshjob: the previous attempt decided {d['action']} ({d['reason']}): not training again", flush=True)
+    return int(d["exit_code"])
 
 
 class SlurmJob:

@@ -139,3 +139,23 @@ def test_usable_nodes_leaves_out_down_drained_and_unresponsive_ones(monkeypatch)
     out = "node1 idle\nnode1 idle\nnode2 alloc\nnode3 down*\nnode4 drain\nnode5 idle*\nnode6 mix\n"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out))
     assert quarantine.usable_nodes("debug", {"node6"}) == ["node1", "node2"]
+
+
+def test_under_torchrun_its_restarts_count_and_a_decision_other_than_restart_keeps_the_ranks_from_training(
+        tmp_path: Path, monkeypatch) -> None:
+    from jobs.failure.policy import Decision, publish
+    from jobs.launch import rank, slurm
+
+    torch_env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_JOB_ID": "7",
+                 "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_RESTART_COUNT": "2",
+                 "TORCHELASTIC_MAX_RESTARTS": "3"}
+    env = DistEnv.from_environ(torch_env)
+    assert env.attempt == "7.1.2"
+    monkeypatch.setattr(rank.os, "environ", torch_env)
+    assert rank.supervised()  # torchrun's agents start the ranks again: a "restart" decision is honoured
+    cfg = compose([f"run.dir={tmp_path}"])
+    assert slurm._ended_for_good(cfg, env) is None  # no decision published for 7.1.1
+    publish(tmp_path, "7.1.1", Decision("restart", "dead_rank", 75, 0, 4, 0))
+    assert slurm._ended_for_good(cfg, env) is None
+    publish(tmp_path, "7.1.1", Decision("stop", "out_of_memory is not cured by a restart", 76, 0, 4, 0))
+    assert slurm._ended_for_good(cfg, env) == 76  # torchrun restarts anyway; the ranks do not train again
