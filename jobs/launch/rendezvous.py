@@ -30,6 +30,15 @@ def port_file(run_dir: str | os.PathLike[str], attempt: str) -> Path:
 def rendezvous(env: DistEnv, *, run_dir: str, timeout_s: float, backend: str = "gloo") -> DistEnv:
     """Joins the world group; returns the DistEnv with the port actually used. RuntimeError on timeout."""
     timeout = timedelta(seconds=timeout_s)
+    if env.master_port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun the agents' store outlives a restart of the ranks and env:// writes no prefix
+        # per restart: the restarted ranks read the dead ranks' gloo addresses ("Connection refused",
+        # seen on the torchrun-style script's first restart). A prefix per attempt keeps them apart.
+        os.environ.update(env.torch_environ())
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"meshjob/{env.attempt}", store), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+        return env
     if env.master_port:
         os.environ.update(env.torch_environ())
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
