@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "expand_nodelist", "attempt_name", "RESTART_IN_ALLOCATION_VAR"]
+__all__ = ["DistEnv", "expand_nodelist", "attempt_name", "slurm_job_id", "RESTART_IN_ALLOCATION_VAR"]
 
 # Set by the supervisor (jobs.launch.supervise) on every srun step it starts: 0, 1, 2, ...
 RESTART_IN_ALLOCATION_VAR = "MESHJOB_RESTART_IN_ALLOCATION"
@@ -73,7 +73,7 @@ class DistEnv:
             restart_count=int(env.get("MESHJOB_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or 0),
             # torchrun's agents restart the ranks inside the allocation (the torchrun-style sbatch script)
             restart_in_allocation=int(env.get(RESTART_IN_ALLOCATION_VAR) or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
-            job_id=_slurm_job_id(env) if "SLURM_JOB_ID" in env else None,  # torchrun inside a Slurm job
+            job_id=slurm_job_id(env) if "SLURM_JOB_ID" in env else None,  # torchrun inside a Slurm job
             hostname=env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or os.uname().nodename,
         )
 
@@ -83,7 +83,7 @@ class DistEnv:
         hosts = expand_nodelist(nodelist) if nodelist else [os.uname().nodename]
         world = int(env["SLURM_NTASKS"])
         nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or len(hosts))
-        job_id = _slurm_job_id(env)
+        job_id = slurm_job_id(env)
         port = env.get("MASTER_PORT")
         return cls(
             rank=int(env["SLURM_PROCID"]),
@@ -119,7 +119,7 @@ class DistEnv:
         }
 
 
-def _slurm_job_id(env: Mapping[str, str]) -> str:
+def slurm_job_id(env: Mapping[str, str]) -> str:
     """The id `scontrol requeue` takes: ARRAY_TASK for array elements, the job id otherwise."""
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     return f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]

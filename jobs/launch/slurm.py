@@ -25,12 +25,11 @@ import submitit
 from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.events import EventLog
+from jobs.failure.policy import read_decision
+from jobs.failure.quarantine import quarantined
 from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
-from jobs.launch.env import DistEnv, expand_nodelist
-from jobs.failure.quarantine import quarantined
-from jobs.failure.policy import read_decision
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.prepare import prepare_run
 from jobs.launch.slurm_state import job_state, wait_for_job
 
@@ -107,9 +106,7 @@ class SlurmJob:
     def __call__(self) -> int:
         from jobs.launch.supervise import supervise
 
-        folder = submitit.JobEnvironment().paths.folder
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" \
-            if "SLURM_ARRAY_TASK_ID" in os.environ else os.environ["SLURM_JOB_ID"]
+        folder, job = submitit.JobEnvironment().paths.folder, slurm_job_id(os.environ)
         code = supervise(self.cfg, logs=(f"{folder}/{job}_%t_log.out", f"{folder}/{job}_%t_log.err"))
         if code != exitcodes.OK:
             raise SystemExit(code)  # Slurm records the job's exit code (sacct ExitCode)

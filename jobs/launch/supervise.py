@@ -31,7 +31,7 @@ from jobs.events import EventLog
 from jobs.failure.policy import read_decision
 from jobs.failure.quarantine import quarantined, requeue_excluding
 from jobs.failure.respond import AttemptContext, open_attempt
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
 __all__ = ["supervise", "rank_config_path", "load_rank_config"]
@@ -52,14 +52,15 @@ def load_rank_config(path: str | os.PathLike[str]) -> JobConfig:
 def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     """Runs the ranks until an attempt ends with anything but "restart"; returns that attempt's exit
     code. `logs`: srun's --output and --error patterns; `{attempt}` is replaced per attempt."""
-    job_id, restart = _job_id(), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
     nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
     stopping: list[int] = []
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, lambda signum, _f: stopping.append(signum))
-    bad = sorted(set(nodes) & {e["node"] for e in quarantined(cfg.run.dir)})
+    listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
+    bad = sorted(set(nodes) & set(listed))
     if bad:  # the exclusion of an earlier requeue did not take (or a later submission of the same run dir)
-        ok, said = requeue_excluding(job_id, sorted({e["node"] for e in quarantined(cfg.run.dir)}))
+        ok, said = requeue_excluding(job_id, listed)
         get_logger().error("allocation includes quarantined node(s) %s: requeued without them (%s)", bad, said)
         return exitcodes.REQUEUE
     path = rank_config_path(cfg.run.dir, job_id, restart)
@@ -80,12 +81,6 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
         get_logger().warning("attempt %s ended by a restart decision: starting the ranks again (restart %d "
                              "inside job %s)", attempt, n + 1, job_id)
         n += 1
-
-
-def _job_id() -> str:
-    if "SLURM_ARRAY_JOB_ID" in os.environ and "SLURM_ARRAY_TASK_ID" in os.environ:
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ["SLURM_JOB_ID"]
 
 
 def _srun(cfg: JobConfig, config_path: Path, logs: list[str]) -> list[str]:
