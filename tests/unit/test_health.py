@@ -97,10 +97,12 @@ def test_a_thermally_throttled_gpu_is_an_incident_naming_it_and_its_node_and_the
     assert levels == {0: ("ok", GPU0.uuid), 1: ("failing", GPU1.uuid)}
 
 
-def test_a_gpu_found_only_by_pci_bus_id_is_checked_there() -> None:
-    nvml = FakeNvml(h1=healthy(GPU1, uuid="MIG-parent-not-known", clock_events=0x8))
-    assert [f.detail for f in GpuHealth(nvml, gpu=GPU1, cfg=CFG, rank=0, node="n", attempt="a", emit=lambda *a, **k: None,
-                                        on_failing=lambda inc: None).check()] == ["clock event hw_slowdown at 55 C"]
+@pytest.mark.parametrize("known", [dict(uuid="MIG-parent-not-known"), dict(pci="00000000:99:00.0")])
+def test_the_gpu_is_found_by_uuid_or_else_by_pci_bus_id(known: dict) -> None:
+    nvml = FakeNvml(h1=healthy(GPU1, clock_events=0x8, **known), h0=healthy(GPU0, uuid="GPU-other", pci="other"))
+    m = GpuHealth(nvml, gpu=GPU1, cfg=CFG, rank=0, node="n", attempt="a", emit=lambda *a, **k: None,
+                  on_failing=lambda inc: None)
+    assert [f.detail for f in m.check()] == ["clock event hw_slowdown at 55 C"]
 
 
 def test_without_nvml_the_check_is_skipped_with_one_event_from_rank_0(tmp_path: Path) -> None:
@@ -215,3 +217,11 @@ def test_the_default_settings_check_every_minute_and_fail_the_listed_xids() -> N
     f = compose(["run.dir=/nonexistent"]).failure
     assert (f.health_every_s, f.health_temp_warn_c) == (60.0, 85.0) and 79 in f.health_failing_xids
     assert health.CLOCK_EVENTS[0x4] == ("sw_power_cap", False)
+
+
+def test_every_pynvml_name_the_real_seam_uses_exists_in_the_installed_nvidia_ml_py() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    source = Path(health.__file__).read_text()
+    names = set(re.findall(r"\blib\.(\w+)", source)) - {"nvmlDeviceGetCurrentClocksEventReasons"}  # has a fallback
+    assert len(names) >= 15, names
+    assert sorted(n for n in names if not hasattr(pynvml, n)) == []
