@@ -183,10 +183,10 @@ def test_the_periodic_thread_finds_a_gpu_that_throttles_after_the_start(tmp_path
     assert [i.suspects[0]["gpu"] for i in incidents] == [GPU0.uuid]
 
 
-def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined(tmp_path: Path, monkeypatch) -> None:
+def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined_without_probing_it(tmp_path: Path, monkeypatch) -> None:
     calls: list = []
     monkeypatch.setattr(respond, "slurm_intent", lambda job, restart_count: None)
-    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: True)
+    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: calls.append(f"probe {node}") or True)
     monkeypatch.setattr(respond, "requeue_excluding", lambda job, nodes: calls.append(nodes) or (True, ""))
     monkeypatch.setattr(respond, "usable_nodes", lambda partition, excluded: ["node1", "node3"])
     incidents: list = []
