@@ -92,10 +92,10 @@ class PynvmlNvml:
             raise GpuLost(str(e)) from e
 
     def handle_by_uuid(self, uuid: str) -> Any:
-        return self.lib.nvmlDeviceGetHandleByUUID(uuid)
+        return self._call(self.lib.nvmlDeviceGetHandleByUUID, uuid)
 
     def handle_by_pci_bus_id(self, pci_bus_id: str) -> Any:
-        return self.lib.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+        return self._call(self.lib.nvmlDeviceGetHandleByPciBusId, pci_bus_id)
 
     def temperature_c(self, handle: Any) -> int:
         return self._call(self.lib.nvmlDeviceGetTemperature, handle, self.lib.NVML_TEMPERATURE_GPU)
@@ -162,6 +162,8 @@ def find_handle(nvml: Nvml, gpu: GpuId) -> Any:
     """NVML's handle for `gpu`: by UUID, else by PCI bus id (a MIG instance's UUID names no whole GPU)."""
     try:
         return nvml.handle_by_uuid(gpu.uuid)
+    except GpuLost:
+        raise
     except Exception:  # noqa: BLE001 - pynvml raises one class per NVML return code; the bus id is the fallback
         return nvml.handle_by_pci_bus_id(gpu.pci_bus_id)
 

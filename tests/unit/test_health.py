@@ -225,3 +225,13 @@ def test_every_pynvml_name_the_real_seam_uses_exists_in_the_installed_nvidia_ml_
     names = set(re.findall(r"\blib\.(\w+)", source)) - {"nvmlDeviceGetCurrentClocksEventReasons"}  # has a fallback
     assert len(names) >= 15, names
     assert sorted(n for n in names if not hasattr(pynvml, n)) == []
+
+
+def test_a_gpu_nvml_has_lost_is_failing_even_before_it_has_a_handle(tmp_path: Path) -> None:
+    class LostNvml(FakeNvml):
+        def handle_by_uuid(self, uuid: str):
+            raise health.GpuLost("GPU is lost")
+
+    incidents: list = []
+    monitor(LostNvml(h0=healthy(GPU0)), GPU0, tmp_path, rank=0, node="node1", incidents=incidents).start()
+    assert [(i.cls, i.suspects[0]["checks"]) for i in incidents] == [("unhealthy_gpu", ["gpu_lost"])]
