@@ -143,6 +143,9 @@ class FailureConfig:
     heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
     requeue_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])  # save, then requeue
     signal_margin_s: float = 30.0  # slack the submit-time check adds to one step + one blocking save
+    health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only
+    health_temp_warn_c: float = 85.0  # a GPU this hot without a thermal clock event: a warning event, no incident
+    health_failing_xids: list[int] = field(default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])  # XIDs that fail the GPU (others warn)
 
 
 @dataclass

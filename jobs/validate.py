@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.config import JobConfig
+from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from parallel.config import MULTI_STAGE_SCHEDULES, checkpointed_layers
 from parallel.dims import ParallelDims, stages_per_rank
@@ -212,3 +212,18 @@ def _check_failure(cfg: JobConfig) -> None:
     if f.max_requeues < 0 or f.max_attempts_without_progress < 1:
         raise ValueError(f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
+    _check_health(f)
+
+
+def _check_health(f: FailureConfig) -> None:
+    """GPU health: a period NVML can keep up with, a temperature in range, XIDs that exist."""
+    if f.health_every_s < 0 or 0 < f.health_every_s < 1:
+        raise ValueError(f"failure.health_every_s({f.health_every_s}) must be 0 (check at start only) or >= 1: "
+                         "every rank queries NVML each time; set failure.health_every_s=60")
+    if not 0 < f.health_temp_warn_c < 150:
+        raise ValueError(f"failure.health_temp_warn_c({f.health_temp_warn_c}) is not a GPU temperature in C; "
+                         "set failure.health_temp_warn_c=85")
+    bad = [x for x in f.health_failing_xids if not isinstance(x, int) or x < 1]
+    if bad:
+        raise ValueError(f"failure.health_failing_xids has {bad}: XIDs are positive integers, e.g. "
+                         "failure.health_failing_xids=[48,63,64,74,79,92,94,95,119,120]")

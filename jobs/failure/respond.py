@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.events import EventLog, read_events
-from jobs.failure.incident import Incident, classify_settled, dump_stacks, write_incident
+from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, write_incident
 from jobs.failure.ledger import render_summary, unfinished
 from jobs.failure.policy import Decision, Restart, claim, decide, publish, read_decision, requeue_job, slurm_intent
 from jobs.failure.quarantine import add_to_quarantine, node_answers, quarantined, requeue_excluding, usable_nodes
@@ -64,8 +64,10 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
     # back, and one that Slurm already requeues is not requeued twice.
     slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
+    # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
+    restart = _restart(ctx, suspects, slurm) if cause in RESTART_CLASSES else None
     d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
-               restart=_restart(ctx, suspects, slurm))
+               restart=restart)
     excluded = _quarantine(ctx, d, suspects, incident)
     ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)

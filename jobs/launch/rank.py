@@ -27,6 +27,7 @@ from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import setup_logging
+from jobs.telemetry.health import rank_health
 
 __all__ = ["run_rank", "attempt_context", "supervised"]
 
@@ -46,11 +47,12 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
                           nodes_needed=cfg.launcher.nodes)
 
 
-def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> None:
-    """Threads, this rank's GPU (set before anything touches one), the NCCL environment, determinism."""
+def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.device:
+    """Threads, this rank's GPU (set before anything touches one), the NCCL environment, determinism;
+    returns this rank's device."""
     threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
-    rank_device(device_type, local_rank=env.local_rank)
+    device = rank_device(device_type, local_rank=env.local_rank)
     traces = Path(cfg.run.dir) / "nccl_traces" / env.attempt  # the flight recorder's dumps on a timeout
     if device_type == "cuda":
         traces.mkdir(parents=True, exist_ok=True)
@@ -60,6 +62,7 @@ def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> None:
         torch.use_deterministic_algorithms(True)
     # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return device
 
 
 def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
@@ -77,13 +80,17 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     except ValueError as e:
         log.error("config error: %s", e)
         return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
-    _setup_torch(cfg, env, device_type=device_type)
+    device = _setup_torch(cfg, env, device_type=device_type)
     f = cfg.failure
     watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
                         heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
                         on_hang=lambda idle: _exit_now(on_failure(ctx, during=watchdog.beat.phase,
                                                                   step=watchdog.beat.step)))
     watchdog.start()
+    # GPU health now (a failing GPU never joins the rendezvous) and every failure.health_every_s after
+    health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
+                         emit=events.emit, on_failing=lambda inc: _exit_now(on_failure(
+                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc))).start()
     trainer, during = None, "rendezvous"
     try:
         env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=f.init_timeout_s, backend=backend_for(device_type))
@@ -100,6 +107,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     except FloatingPointError as e:
         log.error("%s", e)
         watchdog.stop()
+        health.stop()
         if env.rank != 0:  # every rank sees the same all-reduced loss; rank 0 records and decides
             return exitcodes.FAILED
         events.emit("failure", cls="nan_loss", error=str(e), suspects=[])
@@ -108,6 +116,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
         _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))
     watchdog.stop()
+    health.stop()
     if outcome == "done":
         stop.ignore_from_now()
     code = _end_attempt(outcome, ctx, events, step=trainer.state.step, signal_name=stop.name)
