@@ -27,7 +27,7 @@ from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import setup_logging
-from jobs.telemetry.health import rank_health
+from jobs.telemetry.health import GpuHealth, rank_health
 
 __all__ = ["run_rank", "attempt_context", "supervised"]
 
@@ -81,19 +81,11 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         log.error("config error: %s", e)
         return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
     device = _setup_torch(cfg, env, device_type=device_type)
-    f = cfg.failure
-    watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
-                        heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
-                        on_hang=lambda idle: _exit_now(on_failure(ctx, during=watchdog.beat.phase,
-                                                                  step=watchdog.beat.step)))
-    watchdog.start()
-    # GPU health now (a failing GPU never joins the rendezvous) and every failure.health_every_s after
-    health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
-                         emit=events.emit, on_failing=lambda inc: _exit_now(on_failure(
-                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc))).start()
+    watchdog, health = _guards(cfg, env, ctx, device)
     trainer, during = None, "rendezvous"
     try:
-        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=f.init_timeout_s, backend=backend_for(device_type))
+        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s,
+                         backend=backend_for(device_type))
         if env.rank == 0:
             events.emit("rendezvous", world_size=env.world_size, master=f"{env.master_addr}:{env.master_port}",
                         nodes=env.nodes, job_id=env.job_id)
@@ -127,6 +119,21 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
             _exit_now(code)
         dist.destroy_process_group()
     return code
+
+
+def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device) -> tuple[Watchdog, GpuHealth]:
+    """The rank's watchdog (heartbeats, hangs) and GPU health checks (now: a failing GPU never joins the
+    rendezvous; then every failure.health_every_s), both started; either ends the attempt itself."""
+    f = cfg.failure
+    watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
+                        heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
+                        on_hang=lambda idle: _exit_now(on_failure(ctx, during=watchdog.beat.phase,
+                                                                  step=watchdog.beat.step)))
+    watchdog.start()
+    health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
+                         emit=ctx.events.emit, on_failing=lambda inc: _exit_now(on_failure(
+                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc))).start()
+    return watchdog, health
 
 
 def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: int, signal_name: str | None) -> int:
