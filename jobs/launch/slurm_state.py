@@ -98,10 +98,10 @@ def _run(cmd: list[str]) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def sacct_attempts(job_id: str) -> list[dict[str, str]]:
+def sacct_attempts(job_id: str, *, fields: tuple[str, ...] = SACCT_FIELDS) -> list[dict[str, str]]:
     """One record per attempt of the job (`sacct --duplicates -X`), oldest first; [] without accounting."""
-    out = _run(["sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P", "-o", ",".join(SACCT_FIELDS)])
-    return parse_sacct(out) if out else []
+    out = _run(["sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P", "-o", ",".join(fields)])
+    return parse_sacct(out, fields) if out else []
 
 
 def job_state(job_id: str) -> JobState:
