@@ -127,6 +127,12 @@ class ClusterConfig:
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
+    # Measured by `python -m jobs.calibrate` (empty/0 = not measured: the planner falls back to the cited
+    # figures above and says so). One name per concept: jobs/planner reads these same keys.
+    calibrated: str | None = None  # when and by which command the figures below were measured
+    matmul_tflops: dict[str, float] = field(default_factory=dict)  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
+    fs_fsync_s: float = 0.0  # one write+fsync+rename of a small file on run_root (a checkpoint commit's fixed cost)
 
 
 @dataclass
