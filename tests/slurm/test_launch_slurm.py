@@ -144,3 +144,25 @@ def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_di
     assert waiting.returncode == 0, out
     assert f"job {job}: RUNNING (restart 1)" in out and f"job {job}: COMPLETED" in out, out
     assert "step=40 " in out, out
+    _assert_report_of_a_requeued_run(run_root, job)
+
+
+def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
+    """`python -m jobs.report` on the requeued run dir, as a user would run it: both attempts and the cause of the
+    requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page (issue 11)."""
+    from jobs.telemetry.run_report import collect
+    from jobs.report import sacct_records
+
+    r = subprocess.run([sys.executable, "-m", "jobs.report", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ": ended; step 40 of 40" in r.stdout, r.stdout
+    assert "-> requeue x1" in r.stdout and "completed -> done x1" in r.stdout, r.stdout
+    assert "expected by jobs.plan before submit" in r.stdout and "n/a: sacct not available" not in r.stdout, r.stdout
+    g = collect(run_dir, sacct_records=sacct_records(run_dir)).goodput
+    assert g.steps_productive == 40 and g.steps_lost == 0  # saved at the boundary after USR2: nothing redone
+    assert g.seconds["queue_wait"] > 0 and 0 < g.goodput < 1
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
+    assert {p.name for p in (run_dir / "report").iterdir()} >= {"goodput.png", "loss.png", "report.html"}
+    html = (run_dir / "report" / "report.html").read_text()
+    assert f"{job}.0" in html and f"{job}.1" in html
