@@ -38,6 +38,7 @@ class ModelConfig:
     experts_per_token: int = 0  # routed experts each token is sent to (top-k)
     moe_ffn_dim: int = 0  # SwiGLU hidden size of one expert
     n_dense_layers: int = 0  # leading blocks with a dense FFN (ffn_dim) before the MoE blocks
+    moe_max_nodes: int = 0  # node-limited routing: a token's routed experts lie on at most this many nodes (DeepSeek-V3: 4); 0 = unlimited
     # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
     attention: str = "gqa"  # gqa | mla
     q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
