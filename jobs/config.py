@@ -164,6 +164,10 @@ class PlanConfig:
     save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
+    search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
+    search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
+    search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
+    search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)
 
 
 @dataclass

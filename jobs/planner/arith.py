@@ -145,8 +145,20 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
     return BlockParams(attn, shared, routed, router, norms, active)
 
 
+_COUNTS: dict[tuple, ParamCount] = {}  # count_params by the model config's values: a plan calls it per role
+
+
 def count_params(m: ModelConfig) -> ParamCount:
     """Parameters of the full model from its shapes (untied embedding and head, no multi-token head)."""
+    key = tuple(vars(m).items())
+    if key not in _COUNTS:
+        if len(_COUNTS) > 256:
+            _COUNTS.clear()
+        _COUNTS[key] = _count_params(m)
+    return _COUNTS[key]
+
+
+def _count_params(m: ModelConfig) -> ParamCount:
     blocks = tuple(block_params(m, i) for i in range(m.n_layers))
     emb = out = m.vocab_size * m.dim
     total = emb + out + m.dim + sum(b.total for b in blocks)
