@@ -163,7 +163,7 @@ def _quick_reject(cfg: JobConfig, s: Shape, params_total: int) -> str | None:
     if s.pp > 1 and mbs < s.pp:
         return f"microbatches({mbs}) < mesh.pp({s.pp})"
     if s.v > 1 and mbs % s.pp:
-        return f"interleaved: microbatches({mbs}) % mesh.pp({s.pp}) != 0"
+        return f"microbatches({mbs}) % mesh.pp({s.pp}) != 0 (interleaved_1f1b)"
     if cfg.cluster.gpu_mem_gib > 0:
         floor = P.HEURISTIC_BYTES_PER_PARAM * params_total / (s.pp * s.tp * s.dp_shard * s.cp)
         usable = cfg.cluster.gpu_mem_gib * GiB * cfg.plan.usable_mem_fraction
@@ -295,7 +295,9 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
         L.append(f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
                  f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {n['goodput']:7.3f}")
     own = r.own_rank()
-    L.append(f"  < this config: rank {own} of {len(r.ranked)}" if own else
+    built = [c for c in r.ranked if c.shape.trainable(cfg)]
+    among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")
+    L.append(f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else
              f"  this config is not ranked: {r.own_why}")
     L.append("  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer; "
              "~: planned only (cp > 1, MoE, MLA are not built for training)")

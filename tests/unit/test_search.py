@@ -95,3 +95,18 @@ def test_the_16384_gpu_search_finishes_and_ranks_the_llama3_table4_mesh():
     assert r.enumerated > 20_000 and r.planned < r.enumerated / 2  # pruned before planning
     assert r.own_rank() is not None and len(r.ranked) > 1000
     assert cpu < 120, cpu  # measured 13 s of CPU on an idle core
+
+
+def test_pruning_by_dominance_changes_no_result(monkeypatch):
+    # Llama 3 8B on 16 GPUs of 40 GiB: memory decides, so the dominance rule skips plans; ranking and
+    # rejections must be those of planning every shape.
+    cfg = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=40"])
+    pruned = search(cfg)
+    from jobs.planner import search as S
+
+    monkeypatch.setattr(S, "_dominated", lambda s, too_big: False)
+    full = search(cfg)
+    assert pruned.planned < full.planned
+    assert [(c.shape, c.numbers) for c in pruned.ranked] == [(c.shape, c.numbers) for c in full.ranked]
+    assert sorted(lab for v in pruned.rejected.values() for lab, _ in v) == sorted(
+        lab for v in full.rejected.values() for lab, _ in v)
