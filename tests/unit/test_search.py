@@ -110,3 +110,16 @@ def test_pruning_by_dominance_changes_no_result(monkeypatch):
     assert [(c.shape, c.numbers) for c in pruned.ranked] == [(c.shape, c.numbers) for c in full.ranked]
     assert sorted(lab for v in pruned.rejected.values() for lab, _ in v) == sorted(
         lab for v in full.rejected.values() for lab, _ in v)
+
+
+def test_jobs_plan_runs_the_search_and_refuses_a_profile_without_a_peak(capsys, tmp_path):
+    from jobs import exitcodes
+    from jobs.plan import main
+
+    assert main(SMALL + ["plan.search=true", "plan.search_rows=3", "plan.search_top_k=2",
+                         f"plan.search_out={tmp_path}"]) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "ranked by predicted tokens/s" in out and "+search=top1,top2" in out
+    assert sorted(p.name for p in (tmp_path / "search").iterdir()) == ["top1.yaml", "top2.yaml"]
+    assert main(["model=tiny", "cluster=local", "plan.search=true"]) == exitcodes.CONFIG_ERROR
+    assert "cluster.gpu_bf16_tflops=0" in capsys.readouterr().err
