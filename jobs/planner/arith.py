@@ -540,6 +540,34 @@ def comm_per_step(
     per microbatch, per forward and backward, node-limited when `model.moe_max_nodes` is set
     (`_ep_items`; `nvlink_domain`: GPUs per node, 0 = unknown: every copy on the ep axis).
     """
+    blocks = [i for st in stages for i in st.layers]
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+    s = seq_len // cp
+    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
+    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if i in moe)
+    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches)
+    if tp > 1:
+        items += _tp_items(blocks=len(blocks), recomputed=n_re, microbatches=microbatches, ends=int(first) + int(last),
+                           act=act, tp=tp, sequence_parallel=sequence_parallel)
+    if pp > 1:
+        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
+        per = act // tp if sequence_parallel and tp > 1 else act
+        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
+    if cp > 1:
+        items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
+                           micro_batch=micro_batch, tp=tp, cp=cp)
+    if ep > 1 and moe:
+        n = 2 * microbatches * (2 * len(moe) + moe_re)  # dispatch + combine, per forward and backward
+        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain)
+    return items
+
+
+def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
+                microbatches: int) -> list[CommItem]:
+    """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
+    their own dp degree), and HSDP's all-reduce of the shard over dp_replicate (see `comm_per_step`)."""
     items: list[CommItem] = []
     pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
@@ -548,15 +576,10 @@ def comm_per_step(
     roots = sum(1 for st in stages if st.first or st.last)  # root units that own parameters
     root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
     moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
-    s = seq_len // cp
-    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
-    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
-    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if m.n_routed_experts > 0 and i >= m.n_dense_layers)
-    block_dense = dense - root_elems
     if pp > 1:
         ag_count, ag_elems = len(blocks) + roots, dense
     else:
-        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * block_dense + root_elems)
+        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * (dense - root_elems) + root_elems)
     if fsdp > 1 and dense:
         items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", ag_count,
                               int(_ring(fsdp) * COMPUTE_BYTES * ag_elems), fsdp))
@@ -569,33 +592,24 @@ def comm_per_step(
                               int(gathers * _ring(edp) * COMPUTE_BYTES * experts), edp))
         items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
                               int(_ring(edp) * REDUCE_BYTES * experts), edp))
-    fsdp_groups = len(blocks) + roots
     if dp_replicate > 1:
         shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
-        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", fsdp_groups,
+        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", len(blocks) + roots,
                               int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
-    if tp > 1:
-        per_block = microbatches * len(blocks)
-        extra = int(first) + int(last)  # embedding reduce-scatter, head all-gather
-        if sequence_parallel:
-            n = 4 * per_block + 2 * microbatches * n_re + extra * microbatches
-            b = int(n * _ring(tp) * act)
-            items.append(CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp))
-            items.append(CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp))
-        else:
-            n = 7 * per_block + 2 * microbatches * n_re + extra * microbatches
-            items.append(CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp))
-    if pp > 1:
-        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
-        per = act // tp if sequence_parallel and tp > 1 else act
-        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
-    if cp > 1:
-        items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
-                           micro_batch=micro_batch, tp=tp, cp=cp)
-    if ep > 1 and moe_blocks:
-        n = 2 * microbatches * (2 * moe_blocks + moe_re)  # dispatch + combine, per forward and backward
-        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain)
     return items
+
+
+def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
+              sequence_parallel: bool) -> list[CommItem]:
+    """Tensor parallel's activation collectives (see `comm_per_step`); `ends`: embedding and/or head held."""
+    per_block = microbatches * blocks
+    if sequence_parallel:
+        n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches
+        b = int(n * _ring(tp) * act)
+        return [CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp),
+                CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp)]
+    n = 7 * per_block + 2 * microbatches * recomputed + ends * microbatches
+    return [CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp)]
 
 
 def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,
