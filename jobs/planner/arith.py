@@ -426,26 +426,11 @@ def rank_memory(
     ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
     one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
     microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32."""
-    pc = count_params(m)
-    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
     blocks_on_rank = [i for st in stages for i in st.layers]
     if params_elems is None:
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
-    # FSDP2 working set. With a pipeline the stage stays unsharded from the first forward to the
-    # last backward (reshard_after_forward=False) and gradients accumulate unsharded until the last
-    # microbatch's reduce-scatter. Without one, a block is gathered just before it runs (the next one
-    # is prefetched) and the root (embedding, head) stays gathered.
-    if fsdp <= 1:
-        unsharded = 0
-    elif pp > 1:
-        unsharded = (dense + experts) * (compute_bytes + REDUCE_BYTES)
-    else:
-        biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
-        root = (pc.embedding + pc.output) // tp + pc.final_norm
-        unsharded = biggest * 2 * compute_bytes + root * compute_bytes
-        # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
-        # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
-        unsharded += (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
+    unsharded = _fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
+                                  compute_bytes=compute_bytes)
     in_flight = layers_in_flight(
         pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
         schedule=schedule, pp_rank=pp_rank,
@@ -476,6 +461,27 @@ def rank_memory(
         activation_bytes_full_ac=act(activation_checkpointing="full"),
         p2p_bytes=p2p,
     )
+
+
+def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,
+                      microbatches: int, compute_bytes: int) -> int:
+    """FSDP2's unsharded bytes on the rank holding `stages`. With a pipeline the stage stays unsharded
+    from the first forward to the last backward (reshard_after_forward=False) and gradients accumulate
+    unsharded until the last microbatch's reduce-scatter. Without one, a block is gathered just before
+    it runs (the next one is prefetched) and the root (embedding, head) stays gathered."""
+    if fsdp <= 1:
+        return 0
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
+    if pp > 1:
+        return (dense + experts) * (compute_bytes + REDUCE_BYTES)
+    pc = count_params(m)
+    blocks_on_rank = [i for st in stages for i in st.layers]
+    biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
+    root = (pc.embedding + pc.output) // tp + pc.final_norm
+    unsharded = biggest * 2 * compute_bytes + root * compute_bytes
+    # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
+    # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
+    return unsharded + (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
 
 
 def heuristic_bytes_per_rank(total_params: int, *, model_shards: int) -> int:
