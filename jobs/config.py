@@ -38,6 +38,7 @@ class ModelConfig:
     experts_per_token: int = 0  # routed experts each token is sent to (top-k)
     moe_ffn_dim: int = 0  # SwiGLU hidden size of one expert
     n_dense_layers: int = 0  # leading blocks with a dense FFN (ffn_dim) before the MoE blocks
+    moe_max_nodes: int = 0  # node-limited routing: a token's routed experts lie on at most this many nodes (DeepSeek-V3: 4); 0 = unlimited
     # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
     attention: str = "gqa"  # gqa | mla
     q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
@@ -163,6 +164,10 @@ class PlanConfig:
     save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
+    search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
+    search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
+    search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
+    search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)
 
 
 @dataclass

@@ -99,6 +99,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if cfg.attention != "gqa" or cfg.n_routed_experts > 0:  # not a GQA block with 56-dim heads in disguise
+            raise ValueError(f"model.attention={cfg.attention}, model.n_routed_experts={cfg.n_routed_experts}: "
+                             "jobs/model.py builds dense GQA only; MLA/MoE models are planned (jobs.plan), not trained")
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})

@@ -20,6 +20,8 @@ __all__ = ["main", "run"]
 
 def run(cfg: JobConfig) -> int:
     """Plans `cfg`, prints the tables (or JSON), returns the exit code."""
+    if cfg.plan.search:
+        return _search(cfg)
     try:
         plan = build_plan(cfg)
     except ValueError as e:
@@ -36,6 +38,22 @@ def run(cfg: JobConfig) -> int:
     if failed and not cfg.plan.json:
         print("\nnot ready: " + "; ".join(f"{c.name}: {c.why}" for c in failed), file=sys.stderr)
     return exitcodes.FAILED if failed else exitcodes.OK
+
+
+def _search(cfg: JobConfig) -> int:
+    """plan.search=true: the ranked table (jobs.planner.search); 1 when no shape is feasible."""
+    from jobs.planner.search import render_search, search, write_top_k
+
+    try:
+        result = search(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    print(render_search(result, cfg, rows=cfg.plan.search_rows))
+    if cfg.plan.search_top_k > 0:
+        print(f"\ntop {cfg.plan.search_top_k}: overrides per point, then the -m sweep over all of them")
+        print("\n".join(write_top_k(result, cfg, k=cfg.plan.search_top_k, out=cfg.plan.search_out)))
+    return exitcodes.OK if result.ranked else exitcodes.FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,8 @@ __all__ = [
     "comm_per_step",
     "axis_spans_nodes",
     "flops_per_token",
+    "attention_head_dims",
+    "kv_bytes_per_token",
     "checkpoint_bytes",
     "PARAM_BYTES",
     "GRAD_BYTES",
@@ -85,23 +87,47 @@ class ParamCount:
     blocks: tuple[BlockParams, ...]  # one entry per layer
 
 
+def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
+    """(query/key dims, value dims) of one attention head. GQA: dim / n_heads for both. MLA: the
+    decoupled query/key head is qk_nope_head_dim + qk_rope_head_dim (DeepSeek-V3: 128 + 64 = 192) and
+    the value head v_head_dim (128), not dim / n_heads (= 56 for DeepSeek-V3's 7168 / 128)
+    ("DeepSeek-V3 Technical Report", arXiv 2412.19437, §2.1.1 and §4.2: d_h = 128, d_h^R = 64)."""
+    if m.attention == "mla":
+        if min(m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank) <= 0:
+            raise ValueError(
+                f"model.attention=mla needs model.qk_nope_head_dim({m.qk_nope_head_dim}), model.qk_rope_head_dim"
+                f"({m.qk_rope_head_dim}), model.v_head_dim({m.v_head_dim}) and model.kv_lora_rank({m.kv_lora_rank}) > 0"
+            )
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    if m.attention != "gqa":
+        raise ValueError(f"model.attention={m.attention!r} is not one of gqa, mla")
+    hd = m.dim // m.n_heads
+    return hd, hd
+
+
+def kv_bytes_per_token(m: ModelConfig, *, tp: int = 1, compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Bytes of one token's keys and values on one tp rank: what context parallelism all-gathers.
+    GQA: 2 * n_kv_heads * head_dim; MLA: the per-head keys (192) and values (128) of all n_heads
+    (the decompressed K/V the attention kernel reads)."""
+    qk, v = attention_head_dims(m)
+    heads = m.n_heads if m.attention == "mla" else m.n_kv_heads
+    return compute_bytes * heads * (qk + v) // max(tp, 1)
+
+
 def _attention_params(m: ModelConfig) -> tuple[int, int]:
     """(projection parameters, norm parameters inside attention) for GQA or MLA."""
+    qk, v = attention_head_dims(m)
     if m.attention == "mla":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
             q = m.dim * m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
             q_norm = m.q_lora_rank
         else:
             q, q_norm = m.dim * m.n_heads * qk, 0
         kv_a = m.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
-        kv_b = m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        wo = m.n_heads * m.v_head_dim * m.dim
+        kv_b = m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + v)
+        wo = m.n_heads * v * m.dim
         return q + kv_a + kv_b + wo, q_norm + m.kv_lora_rank
-    if m.attention != "gqa":
-        raise ValueError(f"model.attention={m.attention!r} is not one of gqa, mla")
-    hd = m.dim // m.n_heads
-    return m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads), 0
+    return m.dim * qk * (2 * m.n_heads + 2 * m.n_kv_heads), 0
 
 
 def block_params(m: ModelConfig, layer: int) -> BlockParams:
@@ -119,8 +145,20 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
     return BlockParams(attn, shared, routed, router, norms, active)
 
 
+_COUNTS: dict[tuple, ParamCount] = {}  # count_params by the model config's values: a plan calls it per role
+
+
 def count_params(m: ModelConfig) -> ParamCount:
     """Parameters of the full model from its shapes (untied embedding and head, no multi-token head)."""
+    key = tuple(vars(m).items())
+    if key not in _COUNTS:
+        if len(_COUNTS) > 256:
+            _COUNTS.clear()
+        _COUNTS[key] = _count_params(m)
+    return _COUNTS[key]
+
+
+def _count_params(m: ModelConfig) -> ParamCount:
     blocks = tuple(block_params(m, i) for i in range(m.n_layers))
     emb = out = m.vocab_size * m.dim
     total = emb + out + m.dim + sum(b.total for b in blocks)
@@ -129,16 +167,18 @@ def count_params(m: ModelConfig) -> ParamCount:
 
 
 def flops_per_token(m: ModelConfig, *, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward): 6 x active matmul parameters plus
-    causal attention, 6 * n_layers * seq_len * (qk + v dims over heads) / 2 (Kaplan et al. 2020, §2.1;
-    the causal mask halves the score work, as in the Llama 3 paper's MFU)."""
+    """Training FLOPs per token (forward + backward = 3 x forward), without recomputation: the one
+    formula of the trainer's MFU (`jobs.telemetry.model_flops_per_token`) and the planner.
+
+    6 x the active matmul parameters (the embedding lookup and the norms excluded, the untied output
+    head included; Kaplan et al. 2020, §2.1) plus causal attention: per layer and token, QK^T and AV
+    cost 2·H·(d_qk + d_v)·T forward, halved by the causal mask (as the Llama 3 paper's MFU), x3 for
+    training: 6·L·T·H·(d_qk + d_v)/2. For GQA d_qk = d_v = dim/H, so H·(d_qk + d_v) = 2·dim; for MLA
+    the head dims are 192 and 128 (`attention_head_dims`)."""
     pc = count_params(m)
     matmul = pc.active - pc.embedding - sum(b.norms for b in pc.blocks) - pc.final_norm
-    if m.attention == "mla":
-        width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-    else:
-        width = 2 * m.dim
-    return 6.0 * matmul + 6.0 * m.n_layers * seq_len * width / 2.0
+    qk, v = attention_head_dims(m)
+    return 6.0 * matmul + 6.0 * m.n_layers * seq_len * m.n_heads * (qk + v) / 2.0
 
 
 # ------------------------------------------------------------------------------------------- pipeline
@@ -386,26 +426,11 @@ def rank_memory(
     ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
     one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
     microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32."""
-    pc = count_params(m)
-    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
     blocks_on_rank = [i for st in stages for i in st.layers]
     if params_elems is None:
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
-    # FSDP2 working set. With a pipeline the stage stays unsharded from the first forward to the
-    # last backward (reshard_after_forward=False) and gradients accumulate unsharded until the last
-    # microbatch's reduce-scatter. Without one, a block is gathered just before it runs (the next one
-    # is prefetched) and the root (embedding, head) stays gathered.
-    if fsdp <= 1:
-        unsharded = 0
-    elif pp > 1:
-        unsharded = (dense + experts) * (compute_bytes + REDUCE_BYTES)
-    else:
-        biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
-        root = (pc.embedding + pc.output) // tp + pc.final_norm
-        unsharded = biggest * 2 * compute_bytes + root * compute_bytes
-        # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
-        # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
-        unsharded += (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
+    unsharded = _fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
+                                  compute_bytes=compute_bytes)
     in_flight = layers_in_flight(
         pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
         schedule=schedule, pp_rank=pp_rank,
@@ -436,6 +461,27 @@ def rank_memory(
         activation_bytes_full_ac=act(activation_checkpointing="full"),
         p2p_bytes=p2p,
     )
+
+
+def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,
+                      microbatches: int, compute_bytes: int) -> int:
+    """FSDP2's unsharded bytes on the rank holding `stages`. With a pipeline the stage stays unsharded
+    from the first forward to the last backward (reshard_after_forward=False) and gradients accumulate
+    unsharded until the last microbatch's reduce-scatter. Without one, a block is gathered just before
+    it runs (the next one is prefetched) and the root (embedding, head) stays gathered."""
+    if fsdp <= 1:
+        return 0
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
+    if pp > 1:
+        return (dense + experts) * (compute_bytes + REDUCE_BYTES)
+    pc = count_params(m)
+    blocks_on_rank = [i for st in stages for i in st.layers]
+    biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
+    root = (pc.embedding + pc.output) // tp + pc.final_norm
+    unsharded = biggest * 2 * compute_bytes + root * compute_bytes
+    # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
+    # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
+    return unsharded + (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
 
 
 def heuristic_bytes_per_rank(total_params: int, *, model_shards: int) -> int:
@@ -482,6 +528,7 @@ def comm_per_step(
     sequence_parallel: bool,
     activation_checkpointing: str,
     ac_every: int = 2,
+    nvlink_domain: int = 0,
 ) -> list[CommItem]:
     """Collectives per optimizer step for the rank holding `stages`, by axis.
 
@@ -495,9 +542,38 @@ def comm_per_step(
     when recomputing) and the mirror image backward, plus one of each for the embedding and for the
     head; without SP, 2 all-reduces forward and one per column-parallel linear (5) backward.
     PP: one activation send forward and one gradient send backward per microbatch per stage boundary.
-    CP (ring attention): cp-1 K/V exchanges per block per forward, twice that backward. EP: dispatch
-    and combine all-to-all per MoE block per microbatch, per forward and backward.
+    CP: all-gather based, as Llama 3 (`_cp_items`). EP: dispatch and combine all-to-all per MoE block
+    per microbatch, per forward and backward, node-limited when `model.moe_max_nodes` is set
+    (`_ep_items`; `nvlink_domain`: GPUs per node, 0 = unknown: every copy on the ep axis).
     """
+    blocks = [i for st in stages for i in st.layers]
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+    s = seq_len // cp
+    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
+    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if i in moe)
+    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches)
+    if tp > 1:
+        items += _tp_items(blocks=len(blocks), recomputed=n_re, microbatches=microbatches, ends=int(first) + int(last),
+                           act=act, tp=tp, sequence_parallel=sequence_parallel)
+    if pp > 1:
+        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
+        per = act // tp if sequence_parallel and tp > 1 else act
+        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
+    if cp > 1:
+        items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
+                           micro_batch=micro_batch, tp=tp, cp=cp)
+    if ep > 1 and moe:
+        n = 2 * microbatches * (2 * len(moe) + moe_re)  # dispatch + combine, per forward and backward
+        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain)
+    return items
+
+
+def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
+                microbatches: int) -> list[CommItem]:
+    """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
+    their own dp degree), and HSDP's all-reduce of the shard over dp_replicate (see `comm_per_step`)."""
     items: list[CommItem] = []
     pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
@@ -506,15 +582,10 @@ def comm_per_step(
     roots = sum(1 for st in stages if st.first or st.last)  # root units that own parameters
     root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
     moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
-    s = seq_len // cp
-    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
-    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
-    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if m.n_routed_experts > 0 and i >= m.n_dense_layers)
-    block_dense = dense - root_elems
     if pp > 1:
         ag_count, ag_elems = len(blocks) + roots, dense
     else:
-        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * block_dense + root_elems)
+        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * (dense - root_elems) + root_elems)
     if fsdp > 1 and dense:
         items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", ag_count,
                               int(_ring(fsdp) * COMPUTE_BYTES * ag_elems), fsdp))
@@ -527,37 +598,62 @@ def comm_per_step(
                               int(gathers * _ring(edp) * COMPUTE_BYTES * experts), edp))
         items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
                               int(_ring(edp) * REDUCE_BYTES * experts), edp))
-    fsdp_groups = len(blocks) + roots
     if dp_replicate > 1:
         shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
-        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", fsdp_groups,
+        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", len(blocks) + roots,
                               int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
-    if tp > 1:
-        per_block = microbatches * len(blocks)
-        extra = int(first) + int(last)  # embedding reduce-scatter, head all-gather
-        if sequence_parallel:
-            n = 4 * per_block + 2 * microbatches * n_re + extra * microbatches
-            b = int(n * _ring(tp) * act)
-            items.append(CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp))
-            items.append(CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp))
-        else:
-            n = 7 * per_block + 2 * microbatches * n_re + extra * microbatches
-            items.append(CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp))
-    if pp > 1:
-        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
-        per = act // tp if sequence_parallel and tp > 1 else act
-        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
-    if cp > 1:
-        hd = m.dim // m.n_heads
-        kv_heads = m.n_heads if m.attention == "mla" else m.n_kv_heads
-        kv = COMPUTE_BYTES * s * micro_batch * 2 * kv_heads * hd // max(tp, 1)
-        n = microbatches * (cp - 1) * (3 * len(blocks) + n_re)
-        items.append(CommItem("send_recv", "cp", "bf16 K/V blocks (ring attention)", n, n * kv, cp))
-    if ep > 1 and moe_blocks:
-        n = 2 * microbatches * (2 * moe_blocks + moe_re)  # dispatch + combine, per forward and backward
-        tokens = COMPUTE_BYTES * s * micro_batch * m.experts_per_token * m.dim
-        items.append(CommItem("all_to_all", "ep", "bf16 routed tokens (dispatch + combine)", n, int(n * _ring(ep) * tokens), ep))
     return items
+
+
+def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
+              sequence_parallel: bool) -> list[CommItem]:
+    """Tensor parallel's activation collectives (see `comm_per_step`); `ends`: embedding and/or head held."""
+    per_block = microbatches * blocks
+    if sequence_parallel:
+        n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches
+        b = int(n * _ring(tp) * act)
+        return [CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp),
+                CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp)]
+    n = 7 * per_block + 2 * microbatches * recomputed + ends * microbatches
+    return [CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp)]
+
+
+def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,
+              tp: int, cp: int) -> list[CommItem]:
+    """Context parallel as Llama 3 runs it ("The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.2):
+    "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the
+    local query (Q) tensor chunk" (the sequence split into 2·cp load-balanced chunks), not ring
+    attention's cp-1 point-to-point exchanges. Per block and microbatch: one K/V all-gather forward
+    (again when the block is recomputed) and the reduce-scatter of dK/dV backward, each moving
+    (cp-1)/cp of the full sequence's K/V per rank."""
+    kv_local = kv_bytes_per_token(m, tp=tp) * s * micro_batch  # this rank's 1/cp of the sequence
+    ag = microbatches * (blocks + recomputed)
+    rs = microbatches * blocks
+    return [CommItem("all_gather", "cp", "bf16 K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
+            CommItem("reduce_scatter", "cp", "bf16 dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp)]
+
+
+def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: int, nvlink_domain: int) -> list[CommItem]:
+    """The MoE all-to-alls of `n` dispatch/combine calls. Without node-limited routing each of a
+    token's k routed copies goes straight to its expert's rank: k·(ep-1)/ep copies per token on the ep
+    axis. With `model.moe_max_nodes` = M (DeepSeek-V3: 4; "DeepSeek-V3 Technical Report", arXiv
+    2412.19437, §2.1.2 "Node-Limited Routing" and §3.2.2: tokens go by IB once to each target node, to
+    the GPU with the same in-node index, then by NVLink to the GPUs hosting their experts) a token
+    crosses IB to at most min(k, M, nodes) nodes, (nodes-1)/nodes of them remote, and its k copies
+    travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`."""
+    token = COMPUTE_BYTES * s * micro_batch * m.dim
+    k = m.experts_per_token
+    g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
+    nodes = ep // g if ep % g == 0 else -(-ep // g)
+    if m.moe_max_nodes <= 0 or nvlink_domain <= 0 or nodes <= 1:
+        return [CommItem("all_to_all", "ep", "bf16 routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
+    across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
+    return [
+        CommItem("all_to_all", "ep", f"bf16 routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
+                 int(n * across * token), ep),
+        CommItem("all_to_all", "ep_intra", "bf16 routed tokens forwarded to experts in the node", n,
+                 int(n * k * _ring(g) * token), g),
+    ]
 
 
 def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) -> bool:
@@ -565,6 +661,8 @@ def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) ->
     (pp, dp_replicate, dp_shard, cp, tp), so a group spans the product of its own size and every
     inner axis's size (ep is carved out of dp_shard · cp, innermost first)."""
     order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    if axis == "ep_intra":  # node-limited routing's NVLink leg (`_ep_items`)
+        return False
     if axis == "ep":
         span = shape.get("ep", 1) * shape.get("tp", 1)
     elif axis.startswith("dp_shard"):  # dp_shard, dp_shard*cp, dp_shard/ep: strided over all of dp_shard·cp·tp

@@ -69,8 +69,8 @@ def validate_for_planning(cfg: JobConfig):
     if mesh.cp > 1:
         if t.seq_len % (2 * mesh.cp):
             raise ValueError(
-                f"train.seq_len({t.seq_len}) % (2 * mesh.cp({mesh.cp})) != 0: causal ring attention splits the "
-                "sequence into 2*cp load-balanced chunks"
+                f"train.seq_len({t.seq_len}) % (2 * mesh.cp({mesh.cp})) != 0: causal context parallelism splits the "
+                "sequence into 2*cp load-balanced chunks (Llama 3 §3.3.2)"
             )
         if mesh.tp > 1 and mesh.sequence_parallel and (t.seq_len // mesh.cp) % mesh.tp:
             raise ValueError(
@@ -332,7 +332,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     comm = []
     items = P.comm_per_step(
         m, shapes[peak_pp], dp_replicate=dims.dp_replicate, fsdp=fsdp,
-        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **common,
+        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, nvlink_domain=cl.nvlink_domain, **common,
     )
     for it in items:
         bw, link = _bw(it.axis, shape, cl)

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 from jobs.config import ModelConfig
-from jobs.planner.arith import count_params
+from jobs.planner.arith import flops_per_token
 
 __all__ = ["model_flops_per_token", "achieved"]
 
 
 def model_flops_per_token(m: ModelConfig, *, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward, without recomputation: 6N + 12·L·H·Q·T.
-
-    N: parameters one token uses in matmuls, the embedding lookup excluded (the untied output head
-    counts); L layers, H query heads, Q head dim, T sequence length. Source: Chowdhery et al. 2022,
-    "PaLM", appendix B (the model-FLOPs definition of MFU), as in Megatron-LM's and nanoGPT's
-    `estimate_mfu`. The attention term is not halved for the causal mask (PaLM's convention;
-    `jobs.planner.arith.flops_per_token` halves it, as the Llama 3 paper does).
-    """
-    pc = count_params(m)
-    n = pc.active - pc.embedding
-    head_dim = m.dim // m.n_heads
-    return 6.0 * n + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
+    """Training FLOPs per token, forward + backward, without recomputation: the planner's formula
+    (`jobs.planner.arith.flops_per_token`), so the MFU a run logs and the MFU `jobs.plan` predicts
+    count the same work: 6N + 6·L·T·H·(d_qk + d_v)/2 (N the active matmul parameters, the embedding
+    lookup and norms excluded; causal attention halved, as the Llama 3 paper's MFU; MLA's 192/128 head
+    dims). PaLM's appendix B convention (12·L·H·Q·T, not halved) counts the attention term twice this."""
+    return flops_per_token(m, seq_len=seq_len)
 
 
 def achieved(*, flops_per_token: float, tokens_per_step: int, world_size: int, step_time_s: float,
