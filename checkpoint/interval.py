@@ -91,7 +91,7 @@ def _check(delta: float, mtbf: float) -> None:
 
 
 # Ledger events that are not failures of the machine: the job was stopped on purpose.
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss"})  # deliberate stops, bad input
+_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})  # deliberate stops, bad input
 
 
 def job_mtbf_s(
