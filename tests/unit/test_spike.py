@@ -227,3 +227,13 @@ def test_resume_repeats_the_skip_from_events_or_from_the_checkpoint_and_replaces
         assert h.records == [rec] and st.health["rollbacks"] == [rec], name
         assert (h.data_step(17), h.data_step(18), h.lr_scale) == (17, 21, 0.5), name
         assert fake.opt.param_groups[0]["lr"] == 0.1 / (fake.sched.last_epoch + 1) * 0.5, name
+
+
+def test_a_diverged_run_is_a_stop_with_its_own_exit_code_not_a_requeue():
+    from jobs import exitcodes
+    from jobs.failure.policy import decide
+
+    for cls in ("loss_spike", "non_finite_loss"):
+        d = decide([], cause=cls, cfg=FailureConfig(), restart_count=0)
+        assert (d.action, d.exit_code) == ("stop", exitcodes.DIVERGED) and exitcodes.DIVERGED == 77
+    assert decide([], cause="rank_crashed", cfg=FailureConfig(), restart_count=0).exit_code != exitcodes.DIVERGED
