@@ -490,7 +490,7 @@ class CheckpointManager:
                     aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
                     os.rename(final, aside)
                     self._emit("checkpoint_moved_aside", step=step, path=str(aside),
-                               reason="an uncommitted folder of this step was in the way")
+                               reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)")
                 os.rename(tmp, final)  # the commit
                 renamed = True
                 fsync_dir(self.folder)

@@ -80,8 +80,13 @@ def test_an_injected_spike_and_nan_roll_back_skip_their_data_and_the_run_finishe
     # Step 33 read data step 32 (skipped: the step before the NaN), then 34; step 50 the corrupted 51, then 53.
     assert [d for d, _ in logged[33]] == [32, 34] and [d for d, _ in logged[50]] == [51, 53]
     assert all(math.isfinite(loss) and loss < 5.0 for _, loss in final.values() if _ > 40)
-    kinds = [e["kind"] for e in _events(run.run_dir)]
+    events = _events(run.run_dir)
+    kinds = [e["kind"] for e in events]
     assert kinds.count("loss_spike") == 2 and "failure" not in kinds
+    # step_50 of the abandoned timeline (saved after the first spiking step) was never loaded, and was moved
+    # aside when the redone step 50 was saved.
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [30, 40]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_moved_aside"] == [50]
     assert sorted(p.name for p in (run.run_dir / "incidents/local.0").glob("rollback-*.json")) == [
         "rollback-1.json", "rollback-2.json"]
     assert json.loads((run.run_dir / "incidents/local.0/rollback-1.json").read_text())["cls"] == "non_finite_loss"
