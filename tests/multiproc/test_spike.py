@@ -133,7 +133,8 @@ def test_past_max_rollbacks_the_run_stops_for_good_with_a_summary(tmp_path: Path
     # step 22 to step 21; failure.max_rollbacks=1 is then spent.
     run = run_train(["train.steps=30", "mesh=single", "launcher.tasks_per_node=1", "checkpoint.every_steps=10",
                      "train.log_every=1", "failure.spike_skip_steps=2", "failure.max_rollbacks=1",
-                     f"data.path={data_path}"], tmp_path / "run", env={CORRUPT_VAR: "nan:13,nan:22"})
+                     "failure.spike_lr_scale=0.5", f"data.path={data_path}"], tmp_path / "run",
+                    env={CORRUPT_VAR: "nan:13,nan:22"})
     assert run.returncode == exitcodes.DIVERGED, run.stderr[-3000:]
     out = run.stdout + run.stderr
     assert "non_finite_loss at step 21 (loss nan, grad norm nan at step 21), and failure.max_rollbacks(1) " \
@@ -145,3 +146,12 @@ def test_past_max_rollbacks_the_run_stops_for_good_with_a_summary(tmp_path: Path
     assert [(e["action"], e["exit_code"]) for e in events if e["kind"] == "decision"] == [("stop", exitcodes.DIVERGED)]
     assert [e["cause"] for e in events if e["kind"] == "attempt_end"] == ["non_finite_loss"]
     assert max(m["step"] for m in _metrics(run.run_dir)) == 20
+    # failure.spike_lr_scale: the steps redone after the rollback ran at half the learning rate (x 0.5 is exact),
+    # so step 11's loss (before its update) is the same and step 12's is not.
+    logged: dict[int, list[dict]] = {}
+    for m in _metrics(run.run_dir):
+        logged.setdefault(m["step"], []).append(m)
+    for s in (11, 12, 13):
+        first, again = logged[s]
+        assert again["lr"] == first["lr"] * 0.5, s
+    assert logged[11][0]["loss"] == logged[11][1]["loss"] and logged[12][0]["loss"] != logged[12][1]["loss"]
