@@ -91,7 +91,7 @@ def _check(delta: float, mtbf: float) -> None:
 
 
 # Ledger events that are not failures of the machine: the job was stopped on purpose.
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss"})  # deliberate stops, bad input
+_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})  # deliberate stops, bad input
 
 
 def job_mtbf_s(
@@ -128,7 +128,7 @@ def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
     """(failures, seconds observed) from a run's events.jsonl records.
 
     A failure is a `failure` event whose class (`class` or `cls`) is not a deliberate stop or bad
-    input (preempted, walltime, config_error, nan_loss); an attempt counts once (its `attempt` id,
+    input (preempted, walltime, config_error, nan_loss, loss_spike, non_finite_loss); an attempt counts once (its `attempt` id,
     else its `restart` count), whoever reported it: a survivor or the next attempt for a dead rank.
     The observed time spans the first to the last event.
     """

@@ -161,13 +161,20 @@ class CheckpointManager:
         optimizers: Sequence[torch.optim.Optimizer],
         lr_schedulers: Sequence[Any] = (),
         train_state: Any | None = None,
+        before_step: int | None = None,
     ) -> int:
         """Restores the newest valid checkpoint into the given objects and returns its step (0 when
         none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
         the objects that later `save` calls write. Every rank skips, loads or raises together: a
-        candidate that fails to validate or load on any one rank is skipped by all."""
+        candidate that fails to validate or load on any one rank is skipped by all. `before_step`:
+        only checkpoints of a step < before_step are candidates (a rollback past a loss spike)."""
         if len(model_parts) != len(optimizers):
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
+        # A save in flight is committed (or its failure raised) and a retention pass is over before the
+        # folder is listed: a later load (a rollback) must neither delete that save's tmp nor race a deletion.
+        self.wait()
+        if self._retaining is not None:
+            self._retaining.result()
         self._bound = {
             "model_parts": list(model_parts),
             "optimizers": list(optimizers),
@@ -183,7 +190,7 @@ class CheckpointManager:
         if not self.cfg.enabled:
             return 0
         t0 = time.perf_counter()
-        steps = self._candidate_steps()
+        steps = [s for s in self._candidate_steps() if before_step is None or s < before_step]
         touched = False
         for step in steps:
             d = self.folder / f"step_{step}"
@@ -209,7 +216,7 @@ class CheckpointManager:
                 f"every checkpoint under {self.folder} failed to load after one was partly read, so the "
                 "model state is undefined; see checkpoint_skipped in events.jsonl, move the damaged ones aside"
             )
-        self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps))
+        self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
         return 0
 
     def due(self, step: int, *, step_time_s: float | None = None) -> bool:
@@ -483,7 +490,7 @@ class CheckpointManager:
                     aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
                     os.rename(final, aside)
                     self._emit("checkpoint_moved_aside", step=step, path=str(aside),
-                               reason="an uncommitted folder of this step was in the way")
+                               reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)")
                 os.rename(tmp, final)  # the commit
                 renamed = True
                 fsync_dir(self.folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class TrainState:
     tokens_seen: int = 0  # tokens consumed across all ranks
     loss_tail: list[float] = field(default_factory=list)  # the last `tail_len` logged losses
     tail_len: int = 100  # how many losses loss_tail keeps
+    health: dict[str, Any] = field(default_factory=dict)  # training health (jobs.failure.spike): detector, rollbacks
 
     def record(self, *, step: int, loss: float, tokens: int) -> None:
         """Marks `step` done, having consumed `tokens` more tokens with loss `loss`."""
@@ -28,12 +30,14 @@ class TrainState:
         del self.loss_tail[: -self.tail_len]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail)}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail),
+                "health": copy.deepcopy(self.health)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd["tokens_seen"])
         self.loss_tail = [float(x) for x in sd["loss_tail"]][-self.tail_len :]
+        self.health = copy.deepcopy(sd.get("health", {}))  # absent in checkpoints older than it
 
 
 def capture_rng() -> dict[str, Any]:

@@ -7,3 +7,4 @@ ENV_ERROR = 3  # the environment is wrong: rendezvous failed, a collective timed
 RANK_DIED = 4  # the local launcher saw a rank killed by a signal and stopped the others
 REQUEUE = 75  # stopped on purpose to be requeued (a stop signal, or an incident a restart cures): run again with the same run.dir
 STOPPED = 76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)
+DIVERGED = 77  # stopped for good: the loss diverged past failure.max_rollbacks (or no checkpoint before the spike); do NOT requeue

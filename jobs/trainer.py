@@ -25,6 +25,7 @@ from jobs.config import JobConfig, OptimConfig, config_hash
 from jobs.device import rank_device
 from jobs.events import EventLog, read_events
 from jobs.failure.signals import StopSignals
+from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
 from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import DistEnv
@@ -158,9 +159,13 @@ class Trainer:
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
+        # Loss spikes: the step -> data step map, rollbacks and their LR scale (jobs/failure/spike.py).
+        self.health = TrainingHealth(cfg.failure, rank=env.rank, run_dir=cfg.run.dir, attempt=env.attempt,
+                                     emit=events.emit, events_path=events.path, vocab_size=cfg.model.vocab_size)
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
-                s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio))
+                s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio)
+                * self.health.lr_scale)
             for opt in self.optimizers
         ]
         self.data = BatchSource(
@@ -227,7 +232,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         with self.memory.track(step):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts))
             local_loss = self.forward_backward(inputs, targets)
             if not self.derived.dims.fsdp_enabled:
                 _replicate_partial_grads(self.parts)
@@ -246,9 +251,10 @@ class Trainer:
         attempt early (after saving that step; before the first step, without a save)."""
         cfg, st = self.cfg.train, self.state
         self._phase("load")
-        # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0.
-        self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
-                              lr_schedulers=self.lr_schedulers, train_state=st)
+        # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0;
+        # then every recorded rollback's data skip and LR scale again.
+        self._load()
+        self.health.resume(st, load=self._load, schedulers=self.lr_schedulers, agree=self._agree)
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
                          microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
@@ -261,8 +267,8 @@ class Trainer:
         while st.step < cfg.steps:
             m = self.train_step(st.step)
             stop = m.pop("stop") and st.step + 1 < cfg.steps  # a signal during the last step changes nothing
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {st.step + 1}; lower optim.lr or check the data")
+            if self.health.after_step(st, m, load=self._load, schedulers=self.lr_schedulers):
+                continue  # a loss spike: rolled back to an earlier checkpoint (st.step is its step now)
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
             self._after_step(st.step, m, step_times)
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
@@ -275,6 +281,18 @@ class Trainer:
         self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
         return "done"
+
+    def _load(self, before_step: int | None = None) -> int:
+        """The newest valid checkpoint (of a step < before_step) into the model, optimizers, schedulers and state."""
+        return self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
+                                     lr_schedulers=self.lr_schedulers, train_state=self.state, before_step=before_step)
+
+    def _agree(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _agree_stop(self) -> bool:
         """Whether any rank already holds a stop signal (one all-reduce before the first step)."""

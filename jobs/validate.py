@@ -197,6 +197,7 @@ def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
 def _check_failure(cfg: JobConfig) -> None:
     """The failure policy: signals that exist, timeouts that can fire, budgets that can be met."""
     from jobs.failure.signals import parse_signals
+    from jobs.failure.spike import check_config as check_spike
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
@@ -213,6 +214,7 @@ def _check_failure(cfg: JobConfig) -> None:
         raise ValueError(f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
     _check_health(f)
+    check_spike(f)
 
 
 def _check_health(f: FailureConfig) -> None:

@@ -80,7 +80,8 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
         return Decision("none", f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
                         exitcodes.REQUEUE, **facts)
     if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
-        code = exitcodes.CONFIG_ERROR if cause == "config_error" else exitcodes.FAILED
+        code = {"config_error": exitcodes.CONFIG_ERROR, "loss_spike": exitcodes.DIVERGED,
+                "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
     if restart is not None and restart.supervised and cause in RESTART_CLASSES and fruitless < cfg.max_attempts_without_progress:
         why = _no_restart(restart, cfg)

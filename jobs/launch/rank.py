@@ -22,7 +22,9 @@ from jobs.config import JobConfig
 from jobs.device import backend_for, export_environ, rank_device
 from jobs.events import EventLog
 from jobs.failure.respond import AttemptContext, conclude, on_failure
+from jobs.failure.policy import claim, read_decision
 from jobs.failure.signals import StopSignals
+from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
@@ -96,14 +98,16 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         trainer = Trainer(cfg, derived, env, events=events, stop=stop, watchdog=watchdog)
         during = "train"
         outcome = trainer.fit()
-    except FloatingPointError as e:
+    except LossDiverged as e:  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
         log.error("%s", e)
         watchdog.stop()
         health.stop()
-        if env.rank != 0:  # every rank sees the same all-reduced loss; rank 0 records and decides
-            return exitcodes.FAILED
-        events.emit("failure", cls="nan_loss", error=str(e), suspects=[])
-        return conclude(ctx, cause="nan_loss", step=watchdog.beat.step)
+        if env.rank != 0:  # every rank saw the same all-reduced losses; rank 0 records and decides
+            d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+            return int(d["exit_code"]) if d else exitcodes.DIVERGED
+        claim(cfg.run.dir, env.attempt)
+        events.emit("failure", cls=e.cls, error=str(e), suspects=[])
+        return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
         log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
         _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))

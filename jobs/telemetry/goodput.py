@@ -32,7 +32,7 @@ KINDS = ("productive", "startup", "checkpoint_stall", "lost_work", "restart_gap"
 
 # Attempt ends that are not failures of the machine: a finished run, a stop signal, a deliberate stop,
 # bad input. The same classes as checkpoint.interval._NOT_FAILURES (a unit test keeps them equal).
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss"})
+_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,9 +86,9 @@ def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp
     assert (incident["cls"], incident["reported_by"], incident["suspects"][0]["pid"]) == ("dead_rank", -1, victim)
 
 
-def test_a_rank_that_raises_fails_the_run_with_its_exit_code(tmp_path: Path, data_path: str) -> None:
+def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_77(tmp_path: Path, data_path: str) -> None:
     # A data file that does not match the model is refused on the launcher before any rank starts,
-    # so break the run inside the ranks instead: a NaN learning rate makes the first loss non-finite.
+    # so break the run inside the ranks instead: a huge learning rate makes the second step non-finite.
     run_dir = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=5", f"data.path={data_path}",
@@ -96,11 +96,13 @@ def test_a_rank_that_raises_fails_the_run_with_its_exit_code(tmp_path: Path, dat
          "optim.grad_clip=0", "optim.warmup_steps=1"],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
-    assert p.returncode == exitcodes.FAILED, p.stderr[-3000:]
-    assert "lower optim.lr" in p.stdout + p.stderr
+    # A non-finite loss (the grad norm at step 2) rolls back (jobs/failure/spike.py); with no checkpoint to go
+    # back to, the run stops for good.
+    assert p.returncode == exitcodes.DIVERGED, p.stderr[-3000:]
+    assert "no committed checkpoint before step 2" in p.stdout + p.stderr and "Lower optim.lr" in p.stdout + p.stderr
     failures = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()
                 if json.loads(l)["kind"] == "failure"]
-    assert failures and failures[0]["cls"] == "nan_loss"
+    assert failures and failures[0]["cls"] == "non_finite_loss"
 
 
 def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_path: Path, data_path: str) -> None:
