@@ -152,6 +152,17 @@ class FailureConfig:
     health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only
     health_temp_warn_c: float = 85.0  # a GPU this hot without a thermal clock event: a warning event, no incident
     health_failing_xids: list[int] = field(default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])  # XIDs that fail the GPU (others warn)
+    straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
+    straggler_intervals: int = 3  # consecutive slow log intervals before a straggler event (K)
+    straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)
+    straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
+    exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+
+
+@dataclass
+class MetricsConfig:
+    phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
+    tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
 
 
 @dataclass
@@ -177,6 +188,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
