@@ -4,7 +4,8 @@ and checkpoint, appended by each rank to its own `RUN_DIR/telemetry/rank<r>.h5`.
 The file (read by `jobs.telemetry.run_report.read_phases`): one chunked, resizable 1-D float64 dataset
 per phase (seconds in that phase during the step; 0 when the step had none, e.g. `checkpoint`), and
 `step` (int), `attempt` (int, an index into the file attribute `attempts`, a JSON list of attempt
-names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end).
+names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end);
+on a CPU rank, the group `cpu/` holds the same phases in CPU seconds (what the straggler checks judge).
 
 Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
 resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
@@ -32,9 +33,10 @@ __all__ = ["PHASES", "PhaseTimer", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_fr
 PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
 META = ("step", "attempt", "time")  # datasets of the file that are not phases
 
-# TEST-ONLY fault injection (like tests/chaos): "<rank|all>:<phase>:<factor>" makes the phase timer sleep
-# (factor - 1) x the phase's measured time at the end of that phase, so the phase takes factor x as long.
-# Read once when the timer is built; never set it in a real run.
+# TEST-ONLY fault injection (like tests/chaos): "<rank|all>:<phase>:<factor>" makes the phase timer spin
+# (burn CPU, as a slower chip would compute longer) for (factor - 1) x the phase's measured CPU time at
+# the end of that phase, so the phase costs factor x as much. CPU ranks only. Read once when the timer
+# is built; never set it in a real run.
 SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
 
 
@@ -73,7 +75,12 @@ def phase_names(*, pp: bool) -> tuple[str, ...]:
 class PhaseTimer:
     """Times the phases of each step on this rank; `with timer.phase("forward"): ...` adds to the step's row.
 
-    On CPU a phase is `time.perf_counter()` around it (the work is done when the call returns). On CUDA
+    On CPU a phase is `time.perf_counter()` around it (the work is done when the call returns): that
+    wall time goes to the file. The straggler checks get the phase's CPU time instead (`process_time`,
+    all of the rank's threads): a rank waiting in a gloo collective sleeps, so its wait for a slower
+    peer costs no CPU and does not make it look slow, and a busy machine's neighbours do not count (on
+    the loaded 2-core CI machine the wall time of one phase varied 2x between intervals of a healthy
+    run, tests/multiproc/test_stragglers.py). On CUDA
     the kernels are only queued when the call returns, so a host clock would time the launch, not the
     work, and a `torch.cuda.synchronize()` per phase would stall the queue (and cost more than the 3%
     budget). Instead a pair of CUDA events is recorded on the current stream around each phase and read
@@ -90,8 +97,9 @@ class PhaseTimer:
         self.names = phase_names(pp=pp)
         self.cuda = device_type == "cuda"
         self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
+        self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks): what stragglers judge
         self._events: list[tuple[str, object, object]] = []
-        self._rows: list[tuple[int, float, list[float]]] = []  # (step, time, seconds per phase) not yet written
+        self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
         self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
 
     @contextlib.contextmanager
@@ -109,11 +117,14 @@ class PhaseTimer:
             end.record()
             self._events.append((name, start, end))
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         yield
         if self.slow is not None and self.slow.phase == name:  # test-only (MESHJOB_TEST_SLOW_PHASE)
-            time.sleep((self.slow.factor - 1.0) * (time.perf_counter() - t0))
+            until = time.process_time() + (self.slow.factor - 1.0) * (time.process_time() - c0)
+            while time.process_time() < until:
+                pass
         self._row[name] += time.perf_counter() - t0
+        self._cpu[name] += time.process_time() - c0
 
     def end_step(self, step: int) -> None:
         """Closes the step's row (phases it did not enter stay 0)."""
@@ -123,13 +134,18 @@ class PhaseTimer:
             end.synchronize()
             self._row[name] += start.elapsed_time(end) / 1e3
         self._events.clear()
-        row = [self._row[n] for n in self.names]
-        self._rows.append((step, time.time(), row))
-        self.interval.append(row)
-        self._row = dict.fromkeys(self.names, 0.0)
+        row, cpu = [self._row[n] for n in self.names], [self._cpu[n] for n in self.names]
+        self._rows.append((step, time.time(), row, cpu))
+        self.interval.append(row if self.cuda else cpu)
+        self._row, self._cpu = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0)
+
+    @property
+    def clock(self) -> str:
+        """What the straggler checks compare: CUDA event time, or CPU time on a CPU rank."""
+        return "cuda" if self.cuda else "cpu"
 
     def take_interval(self) -> np.ndarray:
-        """Median seconds per step of each phase over the steps since the last call (NaN when none)."""
+        """Median seconds per step of each phase (`clock`) over the steps since the last call (NaN when none)."""
         rows, self.interval = self.interval, []
         return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
 
@@ -150,14 +166,16 @@ class PhaseTimer:
                     "attempt": [attempts.index(self.attempt)] * len(rows)}
             cols.update({n: [r[2][i] for r in rows] for i, n in enumerate(self.names)})
             _append(f, cols)
+            if not self.cuda:
+                _append(f.require_group("cpu"), {n: [r[3][i] for r in rows] for i, n in enumerate(self.names)})
 
 
 def _append(f, cols: dict[str, list[float]]) -> None:
     """Appends equal-length columns; a dataset this attempt does not write (a phase of another mesh)
     is padded with NaN, and a new one starts with NaN for the rows before it."""
-    old = max((len(f[k]) for k in f), default=0)
+    old = max((len(ds) for ds in f.values() if hasattr(ds, "shape")), default=0)
     n = len(next(iter(cols.values())))
-    for name in set(f) | set(cols):
+    for name in {k for k, ds in f.items() if hasattr(ds, "shape")} | set(cols):
         if name not in f:
             dtype = "i8" if name in ("step", "attempt") else "f8"
             f.create_dataset(name, shape=(old,), maxshape=(None,), chunks=(1024,), dtype=dtype,

@@ -3,15 +3,18 @@
 - relative: a rank whose phase time exceeds the median of its peers by `failure.straggler_ratio` (and by
   `failure.straggler_min_diff_s`, so microsecond phases never count) for `failure.straggler_intervals`
   consecutive intervals. `collective` is not judged: a rank waits there for the others, so the fast
-  ranks look slow in it. A wait can also land inside the next phase that holds a collective (FSDP's
-  all-gathers in forward, its reduce-scatters in backward): a straggler in `forward` can make its peers'
-  `backward` look slow. The earliest phase in step order is the cause.
+  ranks look slow in it. Their wait can also land inside any other phase that synchronises (FSDP's
+  all-gathers in the next microbatch's forward, its reduce-scatters in backward): a rank slowed in
+  `backward` makes its peers' `forward` look slow. A peer's wait is at most the straggler's own
+  excess, split over the peer's phases, so in each interval only the rank with the largest excess
+  (seconds over its peers' median) counts; a second, lesser straggler is named once the first is gone.
 - absolute: the median over ranks of a phase against a baseline of the same model, mesh, batch and
   cluster profile, kept from an earlier healthy run (a JSON file under `failure.straggler_baseline_root`,
   written at the end of a run that finished without a straggler or failure event): catches a slowdown
   that hits every rank at once, which no peer comparison can see.
 
-Each detection is a `straggler` event (`check` = relative | absolute); with
+The times compared are `PhaseTimer.clock`'s: CUDA event time on a GPU, CPU time on a CPU rank (a
+rank waiting for its peers in gloo sleeps; see jobs/telemetry/phases.py). Each detection is a `straggler` event (`check` = relative | absolute); with
 `failure.exclude_stragglers=true` a relative straggler's node goes on the run's quarantine list.
 The first interval of an attempt (warm-up) is neither judged nor kept for the baseline.
 """
@@ -64,17 +67,22 @@ class StragglerDetector:
         return v > ref * self.ratio and v - ref > self.min_diff_s
 
     def _relative(self, m: np.ndarray) -> list[Detection]:
-        out = []
+        """Counts only the rank with the largest excess over its peers (see the module docstring)."""
+        slow: dict[tuple[int, str], tuple[float, float]] = {}  # (rank, phase) -> (seconds, peers' median)
         for j, name in enumerate(self.names):
-            if name in NOT_JUDGED or m.shape[0] < 2:
-                continue
-            for r in range(m.shape[0]):
-                ref = float(np.median(np.delete(m[:, j], r)))
-                n = self._rel.get((r, name), 0) + 1 if self._slow(float(m[r, j]), ref) else 0
-                self._rel[(r, name)] = n
-                if n == self.intervals:
-                    out.append(Detection("relative", name, [r], float(m[r, j]) / ref, float(m[r, j]), ref))
-        return out
+            for r in range(m.shape[0] if name not in NOT_JUDGED else 0):
+                ref = float(np.median(np.delete(m[:, j], r))) if m.shape[0] > 1 else float("nan")
+                if self._slow(float(m[r, j]), ref):
+                    slow[(r, name)] = (float(m[r, j]), ref)
+        top = max(slow, key=lambda k: slow[k][0] - slow[k][1])[0] if slow else None
+        out = []
+        for key in set(self._rel) | set(slow):
+            n = self._rel.get(key, 0) + 1 if key in slow and key[0] == top else 0
+            self._rel[key] = n
+            if n == self.intervals:
+                v, ref = slow[key]
+                out.append(Detection("relative", key[1], [key[0]], v / ref, v, ref))
+        return sorted(out, key=lambda d: (d.ranks, self.names.index(d.phase)))
 
     def _absolute(self, m: np.ndarray) -> list[Detection]:
         out = []
@@ -144,7 +152,8 @@ class StepTelemetry:
     def _report(self, d: Detection, step: int) -> None:
         nodes = sorted({self.nodes[r] for r in d.ranks}) if d.ranks != "all" else sorted(set(self.nodes))
         self.emit("straggler", check=d.check, phase=d.phase, ranks=d.ranks, nodes=nodes, ratio=round(d.ratio, 4),
-                  seconds=d.seconds, reference_s=d.reference_s, intervals=self.detector.intervals, step=step)
+                  seconds=d.seconds, reference_s=d.reference_s, clock=self.timer.clock,
+                  intervals=self.detector.intervals, step=step)
         if self.on_straggler is not None and d.check == "relative":
             self.on_straggler(nodes, d)
 
@@ -155,5 +164,5 @@ class StepTelemetry:
             return False
         med = np.median(np.array(self.history), axis=0)
         phases = {n: float(v) for n, v in zip(self.timer.names, med) if n not in NOT_JUDGED and np.isfinite(v)}
-        write_baseline(self.baseline_path, phases, intervals=len(self.history), **about)
+        write_baseline(self.baseline_path, phases, clock=self.timer.clock, intervals=len(self.history), **about)
         return True
