@@ -5,7 +5,8 @@ The file (read by `jobs.telemetry.run_report.read_phases`): one chunked, resizab
 per phase (seconds in that phase during the step; 0 when the step had none, e.g. `checkpoint`), and
 `step` (int), `attempt` (int, an index into the file attribute `attempts`, a JSON list of attempt
 names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end);
-on a CPU rank, the group `cpu/` holds the same phases in CPU seconds (what the straggler checks judge).
+on a CPU rank, the 2-D dataset `cpu` (rows x phases, its attribute `phases` names the columns) holds
+the same phases in CPU seconds (what the straggler checks judge).
 
 Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
 resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
@@ -31,7 +32,7 @@ __all__ = ["PHASES", "PhaseTimer", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_fr
            "in_step_order", "META"]
 
 PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
-META = ("step", "attempt", "time")  # datasets of the file that are not phases
+META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not phases
 
 # TEST-ONLY fault injection (like tests/chaos): "<rank|all>:<phase>:<factor>" makes the phase timer spin
 # (burn CPU, as a slower chip would compute longer) for (factor - 1) x the phase's measured CPU time at
@@ -165,21 +166,25 @@ class PhaseTimer:
             cols = {"step": [r[0] for r in rows], "time": [r[1] for r in rows],
                     "attempt": [attempts.index(self.attempt)] * len(rows)}
             cols.update({n: [r[2][i] for r in rows] for i, n in enumerate(self.names)})
+            if not self.cuda and ("cpu" not in f or json.loads(f["cpu"].attrs["phases"]) == list(self.names)):
+                cols["cpu"] = [r[3] for r in rows]  # (another mesh's columns: left NaN for this attempt)
             _append(f, cols)
-            if not self.cuda:
-                _append(f.require_group("cpu"), {n: [r[3][i] for r in rows] for i, n in enumerate(self.names)})
+            if "cpu" in cols and "phases" not in f["cpu"].attrs:
+                f["cpu"].attrs["phases"] = json.dumps(self.names)
 
 
-def _append(f, cols: dict[str, list[float]]) -> None:
-    """Appends equal-length columns; a dataset this attempt does not write (a phase of another mesh)
-    is padded with NaN, and a new one starts with NaN for the rows before it."""
-    old = max((len(ds) for ds in f.values() if hasattr(ds, "shape")), default=0)
-    n = len(next(iter(cols.values())))
-    for name in {k for k, ds in f.items() if hasattr(ds, "shape")} | set(cols):
-        if name not in f:
+def _append(f, cols: dict[str, list]) -> None:
+    """Appends equal-length columns (`cpu` is 2-D: rows x phases); a dataset this attempt does not
+    write (a phase of another mesh) is padded with NaN, and a new one starts with NaN for the rows before it."""
+    have = {name: f[name] for name in f}  # each dataset looked up once (h5py's lookups are the cost)
+    old = have["step"].shape[0] if "step" in have else 0
+    n = len(cols["step"])
+    for name in have.keys() | cols.keys():
+        ds = have.get(name)
+        if ds is None:
             dtype = "i8" if name in ("step", "attempt") else "f8"
-            f.create_dataset(name, shape=(old,), maxshape=(None,), chunks=(1024,), dtype=dtype,
-                             fillvalue=-1 if dtype == "i8" else np.nan)
-        ds = f[name]
-        ds.resize((old + n,))
+            width = (len(cols[name][0]),) if name == "cpu" else ()
+            ds = f.create_dataset(name, shape=(old, *width), maxshape=(None, *width), chunks=(1024, *width),
+                                  dtype=dtype, fillvalue=-1 if dtype == "i8" else np.nan)
+        ds.resize(old + n, axis=0)
         ds[old:] = cols[name] if name in cols else np.nan

@@ -127,7 +127,8 @@ def test_flushes_append_rows_and_a_restarted_attempt_appends_under_its_own_index
     with h5py.File(tmp_path / "telemetry" / "rank3.h5", "r") as f:
         assert json.loads(f.attrs["attempts"]) == ["job.0", "job.1"]
         assert f["step"][:].tolist() == [1, 2, 3, 3, 4] and f["attempt"][:].tolist() == [0, 0, 0, 1, 1]
-        assert set(f) == {*NAMES, "step", "attempt", "time", "cpu"} and len(f["cpu/backward"]) == 5
+        assert set(f) == {*NAMES, "step", "attempt", "time", "cpu"} and f["cpu"].shape == (5, len(NAMES))
+        assert json.loads(f["cpu"].attrs["phases"]) == list(NAMES)
         assert f["data"].chunks is not None and f["data"].maxshape == (None,)
     assert set(read_phases(tmp_path / "telemetry")[3]) == set(NAMES)  # step/attempt/time/cpu are not phases
 
@@ -141,6 +142,7 @@ def test_a_phase_another_attempt_did_not_time_is_nan_and_ignored_by_the_report(t
         t.flush()
     with h5py.File(tmp_path / "telemetry" / "rank0.h5", "r") as f:
         assert np.isnan(f["forward"][1]) and np.isnan(f["pp_step"][0]) and f["pp_step"][1] >= 0.01
+        assert f["cpu"].shape == (2, 6) and np.isnan(f["cpu"][1]).all()  # the pp attempt's 5 columns do not fit
         forward, pp_step = float(f["forward"][0]), float(f["pp_step"][1])
     assert read_phases(tmp_path / "telemetry")[0] | {} == pytest.approx(
         {"data": 0.0, "forward": forward, "pp_step": pp_step, "collective": 0.0, "optimizer": 0.0, "checkpoint": 0.0,
