@@ -85,8 +85,9 @@ class PhaseTimer:
     the kernels are only queued when the call returns, so a host clock would time the launch, not the
     work, and a `torch.cuda.synchronize()` per phase would stall the queue (and cost more than the 3%
     budget). Instead a pair of CUDA events is recorded on the current stream around each phase and read
-    (`elapsed_time`, after `synchronize()` on the last event) only when the step ends: the trainer's
-    loss/grad-norm all-reduce already waits for the stream with `float()`, so this adds no stall. An
+    (`elapsed_time`, after `synchronize()` on its end event) only at the log interval, when the rows are
+    flushed and judged: by then the stream has long passed those events (the trainer's loss/grad-norm
+    all-reduce waits for the stream with `float()` every step), so reading them adds no stall. An
     event pair measures stream time between the two points: the phase's kernels, plus any gap where
     the stream waited for the host or another stream (an NCCL wait shows up where it happens).
     """
@@ -99,7 +100,8 @@ class PhaseTimer:
         self.cuda = device_type == "cuda"
         self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
         self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks): what stragglers judge
-        self._events: list[tuple[str, object, object]] = []
+        self._events: list[tuple[str, object, object]] = []  # this step's CUDA (phase, start, end)
+        self._pending: list[tuple[list[float], list[tuple[str, object, object]]]] = []  # rows whose events are unread
         self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
         self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
 
@@ -131,11 +133,10 @@ class PhaseTimer:
         """Closes the step's row (phases it did not enter stay 0)."""
         if not self.enabled:
             return
-        for name, start, end in self._events:
-            end.synchronize()
-            self._row[name] += start.elapsed_time(end) / 1e3
-        self._events.clear()
         row, cpu = [self._row[n] for n in self.names], [self._cpu[n] for n in self.names]
+        if self._events:
+            self._pending.append((row, self._events))
+            self._events = []
         self._rows.append((step, time.time(), row, cpu))
         self.interval.append(row if self.cuda else cpu)
         self._row, self._cpu = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0)
@@ -145,8 +146,17 @@ class PhaseTimer:
         """What the straggler checks compare: CUDA event time, or CPU time on a CPU rank."""
         return "cuda" if self.cuda else "cpu"
 
+    def _read_events(self) -> None:
+        """Adds the CUDA events' times to their rows (the rows are shared with `interval`)."""
+        for row, events in self._pending:
+            for name, start, end in events:
+                end.synchronize()
+                row[self.names.index(name)] += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+
     def take_interval(self) -> np.ndarray:
         """Median seconds per step of each phase (`clock`) over the steps since the last call (NaN when none)."""
+        self._read_events()
         rows, self.interval = self.interval, []
         return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
 
@@ -156,6 +166,7 @@ class PhaseTimer:
             return
         import h5py
 
+        self._read_events()
         rows, self._rows = self._rows, []
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(self.path, "a") as f:

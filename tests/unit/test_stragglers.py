@@ -214,3 +214,44 @@ def test_tensorboard_scalars_read_back_with_event_accumulator(tmp_path: Path) ->
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert set(acc.Tags()["scalars"]) == {"loss", "lr", "tokens_per_s"}
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 5.5), (2, 4.25)]
+
+
+class _FakeEvent:
+    """A CUDA event on a fake clock: `elapsed_time` in ms, readable only after `synchronize()`."""
+
+    clock_ms = 0.0
+    synced: list["_FakeEvent"] = []
+
+    def __init__(self, enable_timing: bool) -> None:
+        self.at, self.done = None, False
+
+    def record(self) -> None:
+        self.at = _FakeEvent.clock_ms
+
+    def synchronize(self) -> None:
+        self.done = True
+        _FakeEvent.synced.append(self)
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert end.done, "read before synchronize()"
+        return end.at - self.at
+
+
+def test_on_cuda_phases_are_event_pairs_read_only_at_the_log_interval(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False, device_type="cuda")
+    for step, ms in ((1, 30.0), (2, 50.0)):
+        with t.phase("forward"):
+            _FakeEvent.clock_ms += ms
+        with t.phase("backward"):
+            _FakeEvent.clock_ms += 2 * ms
+        t.end_step(step)
+    assert _FakeEvent.synced == []  # no synchronize per step
+    t.flush()
+    assert len(_FakeEvent.synced) == 4
+    assert t.take_interval()[[F, B]].tolist() == pytest.approx([0.04, 0.08])  # medians of (30, 50) and (60, 100) ms
+    with h5py.File(tmp_path / "telemetry" / "rank0.h5", "r") as f:
+        assert f["forward"][:].tolist() == pytest.approx([0.03, 0.05]) and "cpu" not in f
+    assert t.clock == "cuda"
