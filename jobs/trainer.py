@@ -172,7 +172,8 @@ class Trainer:
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self.telemetry = build_step_telemetry(cfg, env, events=events, pp=dims.pp_enabled, mesh=dims.describe(),
-                                              device=self.device, mixed_precision=self.mixed_precision)
+                                              device=self.device, mixed_precision=self.mixed_precision,
+                                              pp_rank=self.mesh["pp"].get_local_rank() if dims.pp_enabled else 0)
         self.timer = self.telemetry.timer  # `with self.timer.phase(name):` around each part of a step
         self.tensorboard = None
         if cfg.metrics.tensorboard and env.rank == 0:

@@ -36,17 +36,20 @@ def healthy_run(events_path: Path) -> bool:
 
 
 def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: bool, mesh: str,
-                         device: torch.device, mixed_precision: str) -> StepTelemetry:
-    """Every rank builds one; with metrics.phase_timing=false it times nothing and never communicates."""
+                         device: torch.device, mixed_precision: str, pp_rank: int = 0) -> StepTelemetry:
+    """Every rank builds one; with metrics.phase_timing=false it times nothing and never communicates.
+    `pp_rank`: this rank's pipeline stage coordinate (the relative check compares within a stage)."""
     f, on = cfg.failure, cfg.metrics.phase_timing
     timer = PhaseTimer(cfg.run.dir, rank=env.rank, attempt=env.attempt, pp=pp, device_type=device.type,
                        enabled=on, slow=slow_phase_from_env(env.rank))
     path = baseline_path(cfg, mesh=mesh, device=device.type, mixed_precision=mixed_precision)
+    where = [(env.hostname, pp_rank)] * env.world_size
+    if on and env.world_size > 1:  # once per attempt: each rank's node (for the events) and pipeline stage
+        dist.all_gather_object(where, (env.hostname, pp_rank))
+    nodes = [n for n, _ in where]
     detector = StragglerDetector(timer.names, ratio=f.straggler_ratio, intervals=f.straggler_intervals,
-                                 min_diff_s=f.straggler_min_diff_s, baseline=read_baseline(path) if on else None)
-    nodes = [env.hostname] * env.world_size
-    if on and env.world_size > 1:  # once per attempt: which node each rank is on (for the events)
-        dist.all_gather_object(nodes, env.hostname)
+                                 min_diff_s=f.straggler_min_diff_s, baseline=read_baseline(path) if on else None,
+                                 groups=[s for _, s in where])
 
     def gather(vec: np.ndarray) -> np.ndarray:
         """One all-reduce of a [world x phases] float64 tensor holding this rank's row: every rank's row."""

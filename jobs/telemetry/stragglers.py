@@ -2,7 +2,8 @@
 
 - relative: a rank whose phase time exceeds the median of its peers by `failure.straggler_ratio` (and by
   `failure.straggler_min_diff_s`, so microsecond phases never count) for `failure.straggler_intervals`
-  consecutive intervals. `collective` is not judged: a rank waits there for the others, so the fast
+  consecutive intervals. Peers are the ranks of the same pipeline stage (stages differ in work).
+  `collective` is not judged: a rank waits there for the others, so the fast
   ranks look slow in it. Their wait can also land inside any other phase that synchronises (FSDP's
   all-gathers in the next microbatch's forward, its reduce-scatters in backward): a rank slowed in
   `backward` makes its peers' `forward` look slow. A peer's wait is at most the straggler's own
@@ -56,6 +57,7 @@ class StragglerDetector:
     intervals: int = 3
     min_diff_s: float = 0.005
     baseline: dict[str, float] | None = None
+    groups: list[int] | None = None  # per rank: ranks compare only with peers of the same group (pipeline stage)
     _rel: dict[tuple[int, str], int] = field(default_factory=dict)
     _abs: dict[str, int] = field(default_factory=dict)
 
@@ -71,7 +73,8 @@ class StragglerDetector:
         slow: dict[tuple[int, str], tuple[float, float]] = {}  # (rank, phase) -> (seconds, peers' median)
         for j, name in enumerate(self.names):
             for r in range(m.shape[0] if name not in NOT_JUDGED else 0):
-                ref = float(np.median(np.delete(m[:, j], r))) if m.shape[0] > 1 else float("nan")
+                peers = [q for q in range(m.shape[0]) if q != r and (self.groups is None or self.groups[q] == self.groups[r])]
+                ref = float(np.median(m[peers, j])) if peers else float("nan")
                 if self._slow(float(m[r, j]), ref):
                     slow[(r, name)] = (float(m[r, j]), ref)
         top = max(slow, key=lambda k: slow[k][0] - slow[k][1])[0] if slow else None

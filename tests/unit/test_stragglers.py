@@ -66,6 +66,15 @@ def test_a_peers_wait_in_a_later_phase_is_not_named_only_the_rank_with_the_large
     assert [(h.ranks, h.phase) for h in d.observe(m)] == [([1], "backward")]
 
 
+def test_pipeline_stages_are_compared_only_with_ranks_of_the_same_stage() -> None:
+    m = _interval(ranks=4)
+    m[2:, B] *= 1.5  # stage 1 (ranks 2, 3: the output layer and the loss) does more work than stage 0
+    assert StragglerDetector(NAMES, intervals=1, groups=[0, 0, 1, 1]).observe(m) == []
+    m[3, B] *= 1.3
+    assert [(h.ranks, h.phase) for h in StragglerDetector(NAMES, intervals=1, groups=[0, 0, 1, 1]).observe(m)] == [
+        ([3], "backward")]
+
+
 def test_absolute_catches_every_rank_slowed_at_once_which_relative_cannot_see() -> None:
     base = {"data": 0.010, "forward": 0.100, "backward": 0.200, "optimizer": 0.020}
     d = StragglerDetector(NAMES, ratio=1.1, intervals=2, baseline=base)
