@@ -11,7 +11,9 @@ times the pieces of the trainer's step (see `_trainer_phases`) to show where any
 With --telemetry a third runner joins the rotation: a second Trainer with metrics.phase_timing=false;
 the trainer runners also end each step as `Trainer.fit` does (`telemetry.step_done`: the row, and at
 each train.log_every the HDF5 flush and the straggler all-reduce), and the JSON line gets
-`telemetry_ratio` = trainer (phase timing on) / trainer (off), goal <= 1.03.
+`telemetry_ratio` = trainer (phase timing on) / trainer (off), goal <= 1.03, and
+`telemetry_cpu_ratio`, the same for rank 0's CPU time (on a loaded machine the wall-clock ratio
+mostly measures the neighbours).
 """
 
 from __future__ import annotations
@@ -157,10 +159,13 @@ def _as_in_fit(tr: "trainer_mod.Trainer"):
     return step
 
 
-def _timed(fn, step: int) -> float:
+def _timed(fn, step: int, cpu: list[float] | None = None) -> float:
+    """The step's wall time; its CPU time (all of this rank's threads) appended to `cpu`."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(step)
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -184,12 +189,13 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         runners = {"bare": bare.step, "trainer": _as_in_fit(tr), "trainer_off": _as_in_fit(off)}
     cursor = dict.fromkeys(runners, 0)  # each runner walks the same batches 0, 1, 2, ...
     times: dict[str, list[float]] = {name: [] for name in runners}
+    cpu_times: dict[str, list[float]] = {name: [] for name in runners}  # less sensitive to a loaded machine
     round_ratios: list[float] = []
 
     def run(name: str, n: int, record: bool) -> list[float]:
         out = []
         for _ in range(n):
-            out.append(_timed(runners[name], cursor[name]))
+            out.append(_timed(runners[name], cursor[name], cpu_times[name] if record else None))
             cursor[name] += 1
         if record:
             times[name].extend(out)
@@ -226,6 +232,7 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         return None
     med_b, med_t = statistics.median(bare_t), statistics.median(tr_t)
     tel = {"telemetry_ratio": med_t / statistics.median(off_t), "median_trainer_off_s": statistics.median(off_t),
+           "telemetry_cpu_ratio": sum(cpu_times["trainer"]) / sum(cpu_times["trainer_off"]),
            "telemetry_round_ratios": [round(x, 4) for x in tel_ratios], "log_every": cfg.train.log_every} if off_t else {}
     return {**tel,
         "bench": "step_overhead", "ratio": med_t / med_b, "median_bare_s": med_b, "median_trainer_s": med_t,
@@ -259,7 +266,8 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
                   f"trainer {t * 1e3:.1f} ms median over {result['steps_each']} steps each | "
                   f"{result['mesh']} on {world} ranks, model {result['model']}", flush=True)
             if "telemetry_ratio" in result:
-                print(f"step_overhead: telemetry on/off = {result['telemetry_ratio']:.3f} (goal <= 1.03) | "
+                print(f"step_overhead: telemetry on/off = {result['telemetry_ratio']:.3f} (goal <= 1.03), "
+                      f"CPU time on/off = {result['telemetry_cpu_ratio']:.3f} (rank 0) | "
                       f"off {result['median_trainer_off_s'] * 1e3:.1f} ms, train.log_every={result['log_every']}",
                       flush=True)
             print(json.dumps(result), flush=True)
