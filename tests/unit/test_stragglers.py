@@ -264,3 +264,28 @@ def test_on_cuda_phases_are_event_pairs_read_only_at_the_log_interval(tmp_path: 
     with h5py.File(tmp_path / "telemetry" / "rank0.h5", "r") as f:
         assert f["forward"][:].tolist() == pytest.approx([0.03, 0.05]) and "cpu" not in f
     assert t.clock == "cuda"
+
+
+def test_exclude_stragglers_puts_the_relative_stragglers_node_on_the_quarantine_list(tmp_path: Path) -> None:
+    import torch
+
+    from jobs.events import EventLog
+    from jobs.failure.quarantine import quarantined
+    from jobs.launch.env import DistEnv
+    from jobs.telemetry.rank_telemetry import baseline_path, build_step_telemetry
+    from jobs.telemetry.stragglers import Detection
+
+    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", f"run.dir={tmp_path}", f"cluster.run_root={tmp_path}",
+                   "failure.exclude_stragglers=true"])
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nodes=1, master_addr="x",
+                  master_port=0, hostname="node7")
+    st = build_step_telemetry(cfg, env, events=EventLog(tmp_path / "events.jsonl"), pp=False, mesh="single",
+                              device=torch.device("cpu"), mixed_precision="fp32")
+    assert st.baseline_path == baseline_path(cfg, mesh="single", device="cpu", mixed_precision="fp32")
+    assert st.baseline_path.parent == tmp_path / "baselines"  # ${cluster.run_root}/baselines
+    st.on_straggler(["node7"], Detection("relative", "backward", [0], 1.3, 0.13, 0.1))
+    (entry,) = quarantined(tmp_path)
+    assert entry["node"] == "node7" and "straggler: backward 1.30x" in entry["reason"]
+    cfg.failure.exclude_stragglers = False
+    assert build_step_telemetry(cfg, env, events=EventLog(tmp_path / "e.jsonl"), pp=False, mesh="single",
+                                device=torch.device("cpu"), mixed_precision="fp32").on_straggler is None
