@@ -160,6 +160,17 @@ class FailureConfig:
     spike_skip_steps: int = 4  # data steps skipped per rollback: the spike's and up to this many - 1 before it
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
     max_rollbacks: int = 3  # rollbacks per run; one more spike stops the run for good (exit 77)
+    straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
+    straggler_intervals: int = 3  # consecutive slow log intervals before a straggler event (K)
+    straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)
+    straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
+    exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+
+
+@dataclass
+class MetricsConfig:
+    phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
+    tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
 
 
 @dataclass
@@ -189,6 +200,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property

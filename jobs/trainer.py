@@ -33,6 +33,7 @@ from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
+from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
 from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
@@ -175,6 +176,15 @@ class Trainer:
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
+        self.telemetry = build_step_telemetry(cfg, env, events=events, pp=dims.pp_enabled, mesh=dims.describe(),
+                                              device=self.device, mixed_precision=self.mixed_precision,
+                                              pp_rank=self.mesh["pp"].get_local_rank() if dims.pp_enabled else 0)
+        self.timer = self.telemetry.timer  # `with self.timer.phase(name):` around each part of a step
+        self.tensorboard = None
+        if cfg.metrics.tensorboard and env.rank == 0:
+            from jobs.telemetry.tensorboard import ScalarLog
+
+            self.tensorboard = ScalarLog(cfg.run.dir)
         set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
 
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
@@ -186,7 +196,7 @@ class Trainer:
         if self.schedule is not None:
             losses: list[torch.Tensor] | None = [] if self.has_last else None
             args = (inputs,) if self.has_first else ()
-            with self._loss_ctx():
+            with self._loss_ctx(), self.timer.phase("pp_step"):
                 self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
                                    return_outputs=False)
             if not self.has_last:
@@ -198,8 +208,10 @@ class Trainer:
             if self.derived.dims.fsdp_enabled:
                 model.set_requires_gradient_sync(i == n_micro - 1)
             with self._loss_ctx():
-                loss = cross_entropy(model(x), y)
-                (loss / n_micro).backward()
+                with self.timer.phase("forward"):
+                    loss = cross_entropy(model(x), y)
+                with self.timer.phase("backward"):
+                    (loss / n_micro).backward()
             total += _whole(loss).detach()
         return total / n_micro
 
@@ -213,7 +225,8 @@ class Trainer:
         stop = 1.0 if self.stop.received is not None else 0.0
         totals = torch.stack([stage_grad_sq_norm(self.parts, self.device), local_loss.detach().double().reshape(()),
                               torch.tensor(stop, dtype=torch.float64, device=self.device)])
-        dist.all_reduce(totals)
+        with self.timer.phase("collective"):
+            dist.all_reduce(totals)
         stop_agreed = bool(totals[2] > 0)
         totals /= self.env.world_size // self.derived.dims.pp
         return math.sqrt(float(totals[0])), float(totals[1]), stop_agreed
@@ -232,13 +245,16 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         with self.memory.track(step):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts))
+            with self.timer.phase("data"):
+                inputs, targets = (t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts))
             local_loss = self.forward_backward(inputs, targets)
             if not self.derived.dims.fsdp_enabled:
-                _replicate_partial_grads(self.parts)
+                with self.timer.phase("pp_step" if self.schedule is not None else "backward"):
+                    _replicate_partial_grads(self.parts)
             grad_norm, loss, stop = self.reduce_totals(local_loss)
-            clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
-            lr = self.optimizer_step()
+            with self.timer.phase("optimizer"):
+                clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
+                lr = self.optimizer_step()
         dt = time.perf_counter() - t0
         peak = self.cfg.cluster.gpu_bf16_tflops if self.memory.device.type == "cuda" else None
         flops = achieved(flops_per_token=self.flops_per_token, tokens_per_step=self.derived.tokens_per_step,
@@ -268,11 +284,13 @@ class Trainer:
             m = self.train_step(st.step)
             stop = m.pop("stop") and st.step + 1 < cfg.steps  # a signal during the last step changes nothing
             if self.health.after_step(st, m, load=self._load, schedulers=self.lr_schedulers):
+                self.telemetry.timer.drop_step()
                 continue  # a loss spike: rolled back to an earlier checkpoint (st.step is its step now)
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
             self._after_step(st.step, m, step_times)
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
                 self._save(st.step)
+            self.telemetry.step_done(st.step, interval_end=st.step % cfg.log_every == 0 or st.step == cfg.steps)
             if stop:
                 self.ckpt.wait()  # committed before the job lets go of its nodes
                 self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
@@ -280,6 +298,8 @@ class Trainer:
                 return "stopped"
         self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
+        self.telemetry.finish(healthy=self.env.rank == 0 and healthy_run(self.events.path),
+                              about={"run_dir": self.cfg.run.dir, "steps": st.step})
         return "done"
 
     def _load(self, before_step: int | None = None) -> int:
@@ -313,7 +333,8 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         self._phase("checkpoint_save")
-        self.ckpt.save(step)
+        with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
+            self.ckpt.save(step)
         self._phase("train")
 
     def _phase(self, name: str) -> None:
@@ -330,6 +351,8 @@ class Trainer:
                   "time": time.time()}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         self.log.info(
             "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | %s | ETA %s",
             step, self.cfg.train.steps, m["loss"], m["lr"], m["grad_norm"], m["tokens_per_s"],
@@ -338,7 +361,10 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self.timer.flush()  # rows since the last log interval (a stopped attempt)
             self.ckpt.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
         finally:
             self.data.close()
 

@@ -49,6 +49,7 @@ def validate(cfg: JobConfig) -> Derived:
     if t.mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
     _check_failure(cfg)
+    _check_metrics(cfg)
     _check_compile(cfg, dims)
     return Derived(
         dims=dims,
@@ -215,6 +216,18 @@ def _check_failure(cfg: JobConfig) -> None:
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
     _check_health(f)
     check_spike(f)
+
+
+def _check_metrics(cfg: JobConfig) -> None:
+    """Straggler thresholds that can be met; TensorBoard installed when asked for."""
+    from jobs.telemetry.tensorboard import check_tensorboard
+
+    f = cfg.failure
+    if f.straggler_ratio <= 1.0 or f.straggler_intervals < 1 or f.straggler_min_diff_s < 0:
+        raise ValueError(f"failure.straggler_ratio({f.straggler_ratio}) must be > 1, failure.straggler_intervals"
+                         f"({f.straggler_intervals}) >= 1 and failure.straggler_min_diff_s({f.straggler_min_diff_s}) >= 0; "
+                         "e.g. failure.straggler_ratio=1.1 failure.straggler_intervals=3")
+    check_tensorboard(cfg.metrics.tensorboard)
 
 
 def _check_health(f: FailureConfig) -> None:

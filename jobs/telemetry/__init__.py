@@ -1,5 +1,6 @@
 """Measurements every run takes: model FLOPs and MFU, peak memory per rank, GPU health (NVML) in
-`health`; and the run's goodput.
+`health`, per-rank phase timing in `phases` (built per rank by `rank_telemetry`), stragglers in
+`stragglers`, TensorBoard scalars in `tensorboard`; and the run's goodput.
 
 The names are imported on first use (PEP 562), so that `jobs.telemetry.goodput` and the report stay
 torch-free on a login node: only `PeakMemory`, `LiveBytes` and `live_tensors` need torch.

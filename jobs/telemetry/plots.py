@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from jobs.failure.ledger import Attempt  # noqa: E402
 from jobs.telemetry.goodput import KINDS, Goodput  # noqa: E402
+from jobs.telemetry.phases import in_step_order  # noqa: E402
 
 __all__ = ["loss_plot", "goodput_plot", "phase_heatmap", "COLORS"]
 
@@ -68,7 +69,7 @@ def goodput_plot(g: Goodput, path: Path) -> Path:
 
 def phase_heatmap(phases: dict[int, dict[str, float]], path: Path) -> Path:
     """Median ms per step, ranks down, phases across; each column coloured by its own max."""
-    names = list(dict.fromkeys(n for p in phases.values() for n in p))
+    names = in_step_order(phases)
     ranks = list(phases)
     ms = np.array([[1e3 * phases[r].get(n, np.nan) for n in names] for r in ranks])
     norm = ms / np.maximum(np.nanmax(ms, axis=0), 1e-12)

@@ -3,7 +3,8 @@
 Reads only the run dir, so it works on a run that is still going: `events.jsonl`, `metrics.jsonl`
 (a torn last line is skipped), and `telemetry/rank<r>.h5` when per-rank phase timing exists: one
 HDF5 file per rank, one 1-D float dataset of seconds per step for each phase name (`data`,
-`forward`, ...); a `step` dataset, if present, is the step numbers, not a phase. Without
+`forward`, ...); `step`, `attempt` and `time` datasets, if present, are not phases (the writer is
+jobs/telemetry/phases.py). Without
 `telemetry/` the phase table and heatmap are left out. Torch-free.
 """
 
@@ -21,9 +22,10 @@ from pathlib import Path
 from jobs.events import read_events
 from jobs.failure.ledger import Attempt, attempts, render_summary
 from jobs.telemetry.goodput import KINDS, Goodput, measure_goodput
+from jobs.telemetry.phases import META, in_step_order
 
-__all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "render_text",
-           "write_report"]
+__all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "straggler_table",
+           "render_text", "write_report"]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
 _MEANS = {
@@ -73,6 +75,8 @@ def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
     return out
 
 
+
+
 def read_phases(folder: Path) -> dict[int, dict[str, float]]:
     """Median seconds per step of each phase of each rank, from `folder/rank<r>.h5`; a file being
     written or damaged is skipped. {} when the folder does not exist."""
@@ -88,8 +92,9 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
             continue
         try:
             with h5py.File(path, "r", locking=False) as f:
-                out[int(m[1])] = {name: float(statistics.median(ds[()])) for name, ds in f.items()
-                                  if name != "step" and getattr(ds, "ndim", 0) == 1 and len(ds)}
+                out[int(m[1])] = {name: float(statistics.median(vals)) for name, ds in f.items()
+                                  if name not in META and getattr(ds, "ndim", 0) == 1
+                                  and (vals := [v for v in ds[()] if v == v])}  # NaN: a row without that phase
         except OSError:
             continue
     return dict(sorted(out.items()))
@@ -117,7 +122,7 @@ def goodput_table(g: Goodput, *, sacct: bool) -> str:
 
 def phase_table(phases: dict[int, dict[str, float]]) -> str:
     """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median."""
-    names = list(dict.fromkeys(n for p in phases.values() for n in p))
+    names = in_step_order(phases)
     lines = ["phases (median ms per step):", "  " + f"{'rank':>4} " + " ".join(f"{n:>12}" for n in names)]
     for r, p in phases.items():
         lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
@@ -138,7 +143,24 @@ def render_text(d: RunData) -> str:
             + (f", loss {last['loss']:.4f}" if "loss" in last else ""))
     parts = [head, render_summary(d.events), _causes(d.attempts), goodput_table(d.goodput, sacct=d.sacct)]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
+    parts.append(straggler_table(d.events))
     return "\n\n".join(parts)
+
+
+def straggler_table(events: list[dict]) -> str:
+    """The run's `straggler` events: when, which check, phase, ranks and nodes, how much slower than what
+    (ms per step on the detector's clock: CPU time on CPU ranks, CUDA event time on GPUs)."""
+    found = [e for e in events if e.get("kind") == "straggler"]
+    if not found:
+        return "stragglers: none found"
+    lines = [f"stragglers: {len(found)}", f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
+             f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<5}  nodes"]
+    for e in found:
+        ranks = e["ranks"] if isinstance(e.get("ranks"), str) else ",".join(map(str, e.get("ranks", [])))
+        lines.append(f"  {e.get('attempt', ''):<12} {e.get('step', 0):>5} {e.get('check', ''):<9} {e.get('phase', ''):<10} "
+                     f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
+                     f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<5}  {','.join(e.get('nodes', []))}")
+    return "\n".join(lines)
 
 
 def _causes(rows: list[Attempt]) -> str:

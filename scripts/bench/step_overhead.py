@@ -1,6 +1,6 @@
 """Measures the trainer's per-step overhead: `Trainer.train_step` vs a bare torch loop on the same model, mesh and batches.
 
-    python scripts/bench/step_overhead.py [--rounds 8 --block 2 --warmup 2 --phases] [hydra overrides, e.g. mesh.tp=1 mesh.dp_shard=4]
+    python scripts/bench/step_overhead.py [--rounds 8 --block 2 --warmup 2 --phases --telemetry] [hydra overrides, e.g. mesh.tp=1 mesh.dp_shard=4]
 
 Every rank builds both (a) a bare loop (the same `parallelize()` / `build_schedule()` calls, the
 same BatchSource batches, AdamW; no grad clipping, LR schedule, loss reduction or metrics) and
@@ -8,12 +8,19 @@ same BatchSource batches, AdamW; no grad clipping, LR schedule, loss reduction o
 per round) so machine drift hits both alike. A step's time is the slowest rank's, each step
 started after a barrier. Rank 0 prints one human line, then one JSON line. With --phases it also
 times the pieces of the trainer's step (see `_trainer_phases`) to show where any overhead goes.
+With --telemetry a third runner joins the rotation: a second Trainer with metrics.phase_timing=false;
+the trainer runners also end each step as `Trainer.fit` does (`telemetry.step_done`: the row, and at
+each train.log_every the HDF5 flush and the straggler all-reduce), and the JSON line gets
+`telemetry_ratio` = trainer (phase timing on) / trainer (off), goal <= 1.03, and
+`telemetry_cpu_ratio`, the same for rank 0's CPU time (on a loaded machine the wall-clock ratio
+mostly measures the neighbours).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import json
 import os
@@ -144,10 +151,21 @@ def _bare_phases(bare: BareLoop, step: int) -> dict[str, float]:
     return out
 
 
-def _timed(fn, step: int) -> float:
+def _as_in_fit(tr: "trainer_mod.Trainer"):
+    """One step as Trainer.fit runs it, telemetry included (fit numbers steps from 1)."""
+    def step(s: int) -> None:
+        tr.train_step(s)
+        tr.telemetry.step_done(s + 1, interval_end=(s + 1) % tr.cfg.train.log_every == 0)
+    return step
+
+
+def _timed(fn, step: int, cpu: list[float] | None = None) -> float:
+    """The step's wall time; its CPU time (all of this rank's threads) appended to `cpu`."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(step)
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -163,26 +181,37 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
     tr = trainer_mod.Trainer(cfg, derived, env, events=events)
     bare = BareLoop(cfg, derived)
     runners = {"bare": bare.step, "trainer": tr.train_step}
-    cursor = {"bare": 0, "trainer": 0}  # each runner walks the same batches 0, 1, 2, ...
-    times: dict[str, list[float]] = {"bare": [], "trainer": []}
+    off = None
+    if args.telemetry:
+        cfg_off = copy.deepcopy(cfg)
+        cfg_off.metrics.phase_timing = False
+        off = trainer_mod.Trainer(cfg_off, derived, env, events=events)
+        runners = {"bare": bare.step, "trainer": _as_in_fit(tr), "trainer_off": _as_in_fit(off)}
+    cursor = dict.fromkeys(runners, 0)  # each runner walks the same batches 0, 1, 2, ...
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    cpu_times: dict[str, list[float]] = {name: [] for name in runners}  # less sensitive to a loaded machine
     round_ratios: list[float] = []
 
     def run(name: str, n: int, record: bool) -> list[float]:
         out = []
         for _ in range(n):
-            out.append(_timed(runners[name], cursor[name]))
+            out.append(_timed(runners[name], cursor[name], cpu_times[name] if record else None))
             cursor[name] += 1
         if record:
             times[name].extend(out)
         return out
 
-    for name in ("bare", "trainer"):
+    for name in runners:
         run(name, args.warmup, record=False)
+    tel_ratios: list[float] = []
     for r in range(args.rounds):
-        order = ("bare", "trainer") if r % 2 == 0 else ("trainer", "bare")
+        order = tuple(runners) if r % 2 == 0 else tuple(reversed(runners))
         got = {name: _slowest(run(name, args.block, record=True)) for name in order}
         round_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["bare"]))
+        if off is not None:
+            tel_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["trainer_off"]))
     bare_t, tr_t = _slowest(times["bare"]), _slowest(times["trainer"])
+    off_t = _slowest(times["trainer_off"]) if off is not None else None
     phases = None
     if args.phases:
         rows = []
@@ -197,10 +226,15 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         phases["extras"] = sum(phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip"))
     tr.close()
     bare.close()
+    if off is not None:
+        off.close()
     if env.rank != 0:
         return None
     med_b, med_t = statistics.median(bare_t), statistics.median(tr_t)
-    return {
+    tel = {"telemetry_ratio": med_t / statistics.median(off_t), "median_trainer_off_s": statistics.median(off_t),
+           "telemetry_cpu_ratio": sum(cpu_times["trainer"]) / sum(cpu_times["trainer_off"]),
+           "telemetry_round_ratios": [round(x, 4) for x in tel_ratios], "log_every": cfg.train.log_every} if off_t else {}
+    return {**tel,
         "bench": "step_overhead", "ratio": med_t / med_b, "median_bare_s": med_b, "median_trainer_s": med_t,
         "goal": 1.03, "mesh": derived.dims.describe(), "world_size": env.world_size, "model": cfg.model.name,
         "microbatches": derived.microbatches, "steps_each": len(tr_t), "rounds": args.rounds, "block": args.block,
@@ -231,6 +265,11 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
             print(f"step_overhead: trainer/bare = {result['ratio']:.3f} (goal <= 1.03) | bare {b * 1e3:.1f} ms, "
                   f"trainer {t * 1e3:.1f} ms median over {result['steps_each']} steps each | "
                   f"{result['mesh']} on {world} ranks, model {result['model']}", flush=True)
+            if "telemetry_ratio" in result:
+                print(f"step_overhead: telemetry on/off = {result['telemetry_ratio']:.3f} (goal <= 1.03), "
+                      f"CPU time on/off = {result['telemetry_cpu_ratio']:.3f} (rank 0) | "
+                      f"off {result['median_trainer_off_s'] * 1e3:.1f} ms, train.log_every={result['log_every']}",
+                      flush=True)
             print(json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()
@@ -244,10 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each runner first")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--phases", action="store_true", help="also time the parts of the trainer's step")
+    p.add_argument("--telemetry", action="store_true",
+                   help="also run a Trainer with metrics.phase_timing=false: telemetry on/off ratio")
     args, overrides = p.parse_known_args(argv)
     tmp = tempfile.mkdtemp(prefix="step_overhead-")
     cfg = compose([f"run.dir={tmp}", *overrides])
     cfg.train.steps = max(cfg.train.steps, args.warmup + args.rounds * args.block + max(4, 2 * args.block) + 1)
+    cfg.cluster.run_root = tmp  # no straggler baseline of a benchmark in the real baseline root
+    cfg.failure.straggler_baseline_root = f"{tmp}/baselines"
     derived = validate(cfg)  # ValueError names the override
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
     port, parent = free_port(), os.getpid()

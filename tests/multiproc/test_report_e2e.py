@@ -1,0 +1,81 @@
+"""`python -m jobs.report` on a real 2-rank local run dir, while it runs and after rank 1 was killed -9 and the
+ranks restarted in place; the rank's phase file is readable during the run and intact up to its last flush."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from jobs import exitcodes, report
+from jobs.telemetry.run_report import collect
+from tests.conftest import REPO, wait_for_step
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+LOG_EVERY = 2
+
+
+def _rows(path: Path) -> dict[str, list]:
+    """The rank file's step, attempt and backward columns, read while its writer may be flushing."""
+    for _ in range(20):
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                return {k: f[k][:].tolist() for k in ("step", "attempt", "backward")} | {
+                    "attempts": json.loads(f.attrs["attempts"])}
+        except (OSError, KeyError):  # opened between its create and its first write, or mid-flush
+            time.sleep(0.05)
+    raise AssertionError(f"{path} unreadable for a second while the run went on")
+
+
+def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_path: Path, data_path: str, capsys) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=20",
+                             "checkpoint.every_steps=5", "mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
+                             f"train.log_every={LOG_EVERY}", f"data.path={data_path}", f"cluster.run_root={tmp_path}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir, 8, proc, timeout=300)
+        live = _rows(run_dir / "telemetry/rank1.h5")  # the run goes on while we read
+        assert len(live["step"]) >= 6 and live["step"] == list(range(1, len(live["step"]) + 1))
+        assert report.main([str(run_dir), "--no-plan", "--out", str(tmp_path / "live")]) == exitcodes.OK
+        assert ": running; step " in capsys.readouterr().out
+        os.kill(json.loads((run_dir / "heartbeats/local.0/rank1.json").read_text())["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == exitcodes.OK, err[-3000:]
+    assert (tmp_path / "live" / "report.html").exists()
+
+    after = _rows(run_dir / "telemetry/rank1.h5")
+    assert after["attempts"] == ["local.0", "local.0.1"]
+    first = [s for s, a in zip(after["step"], after["attempt"]) if a == 0]
+    again = [s for s, a in zip(after["step"], after["attempt"]) if a == 1]
+    # Intact up to the last flush before the kill: every row read live is there unchanged, and the
+    # killed attempt's rows end on a flush boundary (a log interval), not mid-interval.
+    assert first[: len(live["step"])] == live["step"] and after["backward"][: len(live["step"])] == live["backward"]
+    assert first == list(range(1, len(first) + 1)) and len(first) % LOG_EVERY == 0 and len(first) >= 8
+    assert again == list(range(again[0], 21)) and again[0] - 1 in (5, 10, 15)  # resumed from a checkpoint
+
+    assert report.main([str(run_dir)]) == exitcodes.OK
+    text = capsys.readouterr().out
+    assert ": ended; step 20 of 20" in text and "dead_rank -> restart x1, completed -> done x1" in text
+    assert "expected by jobs.plan before submit" in text
+    assert "phases (median ms per step):" in text and "stragglers: none found" in text
+    header = next(line for line in text.splitlines() if line.strip().startswith("rank ") and "forward" in line)
+    assert header.split() == ["rank", "data", "forward", "backward", "collective", "optimizer", "checkpoint"]
+    g = collect(run_dir).goodput
+    # killed after step 8, resumed from the newest checkpoint: at least the flushed steps past it were redone
+    assert g.steps_productive == 20 and g.steps_lost >= len(first) - (again[0] - 1) >= 0
+    assert g.failures == 1 and g.mttr_s > 0 and 0 < g.goodput < 1
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "phases.png",
+                                                                        "report.html"]
