@@ -30,7 +30,7 @@ from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
-from jobs.data import BatchSource
+from jobs.data import BatchSource, sources_of
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
@@ -164,7 +164,7 @@ class Trainer:
             for opt in self.optimizers
         ]
         self.data = BatchSource(
-            cfg.data.path, seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
+            sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
             dp_rank=dims.dp_rank(self.mesh), dp=dims.dp,
         )
         self.state = TrainState()
