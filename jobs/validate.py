@@ -44,6 +44,9 @@ def validate(cfg: JobConfig) -> Derived:
     for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
+    if t.eval_every < 0 or t.eval_batches < 1:
+        raise ValueError(f"train.eval_every({t.eval_every}) must be >= 0 (0 = off) and train.eval_batches"
+                         f"({t.eval_batches}) >= 1")
     if t.device not in DEVICES:
         raise ValueError(f"train.device={t.device!r} is not one of {', '.join(DEVICES)}")
     if t.mixed_precision not in MIXED_PRECISIONS:

@@ -39,7 +39,7 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
         if not isinstance(obj, dict) or "text" not in obj:
             raise InputError(f"{path}:{n}: no \"text\" field (each line must be an object with a string \"text\")")
         if not isinstance(obj["text"], str):
-            raise InputError(f"{path}:{n}: \"text\" is a {type(obj['text']).__name__}, not a string")
+            raise InputError(f"{path}:{n}: \"text\" is of type {type(obj['text']).__name__}, not a string")
         yield obj["text"]
 
 
