@@ -26,9 +26,11 @@ def sources_of(cfg: DataConfig) -> list[tuple[str, float]]:
     return [(s.path, s.weight) for s in cfg.sources] if cfg.sources else [(cfg.path, 1.0)]
 
 
-def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> Path:
+def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int, eval_sample_len: int = 0) -> Path:
     """Checks the run's token files against the model (ValueError naming the override), generating the
-    synthetic one first if it is missing. Call it from one process before ranks start (the entry point does)."""
+    synthetic one first if it is missing. `eval_sample_len` > 0 (train.eval_every on): every tokenized
+    file's held-out split must hold one sample of that many tokens. Call it from one process before
+    ranks start (the entry point does)."""
     if cfg.name not in NAMES:
         raise ValueError(f"data={cfg.name!r} is not one of {', '.join(NAMES)}")
     if not 0.0 < cfg.heldout_fraction < 1.0:
@@ -40,7 +42,7 @@ def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> Path
     for path, weight in sources_of(cfg):
         if weight <= 0:
             raise ValueError(f"data.sources: {path} has weight {weight}; every weight must be > 0")
-        _check_tokenized(Path(path), vocab_size=vocab_size, sample_len=sample_len)
+        _check_tokenized(Path(path), vocab_size=vocab_size, sample_len=sample_len, eval_sample_len=eval_sample_len)
     return Path(sources_of(cfg)[0][0]).resolve()
 
 
@@ -67,13 +69,14 @@ def _ensure_synthetic(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> P
     return path
 
 
-def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int) -> None:
+def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int, eval_sample_len: int) -> None:
     if not path.is_file():
         raise ValueError(f"data.path={path} does not exist; make it with "
                          f"python -m jobs.prepare_data data.inputs=[FILES] data.path={path}")
     with h5py.File(path, "r") as f:
         kind, fmt, vocab = f.attrs.get("kind", ""), int(f.attrs.get("format", -1)), int(f.attrs.get("vocab_size", -1))
         tokens = f["tokens"].shape[0] if "tokens" in f else 0
+        heldout = f["heldout"].shape[0] if "heldout" in f else 0
     if kind != "tokenized" or fmt != FORMAT_VERSION:
         raise ValueError(f"{path} is not a format-{FORMAT_VERSION} tokenized file (kind={kind!r}, format={fmt}); "
                          "make it with python -m jobs.prepare_data, or use data=synthetic for the generated language")
@@ -84,3 +87,6 @@ def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int) -> None:
     if tokens < sample_len:
         raise ValueError(f"{path} holds {tokens} training tokens, fewer than one sample of model.max_seq_len + 1 "
                          f"= {sample_len}; add documents (python -m jobs.prepare_data appends) or lower model.max_seq_len")
+    if heldout < eval_sample_len:
+        raise ValueError(f"{path} holds {heldout} held-out tokens, fewer than one evaluation sample of train.seq_len + 1 "
+                         f"= {eval_sample_len}; prepare it with a larger data.heldout_fraction, or set train.eval_every=0")

@@ -180,6 +180,8 @@ def test_a_vocabulary_mismatch_is_refused_before_start(tmp_path) -> None:
     with pytest.raises(ValueError, match=f"set model.vocab_size=384 \\(at least {m['vocab_size']}"):
         ensure_dataset(cfg, vocab_size=256, sample_len=33)
     ensure_dataset(cfg, vocab_size=384, sample_len=33)  # a larger model vocabulary is fine (padding)
+    with pytest.raises(ValueError, match="held-out tokens, fewer than one evaluation sample.*train.eval_every=0"):
+        ensure_dataset(cfg, vocab_size=384, sample_len=33, eval_sample_len=m["heldout_tokens"] + 1)
     run_dir = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "data=tokenized",
                         f"data.path={tmp_path / 'out.h5'}", "mesh=single", "launcher.tasks_per_node=1"],
