@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import run_train
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # three runs: 100 s on 2 busy cores (35 s CPU)
 
 _ref: dict[str, torch.Tensor] = {}
 COMMON = ["train.steps=2", "train.eval_every=1", "train.eval_batches=2", "checkpoint.enabled=false"]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # 10 steps on one rank: 92 s on 2 busy cores (25 s CPU)
 
 
 def readme_commands() -> list[list[str]]:
