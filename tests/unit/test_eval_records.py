@@ -7,9 +7,11 @@ import json
 
 import pytest
 
+from jobs.config import compose
 from jobs.evaluate import eval_due
 from jobs.telemetry.goodput import measure_goodput
 from jobs.telemetry.run_report import collect, render_text
+from jobs.validate import validate
 from tests.unit.test_goodput import _two_attempts_one_failure
 
 
@@ -21,6 +23,15 @@ def _eval(step: int, t: float, attempt: str, loss: float = 3.0) -> dict:
 def test_an_evaluation_is_due_every_eval_every_steps_and_at_the_last() -> None:
     assert [s for s in range(1, 13) if eval_due(s, every=5, steps=12)] == [5, 10, 12]
     assert not any(eval_due(s, every=0, steps=12) for s in range(1, 13))  # 0 = off
+
+
+def test_eval_with_the_zero_bubble_schedule_is_refused_with_the_fix() -> None:
+    cfg = compose(["mesh.pp_schedule=zbv_zero_bubble", "mesh.dp_shard=1", "launcher.tasks_per_node=4",
+                   "train.eval_every=5"])
+    with pytest.raises(ValueError, match="train.eval_every with mesh.pp_schedule=zbv_zero_bubble.*train.eval_every=0"):
+        validate(cfg)
+    cfg.train.eval_every = 0
+    validate(cfg)  # without evaluation the schedule is fine
 
 
 def test_goodput_counts_no_evaluation_line_as_a_trained_step() -> None:
