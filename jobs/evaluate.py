@@ -2,7 +2,8 @@
 train.eval_batches global batches of the held-out split, computed on the training mesh (forward only).
 
 With pipeline parallelism the batches go through the schedule's forward-only path (`schedule.eval`,
-torch >= 2.8: the same microbatching and stage-to-stage sends as `step`, no backward); without it, each
+the same microbatching and stage-to-stage sends as `step`, no backward; it works for gpipe, 1f1b and
+interleaved_1f1b, while torch 2.13's ScheduleZBVZeroBubble.eval() raises, so validate refuses that pair); without it, each
 microbatch goes through the model under `torch.no_grad()`. The loss is reduced like the training loss
 (one world all-reduce; only last-stage ranks hold it), so every mesh reports the same number. The result
 is one `{"record": "eval", ...}` line in metrics.jsonl and one progress line.
