@@ -188,3 +188,20 @@ def test_a_vocabulary_mismatch_is_refused_before_start(tmp_path) -> None:
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "model.vocab_size=384" in p.stderr, p.stderr
     assert not run_dir.exists()  # refused before any rank started or anything was written
+
+
+def test_a_given_tokenizer_json_is_used_as_is_and_needs_an_eos_token(tmp_path) -> None:
+    files, _ = write_corpus(tmp_path, docs=60)
+    _prepare(files, tmp_path / "trained.h5")
+    read_tokenizer(tmp_path / "trained.h5").save(str(tmp_path / "tokenizer.json"))
+    m = _prepare(files, tmp_path / "given.h5", tokenizer=str(tmp_path / "tokenizer.json"))
+    with h5py.File(tmp_path / "trained.h5") as a, h5py.File(tmp_path / "given.h5") as b:
+        assert np.array_equal(a["tokens"][:], b["tokens"][:]) and np.array_equal(a["heldout"][:], b["heldout"][:])
+    assert m["tokenizer"] == str(tmp_path / "tokenizer.json")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"] = []  # no end-of-document token left
+    spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if t != "<|endoftext|>"}
+    (tmp_path / "no_eos.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="data.tokenizer=.*no_eos.json has none of the end-of-document tokens"):
+        _prepare(files, tmp_path / "x.h5", tokenizer=str(tmp_path / "no_eos.json"))
+    assert not (tmp_path / "x.h5").exists() and not list(tmp_path.glob(".x.h5*"))  # nor a temporary file
