@@ -49,10 +49,21 @@ class ModelConfig:
 
 
 @dataclass
+class DataSource:
+    path: str = MISSING  # a tokenized HDF5 token file (python -m jobs.prepare_data)
+    weight: float = 1.0  # relative share of the global batch drawn from it
+
+
+@dataclass
 class DataConfig:
-    path: str = "data/synthetic-v1.h5"  # HDF5 token file; generated on first use when missing
-    num_samples: int = 4096  # samples (rows) generated into the file
-    gen_seed: int = 1234  # seed of the synthetic language (not of training)
+    name: str = "synthetic"  # synthetic (generated on first use) | tokenized (made by python -m jobs.prepare_data)
+    path: str = "data/synthetic-v2.h5"  # HDF5 token file: read by the trainer, written by jobs.prepare_data
+    num_samples: int = 4096  # synthetic: samples (rows) generated into the file
+    gen_seed: int = 1234  # synthetic: seed of the language (not of training)
+    heldout_fraction: float = 0.05  # share of documents (synthetic: of rows) kept out of training for evaluation
+    sources: list[DataSource] = field(default_factory=list)  # tokenized: a weighted mixture of files; empty = data.path alone
+    inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
+    tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json; None = train a byte-level BPE of model.vocab_size tokens
 
 
 @dataclass
@@ -83,6 +94,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
     mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
+    eval_every: int = 0  # held-out evaluation every N steps (and at the last step); 0 = off
+    eval_batches: int = 4  # global batches of the held-out split in each evaluation (always the same ones)
 
 
 @dataclass

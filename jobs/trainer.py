@@ -31,7 +31,8 @@ from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
-from jobs.data import BatchSource
+from jobs.data import BatchSource, sources_of
+from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
 from jobs.validate import Derived, check_device
@@ -170,9 +171,10 @@ class Trainer:
             for opt in self.optimizers
         ]
         self.data = BatchSource(
-            cfg.data.path, seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
+            sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
             dp_rank=dims.dp_rank(self.mesh), dp=dims.dp,
         )
+        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
@@ -330,6 +332,8 @@ class Trainer:
         step_times.append(m["step_time_s"])
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
             self._log_metrics(step, m, step_times)
+        if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
+            self.heldout.run(self, step)
 
     def _save(self, step: int) -> None:
         self._phase("checkpoint_save")
@@ -367,6 +371,7 @@ class Trainer:
                 self.tensorboard.close()
         finally:
             self.data.close()
+            self.heldout.close()
 
 
 def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog) -> CheckpointManager:

@@ -44,6 +44,7 @@ def validate(cfg: JobConfig) -> Derived:
     for name, value in (("train.steps", t.steps), ("train.log_every", t.log_every)):
         if value < 1:
             raise ValueError(f"{name}({value}) must be >= 1")
+    _check_eval(cfg, dims)
     if t.device not in DEVICES:
         raise ValueError(f"train.device={t.device!r} is not one of {', '.join(DEVICES)}")
     if t.mixed_precision not in MIXED_PRECISIONS:
@@ -183,6 +184,18 @@ def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int
         return ()
     check_layers_per_stage(list(given), n_layers=cfg.model.n_layers, pp=dims.pp, stages_per_rank=spr)
     return tuple(given)
+
+
+def _check_eval(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Held-out evaluation (jobs/evaluate.py): its keys, and a pipeline schedule whose eval() works."""
+    t = cfg.train
+    if t.eval_every < 0 or t.eval_batches < 1:
+        raise ValueError(f"train.eval_every({t.eval_every}) must be >= 0 (0 = off) and train.eval_batches"
+                         f"({t.eval_batches}) >= 1")
+    if t.eval_every and dims.pp > 1 and cfg.mesh.pp_schedule == "zbv_zero_bubble":
+        raise ValueError("train.eval_every with mesh.pp_schedule=zbv_zero_bubble: torch 2.13's forward-only "
+                         "ScheduleZBVZeroBubble.eval() fails (its action list still sends backward inputs); use "
+                         "gpipe, 1f1b or interleaved_1f1b, or train.eval_every=0")
 
 
 def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:

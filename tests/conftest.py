@@ -22,9 +22,17 @@ class TrainRun:
     stderr: str
     run_dir: Path
 
-    def metrics(self) -> list[dict]:
+    def records(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
         return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+    def metrics(self) -> list[dict]:
+        """The step lines of metrics.jsonl (not the {"record": "eval"} lines)."""
+        return [m for m in self.records() if m.get("record") != "eval"]
+
+    def evals(self) -> list[dict]:
+        """The held-out evaluation lines of metrics.jsonl (train.eval_every)."""
+        return [m for m in self.records() if m.get("record") == "eval"]
 
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics()]

@@ -134,7 +134,7 @@ def _step_units(rows: list[Attempt], metrics: list[dict]) -> list[Segment]:
     trained: list[tuple[int, Segment]] = []
     for m in metrics:
         a = known.get(m.get("attempt"))
-        if a is None or "time" not in m:
+        if a is None or "time" not in m or m.get("record") == "eval":  # an evaluation line trains no step
             continue
         step, dt = int(m["step"]), float(m.get("step_time_s") or 0.0)
         lo = prev.get(a.attempt, a.start_step if a.start_step is not None else step - 1)

@@ -15,7 +15,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -49,6 +49,7 @@ class RunData:
     phases: dict[int, dict[str, float]]  # rank -> phase -> median seconds per step; {} without telemetry
     running: bool  # the newest attempt has no end yet
     sacct: bool  # queue wait came from sacct
+    evals: list[dict] = field(default_factory=list)  # metrics.jsonl's {"record": "eval"} lines (held-out loss)
 
 
 def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
@@ -56,12 +57,14 @@ def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict
     """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
     Slurm records (with Submit and Start), None when sacct is not available."""
     events = read_events(run_dir / "events.jsonl")
-    metrics = [m for m in read_events(run_dir / "metrics.jsonl") if "step" in m]
+    rows_all = read_events(run_dir / "metrics.jsonl")
+    metrics = [m for m in rows_all if "step" in m and m.get("record") != "eval"]  # step lines; evals apart
+    evals = [m for m in rows_all if m.get("record") == "eval"]
     rows = attempts(events)
     g = measure_goodput(events, metrics, now=time.time() if now is None else now,
                         queue=queue_waits(sacct_records or []), expected=expected)
     return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
-                   running=bool(rows) and rows[-1].end is None, sacct=sacct_records is not None)
+                   running=bool(rows) and rows[-1].end is None, sacct=sacct_records is not None, evals=evals)
 
 
 def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
@@ -140,7 +143,9 @@ def render_text(d: RunData) -> str:
     last = d.metrics[-1] if d.metrics else {}
     steps = next((e.get("steps") for e in reversed(d.events) if e.get("kind") == "train_start"), None)
     head = (f"run {d.run_dir}: {'running' if d.running else 'ended'}; step {last.get('step', 0)} of {steps or '?'}"
-            + (f", loss {last['loss']:.4f}" if "loss" in last else ""))
+            + (f", loss {last['loss']:.4f}" if "loss" in last else "")
+            + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
+               f"{d.evals[-1]['step']}" if d.evals else ""))
     parts = [head, render_summary(d.events), _causes(d.attempts), goodput_table(d.goodput, sacct=d.sacct)]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
     parts.append(straggler_table(d.events))

@@ -51,8 +51,10 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
+    """Rank 0's step lines ({"record": "eval"} lines, held-out evaluations, are not steps)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return [r for r in rows if r.get("record") != "eval"]
 
 
 def _live_rank_pid(run_dir: Path, rng: random.Random) -> tuple[str, int] | None:
