@@ -53,8 +53,9 @@ def _apply(a: Attempt, e: dict) -> None:
     kind = e.get("kind")
     if kind == "train_start":
         a.start_step = e.get("step")
-    elif kind == "checkpoint_saved":
+    elif kind == "checkpoint_saved":  # trained at least this far, whatever its end could record
         a.saved_step = max(a.saved_step or 0, e.get("step", 0))
+        a.last_step = max(a.last_step or 0, a.saved_step)
     elif kind == "checkpoint_loaded" and a.start_step is None:
         a.start_step = e.get("step")
     elif kind in ("step", "first_step", "stop_requested", "train_end"):
@@ -65,6 +66,8 @@ def _apply(a: Attempt, e: dict) -> None:
     elif kind == "attempt_end" and a.end is None:
         a.end, a.cause, a.action = e["time"], e.get("cause"), e.get("action")
         a.last_step = _step_or(e, a.last_step)
+        if a.saved_step is not None:  # an end that knew less (a peer's stale step) than the attempt committed
+            a.last_step = max(a.last_step or 0, a.saved_step)
 
 
 def _step_or(e: dict, last: int | None) -> int | None:

@@ -135,11 +135,22 @@ def test_attempts_are_read_back_with_their_steps_saves_and_ends() -> None:
            for a in rows]
     assert got == [
         ("j.0", 1000.0, 1022.0, "SIGUSR2", "requeue", 0, 20, 20, 20),
-        ("j.1", 2000.0, None, None, None, 20, 21, 30, 10),
+        ("j.1", 2000.0, None, None, None, 20, 30, 30, 10),  # saved step 30: it trained at least that far
         ("j.2", 3000.0, 3061.0, "dead_rank", "requeue", 30, 33, None, 0),
     ]
     assert rows[0].nodes == ["n1", "n2"] and rows[0].job_id == "j"
     assert rows[2].suspects == ["rank 1 (n2, dead)"]
+
+
+def test_an_attempt_that_committed_step_8_shows_at_least_step_8_whatever_its_end_recorded() -> None:
+    evs = [{"time": 1.0, "kind": "attempt_start", "attempt": "local.0"},
+           {"time": 2.0, "kind": "first_step", "attempt": "local.0", "step": 1},
+           {"time": 3.0, "kind": "checkpoint_saved", "attempt": "local.0", "step": 8},
+           {"time": 4.0, "kind": "attempt_end", "attempt": "local.0", "cause": "dead_rank", "action": "restart", "step": None}]
+    (a,) = ledger.attempts(evs)
+    assert (a.last_step, a.saved_step) == (8, 8)
+    evs[-1]["step"] = 1  # a stale step from the decider
+    assert ledger.attempts(evs)[0].last_step == 8
 
 
 def test_unfinished_names_only_the_earlier_attempt_without_an_end() -> None:
@@ -161,7 +172,7 @@ def test_the_summary_shows_each_attempt_its_cause_and_its_steps() -> None:
     assert lines[0] == "attempts: 3"
     row = {a: next(l for l in lines if f" {a} " in l) for a in ("j.0", "j.1", "j.2")}
     assert re.search(r"\b0->20\s+20\s+SIGUSR2\s+requeue\s+-$", row["j.0"]), row["j.0"]
-    assert re.search(r"\b20->21\s+10\s+running\s+-\s+-$", row["j.1"]), row["j.1"]
+    assert re.search(r"\b20->30\s+10\s+running\s+-\s+-$", row["j.1"]), row["j.1"]
     assert re.search(r"\b30->33\s+0\s+dead_rank\s+requeue\s+rank 1 \(n2, dead\)$", row["j.2"]), row["j.2"]
     assert " 0m22s " in row["j.0"] and " 1m01s " in row["j.2"]
 
