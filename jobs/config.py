@@ -183,6 +183,7 @@ class FailureConfig:
 @dataclass
 class MetricsConfig:
     phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
+    flush_every_s: float = 5.0  # a rank's phase rows go to its HDF5 file at a log interval at most this often (and at the end)
     tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
 
 

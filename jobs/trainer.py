@@ -217,18 +217,24 @@ class Trainer:
             total += _whole(loss).detach()
         return total / n_micro
 
-    def reduce_totals(self, local_loss: torch.Tensor) -> tuple[float, float, bool]:
+    def reduce_totals(self, local_loss: torch.Tensor, *, interval_end: bool = False) -> tuple[float, float, bool]:
         """The step's one world all-reduce: (global grad norm, global loss, stop agreed).
 
         A stage's squared grad norm is held alike by its world/pp ranks, only the last stage holds a
         loss (alike on each dp slice's tp ranks), and any rank's stop flag stops every rank after
-        this same step.
+        this same step. At a log interval's last step every rank's phase times ride along (stragglers).
         """
         stop = 1.0 if self.stop.received is not None else 0.0
         totals = torch.stack([stage_grad_sq_norm(self.parts, self.device), local_loss.detach().double().reshape(()),
                               torch.tensor(stop, dtype=torch.float64, device=self.device)])
+        phases = self.telemetry.outgoing(interval_end=interval_end)
+        if phases is not None:
+            totals = torch.cat([totals, torch.as_tensor(phases, dtype=torch.float64, device=self.device)])
         with self.timer.phase("collective"):
             dist.all_reduce(totals)
+        if phases is not None:
+            self.telemetry.incoming(totals[3:].cpu().numpy())
+            totals = totals[:3]
         stop_agreed = bool(totals[2] > 0)
         totals /= self.env.world_size // self.derived.dims.pp
         return math.sqrt(float(totals[0])), float(totals[1]), stop_agreed
@@ -253,7 +259,7 @@ class Trainer:
             if not self.derived.dims.fsdp_enabled:
                 with self.timer.phase("pp_step" if self.schedule is not None else "backward"):
                     _replicate_partial_grads(self.parts)
-            grad_norm, loss, stop = self.reduce_totals(local_loss)
+            grad_norm, loss, stop = self.reduce_totals(local_loss, interval_end=self._interval_end(step + 1))
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
                 lr = self.optimizer_step()
@@ -292,7 +298,7 @@ class Trainer:
             self._after_step(st.step, m, step_times)
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
                 self._save(st.step)
-            self.telemetry.step_done(st.step, interval_end=st.step % cfg.log_every == 0 or st.step == cfg.steps)
+            self.telemetry.step_done(st.step, interval_end=self._interval_end(st.step))
             if stop:
                 self.ckpt.wait()  # committed before the job lets go of its nodes
                 self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
@@ -303,6 +309,10 @@ class Trainer:
         self.telemetry.finish(healthy=self.env.rank == 0 and healthy_run(self.events.path),
                               about={"run_dir": self.cfg.run.dir, "steps": st.step})
         return "done"
+
+    def _interval_end(self, step: int) -> bool:
+        """Whether step `step` (numbered from 1) ends a log interval."""
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
     def _load(self, before_step: int | None = None) -> int:
         """The newest valid checkpoint (of a step < before_step) into the model, optimizers, schedulers and state."""
@@ -330,7 +340,7 @@ class Trainer:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
             set_pg_timeouts(self.cfg.failure.collective_timeout_s)
         step_times.append(m["step_time_s"])
-        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+        if self._interval_end(step):
             self._log_metrics(step, m, step_times)
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
             self.heldout.run(self, step)

@@ -104,6 +104,7 @@ class PhaseTimer:
         self._pending: list[tuple[list[float], list[tuple[str, object, object]]]] = []  # rows whose events are unread
         self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
         self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
+        self._flushed_at = -float("inf")  # time.monotonic() of the last flush
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -164,10 +165,14 @@ class PhaseTimer:
         rows, self.interval = self.interval, []
         return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
 
-    def flush(self) -> None:
-        """Appends the buffered rows to this rank's file (open, append, close: see the module docstring)."""
+    def flush(self, *, min_interval_s: float = 0.0) -> None:
+        """Appends the buffered rows to this rank's file (open, append, close: see the module docstring);
+        with `min_interval_s`, only when that long has passed since the last flush (one costs 4-6 ms of CPU)."""
         if not self.enabled or not self._rows:
             return
+        if min_interval_s > 0 and time.monotonic() - self._flushed_at < min_interval_s:
+            return
+        self._flushed_at = time.monotonic()
         import h5py
 
         self._read_events()

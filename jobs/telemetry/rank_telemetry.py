@@ -64,4 +64,5 @@ def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: 
                           incident=f"straggler event, attempt {env.attempt}")
 
     return StepTelemetry(timer, detector, rank=env.rank, nodes=nodes, gather=gather, emit=events.emit,
-                         baseline_path=path, on_straggler=quarantine if f.exclude_stragglers else None)
+                         baseline_path=path, on_straggler=quarantine if f.exclude_stragglers else None,
+                         flush_every_s=cfg.metrics.flush_every_s)

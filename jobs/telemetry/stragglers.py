@@ -130,19 +130,38 @@ class StepTelemetry:
     healthy run, the baseline. `gather(vector) -> [ranks x phases]` is the collective (a seam for tests)."""
 
     def __init__(self, timer: PhaseTimer, detector: StragglerDetector, *, rank: int, nodes: list[str], gather,
-                 emit, baseline_path: Path | None, on_straggler=None) -> None:
+                 emit, baseline_path: Path | None, on_straggler=None, flush_every_s: float = 0.0) -> None:
         self.timer, self.detector, self.rank, self.nodes = timer, detector, rank, nodes
         self.gather, self.emit, self.baseline_path, self.on_straggler = gather, emit, baseline_path, on_straggler
+        self.flush_every_s = flush_every_s
+        self._matrix: np.ndarray | None = None  # [ranks x phases] from this interval's all-reduce (`incoming`)
         self.history: list[np.ndarray] = []  # the medians over ranks of each judged interval
         self.found: list[Detection] = []
         self._first = True
+
+    def outgoing(self, *, interval_end: bool) -> np.ndarray | None:
+        """At an interval's last step, before its all-reduce: this rank's interval medians (the steps ended
+        so far) in its row of a zero [ranks x phases] matrix, flattened, to ride in the trainer's one
+        all-reduce per step (a separate collective cost 14% of a step on 8 ranks sharing 2 cores).
+        None otherwise: every rank decides alike from the step number, so the tensors match."""
+        if not interval_end or not self.timer.enabled:
+            return None
+        m = np.zeros((len(self.nodes), len(self.timer.names)))
+        m[self.rank] = self.timer.take_interval()
+        return m.ravel()
+
+    def incoming(self, flat: np.ndarray) -> None:
+        """The all-reduced `outgoing` matrix: every rank's row, judged at `step_done`."""
+        self._matrix = flat.reshape(len(self.nodes), len(self.timer.names))
 
     def step_done(self, step: int, *, interval_end: bool) -> None:
         self.timer.end_step(step)
         if not interval_end or not self.timer.enabled:
             return
-        self.timer.flush()
-        m = self.gather(self.timer.take_interval())
+        self.timer.flush(min_interval_s=self.flush_every_s)
+        m, self._matrix = self._matrix, None
+        if m is None:  # nothing rode in a step's all-reduce (a caller without one): a collective of its own
+            m = self.gather(self.timer.take_interval())
         if self._first:  # warm-up: lazy init, first collectives
             self._first = False
             return

@@ -39,7 +39,7 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=20",
                              "checkpoint.every_steps=5", "mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
-                             f"train.log_every={LOG_EVERY}", f"data.path={data_path}", f"cluster.run_root={tmp_path}"],
+                             f"train.log_every={LOG_EVERY}", "metrics.flush_every_s=0", f"data.path={data_path}", f"cluster.run_root={tmp_path}"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(run_dir, 8, proc, timeout=300)

@@ -190,6 +190,37 @@ def test_step_telemetry_gathers_once_per_interval_skips_warm_up_and_reports_on_r
     assert "relative  backward   2" in straggler_table([{"kind": kind, **ev}])
 
 
+def test_phase_times_ride_in_the_steps_all_reduce_at_interval_ends_only_and_no_gather_is_made(tmp_path: Path) -> None:
+    def gather(vec):
+        raise AssertionError("a collective of its own")
+
+    emitted = []
+    t = PhaseTimer(tmp_path, rank=1, attempt="a", pp=False)
+    st = StepTelemetry(t, StragglerDetector(NAMES, intervals=2), rank=1, nodes=["n0", "n1", "n2"], gather=gather,
+                       emit=lambda kind, **f: emitted.append(kind), baseline_path=None)
+    for step in range(1, 9):
+        end = step % 2 == 0
+        out = st.outgoing(interval_end=end)
+        assert (out is None) == (not end)
+        if end:  # what the trainer's all-reduce returns: every rank's row; ours sits in row 1
+            assert out.shape == (3 * len(NAMES),) and not out.reshape(3, -1)[[0, 2]].any()
+            st.incoming(_interval(ranks=3, backward=(2, 1.5)).ravel())
+        st.step_done(step, interval_end=end)
+    assert [d.ranks for d in st.found] == [[2]]  # named once, after intervals 2 and 3 (1 is warm-up)
+
+
+def test_flushes_are_throttled_to_min_interval_but_none_is_lost(tmp_path: Path) -> None:
+    t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
+    for step in (1, 2, 3):
+        t.end_step(step)
+        t.flush(min_interval_s=3600)  # only the first one writes
+    with h5py.File(tmp_path / "telemetry" / "rank0.h5", "r") as f:
+        assert list(f["step"][:]) == [1]
+    t.flush()  # the end of the attempt: everything
+    with h5py.File(tmp_path / "telemetry" / "rank0.h5", "r") as f:
+        assert list(f["step"][:]) == [1, 2, 3]
+
+
 def test_a_healthy_run_writes_the_median_of_its_judged_intervals_as_baseline(tmp_path: Path) -> None:
     t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
     vals = iter([_interval(ranks=2) * f for f in (9.0, 1.0, 1.2, 1.1)])  # the first (warm-up) is left out
