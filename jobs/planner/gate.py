@@ -278,161 +278,224 @@ def _bw(axis: str, shape: dict[str, int], cl) -> tuple[float, str]:
     return cl.intra_node_bw_GBps, "NVLink"
 
 
-def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
-    """The whole plan. Raises ValueError for an invalid config. `measure` (default plan.fake_backend)
-    runs the fake-backend measurement; without it every number is analytic."""
-    from checkpoint.interval import expected_wall_time, job_mtbf_s, plan_interval
+@dataclass
+class _Draft:
+    """What the plan's steps hand each other: each step reads what the earlier ones filled in."""
 
-    t0 = time.perf_counter()
-    d, notes = validate_for_planning(cfg)
-    dims, m, t, cl, pc_cfg = d.dims, cfg.model, cfg.train, cfg.cluster, cfg.plan
-    fsdp = dims.dp_shard * dims.cp
-    shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep}
-    pcount = P.count_params(m)
-    shapes = _stage_shapes(cfg, d)
-    roles = _roles(shapes)
-    common = dict(
-        tp=dims.tp, pp=dims.pp, microbatches=d.microbatches, seq_len=t.seq_len, micro_batch=t.micro_batch,
-        cp=dims.cp, ep=dims.ep, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
-    )
+    cfg: JobConfig
+    d: object  # jobs.validate.Derived (with the real cp/ep degrees)
+    notes: list[str]
+    shape: dict[str, int] = field(default_factory=dict)  # mesh axis -> degree
+    common: dict = field(default_factory=dict)  # keyword arguments every arith call shares
+    pcount: P.ParamCount | None = None
+    shapes: dict[int, list[P.StageShape]] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
+    measured: list[Measured] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    role_rows: list[dict] = field(default_factory=list)
+    peak: tuple = ()  # (pp rank, RankMemory, role) of the rank with the highest peak
+    comm: list[dict] = field(default_factory=list)
+    bubble: float = 0.0
+    step: dict[str, float] = field(default_factory=dict)
+    step_s: float | None = None
+    checkpoint: dict = field(default_factory=dict)
+    goodput: float = 0.0
 
-    measured: list[Measured] = []
-    checks: list[Check] = []
-    do_measure = pc_cfg.fake_backend if measure is None else measure
-    if do_measure and (m.n_routed_experts > 0 or m.attention == "mla"):
-        do_measure = False
-    if do_measure:
-        try:
-            measured, mnotes, secs = _measure(cfg, d, roles, shapes)
-            notes += mnotes
-            notes.append(f"fake backend: real parallelize() on {len(measured)} sampled ranks of {dims.world_size} in {secs:.1f} s")
-            checks.append(Check("parallelize", True, f"the real recipe sharded {len(measured)} sampled ranks at world size {dims.world_size}"))
-        except Exception as e:  # the recipe itself failing at this scale is the finding
-            checks.append(Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}"))
-    measured_max = {}
-    for r in measured:
+    @property
+    def fsdp(self) -> int:
+        return self.d.dims.dp_shard * self.d.dims.cp
+
+
+def _shapes(x: _Draft) -> None:
+    """Mesh shape, parameter count, the stages each pp rank holds and one pp rank per role."""
+    dims, t = x.d.dims, x.cfg.train
+    x.shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+               "tp": dims.tp, "ep": dims.ep}
+    x.common = dict(tp=dims.tp, pp=dims.pp, microbatches=x.d.microbatches, seq_len=t.seq_len,
+                    micro_batch=t.micro_batch, cp=dims.cp, ep=dims.ep,
+                    sequence_parallel=x.cfg.mesh.sequence_parallel and dims.tp > 1)
+    x.pcount = P.count_params(x.cfg.model)
+    x.shapes = _stage_shapes(x.cfg, x.d)
+    x.roles = _roles(x.shapes)
+
+
+def _fake_backend(x: _Draft, measure: bool | None) -> None:
+    """The real parallelize() on the fake backend (unless off, or the model is MoE/MLA)."""
+    m = x.cfg.model
+    do = x.cfg.plan.fake_backend if measure is None else measure
+    if not do or m.n_routed_experts > 0 or m.attention == "mla":
+        return
+    try:
+        x.measured, mnotes, secs = _measure(x.cfg, x.d, x.roles, x.shapes)
+        x.notes += mnotes
+        x.notes.append(f"fake backend: real parallelize() on {len(x.measured)} sampled ranks of "
+                       f"{x.d.dims.world_size} in {secs:.1f} s")
+        x.checks.append(Check("parallelize", True, f"the real recipe sharded {len(x.measured)} sampled ranks at "
+                                                   f"world size {x.d.dims.world_size}"))
+    except Exception as e:  # the recipe itself failing at this scale is the finding
+        x.checks.append(Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}"))
+
+
+def _memory(x: _Draft) -> None:
+    """Peak memory of every role (measured shard sizes where the fake backend ran); the peak role."""
+    cfg, t = x.cfg, x.cfg.train
+    measured_max: dict[int, int] = {}
+    for r in x.measured:
         measured_max[r.coords["pp"]] = max(measured_max.get(r.coords["pp"], 0), r.params_elems)
-
-    role_rows, best = [], None
-    for pp_rank, role in roles.items():
+    best = None
+    for pp_rank, role in x.roles.items():
         mem = P.rank_memory(
-            m, shapes[pp_rank], fsdp=fsdp, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
-            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing,
-            ac_every=t.ac_every, pp_rank=pp_rank, params_elems=measured_max.get(pp_rank), **common,
+            cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
+            schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
+            activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
+            params_elems=measured_max.get(pp_rank), **x.common,
         )
-        row = {"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()}
-        role_rows.append(row)
+        x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:
             best = (pp_rank, mem, role)
-    peak_pp, peak_mem, peak_role = best
-    model_shards = dims.pp * dims.tp * fsdp
-    heuristic = P.heuristic_bytes_per_rank(pcount.total, model_shards=model_shards)
+    x.peak = best
 
-    # Communication of the peak rank, with the link each axis runs on.
-    comm = []
+
+def _comm(x: _Draft) -> None:
+    """Collectives of the peak rank per step, with the link each axis runs on."""
+    dims, t, cl = x.d.dims, x.cfg.train, x.cfg.cluster
     items = P.comm_per_step(
-        m, shapes[peak_pp], dp_replicate=dims.dp_replicate, fsdp=fsdp,
-        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **common,
+        x.cfg.model, x.shapes[x.peak[0]], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
+        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **x.common,
     )
     for it in items:
-        bw, link = _bw(it.axis, shape, cl)
+        bw, link = _bw(it.axis, x.shape, cl)
         row = it.as_dict()
         if it.axis == "dp_shard" and dims.cp > 1:
             row["axis"] = "dp_shard*cp"
         row["link"] = link
         row["seconds"] = it.bytes / (bw * 1e9) if bw > 0 else None
-        comm.append(row)
+        x.comm.append(row)
 
-    # Step time: compute at peak, recomputation, bubble, communication if nothing overlapped.
-    bubble = P.bubble_fraction(pp=dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule)
-    fpt = P.flops_per_token(m, seq_len=t.seq_len)
-    model_flops_rank = fpt * d.tokens_per_step / dims.world_size
-    step: dict[str, float] = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    step_s = None
-    if cl.gpu_bf16_tflops > 0:
-        peak = cl.gpu_bf16_tflops * 1e12
-        compute = model_flops_rank / peak
-        recompute = compute / 3.0 * _recomputed_share(cfg, shapes[peak_pp])  # one more forward of those blocks
-        bub = (compute + recompute) * bubble / (1 - bubble) if bubble < 1 else 0.0
-        comm_s = sum(c["seconds"] or 0.0 for c in comm)
-        step_s = model_flops_rank / (peak * pc_cfg.mfu)
-        step.update(compute_s=compute, recompute_s=recompute, bubble_s=bub, comm_s_unoverlapped=comm_s,
-                    serial_sum_s=compute + recompute + bub + comm_s, step_s_at_mfu=step_s, mfu_assumed=pc_cfg.mfu,
-                    tokens_per_s=d.tokens_per_step / step_s)
 
-    # Checkpoint: bytes, write time, blocking cost, Daly interval, goodput.
-    ck = cfg.checkpoint
-    per_rank_ck = P.checkpoint_bytes(peak_mem.params_elems)
-    total_ck = P.checkpoint_bytes(pcount.total)
+def _step_time(x: _Draft) -> None:
+    """Compute at peak, recomputation, bubble, communication if nothing overlapped; step at plan.mfu."""
+    cfg, d, m, cl = x.cfg, x.d, x.cfg.model, x.cfg.cluster
+    x.bubble = P.bubble_fraction(pp=d.dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank,
+                                 schedule=cfg.mesh.pp_schedule)
+    fpt = P.flops_per_token(m, seq_len=cfg.train.seq_len)
+    model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
+    x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
+    if cl.gpu_bf16_tflops <= 0:
+        return
+    peak = cl.gpu_bf16_tflops * 1e12
+    compute = model_flops_rank / peak
+    recompute = compute / 3.0 * _recomputed_share(cfg, x.shapes[x.peak[0]])  # one more forward of those blocks
+    bub = (compute + recompute) * x.bubble / (1 - x.bubble) if x.bubble < 1 else 0.0
+    comm_s = sum(c["seconds"] or 0.0 for c in x.comm)
+    x.step_s = model_flops_rank / (peak * cfg.plan.mfu)
+    x.step.update(compute_s=compute, recompute_s=recompute, bubble_s=bub, comm_s_unoverlapped=comm_s,
+                  serial_sum_s=compute + recompute + bub + comm_s, step_s_at_mfu=x.step_s, mfu_assumed=cfg.plan.mfu,
+                  tokens_per_s=d.tokens_per_step / x.step_s)
+
+
+def _checkpoint(x: _Draft) -> None:
+    """Checkpoint bytes, write time, blocking cost, restart cost, job MTBF and the interval."""
+    from checkpoint.interval import job_mtbf_s, plan_interval
+
+    cfg, cl, pc, ck = x.cfg, x.cfg.cluster, x.cfg.plan, x.cfg.checkpoint
+    per_rank_ck = P.checkpoint_bytes(x.peak[1].params_elems)
+    total_ck = P.checkpoint_bytes(x.pcount.total)
     write_s = total_ck / (cl.fs_write_GBps * 1e9)
     if ck.async_mode == "none":
-        delta = write_s + pc_cfg.save_fixed_s
+        delta = write_s + pc.save_fixed_s
     else:
-        delta = per_rank_ck / (cl.host_copy_GBps * 1e9) + pc_cfg.save_fixed_s
-    load_s = write_s  # the read bandwidth is taken equal to the write bandwidth
-    restart = pc_cfg.restart_overhead_s + load_s
-    mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours, nodes=cfg.launcher.nodes)
+        delta = per_rank_ck / (cl.host_copy_GBps * 1e9) + pc.save_fixed_s
+    restart = pc.restart_overhead_s + write_s  # the read bandwidth is taken equal to the write bandwidth
+    mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
+                      nodes=cfg.launcher.nodes)
     ip = plan_interval(delta=delta, mtbf=mtbf, restart=restart)
-    if ck.interval == "auto" or step_s is None:
+    if ck.interval == "auto" or x.step_s is None:
         tau = max(ip.interval_s, write_s if ck.async_mode != "none" else 0.0)
         policy = f"checkpoint.interval={ck.interval}: Daly"
     else:
-        every = ck.every_steps if ck.every_steps > 0 else t.steps
-        tau = every * step_s
-        policy = f"checkpoint.every_steps={every} x {step_s:.2f} s/step"
-    goodput = 1.0 / expected_wall_time(1.0, tau=tau, delta=delta, mtbf=mtbf, restart=restart) if ck.enabled else 0.0
-    checkpoint = {
+        every = ck.every_steps if ck.every_steps > 0 else cfg.train.steps
+        tau = every * x.step_s
+        policy = f"checkpoint.every_steps={every} x {x.step_s:.2f} s/step"
+    x.checkpoint = {
         "bytes_per_rank": per_rank_ck, "bytes_total": total_ck, "write_s": write_s, "blocking_s": delta,
         "interval_s": tau, "daly_interval_s": ip.interval_s, "young_interval_s": ip.young_s,
-        "interval_steps": max(1, round(tau / step_s)) if step_s else None,
+        "interval_steps": max(1, round(tau / x.step_s)) if x.step_s else None,
         "mtbf_s": mtbf, "restart_s": restart, "lost_work_per_failure_s": (tau + delta) / 2, "policy": policy,
     }
 
-    # Checks (exit code) and the readiness table.
-    checks = _analytic_checks(cfg, d, peak_mem, peak_role, checkpoint, goodput) + checks
-    readiness = _readiness(cfg, d, peak_mem, peak_role, step, bubble, comm, checkpoint, goodput, checks)
-    act = {
+
+def _goodput(x: _Draft) -> None:
+    """Daly's expected goodput at the interval used (0 without checkpoints)."""
+    from checkpoint.interval import expected_wall_time
+
+    k = x.checkpoint
+    x.goodput = (1.0 / expected_wall_time(1.0, tau=k["interval_s"], delta=k["blocking_s"], mtbf=k["mtbf_s"],
+                                          restart=k["restart_s"]) if x.cfg.checkpoint.enabled else 0.0)
+
+
+def _activation_summary(x: _Draft) -> dict[str, object]:
+    cfg, dims, m, t = x.cfg, x.d.dims, x.cfg.model, x.cfg.train
+    peak_pp, peak_mem, _ = x.peak
+    sp = x.common["sequence_parallel"]
+    return {
         "activation_checkpointing": t.activation_checkpointing,
         "ac_every": t.ac_every,
         "per_microbatch_per_layer_bytes": P.layer_activation_bytes(
             m, layer=m.n_layers - 1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=dims.tp, cp=dims.cp,
-            sequence_parallel=common["sequence_parallel"], ep=dims.ep),
+            sequence_parallel=sp, ep=dims.ep),
         "checkpointed_per_layer_bytes": P.checkpointed_layer_bytes(
-            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp,
-            sequence_parallel=common["sequence_parallel"]),
+            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp, sequence_parallel=sp),
         "peak_no_ac_bytes": peak_mem.activation_bytes_no_ac,
         "peak_full_ac_bytes": peak_mem.activation_bytes_full_ac,
         "layers_in_flight": P.layers_in_flight(
-            pp=dims.pp, microbatches=d.microbatches, layers_on_rank=sum(len(s.layers) for s in shapes[peak_pp]),
-            stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
+            pp=dims.pp, microbatches=x.d.microbatches, layers_on_rank=sum(len(s.layers) for s in x.shapes[peak_pp]),
+            stages_per_rank=x.d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
     }
-    notes.append("assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded params/grads/AdamW")
+
+
+def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
+    mem, dims = x.peak[1], x.d.dims
+    x.notes.append("assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded params/grads/AdamW")
     return Plan(
         world_size=dims.world_size,
-        mesh=" * ".join(f"{a}{v}" for a, v in shape.items() if v > 1) or "single",
-        params_total=pcount.total,
-        params_active=pcount.active,
-        peak_role=peak_role,
-        per_rank={
-            "params_bytes": peak_mem.params_bytes, "grads_bytes": peak_mem.grads_bytes,
-            "optimizer_bytes": peak_mem.optimizer_bytes, "unsharded_bytes": peak_mem.unsharded_bytes,
-            "activation_bytes": peak_mem.activation_bytes, "logits_bytes": peak_mem.logits_bytes,
-            "p2p_bytes": peak_mem.p2p_bytes, "peak_bytes": peak_mem.peak_bytes,
-        },
-        roles=role_rows,
-        heuristic_bytes_per_rank=heuristic,
-        activation=act,
-        comm=comm,
-        step=step,
-        bubble_fraction=bubble,
-        checkpoint=checkpoint,
-        goodput_expected=goodput,
-        checks=checks,
+        mesh=" * ".join(f"{a}{v}" for a, v in x.shape.items() if v > 1) or "single",
+        params_total=x.pcount.total,
+        params_active=x.pcount.active,
+        peak_role=x.peak[2],
+        per_rank={k: getattr(mem, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
+                                               "activation_bytes", "logits_bytes", "p2p_bytes", "peak_bytes")},
+        roles=x.role_rows,
+        heuristic_bytes_per_rank=P.heuristic_bytes_per_rank(x.pcount.total, model_shards=dims.pp * dims.tp * x.fsdp),
+        activation=_activation_summary(x),
+        comm=x.comm,
+        step=x.step,
+        bubble_fraction=x.bubble,
+        checkpoint=x.checkpoint,
+        goodput_expected=x.goodput,
+        checks=x.checks,
         readiness=readiness,
-        notes=notes,
-        measured=[asdict(r) for r in measured],
+        notes=x.notes,
+        measured=[asdict(r) for r in x.measured],
         seconds=time.perf_counter() - t0,
     )
+
+
+def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
+    """The whole plan, as a pipeline of small steps: validate -> shapes -> (fake backend) -> memory ->
+    comm -> step time -> checkpoint/interval -> goodput -> checks. Raises ValueError for an invalid
+    config. `measure` (default plan.fake_backend) runs the fake-backend measurement; without it every
+    number is analytic."""
+    t0 = time.perf_counter()
+    d, notes = validate_for_planning(cfg)
+    x = _Draft(cfg=cfg, d=d, notes=notes)
+    _shapes(x)
+    _fake_backend(x, measure)
+    for step in (_memory, _comm, _step_time, _checkpoint, _goodput):
+        step(x)
+    x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput) + x.checks
+    readiness = _readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
+    return _assemble(x, readiness, t0)
 
 
 def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
