@@ -127,6 +127,7 @@ class ClusterConfig:
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
+    pod_gpus: int = 0  # GPUs under one non-blocking switch tier (a pod); 0 = not modelled (jobs.plan says which axes cross pods)
     # Measured by `python -m jobs.calibrate` (empty/0 = not measured: the planner falls back to the cited
     # figures above and says so). One name per concept: jobs/planner reads these same keys.
     calibrated: str | None = None  # when and by which command the figures below were measured
@@ -162,7 +163,6 @@ class PlanConfig:
     restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
     save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
-    mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
 
 
 @dataclass

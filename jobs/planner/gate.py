@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from jobs.config import JobConfig
 from jobs.planner import arith as P
+from jobs.planner import hardware as H
+from jobs.planner import steptime as S
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -265,17 +267,12 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     measured: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    axes: list[dict] = field(default_factory=list)  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["checks"] = [asdict(c) for c in self.checks]
         return d
-
-
-def _bw(axis: str, shape: dict[str, int], cl) -> tuple[float, str]:
-    if P.axis_spans_nodes(axis, shape, nvlink_domain=cl.nvlink_domain):
-        return cl.inter_node_bw_GBps, "inter-node"
-    return cl.intra_node_bw_GBps, "NVLink"
 
 
 @dataclass
@@ -300,6 +297,7 @@ class _Draft:
     step_s: float | None = None
     checkpoint: dict = field(default_factory=dict)
     goodput: float = 0.0
+    axes: list[dict] = field(default_factory=list)
 
     @property
     def fsdp(self) -> int:
@@ -357,41 +355,79 @@ def _memory(x: _Draft) -> None:
 
 
 def _comm(x: _Draft) -> None:
-    """Collectives of the peak rank per step, with the link each axis runs on."""
-    dims, t, cl = x.d.dims, x.cfg.train, x.cfg.cluster
-    items = P.comm_per_step(
-        x.cfg.model, x.shapes[x.peak[0]], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
-        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **x.common,
-    )
-    for it in items:
-        bw, link = _bw(it.axis, x.shape, cl)
+    """Collectives of the peak rank per step (timed by `_step_time` when the profile has figures)."""
+    x.comm = [{**r, "link": "-", "seconds": None} for r in _role_comm(x, x.peak[0])]
+
+
+def _dtype(cfg: JobConfig) -> str:
+    """The compute dtype the trainer will use: train.mixed_precision, auto = bf16 on GPUs, fp32 on CPU ranks."""
+    mp = cfg.train.mixed_precision
+    return mp if mp != "auto" else ("bf16" if cfg.cluster.gpus_per_node > 0 else "fp32")
+
+
+def _role_comm(x: _Draft, pp_rank: int) -> list[dict]:
+    dims, t = x.d.dims, x.cfg.train
+    rows = []
+    for it in P.comm_per_step(x.cfg.model, x.shapes[pp_rank], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
+                              activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, **x.common):
         row = it.as_dict()
         if it.axis == "dp_shard" and dims.cp > 1:
             row["axis"] = "dp_shard*cp"
-        row["link"] = link
-        row["seconds"] = it.bytes / (bw * 1e9) if bw > 0 else None
-        x.comm.append(row)
+        rows.append(row)
+    return rows
+
+
+def _topology(x: _Draft) -> None:
+    """Which mesh axes cross node and pod boundaries: for our rank order (parallel/dims.py, pp outermost,
+    tp innermost) and for Llama 3's [TP, CP, PP, DP] (DP outermost). The step time uses ours."""
+    cl = x.cfg.cluster
+    node = max(cl.nvlink_domain, 1) if cl.gpus_per_node > 0 else max(x.cfg.launcher.tasks_per_node, 1)
+    for axis in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp"):
+        if x.shape.get(axis, 1) <= 1:
+            continue
+        row = {"axis": axis, "size": x.shape[axis]}
+        for name, order in (("ours", H.OUR_ORDER), ("llama3", H.LLAMA3_ORDER)):
+            row[f"{name}_span"] = H.axis_span(axis, x.shape, order)
+            row[f"{name}_scope"] = H.axis_scope(axis, x.shape, node_ranks=node, pod_ranks=cl.pod_gpus, order=order)
+        x.axes.append(row)
 
 
 def _step_time(x: _Draft) -> None:
-    """Compute at peak, recomputation, bubble, communication if nothing overlapped; step at plan.mfu."""
-    cfg, d, m, cl = x.cfg, x.d, x.cfg.model, x.cfg.cluster
+    """The predicted step (jobs.planner.steptime) of every pp role; the slowest one sets the step."""
+    cfg, d, m, cl, t = x.cfg, x.d, x.cfg.model, x.cfg.cluster, x.cfg.train
     x.bubble = P.bubble_fraction(pp=d.dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank,
                                  schedule=cfg.mesh.pp_schedule)
-    fpt = P.flops_per_token(m, seq_len=cfg.train.seq_len)
+    fpt = P.flops_per_token(m, seq_len=t.seq_len)
     model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
     x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    if cl.gpu_bf16_tflops <= 0:
+    hw = H.hardware(cl, dtype=_dtype(cfg), tasks_per_node=cfg.launcher.tasks_per_node)
+    if hw is None:
+        x.notes.append(f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
+                       "nor cited GPU peaks")
         return
-    peak = cl.gpu_bf16_tflops * 1e12
-    compute = model_flops_rank / peak
-    recompute = compute / 3.0 * _recomputed_share(cfg, x.shapes[x.peak[0]])  # one more forward of those blocks
-    bub = (compute + recompute) * x.bubble / (1 - x.bubble) if x.bubble < 1 else 0.0
-    comm_s = sum(c["seconds"] or 0.0 for c in x.comm)
-    x.step_s = model_flops_rank / (peak * cfg.plan.mfu)
-    x.step.update(compute_s=compute, recompute_s=recompute, bubble_s=bub, comm_s_unoverlapped=comm_s,
-                  serial_sum_s=compute + recompute + bub + comm_s, step_s_at_mfu=x.step_s, mfu_assumed=cfg.plan.mfu,
-                  tokens_per_s=d.tokens_per_step / x.step_s)
+    per_role = []
+    for pp_rank, role in x.roles.items():
+        layers = [i for st in x.shapes[pp_rank] for i in st.layers]
+        per_role.append(S.predict_rank(
+            m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
+            micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
+            recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every)))
+        if pp_rank == x.peak[0]:
+            x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
+    slow = S.predict_step(per_role)
+    x.step_s = slow.step_s
+    parts = slow.parts
+    x.step.update(parts)
+    x.step.update(
+        step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
+        matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
+        comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
+        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["bubble_s"] + sum(r["seconds"] for r in slow.comm),
+        step_s_at_mfu=slow.step_s,  # the key the Slurm signal check reads (kept: it is the predicted step now)
+    )
+    if cl.gpu_bf16_tflops > 0:
+        x.step["mfu"] = model_flops_rank / (slow.step_s * cl.gpu_bf16_tflops * 1e12)
+        x.step["mfu_assumed"] = x.step["mfu"]  # old key, now the predicted MFU (plan.mfu is no input any more)
 
 
 def _checkpoint(x: _Draft) -> None:
@@ -478,6 +514,7 @@ def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
         notes=x.notes,
         measured=[asdict(r) for r in x.measured],
         seconds=time.perf_counter() - t0,
+        axes=x.axes,
     )
 
 
@@ -491,7 +528,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     x = _Draft(cfg=cfg, d=d, notes=notes)
     _shapes(x)
     _fake_backend(x, measure)
-    for step in (_memory, _comm, _step_time, _checkpoint, _goodput):
+    for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput):
         step(x)
     x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput) + x.checks
     readiness = _readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
@@ -559,21 +596,29 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
     return out
 
 
+def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]) -> dict:
+    """The predicted step, part by part; "warn" when exposed communication and the bubble outweigh compute."""
+    if "step_s" not in step:
+        return {"question": "where does the step time go?", "status": "info",
+                "answer": f"{step['model_tflop_per_rank']:.4f} TFLOP per rank per step, bubble {bubble:.1%}; "
+                          f"cluster={cfg.cluster.name} has no calibrated or cited figures: run python -m jobs.calibrate"}
+    s = step
+    lost = s["comm_exposed_s"] + s["dp_exposed_s"] + s["bubble_s"]
+    top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
+    comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
+    mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
+    return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
+            "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
+                      f"recompute {s['recompute_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
+                      f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s "
+                      f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
+
+
 def _readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> list[dict]:
     by = {c.name: c for c in checks}
     fit_ok = by["memory"].ok and by.get("parallelize", Check("", True, "")).ok
     rows = [{"question": "does it fit?", "status": "ok" if fit_ok else "fail", "answer": by["memory"].why}]
-    if "compute_s" in step:
-        top = sorted(comm, key=lambda c: -(c["seconds"] or 0))[:2]
-        comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['seconds']:.2f} s ({c['link']})" for c in top)
-        rows.append({"question": "where does the step time go?", "status": "ok",
-                     "answer": f"compute {step['compute_s']:.2f} s at peak + recompute {step['recompute_s']:.2f} s + "
-                               f"bubble {step['bubble_s']:.2f} s ({bubble:.1%}) + comm {step['comm_s_unoverlapped']:.2f} s if "
-                               f"unoverlapped (top: {comm_txt}); step ~{step['step_s_at_mfu']:.2f} s at plan.mfu({cfg.plan.mfu})"})
-    else:
-        rows.append({"question": "where does the step time go?", "status": "info",
-                     "answer": f"{step['model_tflop_per_rank']:.4f} TFLOP per rank per step, bubble {bubble:.1%}; "
-                               f"cluster.gpu_bf16_tflops=0 ({cfg.cluster.name}), so no time estimate"})
+    rows.append(_where_time_goes(cfg, step, bubble, comm))
     rows.append({"question": "what happens when a rank dies?", "status": "ok" if by["goodput"].ok else "fail",
                  "answer": f"job MTBF {ckpt['mtbf_s'] / 3600:.2f} h; save every {ckpt['interval_s']:.0f} s "
                            f"({ckpt['policy']}); restart {ckpt['restart_s']:.0f} s; lose ~{ckpt['lost_work_per_failure_s']:.0f} s "
@@ -640,16 +685,25 @@ def render(plan: Plan) -> str:
              f"train.activation_checkpointing={a['activation_checkpointing']}")
     L.append("")
     L.append(f"communication per step ({plan.peak_role})")
-    L.append("  collective      axis          count        bytes   link          seconds  what")
+    L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
     for c in plan.comm:
-        secs = f"{c['seconds']:8.3f}" if c["seconds"] is not None else "       -"
-        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.2f} GiB  {c['link']:10s} {secs}  {c['what']}")
+        secs = f"{c['seconds']:9.4g} {c['exposed_s']:9.4g}" if c["seconds"] is not None else "        -         -"
+        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.3g} GiB  {c['link']:9s} {secs}  {c['what']}")
+    sources = sorted({c["source"] for c in plan.comm if c.get("source")})
+    for src in sources:
+        L.append(f"  link figures: {src}")
     L.append(f"  pipeline bubble: {plan.bubble_fraction:.1%}")
+    if plan.axes:
+        L.append("  axes (ranks one group spans -> link): " + "; ".join(
+            f"{a['axis']}{a['size']} ours {a['ours_span']} -> {a['ours_scope']}, Llama 3 order {a['llama3_span']} -> "
+            f"{a['llama3_scope']}" for a in plan.axes))
     s = plan.step
-    if "compute_s" in s:
-        L.append(f"  step: compute {s['compute_s']:.2f} s + recompute {s['recompute_s']:.2f} s + bubble {s['bubble_s']:.2f} s + "
-                 f"comm {s['comm_s_unoverlapped']:.2f} s (unoverlapped) = {s['serial_sum_s']:.2f} s serial; "
-                 f"{s['step_s_at_mfu']:.2f} s at MFU {s['mfu_assumed']:.0%} ({s['tokens_per_s'] / 1e6:.2f} M tokens/s)")
+    if "step_s" in s:
+        L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
+                 f"exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
+                 f"{s['dp_exposed_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
+                 + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
+        L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
     k = plan.checkpoint
     L.append("")
     L.append(f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
