@@ -166,6 +166,12 @@ class PlanConfig:
 
 
 @dataclass
+class CalibrateConfig:
+    out: str | None = None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+    seconds: float = 2.0  # seconds spent timing each figure (medians over repeats)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = MISSING
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -178,6 +184,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
 
     @property
     def world_size(self) -> int:

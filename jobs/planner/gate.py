@@ -400,7 +400,7 @@ def _step_time(x: _Draft) -> None:
     fpt = P.flops_per_token(m, seq_len=t.seq_len)
     model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
     x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    hw = H.hardware(cl, dtype=_dtype(cfg), tasks_per_node=cfg.launcher.tasks_per_node)
+    hw = H.hardware(cl, dtype=_dtype(cfg), tasks_per_node=cfg.launcher.tasks_per_node, tp=d.dims.tp)
     if hw is None:
         x.notes.append(f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
                        "nor cited GPU peaks")

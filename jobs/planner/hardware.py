@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from jobs.config import ClusterConfig
 
 __all__ = [
-    "OPS", "Link", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
+    "OPS", "Link", "hops", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
     "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S",
 ]
 
@@ -48,9 +48,23 @@ class Link:
     alpha_s: float
     bus_GBps: float
     source: str
+    ranks: int = 0  # group size alpha was measured at; 0 = use alpha as is for every group size
+    alpha_hop_s: float = 0.0  # latency of each ring hop more or less than at `ranks`
 
-    def seconds(self, *, calls: int, nbytes: float) -> float:
-        return calls * self.alpha_s + (nbytes / (self.bus_GBps * 1e9) if self.bus_GBps > 0 else 0.0)
+    def seconds(self, *, calls: int, nbytes: float, op: str = "all_reduce", group: int = 0) -> float:
+        """A ring's latency grows with its hops (Thakur, Rabenseifner & Gropp 2005): the calibrated
+        alpha at `ranks` plus alpha_hop_s per hop more (or less) in a group of `group`."""
+        alpha = self.alpha_s
+        if self.ranks and group:
+            alpha = max(0.0, alpha + self.alpha_hop_s * (hops(op, group) - hops(op, self.ranks)))
+        return calls * alpha + (nbytes / (self.bus_GBps * 1e9) if self.bus_GBps > 0 else 0.0)
+
+
+def hops(op: str, n: int) -> int:
+    """Sequential steps of the ring algorithm for `op` among n ranks (1 for a point-to-point send)."""
+    if op == "send_recv":
+        return 1
+    return max(1, (2 if op == "all_reduce" else 1) * (n - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +90,18 @@ def _published_links(cl: ClusterConfig) -> dict[str, Link]:
     return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}
 
 
-def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int) -> Hardware | None:
+def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
     """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
-    profile has neither (no time estimate)."""
+    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
+    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
     calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
     links = _published_links(cl) if cl.intra_node_bw_GBps > 0 else {}
     for key, v in cl.collectives.items():
-        links[key] = Link(float(v["alpha_s"]), float(v["bus_GBps"]), calibrated)
-    if cl.matmul_tflops.get(dtype):
-        rate, source = cl.matmul_tflops[dtype], f"cluster.matmul_tflops.{dtype} {calibrated}"
+        links[key] = Link(float(v["alpha_s"]), float(v["bus_GBps"]), calibrated, int(v.get("ranks", 0)),
+                          float(v.get("alpha_hop_s", 0.0)))
+    key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
+    if cl.matmul_tflops.get(key):
+        rate, source = cl.matmul_tflops[key], f"cluster.matmul_tflops.{key} {calibrated}"
     elif cl.gpu_bf16_tflops > 0 and dtype == "bf16":
         rate, source = cl.gpu_bf16_tflops * MATMUL_EFFICIENCY, MATMUL_SOURCE
     else:
@@ -93,7 +110,8 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int) -> Hardware 
         for a, b in (("intra", "inter"), ("inter", "intra")):
             if f"{op}.{a}" not in links and f"{op}.{b}" in links:
                 w = links[f"{op}.{b}"]
-                links[f"{op}.{a}"] = Link(w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used")
+                links[f"{op}.{a}"] = Link(w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks,
+                                          w.alpha_hop_s)
     if not all(f"{op}.intra" in links for op in OPS):
         return None
     gpu = cl.gpus_per_node > 0

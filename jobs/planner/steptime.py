@@ -76,7 +76,7 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_mb
     for it in items:
         scope = axis_scope(it["axis"], shape, node_ranks=hw.node_ranks, pod_ranks=hw.pod_ranks)
         link = hw.link(it["collective"], scope)
-        secs = link.seconds(calls=it["count"], nbytes=it["bytes"])
+        secs = link.seconds(calls=it["count"], nbytes=it["bytes"], op=it["collective"], group=it["group"])
         if not hw.overlap or it["axis"].split("/")[0] in _EXPOSED_AXES:
             exposed = secs
         elif it["collective"] == "all_gather":  # prefetched, hidden behind the previous block's compute
@@ -108,7 +108,7 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
                                         microbatches=microbatches, pp=pp, units=units)
     world_scope = "intra" if world <= hw.node_ranks else "inter"
     link = hw.link("all_reduce", world_scope)
-    world_s = link.seconds(calls=1, nbytes=totals["bytes"])
+    world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
     rows.append({**totals, "scope": world_scope, "seconds": world_s, "exposed_s": world_s, "alpha_s": link.alpha_s,
                  "bus_GBps": link.bus_GBps, "source": link.source})
     busy = compute + recompute + stage_comm
