@@ -160,8 +160,8 @@ class PlanConfig:
     json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
     fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
     usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
-    restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
-    save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
+    restart_overhead_s: float | None = None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
+    save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
 
 

@@ -94,6 +94,47 @@ def _matmul_rate(m: ModelConfig, *, tp: int, micro_batch: int, seq_len: int, dty
     return train / secs / 1e12
 
 
+def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync) -> float:
+    """Seconds of one microbatch's forward + backward of the model under the real tensor parallelism
+    (parallel.tp.apply_tp, DTensor) on groups of tp ranks: the shard's compute, DTensor's own cost
+    per op, and the TP collectives (which the caller takes out again with the fitted link model)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from jobs.model import Transformer
+    from parallel.tp import apply_tp
+
+    m, t = cfg.model, cfg.train
+    mesh = init_device_mesh(device.type, (n // tp, tp), mesh_dim_names=("dp", "tp"))
+    model = Transformer(m).to(device)
+    apply_tp(model, mesh["tp"], sequence_parallel=cfg.mesh.sequence_parallel, loss_parallel=False)
+    x = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len), device=device)
+
+    def step():
+        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+    return _timed(step, seconds=seconds, sync=sync)
+
+
+def _tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> float:
+    """TFLOP/s of one tp shard's compute under DTensor: the measured microbatch less its TP
+    collectives as the fitted alpha-beta model times them (at least a quarter of it stays compute)."""
+    from jobs.config import ClusterConfig
+    from jobs.planner.hardware import hardware
+
+    m, t = cfg.model, cfg.train
+    stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
+    hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=tp)
+    comm = 0.0
+    for it in P.comm_per_step(m, stages, pp=1, dp_replicate=1, fsdp=1, tp=tp, cp=1, ep=1, microbatches=1,
+                              seq_len=t.seq_len, micro_batch=t.micro_batch, activation_checkpointing="none",
+                              sequence_parallel=cfg.mesh.sequence_parallel):
+        comm += hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=tp)
+    _, train, _ = stage_flops(m, stages, tokens=t.micro_batch * t.seq_len, seq_len=t.seq_len, tp=tp, recomputed=[])
+    return train / max(seconds - comm, seconds / 4) / 1e12
+
+
 def _collective(op: str, size: int, *, n: int, rank: int, device, seconds: float, sync, group=None) -> float:
     """Median seconds of one `op` over a `size`-byte buffer in this rank's group of n ranks (every
     group of the job runs it at the same time, as the groups of one mesh axis do in training)."""
@@ -191,10 +232,9 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         secs, t, dtype = cfg.calibrate.seconds, cfg.train, _dtype(cfg)
         out: dict = {"rates": {}, "collectives": {}}
-        for tp in tps:
-            dist.barrier()
-            out["rates"][tp] = _matmul_rate(cfg.model, tp=tp, micro_batch=t.micro_batch, seq_len=t.seq_len,
-                                            dtype_name=dtype, device=device, seconds=secs, sync=sync)
+        dist.barrier()
+        out["rates"][1] = _matmul_rate(cfg.model, tp=1, micro_batch=t.micro_batch, seq_len=t.seq_len,
+                                       dtype_name=dtype, device=device, seconds=secs, sync=sync)
         groups = {n: None}
         if n > 2:  # pairs too: a ring's latency grows with its hops, fitted from both group sizes
             pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
@@ -206,6 +246,8 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
                 out["collectives"][f"{op}.{g}"] = [
                     (size, _collective(op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp))
                     for size in COLLECTIVE_SIZES]
+        out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
+                             for tp in tps if tp > 1}
         dist.destroy_process_group()
         q.put((rank, out))
     except BaseException as e:  # reported to the parent, which fails the calibration
@@ -288,8 +330,10 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
     """Measures and returns the profile keys (see the module docstring)."""
     ranks = _run_ranks(cfg)
     n, dtype = cfg.launcher.tasks_per_node, _dtype(cfg)
-    rates = {tp: statistics.median(r["rates"][tp] for r in ranks) for tp in ranks[0]["rates"]}
     collectives = {f"{op}.intra": _fit_op(op, ranks, n) for op in OPS}
+    rates = {1: statistics.median(r["rates"][1] for r in ranks)}
+    for tp in ranks[0]["tp_seconds"]:
+        rates[tp] = _tp_rate(cfg, tp, statistics.median(r["tp_seconds"][tp] for r in ranks), collectives)
     fs_bw, fsync = _fs(cfg.cluster.run_root, cfg.calibrate.seconds)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     matmul = {dtype: round(rates[1], 6), **{f"{dtype}.tp{tp}": round(v, 6) for tp, v in rates.items() if tp > 1}}

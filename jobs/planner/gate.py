@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from jobs.config import JobConfig
 from jobs.planner import arith as P
+from jobs.planner import costs as C
 from jobs.planner import hardware as H
 from jobs.planner import steptime as S
 
@@ -415,6 +416,8 @@ def _step_time(x: _Draft) -> None:
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
+    if hw.bubble_why and x.bubble > 0:
+        x.notes.append(hw.bubble_why)
     x.step_s = slow.step_s
     parts = slow.parts
     x.step.update(parts)
@@ -438,11 +441,12 @@ def _checkpoint(x: _Draft) -> None:
     per_rank_ck = P.checkpoint_bytes(x.peak[1].params_elems)
     total_ck = P.checkpoint_bytes(x.pcount.total)
     write_s = total_ck / (cl.fs_write_GBps * 1e9)
-    if ck.async_mode == "none":
-        delta = write_s + pc.save_fixed_s
-    else:
-        delta = per_rank_ck / (cl.host_copy_GBps * 1e9) + pc.save_fixed_s
-    restart = pc.restart_overhead_s + write_s  # the read bandwidth is taken equal to the write bandwidth
+    profile = f"cluster={cl.name}, " + (f"calibrated {cl.calibrated}" if cl.calibrated else "cited")
+    ledger_save, ledger_restart = C.ledger_costs(cfg.run.dir)
+    save = C.save_cost(ledger=ledger_save, override=pc.save_fixed_s, async_mode=ck.async_mode, write_s=write_s,
+                       stage_s=per_rank_ck / (cl.host_copy_GBps * 1e9), fsync_s=cl.fs_fsync_s, profile=profile)
+    rst = C.restart_cost(ledger=ledger_restart, override=pc.restart_overhead_s, load_s=write_s, profile=profile)
+    delta, restart = save.seconds, rst.seconds
     mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
                       nodes=cfg.launcher.nodes)
     ip = plan_interval(delta=delta, mtbf=mtbf, restart=restart)
@@ -458,6 +462,7 @@ def _checkpoint(x: _Draft) -> None:
         "interval_s": tau, "daly_interval_s": ip.interval_s, "young_interval_s": ip.young_s,
         "interval_steps": max(1, round(tau / x.step_s)) if x.step_s else None,
         "mtbf_s": mtbf, "restart_s": restart, "lost_work_per_failure_s": (tau + delta) / 2, "policy": policy,
+        "blocking_source": save.source, "restart_source": rst.source,
     }
 
 
@@ -592,7 +597,7 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
                      if ok else
                      f"expected goodput {goodput:.3f} < plan.min_goodput({pcfg.min_goodput}) at job MTBF {ckpt['mtbf_s'] / 3600:.2f} h "
                      f"({ckpt['policy']}, restart {ckpt['restart_s']:.0f} s): use checkpoint.interval=auto, "
-                     "checkpoint.async_mode=thread, or lower plan.restart_overhead_s"))
+                     f"checkpoint.async_mode=thread (restart: {ckpt['restart_source']})"))
     return out
 
 
@@ -711,6 +716,8 @@ def render(plan: Plan) -> str:
              f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
              + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
              + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}")
+    L.append(f"  blocking save from: {k['blocking_source']}")
+    L.append(f"  restart from: {k['restart_source']}")
     L.append("")
     L.append("readiness")
     for r in plan.readiness:

@@ -9,6 +9,7 @@ Pure functions of a `ClusterConfig` and plain numbers; no torch.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from jobs.config import ClusterConfig
@@ -77,6 +78,8 @@ class Hardware:
     overlap_why: str = ""
     node_ranks: int = 8  # ranks that share the fast fabric (scope "intra")
     pod_ranks: int = 0  # ranks under one non-blocking switch tier; 0 = not modelled
+    bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
+    bubble_why: str = ""
 
     def link(self, op: str, scope: str) -> Link:
         return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
@@ -115,12 +118,17 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
     if not all(f"{op}.intra" in links for op in OPS):
         return None
     gpu = cl.gpus_per_node > 0
+    cores = os.cpu_count() or 1
+    over = 0.0 if gpu else max(0.0, tasks_per_node / cores - 1.0)
     return Hardware(
         dtype=dtype, matmul_tflops=rate, matmul_source=source, links=links, overlap=gpu,
         overlap_why=("GPU: NCCL kernels run on their own stream beside compute" if gpu else
                      "CPU ranks: gloo runs on the same cores as the compute, nothing overlaps"),
         node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
         pod_ranks=cl.pod_gpus,
+        bubble_cost=max(0.0, 1.0 - over),
+        bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
+                    f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),
     )
 
 

@@ -12,7 +12,9 @@ What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
     time by 1 / (1 - bubble). Context- and expert-parallel exchanges are counted exposed (our
     recipe does not overlap them).
   - The step's one world all-reduce (grad norm, loss, stop flag) is exposed.
-  - On CPU ranks (gloo) nothing overlaps: the collectives run on the cores that compute.
+  - On CPU ranks (gloo) nothing overlaps: the collectives run on the cores that compute. When more
+    ranks than cores share a machine, a rank idle in the bubble gives its core to another rank: only
+    the share 1 - (ranks / cores - 1) of the bubble is lost (none at twice as many ranks as cores).
 Not modelled: the optimizer step and the embedding lookup (memory-bound, small next to the matmuls
 of a large model; on the CPU profile they are part of what the calibration cannot see).
 
@@ -112,7 +114,7 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     rows.append({**totals, "scope": world_scope, "seconds": world_s, "exposed_s": world_s, "alpha_s": link.alpha_s,
                  "bus_GBps": link.bus_GBps, "source": link.source})
     busy = compute + recompute + stage_comm
-    bubble_s = busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
+    bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
     parts = {"compute_s": compute, "recompute_s": recompute, "comm_exposed_s": stage_comm, "bubble_s": bubble_s,
              "dp_exposed_s": tail + world_s}
     return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)

@@ -63,3 +63,27 @@ def test_cpu_ranks_overlap_nothing_and_a_calibrated_profile_is_used():
     # dp4 without pp or tp: each rank does a quarter of the model FLOPs (6N + causal attention per token)
     assert s["compute_s"] * 0.002e12 == pytest.approx(s["model_tflop_per_rank"] * 1e12, rel=1e-9)
     assert s["bubble_s"] == 0 and s["step_s"] > s["compute_s"]
+
+
+def _event(kind: str, t: float, attempt: str = "local.0", **fields) -> str:
+    import json
+
+    return json.dumps({"time": t, "kind": kind, "rank": 0, "restart": 0, "attempt": attempt, **fields}) + "\n"
+
+
+def test_save_and_restart_costs_come_from_the_runs_own_ledger(tmp_path):
+    # Three saves blocking 2.5, 3.5 and 9.0 s (median 3.5) and two attempts taking 40 and 60 s from start
+    # to first step (median 50), no failure: those, not a constant, set Daly's interval and the goodput.
+    (tmp_path / "events.jsonl").write_text(
+        _event("attempt_start", 0.0) + _event("first_step", 40.0, step=1)
+        + "".join(_event("checkpoint_saved", 100.0 + i, step=i, blocking_s=b) for i, b in enumerate((2.5, 9.0, 3.5)))
+        + _event("attempt_end", 200.0, cause="completed")
+        + _event("attempt_start", 300.0, attempt="local.1") + _event("first_step", 360.0, attempt="local.1", step=5))
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}"]), measure=False)
+    ck = plan.checkpoint
+    assert ck["blocking_s"] == pytest.approx(3.5) and "median blocking_s of 3 saves" in ck["blocking_source"]
+    assert ck["restart_s"] == pytest.approx(50.0) and "median start-up" in ck["restart_source"]
+    # Without a ledger: the profile's bytes and commit cost, and the restart says what it leaves out.
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path / 'none'}"]), measure=False)
+    assert "cluster.host_copy_GBps + cluster.fs_fsync_s" in plan.checkpoint["blocking_source"]
+    assert "not counted" in plan.checkpoint["restart_source"]
