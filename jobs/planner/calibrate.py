@@ -29,7 +29,7 @@ from jobs.planner import arith as P
 from jobs.planner.hardware import OPS, hops
 from jobs.planner.steptime import stage_flops
 
-__all__ = ["calibrate", "COLLECTIVE_SIZES", "sent_bytes"]
+__all__ = ["calibrate", "matmul_rate_now", "scale_figures", "COLLECTIVE_SIZES", "sent_bytes"]
 
 COLLECTIVE_SIZES = (1024, 256 * 1024, 2 * 1024 * 1024)  # bytes of the full buffer per call
 
@@ -213,7 +213,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> None:
+def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q, full: bool = True) -> None:
     """One calibration rank: the model's rate at every tp shard (all ranks at once), then each collective."""
     import warnings
 
@@ -235,6 +235,10 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         dist.barrier()
         out["rates"][1] = _matmul_rate(cfg.model, tp=1, micro_batch=t.micro_batch, seq_len=t.seq_len,
                                        dtype_name=dtype, device=device, seconds=secs, sync=sync)
+        if not full:
+            dist.destroy_process_group()
+            q.put((rank, out))
+            return
         groups = {n: None}
         if n > 2:  # pairs too: a ring's latency grows with its hops, fitted from both group sizes
             pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
@@ -269,10 +273,10 @@ def _tps(cfg: JobConfig) -> list[int]:
     return out
 
 
-def _run_ranks(cfg: JobConfig) -> list[dict]:
+def _run_ranks(cfg: JobConfig, *, full: bool = True) -> list[dict]:
     ctx = mp.get_context("fork")
     q, n, port = ctx.Queue(), cfg.launcher.tasks_per_node, _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q)) for r in range(n)]
+    procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q, full)) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -324,6 +328,21 @@ def _fs(run_root: str, seconds: float) -> tuple[float, float]:
         bw = len(data) / _timed(lambda: write(big, data), seconds=seconds, sync=lambda: None) / 1e9
         commit = _timed(lambda: (write(small, b"{}"), os.replace(small, final)), seconds=seconds / 2, sync=lambda: None)
     return bw, commit
+
+
+def matmul_rate_now(cfg: JobConfig) -> float:
+    """The unsharded model's rate with every local rank busy, measured now (a quick re-check)."""
+    return statistics.median(r["rates"][1] for r in _run_ranks(cfg, full=False))
+
+
+def scale_figures(figures: dict, factor: float) -> dict:
+    """The figures of a machine that now runs `factor` times as fast (a shared CPU whose share of the
+    cores changed): rates and bandwidths times factor, latencies divided by it."""
+    out = dict(figures)
+    out["matmul_tflops"] = {k: v * factor for k, v in figures["matmul_tflops"].items()}
+    out["collectives"] = {k: {**v, "alpha_s": v["alpha_s"] / factor, "alpha_hop_s": v.get("alpha_hop_s", 0.0) / factor,
+                              "bus_GBps": v["bus_GBps"] * factor} for k, v in figures["collectives"].items()}
+    return out
 
 
 def calibrate(cfg: JobConfig, *, command: str) -> dict:
