@@ -29,7 +29,7 @@ from jobs.planner import arith as P
 from jobs.planner.hardware import OPS, hops
 from jobs.planner.steptime import stage_flops
 
-__all__ = ["calibrate", "matmul_rate_now", "scale_figures", "COLLECTIVE_SIZES", "sent_bytes"]
+__all__ = ["calibrate", "COLLECTIVE_SIZES", "sent_bytes"]
 
 COLLECTIVE_SIZES = (1024, 256 * 1024, 2 * 1024 * 1024)  # bytes of the full buffer per call
 
@@ -53,45 +53,53 @@ def _timed(fn, *, seconds: float, sync) -> float:
     return statistics.median(times)
 
 
-def _sharded_model(m: ModelConfig, tp: int, dtype):
-    """The model with the shapes one tensor-parallel rank holds (heads, FFN hidden and vocabulary over tp)."""
+def _matmul_rate(m: ModelConfig, *, micro_batch: int, seq_len: int, dtype_name: str, device, seconds: float,
+                 sync) -> float:
+    """Achieved TFLOP/s of the whole model's forward + backward (unsharded), one microbatch."""
     import torch
-    from torch import nn
+    import torch.nn.functional as F
 
     from jobs.model import Transformer
 
-    model = Transformer(m)
-    if tp > 1:
-        hd = m.dim // m.n_heads
-        for blk in model.layers.values():
-            a, f = blk.attention, blk.feed_forward
-            a.wq, a.wk, a.wv = (nn.Linear(m.dim, n * hd // tp, bias=False) for n in (m.n_heads, m.n_kv_heads, m.n_kv_heads))
-            a.wo = nn.Linear(m.n_heads * hd // tp, m.dim, bias=False)
-            f.w1, f.w3 = (nn.Linear(m.dim, m.ffn_dim // tp, bias=False) for _ in range(2))
-            f.w2 = nn.Linear(m.ffn_dim // tp, m.dim, bias=False)
-        model.output = nn.Linear(m.dim, m.vocab_size // tp, bias=False)
-    return model.to(dtype=dtype), torch
-
-
-def _matmul_rate(m: ModelConfig, *, tp: int, micro_batch: int, seq_len: int, dtype_name: str, device, seconds: float,
-                 sync) -> float:
-    """Achieved TFLOP/s of the model's forward + backward at one tp rank's shapes, one microbatch."""
-    import torch.nn.functional as F
-
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype_name]
-    model, torch = _sharded_model(m, tp, getattr(__import__("torch"), dtype))
-    model = model.to(device)
-    vocab = m.vocab_size // tp
-    x = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    model = Transformer(m).to(device=device, dtype=dtype)
+    x = torch.randint(0, m.vocab_size, (micro_batch, seq_len), device=device)
 
     def step():
-        logits = model(x)
-        F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
     secs = _timed(step, seconds=seconds, sync=sync)
     stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
-    _, train, _ = stage_flops(m, stages, tokens=micro_batch * seq_len, seq_len=seq_len, tp=tp, recomputed=[])
+    _, train, _ = stage_flops(m, stages, tokens=micro_batch * seq_len, seq_len=seq_len, tp=1, recomputed=[])
     return train / secs / 1e12
+
+
+def _optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> float:
+    """Nanoseconds per local parameter element of the trainer's step tail on FSDP2-sharded parameters
+    (over all n ranks): the gradient-norm pass and AdamW's step (foreach on CPU, as the trainer)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from jobs.model import Transformer
+    from parallel.fsdp import apply_fsdp
+
+    model = Transformer(cfg.model).to(device)
+    apply_fsdp(model, init_device_mesh(device.type, (n,), mesh_dim_names=("dp_shard",)), reshard_after_forward=True)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    grads = [p.grad for p in params]
+
+    def step():  # what jobs.trainer's stage_grad_sq_norm and optimizer_step do
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        opt.step()
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    return _timed_together(step, seconds=seconds, sync=sync, device=device) / max(local, 1) * 1e9
 
 
 def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync) -> float:
@@ -114,7 +122,7 @@ def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync
     def step():
         F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
-    return _timed(step, seconds=seconds, sync=sync)
+    return _timed_together(step, seconds=seconds, sync=sync, device=device)
 
 
 def _tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> float:
@@ -165,18 +173,26 @@ def _collective(op: str, size: int, *, n: int, rank: int, device, seconds: float
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-    # Every rank must make the same calls: the repeat count is agreed from the slowest rank's first call.
-    call(), sync()
+    return _timed_together(call, seconds=seconds, sync=sync, device=device)
+
+
+def _timed_together(fn, *, seconds: float, sync, device) -> float:
+    """Median seconds of `fn` when it holds collectives: every rank makes the same number of calls
+    (agreed from the slowest rank's first call), each call starting together after a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    fn(), sync()
     t0 = time.perf_counter()
-    call(), sync()
-    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(first.to(device), op=dist.ReduceOp.MAX)
+    fn(), sync()
+    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
     reps = int(min(max(seconds / max(float(first), 1e-6), 3), 200))
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
-        call()
+        fn()
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -213,7 +229,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q, full: bool = True) -> None:
+def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> None:
     """One calibration rank: the model's rate at every tp shard (all ranks at once), then each collective."""
     import warnings
 
@@ -233,12 +249,8 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q, full:
         secs, t, dtype = cfg.calibrate.seconds, cfg.train, _dtype(cfg)
         out: dict = {"rates": {}, "collectives": {}}
         dist.barrier()
-        out["rates"][1] = _matmul_rate(cfg.model, tp=1, micro_batch=t.micro_batch, seq_len=t.seq_len,
+        out["rates"][1] = _matmul_rate(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
                                        dtype_name=dtype, device=device, seconds=secs, sync=sync)
-        if not full:
-            dist.destroy_process_group()
-            q.put((rank, out))
-            return
         groups = {n: None}
         if n > 2:  # pairs too: a ring's latency grows with its hops, fitted from both group sizes
             pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
@@ -250,6 +262,7 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q, full:
                 out["collectives"][f"{op}.{g}"] = [
                     (size, _collective(op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp))
                     for size in COLLECTIVE_SIZES]
+        out["optimizer_ns"] = _optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
         out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
                              for tp in tps if tp > 1}
         dist.destroy_process_group()
@@ -273,10 +286,10 @@ def _tps(cfg: JobConfig) -> list[int]:
     return out
 
 
-def _run_ranks(cfg: JobConfig, *, full: bool = True) -> list[dict]:
+def _run_ranks(cfg: JobConfig) -> list[dict]:
     ctx = mp.get_context("fork")
     q, n, port = ctx.Queue(), cfg.launcher.tasks_per_node, _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q, full)) for r in range(n)]
+    procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q)) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -330,21 +343,6 @@ def _fs(run_root: str, seconds: float) -> tuple[float, float]:
     return bw, commit
 
 
-def matmul_rate_now(cfg: JobConfig) -> float:
-    """The unsharded model's rate with every local rank busy, measured now (a quick re-check)."""
-    return statistics.median(r["rates"][1] for r in _run_ranks(cfg, full=False))
-
-
-def scale_figures(figures: dict, factor: float) -> dict:
-    """The figures of a machine that now runs `factor` times as fast (a shared CPU whose share of the
-    cores changed): rates and bandwidths times factor, latencies divided by it."""
-    out = dict(figures)
-    out["matmul_tflops"] = {k: v * factor for k, v in figures["matmul_tflops"].items()}
-    out["collectives"] = {k: {**v, "alpha_s": v["alpha_s"] / factor, "alpha_hop_s": v.get("alpha_hop_s", 0.0) / factor,
-                              "bus_GBps": v["bus_GBps"] * factor} for k, v in figures["collectives"].items()}
-    return out
-
-
 def calibrate(cfg: JobConfig, *, command: str) -> dict:
     """Measures and returns the profile keys (see the module docstring)."""
     ranks = _run_ranks(cfg)
@@ -361,6 +359,7 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
                       f"micro_batch {cfg.train.micro_batch} x seq_len {cfg.train.seq_len})",
         "matmul_tflops": matmul,
         "collectives": collectives,
+        "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
         "host_copy_GBps": round(_host_copy_GBps(cfg.calibrate.seconds), 3),
         "fs_write_GBps": round(fs_bw, 3),
         "fs_fsync_s": round(fsync, 6),

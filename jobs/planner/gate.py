@@ -412,7 +412,8 @@ def _step_time(x: _Draft) -> None:
         per_role.append(S.predict_rank(
             m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
             micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
-            recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every)))
+            recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
+            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank)))
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
@@ -615,7 +616,8 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
                       f"recompute {s['recompute_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
-                      f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s "
+                      f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s + optimizer "
+                      f"{s['optimizer_s']:.3g} s "
                       f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
 
 
@@ -706,7 +708,7 @@ def render(plan: Plan) -> str:
     if "step_s" in s:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
                  f"exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
-                 f"{s['dp_exposed_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
+                 f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
     k = plan.checkpoint

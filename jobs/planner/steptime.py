@@ -15,8 +15,9 @@ What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
   - On CPU ranks (gloo) nothing overlaps: the collectives run on the cores that compute. When more
     ranks than cores share a machine, a rank idle in the bubble gives its core to another rank: only
     the share 1 - (ranks / cores - 1) of the bubble is lost (none at twice as many ranks as cores).
-Not modelled: the optimizer step and the embedding lookup (memory-bound, small next to the matmuls
-of a large model; on the CPU profile they are part of what the calibration cannot see).
+The step tail (gradient-norm pass and AdamW) costs `optimizer_ns_per_param` per local parameter
+element when the profile has it (calibrated; 0 on the published GPU profiles: memory-bound, well
+under a millisecond for the presets' shards).
 
 Pure functions of plain numbers, `ModelConfig` and `Hardware`; no torch.
 """
@@ -59,7 +60,7 @@ class StepTime:
 
     role: str
     step_s: float
-    parts: dict[str, float]  # compute_s, recompute_s, comm_exposed_s, bubble_s, dp_exposed_s
+    parts: dict[str, float]  # compute_s, recompute_s, comm_exposed_s, bubble_s, dp_exposed_s, optimizer_s
     comm: list[dict] = field(default_factory=list)  # per collective/axis: scope, seconds, exposed_s, link source
 
 
@@ -95,7 +96,7 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_mb
 
 def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], hw: Hardware, *, role: str,
                  shape: dict[str, int], microbatches: int, micro_batch: int, seq_len: int, bubble: float,
-                 recomputed: list[int], world: int) -> StepTime:
+                 recomputed: list[int], world: int, params_elems: int = 0) -> StepTime:
     """The step time of the rank holding `stages`, whose collectives per step are `items`
     (`arith.CommItem.as_dict()` rows, axis names as the plan prints them)."""
     tp, cp, pp = shape.get("tp", 1), shape.get("cp", 1), shape.get("pp", 1)
@@ -116,7 +117,7 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     busy = compute + recompute + stage_comm
     bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
     parts = {"compute_s": compute, "recompute_s": recompute, "comm_exposed_s": stage_comm, "bubble_s": bubble_s,
-             "dp_exposed_s": tail + world_s}
+             "dp_exposed_s": tail + world_s, "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9}
     return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)
 
 
