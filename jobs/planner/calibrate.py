@@ -26,7 +26,7 @@ from pathlib import Path
 
 from jobs.config import JobConfig, ModelConfig
 from jobs.planner import arith as P
-from jobs.planner.hardware import OPS, hops
+from jobs.planner.hardware import OPS, compute_dtype, hops
 from jobs.planner.steptime import stage_flops
 
 __all__ = ["calibrate", "COLLECTIVE_SIZES", "sent_bytes"]
@@ -246,7 +246,8 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        secs, t, dtype = cfg.calibrate.seconds, cfg.train, _dtype(cfg)
+        secs, t = cfg.calibrate.seconds, cfg.train
+        dtype = compute_dtype(t.mixed_precision, gpus_per_node=cfg.cluster.gpus_per_node)
         out: dict = {"rates": {}, "collectives": {}}
         dist.barrier()
         out["rates"][1] = _matmul_rate(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
@@ -269,11 +270,6 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         q.put((rank, out))
     except BaseException as e:  # reported to the parent, which fails the calibration
         q.put((rank, f"{type(e).__name__}: {e}"))
-
-
-def _dtype(cfg: JobConfig) -> str:
-    mp_ = cfg.train.mixed_precision
-    return mp_ if mp_ != "auto" else ("bf16" if cfg.cluster.gpus_per_node > 0 else "fp32")
 
 
 def _tps(cfg: JobConfig) -> list[int]:
@@ -346,7 +342,8 @@ def _fs(run_root: str, seconds: float) -> tuple[float, float]:
 def calibrate(cfg: JobConfig, *, command: str) -> dict:
     """Measures and returns the profile keys (see the module docstring)."""
     ranks = _run_ranks(cfg)
-    n, dtype = cfg.launcher.tasks_per_node, _dtype(cfg)
+    n = cfg.launcher.tasks_per_node
+    dtype = compute_dtype(cfg.train.mixed_precision, gpus_per_node=cfg.cluster.gpus_per_node)
     collectives = {f"{op}.intra": _fit_op(op, ranks, n) for op in OPS}
     rates = {1: statistics.median(r["rates"][1] for r in ranks)}
     for tp in ranks[0]["tp_seconds"]:

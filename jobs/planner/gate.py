@@ -259,7 +259,7 @@ class Plan:
     heuristic_bytes_per_rank: int
     activation: dict[str, object]
     comm: list[dict]
-    step: dict[str, float]
+    step: dict[str, float | str]  # predicted parts in seconds, tokens_per_s, mfu; where the figures came from
     bubble_fraction: float
     checkpoint: dict[str, float]
     goodput_expected: float
@@ -360,12 +360,6 @@ def _comm(x: _Draft) -> None:
     x.comm = [{**r, "link": "-", "seconds": None} for r in _role_comm(x, x.peak[0])]
 
 
-def _dtype(cfg: JobConfig) -> str:
-    """The compute dtype the trainer will use: train.mixed_precision, auto = bf16 on GPUs, fp32 on CPU ranks."""
-    mp = cfg.train.mixed_precision
-    return mp if mp != "auto" else ("bf16" if cfg.cluster.gpus_per_node > 0 else "fp32")
-
-
 def _role_comm(x: _Draft, pp_rank: int) -> list[dict]:
     dims, t = x.d.dims, x.cfg.train
     rows = []
@@ -401,7 +395,8 @@ def _step_time(x: _Draft) -> None:
     fpt = P.flops_per_token(m, seq_len=t.seq_len)
     model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
     x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    hw = H.hardware(cl, dtype=_dtype(cfg), tasks_per_node=cfg.launcher.tasks_per_node, tp=d.dims.tp)
+    hw = H.hardware(cl, dtype=H.compute_dtype(t.mixed_precision, gpus_per_node=cl.gpus_per_node),
+                    tasks_per_node=cfg.launcher.tasks_per_node, tp=d.dims.tp)
     if hw is None:
         x.notes.append(f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
                        "nor cited GPU peaks")

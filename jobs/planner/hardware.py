@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from jobs.config import ClusterConfig
 
 __all__ = [
-    "OPS", "Link", "hops", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
+    "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
     "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S",
 ]
 
@@ -84,6 +84,11 @@ class Hardware:
 
     def link(self, op: str, scope: str) -> Link:
         return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
+
+
+def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
+    """The dtype the trainer computes in: train.mixed_precision, auto = bf16 on GPUs, fp32 on CPU ranks."""
+    return mixed_precision if mixed_precision != "auto" else ("bf16" if gpus_per_node > 0 else "fp32")
 
 
 def _published_links(cl: ClusterConfig) -> dict[str, Link]:
