@@ -493,7 +493,9 @@ def _activation_summary(x: _Draft) -> dict[str, object]:
 
 def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
     mem, dims = x.peak[1], x.d.dims
-    x.notes.append("assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded params/grads/AdamW")
+    dtype = H.compute_dtype(x.cfg.train.mixed_precision, gpus_per_node=x.cfg.cluster.gpus_per_node)
+    x.notes.append(f"memory and traffic assume bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
+                   f"params/grads/AdamW; the step time uses the {dtype} rate (train.mixed_precision)")
     return Plan(
         world_size=dims.world_size,
         mesh=" * ".join(f"{a}{v}" for a, v in x.shape.items() if v > 1) or "single",
