@@ -141,11 +141,13 @@ class ClusterConfig:
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
+    pod_gpus: int = 0  # GPUs under one non-blocking switch tier (a pod); 0 = not modelled (jobs.plan says which axes cross pods)
     # Measured by `python -m jobs.calibrate` (empty/0 = not measured: the planner falls back to the cited
     # figures above and says so). One name per concept: jobs/planner reads these same keys.
     calibrated: str | None = None  # when and by which command the figures below were measured
     matmul_tflops: dict[str, float] = field(default_factory=dict)  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
+    optimizer_ns_per_param: float = 0.0  # AdamW step + grad-norm pass per local parameter element, all ranks busy (jobs.calibrate; 0 = not modelled)
     fs_fsync_s: float = 0.0  # one write+fsync+rename of a small file on run_root (a checkpoint commit's fixed cost)
 
 
@@ -192,14 +194,19 @@ class PlanConfig:
     json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
     fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
     usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
-    restart_overhead_s: float = 300.0  # failure to first step, besides loading the checkpoint (requeue, start, rendezvous)
-    save_fixed_s: float = 5.0  # blocking cost of a save besides moving bytes (DCP plan gather, barriers, commit)
+    restart_overhead_s: float | None = None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
+    save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
-    mfu: float = 0.4  # model FLOPs utilization assumed for the step-time estimate (Llama 3 405B: 38-43%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
     search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
     search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
     search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)
+
+
+@dataclass
+class CalibrateConfig:
+    out: str | None = None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+    seconds: float = 2.0  # seconds spent timing each figure (medians over repeats)
 
 
 @dataclass
@@ -216,6 +223,7 @@ class JobConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
 
     @property
     def world_size(self) -> int:

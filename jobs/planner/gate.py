@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from jobs.config import JobConfig
 from jobs.planner import arith as P
+from jobs.planner import costs as C
+from jobs.planner import hardware as H
+from jobs.planner import steptime as S
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -256,7 +259,7 @@ class Plan:
     heuristic_bytes_per_rank: int
     activation: dict[str, object]
     comm: list[dict]
-    step: dict[str, float]
+    step: dict[str, float | str]  # predicted parts in seconds, tokens_per_s, mfu; where the figures came from
     bubble_fraction: float
     checkpoint: dict[str, float]
     goodput_expected: float
@@ -265,6 +268,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     measured: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    axes: list[dict] = field(default_factory=list)  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -272,167 +276,267 @@ class Plan:
         return d
 
 
-def _bw(axis: str, shape: dict[str, int], cl) -> tuple[float, str]:
-    if P.axis_spans_nodes(axis, shape, nvlink_domain=cl.nvlink_domain):
-        return cl.inter_node_bw_GBps, "inter-node"
-    return cl.intra_node_bw_GBps, "NVLink"
+@dataclass
+class _Draft:
+    """What the plan's steps hand each other: each step reads what the earlier ones filled in."""
+
+    cfg: JobConfig
+    d: object  # jobs.validate.Derived (with the real cp/ep degrees)
+    notes: list[str]
+    shape: dict[str, int] = field(default_factory=dict)  # mesh axis -> degree
+    common: dict = field(default_factory=dict)  # keyword arguments every arith call shares
+    pcount: P.ParamCount | None = None
+    shapes: dict[int, list[P.StageShape]] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
+    measured: list[Measured] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    role_rows: list[dict] = field(default_factory=list)
+    peak: tuple = ()  # (pp rank, RankMemory, role) of the rank with the highest peak
+    comm: list[dict] = field(default_factory=list)
+    bubble: float = 0.0
+    step: dict[str, float] = field(default_factory=dict)
+    step_s: float | None = None
+    checkpoint: dict = field(default_factory=dict)
+    goodput: float = 0.0
+    axes: list[dict] = field(default_factory=list)
+
+    @property
+    def fsdp(self) -> int:
+        return self.d.dims.dp_shard * self.d.dims.cp
 
 
-def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
-    """The whole plan. Raises ValueError for an invalid config. `measure` (default plan.fake_backend)
-    runs the fake-backend measurement; without it every number is analytic."""
-    from checkpoint.interval import expected_wall_time, job_mtbf_s, plan_interval
+def _shapes(x: _Draft) -> None:
+    """Mesh shape, parameter count, the stages each pp rank holds and one pp rank per role."""
+    dims, t = x.d.dims, x.cfg.train
+    x.shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+               "tp": dims.tp, "ep": dims.ep}
+    x.common = dict(tp=dims.tp, pp=dims.pp, microbatches=x.d.microbatches, seq_len=t.seq_len,
+                    micro_batch=t.micro_batch, cp=dims.cp, ep=dims.ep,
+                    sequence_parallel=x.cfg.mesh.sequence_parallel and dims.tp > 1)
+    x.pcount = P.count_params(x.cfg.model)
+    x.shapes = _stage_shapes(x.cfg, x.d)
+    x.roles = _roles(x.shapes)
 
-    t0 = time.perf_counter()
-    d, notes = validate_for_planning(cfg)
-    dims, m, t, cl, pc_cfg = d.dims, cfg.model, cfg.train, cfg.cluster, cfg.plan
-    fsdp = dims.dp_shard * dims.cp
-    shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep}
-    pcount = P.count_params(m)
-    shapes = _stage_shapes(cfg, d)
-    roles = _roles(shapes)
-    common = dict(
-        tp=dims.tp, pp=dims.pp, microbatches=d.microbatches, seq_len=t.seq_len, micro_batch=t.micro_batch,
-        cp=dims.cp, ep=dims.ep, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
-    )
 
-    measured: list[Measured] = []
-    checks: list[Check] = []
-    do_measure = pc_cfg.fake_backend if measure is None else measure
-    if do_measure and (m.n_routed_experts > 0 or m.attention == "mla"):
-        do_measure = False
-    if do_measure:
-        try:
-            measured, mnotes, secs = _measure(cfg, d, roles, shapes)
-            notes += mnotes
-            notes.append(f"fake backend: real parallelize() on {len(measured)} sampled ranks of {dims.world_size} in {secs:.1f} s")
-            checks.append(Check("parallelize", True, f"the real recipe sharded {len(measured)} sampled ranks at world size {dims.world_size}"))
-        except Exception as e:  # the recipe itself failing at this scale is the finding
-            checks.append(Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}"))
-    measured_max = {}
-    for r in measured:
+def _fake_backend(x: _Draft, measure: bool | None) -> None:
+    """The real parallelize() on the fake backend (unless off, or the model is MoE/MLA)."""
+    m = x.cfg.model
+    do = x.cfg.plan.fake_backend if measure is None else measure
+    if not do or m.n_routed_experts > 0 or m.attention == "mla":
+        return
+    try:
+        x.measured, mnotes, secs = _measure(x.cfg, x.d, x.roles, x.shapes)
+        x.notes += mnotes
+        x.notes.append(f"fake backend: real parallelize() on {len(x.measured)} sampled ranks of "
+                       f"{x.d.dims.world_size} in {secs:.1f} s")
+        x.checks.append(Check("parallelize", True, f"the real recipe sharded {len(x.measured)} sampled ranks at "
+                                                   f"world size {x.d.dims.world_size}"))
+    except Exception as e:  # the recipe itself failing at this scale is the finding
+        x.checks.append(Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}"))
+
+
+def _memory(x: _Draft) -> None:
+    """Peak memory of every role (measured shard sizes where the fake backend ran); the peak role."""
+    cfg, t = x.cfg, x.cfg.train
+    measured_max: dict[int, int] = {}
+    for r in x.measured:
         measured_max[r.coords["pp"]] = max(measured_max.get(r.coords["pp"], 0), r.params_elems)
-
-    role_rows, best = [], None
-    for pp_rank, role in roles.items():
+    best = None
+    for pp_rank, role in x.roles.items():
         mem = P.rank_memory(
-            m, shapes[pp_rank], fsdp=fsdp, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
-            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing,
-            ac_every=t.ac_every, pp_rank=pp_rank, params_elems=measured_max.get(pp_rank), **common,
+            cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
+            schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
+            activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
+            params_elems=measured_max.get(pp_rank), **x.common,
         )
-        row = {"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()}
-        role_rows.append(row)
+        x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:
             best = (pp_rank, mem, role)
-    peak_pp, peak_mem, peak_role = best
-    model_shards = dims.pp * dims.tp * fsdp
-    heuristic = P.heuristic_bytes_per_rank(pcount.total, model_shards=model_shards)
+    x.peak = best
 
-    # Communication of the peak rank, with the link each axis runs on.
-    comm = []
-    items = P.comm_per_step(
-        m, shapes[peak_pp], dp_replicate=dims.dp_replicate, fsdp=fsdp,
-        activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, nvlink_domain=cl.nvlink_domain, **common,
-    )
-    for it in items:
-        bw, link = _bw(it.axis, shape, cl)
+
+def _comm(x: _Draft) -> None:
+    """Collectives of the peak rank per step (timed by `_step_time` when the profile has figures)."""
+    x.comm = [{**r, "link": "-", "seconds": None} for r in _role_comm(x, x.peak[0])]
+
+
+def _role_comm(x: _Draft, pp_rank: int) -> list[dict]:
+    dims, t = x.d.dims, x.cfg.train
+    rows = []
+    for it in P.comm_per_step(x.cfg.model, x.shapes[pp_rank], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
+                              activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                              nvlink_domain=x.cfg.cluster.nvlink_domain, **x.common):
         row = it.as_dict()
         if it.axis == "dp_shard" and dims.cp > 1:
             row["axis"] = "dp_shard*cp"
-        row["link"] = link
-        row["seconds"] = it.bytes / (bw * 1e9) if bw > 0 else None
-        comm.append(row)
+        rows.append(row)
+    return rows
 
-    # Step time: compute at peak, recomputation, bubble, communication if nothing overlapped.
-    bubble = P.bubble_fraction(pp=dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule)
+
+def _topology(x: _Draft) -> None:
+    """Which mesh axes cross node and pod boundaries: for our rank order (parallel/dims.py, pp outermost,
+    tp innermost) and for Llama 3's [TP, CP, PP, DP] (DP outermost). The step time uses ours."""
+    cl = x.cfg.cluster
+    node = max(cl.nvlink_domain, 1) if cl.gpus_per_node > 0 else max(x.cfg.launcher.tasks_per_node, 1)
+    for axis in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp"):
+        if x.shape.get(axis, 1) <= 1:
+            continue
+        row = {"axis": axis, "size": x.shape[axis]}
+        for name, order in (("ours", H.OUR_ORDER), ("llama3", H.LLAMA3_ORDER)):
+            row[f"{name}_span"] = H.axis_span(axis, x.shape, order)
+            row[f"{name}_scope"] = H.axis_scope(axis, x.shape, node_ranks=node, pod_ranks=cl.pod_gpus, order=order)
+        x.axes.append(row)
+
+
+def _step_time(x: _Draft) -> None:
+    """The predicted step (jobs.planner.steptime) of every pp role; the slowest one sets the step."""
+    cfg, d, m, cl, t = x.cfg, x.d, x.cfg.model, x.cfg.cluster, x.cfg.train
+    x.bubble = P.bubble_fraction(pp=d.dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank,
+                                 schedule=cfg.mesh.pp_schedule)
     fpt = P.flops_per_token(m, seq_len=t.seq_len)
-    model_flops_rank = fpt * d.tokens_per_step / dims.world_size
-    step: dict[str, float] = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    step_s = None
+    model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
+    x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
+    hw = H.hardware(cl, dtype=H.compute_dtype(t.mixed_precision, gpus_per_node=cl.gpus_per_node),
+                    tasks_per_node=cfg.launcher.tasks_per_node, tp=d.dims.tp)
+    if hw is None:
+        x.notes.append(f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
+                       "nor cited GPU peaks")
+        return
+    per_role = []
+    for pp_rank, role in x.roles.items():
+        layers = [i for st in x.shapes[pp_rank] for i in st.layers]
+        per_role.append(S.predict_rank(
+            m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
+            micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
+            recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
+            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank)))
+        if pp_rank == x.peak[0]:
+            x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
+    slow = S.predict_step(per_role)
+    if hw.bubble_why and x.bubble > 0:
+        x.notes.append(hw.bubble_why)
+    x.step_s = slow.step_s
+    parts = slow.parts
+    x.step.update(parts)
+    x.step.update(
+        step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
+        matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
+        comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
+        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["bubble_s"] + sum(r["seconds"] for r in slow.comm),
+        step_s_at_mfu=slow.step_s,  # the key the Slurm signal check reads (kept: it is the predicted step now)
+    )
     if cl.gpu_bf16_tflops > 0:
-        peak = cl.gpu_bf16_tflops * 1e12
-        compute = model_flops_rank / peak
-        recompute = compute / 3.0 * _recomputed_share(cfg, shapes[peak_pp])  # one more forward of those blocks
-        bub = (compute + recompute) * bubble / (1 - bubble) if bubble < 1 else 0.0
-        comm_s = sum(c["seconds"] or 0.0 for c in comm)
-        step_s = model_flops_rank / (peak * pc_cfg.mfu)
-        step.update(compute_s=compute, recompute_s=recompute, bubble_s=bub, comm_s_unoverlapped=comm_s,
-                    serial_sum_s=compute + recompute + bub + comm_s, step_s_at_mfu=step_s, mfu_assumed=pc_cfg.mfu,
-                    tokens_per_s=d.tokens_per_step / step_s)
+        x.step["mfu"] = model_flops_rank / (slow.step_s * cl.gpu_bf16_tflops * 1e12)
+        x.step["mfu_assumed"] = x.step["mfu"]  # old key, now the predicted MFU (plan.mfu is no input any more)
 
-    # Checkpoint: bytes, write time, blocking cost, Daly interval, goodput.
-    ck = cfg.checkpoint
-    per_rank_ck = P.checkpoint_bytes(peak_mem.params_elems)
-    total_ck = P.checkpoint_bytes(pcount.total)
+
+def _checkpoint(x: _Draft) -> None:
+    """Checkpoint bytes, write time, blocking cost, restart cost, job MTBF and the interval."""
+    from checkpoint.interval import job_mtbf_s, plan_interval
+
+    cfg, cl, pc, ck = x.cfg, x.cfg.cluster, x.cfg.plan, x.cfg.checkpoint
+    per_rank_ck = P.checkpoint_bytes(x.peak[1].params_elems)
+    total_ck = P.checkpoint_bytes(x.pcount.total)
     write_s = total_ck / (cl.fs_write_GBps * 1e9)
-    if ck.async_mode == "none":
-        delta = write_s + pc_cfg.save_fixed_s
-    else:
-        delta = per_rank_ck / (cl.host_copy_GBps * 1e9) + pc_cfg.save_fixed_s
-    load_s = write_s  # the read bandwidth is taken equal to the write bandwidth
-    restart = pc_cfg.restart_overhead_s + load_s
-    mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours, nodes=cfg.launcher.nodes)
+    profile = f"cluster={cl.name}, " + (f"calibrated {cl.calibrated}" if cl.calibrated else "cited")
+    ledger_save, ledger_restart = C.ledger_costs(cfg.run.dir)
+    save = C.save_cost(ledger=ledger_save, override=pc.save_fixed_s, async_mode=ck.async_mode, write_s=write_s,
+                       stage_s=per_rank_ck / (cl.host_copy_GBps * 1e9), fsync_s=cl.fs_fsync_s, profile=profile)
+    rst = C.restart_cost(ledger=ledger_restart, override=pc.restart_overhead_s, load_s=write_s, profile=profile)
+    delta, restart = save.seconds, rst.seconds
+    mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
+                      nodes=cfg.launcher.nodes)
     ip = plan_interval(delta=delta, mtbf=mtbf, restart=restart)
-    if ck.interval == "auto" or step_s is None:
+    if ck.interval == "auto" or x.step_s is None:
         tau = max(ip.interval_s, write_s if ck.async_mode != "none" else 0.0)
         policy = f"checkpoint.interval={ck.interval}: Daly"
     else:
-        every = ck.every_steps if ck.every_steps > 0 else t.steps
-        tau = every * step_s
-        policy = f"checkpoint.every_steps={every} x {step_s:.2f} s/step"
-    goodput = 1.0 / expected_wall_time(1.0, tau=tau, delta=delta, mtbf=mtbf, restart=restart) if ck.enabled else 0.0
-    checkpoint = {
+        every = ck.every_steps if ck.every_steps > 0 else cfg.train.steps
+        tau = every * x.step_s
+        policy = f"checkpoint.every_steps={every} x {x.step_s:.2f} s/step"
+    x.checkpoint = {
         "bytes_per_rank": per_rank_ck, "bytes_total": total_ck, "write_s": write_s, "blocking_s": delta,
         "interval_s": tau, "daly_interval_s": ip.interval_s, "young_interval_s": ip.young_s,
-        "interval_steps": max(1, round(tau / step_s)) if step_s else None,
+        "interval_steps": max(1, round(tau / x.step_s)) if x.step_s else None,
         "mtbf_s": mtbf, "restart_s": restart, "lost_work_per_failure_s": (tau + delta) / 2, "policy": policy,
+        "blocking_source": save.source, "restart_source": rst.source,
     }
 
-    # Checks (exit code) and the readiness table.
-    checks = _analytic_checks(cfg, d, peak_mem, peak_role, checkpoint, goodput) + checks
-    readiness = _readiness(cfg, d, peak_mem, peak_role, step, bubble, comm, checkpoint, goodput, checks)
-    act = {
+
+def _goodput(x: _Draft) -> None:
+    """Daly's expected goodput at the interval used (0 without checkpoints)."""
+    from checkpoint.interval import expected_wall_time
+
+    k = x.checkpoint
+    x.goodput = (1.0 / expected_wall_time(1.0, tau=k["interval_s"], delta=k["blocking_s"], mtbf=k["mtbf_s"],
+                                          restart=k["restart_s"]) if x.cfg.checkpoint.enabled else 0.0)
+
+
+def _activation_summary(x: _Draft) -> dict[str, object]:
+    cfg, dims, m, t = x.cfg, x.d.dims, x.cfg.model, x.cfg.train
+    peak_pp, peak_mem, _ = x.peak
+    sp = x.common["sequence_parallel"]
+    return {
         "activation_checkpointing": t.activation_checkpointing,
         "ac_every": t.ac_every,
         "per_microbatch_per_layer_bytes": P.layer_activation_bytes(
             m, layer=m.n_layers - 1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=dims.tp, cp=dims.cp,
-            sequence_parallel=common["sequence_parallel"], ep=dims.ep),
+            sequence_parallel=sp, ep=dims.ep),
         "checkpointed_per_layer_bytes": P.checkpointed_layer_bytes(
-            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp,
-            sequence_parallel=common["sequence_parallel"]),
+            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp, sequence_parallel=sp),
         "peak_no_ac_bytes": peak_mem.activation_bytes_no_ac,
         "peak_full_ac_bytes": peak_mem.activation_bytes_full_ac,
         "layers_in_flight": P.layers_in_flight(
-            pp=dims.pp, microbatches=d.microbatches, layers_on_rank=sum(len(s.layers) for s in shapes[peak_pp]),
-            stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
+            pp=dims.pp, microbatches=x.d.microbatches, layers_on_rank=sum(len(s.layers) for s in x.shapes[peak_pp]),
+            stages_per_rank=x.d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
     }
-    notes.append("assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded params/grads/AdamW")
+
+
+def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
+    mem, dims = x.peak[1], x.d.dims
+    dtype = H.compute_dtype(x.cfg.train.mixed_precision, gpus_per_node=x.cfg.cluster.gpus_per_node)
+    x.notes.append(f"memory and traffic assume bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
+                   f"params/grads/AdamW; the step time uses the {dtype} rate (train.mixed_precision)")
     return Plan(
         world_size=dims.world_size,
-        mesh=" * ".join(f"{a}{v}" for a, v in shape.items() if v > 1) or "single",
-        params_total=pcount.total,
-        params_active=pcount.active,
-        peak_role=peak_role,
-        per_rank={
-            "params_bytes": peak_mem.params_bytes, "grads_bytes": peak_mem.grads_bytes,
-            "optimizer_bytes": peak_mem.optimizer_bytes, "unsharded_bytes": peak_mem.unsharded_bytes,
-            "activation_bytes": peak_mem.activation_bytes, "logits_bytes": peak_mem.logits_bytes,
-            "p2p_bytes": peak_mem.p2p_bytes, "peak_bytes": peak_mem.peak_bytes,
-        },
-        roles=role_rows,
-        heuristic_bytes_per_rank=heuristic,
-        activation=act,
-        comm=comm,
-        step=step,
-        bubble_fraction=bubble,
-        checkpoint=checkpoint,
-        goodput_expected=goodput,
-        checks=checks,
+        mesh=" * ".join(f"{a}{v}" for a, v in x.shape.items() if v > 1) or "single",
+        params_total=x.pcount.total,
+        params_active=x.pcount.active,
+        peak_role=x.peak[2],
+        per_rank={k: getattr(mem, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
+                                               "activation_bytes", "logits_bytes", "p2p_bytes", "peak_bytes")},
+        roles=x.role_rows,
+        heuristic_bytes_per_rank=P.heuristic_bytes_per_rank(x.pcount.total, model_shards=dims.pp * dims.tp * x.fsdp),
+        activation=_activation_summary(x),
+        comm=x.comm,
+        step=x.step,
+        bubble_fraction=x.bubble,
+        checkpoint=x.checkpoint,
+        goodput_expected=x.goodput,
+        checks=x.checks,
         readiness=readiness,
-        notes=notes,
-        measured=[asdict(r) for r in measured],
+        notes=x.notes,
+        measured=[asdict(r) for r in x.measured],
         seconds=time.perf_counter() - t0,
+        axes=x.axes,
     )
+
+
+def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
+    """The whole plan, as a pipeline of small steps: validate -> shapes -> (fake backend) -> memory ->
+    comm -> step time -> checkpoint/interval -> goodput -> checks. Raises ValueError for an invalid
+    config. `measure` (default plan.fake_backend) runs the fake-backend measurement; without it every
+    number is analytic."""
+    t0 = time.perf_counter()
+    d, notes = validate_for_planning(cfg)
+    x = _Draft(cfg=cfg, d=d, notes=notes)
+    _shapes(x)
+    _fake_backend(x, measure)
+    for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput):
+        step(x)
+    x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput) + x.checks
+    readiness = _readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
+    return _assemble(x, readiness, t0)
 
 
 def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
@@ -492,25 +596,34 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
                      if ok else
                      f"expected goodput {goodput:.3f} < plan.min_goodput({pcfg.min_goodput}) at job MTBF {ckpt['mtbf_s'] / 3600:.2f} h "
                      f"({ckpt['policy']}, restart {ckpt['restart_s']:.0f} s): use checkpoint.interval=auto, "
-                     "checkpoint.async_mode=thread, or lower plan.restart_overhead_s"))
+                     f"checkpoint.async_mode=thread (restart: {ckpt['restart_source']})"))
     return out
+
+
+def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]) -> dict:
+    """The predicted step, part by part; "warn" when exposed communication and the bubble outweigh compute."""
+    if "step_s" not in step:
+        return {"question": "where does the step time go?", "status": "info",
+                "answer": f"{step['model_tflop_per_rank']:.4f} TFLOP per rank per step, bubble {bubble:.1%}; "
+                          f"cluster={cfg.cluster.name} has no calibrated or cited figures: run python -m jobs.calibrate"}
+    s = step
+    lost = s["comm_exposed_s"] + s["dp_exposed_s"] + s["bubble_s"]
+    top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
+    comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
+    mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
+    return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
+            "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
+                      f"recompute {s['recompute_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
+                      f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s + optimizer "
+                      f"{s['optimizer_s']:.3g} s "
+                      f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
 
 
 def _readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> list[dict]:
     by = {c.name: c for c in checks}
     fit_ok = by["memory"].ok and by.get("parallelize", Check("", True, "")).ok
     rows = [{"question": "does it fit?", "status": "ok" if fit_ok else "fail", "answer": by["memory"].why}]
-    if "compute_s" in step:
-        top = sorted(comm, key=lambda c: -(c["seconds"] or 0))[:2]
-        comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['seconds']:.2f} s ({c['link']})" for c in top)
-        rows.append({"question": "where does the step time go?", "status": "ok",
-                     "answer": f"compute {step['compute_s']:.2f} s at peak + recompute {step['recompute_s']:.2f} s + "
-                               f"bubble {step['bubble_s']:.2f} s ({bubble:.1%}) + comm {step['comm_s_unoverlapped']:.2f} s if "
-                               f"unoverlapped (top: {comm_txt}); step ~{step['step_s_at_mfu']:.2f} s at plan.mfu({cfg.plan.mfu})"})
-    else:
-        rows.append({"question": "where does the step time go?", "status": "info",
-                     "answer": f"{step['model_tflop_per_rank']:.4f} TFLOP per rank per step, bubble {bubble:.1%}; "
-                               f"cluster.gpu_bf16_tflops=0 ({cfg.cluster.name}), so no time estimate"})
+    rows.append(_where_time_goes(cfg, step, bubble, comm))
     rows.append({"question": "what happens when a rank dies?", "status": "ok" if by["goodput"].ok else "fail",
                  "answer": f"job MTBF {ckpt['mtbf_s'] / 3600:.2f} h; save every {ckpt['interval_s']:.0f} s "
                            f"({ckpt['policy']}); restart {ckpt['restart_s']:.0f} s; lose ~{ckpt['lost_work_per_failure_s']:.0f} s "
@@ -520,9 +633,14 @@ def _readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> 
                  "answer": f"train.deterministic={det}, train.seed={cfg.train.seed}; checkpoints restore every RNG "
                            "and the data cursor: bitwise on the same mesh, fp32-close on another"
                            + ("" if cfg.checkpoint.enabled else "; checkpoint.enabled=false: nothing to resume from")})
-    rows.append({"question": "will a straggler be seen?", "status": "unknown",
-                 "answer": "per-rank step times are not collected yet (only rank 0's metrics.jsonl): a slow rank "
-                           "shows only as a slower step for everyone"})
+    f = cfg.failure
+    rows.append({"question": "will a straggler be seen?", "status": "ok" if cfg.metrics.phase_timing else "warn",
+                 "answer": (f"per-rank phase times every log interval: a rank {f.straggler_ratio}x its peers' median, "
+                            f"or every rank {f.straggler_ratio}x the baseline under {f.straggler_baseline_root}, for "
+                            f"{f.straggler_intervals} intervals is a straggler event"
+                            + ("; its node is quarantined" if f.exclude_stragglers else ""))
+                 if cfg.metrics.phase_timing else
+                 "metrics.phase_timing=false: a slow rank shows only as a slower step for everyone"})
     drift = cfg.checkpoint.on_env_drift
     rows.append({"question": "is the environment pinned?", "status": {"refuse": "ok", "warn": "warn"}.get(drift, "fail"),
                  "answer": f"checkpoint.on_env_drift={drift}: a resume with a different environment fingerprint is "
@@ -577,16 +695,25 @@ def render(plan: Plan) -> str:
              f"train.activation_checkpointing={a['activation_checkpointing']}")
     L.append("")
     L.append(f"communication per step ({plan.peak_role})")
-    L.append("  collective      axis          count        bytes   link          seconds  what")
+    L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
     for c in plan.comm:
-        secs = f"{c['seconds']:8.3f}" if c["seconds"] is not None else "       -"
-        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.2f} GiB  {c['link']:10s} {secs}  {c['what']}")
+        secs = f"{c['seconds']:9.4g} {c['exposed_s']:9.4g}" if c["seconds"] is not None else "        -         -"
+        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.3g} GiB  {c['link']:9s} {secs}  {c['what']}")
+    sources = sorted({c["source"] for c in plan.comm if c.get("source")})
+    for src in sources:
+        L.append(f"  link figures: {src}")
     L.append(f"  pipeline bubble: {plan.bubble_fraction:.1%}")
+    if plan.axes:
+        L.append("  axes (ranks one group spans -> link): " + "; ".join(
+            f"{a['axis']}{a['size']} ours {a['ours_span']} -> {a['ours_scope']}, Llama 3 order {a['llama3_span']} -> "
+            f"{a['llama3_scope']}" for a in plan.axes))
     s = plan.step
-    if "compute_s" in s:
-        L.append(f"  step: compute {s['compute_s']:.2f} s + recompute {s['recompute_s']:.2f} s + bubble {s['bubble_s']:.2f} s + "
-                 f"comm {s['comm_s_unoverlapped']:.2f} s (unoverlapped) = {s['serial_sum_s']:.2f} s serial; "
-                 f"{s['step_s_at_mfu']:.2f} s at MFU {s['mfu_assumed']:.0%} ({s['tokens_per_s'] / 1e6:.2f} M tokens/s)")
+    if "step_s" in s:
+        L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
+                 f"exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
+                 f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
+                 + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
+        L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
     k = plan.checkpoint
     L.append("")
     L.append(f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
@@ -594,6 +721,8 @@ def render(plan: Plan) -> str:
              f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
              + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
              + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}")
+    L.append(f"  blocking save from: {k['blocking_source']}")
+    L.append(f"  restart from: {k['restart_source']}")
     L.append("")
     L.append("readiness")
     for r in plan.readiness:

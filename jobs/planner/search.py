@@ -92,14 +92,13 @@ class SearchResult:
 
 
 def predicted(plan: Plan) -> dict[str, float]:
-    """The figures the ranking reads from a plan, in one place. Today's step-time model has a step at
-    an assumed MFU (the same for every mesh) and the serial sum compute + recompute + bubble + the
-    unoverlapped communication; the serial sum is the one that tells meshes apart, so it is the step
-    time here (a pessimistic one: nothing overlaps)."""
+    """The figures the ranking reads from a plan, in one place: the predicted step of
+    `jobs/planner/steptime.py` (compute at the achieved matmul rate, each collective's alpha-beta cost on
+    its link, the recipe's overlap, the bubble) and its MFU, the peak memory, bubble and expected goodput."""
     s = plan.step
-    step_s = s.get("step_s", s.get("serial_sum_s"))
+    step_s = s["step_s"]
     tokens = s["model_tflop_per_rank"] * 1e12 * plan.world_size / s["flops_per_token"]  # tokens per step
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": s["compute_s"] / step_s,
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": s["mfu"],
             "peak_bytes": plan.per_rank["peak_bytes"], "bubble": plan.bubble_fraction,
             "goodput": plan.goodput_expected}
 

@@ -138,14 +138,21 @@ def test_the_six_readiness_questions_are_answered():
         "will it resume bit-exactly?", "will a straggler be seen?", "is the environment pinned?",
     ]
     assert plan.readiness[0]["status"] == "ok" and plan.readiness[2]["status"] == "ok"
+    assert plan.readiness[4]["status"] == "ok" and "straggler event" in plan.readiness[4]["answer"]
+    off = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "metrics.phase_timing=false"]), measure=False)
+    assert off.readiness[4]["status"] == "warn"
 
 
 def test_llama3_405b_16k_checkpoint_interval_and_goodput():
     # 12 bytes/param (fp32 weights + AdamW) = 4.87 TB; Tectonic's 2 TB/s sustained (Llama 3 §3.3.1)
     # writes it in 2.4 s; the blocking part of a thread-async save is the 0.32 GB staging copy + 5 s
-    # (plan.save_fixed_s); at the 3.09 h MTBF Daly gives ~5.5 min and ~94% expected goodput.
-    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu"]), measure=False)
+    # (plan.save_fixed_s, here an explicit assumption); at the 3.09 h MTBF and a 300 s restart overhead
+    # (plan.restart_overhead_s, also assumed) Daly gives ~5.5 min and ~94% expected goodput.
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "plan.save_fixed_s=5",
+                               "plan.restart_overhead_s=300"]), measure=False)
     ck = plan.checkpoint
+    assert "plan.save_fixed_s=5 (user assumption)" in ck["blocking_source"]
+    assert "plan.restart_overhead_s=300 (user assumption)" in ck["restart_source"]
     assert ck["bytes_total"] == 12 * 405_853_388_800
     assert ck["write_s"] == pytest.approx(2.435, abs=0.01)
     assert ck["mtbf_s"] / 3600 == pytest.approx(3.093, abs=2e-3)

@@ -1,0 +1,49 @@
+"""`python -m jobs.calibrate`'s pure parts: the alpha-beta fit, and a written profile that composes and
+that the planner then predicts with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jobs.config import CONF_DIR, compose
+from jobs.planner.calibrate import _fit, sent_bytes, write_profile
+from jobs.planner.gate import build_plan
+from jobs.planner.hardware import OPS, hops
+
+
+def test_the_fit_recovers_latency_and_bus_bandwidth():
+    # t = 1 ms + bytes / 2 GB/s at three sizes
+    points = [(x, 1e-3 + x / 2e9) for x in (1e3, 1e6, 8e6)]
+    got = _fit(points)
+    assert got["alpha_s"] == pytest.approx(1e-3, rel=1e-6) and got["bus_GBps"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_bytes_sent_and_ring_hops_follow_the_nccl_tests_convention():
+    # NVIDIA/nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather
+    assert sent_bytes("all_reduce", 1000, 4) == 1500 and sent_bytes("all_gather", 1000, 4) == 750
+    assert (hops("all_reduce", 4), hops("reduce_scatter", 4), hops("send_recv", 8)) == (6, 3, 1)
+
+
+def test_a_written_profile_composes_and_the_planner_predicts_with_it():
+    name = f"unit{os.getpid()}_calibrated"
+    out = CONF_DIR / "cluster" / f"{name}.yaml"
+    figures = {
+        "calibrated": "2026-12-03T00:00:00Z `python -m jobs.calibrate` (test)",
+        "matmul_tflops": {"fp32": 0.004, "fp32.tp2": 0.002},
+        "collectives": {f"{op}.intra": {"alpha_s": 1e-3, "bus_GBps": 1.0, "ranks": 4.0, "alpha_hop_s": 1e-4}
+                        for op in OPS},
+        "optimizer_ns_per_param": 50.0, "host_copy_GBps": 3.0, "fs_write_GBps": 0.5, "fs_fsync_s": 0.004,
+    }
+    try:
+        write_profile(compose([]), figures, out, conf_dir=CONF_DIR)
+        text = out.read_text()
+        assert text.startswith("# This machine: CPU ranks over gloo")  # the local profile's comments kept
+        cfg = compose([f"cluster={name}", "launcher.tasks_per_node=4", "mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"])
+        assert cfg.cluster.name == name and cfg.cluster.fs_fsync_s == 0.004
+        s = build_plan(cfg, measure=False).step
+        assert s["matmul_source"].startswith("cluster.matmul_tflops.fp32.tp2 calibrated (2026-12-03")
+        assert s["compute_s"] * 0.002e12 == pytest.approx(s["model_tflop_per_rank"] * 1e12, rel=0.15)
+    finally:
+        out.unlink(missing_ok=True)
