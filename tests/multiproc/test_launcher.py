@@ -75,15 +75,18 @@ def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp
     assert f"rank 2 (pid {victim}) was killed by SIGKILL; stopping the other 3 ranks" in out + err
     for pid in ranks:  # every rank is gone (reaped by the launcher), none left training
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    # The death reaches the ledger (so the MTBF counts it), reported by the launcher that saw it (rank -1).
+    # The death reaches the ledger once (so the MTBF counts it), reported by the launcher that saw it (rank -1)
+    # or by a surviving rank whose collective failed first (CI once met that race); either names rank 2.
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     failures = [e for e in events if e["kind"] == "failure"]
-    assert [(e["attempt"], e["cls"], e["rank"], e["reported_by"]) for e in failures] == [("local.0", "dead_rank", -1, -1)]
+    assert [(e["attempt"], e["cls"]) for e in failures] == [("local.0", "dead_rank")]
+    assert failures[0]["reported_by"] in (-1, 0, 1, 3) and failures[0]["rank"] == failures[0]["reported_by"]
     assert [(s["rank"], s["pid"], s["state"]) for s in failures[0]["suspects"]] == [(2, victim, "dead")]
     assert [(e["attempt"], e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [
         ("local.0", "dead_rank", "requeue")]
     incident = json.loads((run_dir / "incidents/local.0/incident.json").read_text())
-    assert (incident["cls"], incident["reported_by"], incident["suspects"][0]["pid"]) == ("dead_rank", -1, victim)
+    assert (incident["cls"], incident["reported_by"], incident["suspects"][0]["pid"]) == (
+        "dead_rank", failures[0]["reported_by"], victim)
 
 
 def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_77(tmp_path: Path, data_path: str) -> None:

@@ -69,7 +69,7 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     text = capsys.readouterr().out
     assert ": ended; step 20 of 20" in text and "dead_rank -> restart x1, completed -> done x1" in text
     assert "expected by jobs.plan before submit" in text
-    assert "phases (median ms per step):" in text and "stragglers: none found" in text
+    assert "phases (median ms per step):" in text and "\nstragglers: " in text  # (whether the noise names one: tests/multiproc/test_stragglers.py)
     header = next(line for line in text.splitlines() if line.strip().startswith("rank ") and "forward" in line)
     assert header.split() == ["rank", "data", "forward", "backward", "collective", "optimizer", "checkpoint"]
     g = collect(run_dir).goodput

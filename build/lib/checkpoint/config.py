@@ -1,0 +1,37 @@
+"""The `checkpoint` config group (plain dataclass, no Hydra), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True  # write checkpoints under run.dir/checkpoints
+    interval: str = "steps"  # "steps" = every `every_steps`; "auto" = Young/Daly from MTBF and measured save cost
+    every_steps: int = 0  # fixed interval in steps when interval=steps; 0 = only at the last step
+    async_mode: str = "thread"  # none | thread | process: how a save overlaps training
+    keep: int = 2  # committed checkpoints kept (>= 2); the newest valid one is never deleted
+    writer_threads: int = 1  # file-writer threads per rank
+    lustre_stripe_count: int = 0  # 0 = leave striping alone; > 0 runs `lfs setstripe -c N` when `lfs` exists
+    on_env_drift: str = "warn"  # warn | refuse | allow, when the environment fingerprint differs on resume
+    verify: str = "checksum"  # checksum | size: how load validates shards against the manifest
+    restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
+
+    def __post_init__(self) -> None:
+        if self.interval not in ("steps", "auto"):
+            raise ValueError(f"checkpoint.interval={self.interval!r}: use steps or auto")
+        if self.every_steps < 0:
+            raise ValueError(f"checkpoint.every_steps({self.every_steps}) must be >= 0 (0 = only the last step)")
+        if self.async_mode not in ("none", "thread", "process"):
+            raise ValueError(f"checkpoint.async_mode={self.async_mode!r}: use none, thread or process")
+        if self.keep < 2:
+            raise ValueError(f"checkpoint.keep({self.keep}) must be >= 2 so a damaged newest one has a fallback")
+        if self.writer_threads < 1:
+            raise ValueError(f"checkpoint.writer_threads({self.writer_threads}) must be >= 1")
+        if self.lustre_stripe_count < 0:
+            raise ValueError(f"checkpoint.lustre_stripe_count({self.lustre_stripe_count}) must be >= 0")
+        if self.on_env_drift not in ("warn", "refuse", "allow"):
+            raise ValueError(f"checkpoint.on_env_drift={self.on_env_drift!r}: use warn, refuse or allow")
+        if self.verify not in ("checksum", "size"):
+            raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")

@@ -1,0 +1,46 @@
+"""Hydra launcher plugin `hydra/launcher=meshjob_slurm`: a `-m` sweep becomes one Slurm array job, pruned first, never blocking.
+
+Hydra only instantiates launchers that live in the `hydra_plugins` namespace, so this thin class sits
+here and the logic in `jobs.launch.sweep`. Selected by conf/launcher/slurm.yaml.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+
+
+@dataclass
+class MeshjobSlurmLauncherConf:
+    _target_: str = "hydra_plugins.meshjob_slurm_launcher.MeshjobSlurmLauncher"
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="meshjob_slurm", node=MeshjobSlurmLauncherConf,
+                             provider="meshjob")
+
+
+class MeshjobSlurmLauncher(Launcher):
+    def __init__(self, **_: Any) -> None:
+        self.config: Any = None
+        self.hydra_context: Any = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        self.hydra_context, self.config = hydra_context, config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from jobs.launch.sweep import hydra_point, launch_sweep
+
+        loader = self.hydra_context.config_loader
+        points = [hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i)
+                  for i, o in enumerate(job_overrides)]
+        base = next((p.cfg for p in points if p.cfg is not None), None)
+        if base is None:
+            raise ValueError("no sweep point composes:\n" + "\n".join(f"  {p.idx}: {p.reason}" for p in points))
+        launch_sweep(points, sweep_dir=Path(base.run.dir).resolve())
+        return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED,
+                          _return_value=p.job_id or f"pruned: {p.reason}", task_name="train")
+                for p in points]

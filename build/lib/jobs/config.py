@@ -1,0 +1,270 @@
+"""The config schema: one dataclass per config group, registered with Hydra, and the one composition path.
+
+Hydra stops here: `compose()` turns overrides into a plain `JobConfig`; nothing past it sees OmegaConf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from checkpoint.config import CheckpointConfig
+from parallel.config import MeshConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # preset name, e.g. tiny, llama3_8b
+    dim: int = MISSING  # hidden size
+    n_layers: int = MISSING  # transformer blocks
+    n_heads: int = MISSING  # query heads
+    n_kv_heads: int = MISSING  # key/value heads (grouped-query attention); = n_heads for MHA
+    vocab_size: int = MISSING  # tokens in the vocabulary
+    ffn_dim: int = MISSING  # SwiGLU hidden size
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    max_seq_len: int = 2048  # longest sequence RoPE tables are built for
+    # Mixture of experts (DeepSeek-V3 style; planned analytically, not built for training yet).
+    n_routed_experts: int = 0  # routed experts per MoE layer; 0 = dense model
+    n_shared_experts: int = 0  # always-active shared experts per MoE layer
+    experts_per_token: int = 0  # routed experts each token is sent to (top-k)
+    moe_ffn_dim: int = 0  # SwiGLU hidden size of one expert
+    n_dense_layers: int = 0  # leading blocks with a dense FFN (ffn_dim) before the MoE blocks
+    moe_max_nodes: int = 0  # node-limited routing: a token's routed experts lie on at most this many nodes (DeepSeek-V3: 4); 0 = unlimited
+    # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
+    attention: str = "gqa"  # gqa | mla
+    q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
+    kv_lora_rank: int = 0  # MLA key/value compression rank
+    qk_nope_head_dim: int = 0  # MLA per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # MLA per-head query/key dims with RoPE (the key part is shared by all heads)
+    v_head_dim: int = 0  # MLA per-head value dims
+
+
+@dataclass
+class DataSource:
+    path: str = MISSING  # a tokenized HDF5 token file (python -m jobs.prepare_data)
+    weight: float = 1.0  # relative share of the global batch drawn from it
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic (generated on first use) | tokenized (made by python -m jobs.prepare_data)
+    path: str = "data/synthetic-v2.h5"  # HDF5 token file: read by the trainer, written by jobs.prepare_data
+    num_samples: int = 4096  # synthetic: samples (rows) generated into the file
+    gen_seed: int = 1234  # synthetic: seed of the language (not of training)
+    heldout_fraction: float = 0.05  # share of documents (synthetic: of rows) kept out of training for evaluation
+    sources: list[DataSource] = field(default_factory=list)  # tokenized: a weighted mixture of files; empty = data.path alone
+    inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
+    tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json; None = train a byte-level BPE of model.vocab_size tokens
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # only adamw
+    lr: float = 1e-2  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio after cosine decay
+    warmup_steps: int = 3  # linear warmup steps
+    weight_decay: float = 0.1  # decoupled weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    fused: bool | None = None  # AdamW kernel: true = fused, false = foreach, null = fused on CUDA, foreach on CPU
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40  # optimizer steps in the run
+    seed: int = 0  # seeds init, data order and every RNG
+    global_batch: int = 8  # samples per optimizer step, across all dp ranks
+    micro_batch: int = 2  # samples per microbatch on one dp rank
+    seq_len: int = 32  # tokens per sample
+    log_every: int = 1  # log metrics every N steps (and at the last step)
+    activation_checkpointing: str = "none"  # none | selective (every ac_every-th block) | full (every block); trainer and planner
+    ac_every: int = 2  # selective: checkpoint blocks with (layer + 1) % ac_every == 0
+    deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
+    mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
+    eval_every: int = 0  # held-out evaluation every N steps (and at the last step); 0 = off
+    eval_batches: int = 4  # global batches of the held-out split in each evaluation (always the same ones)
+
+
+@dataclass
+class RunConfig:
+    dir: str = MISSING  # the run directory (config, ledger, metrics, checkpoints)
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | slurm
+    nodes: int = 1  # nodes in the job
+    tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
+    master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
+    threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
+    wait: bool = False  # slurm: block after submit until the job ends, relaying progress lines
+    array_parallelism: int = 0  # slurm -m sweeps: array elements running at once (sbatch --array=...%N); 0 = all
+    signal_delay_s: int = 120  # slurm: USR2 this many seconds before the time limit (save, then requeue)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"  # profile name
+    partition: str | None = None  # Slurm partition (-p)
+    account: str | None = None  # Slurm account (-A)
+    qos: str | None = None  # Slurm QOS
+    constraint: str | None = None  # Slurm node features (-C)
+    gpus_per_node: int = 0  # GPUs per node; 0 = CPU ranks (gloo)
+    cpus_per_task: int = 1  # CPUs per rank
+    mem_per_node_gb: int | None = None  # --mem per node; None = the partition default
+    time_min: int = 60  # wall-time limit of a job, minutes
+    run_root: str = "runs"  # shared (parallel) filesystem root for run dirs; run.dir must be under it
+    container_image: str | None = None  # container image for srun (pyxis --container-image), if any
+    container_mounts: str | None = None  # pyxis --container-mounts
+    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun (module load, venv)
+    exclude: str | None = None  # Slurm nodes never to use (-x), e.g. known-bad hosts
+    env: dict[str, str] = field(default_factory=dict)  # exported on every rank before init_process_group
+    # Hardware facts for `jobs.plan` (each profile cites its sources).
+    gpu_mem_gib: float = 0.0  # memory per GPU
+    nvlink_domain: int = 1  # GPUs that share the fast intra-node fabric
+    intra_node_bw_GBps: float = 0.0  # per-GPU intra-node (NVLink) bandwidth, GB/s
+    inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
+    gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
+    fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
+    node_mtbf_hours: float = 50000.0  # one node's mean time between failures
+    host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
+    pod_gpus: int = 0  # GPUs under one non-blocking switch tier (a pod); 0 = not modelled (jobs.plan says which axes cross pods)
+    # Measured by `python -m jobs.calibrate` (empty/0 = not measured: the planner falls back to the cited
+    # figures above and says so). One name per concept: jobs/planner reads these same keys.
+    calibrated: str | None = None  # when and by which command the figures below were measured
+    matmul_tflops: dict[str, float] = field(default_factory=dict)  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
+    optimizer_ns_per_param: float = 0.0  # AdamW step + grad-norm pass per local parameter element, all ranks busy (jobs.calibrate; 0 = not modelled)
+    fs_fsync_s: float = 0.0  # one write+fsync+rename of a small file on run_root (a checkpoint commit's fixed cost)
+
+
+@dataclass
+class FailureConfig:
+    mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
+    mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
+    max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
+    restarts_in_allocation: int = 3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
+    node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
+    max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
+    init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
+    collective_timeout_s: float = 300.0  # every process group once the first step has completed
+    hang_timeout_s: float = 180.0  # watchdog: no step completes in this long (after the first) = a hang incident
+    heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
+    requeue_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])  # save, then requeue
+    signal_margin_s: float = 30.0  # slack the submit-time check adds to one step + one blocking save
+    health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only
+    health_temp_warn_c: float = 85.0  # a GPU this hot without a thermal clock event: a warning event, no incident
+    health_failing_xids: list[int] = field(default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])  # XIDs that fail the GPU (others warn)
+    spike_factor: float = 3.0  # a loss above this x the median of the last spike_window losses is a spike; 0 = off
+    spike_window: int = 50  # healthy losses in the running median (the check is armed once it is full)
+    spike_grad_norm: float = 0.0  # a global grad norm above this is a spike too; 0 = off
+    spike_patience: int = 1  # consecutive spiking steps that trigger a rollback (a non-finite loss: at once)
+    spike_skip_steps: int = 4  # data steps skipped per rollback: the spike's and up to this many - 1 before it
+    spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
+    max_rollbacks: int = 3  # rollbacks per run; one more spike stops the run for good (exit 77)
+    straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
+    straggler_intervals: int = 3  # consecutive slow log intervals before a straggler event (K)
+    straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)
+    straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
+    exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+
+
+@dataclass
+class MetricsConfig:
+    phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
+    flush_every_s: float = 5.0  # a rank's phase rows go to its HDF5 file at a log interval at most this often (and at the end)
+    tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
+
+
+@dataclass
+class PlanConfig:
+    json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
+    fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
+    usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
+    restart_overhead_s: float | None = None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
+    save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
+    min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
+    search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
+    search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
+    search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
+    search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)
+
+
+@dataclass
+class CalibrateConfig:
+    out: str | None = None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+    seconds: float = 2.0  # seconds spent timing each figure (medians over repeats)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = MISSING
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launcher.nodes * self.launcher.tasks_per_node
+
+    @property
+    def world_size_expr(self) -> str:
+        return (
+            f"launcher.nodes({self.launcher.nodes}) * "
+            f"launcher.tasks_per_node({self.launcher.tasks_per_node})"
+        )
+
+
+def config_hash(cfg: JobConfig) -> str:
+    """Hash of the resolved config, run.dir excluded (the same experiment may move or be resumed elsewhere)."""
+    resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "run"}
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def register_configs() -> None:
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_job_config(cfg: Any) -> JobConfig:
+    """Converts a composed DictConfig into the plain dataclass tree (Hydra's door closes here)."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, JobConfig), type(obj)
+    return obj
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train") -> JobConfig:
+    """Composes `conf/` with Hydra overrides, as `python -m jobs.train` would, without running anything."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return to_job_config(cfg)

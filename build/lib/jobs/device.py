@@ -1,0 +1,105 @@
+"""The rank's device, its process-group backend and compute dtype, and the environment NCCL reads.
+
+`train.device=auto` means CUDA when torch sees a GPU, else CPU; `train.mixed_precision=auto` means
+bf16 on CUDA, fp32 on CPU. Nothing here touches the GPU at import, and GPUs are counted with
+`torch.cuda.device_count()`, which asks NVML and so does not initialise CUDA: the local launcher
+forks its ranks after this check, and a parent that initialised CUDA would leave every forked rank
+unable to use it. `jobs.plan` and sweep pruning never call any of it. On CUDA the world group is "cuda:nccl,cpu:gloo":
+NCCL for the training collectives, gloo for the CPU tensors some collectives carry (the stop flag);
+the checkpoint manager makes gloo groups of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+import torch
+
+__all__ = ["DEVICES", "MIXED_PRECISIONS", "visible_gpus", "resolve_device", "resolve_mixed_precision", "backend_for",
+           "gpu_index", "rank_device", "export_environ"]
+
+DEVICES = ("auto", "cpu", "cuda")
+MIXED_PRECISIONS = ("auto", "bf16", "fp32")
+
+# Set only where neither the user nor the cluster profile set them: a failed or timed-out NCCL
+# collective aborts the communicator (the process exits and the failure path runs) instead of
+# hanging, and the flight recorder keeps the last collectives and dumps them on a timeout.
+_NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # 3 = SkipCleanUp: tear down the process without a hang-prone cleanup
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder entries per rank (0 = off)
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # write the flight recorder when a collective times out
+}
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use (0 on a CPU build of torch); fork-safe where NVML is installed."""
+    return torch.cuda.device_count()
+
+
+def resolve_device(name: str, *, gpus: int | None = None) -> str:
+    """"cpu" or "cuda" for `train.device`, given `gpus` visible (default: counted here).
+    ValueError for an unknown name, or cuda without a GPU."""
+    if name not in DEVICES:
+        raise ValueError(f"train.device={name!r} is not one of {', '.join(DEVICES)}")
+    has_cuda = (visible_gpus() if gpus is None else gpus) > 0
+    if name == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if name == "cuda" and not has_cuda:
+        raise ValueError(
+            f"train.device=cuda but torch {torch.__version__} sees no CUDA GPU here; set train.device=cpu "
+            "(or auto), or run on a GPU node with a CUDA build of torch (README, On GPUs)"
+        )
+    return name
+
+
+def resolve_mixed_precision(name: str, *, device_type: str) -> str:
+    """"bf16" or "fp32" for `train.mixed_precision` on `device_type` (auto: bf16 on cuda, fp32 on cpu)."""
+    if name not in MIXED_PRECISIONS:
+        raise ValueError(f"train.mixed_precision={name!r} is not one of {', '.join(MIXED_PRECISIONS)}")
+    if name == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return name
+
+
+def backend_for(device_type: str) -> str:
+    """The world group's backend: NCCL for CUDA tensors plus gloo for CPU ones, or plain gloo."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+
+
+def gpu_index(*, local_rank: int, gpus: int) -> int:
+    """The GPU of this rank: its local rank, or 0 when Slurm bound one GPU to each task."""
+    if gpus == 1:
+        return 0
+    if local_rank >= gpus:
+        raise RuntimeError(f"local rank {local_rank} has no GPU: {gpus} visible; one rank per GPU, "
+                           "set launcher.tasks_per_node to the GPUs per node")
+    return local_rank
+
+
+def rank_device(device_type: str, *, local_rank: int) -> torch.device:
+    """This rank's device; on CUDA it becomes the current device (call before anything touches the GPU)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    index = gpu_index(local_rank=local_rank, gpus=visible_gpus())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def export_environ(cluster_env: Mapping[str, str], *, device_type: str, trace_dir: str | None = None,
+                   environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Exports `cluster.env` (the profile wins, as in the sbatch script), then the NCCL defaults with
+    setdefault on CUDA, the flight-recorder dumps going to `trace_dir/nccl_trace_rank_<r>`; returns
+    what was set. Must run before init_process_group (NCCL reads it then)."""
+    env = os.environ if environ is None else environ
+    done = {str(k): str(v) for k, v in cluster_env.items()}
+    env.update(done)
+    if device_type == "cuda":
+        defaults = dict(_NCCL_DEFAULTS)
+        if trace_dir is not None:
+            defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(trace_dir, "nccl_trace_rank_")
+        for k, v in defaults.items():
+            if k not in env:
+                env[k] = v
+                done[k] = v
+    return done

@@ -1,0 +1,50 @@
+"""The run's append-only lifecycle ledger, `RUN_DIR/events.jsonl`, shared by every rank and attempt."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EventLog", "read_events"]
+
+
+class EventLog:
+    """Appends one JSON object per event; each line is one `write` on an O_APPEND file, so lines from
+    concurrent ranks never interleave on a local or NFS-like filesystem."""
+
+    def __init__(self, path: str | os.PathLike[str], *, rank: int = 0, restart: int = 0, attempt: str = "") -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.restart = restart
+        self.attempt = attempt  # `<job id>.<restart>` under Slurm, `local.<n>` locally (jobs.failure.ledger)
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        record = {"time": time.time(), "kind": kind, "rank": self.rank, "restart": self.restart,
+                  "attempt": self.attempt, **fields}
+        line = (json.dumps(record, default=str) + "\n").encode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        return record
+
+
+def read_events(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str, Any]]:
+    """All events of the ledger (optionally of one kind), in order; a torn last line is ignored."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if kind is None or rec.get("kind") == kind:
+            out.append(rec)
+    return out

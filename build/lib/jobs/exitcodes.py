@@ -1,0 +1,10 @@
+"""Process exit codes of every meshjob command: what happened, in one number (documented in the README)."""
+
+OK = 0  # finished: all steps trained (or the command did what it was asked)
+FAILED = 1  # an unexpected error in a rank (traceback in its log), or a plan check failed
+CONFIG_ERROR = 2  # the config is invalid; nothing was started, submitted or written
+ENV_ERROR = 3  # the environment is wrong: rendezvous failed, a collective timed out, a peer vanished
+RANK_DIED = 4  # the local launcher saw a rank killed by a signal and stopped the others
+REQUEUE = 75  # stopped on purpose to be requeued (a stop signal, or an incident a restart cures): run again with the same run.dir
+STOPPED = 76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)
+DIVERGED = 77  # stopped for good: the loss diverged past failure.max_rollbacks (or no checkpoint before the spike); do NOT requeue

@@ -1,0 +1,1 @@
+"""Staying up: signals, the watchdog and heartbeats, incident classification, the requeue budget."""

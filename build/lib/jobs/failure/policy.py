@@ -1,0 +1,150 @@
+"""The policy: after a stop signal or an incident, requeue the job or stop it for good, within budgets.
+
+Exactly one process decides per attempt: the first to claim `incidents/<attempt>/decision.json`
+(an O_EXCL create on the shared run dir, so it works across nodes and when rank 0 is the one that
+died). The decider writes the ledger records, runs `scontrol requeue` *before* any rank tears down,
+and leaves its exit code in the decision file for the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from jobs import exitcodes
+from jobs.config import FailureConfig
+from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
+from jobs.failure.ledger import attempts_without_progress
+from jobs.launch.slurm_state import job_state
+
+__all__ = ["Decision", "Restart", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used", "slurm_intent"]
+
+
+@dataclass
+class Restart:
+    """What decides between a restart inside the allocation and a requeue."""
+
+    supervised: bool  # a supervisor will start the ranks again (jobs.launch.supervise, the local launcher)
+    used: int  # restarts inside this allocation so far
+    bad_nodes: list[str]  # suspects' nodes that do not answer, or were named by an earlier incident of the run
+
+
+@dataclass
+class Decision:
+    action: str  # restart (inside the allocation) | requeue | stop | requeued_by_slurm | none (being cancelled)
+    reason: str
+    exit_code: int
+    requeues_used: int
+    max_requeues: int
+    attempts_without_progress: int
+
+
+def requeues_used(events: list[dict], *, restart_count: int) -> int:
+    """Requeues so far: Slurm's restart count of this job (it also counts Slurm's own and an admin's
+    requeues) or the run's ledger (it also counts earlier jobs of the same run dir), the larger."""
+    ours = sum(1 for e in events if e.get("kind") == "decision" and e.get("action") == "requeue")
+    return max(restart_count, ours)
+
+
+def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
+    """What Slurm is already doing with this job while its ranks got SIGTERM: "requeued" (an admin's
+    `scontrol requeue` or a preemption requeue: Restarts is already past ours), "cancelled" (scancel
+    or the time limit: the job is COMPLETING/CANCELLED/TIMEOUT without a new restart), else None."""
+    if not job_id:
+        return None
+    js = job_state(job_id)
+    if js.restarts > restart_count:
+        return "requeued"
+    if js.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "DEADLINE"):
+        return "cancelled"
+    return None
+
+
+def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
+           slurm: str | None = None, restart: Restart | None = None) -> Decision:
+    """Restart inside the allocation for a dead or hung rank whose node still answers, within
+    failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
+    unless the requeue budget or the no-progress breaker says stop; stop at once for anything else
+    (a bug fails the same way again). `slurm` (from `slurm_intent`): Slurm already requeues the job,
+    or is cancelling it (not undone)."""
+    used = requeues_used(events, restart_count=restart_count)
+    fruitless = attempts_without_progress(events)
+    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
+    if slurm == "requeued":
+        return Decision("requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts)
+    if slurm == "cancelled":
+        return Decision("none", f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
+                        exitcodes.REQUEUE, **facts)
+    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
+        code = {"config_error": exitcodes.CONFIG_ERROR, "loss_spike": exitcodes.DIVERGED,
+                "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
+        return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
+    if restart is not None and restart.supervised and cause in RESTART_CLASSES and fruitless < cfg.max_attempts_without_progress:
+        why = _no_restart(restart, cfg)
+        if why is None:
+            return Decision("restart", f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
+                            f"({cfg.restarts_in_allocation}) inside the allocation", exitcodes.REQUEUE, **facts)
+        cause = f"{cause} ({why})"
+    if used >= cfg.max_requeues:
+        return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
+                        exitcodes.STOPPED, **facts)
+    if fruitless >= cfg.max_attempts_without_progress:
+        return Decision("stop", f"{fruitless} attempts in a row committed no new checkpoint >= "
+                        f"failure.max_attempts_without_progress({cfg.max_attempts_without_progress})",
+                        exitcodes.STOPPED, **facts)
+    return Decision("requeue", f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
+                    exitcodes.REQUEUE, **facts)
+
+
+def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
+    """Why this failure goes back to the queue instead of restarting in place (None: restart)."""
+    if restart.bad_nodes:
+        return f"suspect node {', '.join(restart.bad_nodes)}: requeue without it"
+    if restart.used >= cfg.restarts_in_allocation:
+        return f"failure.restarts_in_allocation({cfg.restarts_in_allocation}) spent"
+    return None
+
+
+def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:
+    """True for exactly one caller per attempt (the decider)."""
+    folder = incident_dir(run_dir, attempt)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -> None:
+    path = incident_dir(run_dir, attempt) / "decision.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".decision.json.tmp")
+    tmp.write_text(json.dumps({**asdict(decision), "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_decision(run_dir: str | os.PathLike[str], attempt: str, *, wait_s: float) -> dict | None:
+    """The decider's published decision, waiting up to `wait_s` for it."""
+    path = Path(incident_dir(run_dir, attempt)) / "decision.json"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+
+def requeue_job(job_id: str) -> tuple[bool, str]:
+    """`scontrol requeue JOB` (an array element as ARRAY_TASK); (ok, what scontrol said)."""
+    try:
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    return out.returncode == 0, (out.stdout + out.stderr).strip()

@@ -1,0 +1,132 @@
+"""What a rank (or the local launcher) does when an attempt ends other than by finishing.
+
+`on_failure`: dump this process's stacks, and if this process is the first to claim the attempt,
+classify the incident from the heartbeats, write it, decide (requeue or stop) and act.
+`conclude`: the decider's part, shared with the stop-signal path. `open_attempt`: the ledger's
+record of a new attempt, writing the ends that the previous attempts could not write themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from jobs import exitcodes
+from jobs.config import FailureConfig
+from jobs.events import EventLog, read_events
+from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, write_incident
+from jobs.failure.ledger import render_summary, unfinished
+from jobs.failure.policy import Decision, Restart, claim, decide, publish, read_decision, requeue_job, slurm_intent
+from jobs.failure.quarantine import add_to_quarantine, node_answers, quarantined, requeue_excluding, usable_nodes
+from jobs.log import get_logger
+
+__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
+
+_once = threading.Lock()
+
+
+@dataclass
+class AttemptContext:
+    """What the decider needs to know about the attempt it ends."""
+
+    run_dir: str
+    attempt: str
+    rank: int  # -1 for the local launcher
+    world_size: int
+    job_id: str | None  # the Slurm job to requeue (ARRAY_TASK form); None locally
+    restart_count: int
+    cfg: FailureConfig
+    events: EventLog
+    supervised: bool = False  # a supervisor starts the ranks again after a "restart" decision
+    restart_in_allocation: int = 0  # restarts inside this allocation before this attempt
+    partition: str | None = None  # where a requeued job must find `nodes_needed` usable nodes
+    nodes_needed: int = 1
+
+
+def open_attempt(ctx: AttemptContext, **facts) -> None:
+    """Records `attempt_start`, first closing earlier attempts whose end nobody wrote (their ranks
+    were all killed): each becomes a `failure` of class `lost` and an `attempt_end`."""
+    for a in unfinished(read_events(ctx.events.path), current=ctx.attempt):
+        ctx.events.emit("failure", attempt=a.attempt, cls="lost", summary="no rank of this attempt reported "
+                        "how it ended (the job or its nodes were killed)", suspects=[], reported_by_attempt=ctx.attempt)
+        ctx.events.emit("attempt_end", attempt=a.attempt, cause="lost", action="none", step=a.last_step)
+    ctx.events.emit("attempt_start", job_id=ctx.job_id, world_size=ctx.world_size, **facts)
+
+
+def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None) -> int:
+    """Writes the incident and the ledger records, decides, requeues before anyone tears down;
+    returns this process's exit code (the other ranks read it from the published decision)."""
+    if incident is not None:
+        write_incident(ctx.run_dir, incident)
+        ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
+                        reported_by=incident.reported_by)
+    # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
+    # back, and one that Slurm already requeues is not requeued twice.
+    slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
+    suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
+    # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
+    restart = _restart(ctx, suspects, slurm) if cause in RESTART_CLASSES else None
+    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
+               restart=restart)
+    excluded = _quarantine(ctx, d, suspects, incident)
+    ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
+    ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
+    publish(ctx.run_dir, ctx.attempt, d)
+    if d.action == "requeue" and ctx.job_id:
+        ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
+        # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
+        # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
+        ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
+    log = get_logger()
+    (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
+                                                          cause, d.action, d.reason, d.exit_code)
+    if d.action == "stop":
+        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
+              flush=True)
+    return d.exit_code
+
+
+def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None) -> Restart | None:
+    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed only
+    when a restart is possible at all)."""
+    if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
+        return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [])
+    bad = [n for n in dict.fromkeys(suspects)
+           if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)]
+    return Restart(True, ctx.restart_in_allocation, bad)
+
+
+def _quarantine(ctx: AttemptContext, d: Decision, suspects: list[str], incident: Incident | None) -> list[str]:
+    """A requeue puts the incident's suspects' nodes on the run's quarantine list and excludes the whole
+    list; when that leaves too few nodes, the decision becomes a stop that says so. Returns the list."""
+    if d.action not in ("requeue", "requeued_by_slurm") or not ctx.job_id:
+        return []
+    if suspects and incident is not None:
+        add_to_quarantine(ctx.run_dir, suspects, reason=f"suspect of a {incident.cls} incident", incident=ctx.attempt)
+    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
+    if excluded and d.action == "requeue":
+        usable = usable_nodes(ctx.partition, set(excluded))
+        if len(usable) < ctx.nodes_needed:
+            d.action, d.exit_code = "stop", exitcodes.STOPPED
+            d.reason = (f"the quarantine ({', '.join(excluded)}; {ctx.run_dir}/quarantine.json) leaves "
+                        f"{len(usable)} usable node(s) in partition {ctx.partition or '(default)'}, the job needs "
+                        f"{ctx.nodes_needed}: check the nodes, then remove them from quarantine.json to requeue")
+    return excluded
+
+
+def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, during: str = "train",
+               step: int | None = None, incident: Incident | None = None) -> int:
+    """The failure path of one process; runs once per process (the watchdog thread and the main
+    thread may both arrive here). Returns the exit code this process should end with."""
+    with _once:
+        if ctx.rank >= 0:
+            dump_stacks(ctx.run_dir, ctx.attempt, ctx.rank)
+        if not claim(ctx.run_dir, ctx.attempt):
+            d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
+            return int(d["exit_code"]) if d else exitcodes.REQUEUE
+        if incident is None:
+            incident = classify_settled(run_dir=ctx.run_dir, world_size=ctx.world_size, me=ctx.rank,
+                                        attempt=ctx.attempt, heartbeat_s=ctx.cfg.heartbeat_s, error=error,
+                                        during=during)
+        get_logger().error("incident %s: %s", incident.cls, incident.summary)
+        return conclude(ctx, cause=incident.cls, step=step, incident=incident)

@@ -1,0 +1,58 @@
+"""The one owner of a rank's stop signals: handlers installed at process start that only set a flag.
+
+The trainer reads the flag at each step boundary and folds it into the step's one all-reduce, so
+every rank stops after the same step (README: "what happens when...").
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+
+__all__ = ["StopSignals", "parse_signals"]
+
+
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """`["SIGUSR2", "TERM"]` -> signals; ValueError naming `failure.requeue_signals` for an unknown name."""
+    out = []
+    for name in names:
+        key = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+        try:
+            out.append(signal.Signals[key])
+        except KeyError:
+            raise ValueError(f"failure.requeue_signals: {name!r} is not a signal name; use e.g. "
+                             "[SIGUSR2,SIGTERM]") from None
+    return out
+
+
+class StopSignals:
+    """Installs handlers for the requeue signals (and SIGINT: Ctrl-C saves and stops); `received` is
+    the first signal that arrived, or None. A handler does nothing but record the signal."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.count = 0
+        self._installed: set[signal.Signals] = set()
+
+    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True) -> "StopSignals":
+        self._installed = {*signals, *([signal.SIGINT] if ctrl_c else [])}
+        for sig in self._installed:
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def ignore_from_now(self) -> None:
+        """The attempt is finished: a stop signal arriving now (Slurm's time-limit warning during
+        teardown) means nothing. Ignored, not merely unhandled: at interpreter exit CPython puts a
+        signal with a Python handler back to SIG_DFL, and USR2's default action kills the process,
+        which turned a finished job into FAILED (seen on the local cluster)."""
+        for sig in self._installed:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.received is None:
+            self.received = signum
+        self.count += 1
+
+    @property
+    def name(self) -> str | None:
+        return None if self.received is None else signal.Signals(self.received).name

@@ -1,0 +1,160 @@
+"""What every rank runs, under any launcher: rendezvous, train, and end the attempt the one right way.
+
+Three endings: finished (exit 0); stopped by an agreed signal after saving (the decider, rank 0,
+requeues before anyone tears down and exits 75; the other ranks exit 0, so `srun
+--kill-on-bad-exit` can never kill the decider first); or a failure (an exception, or the watchdog
+seeing no step within the timeout): stacks dumped, the incident classified and recorded by the
+first rank to claim it, which requeues or stops the job (`jobs.failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from jobs import exitcodes
+from jobs.config import JobConfig
+from jobs.device import backend_for, export_environ, rank_device
+from jobs.events import EventLog
+from jobs.failure.respond import AttemptContext, conclude, on_failure
+from jobs.failure.policy import claim, read_decision
+from jobs.failure.signals import StopSignals
+from jobs.failure.spike import LossDiverged
+from jobs.failure.watchdog import Watchdog
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
+from jobs.launch.rendezvous import rendezvous
+from jobs.log import setup_logging
+from jobs.telemetry.health import GpuHealth, rank_health
+
+__all__ = ["run_rank", "attempt_context", "supervised"]
+
+
+def supervised() -> bool:
+    """Whether something starts the ranks again after a "restart" decision: our supervisor (srun step,
+    local launcher) or torchrun's agents (`--max-restarts` > 0)."""
+    return RESTART_IN_ALLOCATION_VAR in os.environ or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+
+
+def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int) -> AttemptContext:
+    """`supervised`: a supervisor (jobs.launch.supervise, the local launcher) can start the ranks again."""
+    return AttemptContext(run_dir=cfg.run.dir, attempt=env.attempt, rank=rank, world_size=env.world_size,
+                          job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events,
+                          supervised=supervised(),
+                          restart_in_allocation=env.restart_in_allocation, partition=cfg.cluster.partition,
+                          nodes_needed=cfg.launcher.nodes)
+
+
+def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.device:
+    """Threads, this rank's GPU (set before anything touches one), the NCCL environment, determinism;
+    returns this rank's device."""
+    threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    device = rank_device(device_type, local_rank=env.local_rank)
+    traces = Path(cfg.run.dir) / "nccl_traces" / env.attempt  # the flight recorder's dumps on a timeout
+    if device_type == "cuda":
+        traces.mkdir(parents=True, exist_ok=True)
+    export_environ(cfg.cluster.env, device_type=device_type, trace_dir=str(traces))
+    if cfg.train.deterministic and device_type == "cuda":  # bitwise resume needs deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return device
+
+
+def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
+    """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises).
+    `stop` was installed at process start, before anything else could take time."""
+    from jobs.validate import check_device, validate  # the same checks as on the login node, now on every rank
+
+    log = setup_logging(env.rank)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count,
+                      attempt=env.attempt)
+    ctx = attempt_context(cfg, env, events, rank=env.rank)
+    try:
+        derived = validate(cfg)
+        device_type, _ = check_device(cfg, per_task=True)  # and the GPUs this rank sees
+    except ValueError as e:
+        log.error("config error: %s", e)
+        return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
+    device = _setup_torch(cfg, env, device_type=device_type)
+    watchdog, health = _guards(cfg, env, ctx, device)
+    trainer, during = None, "rendezvous"
+    try:
+        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s,
+                         backend=backend_for(device_type))
+        if env.rank == 0:
+            events.emit("rendezvous", world_size=env.world_size, master=f"{env.master_addr}:{env.master_port}",
+                        nodes=env.nodes, job_id=env.job_id)
+        from jobs.trainer import Trainer
+
+        during = "build"
+        watchdog.phase(during)
+        trainer = Trainer(cfg, derived, env, events=events, stop=stop, watchdog=watchdog)
+        during = "train"
+        outcome = trainer.fit()
+    except LossDiverged as e:  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
+        log.error("%s", e)
+        watchdog.stop()
+        health.stop()
+        if env.rank != 0:  # every rank saw the same all-reduced losses; rank 0 records and decides
+            d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+            return int(d["exit_code"]) if d else exitcodes.DIVERGED
+        claim(cfg.run.dir, env.attempt)
+        events.emit("failure", cls=e.cls, error=str(e), suspects=[])
+        return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
+    except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
+        log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
+        _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))
+    watchdog.stop()
+    health.stop()
+    if outcome == "done":
+        stop.ignore_from_now()
+    code = _end_attempt(outcome, ctx, events, step=trainer.state.step, signal_name=stop.name)
+    try:
+        trainer.close()
+    finally:
+        if outcome != "done":  # saved and decided: get out of Slurm's way now (KillWait is short)
+            _exit_now(code)
+        dist.destroy_process_group()
+    return code
+
+
+def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device) -> tuple[Watchdog, GpuHealth]:
+    """The rank's watchdog (heartbeats, hangs) and GPU health checks (now: a failing GPU never joins the
+    rendezvous; then every failure.health_every_s), both started; either ends the attempt itself."""
+    f = cfg.failure
+    watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
+                        heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
+                        on_hang=lambda idle: _exit_now(on_failure(ctx, during=watchdog.beat.phase,
+                                                                  step=watchdog.beat.step)))
+    watchdog.start()
+    health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
+                         emit=ctx.events.emit, on_failing=lambda inc: _exit_now(on_failure(
+                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc))).start()
+    return watchdog, health
+
+
+def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: int, signal_name: str | None) -> int:
+    """Finished: rank 0 closes the attempt. Stopped by a signal: rank 0 decides (and requeues) while
+    every rank is still alive; the others exit 0."""
+    if ctx.rank != 0:
+        return exitcodes.OK
+    if outcome == "done":
+        events.emit("attempt_end", cause="completed", action="done", step=step)
+        return exitcodes.OK
+    return conclude(ctx, cause=signal_name or "stop_signal", step=step)  # the signal may have reached a peer only
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process without teardown: after a failure a peer may be gone, and destroying groups,
+    joining the checkpoint thread or Python's exit handlers could wait on it forever."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -1,0 +1,288 @@
+"""The Slurm launcher: submit one job (one Slurm task per rank, through submitit) and run its ranks.
+
+Sweeps (`-m`) are in `jobs.launch.sweep`. Login node: `submit(cfg)` validates, prepares the run dir on the
+shared filesystem, submits and returns (fire-and-forget; `launcher.wait=true` follows the job). The
+batch step runs `SlurmJob` (submitit, use_srun=False), the supervisor of `jobs.launch.supervise`: it
+starts the ranks as an srun step of `python -m jobs.launch.slurm --rank-config PATH`, each of which
+builds `DistEnv` from the Slurm environment and calls `jobs.launch.rank.run_rank`, and starts them again
+inside the allocation after a "restart" decision. Requeues (signals, incidents) are decided by the ranks.
+
+`python -m jobs.launch.slurm --supervise OVERRIDES...` is the same supervisor for the scripts rendered
+by `python -m jobs.sbatch` (it composes the config itself and prepares the run dir first).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from jobs import exitcodes
+from jobs.config import JobConfig
+from jobs.events import EventLog
+from jobs.failure.policy import read_decision
+from jobs.failure.quarantine import quarantined
+from jobs.failure.respond import open_attempt
+from jobs.failure.signals import StopSignals, parse_signals
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.prepare import prepare_run
+from jobs.launch.slurm_state import job_state, wait_for_job
+
+__all__ = ["submit", "SlurmJob", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
+           "rank_main", "wait_for_job", "job_state"]
+
+# Variables a submitting shell may carry (a torchrun or local-launcher environment) that must not
+# leak into the job: under Slurm the rendezvous comes from the job itself.
+_INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                         "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+# --- compute node -------------------------------------------------------------------------------
+
+def rank_environ(cfg: JobConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a Slurm rank should see: inherited rendezvous variables dropped, the profile's
+    `cluster.env` added, and `launcher.master_port` pinned when set."""
+    env = dict(os.environ if environ is None else environ)
+    if "TORCHELASTIC_RUN_ID" not in env:  # under torchrun its variables are the truth; else Slurm's
+        for k in _INHERITED_RENDEZVOUS:
+            env.pop(k, None)
+    env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
+    if cfg.launcher.master_port and "TORCHELASTIC_RUN_ID" not in env:
+        env["MASTER_PORT"] = str(cfg.launcher.master_port)
+    return env
+
+
+def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
+    """One rank under Slurm: stop signals first, export the profile's env, build DistEnv, train.
+    Rank 0 opens the attempt in the ledger unless a supervisor did; requeues are decided inside `run_rank`."""
+    stop = (stop or StopSignals()).install(parse_signals(cfg.failure.requeue_signals))
+    environ = rank_environ(cfg)
+    os.environ.clear()
+    os.environ.update(environ)  # before init_process_group: NCCL/torch read these at init
+    env = DistEnv.from_environ(environ)
+    print(f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
+          f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
+    from jobs.launch.rank import attempt_context, run_rank
+
+    if RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor of ours
+        ended = _ended_for_good(cfg, env)
+        if ended is not None:
+            return ended
+        if env.rank == 0:
+            events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count,
+                              attempt=env.attempt)
+            open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
+                os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm",
+                restart_in_allocation=env.restart_in_allocation)
+    return run_rank(cfg, env, stop=stop)
+
+
+def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
+    """Under torchrun, whose agents restart the ranks after any failure: the previous attempt's exit code
+    when its decision was anything but "restart" (a stop, or a requeue in progress), so that the ranks
+    do not train again; None to go on."""
+    if env.restart_in_allocation == 0:
+        return None
+    d = read_decision(cfg.run.dir, attempt_name(env.job_id, env.restart_count, env.restart_in_allocation - 1),
+                      wait_s=0)
+    if d is None or d["action"] == "restart":
+        return None
+    print(f"meshjob: the previous attempt decided {d['action']} ({d['reason']}): not training again", flush=True)
+    return int(d["exit_code"])
+
+
+class SlurmJob:
+    """The submitit callable, run once per allocation in the batch step: the supervisor of the ranks.
+    Requeues re-run it as is (Slurm requeues the same batch script)."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self) -> int:
+        from jobs.launch.supervise import supervise
+
+        folder, job = submitit.JobEnvironment().paths.folder, slurm_job_id(os.environ)
+        code = supervise(self.cfg, logs=(f"{folder}/{job}_%t_log.out", f"{folder}/{job}_%t_log.err"))
+        if code != exitcodes.OK:
+            raise SystemExit(code)  # Slurm records the job's exit code (sacct ExitCode)
+        return code
+
+
+# --- login node ---------------------------------------------------------------------------------
+
+def check_slurm_config(cfg: JobConfig) -> None:
+    """The Slurm-specific login-node checks (after `jobs.validate.validate`); ValueError names the knob."""
+    ln, cl = cfg.launcher, cfg.cluster
+    run_dir, root = Path(cfg.run.dir).resolve(), Path(cl.run_root).resolve()
+    if not run_dir.is_relative_to(root):
+        raise ValueError(
+            f"run.dir={cfg.run.dir} is not under cluster.run_root={cl.run_root} (cluster={cl.name}): "
+            "run dirs must be on the profile's shared filesystem that every node mounts; "
+            f"set run.dir={root}/<name> or pick the right cluster= profile"
+        )
+    if cl.gpus_per_node and ln.tasks_per_node != cl.gpus_per_node:
+        raise ValueError(
+            f"launcher.tasks_per_node({ln.tasks_per_node}) != cluster.gpus_per_node({cl.gpus_per_node}) "
+            f"(cluster={cl.name}): one Slurm task per GPU; set launcher.tasks_per_node={cl.gpus_per_node}"
+        )
+    if cfg.train.device == "cuda" and not cl.gpus_per_node:
+        raise ValueError(
+            f"train.device=cuda but cluster={cl.name} has cluster.gpus_per_node=0 (no GPUs requested): "
+            "pick a GPU profile (e.g. cluster=h100_ib) or set train.device=auto"
+        )
+    if cl.time_min * 60 <= ln.signal_delay_s:
+        raise ValueError(
+            f"launcher.signal_delay_s({ln.signal_delay_s}) >= cluster.time_min({cl.time_min}) * 60: the "
+            "time-limit warning would come before the job starts; lower launcher.signal_delay_s"
+        )
+    if ln.array_parallelism < 0:
+        raise ValueError(f"launcher.array_parallelism({ln.array_parallelism}) must be >= 0 (0 = all at once)")
+
+
+def check_signal_lead(cfg: JobConfig) -> None:
+    """No requeue on a signal without checkpoints; and the time-limit warning must leave time for one
+    step, one blocking save and a margin (the planner's analytic estimates; skipped when the profile
+    has no GPU figures)."""
+    from jobs.planner.gate import build_plan
+
+    if cfg.failure.requeue_signals and not cfg.checkpoint.enabled:
+        raise ValueError(f"failure.requeue_signals={list(cfg.failure.requeue_signals)} with checkpoint.enabled=false: "
+                         "every requeue would start again from step 0; set checkpoint.enabled=true, or "
+                         "failure.requeue_signals=[] to let a signal end the job")
+    if not cfg.failure.requeue_signals or cfg.cluster.gpu_bf16_tflops <= 0:
+        return
+    plan = build_plan(cfg, measure=False)
+    step_s, save_s = plan.step.get("step_s_at_mfu", 0.0), plan.checkpoint.get("blocking_s", 0.0)
+    need = step_s + save_s + cfg.failure.signal_margin_s
+    if cfg.launcher.signal_delay_s < need:
+        raise ValueError(
+            f"launcher.signal_delay_s({cfg.launcher.signal_delay_s}) < one step ({step_s:.0f} s) + one blocking save "
+            f"({save_s:.0f} s) + failure.signal_margin_s({cfg.failure.signal_margin_s:.0f}) = {need:.0f} s (planner "
+            f"estimates for cluster={cfg.cluster.name}): the job would be killed before it saved; set "
+            f"launcher.signal_delay_s={int(need) + 1}")
+
+
+def login_checks(cfg: JobConfig) -> None:
+    from jobs.validate import validate
+
+    validate(cfg)
+    check_slurm_config(cfg)
+    check_signal_lead(cfg)
+
+
+def require_slurm() -> None:
+    if shutil.which("sbatch") is None:
+        raise RuntimeError(
+            "sbatch not found on PATH: submit from a Slurm login node, or start the local test cluster "
+            "with scripts/slurm/start (launcher=slurm needs a Slurm cluster)"
+        )
+
+
+def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjob") -> submitit.SlurmExecutor:
+    """A submitit SlurmExecutor whose sbatch script matches `cfg` (one task per rank, srun, USR2)."""
+    ln, cl = cfg.launcher, cfg.cluster
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.failure.max_requeues)
+    # The batch step runs the supervisor (use_srun=False); it starts the ranks with srun itself
+    # (jobs.launch.supervise: --kill-on-bad-exit=0, the container flags).
+    params: dict[str, Any] = dict(
+        job_name=job_name,
+        nodes=ln.nodes,
+        ntasks_per_node=ln.tasks_per_node,
+        cpus_per_task=cl.cpus_per_task,
+        time=cl.time_min,
+        signal_delay_s=ln.signal_delay_s,
+        use_srun=False,
+        setup=[*cl.setup, *(f"export {k}={shlex.quote(str(v))}" for k, v in cl.env.items())],
+        additional_parameters={"requeue": True},
+        array_parallelism=ln.array_parallelism or 256,
+    )
+    # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
+    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")),
+                                      *(e["node"] for e in quarantined(cfg.run.dir))]))
+    optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint,
+                    exclude=exclude)
+    params.update({k: v for k, v in optional.items() if v})
+    if cl.gpus_per_node:
+        params["gpus_per_node"] = cl.gpus_per_node
+    if cl.mem_per_node_gb:
+        params["mem"] = f"{cl.mem_per_node_gb}G"
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit(cfg: JobConfig) -> int:
+    """Validates on the login node, submits one job, prints job id / run dir / logs; returns an exit code."""
+    try:
+        login_checks(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    try:
+        require_slurm()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
+    try:
+        run_dir = prepare_run(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    folder = run_dir / "slurm"
+    try:
+        job = make_executor(cfg, folder / "%j", job_name=f"meshjob-{cfg.model.name}").submit(SlurmJob(cfg))
+    except submitit.core.utils.FailedJobError as e:
+        print(f"error: sbatch refused the job (run dir {run_dir} kept): {str(e).strip()}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
+    out = folder / job.job_id
+    print(f"submitted job {job.job_id}: {cfg.world_size} ranks ({cfg.world_size_expr}), "
+          f"cluster={cfg.cluster.name}")
+    print(f"run dir  {run_dir}")
+    print(f"logs     {out}/{job.job_id}_<rank>_log.out|err (appended across requeues)")
+    print(f"metrics  {run_dir / 'metrics.jsonl'}")
+    print(f"status   python -m jobs.status {run_dir}   (sacct -j {job.job_id} --duplicates -o JobID,State,ExitCode,NodeList)")
+    sys.stdout.flush()
+    if not cfg.launcher.wait:
+        return exitcodes.OK
+    return wait_for_job(job.job_id, run_dir)
+
+
+def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
+    """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
+    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
+    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once) and
+    `--rank OVERRIDES` (every rank, started by torchrun; no restart inside the allocation)."""
+    from jobs.config import compose
+    from jobs.launch.supervise import load_rank_config, supervise
+
+    if mode == "--rank-config":
+        return rank_main(load_rank_config(argv[0]), stop)
+    try:
+        cfg = compose(argv)
+        if mode != "--rank":
+            login_checks(cfg)
+    except Exception as e:  # noqa: BLE001 - ValueError from the checks or any Hydra composition error
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if mode == "--rank":
+        return rank_main(cfg, stop)
+    prepare_run(cfg)
+    if mode == "--prepare":
+        return exitcodes.OK
+    logs = f"{cfg.run.dir}/slurm/%j_r{{attempt}}_rank%t"
+    return supervise(cfg, logs=(f"{logs}.out", f"{logs}.err"))
+
+
+if __name__ == "__main__":
+    # Before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal.
+    _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank"):
+        print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH  "
+              "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
+              "`python -m jobs.train launcher=slurm`)", file=sys.stderr)
+        sys.exit(exitcodes.CONFIG_ERROR)
+    sys.exit(_script_cli(sys.argv[1], sys.argv[2:], _stop))

@@ -1,0 +1,165 @@
+"""The hardware figures the step-time model uses, each with where it came from: measured by
+`python -m jobs.calibrate` (the profile's `calibrated`, `matmul_tflops`, `collectives`), or derived
+from the profile's cited peaks with a cited efficiency (below). And which mesh axes cross node and
+pod boundaries, for our rank order and for Llama 3's.
+
+Pure functions of a `ClusterConfig` and plain numbers; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from jobs.config import ClusterConfig
+
+__all__ = [
+    "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
+    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S",
+]
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+# Cited efficiencies for profiles that were not calibrated (published GPU clusters).
+# Achieved bf16 GEMM on an H100 SXM: ~795 of 989 dense TFLOP/s (Bekman, "ML Engineering", compute/accelerator,
+# "Maximum Achievable Matmul FLOPS comparison table"; 797.5 TFLOP/s for torch bf16 8192^3 in
+# zzc0721/torch-performance-test-data#79): 0.80 of the datasheet peak.
+MATMUL_EFFICIENCY = 0.80
+MATMUL_SOURCE = "0.80 x cluster.gpu_bf16_tflops (achieved bf16 GEMM, H100 SXM ~795/989: Bekman ML Engineering, max achievable matmul table)"
+# NVLink: NCCL reaches ~370 GB/s bus bandwidth of the 450 GB/s line rate (~20% protocol overhead),
+# NVIDIA's S. Jeaugey in NVIDIA/nccl-tests#212.
+NVLINK_EFFICIENCY = 370.0 / 450.0
+# InfiniBand NDR 400 Gb/s (50 GB/s): "you should see 46-48 GB/s per NIC", NVIDIA's D. Addison in NVIDIA/nccl-tests#290.
+IB_EFFICIENCY = 47.0 / 50.0
+# Latency: 46-48 us for all-reduces of 4 B..1 KiB on 2 nodes x 8 GPUs (NVIDIA/nccl#1244, NCCL 2.21, NDR IB).
+# Used for both scopes: no intra-node figure is cited, so the intra-node latency is an upper bound.
+NCCL_ALPHA_S = 46e-6
+
+OUR_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # parallel/dims.py: row-major, tp innermost
+# "The Llama 3 Herd of Models" §3.3.2: ranks grouped as [TP, CP, PP, DP], TP innermost, DP outermost.
+LLAMA3_ORDER = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """The alpha-beta model of one collective on one scope: t = calls * alpha + bytes / bus bandwidth,
+    with bytes as `arith.CommItem` counts them (what one rank sends: the nccl-tests bus-bandwidth convention)."""
+
+    alpha_s: float
+    bus_GBps: float
+    source: str
+    ranks: int = 0  # group size alpha was measured at; 0 = use alpha as is for every group size
+    alpha_hop_s: float = 0.0  # latency of each ring hop more or less than at `ranks`
+
+    def seconds(self, *, calls: int, nbytes: float, op: str = "all_reduce", group: int = 0) -> float:
+        """A ring's latency grows with its hops (Thakur, Rabenseifner & Gropp 2005): the calibrated
+        alpha at `ranks` plus alpha_hop_s per hop more (or less) in a group of `group`."""
+        alpha = self.alpha_s
+        if self.ranks and group:
+            alpha = max(0.0, alpha + self.alpha_hop_s * (hops(op, group) - hops(op, self.ranks)))
+        return calls * alpha + (nbytes / (self.bus_GBps * 1e9) if self.bus_GBps > 0 else 0.0)
+
+
+def hops(op: str, n: int) -> int:
+    """Sequential steps of the ring algorithm for `op` among n ranks (1 for a point-to-point send)."""
+    if op == "send_recv":
+        return 1
+    return max(1, (2 if op == "all_reduce" else 1) * (n - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    dtype: str  # compute dtype the matmul rate is for
+    matmul_tflops: float  # achieved per rank
+    matmul_source: str
+    links: dict[str, Link] = field(default_factory=dict)  # "<op>.<intra|inter>"
+    overlap: bool = True  # collectives can run beside compute
+    overlap_why: str = ""
+    node_ranks: int = 8  # ranks that share the fast fabric (scope "intra")
+    pod_ranks: int = 0  # ranks under one non-blocking switch tier; 0 = not modelled
+    optimizer_ns_per_param: float = 0.0  # the step tail (grad norm + AdamW) per local parameter; 0 = not modelled
+    bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
+    bubble_why: str = ""
+
+    def link(self, op: str, scope: str) -> Link:
+        return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
+
+
+def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
+    """The dtype the trainer computes in: train.mixed_precision, auto = bf16 on GPUs, fp32 on CPU ranks."""
+    return mixed_precision if mixed_precision != "auto" else ("bf16" if gpus_per_node > 0 else "fp32")
+
+
+def _published_links(cl: ClusterConfig) -> dict[str, Link]:
+    intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
+                 f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
+    inter = Link(NCCL_ALPHA_S, cl.inter_node_bw_GBps * IB_EFFICIENCY,
+                 f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244")
+    return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}
+
+
+def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
+    """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
+    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
+    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
+    calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
+    links = _published_links(cl) if cl.intra_node_bw_GBps > 0 else {}
+    for key, v in cl.collectives.items():
+        links[key] = Link(float(v["alpha_s"]), float(v["bus_GBps"]), calibrated, int(v.get("ranks", 0)),
+                          float(v.get("alpha_hop_s", 0.0)))
+    key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
+    if cl.matmul_tflops.get(key):
+        rate, source = cl.matmul_tflops[key], f"cluster.matmul_tflops.{key} {calibrated}"
+    elif cl.gpu_bf16_tflops > 0 and dtype == "bf16":
+        rate, source = cl.gpu_bf16_tflops * MATMUL_EFFICIENCY, MATMUL_SOURCE
+    else:
+        return None
+    for op in OPS:  # a scope the calibration could not reach (one node: no inter) borrows the other's figure
+        for a, b in (("intra", "inter"), ("inter", "intra")):
+            if f"{op}.{a}" not in links and f"{op}.{b}" in links:
+                w = links[f"{op}.{b}"]
+                links[f"{op}.{a}"] = Link(w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks,
+                                          w.alpha_hop_s)
+    if not all(f"{op}.intra" in links for op in OPS):
+        return None
+    gpu = cl.gpus_per_node > 0
+    cores = os.cpu_count() or 1
+    over = 0.0 if gpu else max(0.0, tasks_per_node / cores - 1.0)
+    return Hardware(
+        dtype=dtype, matmul_tflops=rate, matmul_source=source, links=links, overlap=gpu,
+        overlap_why=("GPU: NCCL kernels run on their own stream beside compute" if gpu else
+                     "CPU ranks: gloo runs on the same cores as the compute, nothing overlaps"),
+        node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
+        pod_ranks=cl.pod_gpus,
+        optimizer_ns_per_param=cl.optimizer_ns_per_param,
+        bubble_cost=max(0.0, 1.0 - over),
+        bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
+                    f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),
+    )
+
+
+def axis_span(axis: str, shape: dict[str, int], order: tuple[str, ...] = OUR_ORDER) -> int:
+    """Consecutive ranks one group of `axis` spans: its size times the sizes of every axis inner to
+    it in `order` (outermost first). ep is carved out of dp_shard * cp, innermost first (as torchtitan);
+    dp_shard*cp and dp_shard/ep groups span all of dp_shard * cp."""
+    if axis == "ep":
+        return shape.get("ep", 1) * shape.get("tp", 1)
+    base = "dp_shard" if axis.startswith("dp_shard") else axis
+    i = order.index(base)
+    return shape.get(base, 1) * math.prod(shape.get(a, 1) for a in order[i + 1:])
+
+
+def axis_scope(axis: str, shape: dict[str, int], *, node_ranks: int, pod_ranks: int = 0,
+               order: tuple[str, ...] = OUR_ORDER) -> str:
+    """"intra" when one group of `axis` fits in the fast domain, "inter" when it crosses nodes,
+    "inter-pod" when it also crosses pods (only when the profile sets cluster.pod_gpus). `ep_intra` is
+    node-limited routing's forwarding leg inside the node (arith._ep_items): intra by construction."""
+    if axis == "ep_intra":
+        return "intra"
+    span = axis_span(axis, shape, order)
+    if span <= max(node_ranks, 1):
+        return "intra"
+    if pod_ranks and span > pod_ranks:
+        return "inter-pod"
+    return "inter"

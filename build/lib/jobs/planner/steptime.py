@@ -1,0 +1,126 @@
+"""The predicted step time: compute from FLOPs at the achieved matmul rate, communication from an
+alpha-beta model per collective and mesh axis, with the overlap our recipe really has.
+
+What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
+  - FSDP2 prefetches the next block's all-gather while the current block computes; the first
+    gather of a pass and whatever a gather takes beyond one block's compute are exposed. Gradient
+    reduce-scatters (and HSDP's all-reduce) run behind the backward of earlier blocks, the last one
+    exposed. With a pipeline the stage gathers once per step (reshard_after_forward=False) during the
+    first microbatch, and reduces once after the last one.
+  - Tensor-parallel collectives sit between the matmuls that need their result: all exposed.
+  - Pipeline sends are on the critical path of every microbatch; the bubble stretches the stage's
+    time by 1 / (1 - bubble). Context- and expert-parallel exchanges are counted exposed (our
+    recipe does not overlap them).
+  - The step's one world all-reduce (grad norm, loss, stop flag) is exposed.
+  - On CPU ranks (gloo) nothing overlaps: the collectives run on the cores that compute. When more
+    ranks than cores share a machine, a rank idle in the bubble gives its core to another rank: only
+    the share 1 - (ranks / cores - 1) of the bubble is lost (none at twice as many ranks as cores).
+The step tail (gradient-norm pass and AdamW) costs `optimizer_ns_per_param` per local parameter
+element when the profile has it (calibrated; 0 on the published GPU profiles: memory-bound, well
+under a millisecond for the presets' shards).
+
+Pure functions of plain numbers, `ModelConfig` and `Hardware`; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jobs.config import ModelConfig
+from jobs.planner import arith as P
+from jobs.planner.hardware import Hardware, axis_scope
+
+__all__ = ["StepTime", "stage_flops", "predict_rank", "predict_step"]
+
+_EXPOSED_AXES = ("tp", "pp", "cp", "ep")
+
+
+def stage_flops(m: ModelConfig, stages: list[P.StageShape], *, tokens: float, seq_len: int, tp: int,
+                recomputed: list[int]) -> tuple[float, float, float]:
+    """(forward FLOPs of one microbatch of `tokens` tokens, training FLOPs per microbatch, recompute
+    FLOPs per microbatch) of the rank holding `stages`: 2 x active matmul parameters per token (over
+    tp) plus causal attention, 2 * seq_len * width / 2 per token per block; the head on the last stage.
+    Training = 3 x forward; a recomputed block runs its forward once more."""
+    pc = P.count_params(m)
+    width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention == "mla" else 2 * m.dim
+
+    def block(i: int) -> float:
+        b = pc.blocks[i]
+        return tokens * (2.0 * (b.active - b.norms) + 2.0 * seq_len * width / 2.0) / tp
+
+    fwd = sum(block(i) for st in stages for i in st.layers)
+    if any(st.last for st in stages):
+        fwd += tokens * 2.0 * pc.output / tp
+    return fwd, 3.0 * fwd, sum(block(i) for i in recomputed)
+
+
+@dataclass
+class StepTime:
+    """One pp role's predicted step: each part named, in seconds per optimizer step."""
+
+    role: str
+    step_s: float
+    parts: dict[str, float]  # compute_s, recompute_s, comm_exposed_s, bubble_s, dp_exposed_s, optimizer_s
+    comm: list[dict] = field(default_factory=list)  # per collective/axis: scope, seconds, exposed_s, link source
+
+
+def _dp_exposed(seconds: float, calls: int, window: float) -> float:
+    """A chain of `calls` equal collectives, each hidden behind `window` seconds of compute but the first."""
+    if calls <= 0:
+        return 0.0
+    per = seconds / calls
+    return per + (calls - 1) * max(0.0, per - window)
+
+
+def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_mb: float, train_mb: float,
+               microbatches: int, pp: int, units: int) -> tuple[list[dict], float, float]:
+    """Each collective's time and its exposed part; returns (rows, exposed on the stage, exposed after it)."""
+    rows, stage, tail = [], 0.0, 0.0
+    for it in items:
+        scope = axis_scope(it["axis"], shape, node_ranks=hw.node_ranks, pod_ranks=hw.pod_ranks)
+        link = hw.link(it["collective"], scope)
+        secs = link.seconds(calls=it["count"], nbytes=it["bytes"], op=it["collective"], group=it["group"])
+        if not hw.overlap or it["axis"].split("/")[0] in _EXPOSED_AXES:
+            exposed = secs
+        elif it["collective"] == "all_gather":  # prefetched, hidden behind the previous block's compute
+            window = fwd_mb / max(units, 1) if pp > 1 else train_mb * microbatches / max(it["count"], 1)
+            exposed = _dp_exposed(secs, it["count"], window)
+        else:  # reduce-scatter / HSDP all-reduce behind the last microbatch's backward
+            exposed = _dp_exposed(secs, it["count"], (train_mb - fwd_mb) / max(units, 1))
+        on_stage = it["axis"].split("/")[0] in _EXPOSED_AXES
+        stage, tail = stage + (exposed if on_stage else 0.0), tail + (0.0 if on_stage else exposed)
+        rows.append({**it, "scope": scope, "seconds": secs, "exposed_s": exposed, "alpha_s": link.alpha_s,
+                     "bus_GBps": link.bus_GBps, "source": link.source})
+    return rows, stage, tail
+
+
+def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], hw: Hardware, *, role: str,
+                 shape: dict[str, int], microbatches: int, micro_batch: int, seq_len: int, bubble: float,
+                 recomputed: list[int], world: int, params_elems: int = 0) -> StepTime:
+    """The step time of the rank holding `stages`, whose collectives per step are `items`
+    (`arith.CommItem.as_dict()` rows, axis names as the plan prints them)."""
+    tp, cp, pp = shape.get("tp", 1), shape.get("cp", 1), shape.get("pp", 1)
+    tokens = micro_batch * seq_len / cp
+    fwd_mb, train_mb, re_mb = stage_flops(m, stages, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed)
+    rate = hw.matmul_tflops * 1e12
+    compute, recompute = microbatches * train_mb / rate, microbatches * re_mb / rate
+    units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
+    totals = {"collective": "all_reduce", "axis": "world", "what": "grad norm, loss, stop flag (fp64)", "count": 1,
+              "bytes": int(2 * 24 * (world - 1) / max(world, 1)), "group": world}
+    rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_mb=fwd_mb / rate, train_mb=(train_mb + re_mb) / rate,
+                                        microbatches=microbatches, pp=pp, units=units)
+    world_scope = "intra" if world <= hw.node_ranks else "inter"
+    link = hw.link("all_reduce", world_scope)
+    world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
+    rows.append({**totals, "scope": world_scope, "seconds": world_s, "exposed_s": world_s, "alpha_s": link.alpha_s,
+                 "bus_GBps": link.bus_GBps, "source": link.source})
+    busy = compute + recompute + stage_comm
+    bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
+    parts = {"compute_s": compute, "recompute_s": recompute, "comm_exposed_s": stage_comm, "bubble_s": bubble_s,
+             "dp_exposed_s": tail + world_s, "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9}
+    return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)
+
+
+def predict_step(per_role: list[StepTime]) -> StepTime:
+    """The step is as slow as its slowest pipeline role (every rank waits at the world all-reduce)."""
+    return max(per_role, key=lambda s: s.step_s)

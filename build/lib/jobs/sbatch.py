@@ -1,0 +1,176 @@
+"""`python -m jobs.sbatch [--style srun|torchrun] [-o FILE] [overrides]`: a standalone sbatch script for the composed config.
+
+`render()` is the one function that writes a script: its keyword parameters are the whitelist of what
+a script may contain, and every value is shell-quoted. `render_for(cfg)` maps a composed config onto
+those parameters. The layout matches what `launcher=slurm` submits through submitit (one Slurm task
+per rank under srun, USR2 before the time limit, requeue, logs appended); `--style torchrun` runs one
+torchrun agent per node instead. Templates and their README for sysadmins: sbatch/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from jobs import exitcodes
+from jobs.config import JobConfig
+
+__all__ = ["render", "render_for", "main", "STYLES"]
+
+STYLES = ("srun", "torchrun")
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "sbatch"
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _hhmm(minutes: int) -> str:
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def render(
+    *,
+    style: str = "srun",
+    job_name: str,
+    nodes: int,
+    tasks_per_node: int,
+    cpus_per_task: int,
+    time_min: int,
+    signal_delay_s: int,
+    run_dir: str,
+    workdir: str,
+    python: str,
+    overrides: Sequence[str] = (),
+    gpus_per_node: int = 0,
+    partition: str | None = None,
+    account: str | None = None,
+    qos: str | None = None,
+    constraint: str | None = None,
+    exclude: str | None = None,
+    mem_per_node_gb: int | None = None,
+    setup: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    container_image: str | None = None,
+    container_mounts: str | None = None,
+    description: str = "",
+    restarts_in_allocation: int = 3,
+) -> str:
+    """The sbatch script text; `setup` lines are shell by definition and go in verbatim, every other value quoted."""
+    if style not in STYLES:
+        raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
+    template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
+    per_task_cpus = cpus_per_task if style == "srun" else cpus_per_task * tasks_per_node
+    def line(directive: str, comment: str = "") -> str:
+        return f"{directive:<34} # {comment}" if comment else directive
+
+    srun_style = style == "srun"
+    header = [
+        line(f"#SBATCH --job-name={_q(job_name)}"),
+        line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node"),
+        line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
+             "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
+             else "one torchrun agent per node; it starts the ranks"),
+    ]
+    if gpus_per_node:
+        header.append(line(f"#SBATCH --gpus-per-node={gpus_per_node}", "cluster.gpus_per_node"))
+    header.append(line(f"#SBATCH --cpus-per-task={per_task_cpus}",
+                       "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks"))
+    if mem_per_node_gb:
+        header.append(line(f"#SBATCH --mem={mem_per_node_gb}G", "cluster.mem_per_node_gb"))
+    header.append(line(f"#SBATCH --time={_hhmm(time_min)}", "EDIT: wall-time limit (cluster.time_min)"))
+    for flag, value in (("partition", partition), ("account", account), ("qos", qos),
+                        ("constraint", constraint), ("exclude", exclude)):
+        if value:
+            header.append(line(f"#SBATCH --{flag}={_q(value)}", f"EDIT: cluster.{flag}"))
+        elif flag in ("partition", "account"):
+            header.append(line(f"##SBATCH --{flag}=CHANGE_ME", f"EDIT: your {flag} (cluster.{flag})"))
+    batch_log = f"{run_dir}/slurm/%j_batch.out"
+    header += [
+        line("#SBATCH --requeue", "a preempted or requeued job runs again: same job id, same run dir"),
+        line(f"#SBATCH --signal=USR2@{signal_delay_s}",
+             f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)"),
+        line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
+        line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
+        line(f"#SBATCH --error={_q(batch_log)}"),
+    ]
+    env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
+    container = []
+    if container_image:
+        container.append(f"--container-image={_q(container_image)}")
+    if container_mounts:
+        container.append(f"--container-mounts={_q(container_mounts)}")
+    args = " ".join(_q(o) for o in overrides)
+    return template.format(
+        description=description or "meshjob training job",
+        sbatch_header="\n".join(header),
+        setup="\n".join(setup) if setup else "# (none: cluster.setup is empty)",
+        env="\n".join(env_lines),
+        run_dir=_q(run_dir),
+        workdir=_q(workdir),
+        python=_q(python),
+        tasks_per_node=tasks_per_node,
+        restarts_in_allocation=restarts_in_allocation,
+        container=(" ".join(container) + " ") if container else "",
+        overrides=(" " + args) if args else "",
+    )
+
+
+def render_for(cfg: JobConfig, *, overrides: Sequence[str], style: str = "srun", python: str | None = None,
+               workdir: str | None = None) -> str:
+    """`render()` with the parameters taken from the composed config; `overrides` are passed on to every rank."""
+    ln, cl = cfg.launcher, cfg.cluster
+    run_dir = str(Path(cfg.run.dir).resolve())
+    passed = [o for o in overrides if not o.startswith("run.dir=")]
+    mesh = cfg.mesh
+    return render(
+        style=style, job_name=f"meshjob-{cfg.model.name}", nodes=ln.nodes, tasks_per_node=ln.tasks_per_node,
+        cpus_per_task=cl.cpus_per_task, time_min=cl.time_min, signal_delay_s=ln.signal_delay_s,
+        run_dir=run_dir, workdir=workdir or str(Path.cwd()), python=python or sys.executable,
+        overrides=passed, gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account,
+        qos=cl.qos, constraint=cl.constraint, exclude=cl.exclude, mem_per_node_gb=cl.mem_per_node_gb,
+        setup=cl.setup, env=cl.env, container_image=cl.container_image, container_mounts=cl.container_mounts,
+        restarts_in_allocation=cfg.failure.restarts_in_allocation,
+        description=(f"model={cfg.model.name}, mesh pp{mesh.pp}*dp_replicate{mesh.dp_replicate}*"
+                     f"dp_shard{mesh.dp_shard}*tp{mesh.tp}, {cfg.world_size} ranks, cluster={cl.name}"),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.sbatch", description=__doc__.splitlines()[0])
+    parser.add_argument("--style", choices=STYLES, default="srun",
+                        help="srun: one Slurm task per rank (as launcher=slurm); torchrun: one agent per node")
+    parser.add_argument("-o", "--output", help="write the script here (and create RUN_DIR/slurm) instead of stdout")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m jobs.train")
+    args = parser.parse_args(argv)
+    from jobs.cli import compose_or_report
+    from jobs.launch.slurm import check_slurm_config
+    from jobs.validate import validate
+
+    overrides = list(args.overrides)
+    cfg = compose_or_report(overrides)
+    if cfg is None:
+        return exitcodes.CONFIG_ERROR
+    try:
+        validate(cfg)
+        check_slurm_config(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    # Pin run.dir: `${now:...}` would otherwise resolve differently on every rank.
+    run_dir = str(Path(cfg.run.dir).resolve())
+    text = render_for(cfg, overrides=overrides, style=args.style)
+    if args.output:
+        (Path(run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output dirs
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} (run dir {run_dir}); submit with: sbatch {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return exitcodes.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

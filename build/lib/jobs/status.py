@@ -1,0 +1,63 @@
+"""`python -m jobs.status RUN_DIR`: every attempt of a live or finished run, and what Slurm says of its jobs.
+
+Reads only the run dir (`events.jsonl`, `incidents/`) and, when `sacct` is on PATH, the accounting
+records of the run's Slurm jobs (`sacct --duplicates`: one line per attempt, requeues included).
+Exit code 0; 2 when RUN_DIR has no ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from jobs import exitcodes
+from jobs.events import read_events
+from jobs.failure.ledger import attempts, render_summary
+from jobs.launch.slurm_state import sacct_attempts
+
+__all__ = ["main", "status_text"]
+
+
+def status_text(run_dir: Path) -> str:
+    """The summary `jobs.status` prints: the attempts table, the newest incident, the Slurm records."""
+    events = read_events(run_dir / "events.jsonl")
+    rows = attempts(events)
+    lines = [f"run {run_dir}", render_summary(events)]
+    decisions = [e for e in events if e.get("kind") == "decision"]
+    if decisions:
+        d = decisions[-1]
+        lines.append(f"last decision: {d.get('action')} ({d.get('reason')}); exit code {d.get('exit_code')}")
+    incidents = sorted((run_dir / "incidents").glob("*/incident.json"), key=lambda p: p.stat().st_mtime)
+    if incidents:
+        inc = json.loads(incidents[-1].read_text())
+        lines.append(f"newest incident ({incidents[-1].parent.name}): {inc['cls']}: {inc['summary']}")
+    jobs = list(dict.fromkeys(a.job_id for a in rows if a.job_id))
+    for job in jobs:
+        recs = sacct_attempts(job)
+        if recs:
+            lines.append(f"slurm job {job} (sacct --duplicates):")
+            lines += [f"  {r}" for r in _fmt_sacct(recs)]
+    return "\n".join(lines)
+
+
+def _fmt_sacct(recs: list[dict]) -> list[str]:
+    keys = [k for k in ("JobID", "State", "ExitCode", "Restarts", "NodeList", "Start", "End") if k in recs[0]]
+    return ["  ".join(f"{k}={r.get(k)}" for k in keys) for r in recs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python -m jobs.status RUN_DIR", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    run_dir = Path(argv[0])
+    if not (run_dir / "events.jsonl").exists():
+        print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    print(status_text(run_dir))
+    return exitcodes.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

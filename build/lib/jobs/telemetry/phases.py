@@ -1,0 +1,210 @@
+"""Per-rank phase timing: seconds per step in data, forward, backward (or pp_step), collective, optimizer
+and checkpoint, appended by each rank to its own `RUN_DIR/telemetry/rank<r>.h5`.
+
+The file (read by `jobs.telemetry.run_report.read_phases`): one chunked, resizable 1-D float64 dataset
+per phase (seconds in that phase during the step; 0 when the step had none, e.g. `checkpoint`), and
+`step` (int), `attempt` (int, an index into the file attribute `attempts`, a JSON list of attempt
+names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end);
+on a CPU rank, the 2-D dataset `cpu` (rows x phases, its attribute `phases` names the columns) holds
+the same phases in CPU seconds (what the straggler checks judge).
+
+Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
+resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
+keeps it true): a file closed between flushes is readable by anyone at any time and intact after a
+kill -9 (even one during a flush keeps the last completed flush). SWMR (`libver="latest"` +
+`swmr_mode`) was tried and rejected: after a kill -9 the file refuses every non-SWMR reader and any
+writer ("file is already open for write, use h5clear"), so a restarted attempt could not append.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["PHASES", "PhaseTimer", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
+           "in_step_order", "META"]
+
+PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
+META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not phases
+
+# TEST-ONLY fault injection (like tests/chaos): "<rank|all>:<phase>:<factor>" makes the phase timer spin
+# (burn CPU, as a slower chip would compute longer) for (factor - 1) x the phase's measured CPU time at
+# the end of that phase, so the phase costs factor x as much. CPU ranks only. Read once when the timer
+# is built; never set it in a real run.
+SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
+
+
+@dataclass(frozen=True, slots=True)
+class SlowPhase:
+    """The test-only slowdown of one phase on one rank (or all ranks)."""
+
+    rank: int | None  # None = every rank
+    phase: str
+    factor: float
+
+
+def slow_phase_from_env(rank: int, environ: dict[str, str] | None = None) -> SlowPhase | None:
+    """The MESHJOB_TEST_SLOW_PHASE slowdown that applies to `rank`, or None."""
+    spec = (os.environ if environ is None else environ).get(SLOW_PHASE_VAR, "")
+    if not spec:
+        return None
+    who, phase, factor = spec.split(":")
+    if phase not in PHASES:
+        raise ValueError(f"{SLOW_PHASE_VAR}={spec!r}: phase {phase!r} is not one of {', '.join(PHASES)}")
+    target = None if who == "all" else int(who)
+    return SlowPhase(target, phase, float(factor)) if target in (None, rank) else None
+
+
+def in_step_order(phases: dict[int, dict[str, float]]) -> list[str]:
+    """The phase names found in `phases` (rank -> phase -> seconds), in PHASES order, then others by name."""
+    names = sorted({n for p in phases.values() for n in p})
+    return sorted(names, key=lambda n: (PHASES.index(n) if n in PHASES else len(PHASES), n))
+
+
+def phase_names(*, pp: bool) -> tuple[str, ...]:
+    """The phases a step has: the pipeline schedule's step is one phase (its forward and backward interleave)."""
+    return tuple(p for p in PHASES if (p == "pp_step") == pp or p not in ("forward", "backward", "pp_step"))
+
+
+class PhaseTimer:
+    """Times the phases of each step on this rank; `with timer.phase("forward"): ...` adds to the step's row.
+
+    On CPU a phase is `time.perf_counter()` around it (the work is done when the call returns): that
+    wall time goes to the file. The straggler checks get the phase's CPU time instead (`process_time`,
+    all of the rank's threads): a rank waiting in a gloo collective sleeps, so its wait for a slower
+    peer costs no CPU and does not make it look slow, and a busy machine's neighbours do not count (on
+    the loaded 2-core CI machine the wall time of one phase varied 2x between intervals of a healthy
+    run, tests/multiproc/test_stragglers.py). On CUDA
+    the kernels are only queued when the call returns, so a host clock would time the launch, not the
+    work, and a `torch.cuda.synchronize()` per phase would stall the queue (and cost more than the 3%
+    budget). Instead a pair of CUDA events is recorded on the current stream around each phase and read
+    (`elapsed_time`, after `synchronize()` on its end event) only at the log interval, when the rows are
+    flushed and judged: by then the stream has long passed those events (the trainer's loss/grad-norm
+    all-reduce waits for the stream with `float()` every step), so reading them adds no stall. An
+    event pair measures stream time between the two points: the phase's kernels, plus any gap where
+    the stream waited for the host or another stream (an NCCL wait shows up where it happens).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, rank: int, attempt: str, pp: bool,
+                 device_type: str = "cpu", enabled: bool = True, slow: SlowPhase | None = None) -> None:
+        self.path = Path(run_dir) / "telemetry" / f"rank{rank}.h5"
+        self.attempt, self.enabled, self.slow = attempt, enabled, slow
+        self.names = phase_names(pp=pp)
+        self.cuda = device_type == "cuda"
+        self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
+        self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks): what stragglers judge
+        self._events: list[tuple[str, object, object]] = []  # this step's CUDA (phase, start, end)
+        self._pending: list[tuple[list[float], list[tuple[str, object, object]]]] = []  # rows whose events are unread
+        self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
+        self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
+        self._flushed_at = -float("inf")  # time.monotonic() of the last flush
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        assert name in self._row, (name, self.names)
+        if self.cuda:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+            return
+        t0, c0 = time.perf_counter(), time.process_time()
+        yield
+        if self.slow is not None and self.slow.phase == name:  # test-only (MESHJOB_TEST_SLOW_PHASE)
+            until = time.process_time() + (self.slow.factor - 1.0) * (time.process_time() - c0)
+            while time.process_time() < until:
+                pass
+        self._row[name] += time.perf_counter() - t0
+        self._cpu[name] += time.process_time() - c0
+
+    def end_step(self, step: int) -> None:
+        """Closes the step's row (phases it did not enter stay 0)."""
+        if not self.enabled:
+            return
+        row, cpu = [self._row[n] for n in self.names], [self._cpu[n] for n in self.names]
+        if self._events:
+            self._pending.append((row, self._events))
+            self._events = []
+        self._rows.append((step, time.time(), row, cpu))
+        self.interval.append(row if self.cuda else cpu)
+        self._row, self._cpu = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0)
+
+    def drop_step(self) -> None:
+        """Forgets the open step's row (a step rolled back by the training-health check is not a step)."""
+        self._row, self._cpu, self._events = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0), []
+
+    @property
+    def clock(self) -> str:
+        """What the straggler checks compare: CUDA event time, or CPU time on a CPU rank."""
+        return "cuda" if self.cuda else "cpu"
+
+    def _read_events(self) -> None:
+        """Adds the CUDA events' times to their rows (the rows are shared with `interval`)."""
+        for row, events in self._pending:
+            for name, start, end in events:
+                end.synchronize()
+                row[self.names.index(name)] += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+
+    def take_interval(self) -> np.ndarray:
+        """Median seconds per step of each phase (`clock`) over the steps since the last call (NaN when none)."""
+        self._read_events()
+        rows, self.interval = self.interval, []
+        return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
+
+    def flush(self, *, min_interval_s: float = 0.0) -> None:
+        """Appends the buffered rows to this rank's file (open, append, close: see the module docstring);
+        with `min_interval_s`, only when that long has passed since the last flush (one costs 4-6 ms of CPU)."""
+        if not self.enabled or not self._rows:
+            return
+        if min_interval_s > 0 and time.monotonic() - self._flushed_at < min_interval_s:
+            return
+        self._flushed_at = time.monotonic()
+        import h5py
+
+        self._read_events()
+        rows, self._rows = self._rows, []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(self.path, "a") as f:
+            attempts = json.loads(f.attrs.get("attempts", "[]"))
+            if self.attempt not in attempts:
+                attempts.append(self.attempt)
+                f.attrs["attempts"] = json.dumps(attempts)
+            cols = {"step": [r[0] for r in rows], "time": [r[1] for r in rows],
+                    "attempt": [attempts.index(self.attempt)] * len(rows)}
+            cols.update({n: [r[2][i] for r in rows] for i, n in enumerate(self.names)})
+            if not self.cuda and ("cpu" not in f or json.loads(f["cpu"].attrs["phases"]) == list(self.names)):
+                cols["cpu"] = [r[3] for r in rows]  # (another mesh's columns: left NaN for this attempt)
+            _append(f, cols)
+            if "cpu" in cols and "phases" not in f["cpu"].attrs:
+                f["cpu"].attrs["phases"] = json.dumps(self.names)
+
+
+def _append(f, cols: dict[str, list]) -> None:
+    """Appends equal-length columns (`cpu` is 2-D: rows x phases); a dataset this attempt does not
+    write (a phase of another mesh) is padded with NaN, and a new one starts with NaN for the rows before it."""
+    have = {name: f[name] for name in f}  # each dataset looked up once (h5py's lookups are the cost)
+    old = have["step"].shape[0] if "step" in have else 0
+    n = len(cols["step"])
+    for name in have.keys() | cols.keys():
+        ds = have.get(name)
+        if ds is None:
+            dtype = "i8" if name in ("step", "attempt") else "f8"
+            width = (len(cols[name][0]),) if name == "cpu" else ()
+            ds = f.create_dataset(name, shape=(old, *width), maxshape=(None, *width), chunks=(1024, *width),
+                                  dtype=dtype, fillvalue=-1 if dtype == "i8" else np.nan)
+        ds.resize(old + n, axis=0)
+        ds[old:] = cols[name] if name in cols else np.nan

@@ -1,0 +1,198 @@
+"""What `python -m jobs.report` shows of a run directory: its text tables, its plots, one HTML page.
+
+Reads only the run dir, so it works on a run that is still going: `events.jsonl`, `metrics.jsonl`
+(a torn last line is skipped), and `telemetry/rank<r>.h5` when per-rank phase timing exists: one
+HDF5 file per rank, one 1-D float dataset of seconds per step for each phase name (`data`,
+`forward`, ...); `step`, `attempt` and `time` datasets, if present, are not phases (the writer is
+jobs/telemetry/phases.py). Without
+`telemetry/` the phase table and heatmap are left out. Torch-free.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from jobs.events import read_events
+from jobs.failure.ledger import Attempt, attempts, render_summary
+from jobs.telemetry.goodput import KINDS, Goodput, measure_goodput
+from jobs.telemetry.phases import META, in_step_order
+
+__all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "straggler_table",
+           "render_text", "write_report"]
+
+# What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
+_MEANS = {
+    "productive": "steps the run kept",
+    "startup": "attempt start -> first step (rendezvous, build, load)",
+    "checkpoint_stall": "training blocked by saves (blocking_s)",
+    "lost_work": "steps trained again after a failure",
+    "restart_gap": "between attempts, outside the queue",
+    "queue_wait": "Slurm Submit -> Start (sacct)",
+    "other": "logging, failure detection, teardown",
+}
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    events: list[dict]
+    metrics: list[dict]
+    attempts: list[Attempt]
+    goodput: Goodput
+    phases: dict[int, dict[str, float]]  # rank -> phase -> median seconds per step; {} without telemetry
+    running: bool  # the newest attempt has no end yet
+    sacct: bool  # queue wait came from sacct
+    evals: list[dict] = field(default_factory=list)  # metrics.jsonl's {"record": "eval"} lines (held-out loss)
+
+
+def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
+            expected: float | None = None) -> RunData:
+    """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
+    Slurm records (with Submit and Start), None when sacct is not available."""
+    events = read_events(run_dir / "events.jsonl")
+    rows_all = read_events(run_dir / "metrics.jsonl")
+    metrics = [m for m in rows_all if "step" in m and m.get("record") != "eval"]  # step lines; evals apart
+    evals = [m for m in rows_all if m.get("record") == "eval"]
+    rows = attempts(events)
+    g = measure_goodput(events, metrics, now=time.time() if now is None else now,
+                        queue=queue_waits(sacct_records or []), expected=expected)
+    return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
+                   running=bool(rows) and rows[-1].end is None, sacct=sacct_records is not None, evals=evals)
+
+
+def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
+    """(Submit, Start) of each sacct record that has started, as epoch seconds (sacct prints local time)."""
+    out = []
+    for r in records:
+        try:
+            out.append((datetime.fromisoformat(r["Submit"]).timestamp(), datetime.fromisoformat(r["Start"]).timestamp()))
+        except (KeyError, ValueError):  # "Unknown" / "None" while pending
+            continue
+    return out
+
+
+
+
+def read_phases(folder: Path) -> dict[int, dict[str, float]]:
+    """Median seconds per step of each phase of each rank, from `folder/rank<r>.h5`; a file being
+    written or damaged is skipped. {} when the folder does not exist."""
+    files = sorted(folder.glob("rank*.h5")) if folder.is_dir() else []
+    if not files:
+        return {}
+    import h5py
+
+    out = {}
+    for path in files:
+        m = re.fullmatch(r"rank(\d+)\.h5", path.name)
+        if not m:
+            continue
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                out[int(m[1])] = {name: float(statistics.median(vals)) for name, ds in f.items()
+                                  if name not in META and getattr(ds, "ndim", 0) == 1
+                                  and (vals := [v for v in ds[()] if v == v])}  # NaN: a row without that phase
+        except OSError:
+            continue
+    return dict(sorted(out.items()))
+
+
+def goodput_table(g: Goodput, *, sacct: bool) -> str:
+    """The breakdown of the wall time by kind, then measured vs expected goodput, MTBF and MTTR."""
+    lines = [f"goodput: {g.goodput:.4f} measured"
+             + (f", {g.expected:.4f} expected by jobs.plan before submit" if g.expected is not None else
+                ", expected: n/a (jobs.plan could not plan config.yaml)"),
+             f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
+             ]
+    for k in KINDS:
+        s = g.seconds[k]
+        note = _MEANS[k] if k != "queue_wait" or sacct else "n/a: sacct not available"
+        lines.append(f"  {k:<17} {s:>10.1f} {s / g.wall_s if g.wall_s else 0:>7.1%}  {note}")
+    lines.append(f"  {'wall':<17} {g.wall_s:>10.1f} {1:>7.1%}  first submit/start -> last end (or now)")
+    lines.append(f"  allocated {g.allocated_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
+                 f"attempt(s); steps kept {g.steps_productive}, redone {g.steps_lost}")
+    mtbf = f"{g.mtbf_s:.1f} s" if g.mtbf_s is not None else "n/a (no failure)"
+    mttr = f"{g.mttr_s:.1f} s" if g.mttr_s is not None else "n/a (no recovery)"
+    lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr}")
+    return "\n".join(lines)
+
+
+def phase_table(phases: dict[int, dict[str, float]]) -> str:
+    """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median."""
+    names = in_step_order(phases)
+    lines = ["phases (median ms per step):", "  " + f"{'rank':>4} " + " ".join(f"{n:>12}" for n in names)]
+    for r, p in phases.items():
+        lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
+    ratio = []
+    for n in names:
+        vals = [p[n] for p in phases.values() if n in p]
+        med = statistics.median(vals)
+        ratio.append(f"{max(vals) / med:>12.2f}" if med > 0 else f"{'-':>12}")
+    lines.append("  " + f"{'max/median':>4} " + " ".join(ratio))
+    return "\n".join(lines)
+
+
+def render_text(d: RunData) -> str:
+    """The report's text: the run's state, the attempts and their causes, goodput, phases."""
+    last = d.metrics[-1] if d.metrics else {}
+    steps = next((e.get("steps") for e in reversed(d.events) if e.get("kind") == "train_start"), None)
+    head = (f"run {d.run_dir}: {'running' if d.running else 'ended'}; step {last.get('step', 0)} of {steps or '?'}"
+            + (f", loss {last['loss']:.4f}" if "loss" in last else "")
+            + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
+               f"{d.evals[-1]['step']}" if d.evals else ""))
+    parts = [head, render_summary(d.events), _causes(d.attempts), goodput_table(d.goodput, sacct=d.sacct)]
+    parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
+    parts.append(straggler_table(d.events))
+    return "\n\n".join(parts)
+
+
+def straggler_table(events: list[dict]) -> str:
+    """The run's `straggler` events: when, which check, phase, ranks and nodes, how much slower than what
+    (ms per step on the detector's clock: CPU time on CPU ranks, CUDA event time on GPUs)."""
+    found = [e for e in events if e.get("kind") == "straggler"]
+    if not found:
+        return "stragglers: none found"
+    lines = [f"stragglers: {len(found)}", f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
+             f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<5}  nodes"]
+    for e in found:
+        ranks = e["ranks"] if isinstance(e.get("ranks"), str) else ",".join(map(str, e.get("ranks", [])))
+        lines.append(f"  {e.get('attempt', ''):<12} {e.get('step', 0):>5} {e.get('check', ''):<9} {e.get('phase', ''):<10} "
+                     f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
+                     f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<5}  {','.join(e.get('nodes', []))}")
+    return "\n".join(lines)
+
+
+def _causes(rows: list[Attempt]) -> str:
+    counts = Counter(f"{a.cause or 'running'} -> {a.action or '-'}" for a in rows)
+    return "attempt ends: " + ", ".join(f"{k} x{n}" for k, n in counts.items())
+
+
+def write_report(d: RunData, out: Path) -> list[Path]:
+    """Writes the plots (PNG) and `report.html` into `out`; returns what it wrote."""
+    from jobs.telemetry import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png"),
+               plots.goodput_plot(d.goodput, out / "goodput.png")]
+    if d.phases:
+        written.append(plots.phase_heatmap(d.phases, out / "phases.png"))
+    page = out / "report.html"
+    page.write_text(_html(d, [p.name for p in written]))
+    return [*written, page]
+
+
+def _html(d: RunData, images: list[str]) -> str:
+    figs = "\n".join(f'<figure><img src="{n}" alt="{n}"></figure>' for n in images)
+    title = html.escape(f"meshjob report: {d.run_dir}")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            "<style>body{font-family:sans-serif;margin:2em} pre{background:#f6f6f6;padding:1em;overflow-x:auto}"
+            " img{max-width:100%}</style></head>\n"
+            f"<body><h1>{title}</h1><p>written {stamp}{' while the run was going' if d.running else ''}</p>\n"
+            f"<pre>{html.escape(render_text(d))}</pre>\n{figs}\n</body></html>\n")

@@ -1,0 +1,125 @@
+"""ParallelDims: the parallelism degrees, their validation, and the one place the DeviceMesh is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
+
+__all__ = ["ParallelDims", "MESH_AXES"]
+
+# The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
+# inside a node (tp last: its collectives run every layer and need the fastest links). cp and ep
+# are named here so the vocabulary is fixed, but are refused (> 1) until they are built.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each mesh axis for a world of `world_size` ranks.
+
+    The mesh is row-major over MESH_AXES: rank = ((((pp·R + r)·S + s)·C + c)·T + t), so tp groups are
+    adjacent ranks (one node's NVLink domain) and pp groups are the farthest apart. Derived meshes:
+    `dp` = dp_replicate * dp_shard slices of the global batch (see `dp_rank`); FSDP2 shards over
+    `dp_shard` and replicates over `dp_replicate` (HSDP).
+    """
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, mesh: MeshConfig, *, world_size: int, world_size_expr: str = "",
+                    training: bool = True) -> "ParallelDims":
+        """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
+
+        `training=False` (the planner) accepts mesh.cp > 1 and mesh.ep > 1, which training refuses."""
+        where = f" ({world_size_expr})" if world_size_expr else ""
+        for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
+            v = getattr(mesh, axis)
+            if v < 1:
+                raise ValueError(f"mesh.{axis}({v}) must be >= 1")
+        if mesh.dp_shard < 1 and mesh.dp_shard != -1:
+            raise ValueError(f"mesh.dp_shard({mesh.dp_shard}) must be >= 1, or -1 for the ranks left over")
+        if training and mesh.cp > 1:
+            raise ValueError(
+                f"mesh.cp({mesh.cp}) > 1: context parallel is not built yet (torch's ring attention needs "
+                "CUDA SDPA kernels); set mesh.cp=1"
+            )
+        if training and mesh.ep > 1:
+            raise ValueError(f"mesh.ep({mesh.ep}) > 1: expert parallel is not built yet; set mesh.ep=1")
+        others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
+        dp_shard = mesh.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"mesh.dp_shard=-1 cannot be inferred: world size {world_size}{where} is not divisible by "
+                    f"mesh.pp({mesh.pp}) * mesh.dp_replicate({mesh.dp_replicate}) * mesh.cp({mesh.cp}) * "
+                    f"mesh.tp({mesh.tp}) = {others}; change those degrees or the world size"
+                )
+            dp_shard = world_size // others
+        product = others * dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"mesh.pp({mesh.pp}) * mesh.dp_replicate({mesh.dp_replicate}) * mesh.dp_shard({dp_shard}) * "
+                f"mesh.cp({mesh.cp}) * mesh.tp({mesh.tp}) = {product} != world size {world_size}{where}; "
+                "make the product equal the world size (mesh.dp_shard=-1 fills the rest)"
+            )
+        if mesh.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"mesh.pp_schedule={mesh.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.cp, mesh.tp, mesh.ep, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different slices of the global batch are in flight."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def describe(self) -> str:
+        return " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """Builds the world DeviceMesh with every axis named (size-1 axes included)."""
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+
+    @staticmethod
+    def dp_rank(mesh: DeviceMesh) -> int:
+        """This rank's index among the dp = dp_replicate * dp_shard slices of the global batch."""
+        return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def stages_per_rank(mesh: MeshConfig) -> int:
+    """Virtual pipeline stages per pp rank: 1 for single-stage schedules, 2 by default for multi-stage ones."""
+    if mesh.pp_stages_per_rank != -1:
+        return mesh.pp_stages_per_rank
+    return 2 if mesh.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,71 @@
+"""`parallelize()`: the ordered recipe that turns one meta-device model into this rank's model parts."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.ac import apply_ac
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp
+from parallel.compile import apply_compile
+from parallel.pipeline import layer_ranges, split_stage, stage_ids
+from parallel.precision import apply_autocast, fsdp_policy
+from parallel.tp import apply_tp
+
+__all__ = ["parallelize"]
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    stages_per_rank: int,
+    pp_schedule: str,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    fsdp_per_block: bool = True,
+    activation_checkpointing: str = "none",
+    ac_every: int = 2,
+    pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
+    compile: bool = False,
+    mixed_precision: str = "fp32",
+) -> tuple[list[nn.Module], list[int]]:
+    """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
+
+    The order is fixed, for these reasons:
+      1. pipeline split first, so no rank builds or shards layers it does not own
+         (`pp_layers_per_stage` blocks per stage; None = balanced by cost);
+      2. tensor parallel next: it turns parameters into DTensors on the tp axis;
+      3. activation checkpointing (`parallel.ac`) after TP, so a recomputed block replays its TP
+         collectives, and before FSDP2, so FSDP's hooks wrap the checkpointed block (as torchtitan);
+      4. torch.compile per block (`compile`), after TP and AC, before FSDP (torchtitan's order):
+         FSDP2 then wraps compiled blocks (no graph breaks or recompiles measured on CPU), and the
+         blocks share one compiled graph;
+      5. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
+         FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
+         `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
+         (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
+    Model code never changes; every step works on a meta-device model (no memory is touched).
+    """
+    if dims.pp > 1:
+        num_stages = dims.pp * stages_per_rank
+        stages = stage_ids(mesh["pp"].get_local_rank(), dims.pp, stages_per_rank, pp_schedule)
+        ranges = layer_ranges(len(model.layers), num_stages, layers_per_stage=pp_layers_per_stage)
+        parts = [split_stage(model, s, ranges) for s in stages]
+    else:
+        stages, parts = [0], [model]
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        apply_ac(part, mode=activation_checkpointing, every=ac_every)
+        if compile:
+            apply_compile(part)
+        if dims.fsdp_enabled:
+            dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
+            apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
+                       mp_policy=fsdp_policy(mixed_precision))
+        elif mixed_precision == "bf16":
+            apply_autocast(part, device_type=mesh.device_type)
+    return parts, stages
