@@ -285,7 +285,7 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     """The ranked table (first `rows`), the config's own rank, and the rejections grouped by reason."""
     L = [f"search: {r.enumerated} shapes for {r.world_size} ranks, {r.planned} planned (analytic, no fake backend), "
          f"{len(r.ranked)} feasible, in {r.seconds:.1f} s",
-         "  ranked by predicted tokens/s (step = compute + recompute + bubble + unoverlapped comm)",
+         "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails)",
          "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput"]
     shown = [(i, c) for i, c in enumerate(r.ranked) if i < rows or c.own]
     for i, c in shown:
