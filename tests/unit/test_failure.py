@@ -373,7 +373,8 @@ def test_after_progress_the_watchdog_uses_the_hang_timeout(tmp_path: Path) -> No
     finally:
         wd.stop()
     assert len(fired) == 1, fired
-    assert 1.0 < fired[0] <= 1.0 + 2 * 0.1 + SLACK_S
+    # twice the slack here (CI once fired 0.03 s past one): using the init limit instead fires before 1.0
+    assert 1.0 < fired[0] <= 1.0 + 2 * 0.1 + 2 * SLACK_S
 
 
 def test_the_watchdog_writes_a_beat_that_read_beats_returns(tmp_path: Path) -> None:

@@ -1,1 +1,0 @@
-"""Staying up: signals, the watchdog and heartbeats, incident classification, the requeue budget."""
