@@ -178,6 +178,12 @@ class Trainer:
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
+        self._build_observers(cfg, env, events)
+        set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
+
+    def _build_observers(self, cfg: JobConfig, env: DistEnv, events: EventLog) -> None:
+        """Per-rank phase timing and stragglers (jobs/telemetry), and TensorBoard on rank 0 when asked for."""
+        dims = self.derived.dims
         self.telemetry = build_step_telemetry(cfg, env, events=events, pp=dims.pp_enabled, mesh=dims.describe(),
                                               device=self.device, mixed_precision=self.mixed_precision,
                                               pp_rank=self.mesh["pp"].get_local_rank() if dims.pp_enabled else 0)
@@ -187,7 +193,6 @@ class Trainer:
             from jobs.telemetry.tensorboard import ScalarLog
 
             self.tensorboard = ScalarLog(cfg.run.dir)
-        set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
 
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
