@@ -10,9 +10,9 @@
   excess, split over the peer's phases, so in each interval only the rank with the largest excess
   (seconds over its peers' median) counts; a second, lesser straggler is named once the first is gone.
 - absolute: the median over ranks of a phase against a baseline of the same model, mesh, batch and
-  cluster profile, kept from an earlier healthy run (a JSON file under `failure.straggler_baseline_root`,
-  written at the end of a run that finished without a straggler or failure event): catches a slowdown
-  that hits every rank at once, which no peer comparison can see.
+  cluster profile, kept from earlier healthy runs (a JSON file under `failure.straggler_baseline_root`:
+  per phase the median of the last BASELINE_RUNS runs that finished without a straggler or failure
+  event): catches a slowdown that hits every rank at once, which no peer comparison can see.
 
 The times compared are `PhaseTimer.clock`'s: CUDA event time on a GPU, CPU time on a CPU rank (a
 rank waiting for its peers in gloo sleeps; see jobs/telemetry/phases.py). Each detection is a `straggler` event (`check` = relative | absolute); with
@@ -116,12 +116,29 @@ def read_baseline(path: Path) -> dict[str, float] | None:
         return None
 
 
-def write_baseline(path: Path, phases_s: dict[str, float], **about) -> None:
-    """Writes the baseline atomically (temp file + rename): a reader sees the old file or the new one."""
+BASELINE_RUNS = 5  # healthy runs a baseline keeps; its figure per phase is their median
+
+
+def write_baseline(path: Path, phases_s: dict[str, float], **about) -> dict[str, float]:
+    """Adds a healthy run's phase medians to the baseline at `path` and returns the new baseline: per
+    phase, the median of the last BASELINE_RUNS healthy runs (`runs` in the file). One run never
+    replaces the figure outright: a run a little slower than the baseline but not judged slow (under
+    `straggler_ratio`, or fewer than K intervals) would otherwise become the new reference, and a
+    slowdown creeping in a few percent per run would never be caught; a single lucky fast run would
+    make every later run look slow. Written atomically (temp file + rename): a reader sees the old
+    file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = json.loads(path.read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        runs = []
+    runs = [*runs, {"phases_s": phases_s, **about}][-BASELINE_RUNS:]
+    names = sorted({n for r in runs for n in r["phases_s"]})
+    merged = {n: float(np.median([r["phases_s"][n] for r in runs if n in r["phases_s"]])) for n in names}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"phases_s": phases_s, **about}, indent=1))
+    tmp.write_text(json.dumps({"phases_s": merged, **about, "runs": runs}, indent=1))
     os.replace(tmp, path)
+    return merged
 
 
 class StepTelemetry:

@@ -95,6 +95,21 @@ def test_baseline_round_trips_atomically_and_its_key_separates_shapes(tmp_path: 
     assert other != path.name and other.startswith("tiny_dp_shard2_local_")
 
 
+def test_the_baseline_is_the_median_of_the_last_healthy_runs_so_one_slower_run_does_not_become_it(tmp_path: Path) -> None:
+    path = tmp_path / "base.json"
+    for fwd in (0.100, 0.102, 0.098):
+        write_baseline(path, {"forward": fwd, "backward": 0.2}, run_dir=f"r{fwd}")
+    # a run 15% slower that no check judged (fewer than K intervals over the ratio) is recorded, but the
+    # reference moves only to the median of the four (0.101), not to 0.115
+    assert write_baseline(path, {"forward": 0.115, "backward": 0.2}, run_dir="slow") == pytest.approx(
+        {"forward": 0.101, "backward": 0.2})
+    assert read_baseline(path) == pytest.approx({"forward": 0.101, "backward": 0.2})
+    for _ in range(5):  # only the last BASELINE_RUNS runs count: a lasting change is followed
+        write_baseline(path, {"forward": 0.130, "backward": 0.2})
+    data = json.loads(path.read_text())
+    assert data["phases_s"]["forward"] == pytest.approx(0.130) and len(data["runs"]) == 5
+
+
 def test_slow_phase_knob_applies_to_its_rank_or_all() -> None:
     env = {"MESHJOB_TEST_SLOW_PHASE": "1:backward:1.3"}
     assert slow_phase_from_env(0, env) is None
