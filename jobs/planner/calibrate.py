@@ -32,6 +32,7 @@ from jobs.planner.steptime import stage_flops
 __all__ = ["calibrate", "COLLECTIVE_SIZES", "sent_bytes"]
 
 COLLECTIVE_SIZES = (1024, 256 * 1024, 2 * 1024 * 1024)  # bytes of the full buffer per call
+PP_PROBE_MICROBATCHES = 4  # microbatches of the pipeline probe's 1F1B step
 
 
 def sent_bytes(op: str, size: int, n: int) -> float:
@@ -100,6 +101,112 @@ def _optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> fl
 
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     return _timed_together(step, seconds=seconds, sync=sync, device=device) / max(local, 1) * 1e9
+
+
+def _paired_together(a, b, *, seconds: float, sync) -> float:
+    """Median over repeats of (seconds of `b` - seconds of `a`), run back to back in each repeat and
+    every rank at once (a barrier before each pair): the machine's speed, which moves from second to
+    second on a shared box, is the same for both halves of a pair."""
+    import torch.distributed as dist
+
+    for fn in (a, b, a, b):
+        fn(), sync()
+    t0 = time.perf_counter()
+    a(), b(), sync()
+    reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 200))
+    reps = _agreed(reps, op="min")
+    diffs = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        a(), sync()
+        t1 = time.perf_counter()
+        b(), sync()
+        diffs.append((time.perf_counter() - t1) - (t1 - t0))
+    return statistics.median(diffs)
+
+
+def _agreed(value: int, *, op: str) -> int:
+    """The same repeat count on every rank (each makes that many collective calls)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _fsdp_unit_host_s(cfg: JobConfig, *, device, seconds: float, sync) -> float:
+    """Host seconds of one FSDP2 unit per microbatch beyond its collectives: the model's forward +
+    backward under fully_shard (per block and at the root, as parallel/fsdp.py) minus the plain
+    model's, over its units. Each rank shards over a group of its own, so the gathers and reductions
+    move no bytes to anyone: what is left is the hooks and the copies into and out of the buffers."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from jobs.model import Transformer
+    from parallel.fsdp import apply_fsdp
+
+    m, t = cfg.model, cfg.train
+    own, _ = dist.new_subgroups(group_size=1)
+    plain = Transformer(m).to(device)
+    sharded = copy.deepcopy(plain)
+    apply_fsdp(sharded, DeviceMesh.from_group(own, device.type, mesh_dim_names=("dp_shard",)), reshard_after_forward=True)
+    x = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len), device=device)
+
+    def step(model):
+        return lambda: F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+    extra = _paired_together(step(plain), step(sharded), seconds=seconds, sync=sync)
+    return max(0.0, extra) / (m.n_layers + 1)
+
+
+def _pp_action_seconds(cfg: JobConfig, *, n: int, rank: int, device, seconds: float, sync) -> float | None:
+    """Seconds of one 1F1B step of a two-stage pipeline whose stages are one small linear layer each
+    (pairs of ranks 0-1, 2-3, ...; an odd last rank only joins the barriers, and returns None): almost
+    all of it is the schedule's host work and its sends, taken apart by the caller. PP_PROBE_MICROBATCHES
+    microbatches of the model's activation shape."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    m, t = cfg.model, cfg.train
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
+    if rank // 2 >= len(pairs):
+        for _ in range(_agreed(0, op="max")):
+            dist.barrier()
+        return None
+    me, layer = rank % 2, torch.nn.Linear(m.dim, m.dim).to(device)
+    stage = PipelineStage(layer, me, 2, device, group=pairs[rank // 2])
+    sched = Schedule1F1B(stage, n_microbatches=PP_PROBE_MICROBATCHES, loss_fn=lambda out, _: out.float().pow(2).mean())
+    x = torch.randn(PP_PROBE_MICROBATCHES * t.micro_batch, t.seq_len, m.dim, device=device)
+    step = (lambda: sched.step(x)) if me == 0 else (lambda: sched.step(target=x))
+    for _ in range(2):
+        step(), sync()
+    t0 = time.perf_counter()
+    step(), sync()
+    reps = _agreed(int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 100)), op="max")
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(), sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _pp_action_host_s(cfg: JobConfig, step_s: float, *, rate_tflops: float, collectives: dict) -> float:
+    """Host seconds per pipeline action: the probe's step less its linear layers' FLOPs at the
+    measured rate and its sends as the fitted send_recv link times them, over its 2 x microbatches
+    actions (each rank runs a forward and a backward per microbatch)."""
+    m, t, mb = cfg.model, cfg.train, PP_PROBE_MICROBATCHES
+    tokens = mb * t.micro_batch * t.seq_len
+    compute = 3 * 2.0 * tokens * m.dim * m.dim / (rate_tflops * 1e12)
+    link = collectives["send_recv.intra"]
+    sends = mb * (float(link["alpha_s"]) + t.micro_batch * t.seq_len * m.dim * 4 / (float(link["bus_GBps"]) * 1e9))
+    return max(0.0, step_s - compute - sends) / (2 * mb)
 
 
 def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync) -> float:
@@ -264,6 +371,8 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
                     (size, _collective(op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp))
                     for size in COLLECTIVE_SIZES]
         out["optimizer_ns"] = _optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
+        out["fsdp_unit_host_s"] = _fsdp_unit_host_s(cfg, device=device, seconds=secs / 2, sync=sync)
+        out["pp_step_s"] = _pp_action_seconds(cfg, n=n, rank=rank, device=device, seconds=secs / 2, sync=sync)
         out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
                              for tp in tps if tp > 1}
         dist.destroy_process_group()
@@ -349,6 +458,7 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
     for tp in ranks[0]["tp_seconds"]:
         rates[tp] = _tp_rate(cfg, tp, statistics.median(r["tp_seconds"][tp] for r in ranks), collectives)
     fs_bw, fsync = _fs(cfg.cluster.run_root, cfg.calibrate.seconds)
+    pp = [r["pp_step_s"] for r in ranks if r["pp_step_s"] is not None]  # one rank alone has no pipeline probe
     when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     matmul = {dtype: round(rates[1], 6), **{f"{dtype}.tp{tp}": round(v, 6) for tp, v in rates.items() if tp > 1}}
     return {
@@ -357,6 +467,9 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
         "matmul_tflops": matmul,
         "collectives": collectives,
         "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
+        "fsdp_unit_host_s": round(statistics.median(r["fsdp_unit_host_s"] for r in ranks), 7),
+        "pp_action_host_s": round(_pp_action_host_s(cfg, statistics.median(pp), rate_tflops=rates[1],
+                                                    collectives=collectives), 7) if pp else 0.0,
         "host_copy_GBps": round(_host_copy_GBps(cfg.calibrate.seconds), 3),
         "fs_write_GBps": round(fs_bw, 3),
         "fs_fsync_s": round(fsync, 6),

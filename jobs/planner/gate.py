@@ -613,7 +613,7 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
-                      f"recompute {s['recompute_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
+                      f"recompute {s['recompute_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
                       f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s + optimizer "
                       f"{s['optimizer_s']:.3g} s "
                       f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
@@ -710,7 +710,7 @@ def render(plan: Plan) -> str:
     s = plan.step
     if "step_s" in s:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
-                 f"exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
+                 f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")

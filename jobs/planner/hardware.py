@@ -79,6 +79,8 @@ class Hardware:
     node_ranks: int = 8  # ranks that share the fast fabric (scope "intra")
     pod_ranks: int = 0  # ranks under one non-blocking switch tier; 0 = not modelled
     optimizer_ns_per_param: float = 0.0  # the step tail (grad norm + AdamW) per local parameter; 0 = not modelled
+    fsdp_unit_host_s: float = 0.0  # host time per FSDP unit per microbatch beyond its collectives; 0 = not modelled
+    pp_action_host_s: float = 0.0  # host time per pipeline schedule action beyond compute and sends; 0 = not modelled
     bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
     bubble_why: str = ""
 
@@ -133,6 +135,8 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
         pod_ranks=cl.pod_gpus,
         optimizer_ns_per_param=cl.optimizer_ns_per_param,
+        fsdp_unit_host_s=cl.fsdp_unit_host_s,
+        pp_action_host_s=cl.pp_action_host_s,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
                     f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),

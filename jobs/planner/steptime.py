@@ -19,6 +19,17 @@ The step tail (gradient-norm pass and AdamW) costs `optimizer_ns_per_param` per 
 element when the profile has it (calibrated; 0 on the published GPU profiles: memory-bound, well
 under a millisecond for the presets' shards).
 
+Host time that no FLOP count sees (calibrated; 0 on the published GPU profiles):
+  - each FSDP2 unit (every block, and the root of each stage) runs its hooks and copies its shards
+    into the gather buffer and out of it, and the gradients into the reduce buffer, beyond the
+    collectives themselves: `fsdp_unit_host_s` per unit per microbatch (once per step with a
+    pipeline: its stages gather once and reduce once);
+  - each pipeline schedule action (one stage's forward or backward of one microbatch) costs
+    `pp_action_host_s` of bookkeeping beyond its compute and its sends.
+On CPU ranks this time is on the critical path; on a GPU the host queues kernels ahead of the
+device, so only what exceeds the device's compute is exposed. Measured on the 2-core box (4 ranks,
+tiny model) these terms were 30-50% of the step; without them the model predicted 0.5-0.8 of it.
+
 Pure functions of plain numbers, `ModelConfig` and `Hardware`; no torch.
 """
 
@@ -94,6 +105,19 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_mb
     return rows, stage, tail
 
 
+def _host_s(hw: Hardware, shape: dict[str, int], stages: list[P.StageShape], *, microbatches: int,
+            device_s: float) -> float:
+    """Host seconds per step that FLOPs do not count (see the module docstring): FSDP2 units (each
+    block plus the stage's root) and pipeline actions (forward and backward per microbatch per stage)."""
+    pp = shape.get("pp", 1)
+    fsdp = shape.get("dp_shard", 1) * shape.get("dp_replicate", 1) > 1
+    units = sum(len(st.layers) + 1 for st in stages) if fsdp else 0
+    host = units * hw.fsdp_unit_host_s * (1 if pp > 1 else microbatches)
+    if pp > 1:
+        host += 2 * microbatches * len(stages) * hw.pp_action_host_s
+    return host if not hw.overlap else max(0.0, host - device_s)
+
+
 def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], hw: Hardware, *, role: str,
                  shape: dict[str, int], microbatches: int, micro_batch: int, seq_len: int, bubble: float,
                  recomputed: list[int], world: int, params_elems: int = 0) -> StepTime:
@@ -114,9 +138,10 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
     rows.append({**totals, "scope": world_scope, "seconds": world_s, "exposed_s": world_s, "alpha_s": link.alpha_s,
                  "bus_GBps": link.bus_GBps, "source": link.source})
-    busy = compute + recompute + stage_comm
+    host = _host_s(hw, shape, stages, microbatches=microbatches, device_s=compute + recompute)
+    busy = compute + recompute + stage_comm + host
     bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
-    parts = {"compute_s": compute, "recompute_s": recompute, "comm_exposed_s": stage_comm, "bubble_s": bubble_s,
+    parts = {"compute_s": compute, "recompute_s": recompute, "host_s": host, "comm_exposed_s": stage_comm, "bubble_s": bubble_s,
              "dp_exposed_s": tail + world_s, "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9}
     return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)
 

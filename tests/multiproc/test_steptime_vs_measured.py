@@ -86,7 +86,7 @@ def test_predicted_step_time_is_within_25_percent_of_the_measured_one(model: str
         res = run_ranks(_step_times, 4, overrides, timeout=300).results
         measured = statistics.median(max(res[r][i] for r in res) for i in range(2, STEPS))
         ratios[name] = step["step_s"] / measured
-        print(f"{model} {name}: predicted {step['step_s']:.3f} s (compute {step['compute_s']:.3f}, exposed comm "
+        print(f"{model} {name}: predicted {step['step_s']:.3f} s (compute {step['compute_s']:.3f}, host {step['host_s']:.3f}, exposed comm "
               f"{step['comm_exposed_s']:.3f}, bubble {step['bubble_s']:.3f}, dp tail {step['dp_exposed_s']:.3f}, "
               f"optimizer {step['optimizer_s']:.3f}) "
               f"measured {measured:.3f} s ratio {ratios[name]:.2f}")

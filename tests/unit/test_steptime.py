@@ -89,3 +89,37 @@ def test_save_and_restart_costs_come_from_the_runs_own_ledger(tmp_path):
     plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path / 'none'}"]), measure=False)
     assert "cluster.host_copy_GBps + cluster.fs_fsync_s" in plan.checkpoint["blocking_source"]
     assert "not counted" in plan.checkpoint["restart_source"]
+
+
+def _calibrated(overrides: list[str], **figures):
+    cfg = compose(["launcher.tasks_per_node=4", "train.global_batch=16", "train.micro_batch=2", *overrides])
+    cfg.cluster.calibrated = "2026-12-03 test"
+    cfg.cluster.matmul_tflops = {"fp32": 0.002}
+    cfg.cluster.collectives = {f"{op}.intra": {"alpha_s": 1e-3, "bus_GBps": 0.5} for op in H.OPS}
+    for key, value in figures.items():
+        setattr(cfg.cluster, key, value)
+    return build_plan(cfg, measure=False).step
+
+
+def test_host_time_of_fsdp_units_and_pipeline_actions_is_part_of_the_cpu_step():
+    # tiny: 4 blocks. FSDP over 4 ranks, no pipeline: 4 blocks + the root = 5 units, gathered in every one of
+    # the 16 / (4 x 2) = 2 microbatches.
+    fsdp = ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1"]
+    s = _calibrated(fsdp, fsdp_unit_host_s=0.01, pp_action_host_s=0.002)
+    assert s["host_s"] == pytest.approx(5 * 0.01 * 2)
+    assert s["step_s"] == pytest.approx(_calibrated(fsdp)["step_s"] + s["host_s"])  # nothing else moved
+    # pp 2 x dp_shard 2: a stage holds 2 blocks (+ its root = 3 units), gathered once per step; its
+    # 16 / (2 x 2) = 4 microbatches are 8 schedule actions (a forward and a backward each).
+    pp = ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1", "mesh.pp_schedule=1f1b"]
+    s = _calibrated(pp, fsdp_unit_host_s=0.01, pp_action_host_s=0.002)
+    assert s["host_s"] == pytest.approx(3 * 0.01 + 8 * 0.002)
+    # no data parallelism: no FSDP units
+    assert _calibrated(["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], fsdp_unit_host_s=0.01)["host_s"] == 0
+
+
+def test_on_a_gpu_host_time_hides_behind_the_device_compute_it_queues():
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
+    base = build_plan(cfg, measure=False).step
+    cfg.cluster.fsdp_unit_host_s, cfg.cluster.pp_action_host_s = 1e-4, 1e-4
+    s = build_plan(cfg, measure=False).step
+    assert s["host_s"] == 0 and s["step_s"] == pytest.approx(base["step_s"])
