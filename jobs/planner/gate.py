@@ -182,16 +182,33 @@ def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Mea
     otherwise. Returns (measurements, notes, seconds).
     """
     import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from jobs.model import Transformer
-    from parallel.recipe import parallelize
 
     t0 = time.perf_counter()
     dims = d.dims
     mdims = replace(dims, dp_shard=dims.dp_shard * dims.cp, cp=1, ep=1)
+    fsdp = mdims.dp_shard
+    samples = _samples(cfg, mdims, roles, shapes)
+    base = None
+    if dims.pp > 1:
+        with torch.device("meta"):
+            base = Transformer(cfg.model)
+    out = []
+    for rank, role, coords in samples:
+        t1 = time.perf_counter()
+        elems, nbytes = _measure_rank(cfg, d, mdims, rank, base)
+        analytic = P.shard_elems(cfg.model, shapes[coords["pp"]], tp=dims.tp, fsdp=fsdp)
+        out.append(Measured(rank, role, coords, elems, nbytes, analytic, time.perf_counter() - t1))
+    notes = []
+    if dims.cp > 1:
+        notes.append(f"fake backend: cp folded into dp_shard ({dims.dp_shard}*{dims.cp} = {fsdp}) for the measurement")
+    return out, notes, time.perf_counter() - t0
+
+
+def _samples(cfg: JobConfig, mdims, roles: dict[int, str], shapes) -> list[tuple[int, str, dict[str, int]]]:
+    """(rank, role, coords) to measure: dp_shard 0 of each pipeline role, and the last dp_shard too
+    when a dim-0 size does not divide by the FSDP degree (only there do shards come out smaller)."""
     fsdp = mdims.dp_shard
     shape = mdims.shape  # (pp, dp_replicate, dp_shard, cp, tp)
     samples = []
@@ -200,48 +217,51 @@ def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Mea
         for s in sorted({0, fsdp - 1}) if uneven else [0]:
             rank = ((pp_rank * shape[1] + 0) * shape[2] + s) * shape[3] * shape[4]
             samples.append((rank, role, {"pp": pp_rank, "dp_replicate": 0, "dp_shard": s, "tp": 0}))
-    base = None
-    if dims.pp > 1:
-        with torch.device("meta"):
-            base = Transformer(cfg.model)
-    out = []
-    for rank, role, coords in samples:
-        t1 = time.perf_counter()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=mdims.world_size, store=FakeStore())
-        try:
-            mesh = _measurement_mesh(mdims)
-            if base is None:
-                with torch.device("meta"):
-                    model = Transformer(cfg.model)
-            else:
-                model = base
-            parts, _ = parallelize(
-                model,
-                dims=mdims,
-                mesh=mesh,
-                stages_per_rank=d.stages_per_rank,
-                pp_schedule=cfg.mesh.pp_schedule,
-                sequence_parallel=cfg.mesh.sequence_parallel,
-                loss_parallel=cfg.mesh.loss_parallel,
-                pp_layers_per_stage=d.pp_layers_per_stage,
-            )
-            elems = nbytes = 0
-            for part in parts:
-                for p in part.parameters():
-                    local = p.to_local() if isinstance(p, DTensor) else p
-                    elems += local.numel()
-                    nbytes += local.numel() * local.element_size()
-        finally:
-            dist.destroy_process_group()
-            gc.collect()
-        analytic = P.shard_elems(cfg.model, shapes[coords["pp"]], tp=dims.tp, fsdp=fsdp)
-        out.append(Measured(rank, role, coords, elems, nbytes, analytic, time.perf_counter() - t1))
-    notes = []
-    if dims.cp > 1:
-        notes.append(f"fake backend: cp folded into dp_shard ({dims.dp_shard}*{dims.cp} = {fsdp}) for the measurement")
-    return out, notes, time.perf_counter() - t0
+    return samples
+
+
+def _measure_rank(cfg: JobConfig, d, mdims, rank: int, base) -> tuple[int, int]:
+    """(elements, bytes) of the parameters `rank` holds after the real `parallelize()`, in its own
+    fake process group (torn down afterwards). Parallelizes `base` when given (pp > 1), else a fresh
+    meta-device model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from jobs.model import Transformer
+    from parallel.recipe import parallelize
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=mdims.world_size, store=FakeStore())
+    try:
+        mesh = _measurement_mesh(mdims)
+        if base is None:
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+        else:
+            model = base
+        parts, _ = parallelize(
+            model,
+            dims=mdims,
+            mesh=mesh,
+            stages_per_rank=d.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule,
+            sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+            pp_layers_per_stage=d.pp_layers_per_stage,
+        )
+        elems = nbytes = 0
+        for part in parts:
+            for p in part.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                elems += local.numel()
+                nbytes += local.numel() * local.element_size()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+    return elems, nbytes
 
 
 # ---------------------------------------------------------------------------------------------- plan
