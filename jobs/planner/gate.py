@@ -695,6 +695,25 @@ def render(plan: Plan) -> str:
     for n in plan.notes:
         L.append(f"  note: {n}")
     L.append("")
+    L += _memory_lines(plan)
+    L.append("")
+    L += _comm_lines(plan)
+    L.append("")
+    L += _checkpoint_lines(plan)
+    L.append("")
+    L.append("readiness")
+    for r in plan.readiness:
+        L.append(f"  [{r['status']:7s}] {r['question']:32s} {r['answer']}")
+    L.append("")
+    L.append("checks")
+    for c in plan.checks:
+        L.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:20s} {c.why}")
+    return "\n".join(L)
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """The memory table: per role, the fake-backend samples, and the activations of the peak role."""
+    L = []
     L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  logits    peak")
     for r in plan.roles:
         tag = "*" if r["measured"] else " "
@@ -713,7 +732,12 @@ def render(plan: Plan) -> str:
     L.append(f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
              f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
              f"train.activation_checkpointing={a['activation_checkpointing']}")
-    L.append("")
+    return L
+
+
+def _comm_lines(plan: Plan) -> list[str]:
+    """The communication table of the peak role, the bubble, the axes' link scopes and the predicted step."""
+    L = []
     L.append(f"communication per step ({plan.peak_role})")
     L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
     for c in plan.comm:
@@ -734,21 +758,18 @@ def render(plan: Plan) -> str:
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+    return L
+
+
+def _checkpoint_lines(plan: Plan) -> list[str]:
+    """The checkpoint lines: size, write and blocking time, interval, restart and expected goodput, with sources."""
     k = plan.checkpoint
-    L.append("")
-    L.append(f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
-             f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
-             f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
-             + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
-             + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}")
-    L.append(f"  blocking save from: {k['blocking_source']}")
-    L.append(f"  restart from: {k['restart_source']}")
-    L.append("")
-    L.append("readiness")
-    for r in plan.readiness:
-        L.append(f"  [{r['status']:7s}] {r['question']:32s} {r['answer']}")
-    L.append("")
-    L.append("checks")
-    for c in plan.checks:
-        L.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:20s} {c.why}")
-    return "\n".join(L)
+    return [
+        f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
+        f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
+        f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
+        + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
+        + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}",
+        f"  blocking save from: {k['blocking_source']}",
+        f"  restart from: {k['restart_source']}",
+    ]
