@@ -170,6 +170,14 @@ class CheckpointManager:
         only checkpoints of a step < before_step are candidates (a rollback past a loss spike)."""
         if len(model_parts) != len(optimizers):
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
+        self._bind(model_parts, optimizers, lr_schedulers, train_state)
+        if not self.cfg.enabled:
+            return 0
+        return self._restore_newest(before_step)
+
+    def _bind(self, model_parts: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+              lr_schedulers: Sequence[Any], train_state: Any | None) -> None:
+        """Binds the objects later saves write, once any save in flight and any retention pass are over."""
         # A save in flight is committed (or its failure raised) and a retention pass is over before the
         # folder is listed: a later load (a rollback) must neither delete that save's tmp nor race a deletion.
         self.wait()
@@ -187,8 +195,11 @@ class CheckpointManager:
             self._stager.reset()
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
-        if not self.cfg.enabled:
-            return 0
+
+    def _restore_newest(self, before_step: int | None) -> int:
+        """Loads the newest candidate that validates and loads on every rank and returns its step (0
+        when none). Raises once a candidate was partly read and none after it loaded: the bound
+        objects may then hold a mix of checkpoints."""
         t0 = time.perf_counter()
         steps = [s for s in self._candidate_steps() if before_step is None or s < before_step]
         touched = False
@@ -204,12 +215,7 @@ class CheckpointManager:
             if info is None:
                 self._skip(step, d, f"load failed on {failed}")
                 continue
-            self._last_save_step = step
-            self._restore_interval(manifest)
-            load_s = time.perf_counter() - t0
-            self._emit("checkpoint_loaded", step=step, path=str(d), load_s=round(load_s, 4),
-                       bytes=manifest["bytes"], saved_world_size=manifest["world_size"], **info)
-            log.info("resumed from %s (%.2f s, resharded=%s)", d, load_s, info["resharded"])
+            self._loaded(step, d, manifest, info, t0)
             return step
         if touched:
             raise RuntimeError(
@@ -218,6 +224,16 @@ class CheckpointManager:
             )
         self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
         return 0
+
+    def _loaded(self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float) -> None:
+        """Records a successful load (started at perf_counter `t0`): the save cadence resumes from it,
+        and it is reported."""
+        self._last_save_step = step
+        self._restore_interval(manifest)
+        load_s = time.perf_counter() - t0
+        self._emit("checkpoint_loaded", step=step, path=str(d), load_s=round(load_s, 4),
+                   bytes=manifest["bytes"], saved_world_size=manifest["world_size"], **info)
+        log.info("resumed from %s (%.2f s, resharded=%s)", d, load_s, info["resharded"])
 
     def due(self, step: int, *, step_time_s: float | None = None) -> bool:
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or

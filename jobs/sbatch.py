@@ -63,40 +63,11 @@ def render(
     if style not in STYLES:
         raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
-    per_task_cpus = cpus_per_task if style == "srun" else cpus_per_task * tasks_per_node
-    def line(directive: str, comment: str = "") -> str:
-        return f"{directive:<34} # {comment}" if comment else directive
-
-    srun_style = style == "srun"
-    header = [
-        line(f"#SBATCH --job-name={_q(job_name)}"),
-        line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node"),
-        line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
-             "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
-             else "one torchrun agent per node; it starts the ranks"),
-    ]
-    if gpus_per_node:
-        header.append(line(f"#SBATCH --gpus-per-node={gpus_per_node}", "cluster.gpus_per_node"))
-    header.append(line(f"#SBATCH --cpus-per-task={per_task_cpus}",
-                       "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks"))
-    if mem_per_node_gb:
-        header.append(line(f"#SBATCH --mem={mem_per_node_gb}G", "cluster.mem_per_node_gb"))
-    header.append(line(f"#SBATCH --time={_hhmm(time_min)}", "EDIT: wall-time limit (cluster.time_min)"))
-    for flag, value in (("partition", partition), ("account", account), ("qos", qos),
-                        ("constraint", constraint), ("exclude", exclude)):
-        if value:
-            header.append(line(f"#SBATCH --{flag}={_q(value)}", f"EDIT: cluster.{flag}"))
-        elif flag in ("partition", "account"):
-            header.append(line(f"##SBATCH --{flag}=CHANGE_ME", f"EDIT: your {flag} (cluster.{flag})"))
-    batch_log = f"{run_dir}/slurm/%j_batch.out"
-    header += [
-        line("#SBATCH --requeue", "a preempted or requeued job runs again: same job id, same run dir"),
-        line(f"#SBATCH --signal=USR2@{signal_delay_s}",
-             f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)"),
-        line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
-        line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
-        line(f"#SBATCH --error={_q(batch_log)}"),
-    ]
+    header = _resource_lines(style=style, job_name=job_name, nodes=nodes, tasks_per_node=tasks_per_node,
+                             cpus_per_task=cpus_per_task, gpus_per_node=gpus_per_node,
+                             mem_per_node_gb=mem_per_node_gb, time_min=time_min)
+    header += _placement_lines(partition=partition, account=account, qos=qos, constraint=constraint, exclude=exclude)
+    header += _requeue_lines(run_dir=run_dir, signal_delay_s=signal_delay_s)
     env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
     container = []
     if container_image:
@@ -117,6 +88,62 @@ def render(
         container=(" ".join(container) + " ") if container else "",
         overrides=(" " + args) if args else "",
     )
+
+
+def _line(directive: str, comment: str = "") -> str:
+    """One header line, its comment (if any) aligned in a column after it."""
+    return f"{directive:<34} # {comment}" if comment else directive
+
+
+def _resource_lines(*, style: str, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
+                    gpus_per_node: int, mem_per_node_gb: int | None, time_min: int) -> list[str]:
+    """#SBATCH lines for what the job asks for: srun runs one task per rank, torchrun one agent per
+    node holding all of the node's cores."""
+    srun_style = style == "srun"
+    per_task_cpus = cpus_per_task if srun_style else cpus_per_task * tasks_per_node
+    header = [
+        _line(f"#SBATCH --job-name={_q(job_name)}"),
+        _line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node"),
+        _line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
+              "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
+              else "one torchrun agent per node; it starts the ranks"),
+    ]
+    if gpus_per_node:
+        header.append(_line(f"#SBATCH --gpus-per-node={gpus_per_node}", "cluster.gpus_per_node"))
+    header.append(_line(f"#SBATCH --cpus-per-task={per_task_cpus}",
+                        "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks"))
+    if mem_per_node_gb:
+        header.append(_line(f"#SBATCH --mem={mem_per_node_gb}G", "cluster.mem_per_node_gb"))
+    header.append(_line(f"#SBATCH --time={_hhmm(time_min)}", "EDIT: wall-time limit (cluster.time_min)"))
+    return header
+
+
+def _placement_lines(*, partition: str | None, account: str | None, qos: str | None, constraint: str | None,
+                     exclude: str | None) -> list[str]:
+    """#SBATCH lines for where the job may run; partition and account, when unset, become commented
+    CHANGE_ME lines for the sysadmin to fill in."""
+    header = []
+    for flag, value in (("partition", partition), ("account", account), ("qos", qos),
+                        ("constraint", constraint), ("exclude", exclude)):
+        if value:
+            header.append(_line(f"#SBATCH --{flag}={_q(value)}", f"EDIT: cluster.{flag}"))
+        elif flag in ("partition", "account"):
+            header.append(_line(f"##SBATCH --{flag}=CHANGE_ME", f"EDIT: your {flag} (cluster.{flag})"))
+    return header
+
+
+def _requeue_lines(*, run_dir: str, signal_delay_s: int) -> list[str]:
+    """#SBATCH lines that let a job survive its time limit and preemption: requeue, USR2 ahead of the
+    limit, logs appended across attempts."""
+    batch_log = f"{run_dir}/slurm/%j_batch.out"
+    return [
+        _line("#SBATCH --requeue", "a preempted or requeued job runs again: same job id, same run dir"),
+        _line(f"#SBATCH --signal=USR2@{signal_delay_s}",
+              f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)"),
+        _line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
+        _line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
+        _line(f"#SBATCH --error={_q(batch_log)}"),
+    ]
 
 
 def render_for(cfg: JobConfig, *, overrides: Sequence[str], style: str = "srun", python: str | None = None,

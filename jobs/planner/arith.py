@@ -439,10 +439,8 @@ def rank_memory(
         activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
         cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
     )
-    # torch's PipelineStage allocates a receive buffer per microbatch for the activations coming in
-    # (every stage but the first) and for the gradients coming back (every stage but the last).
-    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
-    p2p = 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
+    p2p = _p2p_bytes(m, stages, tp=tp, pp=pp, cp=cp, microbatches=microbatches, seq_len=seq_len,
+                     micro_batch=micro_batch, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
     loss = (
         logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
                      loss_parallel=loss_parallel, compute_bytes=compute_bytes)
@@ -461,6 +459,15 @@ def rank_memory(
         activation_bytes_full_ac=act(activation_checkpointing="full"),
         p2p_bytes=p2p,
     )
+
+
+def _p2p_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,
+               seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int) -> int:
+    """Pipeline receive buffers on the rank holding `stages`: torch's PipelineStage allocates one per
+    microbatch for the activations coming in (every stage but the first) and for the gradients coming
+    back (every stage but the last)."""
+    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+    return 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
 
 
 def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,

@@ -182,16 +182,33 @@ def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Mea
     otherwise. Returns (measurements, notes, seconds).
     """
     import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from jobs.model import Transformer
-    from parallel.recipe import parallelize
 
     t0 = time.perf_counter()
     dims = d.dims
     mdims = replace(dims, dp_shard=dims.dp_shard * dims.cp, cp=1, ep=1)
+    fsdp = mdims.dp_shard
+    samples = _samples(cfg, mdims, roles, shapes)
+    base = None
+    if dims.pp > 1:
+        with torch.device("meta"):
+            base = Transformer(cfg.model)
+    out = []
+    for rank, role, coords in samples:
+        t1 = time.perf_counter()
+        elems, nbytes = _measure_rank(cfg, d, mdims, rank, base)
+        analytic = P.shard_elems(cfg.model, shapes[coords["pp"]], tp=dims.tp, fsdp=fsdp)
+        out.append(Measured(rank, role, coords, elems, nbytes, analytic, time.perf_counter() - t1))
+    notes = []
+    if dims.cp > 1:
+        notes.append(f"fake backend: cp folded into dp_shard ({dims.dp_shard}*{dims.cp} = {fsdp}) for the measurement")
+    return out, notes, time.perf_counter() - t0
+
+
+def _samples(cfg: JobConfig, mdims, roles: dict[int, str], shapes) -> list[tuple[int, str, dict[str, int]]]:
+    """(rank, role, coords) to measure: dp_shard 0 of each pipeline role, and the last dp_shard too
+    when a dim-0 size does not divide by the FSDP degree (only there do shards come out smaller)."""
     fsdp = mdims.dp_shard
     shape = mdims.shape  # (pp, dp_replicate, dp_shard, cp, tp)
     samples = []
@@ -200,48 +217,51 @@ def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Mea
         for s in sorted({0, fsdp - 1}) if uneven else [0]:
             rank = ((pp_rank * shape[1] + 0) * shape[2] + s) * shape[3] * shape[4]
             samples.append((rank, role, {"pp": pp_rank, "dp_replicate": 0, "dp_shard": s, "tp": 0}))
-    base = None
-    if dims.pp > 1:
-        with torch.device("meta"):
-            base = Transformer(cfg.model)
-    out = []
-    for rank, role, coords in samples:
-        t1 = time.perf_counter()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=mdims.world_size, store=FakeStore())
-        try:
-            mesh = _measurement_mesh(mdims)
-            if base is None:
-                with torch.device("meta"):
-                    model = Transformer(cfg.model)
-            else:
-                model = base
-            parts, _ = parallelize(
-                model,
-                dims=mdims,
-                mesh=mesh,
-                stages_per_rank=d.stages_per_rank,
-                pp_schedule=cfg.mesh.pp_schedule,
-                sequence_parallel=cfg.mesh.sequence_parallel,
-                loss_parallel=cfg.mesh.loss_parallel,
-                pp_layers_per_stage=d.pp_layers_per_stage,
-            )
-            elems = nbytes = 0
-            for part in parts:
-                for p in part.parameters():
-                    local = p.to_local() if isinstance(p, DTensor) else p
-                    elems += local.numel()
-                    nbytes += local.numel() * local.element_size()
-        finally:
-            dist.destroy_process_group()
-            gc.collect()
-        analytic = P.shard_elems(cfg.model, shapes[coords["pp"]], tp=dims.tp, fsdp=fsdp)
-        out.append(Measured(rank, role, coords, elems, nbytes, analytic, time.perf_counter() - t1))
-    notes = []
-    if dims.cp > 1:
-        notes.append(f"fake backend: cp folded into dp_shard ({dims.dp_shard}*{dims.cp} = {fsdp}) for the measurement")
-    return out, notes, time.perf_counter() - t0
+    return samples
+
+
+def _measure_rank(cfg: JobConfig, d, mdims, rank: int, base) -> tuple[int, int]:
+    """(elements, bytes) of the parameters `rank` holds after the real `parallelize()`, in its own
+    fake process group (torn down afterwards). Parallelizes `base` when given (pp > 1), else a fresh
+    meta-device model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from jobs.model import Transformer
+    from parallel.recipe import parallelize
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=mdims.world_size, store=FakeStore())
+    try:
+        mesh = _measurement_mesh(mdims)
+        if base is None:
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+        else:
+            model = base
+        parts, _ = parallelize(
+            model,
+            dims=mdims,
+            mesh=mesh,
+            stages_per_rank=d.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule,
+            sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+            pp_layers_per_stage=d.pp_layers_per_stage,
+        )
+        elems = nbytes = 0
+        for part in parts:
+            for p in part.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                elems += local.numel()
+                nbytes += local.numel() * local.element_size()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+    return elems, nbytes
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -675,6 +695,25 @@ def render(plan: Plan) -> str:
     for n in plan.notes:
         L.append(f"  note: {n}")
     L.append("")
+    L += _memory_lines(plan)
+    L.append("")
+    L += _comm_lines(plan)
+    L.append("")
+    L += _checkpoint_lines(plan)
+    L.append("")
+    L.append("readiness")
+    for r in plan.readiness:
+        L.append(f"  [{r['status']:7s}] {r['question']:32s} {r['answer']}")
+    L.append("")
+    L.append("checks")
+    for c in plan.checks:
+        L.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:20s} {c.why}")
+    return "\n".join(L)
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """The memory table: per role, the fake-backend samples, and the activations of the peak role."""
+    L = []
     L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  logits    peak")
     for r in plan.roles:
         tag = "*" if r["measured"] else " "
@@ -693,7 +732,12 @@ def render(plan: Plan) -> str:
     L.append(f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
              f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
              f"train.activation_checkpointing={a['activation_checkpointing']}")
-    L.append("")
+    return L
+
+
+def _comm_lines(plan: Plan) -> list[str]:
+    """The communication table of the peak role, the bubble, the axes' link scopes and the predicted step."""
+    L = []
     L.append(f"communication per step ({plan.peak_role})")
     L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
     for c in plan.comm:
@@ -714,21 +758,18 @@ def render(plan: Plan) -> str:
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+    return L
+
+
+def _checkpoint_lines(plan: Plan) -> list[str]:
+    """The checkpoint lines: size, write and blocking time, interval, restart and expected goodput, with sources."""
     k = plan.checkpoint
-    L.append("")
-    L.append(f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
-             f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
-             f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
-             + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
-             + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}")
-    L.append(f"  blocking save from: {k['blocking_source']}")
-    L.append(f"  restart from: {k['restart_source']}")
-    L.append("")
-    L.append("readiness")
-    for r in plan.readiness:
-        L.append(f"  [{r['status']:7s}] {r['question']:32s} {r['answer']}")
-    L.append("")
-    L.append("checks")
-    for c in plan.checks:
-        L.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:20s} {c.why}")
-    return "\n".join(L)
+    return [
+        f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
+        f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
+        f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
+        + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
+        + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}",
+        f"  blocking save from: {k['blocking_source']}",
+        f"  restart from: {k['restart_source']}",
+    ]
