@@ -280,12 +280,13 @@ def _collective(op: str, size: int, *, n: int, rank: int, device, seconds: float
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-    return _timed_together(call, seconds=seconds, sync=sync, device=device)
+    return _timed_together(call, seconds=seconds, sync=sync, device=device, group=group)
 
 
-def _timed_together(fn, *, seconds: float, sync, device) -> float:
-    """Median seconds of `fn` when it holds collectives: every rank makes the same number of calls
-    (agreed from the slowest rank's first call), each call starting together after a barrier."""
+def _timed_together(fn, *, seconds: float, sync, device, group=None) -> float:
+    """Median seconds of `fn` when it holds collectives: every rank of `group` (default: all) makes the
+    same number of calls (agreed from the slowest rank's first call), each starting together after a
+    barrier. Ranks outside `group` do not take part (an odd rank out of the pairs)."""
     import torch
     import torch.distributed as dist
 
@@ -293,11 +294,11 @@ def _timed_together(fn, *, seconds: float, sync, device) -> float:
     t0 = time.perf_counter()
     fn(), sync()
     first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
     reps = int(min(max(seconds / max(float(first), 1e-6), 3), 200))
     times = []
     for _ in range(reps):
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
         sync()
@@ -382,10 +383,10 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
 
 
 def _tps(cfg: JobConfig) -> list[int]:
-    """tp degrees whose shard shapes are timed: 1 and every power of two up to the ranks that divides the model."""
+    """tp degrees whose shard shapes are timed: 1 and every power of two that divides the ranks and the model."""
     m, n, out, tp = cfg.model, cfg.launcher.tasks_per_node, [1], 2
     while tp <= n:
-        if not (m.n_heads % tp or m.n_kv_heads % tp or m.ffn_dim % tp or m.vocab_size % tp):
+        if not (n % tp or m.n_heads % tp or m.n_kv_heads % tp or m.ffn_dim % tp or m.vocab_size % tp):
             out.append(tp)
         tp *= 2
     return out
