@@ -103,7 +103,7 @@ def _optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> fl
     return _timed_together(step, seconds=seconds, sync=sync, device=device) / max(local, 1) * 1e9
 
 
-def _paired_together(a, b, *, seconds: float, sync) -> float:
+def _paired_together(a, b, *, seconds: float, sync, device) -> float:
     """Median over repeats of (seconds of `b` - seconds of `a`), run back to back in each repeat and
     every rank at once (a barrier before each pair): the machine's speed, which moves from second to
     second on a shared box, is the same for both halves of a pair."""
@@ -114,7 +114,7 @@ def _paired_together(a, b, *, seconds: float, sync) -> float:
     t0 = time.perf_counter()
     a(), b(), sync()
     reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 200))
-    reps = _agreed(reps, op="min")
+    reps = _agreed(reps, op="min", device=device)
     diffs = []
     for _ in range(reps):
         dist.barrier()
@@ -126,12 +126,13 @@ def _paired_together(a, b, *, seconds: float, sync) -> float:
     return statistics.median(diffs)
 
 
-def _agreed(value: int, *, op: str) -> int:
-    """The same repeat count on every rank (each makes that many collective calls)."""
+def _agreed(value: int, *, op: str, device) -> int:
+    """The same repeat count on every rank (each makes that many collective calls); on `device`, which
+    NCCL needs."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -159,7 +160,7 @@ def _fsdp_unit_host_s(cfg: JobConfig, *, device, seconds: float, sync) -> float:
     def step(model):
         return lambda: F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
-    extra = _paired_together(step(plain), step(sharded), seconds=seconds, sync=sync)
+    extra = _paired_together(step(plain), step(sharded), seconds=seconds, sync=sync, device=device)
     return max(0.0, extra) / (m.n_layers + 1)
 
 
@@ -175,7 +176,7 @@ def _pp_action_seconds(cfg: JobConfig, *, n: int, rank: int, device, seconds: fl
     m, t = cfg.model, cfg.train
     pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
     if rank // 2 >= len(pairs):
-        for _ in range(_agreed(0, op="max")):
+        for _ in range(_agreed(0, op="max", device=device)):
             dist.barrier()
         return None
     me, layer = rank % 2, torch.nn.Linear(m.dim, m.dim).to(device)
@@ -187,7 +188,7 @@ def _pp_action_seconds(cfg: JobConfig, *, n: int, rank: int, device, seconds: fl
         step(), sync()
     t0 = time.perf_counter()
     step(), sync()
-    reps = _agreed(int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 100)), op="max")
+    reps = _agreed(int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 100)), op="max", device=device)
     times = []
     for _ in range(reps):
         dist.barrier()
