@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["PHASES", "PhaseTimer", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
-           "in_step_order", "META"]
+           "in_step_order", "META", "committed_rows"]
 
 PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
 META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not phases
@@ -193,13 +193,27 @@ class PhaseTimer:
                 f["cpu"].attrs["phases"] = json.dumps(self.names)
 
 
+def committed_rows(f) -> int:
+    """Rows of an open rank file that every dataset holds in full, even when it is read during a
+    flush: `_append` writes `step` last, so the rows whose `step` is written (not the -1 fill of a
+    resize in progress) are complete in every other dataset."""
+    if "step" not in f:
+        return 0
+    step = f["step"][()]
+    n = len(step)
+    while n and step[n - 1] == -1:
+        n -= 1
+    return n
+
+
 def _append(f, cols: dict[str, list]) -> None:
     """Appends equal-length columns (`cpu` is 2-D: rows x phases); a dataset this attempt does not
-    write (a phase of another mesh) is padded with NaN, and a new one starts with NaN for the rows before it."""
+    write (a phase of another mesh) is padded with NaN, and a new one starts with NaN for the rows before
+    it. `step` goes last (`committed_rows`): a reader during the flush sees datasets of different lengths."""
     have = {name: f[name] for name in f}  # each dataset looked up once (h5py's lookups are the cost)
     old = have["step"].shape[0] if "step" in have else 0
     n = len(cols["step"])
-    for name in have.keys() | cols.keys():
+    for name in sorted(have.keys() | cols.keys(), key=lambda k: k == "step"):
         ds = have.get(name)
         if ds is None:
             dtype = "i8" if name in ("step", "attempt") else "f8"

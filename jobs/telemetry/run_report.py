@@ -22,7 +22,7 @@ from pathlib import Path
 from jobs.events import read_events
 from jobs.failure.ledger import Attempt, attempts, render_summary
 from jobs.telemetry.goodput import KINDS, Goodput, measure_goodput
-from jobs.telemetry.phases import META, in_step_order
+from jobs.telemetry.phases import META, committed_rows, in_step_order
 
 __all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "straggler_table",
            "render_text", "write_report"]
@@ -95,9 +95,10 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
             continue
         try:
             with h5py.File(path, "r", locking=False) as f:
+                n = committed_rows(f)  # a flush may be half done
                 out[int(m[1])] = {name: float(statistics.median(vals)) for name, ds in f.items()
                                   if name not in META and getattr(ds, "ndim", 0) == 1
-                                  and (vals := [v for v in ds[()] if v == v])}  # NaN: a row without that phase
+                                  and (vals := [v for v in ds[:n] if v == v])}  # NaN: a row without that phase
         except OSError:
             continue
     return dict(sorted(out.items()))

@@ -168,6 +168,45 @@ def test_flushes_append_rows_and_a_restarted_attempt_appends_under_its_own_index
     assert set(read_phases(tmp_path / "telemetry")[3]) == set(NAMES)  # step/attempt/time/cpu are not phases
 
 
+def test_a_reader_during_a_flush_sees_only_whole_rows(tmp_path: Path) -> None:
+    from jobs.telemetry import phases
+
+    t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
+    for step in (1, 2, 3):
+        t.end_step(step)
+    t.flush()
+    path = tmp_path / "telemetry" / "rank0.h5"
+    with h5py.File(path, "a") as f:  # a flush of 4 rows caught after every phase but before `step`
+        for name in f:
+            if name != "step":
+                f[name].resize(7, axis=0)
+                f[name][3:] = 100.0
+        f["step"].resize(7, axis=0)  # resized, its fill (-1) not yet overwritten
+        assert phases.committed_rows(f) == 3
+    assert read_phases(tmp_path / "telemetry")[0]["data"] == 0.0  # not the half-written rows' 100 s
+
+    written = []
+
+    class _Recorder(dict):  # the order in which _append writes datasets
+        def create_dataset(self, name, **kw):
+            ds = _Dataset(name, written)
+            self[name] = ds
+            return ds
+
+    class _Dataset:
+        def __init__(self, name, log):
+            self.name, self.log, self.shape = name, log, (0,)
+
+        def resize(self, n, axis=0):
+            self.shape = (n,)
+
+        def __setitem__(self, key, value):
+            self.log.append(self.name)
+
+    phases._append(_Recorder(), {"step": [1], "time": [0.0], "attempt": [0], "data": [0.1], "forward": [0.2]})
+    assert written[-1] == "step" and sorted(written) == ["attempt", "data", "forward", "step", "time"]
+
+
 def test_a_phase_another_attempt_did_not_time_is_nan_and_ignored_by_the_report(tmp_path: Path) -> None:
     for attempt, pp in (("a", False), ("b", True)):  # resumed on a pipeline mesh
         t = PhaseTimer(tmp_path, rank=0, attempt=attempt, pp=pp)
