@@ -114,7 +114,7 @@ def _paired_together(a, b, *, seconds: float, sync, device) -> float:
     t0 = time.perf_counter()
     a(), b(), sync()
     reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 200))
-    reps = _agreed(reps, op="min", device=device)
+    reps = _agreed(reps, device=device)
     diffs = []
     for _ in range(reps):
         dist.barrier()
@@ -126,14 +126,14 @@ def _paired_together(a, b, *, seconds: float, sync, device) -> float:
     return statistics.median(diffs)
 
 
-def _agreed(value: int, *, op: str, device) -> int:
-    """The same repeat count on every rank (each makes that many collective calls); on `device`, which
-    NCCL needs."""
+def _agreed(value: int, *, device) -> int:
+    """The smallest of every rank's `value` (a repeat count: each rank makes that many collective calls);
+    on `device`, which NCCL needs."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
 
@@ -164,50 +164,45 @@ def _fsdp_unit_host_s(cfg: JobConfig, *, device, seconds: float, sync) -> float:
     return max(0.0, extra) / (m.n_layers + 1)
 
 
-def _pp_action_seconds(cfg: JobConfig, *, n: int, rank: int, device, seconds: float, sync) -> float | None:
-    """Seconds of one 1F1B step of a two-stage pipeline whose stages are one small linear layer each
-    (pairs of ranks 0-1, 2-3, ...; an odd last rank only joins the barriers, and returns None): almost
-    all of it is the schedule's host work and its sends, taken apart by the caller. PP_PROBE_MICROBATCHES
-    microbatches of the model's activation shape."""
+def _pp_action_seconds(cfg: JobConfig, *, rank: int, pair, device, seconds: float,
+                       sync) -> tuple[float, float] | None:
+    """(seconds of one 1F1B step of a two-stage pipeline whose stages are one small linear layer each,
+    seconds of one exchange of a microbatch's activation between the two ranks) on this rank's `pair`
+    (ranks 0-1, 2-3, ...; None for an odd last rank, which returns None). The exchange is timed right
+    after the step, on the same ranks and bytes, so that the caller takes the sends out of the step with
+    their cost of this moment (the send_recv latency fitted earlier left 0 in 1 of 4 runs on 3 ranks here).
+    PP_PROBE_MICROBATCHES microbatches of the model's activation shape."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    m, t = cfg.model, cfg.train
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
-    if rank // 2 >= len(pairs):
-        for _ in range(_agreed(0, op="max", device=device)):
-            dist.barrier()
+    if pair is None:
         return None
+    m, t = cfg.model, cfg.train
     me, layer = rank % 2, torch.nn.Linear(m.dim, m.dim).to(device)
-    stage = PipelineStage(layer, me, 2, device, group=pairs[rank // 2])
+    stage = PipelineStage(layer, me, 2, device, group=pair)
     sched = Schedule1F1B(stage, n_microbatches=PP_PROBE_MICROBATCHES, loss_fn=lambda out, _: out.float().pow(2).mean())
     x = torch.randn(PP_PROBE_MICROBATCHES * t.micro_batch, t.seq_len, m.dim, device=device)
     step = (lambda: sched.step(x)) if me == 0 else (lambda: sched.step(target=x))
-    for _ in range(2):
-        step(), sync()
-    t0 = time.perf_counter()
-    step(), sync()
-    reps = _agreed(int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 100)), op="max", device=device)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(), sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    step_s = _timed_together(step, seconds=seconds, sync=sync, device=device, group=pair)
+    buf, out = torch.ones(t.micro_batch, t.seq_len, m.dim, device=device), torch.empty(t.micro_batch, t.seq_len, m.dim, device=device)
+    peer = dist.get_global_rank(pair, 1 - me)
+
+    def exchange():
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer, group=pair),
+                                         dist.P2POp(dist.irecv, out, peer, group=pair)]):
+            w.wait()
+
+    return step_s, _timed_together(exchange, seconds=seconds / 2, sync=sync, device=device, group=pair)
 
 
-def _pp_action_host_s(cfg: JobConfig, step_s: float, *, rate_tflops: float, collectives: dict) -> float:
+def _pp_action_host_s(cfg: JobConfig, step_s: float, exchange_s: float, *, rate_tflops: float) -> float:
     """Host seconds per pipeline action: the probe's step less its linear layers' FLOPs at the
-    measured rate and its sends as the fitted send_recv link times them, over its 2 x microbatches
-    actions (each rank runs a forward and a backward per microbatch)."""
+    measured rate and its sends (a microbatch's activation out and its gradient back: one exchange per
+    microbatch), over its 2 x microbatches actions (each rank runs a forward and a backward per microbatch)."""
     m, t, mb = cfg.model, cfg.train, PP_PROBE_MICROBATCHES
-    tokens = mb * t.micro_batch * t.seq_len
-    compute = 3 * 2.0 * tokens * m.dim * m.dim / (rate_tflops * 1e12)
-    link = collectives["send_recv.intra"]
-    sends = mb * (float(link["alpha_s"]) + t.micro_batch * t.seq_len * m.dim * 4 / (float(link["bus_GBps"]) * 1e9))
-    return max(0.0, step_s - compute - sends) / (2 * mb)
+    compute = 3 * 2.0 * mb * t.micro_batch * t.seq_len * m.dim * m.dim / (rate_tflops * 1e12)
+    return max(0.0, step_s - compute - mb * exchange_s) / (2 * mb)
 
 
 def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync) -> float:
@@ -361,10 +356,11 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         dist.barrier()
         out["rates"][1] = _matmul_rate(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
                                        dtype_name=dtype, device=device, seconds=secs, sync=sync)
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]  # every rank creates every group
+        pair = pairs[rank // 2] if rank // 2 < len(pairs) else None  # None: the odd rank out
         groups = {n: None}
         if n > 2:  # pairs too: a ring's latency grows with its hops, fitted from both group sizes
-            pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]
-            groups[2] = pairs[rank // 2] if rank // 2 < len(pairs) else None
+            groups[2] = pair
         for op in OPS:
             for g, grp in groups.items():
                 if g == 2 and grp is None:
@@ -374,7 +370,7 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
                     for size in COLLECTIVE_SIZES]
         out["optimizer_ns"] = _optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
         out["fsdp_unit_host_s"] = _fsdp_unit_host_s(cfg, device=device, seconds=secs / 2, sync=sync)
-        out["pp_step_s"] = _pp_action_seconds(cfg, n=n, rank=rank, device=device, seconds=secs / 2, sync=sync)
+        out["pp_step_s"] = _pp_action_seconds(cfg, rank=rank, pair=pair, device=device, seconds=secs / 2, sync=sync)
         out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
                              for tp in tps if tp > 1}
         dist.destroy_process_group()
@@ -470,8 +466,9 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
         "collectives": collectives,
         "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
         "fsdp_unit_host_s": round(statistics.median(r["fsdp_unit_host_s"] for r in ranks), 7),
-        "pp_action_host_s": round(_pp_action_host_s(cfg, statistics.median(pp), rate_tflops=rates[1],
-                                                    collectives=collectives), 7) if pp else 0.0,
+        "pp_action_host_s": round(_pp_action_host_s(cfg, statistics.median(p[0] for p in pp),
+                                                    statistics.median(p[1] for p in pp), rate_tflops=rates[1]), 7)
+                            if pp else 0.0,
         "host_copy_GBps": round(_host_copy_GBps(cfg.calibrate.seconds), 3),
         "fs_write_GBps": round(fs_bw, 3),
         "fs_fsync_s": round(fsync, 6),

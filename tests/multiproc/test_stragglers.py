@@ -66,7 +66,9 @@ def test_a_rank_slowed_1_3x_in_backward_is_named_with_its_phase_within_k_interva
     # Named after K consecutive slow intervals (the unit tests pin "exactly at the K-th"): at the earliest
     # at step (1 + K) * LOG_EVERY, at the latest at the run's end (one interval of slack for noise).
     assert first["intervals"] == K and (1 + K) * LOG_EVERY <= first["step"] <= STEPS and first["step"] % LOG_EVERY == 0
-    assert first["ratio"] > 1.2, first  # injected 1.3x; CPU time on a shared 2-core box varies
+    # injected 1.3x: measured 1.35-1.39 here (16-step intervals varied 1.25-1.4); far above it, the spin
+    # would not be what the knob asked for
+    assert 1.2 < first["ratio"] < 1.7, first
     assert all(e["ranks"] == [1] for e in rel), rel  # rank 0 waits in `collective`, which is not judged
     assert not [e for e in found if e["check"] == "absolute"]  # a fresh baseline root: nothing to compare with
 
@@ -77,7 +79,8 @@ def test_every_rank_slowed_2x_is_caught_by_the_baseline_and_not_by_the_relative_
     assert not [e for e in found if e["check"] == "relative"], found
     absolute = [e for e in found if e["check"] == "absolute" and e["phase"] == "backward"]
     assert absolute, found
-    assert absolute[0]["ranks"] == "all" and absolute[0]["ratio"] > 1.2  # injected 2x; see the module docstring
+    # injected 2x: measured 2.0-2.7 against the healthy run before it (the box's speed moves 1.28x between runs)
+    assert absolute[0]["ranks"] == "all" and 1.5 < absolute[0]["ratio"] < 3.5, absolute
     assert absolute[0]["step"] <= STEPS
     # A run with a straggler does not replace the baseline it was judged against.
     (baseline,) = (tmp / "root" / "baselines").glob("*.json")
