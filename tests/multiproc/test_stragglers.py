@@ -79,8 +79,9 @@ def test_every_rank_slowed_2x_is_caught_by_the_baseline_and_not_by_the_relative_
     assert not [e for e in found if e["check"] == "relative"], found
     absolute = [e for e in found if e["check"] == "absolute" and e["phase"] == "backward"]
     assert absolute, found
-    # injected 2x: measured 2.0-2.7 against the healthy run before it (the box's speed moves 1.28x between runs)
-    assert absolute[0]["ranks"] == "all" and 1.5 < absolute[0]["ratio"] < 3.5, absolute
+    # injected 2x: measured 2.0-2.7 against the healthy run before it, and once 1.33 (2026-12-03: the box ran
+    # the slowed run 1.5x faster than the healthy one; a bound of 1.5 failed there): above straggler_ratio, not 3.5x
+    assert absolute[0]["ranks"] == "all" and 1.2 < absolute[0]["ratio"] < 3.5, absolute
     assert absolute[0]["step"] <= STEPS
     # A run with a straggler does not replace the baseline it was judged against.
     (baseline,) = (tmp / "root" / "baselines").glob("*.json")
