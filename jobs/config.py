@@ -148,7 +148,9 @@ class ClusterConfig:
     matmul_tflops: dict[str, float] = field(default_factory=dict)  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
     optimizer_ns_per_param: float = 0.0  # AdamW step + grad-norm pass per local parameter element, all ranks busy (jobs.calibrate; 0 = not modelled)
-    fsdp_unit_host_s: float = 0.0  # host time of one FSDP2 unit per microbatch beyond its collectives (hooks, gather/reduce copies), all ranks busy (jobs.calibrate; 0 = not modelled)
+    # host time of one FSDP2 unit per microbatch beyond its collectives (hooks, gather/reduce copies), all ranks busy,
+    # by the tp degree of its parameters ("tp1", "tp2": DTensor parameters cost FSDP2 4x more on CPU); jobs.calibrate; {} = not modelled
+    fsdp_unit_host_s: dict[str, float] = field(default_factory=dict)
     pp_action_host_s: float = 0.0  # host time of one pipeline schedule action (one stage's forward or backward of a microbatch) beyond its compute and sends (jobs.calibrate; 0 = not modelled)
     fs_fsync_s: float = 0.0  # one write+fsync+rename of a small file on run_root (a checkpoint commit's fixed cost)
 

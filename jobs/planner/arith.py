@@ -536,6 +536,7 @@ def comm_per_step(
     activation_checkpointing: str,
     ac_every: int = 2,
     nvlink_domain: int = 0,
+    compute_bytes: int = COMPUTE_BYTES,
 ) -> list[CommItem]:
     """Collectives per optimizer step for the rank holding `stages`, by axis.
 
@@ -552,33 +553,41 @@ def comm_per_step(
     CP: all-gather based, as Llama 3 (`_cp_items`). EP: dispatch and combine all-to-all per MoE block
     per microbatch, per forward and backward, node-limited when `model.moe_max_nodes` is set
     (`_ep_items`; `nvlink_domain`: GPUs per node, 0 = unknown: every copy on the ep axis).
+    Parameters are gathered and activations sent in the compute dtype: `compute_bytes` 2 (bf16), 4 (fp32).
     """
     blocks = [i for st in stages for i in st.layers]
     first, last = any(st.first for st in stages), any(st.last for st in stages)
     moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
     s = seq_len // cp
-    act = COMPUTE_BYTES * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    act = compute_bytes * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    dt = _dtype_name(compute_bytes)
     recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
     n_re, moe_re = len(recomputed), sum(1 for i in recomputed if i in moe)
-    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches)
+    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches,
+                        compute_bytes=compute_bytes)
     if tp > 1:
         items += _tp_items(blocks=len(blocks), recomputed=n_re, microbatches=microbatches, ends=int(first) + int(last),
-                           act=act, tp=tp, sequence_parallel=sequence_parallel)
+                           act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt)
     if pp > 1:
         sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
         per = act // tp if sequence_parallel and tp > 1 else act
-        items.append(CommItem("send_recv", "pp", "bf16 activations fwd + grads bwd", sends, sends * per, pp))
+        items.append(CommItem("send_recv", "pp", f"{dt} activations fwd + grads bwd", sends, sends * per, pp))
     if cp > 1:
         items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
-                           micro_batch=micro_batch, tp=tp, cp=cp)
+                           micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
     if ep > 1 and moe:
         n = 2 * microbatches * (2 * len(moe) + moe_re)  # dispatch + combine, per forward and backward
-        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain)
+        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
+                           compute_bytes=compute_bytes)
     return items
 
 
+def _dtype_name(compute_bytes: int) -> str:
+    return {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
+
+
 def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
-                microbatches: int) -> list[CommItem]:
+                microbatches: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
     """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
     their own dp degree), and HSDP's all-reduce of the shard over dp_replicate (see `comm_per_step`)."""
     items: list[CommItem] = []
@@ -594,15 +603,15 @@ def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replica
     else:
         ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * (dense - root_elems) + root_elems)
     if fsdp > 1 and dense:
-        items.append(CommItem("all_gather", "dp_shard", "bf16 parameters", ag_count,
-                              int(_ring(fsdp) * COMPUTE_BYTES * ag_elems), fsdp))
+        items.append(CommItem("all_gather", "dp_shard", f"{_dtype_name(compute_bytes)} parameters", ag_count,
+                              int(_ring(fsdp) * compute_bytes * ag_elems), fsdp))
         items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", len(blocks) + roots,
                               int(_ring(fsdp) * REDUCE_BYTES * dense), fsdp))
     edp = fsdp // max(ep, 1)  # the experts' own data-parallel degree
     if edp > 1 and experts:
         gathers = 1 if pp > 1 else 2 * microbatches
-        items.append(CommItem("all_gather", "dp_shard/ep", "bf16 expert parameters", gathers * moe_blocks,
-                              int(gathers * _ring(edp) * COMPUTE_BYTES * experts), edp))
+        items.append(CommItem("all_gather", "dp_shard/ep", f"{_dtype_name(compute_bytes)} expert parameters",
+                              gathers * moe_blocks, int(gathers * _ring(edp) * compute_bytes * experts), edp))
         items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
                               int(_ring(edp) * REDUCE_BYTES * experts), edp))
     if dp_replicate > 1:
@@ -613,34 +622,36 @@ def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replica
 
 
 def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
-              sequence_parallel: bool) -> list[CommItem]:
+              sequence_parallel: bool, dt: str = "bf16") -> list[CommItem]:
     """Tensor parallel's activation collectives (see `comm_per_step`); `ends`: embedding and/or head held."""
     per_block = microbatches * blocks
     if sequence_parallel:
         n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches
         b = int(n * _ring(tp) * act)
-        return [CommItem("all_gather", "tp", "bf16 activations (SP)", n, b, tp),
-                CommItem("reduce_scatter", "tp", "bf16 activations (SP)", n, b, tp)]
+        return [CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
+                CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp)]
     n = 7 * per_block + 2 * microbatches * recomputed + ends * microbatches
-    return [CommItem("all_reduce", "tp", "bf16 activations", n, int(n * 2 * _ring(tp) * act), tp)]
+    return [CommItem("all_reduce", "tp", f"{dt} activations", n, int(n * 2 * _ring(tp) * act), tp)]
 
 
 def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,
-              tp: int, cp: int) -> list[CommItem]:
+              tp: int, cp: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
     """Context parallel as Llama 3 runs it ("The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.2):
     "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the
     local query (Q) tensor chunk" (the sequence split into 2·cp load-balanced chunks), not ring
     attention's cp-1 point-to-point exchanges. Per block and microbatch: one K/V all-gather forward
     (again when the block is recomputed) and the reduce-scatter of dK/dV backward, each moving
     (cp-1)/cp of the full sequence's K/V per rank."""
-    kv_local = kv_bytes_per_token(m, tp=tp) * s * micro_batch  # this rank's 1/cp of the sequence
+    kv_local = kv_bytes_per_token(m, tp=tp, compute_bytes=compute_bytes) * s * micro_batch  # this rank's 1/cp of the sequence
+    dt = _dtype_name(compute_bytes)
     ag = microbatches * (blocks + recomputed)
     rs = microbatches * blocks
-    return [CommItem("all_gather", "cp", "bf16 K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
-            CommItem("reduce_scatter", "cp", "bf16 dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp)]
+    return [CommItem("all_gather", "cp", f"{dt} K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
+            CommItem("reduce_scatter", "cp", f"{dt} dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp)]
 
 
-def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: int, nvlink_domain: int) -> list[CommItem]:
+def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: int, nvlink_domain: int,
+              compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
     """The MoE all-to-alls of `n` dispatch/combine calls. Without node-limited routing each of a
     token's k routed copies goes straight to its expert's rank: k·(ep-1)/ep copies per token on the ep
     axis. With `model.moe_max_nodes` = M (DeepSeek-V3: 4; "DeepSeek-V3 Technical Report", arXiv
@@ -648,17 +659,17 @@ def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: 
     the GPU with the same in-node index, then by NVLink to the GPUs hosting their experts) a token
     crosses IB to at most min(k, M, nodes) nodes, (nodes-1)/nodes of them remote, and its k copies
     travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`."""
-    token = COMPUTE_BYTES * s * micro_batch * m.dim
-    k = m.experts_per_token
+    token = compute_bytes * s * micro_batch * m.dim
+    dt, k = _dtype_name(compute_bytes), m.experts_per_token
     g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
     nodes = ep // g if ep % g == 0 else -(-ep // g)
     if m.moe_max_nodes <= 0 or nvlink_domain <= 0 or nodes <= 1:
-        return [CommItem("all_to_all", "ep", "bf16 routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
+        return [CommItem("all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
     across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
     return [
-        CommItem("all_to_all", "ep", f"bf16 routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
+        CommItem("all_to_all", "ep", f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
                  int(n * across * token), ep),
-        CommItem("all_to_all", "ep_intra", "bf16 routed tokens forwarded to experts in the node", n,
+        CommItem("all_to_all", "ep_intra", f"{dt} routed tokens forwarded to experts in the node", n,
                  int(n * k * _ring(g) * token), g),
     ]
 

@@ -26,13 +26,16 @@ from pathlib import Path
 
 from jobs.config import JobConfig, ModelConfig
 from jobs.planner import arith as P
-from jobs.planner.hardware import OPS, compute_dtype, hops
+from jobs.planner.hardware import OPS, compute_bytes, compute_dtype, hops
 from jobs.planner.steptime import stage_flops
 
 __all__ = ["calibrate", "COLLECTIVE_SIZES", "sent_bytes"]
 
 COLLECTIVE_SIZES = (1024, 256 * 1024, 2 * 1024 * 1024)  # bytes of the full buffer per call
 PP_PROBE_MICROBATCHES = 4  # microbatches of the pipeline probe's 1F1B step
+# Repeats at least, of the probes whose one repeat is slow and noisy (DTensor's many small collectives):
+# on the 2-core box, 4 ranks, one tp 2 microbatch under FSDP2 took 70-210 ms more than without it.
+MIN_REPS_SLOW = 9
 
 
 def sent_bytes(op: str, size: int, n: int) -> float:
@@ -103,7 +106,7 @@ def _optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> fl
     return _timed_together(step, seconds=seconds, sync=sync, device=device) / max(local, 1) * 1e9
 
 
-def _paired_together(a, b, *, seconds: float, sync, device) -> float:
+def _paired_together(a, b, *, seconds: float, sync, device, min_reps: int = 5) -> float:
     """Median over repeats of (seconds of `b` - seconds of `a`), run back to back in each repeat and
     every rank at once (a barrier before each pair): the machine's speed, which moves from second to
     second on a shared box, is the same for both halves of a pair."""
@@ -113,7 +116,7 @@ def _paired_together(a, b, *, seconds: float, sync, device) -> float:
         fn(), sync()
     t0 = time.perf_counter()
     a(), b(), sync()
-    reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), 5), 200))
+    reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), min_reps), 200))
     reps = _agreed(reps, device=device)
     diffs = []
     for _ in range(reps):
@@ -137,31 +140,61 @@ def _agreed(value: int, *, device) -> int:
     return int(t.item())
 
 
-def _fsdp_unit_host_s(cfg: JobConfig, *, device, seconds: float, sync) -> float:
-    """Host seconds of one FSDP2 unit per microbatch beyond its collectives: the model's forward +
-    backward under fully_shard (per block and at the root, as parallel/fsdp.py) minus the plain
-    model's, over its units. Each rank shards over a group of its own, so the gathers and reductions
-    move no bytes to anyone: what is left is the hooks and the copies into and out of the buffers."""
+def _fsdp_extra_s(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync) -> float:
+    """Seconds that FSDP2 adds to one microbatch's forward + backward: the model under fully_shard (per
+    block and at the root, as parallel/fsdp.py) over the job's n / tp ranks, less the same model
+    without it, paired; with tp > 1 both are under the real tensor parallelism first, as
+    parallel/recipe.py orders them. The caller takes the gathers' and reductions' alpha-beta time out
+    (`_fsdp_unit_host_s`). With tp = n FSDP shards over a mesh axis of size 1 (no bytes move)."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     from jobs.model import Transformer
     from parallel.fsdp import apply_fsdp
+    from parallel.tp import apply_tp
 
     m, t = cfg.model, cfg.train
-    own, _ = dist.new_subgroups(group_size=1)
-    plain = Transformer(m).to(device)
-    sharded = copy.deepcopy(plain)
-    apply_fsdp(sharded, DeviceMesh.from_group(own, device.type, mesh_dim_names=("dp_shard",)), reshard_after_forward=True)
+    mesh = init_device_mesh(device.type, (n // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+
+    def build(fsdp: bool):
+        torch.manual_seed(0)
+        model = Transformer(m).to(device)
+        if tp > 1:
+            apply_tp(model, mesh["tp"], sequence_parallel=cfg.mesh.sequence_parallel, loss_parallel=False)
+        if fsdp:
+            apply_fsdp(model, mesh["dp_shard"], reshard_after_forward=True)
+        return model
+
     x = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len), device=device)
 
     def step(model):
         return lambda: F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
-    extra = _paired_together(step(plain), step(sharded), seconds=seconds, sync=sync, device=device)
-    return max(0.0, extra) / (m.n_layers + 1)
+    return _paired_together(step(build(False)), step(build(True)), seconds=seconds, sync=sync, device=device,
+                            min_reps=MIN_REPS_SLOW)
+
+
+def _fsdp_unit_host_s(cfg: JobConfig, *, tp: int, extra_s: float, collectives: dict) -> float:
+    """Seconds of one FSDP2 unit per microbatch beyond the alpha-beta time of its collectives: what
+    `_fsdp_extra_s` measured less the gathers and reductions of one microbatch over n / tp ranks as
+    the fitted links time them, over the model's units (its blocks and the root). That is the hooks,
+    the copies into and out of the buffers, and what the collectives cost inside a step beyond their
+    time alone (gloo's thread competes with the compute for the cores; peers arrive apart): measured
+    2026-12-03 on the 2-core box, 2 ranks, tiny, 2.3 ms per unit of which 1.6 ms with no bytes moving;
+    at tp 2 on 4 ranks about 4x that (FSDP2 over DTensor parameters)."""
+    from jobs.config import ClusterConfig
+    from jobs.planner.hardware import hardware
+
+    m, t, n = cfg.model, cfg.train, cfg.launcher.tasks_per_node
+    stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
+    hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=n)
+    comm = sum(hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=it.group)
+               for it in P.comm_per_step(m, stages, pp=1, dp_replicate=1, fsdp=n // tp, tp=tp, cp=1, ep=1, microbatches=1,
+                                         seq_len=t.seq_len, micro_batch=t.micro_batch, activation_checkpointing="none",
+                                         sequence_parallel=cfg.mesh.sequence_parallel, compute_bytes=compute_bytes(cfg))
+               if it.axis == "dp_shard")
+    return max(0.0, extra_s - comm) / (m.n_layers + 1)
 
 
 def _pp_action_seconds(cfg: JobConfig, *, rank: int, pair, device, seconds: float,
@@ -225,7 +258,7 @@ def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync
     def step():
         F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
-    return _timed_together(step, seconds=seconds, sync=sync, device=device)
+    return _timed_together(step, seconds=seconds, sync=sync, device=device, min_reps=MIN_REPS_SLOW)
 
 
 def _tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> float:
@@ -240,7 +273,7 @@ def _tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> floa
     comm = 0.0
     for it in P.comm_per_step(m, stages, pp=1, dp_replicate=1, fsdp=1, tp=tp, cp=1, ep=1, microbatches=1,
                               seq_len=t.seq_len, micro_batch=t.micro_batch, activation_checkpointing="none",
-                              sequence_parallel=cfg.mesh.sequence_parallel):
+                              sequence_parallel=cfg.mesh.sequence_parallel, compute_bytes=compute_bytes(cfg)):
         comm += hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=tp)
     _, train, _ = stage_flops(m, stages, tokens=t.micro_batch * t.seq_len, seq_len=t.seq_len, tp=tp, recomputed=[])
     return train / max(seconds - comm, seconds / 4) / 1e12
@@ -279,7 +312,7 @@ def _collective(op: str, size: int, *, n: int, rank: int, device, seconds: float
     return _timed_together(call, seconds=seconds, sync=sync, device=device, group=group)
 
 
-def _timed_together(fn, *, seconds: float, sync, device, group=None) -> float:
+def _timed_together(fn, *, seconds: float, sync, device, group=None, min_reps: int = 3) -> float:
     """Median seconds of `fn` when it holds collectives: every rank of `group` (default: all) makes the
     same number of calls (agreed from the slowest rank's first call), each starting together after a
     barrier. Ranks outside `group` do not take part (an odd rank out of the pairs)."""
@@ -291,7 +324,7 @@ def _timed_together(fn, *, seconds: float, sync, device, group=None) -> float:
     fn(), sync()
     first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    reps = int(min(max(seconds / max(float(first), 1e-6), 3), 200))
+    reps = int(min(max(seconds / max(float(first), 1e-6), min_reps), 200))
     times = []
     for _ in range(reps):
         dist.barrier(group=group)
@@ -363,13 +396,13 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
             groups[2] = pair
         for op in OPS:
             for g, grp in groups.items():
-                if g == 2 and grp is None:
+                if g != n and grp is None:  # the odd rank out of the pairs
                     continue
                 out["collectives"][f"{op}.{g}"] = [
                     (size, _collective(op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp))
                     for size in COLLECTIVE_SIZES]
         out["optimizer_ns"] = _optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
-        out["fsdp_unit_host_s"] = _fsdp_unit_host_s(cfg, device=device, seconds=secs / 2, sync=sync)
+        out["fsdp_extra_s"] = {tp: _fsdp_extra_s(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync) for tp in tps}
         out["pp_step_s"] = _pp_action_seconds(cfg, rank=rank, pair=pair, device=device, seconds=secs / 2, sync=sync)
         out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
                              for tp in tps if tp > 1}
@@ -465,7 +498,8 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
         "matmul_tflops": matmul,
         "collectives": collectives,
         "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
-        "fsdp_unit_host_s": round(statistics.median(r["fsdp_unit_host_s"] for r in ranks), 7),
+        "fsdp_unit_host_s": {f"tp{tp}": round(_fsdp_unit_host_s(cfg, tp=tp, collectives=collectives, extra_s=statistics.median(
+                                 r["fsdp_extra_s"][tp] for r in ranks)), 7) for tp in ranks[0]["fsdp_extra_s"]},
         "pp_action_host_s": round(_pp_action_host_s(cfg, statistics.median(p[0] for p in pp),
                                                     statistics.median(p[1] for p in pp), rate_tflops=rates[1]), 7)
                             if pp else 0.0,

@@ -385,7 +385,7 @@ def _role_comm(x: _Draft, pp_rank: int) -> list[dict]:
     rows = []
     for it in P.comm_per_step(x.cfg.model, x.shapes[pp_rank], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
                               activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
-                              nvlink_domain=x.cfg.cluster.nvlink_domain, **x.common):
+                              nvlink_domain=x.cfg.cluster.nvlink_domain, compute_bytes=H.compute_bytes(x.cfg), **x.common):
         row = it.as_dict()
         if it.axis == "dp_shard" and dims.cp > 1:
             row["axis"] = "dp_shard*cp"
@@ -515,8 +515,8 @@ def _activation_summary(x: _Draft) -> dict[str, object]:
 def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
     mem, dims = x.peak[1], x.d.dims
     dtype = H.compute_dtype(x.cfg.train.mixed_precision, gpus_per_node=x.cfg.cluster.gpus_per_node)
-    x.notes.append(f"memory and traffic assume bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
-                   f"params/grads/AdamW; the step time uses the {dtype} rate (train.mixed_precision)")
+    x.notes.append(f"memory assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
+                   f"params/grads/AdamW; the traffic and the step time use the {dtype} bytes and rate (train.mixed_precision)")
     return Plan(
         world_size=dims.world_size,
         mesh=" * ".join(f"{a}{v}" for a, v in x.shape.items() if v > 1) or "single",

@@ -79,13 +79,26 @@ class Hardware:
     node_ranks: int = 8  # ranks that share the fast fabric (scope "intra")
     pod_ranks: int = 0  # ranks under one non-blocking switch tier; 0 = not modelled
     optimizer_ns_per_param: float = 0.0  # the step tail (grad norm + AdamW) per local parameter; 0 = not modelled
-    fsdp_unit_host_s: float = 0.0  # host time per FSDP unit per microbatch beyond its collectives; 0 = not modelled
+    fsdp_unit_host_s: float = 0.0  # host time per FSDP unit per microbatch beyond its collectives, at this tp; 0 = not modelled
     pp_action_host_s: float = 0.0  # host time per pipeline schedule action beyond compute and sends; 0 = not modelled
     bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
     bubble_why: str = ""
 
     def link(self, op: str, scope: str) -> Link:
         return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
+
+
+def _fsdp_unit_host_s(cl: ClusterConfig, tp: int) -> float:
+    """The calibrated host time of one FSDP2 unit whose parameters are sharded over `tp` ranks; the nearest
+    smaller tp's figure when this one was not timed (an underestimate: DTensor parameters cost more)."""
+    timed = sorted((int(k.removeprefix("tp")), v) for k, v in cl.fsdp_unit_host_s.items())
+    below = [v for t, v in timed if t <= tp]
+    return float(below[-1]) if below else 0.0
+
+
+def compute_bytes(cfg) -> int:
+    """Bytes per gathered parameter and sent activation: the compute dtype's (train.mixed_precision)."""
+    return 4 if compute_dtype(cfg.train.mixed_precision, gpus_per_node=cfg.cluster.gpus_per_node) == "fp32" else 2
 
 
 def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
@@ -135,7 +148,7 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
         pod_ranks=cl.pod_gpus,
         optimizer_ns_per_param=cl.optimizer_ns_per_param,
-        fsdp_unit_host_s=cl.fsdp_unit_host_s,
+        fsdp_unit_host_s=_fsdp_unit_host_s(cl, tp),
         pp_action_host_s=cl.pp_action_host_s,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "

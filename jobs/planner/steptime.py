@@ -21,15 +21,18 @@ under a millisecond for the presets' shards).
 
 Host time that no FLOP count sees (calibrated; 0 on the published GPU profiles):
   - each FSDP2 unit (every block, and the root of each stage) runs its hooks and copies its shards
-    into the gather buffer and out of it, and the gradients into the reduce buffer, beyond the
-    collectives themselves: `fsdp_unit_host_s` per unit per microbatch (once per step with a
-    pipeline: its stages gather once and reduce once);
+    into the gather buffer and out of it, and the gradients into the reduce buffer, and its
+    collectives cost more inside a step than alone (on CPU ranks gloo's thread competes with the
+    compute for the cores, and peers arrive apart): `fsdp_unit_host_s["tp<tp>"]` per unit per
+    microbatch (once per step with a pipeline: its stages gather once and reduce once), timed at
+    the mesh's tp degree (FSDP2 over DTensor parameters costs about 4x as much on CPU);
   - each pipeline schedule action (one stage's forward or backward of one microbatch) costs
     `pp_action_host_s` of bookkeeping beyond its compute and its sends.
 On CPU ranks this time is on the critical path; on a GPU the host queues kernels ahead of the
 device, so only what exceeds the device's compute is exposed. Calibrated on the 2-core box (4 ranks
-busy, tiny model): 3.4 ms per FSDP2 unit per microbatch and 1.6 ms per pipeline action, up to 28% of the
-predicted step (tests/multiproc/test_steptime_vs_measured.py has the agreement).
+busy, tiny model): 7-12 ms per FSDP2 unit per microbatch (tp 1), 11-22 ms (tp 2), and 0.2-1.5 ms per
+pipeline action: with them the prediction is within 0.75-1.25 of the measured step
+(tests/multiproc/test_steptime_vs_measured.py has the agreement).
 
 Pure functions of plain numbers, `ModelConfig` and `Hardware`; no torch.
 """

@@ -1,19 +1,27 @@
 """The planner's predicted step time against the real trainer on this machine: calibrate a `local`
-profile (a short `jobs.planner.calibrate` run on the same 4 ranks), predict the step of the tiny
-model and of a larger CPU model on four meshes (FSDP, TP, PP 1F1B, PP interleaved), run the trainer
-on each right after, and compare with the median measured step (steps 2-7, the slowest rank's).
+profile (a `jobs.planner.calibrate` run on the same 4 ranks), predict the step of the tiny model and
+of a larger CPU model on four meshes (FSDP, TP, PP 1F1B, PP interleaved), run the trainer on each
+right after, and compare with the median measured step (steps 2-13, the slowest rank's).
 
 Calibration and measurement run back to back in one test because this machine is shared: its
 speed changes from minute to minute, and a profile measured earlier would not describe it.
 Bound: predicted / measured within 0.75-1.25 (issue 13 item 3).
 
-Measured on 2026-12-03 on the shared 2-core box under a load average of 5-15 from other jobs
-(predicted / measured, fsdp4, tp2_fsdp2, pp2_1f1b_fsdp2, pp2_interleaved_fsdp2):
-  tiny   1.09 0.86 1.61 1.05 | 0.50 0.55 0.82 0.44 | 0.46 0.30 0.98 0.52
-  larger 0.74 0.67 1.21 0.88 | 0.94 0.63 0.56 0.44
-The same mesh's measured step moved by 2x between runs (pp2_1f1b tiny: 0.100 to 0.247 s) and the
-calibrated rate by 3x: on that box this test fails; it is meant for an idle CI machine, where it
-has not been seen to pass yet. 128-183 s.
+The box also has slow spells of seconds (a single-threaded matmul loop, idle box, 2026-12-03: 66-82 ms
+per repeat, spells of up to 178 ms) that can cover a whole mesh's measurement: one tp2_fsdp2 run measured
+0.778 s where the runs before and after it measured 0.508-0.646 s, with the prediction at 0.54-0.55 s in
+all of them. A mesh measured slower than the bound allows is therefore measured once more and the faster
+of the two counts (a slow spell only slows; a model that predicts too little fails both). A mesh measured
+faster than the bound allows fails at once.
+
+Measured on 2026-12-03 on the idle 2-core box (predicted / measured, fsdp4, tp2_fsdp2, pp2_1f1b_fsdp2,
+pp2_interleaved_fsdp2), with the host terms calibrated at each tp degree and in context, ten runs:
+  tiny   1.17 1.12 0.84 0.71 | 1.14 1.23 1.13 0.88 | 1.10 1.03 0.99 1.08 | 1.02 1.10 1.15 0.96 | 1.15 1.64 1.24 1.00
+         1.10 1.09 0.93 1.00 | 1.00 0.69 0.77 0.90 | 0.93 0.93 0.77 0.88 | 1.07 1.04 1.05 1.00 | 1.14 1.65 1.46 1.65
+  larger 0.90 0.84 0.94 1.10 | 1.02 0.84 0.93 1.12 | 0.78 1.32 0.81 1.06 | 1.07 1.09 1.14 1.14 | 0.92 0.99 1.03 0.94
+         0.87 1.04 0.77 1.02 | 0.90 0.99 0.90 1.21 | 1.03 1.03 1.00 1.32 | 0.97 1.10 1.08 1.03 | 0.93 0.85 0.83 0.93
+(the first two runs with calibrate.seconds=0.3, the last three with the re-measurement). Before: 0.57-0.83.
+About 190 s for both models.
 """
 
 from __future__ import annotations
@@ -36,14 +44,13 @@ from tests.multiproc._ranks import run_ranks
 
 pytestmark = [
     pytest.mark.multiproc, pytest.mark.slow,
-    # Not yet true, so not in the default run (it would fail CI): on an idle 2-core machine (2026-12-03,
-    # load < 2) the model predicted 0.61-0.89 of the measured step (tiny 0.81 0.89 0.81 0.71, larger
-    # 0.61 0.78 0.73 0.79); with the calibrated host time of FSDP2 units and pipeline actions 0.70-0.95
-    # (tiny 0.70 0.72 0.77 0.79, larger - 0.74 0.85 0.95), still under: the trainer's own per-step Python
-    # and DTensor's per-op cost beyond the tp rate are not in it, and the same mesh's measured step moved
-    # 1.45x between runs (tiny fsdp4 0.118 and 0.171 s). Issue 13 item 3 stays open; MESHJOB_STEPTIME_CHECK=1 runs it.
+    # Centred now, not yet steady enough for CI: over 10 runs of both models (20 model runs) the median ratio
+    # was 1.02 and 90% of the 80 ratios lay in 0.77-1.24, but 6 of the 20 model runs had one mesh or more out
+    # of 0.75-1.25, each in a slow spell of the box (a calibration in one lifts all four of a model's
+    # predictions together: tiny 1.14-1.65 in one run). Issue 13 item 3 stays open; MESHJOB_STEPTIME_CHECK=1 runs it.
     pytest.mark.skipif(os.environ.get("MESHJOB_STEPTIME_CHECK") != "1",
-                       reason="step-time model not yet within 25% on CPU (issue 13 item 3); MESHJOB_STEPTIME_CHECK=1 runs it"),
+                       reason="step-time agreement not yet steady on a shared CPU box (issue 13 item 3); "
+                              "MESHJOB_STEPTIME_CHECK=1 runs it"),
 ]
 
 MODELS = {
@@ -51,7 +58,7 @@ MODELS = {
     "larger": ["model=tiny", "model.dim=256", "model.ffn_dim=768", "model.vocab_size=1024", "train.seq_len=128"],
 }
 COMMON = ["launcher.tasks_per_node=4", "train.global_batch=8", "train.micro_batch=2", "checkpoint.enabled=false",
-          "calibrate.seconds=0.3"]
+          "calibrate.seconds=1.0"]
 MESHES = {
     "fsdp4": ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1"],
     "tp2_fsdp2": ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"],
@@ -60,7 +67,7 @@ MESHES = {
                               "mesh.pp_stages_per_rank=2"],
 }
 BOUNDS = (0.75, 1.25)
-STEPS = 10
+STEPS = 14
 
 
 def _step_times(rank: int, world: int, overrides: list[str]) -> list[float]:
@@ -70,6 +77,12 @@ def _step_times(rank: int, world: int, overrides: list[str]) -> list[float]:
     times = [tr.train_step(s)["step_time_s"] for s in range(STEPS)]
     tr.close()
     return times
+
+
+def _measured(overrides: list[str]) -> float:
+    """The median step (steps 2 on, the slowest rank's) of a fresh 4-rank trainer."""
+    res = run_ranks(_step_times, 4, overrides, timeout=300).results
+    return statistics.median(max(res[r][i] for r in res) for i in range(2, STEPS))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -85,8 +98,11 @@ def test_predicted_step_time_is_within_25_percent_of_the_measured_one(model: str
         for key, value in figures.items():
             setattr(planned.cluster, key, value)
         step = build_plan(planned, measure=False).step
-        res = run_ranks(_step_times, 4, overrides, timeout=300).results
-        measured = statistics.median(max(res[r][i] for r in res) for i in range(2, STEPS))
+        measured = _measured(overrides)
+        if step["step_s"] / measured < BOUNDS[0]:  # slower than predicted: once more, the faster of the two counts
+            again = _measured([*overrides[:-1], f"run.dir={tmp_path / name}_again"])
+            print(f"{model} {name}: measured {measured:.3f} s, again {again:.3f} s")
+            measured = min(measured, again)
         ratios[name] = step["step_s"] / measured
         print(f"{model} {name}: predicted {step['step_s']:.3f} s (compute {step['compute_s']:.3f}, host {step['host_s']:.3f}, exposed comm "
               f"{step['comm_exposed_s']:.3f}, bubble {step['bubble_s']:.3f}, dp tail {step['dp_exposed_s']:.3f}, "

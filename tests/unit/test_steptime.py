@@ -105,21 +105,53 @@ def test_host_time_of_fsdp_units_and_pipeline_actions_is_part_of_the_cpu_step():
     # tiny: 4 blocks. FSDP over 4 ranks, no pipeline: 4 blocks + the root = 5 units, gathered in every one of
     # the 16 / (4 x 2) = 2 microbatches.
     fsdp = ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1"]
-    s = _calibrated(fsdp, fsdp_unit_host_s=0.01, pp_action_host_s=0.002)
+    s = _calibrated(fsdp, fsdp_unit_host_s={"tp1": 0.01}, pp_action_host_s=0.002)
     assert s["host_s"] == pytest.approx(5 * 0.01 * 2)
     assert s["step_s"] == pytest.approx(_calibrated(fsdp)["step_s"] + s["host_s"])  # nothing else moved
     # pp 2 x dp_shard 2: a stage holds 2 blocks (+ its root = 3 units), gathered once per step; its
     # 16 / (2 x 2) = 4 microbatches are 8 schedule actions (a forward and a backward each).
     pp = ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1", "mesh.pp_schedule=1f1b"]
-    s = _calibrated(pp, fsdp_unit_host_s=0.01, pp_action_host_s=0.002)
+    s = _calibrated(pp, fsdp_unit_host_s={"tp1": 0.01}, pp_action_host_s=0.002)
     assert s["host_s"] == pytest.approx(3 * 0.01 + 8 * 0.002)
     # no data parallelism: no FSDP units
-    assert _calibrated(["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], fsdp_unit_host_s=0.01)["host_s"] == 0
+    assert _calibrated(["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], fsdp_unit_host_s={"tp1": 0.01})["host_s"] == 0
+
+
+def test_fsdp_host_time_is_the_one_calibrated_at_the_mesh_tp():
+    # FSDP2 over tp-sharded DTensor parameters costs more host time per unit than over plain ones (measured
+    # 2026-12-03 on the 2-core box, tiny, 4 ranks busy: 5 ms plain, 21 ms at tp 2): the tp 2 mesh takes the
+    # "tp2" figure; tp 4, not timed, the nearest smaller one. tp2 x dp_shard 2, 16 / (2 x 2) = 4 microbatches
+    # of 4 blocks + the root.
+    figures = {"fsdp_unit_host_s": {"tp1": 0.005, "tp2": 0.021}}
+    tp2 = _calibrated(["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"], **figures)
+    assert tp2["host_s"] == pytest.approx(5 * 0.021 * 4)
+    tp4 = _calibrated(["mesh.pp=1", "mesh.dp_shard=1", "mesh.dp_replicate=1", "mesh.tp=4"], **figures)
+    assert tp4["host_s"] == 0  # no FSDP
+    cl = compose([]).cluster
+    cl.fsdp_unit_host_s = figures["fsdp_unit_host_s"]
+    assert H._fsdp_unit_host_s(cl, 4) == 0.021 and H._fsdp_unit_host_s(cl, 1) == 0.005
+    cl.fsdp_unit_host_s = {}
+    assert H._fsdp_unit_host_s(cl, 2) == 0.0
 
 
 def test_on_a_gpu_host_time_hides_behind_the_device_compute_it_queues():
     cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
     base = build_plan(cfg, measure=False).step
-    cfg.cluster.fsdp_unit_host_s, cfg.cluster.pp_action_host_s = 1e-4, 1e-4
+    cfg.cluster.fsdp_unit_host_s, cfg.cluster.pp_action_host_s = {"tp1": 1e-4, "tp8": 1e-4}, 1e-4
     s = build_plan(cfg, measure=False).step
     assert s["host_s"] == 0 and s["step_s"] == pytest.approx(base["step_s"])
+
+
+def test_parameters_and_activations_travel_in_the_compute_dtype():
+    # fp32 ranks (CPU) gather fp32 parameters and send fp32 activations: twice the bytes of bf16. The plan
+    # counted bf16 for every run, so an fp32 run's collectives were timed at half their bytes.
+    def rows(mp: str) -> dict[tuple[str, str], dict]:
+        cfg = compose(["launcher.tasks_per_node=4", "mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1",
+                       f"train.mixed_precision={mp}"])
+        return {(r["collective"], r["axis"]): r for r in build_plan(cfg, measure=False).comm}
+
+    fp32, bf16 = rows("fp32"), rows("bf16")
+    for key in (("all_gather", "dp_shard"), ("send_recv", "pp")):
+        assert fp32[key]["bytes"] == 2 * bf16[key]["bytes"] > 0
+        assert fp32[key]["what"].startswith("fp32") and bf16[key]["what"].startswith("bf16")
+    assert fp32[("reduce_scatter", "dp_shard")]["bytes"] == bf16[("reduce_scatter", "dp_shard")]["bytes"]  # fp32 reduction
