@@ -79,7 +79,8 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     # Intact up to the last flush before the kill: every row read live is there unchanged, and the
     # killed attempt's rows end on a flush boundary (a log interval), not mid-interval.
     assert first[: len(live["step"])] == live["step"] and after["backward"][: len(live["step"])] == live["backward"]
-    assert first == list(range(1, len(first) + 1)) and len(first) % LOG_EVERY == 0 and len(first) >= 8
+    # (not "at least step 8": rank 0 logs step 8 before rank 1 flushes it, and the kill can land in between, CI)
+    assert first == list(range(1, len(first) + 1)) and len(first) % LOG_EVERY == 0 and len(first) >= len(live["step"])
     assert again == list(range(again[0], STEPS + 1)) and (again[0] - 1) % 5 == 0  # resumed from a checkpoint
 
     assert report.main([str(run_dir)]) == exitcodes.OK
