@@ -10,9 +10,12 @@ Bound: predicted / measured within 0.75-1.25 (issue 13 item 3).
 The box also has slow spells of seconds (a single-threaded matmul loop, idle box, 2026-12-03: 66-82 ms
 per repeat, spells of up to 178 ms) that can cover a whole mesh's measurement: one tp2_fsdp2 run measured
 0.778 s where the runs before and after it measured 0.508-0.646 s, with the prediction at 0.54-0.55 s in
-all of them. A mesh measured slower than the bound allows is therefore measured once more and the faster
-of the two counts (a slow spell only slows; a model that predicts too little fails both). A mesh measured
-faster than the bound allows fails at once.
+all of them. A slow spell only slows, on either side, so each side gets one second try, and the faster
+of the two counts: a mesh measured slower than the bound allows is measured once more, and when any
+prediction is above the bound the profile is calibrated once more (a spell in the calibration lifts all four
+predictions together) and each mesh keeps the lower of its two predictions. A model that predicts too
+little or too much still fails both tries. (The second calibration was added 2026-12-04; one run of both
+models since: 0.94 1.00 0.92 1.05 | 1.03 1.15 0.99 0.87, no retry taken. Too few runs to lift the gate.)
 
 Measured on 2026-12-03 on the idle 2-core box (predicted / measured, fsdp4, tp2_fsdp2, pp2_1f1b_fsdp2,
 pp2_interleaved_fsdp2), with the host terms calibrated at each tp degree and in context, ten runs:
@@ -85,28 +88,37 @@ def _measured(overrides: list[str]) -> float:
     return statistics.median(max(res[r][i] for r in res) for i in range(2, STEPS))
 
 
+def _predicted(overrides: list[str], figures: dict) -> dict:
+    planned = compose(overrides)
+    for key, value in figures.items():
+        setattr(planned.cluster, key, value)
+    return build_plan(planned, measure=False).step
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_predicted_step_time_is_within_25_percent_of_the_measured_one(model: str, tmp_path) -> None:
     base = [*MODELS[model], *COMMON, f"data.path={tmp_path / 'tokens.h5'}"]
     cfg = compose(base)
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
+    runs = {name: [*base, *mesh, f"run.dir={tmp_path / name}"] for name, mesh in MESHES.items()}
     figures = calibrate(cfg, command=f"test_steptime_vs_measured {model}")
-    ratios = {}
-    for name, mesh in MESHES.items():
-        overrides = [*base, *mesh, f"run.dir={tmp_path / name}"]
-        planned = compose(overrides)
-        for key, value in figures.items():
-            setattr(planned.cluster, key, value)
-        step = build_plan(planned, measure=False).step
-        measured = _measured(overrides)
-        if step["step_s"] / measured < BOUNDS[0]:  # slower than predicted: once more, the faster of the two counts
-            again = _measured([*overrides[:-1], f"run.dir={tmp_path / name}_again"])
-            print(f"{model} {name}: measured {measured:.3f} s, again {again:.3f} s")
-            measured = min(measured, again)
-        ratios[name] = step["step_s"] / measured
-        print(f"{model} {name}: predicted {step['step_s']:.3f} s (compute {step['compute_s']:.3f}, host {step['host_s']:.3f}, exposed comm "
-              f"{step['comm_exposed_s']:.3f}, bubble {step['bubble_s']:.3f}, dp tail {step['dp_exposed_s']:.3f}, "
-              f"optimizer {step['optimizer_s']:.3f}) "
-              f"measured {measured:.3f} s ratio {ratios[name]:.2f}")
-    bad = {k: round(v, 2) for k, v in ratios.items() if not BOUNDS[0] <= v <= BOUNDS[1]}
-    assert not bad, f"predicted / measured outside {BOUNDS}: {bad} (all: {ratios})"
+    step = {name: _predicted(o, figures) for name, o in runs.items()}
+    measured = {name: _measured(o) for name, o in runs.items()}
+
+    def ratio(name: str) -> float:
+        return step[name]["step_s"] / measured[name]
+
+    if any(ratio(n) > BOUNDS[1] for n in runs):  # predicted too slow: calibrate once more, the faster prediction counts
+        print(f"{model}: calibrating again ({ {n: round(ratio(n), 2) for n in runs} })")
+        again = calibrate(cfg, command=f"test_steptime_vs_measured {model} (again)")
+        step = {n: min(step[n], _predicted(o, again), key=lambda s: s["step_s"]) for n, o in runs.items()}
+    for name in [n for n in runs if ratio(n) < BOUNDS[0]]:  # measured too slow: once more, the faster counts
+        again = _measured([*runs[name][:-1], f"run.dir={tmp_path / name}_again"])
+        print(f"{model} {name}: measured {measured[name]:.3f} s, again {again:.3f} s")
+        measured[name] = min(measured[name], again)
+    for name, s in step.items():
+        print(f"{model} {name}: predicted {s['step_s']:.3f} s (compute {s['compute_s']:.3f}, host {s['host_s']:.3f}, "
+              f"exposed comm {s['comm_exposed_s']:.3f}, bubble {s['bubble_s']:.3f}, dp tail {s['dp_exposed_s']:.3f}, "
+              f"optimizer {s['optimizer_s']:.3f}) measured {measured[name]:.3f} s ratio {ratio(name):.2f}")
+    bad = {n: round(ratio(n), 2) for n in runs if not BOUNDS[0] <= ratio(n) <= BOUNDS[1]}
+    assert not bad, f"predicted / measured outside {BOUNDS}: {bad} (all: { {n: round(ratio(n), 2) for n in runs} })"
