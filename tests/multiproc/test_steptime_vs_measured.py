@@ -108,14 +108,20 @@ def test_predicted_step_time_is_within_25_percent_of_the_measured_one(model: str
     def ratio(name: str) -> float:
         return step[name]["step_s"] / measured[name]
 
+    def remeasure_slow() -> None:  # measured too slow: once more per mesh, the faster of the two counts
+        for name in [n for n in runs if ratio(n) < BOUNDS[0] and n not in remeasured]:
+            remeasured.add(name)
+            again = _measured([*runs[name][:-1], f"run.dir={tmp_path / name}_again"])
+            print(f"{model} {name}: measured {measured[name]:.3f} s, again {again:.3f} s")
+            measured[name] = min(measured[name], again)
+
+    remeasured: set[str] = set()
+    remeasure_slow()  # first: a faster re-measurement can put a ratio above the bound
     if any(ratio(n) > BOUNDS[1] for n in runs):  # predicted too slow: calibrate once more, the faster prediction counts
         print(f"{model}: calibrating again ({ {n: round(ratio(n), 2) for n in runs} })")
         again = calibrate(cfg, command=f"test_steptime_vs_measured {model} (again)")
         step = {n: min(step[n], _predicted(o, again), key=lambda s: s["step_s"]) for n, o in runs.items()}
-    for name in [n for n in runs if ratio(n) < BOUNDS[0]]:  # measured too slow: once more, the faster counts
-        again = _measured([*runs[name][:-1], f"run.dir={tmp_path / name}_again"])
-        print(f"{model} {name}: measured {measured[name]:.3f} s, again {again:.3f} s")
-        measured[name] = min(measured[name], again)
+        remeasure_slow()  # a lower prediction can put a ratio under the bound
     for name, s in step.items():
         print(f"{model} {name}: predicted {s['step_s']:.3f} s (compute {s['compute_s']:.3f}, host {s['host_s']:.3f}, "
               f"exposed comm {s['comm_exposed_s']:.3f}, bubble {s['bubble_s']:.3f}, dp tail {s['dp_exposed_s']:.3f}, "
