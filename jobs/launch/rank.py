@@ -109,8 +109,10 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         events.emit("failure", cls=e.cls, error=str(e), suspects=[])
         return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
-        log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
-        _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step))
+        log.error("%s during %s: %s", type(e).__name__, during, e,
+                  exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
+        # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
+        _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None)))
     watchdog.stop()
     health.stop()
     if outcome == "done":
