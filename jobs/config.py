@@ -185,7 +185,7 @@ class FailureConfig:
     straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
     exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
     sdc_rerun: bool = True  # a suspicious step is re-run from the same state before its optimizer step: values that differ = hardware (`sdc`)
-    sdc_rtol: float = 1e-3  # relative difference between a rank's two runs of a step that counts as different (CPU: bitwise equal)
+    sdc_rtol: float = 0.0  # relative difference between a rank's two runs of a step that counts as different; 0 = any (train.deterministic)
     replica_hash_every: int = 0  # mesh.dp_replicate > 1: compare parameter and gradient hashes across replicas every this many steps; 0 = off
 
 

@@ -293,13 +293,12 @@ class Trainer:
             _replicate_partial_grads(self.parts)
         return local_loss
 
-    def _save_before_step(self) -> None:
-        """Before an sdc ends the attempt: the state before this step (no update applied) as checkpoint
-        `state.step`, unless that step is committed already (or checkpoints are off, or it is step 0)."""
-        if not self.cfg.checkpoint.enabled or self.state.step == 0:
-            return
+    def _save_before_step(self, this_step: bool) -> None:
+        """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
+        this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
         self.ckpt.wait()
-        if not (self.ckpt.folder / f"step_{self.state.step}").is_dir():
+        if this_step and self.cfg.checkpoint.enabled and self.state.step > 0 and not (
+                self.ckpt.folder / f"step_{self.state.step}").is_dir():
             self._save(self.state.step)
             self.ckpt.wait()
 

@@ -27,10 +27,11 @@ the rank. Parameters that disagree diverged at an earlier step: the replica outs
 named (with two replicas there is no majority: the incident names nobody, and the run resumes from
 its last checkpoint).
 
-The test seam (tests only, never in a real run): `MESHJOB_TEST_FLIP_GRAD="<rank>:<step>[:once]"`, read
-once per process, flips the top exponent bit of the largest element of rank `<rank>`'s first local
-gradient after the backward of step `<step>` (numbered as metrics.jsonl numbers it), once per process
-(the re-run computes it clean); `:once` only in the run's first attempt (restart count 0).
+The test seam (tests only, never in a real run): `MESHJOB_TEST_FLIP_GRAD="<rank>:<step>[:bit<n>][:once]"`,
+read once per process, flips one bit (default the top exponent bit; `bit23`, float32's lowest exponent
+bit, doubles or halves the value) of the largest element of rank `<rank>`'s first local gradient after
+the backward of step `<step>` (numbered as metrics.jsonl numbers it), once per process (the re-run
+computes it clean); `:once` only in the run's first attempt (restart count 0).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Flip:
     rank: int
     step: int  # 1-based, as metrics.jsonl numbers steps
     once: bool  # only in the run's first attempt
+    bit: int | None = None  # the bit of the element to flip; None: the top exponent bit
 
 
 def check_config(f: FailureConfig) -> None:
@@ -79,13 +81,15 @@ def check_config(f: FailureConfig) -> None:
 
 
 def parse_flip(text: str) -> Flip | None:
-    """`MESHJOB_TEST_FLIP_GRAD` -> Flip: "1:13" or "1:13:once"; None when unset."""
+    """`MESHJOB_TEST_FLIP_GRAD` -> Flip: "1:13", "1:13:once", "1:13:bit23:once"; None when unset."""
     if not text.strip():
         return None
-    parts = text.strip().split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "once"):
-        raise ValueError(f"{FLIP_VAR}={text!r}: expected <rank>:<step>[:once]")
-    return Flip(rank=int(parts[0]), step=int(parts[1]), once=len(parts) == 3)
+    rank, step, *opts = [*text.strip().split(":"), ""][:max(2, text.count(":") + 1)]
+    bits = [o for o in opts if o.startswith("bit") and o[3:].isdigit()]
+    bad = not (rank.isdigit() and step.isdigit()) or len(bits) > 1 or opts.count("once") > 1
+    if bad or any(o != "once" and o not in bits for o in opts):
+        raise ValueError(f"{FLIP_VAR}={text!r}: expected <rank>:<step>[:bit<n>][:once]")
+    return Flip(rank=int(rank), step=int(step), once="once" in opts, bit=int(bits[0][3:]) if bits else None)
 
 
 def differs(a: float, b: float, *, rtol: float) -> bool:
@@ -176,22 +180,25 @@ class SdcGuard:
     @torch.no_grad()
     def inject(self, step: int, parts: list[torch.nn.Module]) -> None:
         """The test seam: flips one bit of this rank's gradient at the chosen step (first computation only)."""
-        if self._flip is None or step + 1 != self._flip.step:
+        flip = self._flip
+        if flip is None or step + 1 != flip.step:
             return
         self._flip = None
         g = next(g for g in _grads(parts) if g.numel() > 0)
         flat = g.view(-1)
         i = int(flat.abs().argmax())
         bits = flat[i : i + 1].view({4: torch.int32, 2: torch.int16}[g.element_size()])
-        bits ^= 1 << (8 * g.element_size() - 2)  # the top exponent bit (float32 bit 30, bf16 bit 14)
+        bit = 8 * g.element_size() - 2 if flip.bit is None else flip.bit  # default: the top exponent bit
+        bits ^= 1 << bit  # (float32 bit 30: x * 2**128 for |x| < 2; bit 23, the lowest: x * 2 or x / 2)
 
     def check(self, *, step: int, suspicious: bool, local_loss: torch.Tensor, parts: list[torch.nn.Module],
-              recompute: Callable[[], torch.Tensor], save: Callable[[], None]) -> None:
+              recompute: Callable[[], torch.Tensor], save: Callable[[bool], None]) -> None:
         """Before step `step`'s optimizer step: re-runs it when suspicious (or when the replicas' gradients
-        disagree); raises SilentCorruption when the values differ (after `save`, the pre-step state)."""
+        disagree); raises SilentCorruption when the values differ, after `save(True)` (the save in flight
+        committed, and the pre-step state saved) or, when the parameters diverged earlier, `save(False)`."""
         trigger, odd = ("spike" if suspicious and self.cfg.sdc_rerun else None), []
         every = self.cfg.replica_hash_every
-        if self.groups and every > 0 and (step + 1) % every == 0 and self._replicas_disagree(step, parts):
+        if self.groups and every > 0 and (step + 1) % every == 0 and self._replicas_disagree(step, parts, save):
             trigger, odd = "replica_hash", self._odd
         if trigger is None:
             return
@@ -204,12 +211,12 @@ class SdcGuard:
         self._emit("sdc_check", step=step + 1, trigger=trigger, verdict="sdc" if differ else "data", differ=differ,
                    suspects=named, named_by=by, values={r: t for r, t in enumerate(table)})
         if differ:
-            save()
+            save(True)
             raise SilentCorruption(self._incident(step, named, by=by, trigger=trigger, evidence={
                 "first": {r: t[0] for r, t in enumerate(table)}, "rerun": {r: t[1] for r, t in enumerate(table)},
                 "differ": differ, "rtol": self.cfg.sdc_rtol}))
 
-    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module]) -> bool:
+    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], save: Callable[[bool], None]) -> bool:
         """Compares the replicas' parameter and gradient hashes: True when the gradients disagree (re-run
         the step); raises SilentCorruption when only the parameters do (they diverged at an earlier step)."""
         params = [_local(p) for part in parts for p in part.parameters()]
@@ -223,6 +230,7 @@ class SdcGuard:
         if self._bad:
             return True
         by = "parameter hash outside the replicas' majority" if odd_p else "two replicas disagree: no majority"
+        save(False)
         raise SilentCorruption(self._incident(step, odd_p, by=by, trigger="replica_hash", evidence={
             "param_hashes": {r: t[0] for r, t in enumerate(table)}, "disagree": bad_p}))
 
