@@ -24,7 +24,7 @@ from jobs.failure.ledger import attempts, attempts_without_progress
 from jobs.failure.quarantine import QUARANTINE_CLASSES
 from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "Restart", "decide", "claim", "publish", "read_decision", "decision_wait_s", "requeue_job",
+__all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s", "requeue_job",
            "requeues_used", "slurm_intent", "suspects_again"]
 
 _SLURM_CALLS_S = 20.0  # what the decider's Slurm calls (sinfo, requeue, update) take on a healthy controller
@@ -142,15 +142,33 @@ def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
     return None
 
 
-def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:
-    """True for exactly one caller per attempt (the decider)."""
+def claim(run_dir: str | os.PathLike[str], attempt: str, *, rank: int | None = None) -> bool:
+    """True for exactly one caller per attempt (the decider); the claim names it (rank, pid, host), so that
+    the supervisor can name a decider that died before publishing (`claimant`)."""
     folder = incident_dir(run_dir, attempt)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        os.close(os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        fd = os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    try:
+        os.write(fd, json.dumps({"rank": rank, "pid": os.getpid(), "host": os.uname().nodename}).encode())
+    finally:
+        os.close(fd)
     return True
+
+
+def claimant(run_dir: str | os.PathLike[str], attempt: str) -> dict | None:
+    """Who claimed the attempt's decision ({rank, pid, host}; {} for a claim that names nobody); None if
+    nobody did."""
+    try:
+        text = (incident_dir(run_dir, attempt) / ".claim").read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # empty: claimed, not yet named (or by a version that did not name it)
+        return {}
 
 
 def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -> None:

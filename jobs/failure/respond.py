@@ -8,21 +8,23 @@ record of a new attempt, writing the ends that the previous attempts could not w
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import asdict, dataclass
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.events import EventLog, read_events
-from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, write_incident
+from jobs.failure.heartbeat import read_beats
+from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, incident_dir, write_incident
 from jobs.failure.ledger import render_summary, unfinished
-from jobs.failure.policy import (Decision, Restart, claim, decide, decision_wait_s, publish, read_decision, requeue_job,
-                                 slurm_intent)
+from jobs.failure.policy import (Decision, Restart, claim, claimant, decide, decision_wait_s, publish, read_decision,
+                                 requeue_job, slurm_intent)
 from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined, requeue_excluding,
                                      usable_nodes)
 from jobs.log import get_logger
 
-__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
+__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider"]
 
 _once = threading.Lock()
 
@@ -55,10 +57,12 @@ def open_attempt(ctx: AttemptContext, **facts) -> None:
     ctx.events.emit("attempt_start", job_id=ctx.job_id, world_size=ctx.world_size, **facts)
 
 
-def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None) -> int:
-    """Writes the incident and the ledger records, decides, requeues before anyone tears down, then
-    publishes the decision; returns this process's exit code (the other ranks read it from the decision)."""
-    if incident is not None:
+def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None,
+             recorded: bool = False) -> int:
+    """Writes the incident (unless `recorded` already) and the ledger records, decides, requeues before anyone
+    tears down, then publishes the decision; returns this process's exit code (the other ranks read it from
+    the decision)."""
+    if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
         ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
                         reported_by=incident.reported_by)
@@ -146,7 +150,7 @@ def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, durin
     with _once:
         if ctx.rank >= 0:
             dump_stacks(ctx.run_dir, ctx.attempt, ctx.rank)
-        if not claim(ctx.run_dir, ctx.attempt):
+        if not claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):
             d = read_decision(ctx.run_dir, ctx.attempt, wait_s=decision_wait_s(ctx.cfg))
             return int(d["exit_code"]) if d else exitcodes.REQUEUE
         if incident is None:
@@ -155,3 +159,40 @@ def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, durin
                                         during=during)
         get_logger().error("incident %s: %s", incident.cls, incident.summary)
         return conclude(ctx, cause=incident.cls, step=step, incident=incident)
+
+
+def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | None:
+    """The supervisor's part when an attempt's step has ended (so every rank of it is gone) with the attempt
+    claimed and no decision published: its decider died while deciding (killed, its node lost, its own
+    failure path failed). Decides in its place, from the incident the decider wrote, else as a dead rank
+    naming the decider, and returns the published decision; None when nobody claimed the attempt (it
+    finished, or was stopped by a signal) or the decision is there."""
+    who = claimant(ctx.run_dir, ctx.attempt)
+    if who is None or read_decision(ctx.run_dir, ctx.attempt, wait_s=0) is not None:
+        return None
+    beats = read_beats(ctx.run_dir, ctx.attempt)
+    path = incident_dir(ctx.run_dir, ctx.attempt) / "incident.json"
+    try:
+        fields = json.loads(path.read_text())
+        incident, recorded = Incident(**{k: v for k, v in fields.items() if k != "stacks"}), True
+    except (OSError, ValueError, TypeError):
+        incident, recorded = _dead_decider(ctx, who, beats), False
+    get_logger().error("attempt %s: the step ended (exit %d) without the decision that %s claimed; deciding in its "
+                       "place: %s", ctx.attempt, step_code, _who(who), incident.summary)
+    step = max((b.step for b in beats.values()), default=None)
+    conclude(ctx, cause=incident.cls, step=step if step is None or step >= 0 else None, incident=incident,
+             recorded=recorded)
+    return read_decision(ctx.run_dir, ctx.attempt, wait_s=0)
+
+
+def _who(who: dict) -> str:
+    return f"rank {who['rank']} (pid {who.get('pid')}, host {who.get('host')})" if who.get("rank") is not None else "a rank"
+
+
+def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
+    """A `dead_rank` incident naming the decider (its node from its heartbeat), reported by the supervisor."""
+    b = beats.get(who.get("rank"))
+    suspects = [{"rank": b.rank, "node": b.node, "host": b.host, "pid": b.pid, "state": "dead", "step": b.step,
+                 "phase": b.phase}] if b is not None else []
+    return Incident("dead_rank", ctx.attempt, ctx.rank, f"{_who(who)} claimed the decision of attempt {ctx.attempt} "
+                    "and died before publishing it", suspects, {"claim": who})

@@ -1,16 +1,19 @@
-"""The requeue path on the real local cluster: a quarantine list naming a node Slurm does not know must not
-leave the requeued job held (issue 20, item 2); the known names are still excluded."""
+"""The requeue path on the real local cluster (issue 20, item 2): a quarantine list naming a node Slurm does not
+know must not leave the requeued job held (the known names are still excluded), and a decider killed before it
+published its decision is replaced by the supervisor."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import events, losses, submit, wait_for_step, wait_job_done
+from tests.chaos.chaos_helpers import events, losses, rank_pid, submit, wait_for_step, wait_job_done
 from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -51,4 +54,30 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
     assert recs[-1]["NodeList"] == "node[2-3]" and scontrol_job(job)["ExcNodeList"] == "node1", recs
     (rq,) = events(run_root, "requeue")
     assert rq["ok"] and "dropped node(s) Slurm does not know: node99" in rq["scontrol"], rq
+    assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
+
+
+def _claimer(path: Path, *, timeout: float = 120) -> dict:
+    """The decider's claim ({rank, pid, host}) as soon as it is written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            time.sleep(0.001)
+    raise AssertionError(f"nobody claimed {path.parent.name} within {timeout} s")
+
+
+def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_the_run_finishes(run_root: Path) -> None:
+    job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
+    wait_for_step(run_root, 15)
+    os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGKILL)
+    folder = run_root / "incidents" / f"{job}.0"
+    who = _claimer(folder / ".claim")  # rank 0, the survivor, claims the decision, then probes node2 ...
+    os.kill(who["pid"], signal.SIGKILL)  # ... and dies before publishing it
+    assert who["rank"] == 0 and not (folder / "decision.json").exists()
+    recs = wait_job_done(job)
+    # Before: the step ended without a decision, the supervisor returned its exit code: the job ended there.
+    assert [r["State"].split()[0] for r in recs] == ["COMPLETED"], recs
+    assert [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", -1, "restart")]
     assert sorted(losses(run_root)) == list(range(1, STEPS + 1))

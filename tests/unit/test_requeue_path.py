@@ -254,3 +254,50 @@ def test_a_recurring_hang_ends_with_the_node_quarantined_and_excluded(tmp_path: 
     assert conclude(ctx, cause="hung_rank", step=10, incident=inc) == exitcodes.REQUEUE
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node2"]
     assert _job(slurm)["exc"] == "node2" and _job(slurm)["restarts"] == 1
+
+
+# ------------------------------------- item 2: a decider that dies before publishing: the supervisor decides
+
+
+def _lost_decider(run_dir: Path, *, incident: Incident | None = None) -> AttemptContext:
+    """Attempt 9.0 on node[1-2]: rank 0 (node1) claimed its decision, maybe wrote `incident`, and died; the
+    step has ended. Returns the supervisor's context."""
+    from jobs.failure.heartbeat import Beat, beat_path, write_beat
+    from jobs.failure.incident import write_incident
+
+    for r, node in ((0, "node1"), (1, "node2")):
+        write_beat(beat_path(run_dir, "9.0", r), Beat(r, 100 + r, "vm", node, 0.0, 17, "train", 0.0))
+    assert policy.claim(run_dir, "9.0", rank=0)
+    if incident is not None:
+        write_incident(run_dir, incident)
+    ctx = _ctx(run_dir, supervised=True)
+    ctx.rank = -1
+    return ctx
+
+
+def test_the_supervisor_decides_for_a_decider_that_died_before_publishing(tmp_path: Path, slurm: Path) -> None:
+    # Before: the step ended without a decision, the supervisor returned its exit code and the job ended there.
+    d = respond.decide_for_lost_decider(_lost_decider(tmp_path), step_code=137)
+    assert d is not None and d["action"] == "requeue", d  # the fake srun fails: node1 does not answer
+    (failure,) = read_events(tmp_path / "events.jsonl", "failure")
+    assert failure["cls"] == "dead_rank" and failure["reported_by"] == -1
+    assert [(s["rank"], s["node"], s["pid"]) for s in failure["suspects"]] == [(0, "node1", 100)]
+    assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node1"] and _job(slurm)["exc"] == "node1"
+    assert json.loads((tmp_path / "incidents/9.0/decision.json").read_text()) == d
+
+
+def test_the_supervisor_decides_from_the_incident_the_lost_decider_wrote(tmp_path: Path, slurm: Path) -> None:
+    inc = Incident("collective_mismatch", "9.0", 0, "ranks stopped in different places", [{"rank": 1, "node": "node2"}])
+    d = respond.decide_for_lost_decider(_lost_decider(tmp_path, incident=inc), step_code=75)
+    assert d is not None and d["action"] == "requeue" and d["reason"].startswith("collective_mismatch"), d
+    assert read_events(tmp_path / "events.jsonl", "failure") == []  # the incident is not recorded twice
+    assert quarantine.quarantined(tmp_path) == [] and _job(slurm)["restarts"] == 1
+
+
+def test_an_attempt_nobody_claimed_or_already_decided_is_left_to_its_step(tmp_path: Path, slurm: Path) -> None:
+    ctx = _ctx(tmp_path, supervised=True)
+    assert respond.decide_for_lost_decider(ctx, step_code=0) is None  # finished, or ended by a stop signal
+    policy.claim(tmp_path, "9.0", rank=1)
+    policy.publish(tmp_path, "9.0", Decision("restart", "dead_rank", 75, 0, 10, 0))
+    assert respond.decide_for_lost_decider(ctx, step_code=75) is None
+    assert _calls(slurm) == [] and read_events(tmp_path / "events.jsonl", "decision") == []
