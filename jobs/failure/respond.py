@@ -4,6 +4,8 @@
 classify the incident from the heartbeats, write it, decide (requeue or stop) and act.
 `conclude`: the decider's part, shared with the stop-signal path. `open_attempt`: the ledger's
 record of a new attempt, writing the ends that the previous attempts could not write themselves.
+`decide_for_lost_decider`: the supervisor's part when a step ended with its decision claimed and never
+published.
 """
 
 from __future__ import annotations
