@@ -301,3 +301,23 @@ def test_an_attempt_nobody_claimed_or_already_decided_is_left_to_its_step(tmp_pa
     policy.publish(tmp_path, "9.0", Decision("restart", "dead_rank", 75, 0, 10, 0))
     assert respond.decide_for_lost_decider(ctx, step_code=75) is None
     assert _calls(slurm) == [] and read_events(tmp_path / "events.jsonl", "decision") == []
+
+
+def test_a_straggler_put_on_the_quarantine_list_carries_its_measurements(tmp_path: Path) -> None:
+    import torch
+
+    from jobs.config import compose
+    from jobs.launch.env import DistEnv
+    from jobs.telemetry.rank_telemetry import build_step_telemetry
+    from jobs.telemetry.stragglers import Detection
+
+    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", f"run.dir={tmp_path}", f"cluster.run_root={tmp_path}",
+                   "failure.exclude_stragglers=true"])
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nodes=1, master_addr="x",
+                  master_port=0, hostname="node7")
+    st = build_step_telemetry(cfg, env, events=EventLog(tmp_path / "events.jsonl"), pp=False, mesh="single",
+                              device=torch.device("cpu"), mixed_precision="fp32")
+    st.on_straggler(["node7"], Detection("relative", "backward", [0], 1.3, 0.13, 0.1))
+    (entry,) = quarantine.quarantined(tmp_path)
+    assert entry["evidence"] == {"cls": "straggler", "check": "relative", "phase": "backward", "ranks": [0],
+                                 "ratio": 1.3, "seconds": 0.13, "reference_s": 0.1}
