@@ -24,8 +24,8 @@ from jobs.failure.ledger import attempts, attempts_without_progress
 from jobs.failure.quarantine import QUARANTINE_CLASSES
 from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s", "requeue_job",
-           "requeues_used", "slurm_intent", "suspects_again"]
+__all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s",
+           "requeue_job", "requeues_used", "slurm_intent", "suspects_again"]
 
 _SLURM_CALLS_S = 20.0  # what the decider's Slurm calls (sinfo, requeue, update) take on a healthy controller
 
@@ -71,7 +71,8 @@ def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
 
 
 def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
-           slurm: str | None = None, restart: Restart | None = None, suspect_nodes: list[str] | None = None) -> Decision:
+           slurm: str | None = None, restart: Restart | None = None,
+           suspect_nodes: list[str] | None = None) -> Decision:
     """Restart inside the allocation for a dead or hung rank whose node still answers, within
     failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
     unless the requeue budget or the no-progress breaker says stop; stop at once for anything else

@@ -139,7 +139,8 @@ def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
     if known is None:
         said.append("sinfo could not list the nodes: the exclusion is tried as is")
     elif len(names) < len(set(nodes)):
-        said.append(f"dropped node(s) Slurm does not know: {', '.join(n for n in dict.fromkeys(nodes) if n not in known)}")
+        unknown = [n for n in dict.fromkeys(nodes) if n not in known]
+        said.append(f"dropped node(s) Slurm does not know: {', '.join(unknown)}")
     if not _scontrol(["requeue", job_id], said):
         return False, "; ".join(said)
     if nodes and not _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={','.join(names)}"], said):

@@ -22,8 +22,8 @@ from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, d
 from jobs.failure.ledger import render_summary, unfinished
 from jobs.failure.policy import (Decision, Restart, claim, claimant, decide, decision_wait_s, publish, read_decision,
                                  requeue_job, slurm_intent)
-from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined, requeue_excluding,
-                                     usable_nodes)
+from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined,
+                                     requeue_excluding, usable_nodes)
 from jobs.log import get_logger
 
 __all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider"]
@@ -138,7 +138,8 @@ def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: f
     out: dict[str, dict] = {}
     for s in incident.suspects:
         if s.get("node"):
-            out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})["suspects"].append(s)
+            entry = out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})
+            entry["suspects"].append(s)
     for node in restart.bad_nodes if restart else []:
         if node in out:
             out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s({probe_timeout_s})"
@@ -188,7 +189,9 @@ def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | No
 
 
 def _who(who: dict) -> str:
-    return f"rank {who['rank']} (pid {who.get('pid')}, host {who.get('host')})" if who.get("rank") is not None else "a rank"
+    if who.get("rank") is None:
+        return "a rank"
+    return f"rank {who['rank']} (pid {who.get('pid')}, host {who.get('host')})"
 
 
 def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:

@@ -79,5 +79,6 @@ def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_th
     recs = wait_job_done(job)
     # Before: the step ended without a decision, the supervisor returned its exit code: the job ended there.
     assert [r["State"].split()[0] for r in recs] == ["COMPLETED"], recs
-    assert [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", -1, "restart")]
+    decisions = [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")]
+    assert decisions == [(f"{job}.0", -1, "restart")], decisions
     assert sorted(losses(run_root)) == list(range(1, STEPS + 1))

@@ -197,7 +197,8 @@ def test_a_quarantined_node_carries_its_evidence(tmp_path: Path, slurm: Path) ->
     assert conclude(ctx, cause="hung_rank", step=12, incident=_incident("hung_rank")) == exitcodes.REQUEUE
     (entry,) = quarantine.quarantined(tmp_path)
     ev = entry["evidence"]
-    assert (entry["node"], entry["incident"], ev["cls"], ev["summary"]) == ("node2", "9.0", "hung_rank", "a hung_rank incident")
+    assert (entry["node"], entry["incident"], ev["cls"]) == ("node2", "9.0", "hung_rank")
+    assert ev["summary"] == "a hung_rank incident"
     assert [(s["rank"], s["pid"], s["step"], s["beat_age_s"]) for s in ev["suspects"]] == [(1, 77, 12, 9.5)]
     assert "failure.node_probe_timeout_s(5" in ev["probe"]
     assert "srun" in _verbs(slurm) and _job(slurm)["exc"] == "node2"
@@ -236,7 +237,8 @@ def test_a_hang_that_recurs_on_the_same_node_requeues_without_it_when_the_breake
 
 @pytest.mark.parametrize(("node", "cls"), [("node3", "hung_rank"),  # a different node: nothing points at one
                                            ("node2", "rank_crashed")])  # a crash loop is a bug, not a node
-def test_the_breaker_still_stops_when_the_suspect_node_is_new_or_the_class_points_at_no_node(node: str, cls: str) -> None:
+def test_the_breaker_still_stops_when_the_suspect_node_is_new_or_the_class_points_at_no_node(node: str,
+                                                                                          cls: str) -> None:
     cfg = FailureConfig(max_attempts_without_progress=2, restarts_in_allocation=3, max_requeues=4)
     d = decide(_third_hang(node, cls=cls), cause=cls, cfg=cfg, restart_count=0, restart=Restart(True, 2, []),
                suspect_nodes=[node])
