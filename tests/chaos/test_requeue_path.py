@@ -21,14 +21,16 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slur
 STEPS = 60
 
 
-def _back_running(job: str, *, timeout: float = 120) -> list[tuple[str, str, str]]:
-    """(JobState, Reason, Restarts) as seen every 0.5 s until the job runs again after its requeue; fails
-    if it is still not running after `timeout` (a held job never is)."""
+def _back_running(job: str, *, timeout: float = 420) -> list[tuple[str, str, str]]:
+    """(JobState, Reason, Restarts) as seen every 0.5 s until the job runs again after its requeue (other
+    jobs on the shared cluster may hold node2/node3 for a while); fails at once when it is seen held
+    (PENDING with Reason job_requeued_in_held_state, as before the fix, or JobHeld*): nothing holds it now."""
     seen: list[tuple[str, str, str]] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = scontrol_job(job)
         seen.append((info["JobState"], info["Reason"], info["Restarts"]))
+        assert "held" not in info["Reason"].lower(), seen[-3:]
         if info["Restarts"] == "1" and info["JobState"] in ("RUNNING", "COMPLETED"):
             return seen
         time.sleep(0.5)
@@ -44,9 +46,7 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
         (run_root / "quarantine.json").write_text(json.dumps([
             {"node": n, "reason": "by hand", "incident": None, "time": time.time()} for n in ("node99", "node1")]))
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # a preemption: save, then requeue
-        seen = _back_running(job)
-        # Held shows as PENDING with Reason job_requeued_in_held_state (seen before the fix) or JobHeld*.
-        assert not [s for s in seen if "held" in s[1].lower()], seen
+        _back_running(job)
         recs = wait_job_done(job)
     finally:
         subprocess.run(["scancel", job], capture_output=True)  # a no-op unless the job was left held
