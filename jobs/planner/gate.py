@@ -28,6 +28,7 @@ from jobs.planner import arith as P
 from jobs.planner import costs as C
 from jobs.planner import hardware as H
 from jobs.planner import steptime as S
+from jobs.telemetry.flops import mfu_text
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -630,7 +631,7 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     lost = s["comm_exposed_s"] + s["dp_exposed_s"] + s["bubble_s"]
     top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
     comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
-    mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
+    mfu = f", {mfu_text(s['mfu'])}" if "mfu" in s else ""
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
                       f"recompute {s['recompute_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
@@ -756,7 +757,7 @@ def _comm_lines(plan: Plan) -> list[str]:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
                  f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
-                 + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
+                 + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
     return L
 
