@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from jobs.planner.comm import CommItem, _cp_items, _ep_items, _fsdp_items, _ring, _tp_items, axis_spans_nodes, comm_per_step
 from jobs.planner.memory import (RankMemory, StageShape, _block_local, _fsdp_working_set, _p2p_bytes, activation_bytes,
+                                 autocast_copy_bytes,
                                  bubble_fraction, checkpoint_bytes, checkpointed_layer_bytes, checkpointed_layers,
                                  heuristic_bytes_per_rank, layer_activation_bytes, layers_in_flight, logits_bytes,
                                  rank_memory, shard_elems, stage_elems)
@@ -46,6 +47,7 @@ __all__ = [
     "attention_head_dims",
     "kv_bytes_per_token",
     "checkpoint_bytes",
+    "autocast_copy_bytes",
     "PARAM_BYTES",
     "GRAD_BYTES",
     "OPTIM_BYTES",

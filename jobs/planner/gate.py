@@ -368,7 +368,7 @@ def _memory(x: _Draft) -> None:
             cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
             schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
             activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
-            params_elems=measured_max.get(pp_rank), **x.common,
+            params_elems=measured_max.get(pp_rank), autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2, **x.common,
         )
         x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:
@@ -525,7 +525,8 @@ def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
         params_active=x.pcount.active,
         peak_role=x.peak[2],
         per_rank={k: getattr(mem, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                               "activation_bytes", "logits_bytes", "p2p_bytes", "peak_bytes")},
+                                               "activation_bytes", "logits_bytes", "p2p_bytes", "autocast_bytes",
+                                               "peak_bytes")},
         roles=x.role_rows,
         heuristic_bytes_per_rank=P.heuristic_bytes_per_rank(x.pcount.total, model_shards=dims.pp * dims.tp * x.fsdp),
         activation=_activation_summary(x),
@@ -723,6 +724,9 @@ def _memory_lines(plan: Plan) -> list[str]:
                                            "activation_bytes", "logits_bytes", "peak_bytes")))
     L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
              f"for params+grads+optim")
+    if plan.per_rank.get("autocast_bytes"):
+        L.append(f"  peak includes {_gib(plan.per_rank['autocast_bytes'])} of bf16 weight copies autocast keeps for backward "
+                 "(no FSDP on this mesh: one per microbatch in flight)")
     if plan.measured:
         L.append("  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds")
         for r in plan.measured:

@@ -16,7 +16,7 @@ from parallel.config import checkpointed_layers
 
 __all__ = ["bubble_fraction", "layers_in_flight", "checkpointed_layers", "layer_activation_bytes", "logits_bytes",
            "activation_bytes", "StageShape", "RankMemory", "rank_memory", "stage_elems", "shard_elems",
-           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes"]
+           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes", "autocast_copy_bytes"]
 
 
 # ------------------------------------------------------------------------------------------- pipeline
@@ -195,6 +195,7 @@ class RankMemory:
     activation_bytes_no_ac: int  # the same schedule without activation checkpointing
     activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
     p2p_bytes: int = 0  # pipeline receive buffers, allocated for every microbatch up front
+    autocast_bytes: int = 0  # bf16 weight copies autocast saves for backward (parts without FSDP; `autocast_copy_bytes`)
 
     @property
     def states_bytes(self) -> int:
@@ -202,7 +203,8 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
+        return (self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
+                + self.autocast_bytes)
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -259,11 +261,13 @@ def rank_memory(
     pp_rank: int = 0,
     params_elems: int | None = None,
     compute_bytes: int = COMPUTE_BYTES,
+    autocast: bool = False,
 ) -> RankMemory:
     """Peak memory of the rank holding `stages`, FSDP-sharded `fsdp` ways (dp_shard · cp; experts
     ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
     one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
-    microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32."""
+    microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32.
+    `autocast`: bf16 through torch.autocast, not FSDP's policy (a mesh without FSDP: dp_replicate · dp_shard = 1)."""
     blocks_on_rank = [i for st in stages for i in st.layers]
     if params_elems is None:
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
@@ -296,7 +300,34 @@ def rank_memory(
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
         p2p_bytes=p2p,
+        autocast_bytes=autocast_copy_bytes(m, stages, in_flight=in_flight, tp=tp, ep=ep, ac_every=ac_every,
+                                           activation_checkpointing=activation_checkpointing) if autocast else 0,
     )
+
+
+def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, tp: int, ep: int = 1,
+                        activation_checkpointing: str = "none", ac_every: int = 2) -> int:
+    """The bf16 copies of the weights that torch.autocast makes in forward and autograd keeps for backward,
+    on parts FSDP does not wrap (parallel/precision.py): autocast casts each fp32 matmul weight once per
+    forward (its cache lives for one autocast region, one microbatch) and the linear saves the copy, so every
+    microbatch in flight holds a bf16 copy of the matmul weights it ran through (the embedding lookup and the
+    norms are not cast). A checkpointed block keeps none (one is live again while it recomputes); the head's
+    copy is kept per microbatch in flight on the last stage. Measured on CPU autocast
+    (tests/unit/test_device.py: every saved bf16 weight copy, byte for byte)."""
+    pc = count_params(m)
+    layers = [i for st in stages for i in st.layers]
+    ckpt = set(checkpointed_layers(layers, mode=activation_checkpointing, every=ac_every))
+    kept, recompute = 0, 0
+    for i in layers:
+        b = pc.blocks[i]
+        w = (b.attention + b.ffn) // tp + b.router + b.experts // (tp * ep)  # matmul weights: not the norms
+        if i in ckpt:
+            recompute = max(recompute, w)
+        else:
+            kept += w
+    microbatches = in_flight / max(len(layers), 1)  # layer-microbatches per layer: microbatches in flight
+    head = pc.output // tp if any(st.last for st in stages) else 0
+    return COMPUTE_BYTES * (int(microbatches * (kept + head)) + recompute)
 
 
 def _p2p_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,

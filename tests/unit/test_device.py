@@ -242,3 +242,48 @@ def test_deterministic_cuda_turns_off_the_nan_fill_and_says_what_it_costs_and_ho
         torch.utils.deterministic.fill_uninitialized_memory = before[1]
     assert "faster; resume is not bitwise" in set_determinism(False, device_type="cuda")
     assert "nothing it costs" in set_determinism(True, device_type="cpu")
+
+
+def _saved_bf16_weight_copies(model: Transformer, tokens: torch.Tensor) -> int:
+    """Bytes of the bf16 weight copies autograd saves in one forward (matched by shape, either orientation:
+    a linear saves its weight transposed; the token count 21 matches no weight's dims)."""
+    shapes = {tuple(sorted(p.shape)) for p in model.parameters() if p.dim() == 2}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16 and tuple(sorted(t.shape)) in shapes:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_the_planner_counts_the_bf16_weight_copies_autocast_keeps_for_backward(ac: str) -> None:
+    """Without FSDP, bf16 comes from torch.autocast: each forward casts every matmul weight and the linear keeps
+    the copy for backward, one per microbatch in flight (a checkpointed block keeps none but holds one again
+    while it recomputes). The planner counted none of it."""
+    from jobs.planner import arith as P
+    from parallel.ac import apply_ac
+
+    m = compose(["model=tiny"]).model
+    model = Transformer(m)
+    init_weights(model, seed=0)
+    apply_ac(model, mode=ac, every=1)
+    apply_autocast(model, device_type="cpu")
+    measured = _saved_bf16_weight_copies(model, torch.randint(0, m.vocab_size, (3, 7)))
+    stages = [P.StageShape(tuple(range(m.n_layers)), first=True, last=True)]
+    kw = dict(tp=1, fsdp=1, pp=1, microbatches=4, stages_per_rank=1, schedule="1f1b", seq_len=7, micro_batch=3,
+              activation_checkpointing=ac, ac_every=1)
+    mem = P.rank_memory(m, stages, autocast=True, **kw)
+    block = 2 * (P.count_params(m).blocks[0].attention + P.count_params(m).blocks[0].ffn)  # one block's bf16 copy
+    recomputing = block if ac == "full" else 0
+    assert measured > 0 and mem.autocast_bytes == measured + recomputing
+    assert mem.peak_bytes == P.rank_memory(m, stages, **kw).peak_bytes + measured + recomputing
+    one_gpu = build_plan(compose(["mesh=single", "launcher.tasks_per_node=1", "train.mixed_precision=bf16"]), measure=False)
+    assert one_gpu.per_rank["autocast_bytes"] > 0  # the plan of a one-rank bf16 run counts it
+    fsdp = build_plan(compose(["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
+                               "train.mixed_precision=bf16"]), measure=False)
+    assert fsdp.per_rank["autocast_bytes"] == 0  # FSDP's MixedPrecisionPolicy gathers bf16 shards instead
