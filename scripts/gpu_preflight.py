@@ -205,7 +205,10 @@ def check_world(device: str, out: Path) -> dict:
     groups = set_pg_timeouts(42.0)
     res: dict = {"backend": backend_for(device), "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "groups": groups}
     if device == "cuda":
-        res["nccl_timeout_s"] = dist.group.WORLD._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+        try:  # a private attribute: its absence is a finding, not a reason to lose the rest
+            res["nccl_timeout_s"] = dist.group.WORLD._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+        except Exception as e:  # noqa: BLE001
+            res["nccl_timeout_error"] = f"{type(e).__name__}: {e}"[:300]
     m = compose(["model=tiny"]).model
     with torch.device("meta"):
         model = Transformer(m)

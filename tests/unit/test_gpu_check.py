@@ -142,3 +142,18 @@ def test_bootstrap_without_wheels_or_with_only_antlr4s_sdist_says_how_to_build_t
 
 def _no_distribution(name: str):
     raise importlib.metadata.PackageNotFoundError(name)
+
+
+def test_the_wheels_folder_may_carry_binary_wheels_for_other_pythons_and_what_this_one_has(gpu_check, tmp_path) -> None:
+    import sys
+
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    other = "cp39" if here != "cp39" else "cp310"
+    for name in (f"PyYAML-6.0.2-{other}-{other}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+                 "hydra_core-1.3.8-py3-none-any.whl", "antlr4_python3_runtime-4.9.3-py3-none-any.whl",
+                 f"totally_absent_dist-1.0-{here}-{here}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+                 "totally_absent_dist-1.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    chosen = [w.name for w in gpu_check.wheels_to_install(tmp_path)]
+    # hydra-core and antlr4 are installed in this venv (kept), the cp39 PyYAML cannot install here, one wheel per dist
+    assert chosen == [f"totally_absent_dist-1.0-{here}-{here}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"]
