@@ -35,6 +35,7 @@ from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource, sources_of
 from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
+from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
 from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
@@ -445,7 +446,7 @@ def _fmt_efficiency(m: dict) -> str:
     """TFLOP/s per rank, MFU on a GPU, and the window's peak memory when it was measured."""
     out = f"{m['tflops_per_rank']:.3g} TFLOP/s/rank"
     if "mfu" in m:
-        out += f" | MFU {m['mfu']:.1%}"
+        out += f" | {mfu_text(m['mfu'])}"
     if "peak_mem_bytes" in m:
         out += f" | peak mem {m['peak_mem_bytes'] / 2**20:.1f} MiB"
     return out
