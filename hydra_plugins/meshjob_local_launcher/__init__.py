@@ -1,4 +1,4 @@
-"""Hydra launcher plugin `hydra/launcher=meshjob_local`: a `-m` sweep under launcher=local, one point after another, each training in its own run directory.
+"""Hydra launcher plugin `hydra/launcher=meshjob_local`: a local `-m` sweep, each point in its own run directory.
 
 Hydra's basic launcher lets every point keep the run.dir it composes to, and the default
 `runs/${now:...}` resolves anew per point: points composed within one second would share a directory.

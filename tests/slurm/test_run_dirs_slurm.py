@@ -40,7 +40,8 @@ def test_sweep_composed_across_second_boundaries_trains_each_point_in_its_own_ru
         starts = read_events(events, "train_start")
         assert {(e["attempt"], e["mesh"]) for e in starts} == {(f"{array}_{i}.0", mesh)}, starts
         assert {e["job_id"] for e in read_events(events, "attempt_start")} == {f"{array}_{i}"}
-        assert [json.loads(l)["step"] for l in (sweep_dir / str(i) / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+        metrics = (sweep_dir / str(i) / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(l)["step"] for l in metrics] == [1, 2]
 
 
 def test_second_job_pointed_at_a_live_run_dir_with_another_mesh_is_refused_on_the_login_node(run_root: Path) -> None:
@@ -61,7 +62,8 @@ def test_second_job_pointed_at_a_live_run_dir_with_another_mesh_is_refused_on_th
     assert f"of attempt {first}.0 on node" in second.stderr  # and its ranks' heartbeats
     assert "submitted job" not in second.stdout
     # nothing of the second reached sbatch (on a cluster others share, jobs_submitted_between would see theirs)
-    assert [p.name for p in (run_root / "slurm").iterdir() if not p.name.startswith(".")] == [first] and read_owner(run_root)["last"]["job_id"] == first
+    assert [p.name for p in (run_root / "slurm").iterdir() if not p.name.startswith(".")] == [first]
+    assert read_owner(run_root)["last"]["job_id"] == first
     wait_final(first, timeout=120)
     # The first job has ended: a start that changes what the run is, is still refused, naming the keys.
     third = cli("jobs.train", *dp2, "optim.lr=0.001")

@@ -147,4 +147,5 @@ def test_local_sweep_honours_hydra_sweep_dir_and_refuses_points_sharing_a_run_di
 def test_a_local_sweep_of_another_command_keeps_the_run_dir_each_point_composes_to(in_tmp: Path) -> None:
     seen: list[str] = []
     _multirun(["mesh.tp=1,2", f"run.dir={in_tmp / 'a run'}"], task=lambda cfg: seen.append(cfg.run.dir), trains=False)
-    assert seen == [str(in_tmp / "a run")] * 2 and sorted(p.name for p in (in_tmp / "a run").iterdir()) == ["multirun.yaml"]
+    assert seen == [str(in_tmp / "a run")] * 2
+    assert sorted(p.name for p in (in_tmp / "a run").iterdir()) == ["multirun.yaml"]
