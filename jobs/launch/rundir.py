@@ -144,7 +144,7 @@ def _live_beats(run_dir: Path, *, fresh_s: float, me: str | None) -> list[str]:
     root, now, ended, out = run_dir / "heartbeats", time.time(), {}, []
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         job = folder.name.split(".")[0]  # attempts are `<job id>.<restart>[.<n>]` or `local.<n>[.<k>]`
-        if job == me:
+        if job == me or now - folder.stat().st_mtime > fresh_s:  # each beat renames a file in its folder
             continue
         for beat in read_beats(run_dir, folder.name).values():
             age = now - beat.time
