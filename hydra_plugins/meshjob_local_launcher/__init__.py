@@ -47,8 +47,9 @@ class MeshjobLocalLauncher(Launcher):
             self._point(o, idx=initial_job_idx + i, run_dir=None) for i, o in enumerate(job_overrides)]
         runs = []
         for cfg in cfgs:
-            print(f"sweep point {cfg.hydra.job.num}: {' '.join(cfg.hydra.overrides.task) or '(no overrides)'}"
-                  + (f" | run dir {cfg.run.dir}" if trains else ""), flush=True)
+            if trains:  # (jobs.plan -m plan.json=true prints one JSON object per point, nothing else)
+                print(f"sweep point {cfg.hydra.job.num}: {' '.join(cfg.hydra.overrides.task) or '(no overrides)'}"
+                      f" | run dir {cfg.run.dir}", flush=True)
             # Hydra's output dir: the point's run dir, or "." (hydra.run.dir) for commands that write none;
             # hydra.output_subdir is null, so Hydra writes nothing there
             runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
