@@ -327,9 +327,9 @@ def test_the_vectorised_peer_median_is_every_other_rank_of_the_group_and_fast_at
                          if sum(x == g[r] for x in g) > 1 else np.full(len(NAMES), np.nan) for r in range(n)])
         np.testing.assert_allclose(peer_medians(m, groups), want)
     m = rng.uniform(0.1, 0.2, size=(2048, len(NAMES)))
-    t0 = _time.perf_counter()
+    t0 = _time.process_time()  # CPU time: other processes on a shared box do not count
     StragglerDetector(NAMES, groups=[r // 256 for r in range(2048)]).observe(m)
-    assert _time.perf_counter() - t0 < 0.5  # the Python double loop took 1.5 s per interval (issue 22.10)
+    assert _time.process_time() - t0 < 0.5  # ~0.03 s; the Python double loop took 1.5 s per interval (issue 22.10)
 
 
 def test_flushes_are_throttled_to_min_interval_but_none_is_lost(tmp_path: Path) -> None:
