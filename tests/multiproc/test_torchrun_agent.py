@@ -45,13 +45,22 @@ def test_sigterm_reaches_the_ranks_alone_and_their_save_is_not_cut_off(tmp_path:
     # As Slurm does on `scontrol requeue`: SIGTERM to the agent and to every rank. torch's agent caught it and
     # SIGKILLed the ranks after its shutdown timeout (1 s here; 30 s by default), in the middle of a 3 s save.
     agent = _agent(tmp_path, _RANK, str(tmp_path), "3", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
-    deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("ready*"))) < 2:
-        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0][-3000:]
-        time.sleep(0.1)
-    for pid in [agent.pid, *(int(p.read_text()) for p in tmp_path.glob("ready*"))]:
-        os.kill(pid, signal.SIGTERM)
-    out, _ = agent.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready*"))) < 2:
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0][-3000:]
+            time.sleep(0.1)
+        for pid in [agent.pid, *(int(p.read_text()) for p in tmp_path.glob("ready*"))]:
+            os.kill(pid, signal.SIGTERM)
+        out, _ = agent.communicate(timeout=120)
+    finally:  # the agent ignores SIGTERM, and its ranks wait for one: nothing may outlive a failed test
+        if agent.poll() is None:  # its ranks are its children, not reaped yet: their pids are still theirs
+            for pid in [*(int(p.read_text()) for p in tmp_path.glob("ready*")), agent.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            agent.wait()
     assert sorted(p.name for p in tmp_path.glob("saved*")) == ["saved0", "saved1"], out[-3000:]
     assert agent.returncode == 75, out[-3000:]  # the decider's "requeue", not torchrun's 1
 
