@@ -56,15 +56,24 @@ def requeues_used(events: list[dict], *, restart_count: int) -> int:
     return max(restart_count, ours)
 
 
+# scontrol's Reason of a job whose batch script ended by itself with an error (Slurm 22.05 FAIL_EXIT_CODE,
+# FAIL_LAUNCH: the batch shell killed by a signal, FAIL_OOM); scancel leaves None, the time limit TimeLimit.
+_BATCH_FAILED = frozenset({"NonZeroExitCode", "JobLaunchFailure", "OutOfMemory"})
+
+
 def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
     """What Slurm is already doing with this job while its ranks got SIGTERM: "requeued" (an admin's
-    `scontrol requeue` or a preemption requeue: Restarts is already past ours), "cancelled" (scancel
-    or the time limit: the job is COMPLETING/CANCELLED/TIMEOUT without a new restart), else None."""
+    `scontrol requeue` or a preemption requeue: Restarts is already past ours), "supervisor_died" (the
+    batch step, where the supervisor runs, ended with an error while the ranks ran: kill -9, the OOM
+    killer; Slurm ends the job, nobody cancelled it), "cancelled" (scancel or the time limit: the job
+    is COMPLETING/CANCELLED/TIMEOUT without a new restart), else None."""
     if not job_id:
         return None
     js = job_state(job_id)
     if js.restarts > restart_count:
         return "requeued"
+    if js.state == "COMPLETING" and js.reason in _BATCH_FAILED:
+        return "supervisor_died"
     if js.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "DEADLINE"):
         return "cancelled"
     return None
@@ -77,10 +86,13 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
     failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
     unless the requeue budget or the no-progress breaker says stop; stop at once for anything else
     (a bug fails the same way again). `slurm` (from `slurm_intent`): Slurm already requeues the job,
-    or is cancelling it (not undone). `suspect_nodes`: the incident's suspects' nodes; when the breaker
-    trips on a node-pointing incident (`QUARANTINE_CLASSES`) whose node was a suspect of an earlier
-    attempt of the same fruitless run, the job is requeued without it instead (a device that hangs
-    passes the node probe, and restarts on it count toward the breaker)."""
+    or is cancelling it (not undone), or ends it because the supervisor died (a stop signal then
+    becomes the cause `supervisor_died`, requeued within the budget). `suspect_nodes`: the incident's
+    suspects' nodes; when the breaker trips on a node-pointing incident (`QUARANTINE_CLASSES`) whose
+    node was a suspect of an earlier attempt of the same fruitless run, the job is requeued without it
+    instead (a device that hangs passes the node probe, and restarts on it count toward the breaker)."""
+    if cause == "supervisor_died" or slurm == "supervisor_died" and (cause.startswith("SIG") or cause == "stop_signal"):
+        cause = "supervisor_died"  # nobody will start the ranks again: only a requeue brings the job back
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
@@ -89,7 +101,7 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
     if slurm == "cancelled":
         return Decision("none", f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
                         exitcodes.REQUEUE, **facts)
-    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause != "stop_signal":
+    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause not in ("stop_signal", "supervisor_died"):
         code = {"config_error": exitcodes.CONFIG_ERROR, "loss_spike": exitcodes.DIVERGED,
                 "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)

@@ -8,7 +8,8 @@ builds `DistEnv` from the Slurm environment and calls `jobs.launch.rank.run_rank
 inside the allocation after a "restart" decision. Requeues (signals, incidents) are decided by the ranks.
 
 `python -m jobs.launch.slurm --supervise OVERRIDES...` is the same supervisor for the scripts rendered
-by `python -m jobs.sbatch` (it composes the config itself and prepares the run dir first).
+by `python -m jobs.sbatch` (it composes the config itself and prepares the run dir first);
+`--agent TORCHRUN_ARGS...` is torchrun's agent for the torchrun-style script (`agent_main`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,17 +86,53 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
 
 
 def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
-    """Under torchrun, whose agents restart the ranks after any failure: the previous attempt's exit code
-    when its decision was anything but "restart" (a stop, or a requeue in progress), so that the ranks
-    do not train again; None to go on."""
-    if env.restart_in_allocation == 0:
-        return None
-    d = read_decision(cfg.run.dir, attempt_name(env.job_id, env.restart_count, env.restart_in_allocation - 1),
-                      wait_s=0)
-    if d is None or d["action"] == "restart":
-        return None
-    print(f"meshjob: the previous attempt decided {d['action']} ({d['reason']}): not training again", flush=True)
-    return int(d["exit_code"])
+    """Under torchrun, whose agents restart the ranks after any failure, up to --max-restarts times: the
+    exit code of the newest decision of this allocation when it was anything but "restart" (a stop, or
+    a requeue in progress), so that the ranks do not train again; None to go on. The attempts that
+    ended here published no decision of their own: the search goes back past them."""
+    for n in range(env.restart_in_allocation - 1, -1, -1):
+        d = read_decision(cfg.run.dir, attempt_name(env.job_id, env.restart_count, n), wait_s=0)
+        if d is None:
+            continue
+        if d["action"] == "restart":
+            return None
+        print(f"meshjob: attempt {attempt_name(env.job_id, env.restart_count, n)} decided {d['action']} "
+              f"({d['reason']}): not training again", flush=True)
+        return int(d["exit_code"])
+    return None
+
+
+# torchrun's agent handles these itself (its default is SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM is left out.
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+# The ranks' codes that say more than "failed", the most final first.
+_RANK_CODES = (exitcodes.DIVERGED, exitcodes.STOPPED, exitcodes.CONFIG_ERROR, exitcodes.REQUEUE)
+
+
+def agent_main(argv: list[str]) -> int:
+    """torchrun (`torch.distributed.run`) as the node's agent, keeping the ranks' protocol in two ways.
+    SIGTERM stays with the ranks: torch's agent would catch it (TORCHELASTIC_SIGNALS_TO_HANDLE), signal
+    its ranks again and SIGKILL them after its shutdown timeout (30 s), in the middle of their save,
+    while the script's `trap "" TERM` leaves the agent ignoring it. And the ranks' exit code is the
+    agent's: torch re-raises their failure as ChildFailedError (exit 1), and 76 ("do not requeue") must
+    reach Slurm as 76."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun([f"--signals-to-handle={AGENT_SIGNALS}", *argv])
+    except ChildFailedError as e:
+        return agent_exit_code([f.exitcode for f in e.failures.values()])
+    return exitcodes.OK
+
+
+def agent_exit_code(codes: list[int]) -> int:
+    """One exit code for a node's failed ranks (their last start): a "do not requeue" code first, then
+    REQUEUE, else the first failure's (a death by signal N as 128 + N, as a shell reports it)."""
+    for code in _RANK_CODES:
+        if code in codes:
+            return code
+    first = codes[0] if codes else exitcodes.FAILED
+    return 128 - first if first < 0 else first or exitcodes.FAILED
 
 
 class SlurmJob:
@@ -105,10 +143,10 @@ class SlurmJob:
         self.cfg = cfg
 
     def __call__(self) -> int:
-        from jobs.launch.supervise import supervise
+        from jobs.launch.supervise import guarded
 
         folder, job = submitit.JobEnvironment().paths.folder, slurm_job_id(os.environ)
-        code = supervise(self.cfg, logs=(f"{folder}/{job}_%t_log.out", f"{folder}/{job}_%t_log.err"))
+        code = guarded(self.cfg, logs=(f"{folder}/{job}_%t_log.out", f"{folder}/{job}_%t_log.err"))
         if code != exitcodes.OK:
             raise SystemExit(code)  # Slurm records the job's exit code (sacct ExitCode)
         return code
@@ -257,11 +295,13 @@ def submit(cfg: JobConfig) -> int:
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
     prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
-    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once) and
-    `--rank OVERRIDES` (every rank, started by torchrun; no restart inside the allocation)."""
+    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once),
+    `--agent TORCHRUN_ARGS` (one per node) and `--rank OVERRIDES` (every rank, started by the agent)."""
     from jobs.config import compose
-    from jobs.launch.supervise import load_rank_config, supervise
+    from jobs.launch.supervise import guarded, load_rank_config
 
+    if mode == "--agent":
+        return agent_main(argv)
     if mode == "--rank-config":
         return rank_main(load_rank_config(argv[0]), stop)
     try:
@@ -282,14 +322,19 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     if mode == "--prepare":
         return exitcodes.OK
     logs = f"{cfg.run.dir}/slurm/%j_r{{attempt}}_rank%t"
-    return supervise(cfg, logs=(f"{logs}.out", f"{logs}.err"))
+    return guarded(cfg, logs=(f"{logs}.out", f"{logs}.err"))
 
 
 if __name__ == "__main__":
-    # Before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal.
-    _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank"):
-        print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH  "
+    if sys.argv[1:2] == ["--agent"]:  # ignored, as the script's trap left them: the agent's ranks inherit that
+        for _s in (signal.SIGUSR2, signal.SIGTERM):  # until their own handlers are in place
+            signal.signal(_s, signal.SIG_IGN)
+        _stop = StopSignals()
+    else:  # before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal
+        _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank", "--agent"):
+        print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
+              "--agent TORCHRUN_ARGS...  "
               "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
               "`python -m jobs.train launcher=slurm`)", file=sys.stderr)
         sys.exit(exitcodes.CONFIG_ERROR)

@@ -12,6 +12,14 @@ Each start is an attempt `<job>.<restart>[.<n>]` with its own rendezvous file (a
 ranks load the config this supervisor pickled. After the decision is published the step gets
 `_GRACE_S` to end by itself, then it is killed. A SIGTERM or SIGUSR2 to this process (scancel, a
 requeue) is recorded and lets the running step end; no new step starts after it.
+
+The supervisor can die too (kill -9, the OOM killer, a bug): `guarded` runs it in a forked child, and
+the parent, a guard that does nothing else, outlives it, so the batch step (and with it the job and
+the ranks) does not end. The guard writes a `supervisor_died` failure, sends the ranks' step the first
+of `failure.requeue_signals` (they save at the next step and their decider requeues within the budget,
+as for a preemption), waits for them, and decides itself (`conclude`, cause `supervisor_died`) when no
+rank did. When the guard dies as well, the batch step ends and Slurm SIGTERMs the ranks: their decider
+asks Slurm (`policy.slurm_intent`: COMPLETING with reason NonZeroExitCode, not a scancel) and requeues.
 """
 
 from __future__ import annotations
@@ -23,21 +31,24 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.events import EventLog
-from jobs.failure.policy import read_decision
+from jobs.events import EventLog, read_events
+from jobs.failure.policy import claim, read_decision
 from jobs.failure.quarantine import quarantined, requeue_excluding
-from jobs.failure.respond import AttemptContext, decide_for_lost_decider, open_attempt
+from jobs.failure.respond import AttemptContext, conclude, decide_for_lost_decider, open_attempt
+from jobs.failure.signals import parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
-__all__ = ["supervise", "rank_config_path", "load_rank_config"]
+__all__ = ["guarded", "supervise", "rank_config_path", "load_rank_config"]
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
+_CRASHED = 70  # the forked supervisor raised (sysexits' EX_SOFTWARE); supervise() never returns it
 
 
 def rank_config_path(run_dir: str, job_id: str, restart_count: int) -> Path:
@@ -47,6 +58,39 @@ def rank_config_path(run_dir: str, job_id: str, restart_count: int) -> Path:
 def load_rank_config(path: str | os.PathLike[str]) -> JobConfig:
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def guarded(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
+    """`supervise` in a forked child, this process its guard: the supervisor's exit code, or, when it
+    died while the job was not being stopped, what `_after_supervisor_death` decided."""
+    stopping: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGUSR2):  # scancel / a requeue: the ranks handle it; outlive the child
+        signal.signal(s, lambda signum, _f: stopping.append(signum))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(_supervise_child(cfg, logs=logs))
+    _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != _CRASHED:
+        return os.WEXITSTATUS(status)
+    how = (f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
+           else "raised an exception (traceback above)")
+    if stopping:  # the job is being cancelled or requeued anyway: the ranks' decider has it
+        get_logger().error("the supervisor (pid %d) %s after %s", pid, how, signal.Signals(stopping[0]).name)
+        return exitcodes.REQUEUE
+    return _after_supervisor_death(cfg, pid=pid, how=how)
+
+
+def _supervise_child(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
+    try:
+        return supervise(cfg, logs=logs)
+    except BaseException:  # noqa: BLE001 - any error of the supervisor is the guard's to handle
+        traceback.print_exc()
+        return _CRASHED
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
@@ -113,11 +157,71 @@ def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str) -
             decided_at = float("inf")  # once
 
 
-def _kill_steps() -> None:
+def _numbered_steps() -> list[str]:
+    """The running steps of this job but the batch step: the ranks' srun step and any probe step."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"], capture_output=True,
+                         text=True).stdout
+    return [s for s in out.split() if s.split(".")[-1].isdigit()]
+
+
+def _kill_steps(why: str = f"still running {_GRACE_S:.0f} s after the decision") -> None:
     """SIGKILL to every numbered step of this job (a SIGSTOPped or stuck rank never ends by itself)."""
-    job = os.environ["SLURM_JOB_ID"]
-    out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True).stdout
-    steps = [s for s in out.split() if s.split(".")[-1].isdigit()]
-    get_logger().warning("killing step(s) %s: still running %.0f s after the decision", steps, _GRACE_S)
+    steps = _numbered_steps()
+    get_logger().warning("killing step(s) %s: %s", steps, why)
     for s in steps:
         subprocess.run(["scancel", "--signal=KILL", s], capture_output=True)
+
+
+def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
+    """The guard's part: record the death, stop the ranks as a preemption would (they save and decide),
+    wait for them, and decide here when none did (no step was running, or it had to be killed)."""
+    job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    attempt, n = _current_attempt(cfg.run.dir, job_id, restart)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
+    signals = parse_signals(cfg.failure.requeue_signals)
+    steps = _numbered_steps()
+    summary = (f"the supervisor (pid {pid}) {how} while step(s) {steps or 'none'} ran; "
+               + (f"sending {signals[0].name} to the ranks" if steps and signals else "deciding in its place"))
+    get_logger().error("attempt %s: %s", attempt, summary)
+    events.emit("failure", cls="supervisor_died", summary=summary, suspects=[], reported_by=-1)
+    if steps and signals:
+        subprocess.run(["scancel", f"--signal={signals[0].name.removeprefix('SIG')}", job_id], capture_output=True)
+        _wait_for_ranks(cfg, attempt)
+    if _numbered_steps():
+        _kill_steps("the supervisor is gone and the ranks did not end")
+    d = read_decision(cfg.run.dir, attempt, wait_s=0)
+    if d is not None and d["action"] != "restart":
+        return int(d["exit_code"])
+    if d is not None:  # the ranks asked for a restart that nobody will start: the attempt after it decides
+        attempt = attempt_name(job_id, restart, n + 1)
+        events = EventLog(events.path, rank=-1, restart=restart, attempt=attempt)
+    if not claim(cfg.run.dir, attempt):
+        d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+        return int(d["exit_code"]) if d else exitcodes.REQUEUE
+    ctx = AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size, job_id=job_id,
+                         restart_count=restart, cfg=cfg.failure, events=events)
+    return conclude(ctx, cause="supervisor_died", step=None)
+
+
+def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:
+    """The newest attempt of this allocation that the ledger knows, and its restart inside the allocation."""
+    base = attempt_name(job_id, restart)
+    starts = [e["attempt"] for e in read_events(Path(run_dir) / "events.jsonl", "attempt_start")
+              if e.get("attempt") == base or str(e.get("attempt", "")).startswith(base + ".")]
+    if not starts:
+        return base, 0
+    return starts[-1], int(starts[-1][len(base) + 1:] or 0)
+
+
+def _wait_for_ranks(cfg: JobConfig, attempt: str) -> None:
+    """Until the ranks' steps have ended; `_GRACE_S` after their decision, or past the longest bound
+    of their own watchdog (they may still be loading), the caller kills what is left."""
+    f = cfg.failure
+    deadline = time.monotonic() + max(f.init_timeout_s, f.hang_timeout_s) + _GRACE_S
+    decided_at = None
+    while _numbered_steps() and time.monotonic() < deadline:
+        if decided_at is None and read_decision(cfg.run.dir, attempt, wait_s=0) is not None:
+            decided_at = time.monotonic()
+        if decided_at is not None and time.monotonic() - decided_at > _GRACE_S:
+            return
+        time.sleep(1.0)

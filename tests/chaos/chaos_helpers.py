@@ -28,20 +28,21 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def final_state(run_dir: Path, tmp: Path) -> dict:
+def final_state(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> dict:
     out = tmp / f"{run_dir.name}-{time.monotonic_ns()}.pt"
-    convert(run_dir / f"checkpoints/step_{STEPS}", out)
+    convert(run_dir / f"checkpoints/step_{steps}", out)
     return torch.load(out, weights_only=False)
 
 
-def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path) -> None:
+def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path, *,
+                                      steps: int = STEPS) -> None:
     """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's."""
     ref_losses, ref_final = reference
     got = losses(run_dir)
-    assert sorted(got) == list(range(1, STEPS + 1)), sorted(set(range(1, STEPS + 1)) - set(got))
+    assert sorted(got) == list(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - set(got))
     bad = [(s, got[s], ref_losses[s]) for s in got if got[s] != ref_losses[s]]
     assert not bad, bad[:5]
-    final = final_state(run_dir, tmp)
+    final = final_state(run_dir, tmp, steps=steps)
     assert final["model"].keys() == ref_final["model"].keys()
     for k, v in final["model"].items():
         assert torch.equal(v, ref_final["model"][k]), k

@@ -93,8 +93,8 @@ def test_every_step_a_rendered_script_runs_is_one_jobs_launch_slurm_accepts(styl
 
     commands = "\n".join(l for l in _rendered(LOCAL, style).splitlines() if not l.lstrip().startswith("#"))
     modes = set(re.findall(r"-m jobs\.launch\.slurm (--[a-z-]+)", commands))
-    assert modes == ({"--supervise"} if style == "srun" else {"--prepare", "--rank"})
-    for mode in modes:
+    assert modes == ({"--supervise"} if style == "srun" else {"--prepare", "--agent", "--rank"})
+    for mode in modes - {"--agent"}:  # the agent takes torchrun's arguments, not overrides
         r = subprocess.run([sys.executable, "-m", "jobs.launch.slurm", mode, "no_such_group.key=1"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "config error" in r.stderr and "usage" not in r.stderr, (mode, r.stderr[-500:])
