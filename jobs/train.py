@@ -13,7 +13,7 @@ from jobs import exitcodes
 from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.failure.signals import StopSignals
-from jobs.launch.prepare import prepare_run
+from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir
 from jobs.log import setup_logging
 
@@ -40,6 +40,7 @@ def run(cfg: JobConfig) -> int:
 
     try:
         check_device(cfg)  # the ranks run on this machine: the GPUs they need must be visible here
+        prepare_inputs(cfg)  # the data file matches the model: refused before the run dir is touched
         claim_run_dir(cfg, launcher="local")  # another run or a live job there: refused before anything is written
         run_dir = prepare_run(cfg)
     except ValueError as e:

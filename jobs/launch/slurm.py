@@ -32,7 +32,7 @@ from jobs.failure.quarantine import quarantined
 from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
-from jobs.launch.prepare import prepare_run
+from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
 from jobs.launch.slurm_state import job_state, wait_for_job
 
@@ -267,6 +267,7 @@ def submit(cfg: JobConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.ENV_ERROR
     try:
+        prepare_inputs(cfg)  # the data file matches the model: refused before the run dir is touched
         claim_run_dir(cfg, launcher="slurm")  # another run or a live job there: refused before sbatch
         run_dir = prepare_run(cfg)
     except ValueError as e:
@@ -314,6 +315,7 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     if mode == "--rank":
         return rank_main(cfg, stop)
     try:  # the batch step, at every start of the job: its own earlier attempts are its own
+        prepare_inputs(cfg)
         claim_run_dir(cfg, launcher="slurm", job_id=slurm_job_id(os.environ))
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any
 import submitit
 
 from jobs.config import JobConfig
-from jobs.launch.prepare import prepare_run
+from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import check_run_dir, claim_run_dir, record_job
 from jobs.launch.slurm import SlurmJob, login_checks, make_executor, require_slurm
 from jobs.planner.gate import check
@@ -98,6 +98,7 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
     for p in points:
         if p.reason is None:
             try:
+                prepare_inputs(p.cfg)
                 p.run_dir = str(claim_run_dir(p.cfg, launcher="slurm"))
             except ValueError as e:
                 p.reason = str(e)
