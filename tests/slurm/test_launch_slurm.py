@@ -54,10 +54,13 @@ def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_point_is_pruned(ru
                 "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2", f"run.dir={run_root}")
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
     array = submitted_job_id(sweep.stdout, r"4 points, 3 submitted as array job (\d+), 1 pruned")
-    # Returned once queued: not every element has finished yet (no record at all: slurmdbd has not even
-    # stored the submission yet, which CI once met).
-    recs = sacct(array)
-    assert not recs or not all(r["State"] == "COMPLETED" for r in recs), recs
+    # Returned once queued, not after the elements ran: slurmctld (squeue, no accounting lag; sacct may not
+    # even hold the submission yet, which CI once met) still has all three, none finished.
+    queued = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i %T"], capture_output=True, text=True,
+                            check=True).stdout.split("\n")
+    states = dict(line.split() for line in queued if line.strip())
+    assert sorted(states) == [f"{array}_{i}" for i in range(3)], states
+    assert set(states.values()) <= {"PENDING", "CONFIGURING", "RUNNING"}, states
     table = [json.loads(l) for l in (run_root / "sweep.jsonl").read_text().splitlines()]
     (pruned,) = [t for t in table if t["pruned"]]
     assert pruned["idx"] == 3 and pruned["job_id"] is None
