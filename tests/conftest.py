@@ -86,6 +86,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 def pytest_runtest_logreport(report) -> None:
     if report.when == "call" and report.passed:
         _passed.add(report.nodeid)
+    _count(report)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -102,3 +103,33 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         print(f"required tiers did not run in full: {', '.join(short)} (MESHJOB_REQUIRE_TIERS)")
         if int(exitstatus) in (0, 5):
             session.exitstatus = 1
+
+
+# --- tier counts: one line per tier at the end of every session (how many ran, how long they took) ----
+_TIERS = ("chaos", "slurm", "multiproc", "gpu")  # a test with none of these markers is `unit`
+_tier_of: dict[str, str] = {}
+_tier_stats: dict[str, dict[str, float]] = {}
+
+
+def _tier(item) -> str:
+    return next((t for t in _TIERS if item.get_closest_marker(t)), "unit")
+
+
+def pytest_collection_finish(session) -> None:
+    _tier_of.update({i.nodeid: _tier(i) for i in session.items})
+
+
+def _count(report) -> None:
+    stats = _tier_stats.setdefault(_tier_of.get(report.nodeid, "unit"),
+                                   {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0})
+    stats["seconds"] += report.duration
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        stats[report.outcome] += 1
+    elif report.when == "teardown" and report.failed:
+        stats["failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for tier, s in sorted(_tier_stats.items()):
+        terminalreporter.write_line(f"tier {tier}: {s['passed']:.0f} passed, {s['failed']:.0f} failed, "
+                                    f"{s['skipped']:.0f} skipped, {s['seconds']:.0f} s")
