@@ -150,6 +150,22 @@ def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_di
     assert f"job {job}: RUNNING (restart 1)" in out and f"job {job}: COMPLETED" in out, out
     assert "step=40 " in out, out
     _assert_report_of_a_requeued_run(run_root, job)
+    _assert_status_of_a_requeued_run(run_root, job, recs)
+
+
+def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[str, str]]) -> None:
+    """`python -m jobs.status` on the same run dir: its Slurm section lists both allocations of the job as sacct
+    --duplicates keeps them (`recs`, read by this test), the requeued one first, the last one COMPLETED 0:0."""
+    r = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    section = r.stdout.split(f"slurm job {job} (sacct --duplicates):\n", 1)
+    assert len(section) == 2, r.stdout
+    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in section[1].splitlines() if line.strip()]
+    keys = ("JobID", "State", "ExitCode", "NodeList")
+    assert [tuple(row[k] for k in keys) for row in rows] == [tuple(rec[k] for k in keys) for rec in recs], r.stdout
+    assert [(row["JobID"], row["State"]) for row in rows] == [(job, "REQUEUED"), (job, "COMPLETED")], r.stdout
+    assert rows[-1]["ExitCode"] == "0:0", r.stdout
 
 
 def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
