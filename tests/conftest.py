@@ -66,21 +66,27 @@ def data_path(tmp_path_factory) -> str:
 
 
 # --- tiers that must run: MESHJOB_REQUIRE_TIERS=slurm,chaos (set by .ci/run) ------------------------
-# A tier that silently skipped, errored in setup or was deselected (a stray PYTEST_ADDOPTS='-m ...')
-# fails the session: every test of a required tier must have passed, and the tier must not be empty.
+# A tier that silently skipped, errored in setup or was deselected (a stray PYTEST_ADDOPTS='-m ...', a
+# `-k` or `--deselect` that keeps only part of it) fails the session: the tier's tests are recorded as
+# collected, before any deselection, every one of them must have passed, and the tier must not be empty.
+# The exit code pytest had is kept when it is already a failure (2 interrupted, 3 internal error, 4 usage
+# error); only a session that pytest counted as passed (0) or empty (5) is turned into 1.
 _REQUIRED = [t for t in os.environ.get("MESHJOB_REQUIRE_TIERS", "").split(",") if t]
-_selected: dict[str, set[str]] = {}
+_collected: dict[str, set[str]] = {}
 _passed: set[str] = set()
 
 
-def pytest_collection_finish(session) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Runs before -k/-m/--deselect (pytest's own hooks are not tryfirst): the tier as collected."""
     for tier in _REQUIRED:
-        _selected[tier] = {i.nodeid for i in session.items if i.get_closest_marker(tier)}
+        _collected.setdefault(tier, set()).update(i.nodeid for i in items if i.get_closest_marker(tier))
 
 
 def pytest_runtest_logreport(report) -> None:
     if report.when == "call" and report.passed:
         _passed.add(report.nodeid)
+    _count(report)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -88,11 +94,42 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return
     short = []
     for tier in _REQUIRED:
-        ids = _selected.get(tier, set())
+        ids = _collected.get(tier, set())
         ran = len(ids & _passed)
-        print(f"\nrequired tier {tier}: {ran} of {len(ids)} selected tests passed")
+        print(f"\nrequired tier {tier}: {ran} of {len(ids)} collected tests passed")
         if not ids or ran < len(ids):
             short.append(tier)
     if short:
         print(f"required tiers did not run in full: {', '.join(short)} (MESHJOB_REQUIRE_TIERS)")
-        session.exitstatus = 1
+        if int(exitstatus) in (0, 5):
+            session.exitstatus = 1
+
+
+# --- tier counts: one line per tier at the end of every session (how many ran, how long they took) ----
+_TIERS = ("chaos", "slurm", "multiproc", "gpu")  # a test with none of these markers is `unit`
+_tier_of: dict[str, str] = {}
+_tier_stats: dict[str, dict[str, float]] = {}
+
+
+def _tier(item) -> str:
+    return next((t for t in _TIERS if item.get_closest_marker(t)), "unit")
+
+
+def pytest_collection_finish(session) -> None:
+    _tier_of.update({i.nodeid: _tier(i) for i in session.items})
+
+
+def _count(report) -> None:
+    stats = _tier_stats.setdefault(_tier_of.get(report.nodeid, "unit"),
+                                   {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0})
+    stats["seconds"] += report.duration
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        stats[report.outcome] += 1
+    elif report.when == "teardown" and report.failed:
+        stats["failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for tier, s in sorted(_tier_stats.items()):
+        terminalreporter.write_line(f"tier {tier}: {s['passed']:.0f} passed, {s['failed']:.0f} failed, "
+                                    f"{s['skipped']:.0f} skipped, {s['seconds']:.0f} s")

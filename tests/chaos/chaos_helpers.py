@@ -14,12 +14,41 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
+from tests.conftest import run_train
 from tests.slurm.slurm_helpers import REPO, cli, sacct, submitted_job_id
 
-STEPS = 300
+# 100 steps: the faults land at step ~40 (past the save at 25) and, for the sbatch case, again at 60; the
+# rest is what the job trains after its recovery. Only the time-limit case needs a longer run (LONG_STEPS:
+# Slurm's warning comes 30-60 s into an attempt, so the run must outlast one).
+STEPS, LONG_STEPS = 100, 300
+# Bounds of the waits (seconds): each fires with its own message, and a test's pytest-timeout marker
+# (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
+REFERENCE_S, STEP_S, DONE_S = 300, 180, 360
 # Two ranks on two nodes (FSDP over dp_shard2), the debug failure policy (hang named after 20 s).
-COMMON = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
-          f"train.steps={STEPS}", "checkpoint.every_steps=25", "failure=debug"]
+BASE = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
+        "checkpoint.every_steps=25", "failure=debug"]
+
+
+def common(steps: int = STEPS) -> list[str]:
+    """The chaos tier's job config at `steps` steps."""
+    return [*BASE, f"train.steps={steps}"]
+
+
+COMMON = common(STEPS)
+
+
+def bound_s(*waits: float) -> float:
+    """A pytest-timeout for a test whose own waits are `waits` (its first use of the shared reference run
+    included), with a minute for the rest (submission, conversions, comparisons)."""
+    return REFERENCE_S + sum(waits) + 60
+
+
+def reference_run(run_dir: Path, tmp: Path, steps: int = STEPS) -> tuple[dict, dict]:
+    """The config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data): every
+    step's loss and the final state, what a recovered run must equal bit for bit."""
+    r = run_train(["launcher=local", *common(steps)], run_dir, timeout=REFERENCE_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(run_dir), final_state(run_dir, tmp, steps=steps)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -34,10 +63,10 @@ def final_state(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path, *,
-                                      steps: int = STEPS) -> None:
+def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path) -> None:
     """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's."""
     ref_losses, ref_final = reference
+    steps = max(ref_losses)  # the reference's length: STEPS, or LONG_STEPS for the time-limit case
     got = losses(run_dir)
     assert sorted(got) == list(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - set(got))
     bad = [(s, got[s], ref_losses[s]) for s in got if got[s] != ref_losses[s]]
@@ -51,13 +80,13 @@ def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict
             assert torch.equal(v, ref_final["optim"][k]), k
 
 
-def submit(run_dir: Path, *extra: str) -> str:
-    r = cli("jobs.train", "launcher=slurm", *COMMON, *extra, f"run.dir={run_dir}")
+def submit(run_dir: Path, *extra: str, steps: int = STEPS) -> str:
+    r = cli("jobs.train", "launcher=slurm", *common(steps), *extra, f"run.dir={run_dir}")
     assert r.returncode == 0, r.stdout + r.stderr
     return submitted_job_id(r.stdout)
 
 
-def wait_for_step(run_dir: Path, step: int, *, timeout: float = 240) -> None:
+def wait_for_step(run_dir: Path, step: int, *, timeout: float = STEP_S) -> None:
     """Until metrics.jsonl has reached `step` (the job is training, past its first checkpoint)."""
     deadline = time.monotonic() + timeout
     path = run_dir / "metrics.jsonl"
@@ -65,14 +94,14 @@ def wait_for_step(run_dir: Path, step: int, *, timeout: float = 240) -> None:
         if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines()[-3:] if l):
             return
         time.sleep(0.2)
-    raise AssertionError(f"{run_dir} never reached step {step}")
+    raise AssertionError(f"{run_dir} did not reach step {step} within {timeout} s")
 
 
 def rank_pid(run_dir: Path, attempt: str, rank: int) -> int:
     return json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())["pid"]
 
 
-def wait_job_done(job: str, *, timeout: float = 420) -> list[dict[str, str]]:
+def wait_job_done(job: str, *, timeout: float = DONE_S) -> list[dict[str, str]]:
     """Polls until the job has no PENDING/RUNNING/REQUEUED-waiting record left; returns sacct's records."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

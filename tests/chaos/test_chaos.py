@@ -13,22 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (COMMON, STEPS, assert_bitwise_equal_to_reference, bring_nodes_back, events,
-                                       final_state, losses, rank_pid, status, submit, take_node_down, wait_for_step,
-                                       wait_job_done)
-from tests.conftest import run_train
+from tests.chaos.chaos_helpers import (DONE_S, LONG_STEPS, STEP_S, STEPS, assert_bitwise_equal_to_reference, bound_s,
+                                       bring_nodes_back, common, events, losses, rank_pid, status, submit,
+                                       take_node_down, wait_for_step, wait_job_done)
 from tests.slurm.slurm_helpers import cli, scontrol_job
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[dict, dict]:
-    """The same config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data)."""
-    run_dir = tmp_path_factory.mktemp("chaos_ref") / "run"
-    r = run_train(["launcher=local", *COMMON], run_dir, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return losses(run_dir), final_state(run_dir, tmp_path_factory.mktemp("chaos_ref_pt"))
+# Each test's own waits (wait_for_step, wait_job_done, and its first use of the shared reference run) are
+# the bounds that fire; pytest-timeout sits above their sum. `reference` is tests/chaos/conftest.py's.
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
+              pytest.mark.timeout(bound_s(STEP_S, DONE_S))]
+NODE_DOWN_DONE_S, LONG_DONE_S = 600, 900
 
 
 def _states(recs: list[dict]) -> list[str]:
@@ -105,13 +99,14 @@ def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishe
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
+@pytest.mark.timeout(bound_s(STEP_S, NODE_DOWN_DONE_S, 300))  # 300: scripts/slurm/start bringing node2 back
 def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finishes_bitwise(
         run_root: Path, reference, tmp_path) -> None:
     job = submit(run_root)
     wait_for_step(run_root, 40)
     try:
         take_node_down("node2", [rank_pid(run_root, f"{job}.0", 1)])
-        recs = wait_job_done(job, timeout=600)
+        recs = wait_job_done(job, timeout=NODE_DOWN_DONE_S)
     finally:
         bring_nodes_back()
     # Back through the queue once (sacct may keep only the last record: the first allocation ended while
@@ -182,13 +177,19 @@ def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_killed_and_the_rank
     assert losses(run_root).keys() == set(range(1, STEPS + 1))
 
 
-def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+@pytest.mark.timeout(bound_s(LONG_DONE_S))  # bound_s counts its one reference run
+def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, chaos_references,
+                                                                             tmp_path) -> None:
     # A 2-minute limit with USR2 90 s before it: Slurm checks limits coarsely and sends the warning
-    # 30-60 s into each attempt, so the 300 steps take more than one attempt, each but the last ended
-    # by the warning, saved and requeued (the budget is raised for that; it does not change the numerics).
+    # 30-60 s into each attempt, so the LONG_STEPS (300) steps take more than one attempt, each but the last
+    # ended by the warning, saved and requeued (the budget is raised for that; it does not change the
+    # numerics). The one chaos case that needs the long run, and its own reference of that length.
+    # Made before the job, not while it runs: an attempt that the load keeps from its first step until the
+    # warning commits nothing (seen: three such attempts in a row hit the no-progress breaker).
+    reference = chaos_references(LONG_STEPS)
     job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=90", "failure.max_requeues=20",
-                 "failure.max_attempts_without_progress=3")
-    recs = wait_job_done(job, timeout=900)
+                 "failure.max_attempts_without_progress=3", steps=LONG_STEPS)
+    recs = wait_job_done(job, timeout=LONG_DONE_S)
     assert _states(recs)[-1] == "COMPLETED" and "REQUEUED" in _states(recs), recs
     assert "TIMEOUT" not in _states(recs), recs
     ends = [e["cause"] for e in events(run_root, "attempt_end")]
@@ -240,12 +241,13 @@ def test_a_plain_scancel_ends_the_job_cancelled_and_nothing_requeues_it(run_root
     assert {e["action"] for e in events(run_root, "decision")} <= {"none"}, events(run_root, "decision")
 
 
+@pytest.mark.timeout(bound_s(STEP_S, 120, STEP_S, DONE_S))
 @pytest.mark.parametrize("style", ["srun", "torchrun"])
 def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues_and_finishes_bitwise(run_root: Path, reference,
                                                                                      tmp_path, style: str) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
-    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *COMMON, f"run.dir={run_root}")
+    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *common(), f"run.dir={run_root}")
     assert r.returncode == 0, r.stderr
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
                          cwd="/tmp").stdout.strip()

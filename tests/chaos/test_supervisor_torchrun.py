@@ -13,27 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import chaos_helpers
-from tests.chaos.chaos_helpers import events, losses, wait_for_step, wait_job_done
-from tests.conftest import run_train
+from tests.chaos.chaos_helpers import assert_bitwise_equal_to_reference, events, wait_for_step, wait_job_done
 from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
-STEPS = 100  # the chaos tier's job (tests/chaos/chaos_helpers.py), shorter: every fault here comes at step 40
-COMMON = [o for o in chaos_helpers.COMMON if not o.startswith("train.steps=")] + [f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[dict, dict]:
-    """The same config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data)."""
-    run_dir = tmp_path_factory.mktemp("chaos_ref") / "run"
-    r = run_train(["launcher=local", *COMMON], run_dir, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return losses(run_dir), chaos_helpers.final_state(run_dir, tmp_path_factory.mktemp("chaos_ref_pt"), steps=STEPS)
-
-
-def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path) -> None:
-    chaos_helpers.assert_bitwise_equal_to_reference(run_dir, reference, tmp, steps=STEPS)
+COMMON = chaos_helpers.COMMON  # the chaos tier's job (STEPS steps); every fault here comes at step 40
+# `reference`: the session's uninterrupted run of it (tests/chaos/conftest.py)
 
 
 def submit(run_dir: Path, *extra: str) -> str:

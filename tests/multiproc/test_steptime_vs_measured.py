@@ -26,6 +26,12 @@ runs of both models (2026-12-04): all 20 model runs passed, 3 of them in a secon
 prediction scaled by 1.4 on purpose (tiny), the test failed after three rounds: tp2_fsdp2 1.35,
 pp2_interleaved_fsdp2 1.41 (fsdp4 1.21 and pp2_1f1b 1.15 passed: the box's noise lets a model err by
 ~1.25-1.4x on one mesh before this test sees it, not less).
+
+What it does not prove: the calibration runs on the very models and shapes it then predicts (the same
+4 ranks, the same machine, minutes apart), so it shows the model reproduces this box's step from this box's own
+figures; it does not show the model extrapolates to a shape, model size or mesh it was not calibrated on,
+nor to another machine. The GPU predictions rest on datasheet and cited figures instead
+(tests/unit/test_steptime.py: Llama 3 405B within 5% of the published 41% MFU).
 """
 
 from __future__ import annotations

@@ -54,10 +54,13 @@ def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_point_is_pruned(ru
                 "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2", f"run.dir={run_root}")
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
     array = submitted_job_id(sweep.stdout, r"4 points, 3 submitted as array job (\d+), 1 pruned")
-    # Returned once queued: not every element has finished yet (no record at all: slurmdbd has not even
-    # stored the submission yet, which CI once met).
-    recs = sacct(array)
-    assert not recs or not all(r["State"] == "COMPLETED" for r in recs), recs
+    # Returned once queued, not after the elements ran: slurmctld (squeue, no accounting lag; sacct may not
+    # even hold the submission yet, which CI once met) still has all three, none finished.
+    queued = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i %T"], capture_output=True, text=True,
+                            check=True).stdout.split("\n")
+    states = dict(line.split() for line in queued if line.strip())
+    assert sorted(states) == [f"{array}_{i}" for i in range(3)], states
+    assert set(states.values()) <= {"PENDING", "CONFIGURING", "RUNNING"}, states
     table = [json.loads(l) for l in (run_root / "sweep.jsonl").read_text().splitlines()]
     (pruned,) = [t for t in table if t["pruned"]]
     assert pruned["idx"] == 3 and pruned["job_id"] is None
@@ -147,6 +150,22 @@ def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_di
     assert f"job {job}: RUNNING (restart 1)" in out and f"job {job}: COMPLETED" in out, out
     assert "step=40 " in out, out
     _assert_report_of_a_requeued_run(run_root, job)
+    _assert_status_of_a_requeued_run(run_root, job, recs)
+
+
+def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[str, str]]) -> None:
+    """`python -m jobs.status` on the same run dir: its Slurm section lists both allocations of the job as sacct
+    --duplicates keeps them (`recs`, read by this test), the requeued one first, the last one COMPLETED 0:0."""
+    r = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    section = r.stdout.split(f"slurm job {job} (sacct --duplicates):\n", 1)
+    assert len(section) == 2, r.stdout
+    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in section[1].splitlines() if line.strip()]
+    keys = ("JobID", "State", "ExitCode", "NodeList")
+    assert [tuple(row[k] for k in keys) for row in rows] == [tuple(rec[k] for k in keys) for rec in recs], r.stdout
+    assert [(row["JobID"], row["State"]) for row in rows] == [(job, "REQUEUED"), (job, "COMPLETED")], r.stdout
+    assert rows[-1]["ExitCode"] == "0:0", r.stdout
 
 
 def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:

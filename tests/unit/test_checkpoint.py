@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import random
@@ -69,7 +70,9 @@ def test_step_dirs_lists_committed_names_newest_first_and_ignores_temp_ones(tmp_
 def test_fingerprint_diff_names_what_changed_and_ignores_hosts():
     a = env_fingerprint(hosts=["n1"], environ={"NCCL_ALGO": "Ring", "HOME": "/x"})
     assert a["env"] == {"NCCL_ALGO": "Ring"} and a["torch"] == torch.__version__
-    assert a["distributions"]["torch"] == torch.__version__.split("+")[0] or "torch" in a["distributions"]
+    # the installed torch distribution's own version string (a local build tag such as +cpu included)
+    assert a["distributions"]["torch"] == importlib.metadata.version("torch")
+    assert a["distributions"]["numpy"] == importlib.metadata.version("numpy")
     b = json.loads(json.dumps(a))
     b["hosts"] = ["n7", "n8"]
     assert diff_fingerprint(a, b) == {}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from jobs.config import CONF_DIR, compose
 from jobs.validate import validate
@@ -17,15 +20,42 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def _yaml(path: Path) -> dict[str, Any]:
+    body = yaml.safe_load(path.read_text()) or {}
+    body.pop("defaults", None)
+    return body
+
+
+def _assert_holds(obj: Any, expected: dict[str, Any], where: str) -> None:
+    """Every leaf of `expected` (a YAML body) is the composed value at the same place; interpolations
+    (`${...}`, resolved from other groups) are skipped."""
+    for key, want in expected.items():
+        got = obj[key] if isinstance(obj, dict) else getattr(obj, key)
+        if isinstance(want, dict):
+            _assert_holds(got, want, f"{where}.{key}")
+        elif not (isinstance(want, str) and "${" in want):
+            got = list(got) if isinstance(got, tuple) else got
+            assert got == want, f"{where}.{key}: composed {got!r}, the YAML says {want!r}"
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
-def test_every_group_option_composes(group: str, option: str) -> None:
+def test_every_group_option_composes_to_the_values_its_yaml_sets(group: str, option: str) -> None:
     cfg = compose([f"{group}={option}"])
-    assert getattr(cfg, group) is not None
+    assert dataclasses.is_dataclass(getattr(cfg, group))
+    _assert_holds(getattr(cfg, group), _yaml(CONF_DIR / group / f"{option}.yaml"), group)
 
 
 @pytest.mark.parametrize("option", _options("experiment"))
-def test_every_experiment_preset_composes(option: str) -> None:
-    compose([f"+experiment={option}"])
+def test_every_experiment_preset_composes_to_its_values_and_those_of_the_options_it_picks(option: str) -> None:
+    path = CONF_DIR / "experiment" / f"{option}.yaml"
+    cfg = compose([f"+experiment={option}"])
+    preset = _yaml(path)
+    for entry in yaml.safe_load(path.read_text()).get("defaults", []):
+        for key, picked in (entry.items() if isinstance(entry, dict) else []):
+            group = key.removeprefix("override /")
+            _assert_holds(getattr(cfg, group), {**_yaml(CONF_DIR / group / f"{picked}.yaml"), **preset.get(group, {})},
+                          group)
+    _assert_holds(cfg, preset, "experiment")
 
 
 def test_default_is_tiny_on_8_local_ranks_pp2_dp_shard2_tp2() -> None:

@@ -16,6 +16,14 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "sbatch" / "examples"
 UPDATE = os.environ.get("MESHJOB_UPDATE_GOLDEN") == "1"  # regenerate: MESHJOB_UPDATE_GOLDEN=1 pytest tests/unit/test_sbatch.py
 
+
+def update_refusal(environ) -> str | None:
+    """Why the golden files must not be rewritten here: under CI (CI=true), rewriting them would make the
+    golden test compare the renderer with itself and pass whatever it renders."""
+    if environ.get("MESHJOB_UPDATE_GOLDEN") == "1" and environ.get("CI", "").lower() in ("true", "1"):
+        return "MESHJOB_UPDATE_GOLDEN=1 under CI=true: golden files are updated by hand after a deliberate change, never by CI"
+    return None
+
 H100 = ["launcher=slurm", "cluster=h100_ib", "model=llama3_8b", "launcher.nodes=4", "launcher.tasks_per_node=8",
         "mesh.pp=1", "mesh.tp=8", "mesh.dp_shard=4", "train.global_batch=64", "train.micro_batch=2",
         "train.seq_len=2048", "run.dir=/lustre/meshjob/runs/llama3_8b-tp8", "cluster.account=my-account",
@@ -38,6 +46,9 @@ def test_rendered_script_matches_its_golden_example(name: str) -> None:
     overrides, style = CASES[name]
     text = _rendered(overrides, style)
     path = EXAMPLES / name
+    refusal = update_refusal(os.environ)
+    if refusal:
+        pytest.fail(refusal)
     if UPDATE:
         path.write_text(text)
     assert text == path.read_text(), f"{path} is stale: MESHJOB_UPDATE_GOLDEN=1 pytest {__file__}"
@@ -98,3 +109,12 @@ def test_every_step_a_rendered_script_runs_is_one_jobs_launch_slurm_accepts(styl
         r = subprocess.run([sys.executable, "-m", "jobs.launch.slurm", mode, "no_such_group.key=1"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "config error" in r.stderr and "usage" not in r.stderr, (mode, r.stderr[-500:])
+
+
+def test_golden_files_are_never_rewritten_under_ci() -> None:
+    assert "never by CI" in update_refusal({"MESHJOB_UPDATE_GOLDEN": "1", "CI": "true"})
+    assert update_refusal({"MESHJOB_UPDATE_GOLDEN": "1"}) is None  # by hand, after a deliberate change
+    assert update_refusal({"CI": "true"}) is None
+    # and CI's own script clears the variable before pytest runs
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "unset PYTEST_ADDOPTS MESHJOB_UPDATE_GOLDEN" in ci and "export CI=true" in ci
