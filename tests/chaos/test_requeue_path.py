@@ -13,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import events, losses, rank_pid, submit, wait_for_step, wait_job_done
+from tests.chaos.chaos_helpers import (DONE_S, STEP_S, bound_s, events, losses, rank_pid, submit, wait_for_step,
+                                       wait_job_done)
 from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
 STEPS = 60
+BACK_S = 420  # _back_running's bound
 
 
-def _back_running(job: str, *, timeout: float = 420) -> list[tuple[str, str, str]]:
+def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, str]]:
     """(JobState, Reason, Restarts) as seen every 0.5 s until the job runs again after its requeue (other
     jobs on the shared cluster may hold node2/node3 for a while); fails at once when it is seen held
     (PENDING with Reason job_requeued_in_held_state, as before the fix, or JobHeld*): nothing holds it now."""
@@ -37,6 +39,7 @@ def _back_running(job: str, *, timeout: float = 420) -> list[tuple[str, str, str
     raise AssertionError(f"job {job} not running again {timeout} s after its requeue: {seen[-3:]}")
 
 
+@pytest.mark.timeout(bound_s(STEP_S, BACK_S, DONE_S))  # its own waits are the bound
 def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(run_root: Path) -> None:
     job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
     try:
@@ -68,6 +71,7 @@ def _claimer(path: Path, *, timeout: float = 120) -> dict:
     raise AssertionError(f"nobody claimed {path.parent.name} within {timeout} s")
 
 
+@pytest.mark.timeout(bound_s(STEP_S, 120, DONE_S))  # its own waits (_claimer's 120 s too) are the bound
 def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_the_run_finishes(run_root: Path) -> None:
     job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
     wait_for_step(run_root, 15)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobs.failure.sdc import FLIP_VAR
-from tests.chaos.chaos_helpers import events, losses, wait_job_done
+from tests.chaos.chaos_helpers import DONE_S, REFERENCE_S, bound_s, events, losses, wait_job_done
 from tests.conftest import run_train
 from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
@@ -21,15 +21,16 @@ ARGS = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp
         "checkpoint.every_steps=10", "train.log_every=1", "failure=debug", "failure.spike_grad_norm=1000"]
 
 
+@pytest.mark.timeout(bound_s(DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes_bitwise(
         run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ref = run_train(["launcher=local", *ARGS], tmp_path / "ref", timeout=600)
+    ref = run_train(["launcher=local", *ARGS], tmp_path / "ref", timeout=REFERENCE_S)
     assert ref.returncode == 0, ref.stderr[-3000:]
     monkeypatch.setenv(FLIP_VAR, "1:25:once")  # sbatch passes the submitting environment on to the job
     r = cli("jobs.train", "launcher=slurm", *ARGS, f"run.dir={run_root}")
     assert r.returncode == 0, r.stdout + r.stderr
     job = submitted_job_id(r.stdout)
-    recs = wait_job_done(job, timeout=600)
+    recs = wait_job_done(job, timeout=DONE_S)
     assert [x["State"].split()[0] for x in recs][-1] == "COMPLETED", recs
     (failure,) = events(run_root, "failure")
     ((rank, node),) = [(s["rank"], s["node"]) for s in failure["suspects"]]

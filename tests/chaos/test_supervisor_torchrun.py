@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import chaos_helpers
-from tests.chaos.chaos_helpers import assert_bitwise_equal_to_reference, events, wait_for_step, wait_job_done
+from tests.chaos.chaos_helpers import (STEP_S, DONE_S, assert_bitwise_equal_to_reference, bound_s, events, wait_for_step,
+                                       wait_job_done)
 from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -53,6 +54,7 @@ def _sbatch(run_dir: Path, style: str, *extra: str) -> str:
                           cwd="/tmp").stdout.strip()
 
 
+@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_a_killed_supervisor_is_outlived_by_its_guard_the_ranks_save_requeue_and_finish_bitwise(
         run_root: Path, reference, tmp_path) -> None:
     # Before the guard, the batch script ended with the supervisor (137), Slurm ended the job, the ranks
@@ -74,6 +76,7 @@ def test_a_killed_supervisor_is_outlived_by_its_guard_the_ranks_save_requeue_and
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
+@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_a_batch_step_killed_whole_is_told_from_scancel_by_the_ranks_and_requeued_bitwise(
         run_root: Path, reference, tmp_path) -> None:
     # The guard and the supervisor both SIGKILLed (the OOM killer's worst case): the batch script ends, Slurm
@@ -92,6 +95,7 @@ def test_a_batch_step_killed_whole_is_told_from_scancel_by_the_ranks_and_requeue
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
+@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_torchrun_style_under_an_admins_requeue_leaves_sigterm_to_the_ranks_which_save_and_finish_bitwise(
         run_root: Path, reference, tmp_path) -> None:
     # torch's agent catches SIGTERM and SIGKILLs its ranks after its shutdown timeout (30 s by default): a save
@@ -110,6 +114,7 @@ def test_torchrun_style_under_an_admins_requeue_leaves_sigterm_to_the_ranks_whic
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
+@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_torchrun_style_in_a_crash_loop_stops_at_the_budget_with_exit_76(run_root: Path) -> None:
     # torch's agent restarted the ranks after a stop (attempt .3 trained again: no decision of .2 to read)
     # and ended with 1 (ChildFailedError), so the job said "failed" where the ranks said "do not requeue".
