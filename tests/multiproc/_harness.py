@@ -224,7 +224,7 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
         return
     what, _, step_s = patch.partition(":")
     at = int(step_s)
-    import checkpoint.manager as m
+    import checkpoint.commit as m
 
     if what == "kill_before_rename":
         orig = manager._commit

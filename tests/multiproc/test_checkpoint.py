@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint.manager as manager_mod
+import checkpoint.statedict as statedict_mod
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import MANIFEST, check_step_dir, read_manifest, step_dirs
 from jobs.events import read_events
@@ -82,15 +82,15 @@ def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
     """`train`, with rank 1 alone failing to load step_4: its `.metadata` read fails (EIO) or its
     optimizer state is refused after the read. Rank 0 sees nothing wrong."""
     if rank == 1 and fault == "metadata":
-        class Reader(manager_mod.FileSystemReader):
+        class Reader(statedict_mod.FileSystemReader):
             def read_metadata(self, *a, **k):
                 if str(self.path).endswith("step_4"):
                     raise OSError(errno.EIO, "Input/output error", f"{self.path}/.metadata")
                 return super().read_metadata(*a, **k)
 
-        manager_mod.FileSystemReader = Reader
+        statedict_mod.FileSystemReader = Reader
     elif rank == 1 and fault == "apply":
-        orig, calls = manager_mod.set_optimizer_state_dict, []
+        orig, calls = statedict_mod.set_optimizer_state_dict, []
 
         def refuse_first(*a, **k):
             calls.append(1)
@@ -98,7 +98,7 @@ def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
                 raise RuntimeError("size mismatch for optim state (injected on rank 1)")
             return orig(*a, **k)
 
-        manager_mod.set_optimizer_state_dict = refuse_first
+        statedict_mod.set_optimizer_state_dict = refuse_first
     return train(rank, world, **kw)
 
 
