@@ -62,7 +62,7 @@ class CommitMixin:
                    blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
                    async_mode=self.cfg.async_mode)
         if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in a thread of its own
-            self._retaining = self._retain_pool.submit(self._retain_logged)
+            self._retaining = self._retain_pool.submit(self._retain_logged, step)
 
     def _commit_rank0(self, step: int, tmp: Path, final: Path, gathered: list[Any]) -> dict[str, Any]:
         errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
@@ -92,7 +92,9 @@ class CommitMixin:
                     **self.manifest_extra,
                 })  # fsyncs the manifest and the folder
                 if final.exists():
-                    aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
+                    aside = final.with_name(f"{final.name}.uncommitted-{self.attempt}")
+                    if aside.exists():
+                        aside = aside.with_name(f"{aside.name}.{time.time_ns()}")
                     os.rename(final, aside)
                     self._emit("checkpoint_moved_aside", step=step, path=str(aside),
                                reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)")
@@ -108,14 +110,15 @@ class CommitMixin:
                 self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save failed")
         return {"ok": False, "error": "; ".join(errors)[:2000]}
 
-    def _retain_logged(self) -> None:
+    def _retain_logged(self, newest: int) -> None:
         try:
-            self._retain()
+            self._retain(newest)
         except Exception as e:  # noqa: BLE001 - retention failing costs disk space, not the run
             log.warning("retention under %s failed: %s", self.folder, describe_error(e, self.folder))
 
-    def _retain(self) -> None:
-        retain(self.folder, keep=self.cfg.keep, verify=self.cfg.verify, emit=self._emit)
+    def _retain(self, newest: int) -> None:
+        retain(self.folder, keep=self.cfg.keep, verify=self.cfg.verify, emit=self._emit, newest=newest,
+               verified=self._verified)
 
 
 def _own_records(records: dict[str, dict[str, Any]], rank: int, tmp: Path) -> dict[str, dict[str, Any]]:

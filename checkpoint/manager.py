@@ -44,6 +44,7 @@ from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
+from checkpoint.retention import abandon_above
 from checkpoint.statedict import StateDictMixin
 from checkpoint.writer import RecordingWriter, ThreadStager
 
@@ -83,6 +84,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         manifest_extra: dict[str, Any] | None = None,
         total_steps: int | None = None,
         mtbf_s: float | None = None,
+        attempt: str = "",
     ) -> None:
         if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
             raise ValueError(
@@ -106,6 +108,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
         self._pending: Future | None = None
         self._retaining: Future | None = None
+        self._verified: dict[tuple[int, str], bool] = {}  # retention's full crc32 checks, each done once
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
@@ -124,6 +127,9 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
         # and the auto interval must come out the same on every rank.
         self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
+        # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
+        # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
+        self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
         hosts = self._all_gather(platform.node(), self._ctl_pg)
         self.fingerprint = env_fingerprint(hosts=hosts)
 
@@ -142,13 +148,34 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
         the objects that later `save` calls write. Every rank skips, loads or raises together: a
         candidate that fails to validate or load on any one rank is skipped by all. `before_step`:
-        only checkpoints of a step < before_step are candidates (a rollback past a loss spike)."""
+        only checkpoints of a step < before_step are candidates (a rollback past a loss spike); the
+        checkpoints above the step loaded then belong to the abandoned timeline and are moved aside to
+        `abandoned/` (`checkpoint_abandoned`), so that neither retention nor a later load counts them."""
         if len(model_parts) != len(optimizers):
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
-        return self._restore_newest(before_step)
+        step = self._restore_newest(before_step)
+        if before_step is not None and step > 0:
+            self._abandon_above(step)
+        return step
+
+    def _abandon_above(self, step: int) -> None:
+        """Rank 0 moves the checkpoints of a step > `step` aside, once every rank has finished reading (the
+        load's last all_gather); every rank waits for the outcome, so no save of the new timeline starts before."""
+        err = None
+        if self.rank == 0:
+            try:
+                for s, d, aside in abandon_above(self.folder, step=step, attempt=self.attempt):
+                    self._emit("checkpoint_abandoned", step=s, path=str(aside), from_path=str(d), target_step=step,
+                               reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline")
+            except OSError as e:
+                err = describe_error(e, self.folder)
+        err = self._bcast(err, self._ctl_pg)
+        if err is not None:
+            raise RuntimeError(f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
+                               f"({err}); move {self.folder}/step_N (N > {step}) aside by hand and restart")
 
     def _bind(self, model_parts: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
               lr_schedulers: Sequence[Any], train_state: Any | None) -> None:
@@ -235,7 +262,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
-        tmp, final = self.folder / f"step_{step}.tmp", self.folder / f"step_{step}"
+        tmp, final = self.folder / f"step_{step}.{self.attempt}.tmp", self.folder / f"step_{step}"
         if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
             if self.rank == 0:
                 self._prepare(tmp)
@@ -328,11 +355,17 @@ class CheckpointManager(CommitMixin, StateDictMixin):
             log.warning("skipping checkpoint %s: %s", d, reason)
 
     def _remove_stale_tmp(self) -> None:
+        """Removes the temporary (`step_N.<attempt>.tmp`) and moved-aside (`step_N.uncommitted-<attempt>`)
+        folders of earlier attempts; this attempt's are left alone (a save of its own may still write there)."""
         if not self.folder.is_dir():
             return
-        for p in sorted(self.folder.glob("step_*.tmp")):
+        for p in sorted([*self.folder.glob("step_*.tmp"), *self.folder.glob("step_*.uncommitted-*")]):
+            tmp = p.name.endswith(".tmp")
+            if p.name.endswith(f".{self.attempt}.tmp") or f".uncommitted-{self.attempt}" in p.name:
+                continue
             shutil.rmtree(p, ignore_errors=True)
-            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash")
+            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash" if tmp
+                       else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)")
 
     def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
         diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)

@@ -336,7 +336,7 @@ def test_torch_save_skips_the_zip_crc32_only_while_a_checkpoint_is_written(tmp_p
 
 def test_retention_runs_behind_the_commit_and_close_waits_for_it(tmp_path, monkeypatch):
     release, started = threading.Event(), threading.Event()
-    monkeypatch.setattr(CheckpointManager, "_retain", lambda self: started.set() or release.wait(30))
+    monkeypatch.setattr(CheckpointManager, "_retain", lambda self, newest: started.set() or release.wait(30))
     model, opt = _one_layer()
     ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
     ck.load_latest(model_parts=[model], optimizers=[opt])
