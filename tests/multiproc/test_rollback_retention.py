@@ -37,7 +37,8 @@ def _events(run_dir: Path) -> list[dict]:
 
 def _stop_on_rollback(run_dir: Path, data_path: str) -> tuple[int, str]:
     """Runs the first attempt and sends SIGUSR2 to the launcher as soon as the rollback is in the ledger."""
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON, f"data.path={data_path}"],
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON,
+                             f"data.path={data_path}"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **ENV})
     try:
@@ -53,6 +54,7 @@ def _stop_on_rollback(run_dir: Path, data_path: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.slow  # 26-50 s: two attempts of 2 ranks, the steps slowed on purpose
 def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_and_finishes(tmp_path: Path,
                                                                                            data_path: str):
     run_dir = tmp_path / "run"
@@ -70,7 +72,8 @@ def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_a
         (30, "step_30.local.0")]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "abandoned/step_30.local.0/manifest.json").exists()
-    assert not [e for e in events if e["kind"] == "checkpoint_deleted" and e["step"] == 20 and e["attempt"] == "local.0"]
+    assert not [e for e in events if e["kind"] == "checkpoint_deleted" and e["step"] == 20
+                and e["attempt"] == "local.0"]
 
     loaded = [e["step"] for e in events if e["kind"] == "checkpoint_loaded" and e["attempt"] == "local.1"]
     assert loaded == [stop_step]
@@ -78,5 +81,6 @@ def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_a
     final = {m["step"]: m["data_step"] for m in rerun.metrics()}
     assert sorted(s for s in final if s > stop_step) == list(range(stop_step + 1, 37))
     # Data steps 29..30 skipped: step s reads data step s - 1 up to step 29, s + 1 from step 30 on.
-    assert [final[s] for s in range(stop_step + 1, 37)] == [s - 1 if s < 30 else s + 1 for s in range(stop_step + 1, 37)]
+    redone = range(stop_step + 1, 37)
+    assert [final[s] for s in redone] == [s - 1 if s < 30 else s + 1 for s in redone]
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_30", "step_36"]  # keep=2 of the current timeline
