@@ -178,7 +178,8 @@ class FailureConfig:
     spike_patience: int = 1  # consecutive spiking steps that trigger a rollback (a non-finite loss: at once)
     spike_skip_steps: int = 4  # data steps skipped per rollback: the spike's and up to this many - 1 before it
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
-    max_rollbacks: int = 3  # rollbacks per run; one more spike stops the run for good (exit 77)
+    max_rollbacks: int = 3  # rollbacks per rollback_window_steps; one more spike stops the run for good (exit 77)
+    rollback_window_steps: int = 10000  # the steps max_rollbacks counts over (before the spike); 0 = the whole run
     straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
     straggler_intervals: int = 3  # consecutive slow log intervals before a straggler event (K)
     straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)

@@ -87,9 +87,10 @@ def check_config(f: FailureConfig) -> None:
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
         raise ValueError(f"failure.spike_window({f.spike_window}), failure.spike_patience({f.spike_patience}) and "
                          f"failure.spike_skip_steps({f.spike_skip_steps}) must be >= 1")
-    if f.spike_grad_norm < 0 or f.max_rollbacks < 0:
-        raise ValueError(f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off) and failure.max_rollbacks"
-                         f"({f.max_rollbacks}) must be >= 0")
+    if f.spike_grad_norm < 0 or f.max_rollbacks < 0 or f.rollback_window_steps < 0:
+        raise ValueError(f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off), failure.max_rollbacks"
+                         f"({f.max_rollbacks}) and failure.rollback_window_steps({f.rollback_window_steps}) (0 = the "
+                         "whole run) must be >= 0")
     if not 0 < f.spike_lr_scale <= 1:
         raise ValueError(f"failure.spike_lr_scale({f.spike_lr_scale}) must be in (0, 1]; 1 leaves the LR alone")
 
@@ -221,10 +222,10 @@ class TrainingHealth:
         return True
 
     def rollback(self, st: Any, spike: Spike, *, load: Load, schedulers: list[Any]) -> None:
-        n = len(self.records) + 1
+        n, recent = len(self.records) + 1, self._recent(spike)
         self._emit("loss_spike", cls=spike.cls, step=spike.last + 1, first_step=spike.first + 1,
                    losses=spike.losses, grad_norms=spike.grad_norms, median=spike.median, reason=spike.reason)
-        if n > self.cfg.max_rollbacks:
+        if recent >= self.cfg.max_rollbacks:
             raise LossDiverged(spike.cls, self._summary(spike, f"failure.max_rollbacks({self.cfg.max_rollbacks}) "
                                                         "rollbacks are spent"))
         target = load(spike.first + 1)
@@ -241,9 +242,16 @@ class TrainingHealth:
         self._emit("rollback", record=record, max_rollbacks=self.cfg.max_rollbacks, lr_scale_total=self.lr_scale)
         self._incident(spike, record)
         if self.rank == 0:
-            log.warning("%s at step %d (%s): rollback %d of failure.max_rollbacks(%d) to step %d, data steps %s "
-                        "skipped, LR x %g", spike.cls, spike.last + 1, spike.reason, n, self.cfg.max_rollbacks, target,
-                        _span(skipped), self.lr_scale)
+            log.warning("%s at step %d (%s): rollback %d (%d of failure.max_rollbacks(%d) in the last failure."
+                        "rollback_window_steps(%d)) to step %d, data steps %s skipped, LR x %g", spike.cls,
+                        spike.last + 1, spike.reason, n, recent + 1, self.cfg.max_rollbacks,
+                        self.cfg.rollback_window_steps, target, _span(skipped), self.lr_scale)
+
+    def _recent(self, spike: Spike) -> int:
+        """The rollbacks that count toward failure.max_rollbacks at this spike: those of a spike within the
+        last failure.rollback_window_steps steps (every one when it is 0)."""
+        w = self.cfg.rollback_window_steps
+        return sum(1 for r in self.records if w == 0 or r["step"] > spike.last + 1 - w)
 
     def resume(self, st: Any, *, load: Load, schedulers: list[Any], agree: Callable[[Any], Any]) -> None:
         """After the trainer's first load: the rollback records of the checkpoint and of events.jsonl (rank
@@ -285,7 +293,8 @@ class TrainingHealth:
         done = "; ".join(f"#{r['rollback']} {r['cls']} at step {r['step']} -> step {r['target_step']}, data steps "
                          f"{_span(r['skipped_data_steps'])} skipped" for r in self.records) or "none"
         return (f"{spike.cls} at step {spike.last + 1} ({spike.reason}), and {why}; rollbacks so far: {done}. "
-                "Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks")
+                f"Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks (per "
+                f"failure.rollback_window_steps({self.cfg.rollback_window_steps}) steps; 0 = the whole run)")
 
     def _incident(self, spike: Spike, record: dict) -> None:
         if self.rank != 0:
