@@ -4,8 +4,10 @@ Decided at the step boundary from the step's global loss and grad norm, which th
 all-reduce makes identical on every rank (bit for bit), so every rank decides alike with no collective.
 
 Detection (`observe`, a pure function of the detector state and the step's numbers): a step is
-suspicious when its loss is above `failure.spike_factor` x the median of the last `failure.spike_window`
-healthy losses (armed once the window is full), or its grad norm above `failure.spike_grad_norm`;
+suspicious when its loss is above both `failure.spike_factor` x the median of the last `failure.spike_window`
+healthy losses and that median + `failure.spike_mad_k` x their median absolute deviation (a robust
+z-score: a noisy curve widens the bar, a quiet one narrows it to the ratio; armed once the window is
+full), or its grad norm above `failure.spike_grad_norm`;
 `failure.spike_patience` suspicious steps in a row are a `loss_spike`. A non-finite loss or grad norm
 is a `non_finite_loss` at once (checked first: every comparison with NaN is False).
 
@@ -84,6 +86,9 @@ def check_config(f: FailureConfig) -> None:
     check_sdc(f)
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
+    if f.spike_mad_k < 0:
+        raise ValueError(f"failure.spike_mad_k({f.spike_mad_k}) must be >= 0 (0: the ratio alone); "
+                         "e.g. failure.spike_mad_k=8")
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
         raise ValueError(f"failure.spike_window({f.spike_window}), failure.spike_patience({f.spike_patience}) and "
                          f"failure.spike_skip_steps({f.spike_skip_steps}) must be >= 1")
@@ -133,9 +138,13 @@ def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: Failure
     hist = det["history"]
     median = statistics.median(hist) if len(hist) >= cfg.spike_window else None
     why = []
-    if cfg.spike_factor > 0 and median is not None and loss > cfg.spike_factor * median:
-        why.append(f"loss {loss:.4g} > failure.spike_factor({cfg.spike_factor}) x median {median:.4g} "
-                   f"of the last failure.spike_window({cfg.spike_window}) losses")
+    if cfg.spike_factor > 0 and median is not None:
+        mad = statistics.median(abs(x - median) for x in hist)
+        bar = max(cfg.spike_factor * median, median + cfg.spike_mad_k * mad)
+        if loss > bar:
+            why.append(f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
+                       f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
+                       f"of the last failure.spike_window({cfg.spike_window}) losses)")
     if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
         why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
     return median, why

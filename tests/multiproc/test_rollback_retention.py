@@ -26,6 +26,7 @@ pytestmark = pytest.mark.multiproc
 # slowed (x8) so that the stop signal sent on the rollback record lands well before step 30 is reached again.
 COMMON = ["train.steps=36", "mesh=single", "mesh.dp_shard=2", "launcher.tasks_per_node=2", "checkpoint.every_steps=10",
           "checkpoint.keep=2", "train.log_every=1", "failure.spike_window=5", "failure.spike_factor=1.4",
+          "failure.spike_mad_k=0",
           "failure.spike_patience=2", "failure.spike_skip_steps=2"]
 ENV = {CORRUPT_VAR: "29,30", SLOW_PHASE_VAR: "all:forward:8"}
 

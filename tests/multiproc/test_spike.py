@@ -27,7 +27,8 @@ pytestmark = pytest.mark.multiproc
 # first spiking step, inside the spike's window, so the second rollback must pass it over for step_40.
 CORRUPT = {CORRUPT_VAR: "nan:33,51,52"}
 COMMON = ["train.steps=60", "mesh=single", "checkpoint.every_steps=10", "train.log_every=1",
-          "failure.spike_window=5", "failure.spike_factor=1.4", "failure.spike_patience=2", "failure.spike_skip_steps=2"]
+          "failure.spike_window=5", "failure.spike_factor=1.4", "failure.spike_mad_k=0", "failure.spike_patience=2",
+          "failure.spike_skip_steps=2"]  # spike_mad_k=0: the ratio alone, as tuned above
 TWO_RANKS = ["mesh.dp_shard=2", "launcher.tasks_per_node=2"]  # the decision is taken on two ranks alike
 EXPECTED = [  # (rollback, cls, first_step, step, target_step, from_step, data_step, skipped_data_steps)
     (1, "non_finite_loss", 34, 34, 30, 32, 34, [32, 33]),
