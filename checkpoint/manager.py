@@ -22,17 +22,12 @@ makes every rank skip that checkpoint together.
 
 from __future__ import annotations
 
-import errno
-import itertools
 import logging
 import os
-import pickle
 import platform
 import shutil
 import statistics
-import subprocess
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,44 +36,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
+from checkpoint.commit import CommitMixin
 from checkpoint.config import CheckpointConfig
+from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
-from checkpoint.manifest import (
-    ManifestError,
-    check_files,
-    check_step_dir,
-    file_record,
-    fsync_dir,
-    read_manifest,
-    step_dirs,
-    write_manifest,
-)
-from checkpoint.state import capture_rng, restore_rng
+from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
+from checkpoint.retention import abandon_above
+from checkpoint.statedict import StateDictMixin
 from checkpoint.writer import RecordingWriter, ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
 
 log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
-_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank; the previous committed checkpoint is untouched."""
-
-
-class CheckpointManager:
+class CheckpointManager(CommitMixin, StateDictMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -108,6 +84,7 @@ class CheckpointManager:
         manifest_extra: dict[str, Any] | None = None,
         total_steps: int | None = None,
         mtbf_s: float | None = None,
+        attempt: str = "",
     ) -> None:
         if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
             raise ValueError(
@@ -131,6 +108,7 @@ class CheckpointManager:
         self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
         self._pending: Future | None = None
         self._retaining: Future | None = None
+        self._verified: dict[tuple[int, str], bool] = {}  # retention's full crc32 checks, each done once
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
@@ -149,6 +127,9 @@ class CheckpointManager:
         # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
         # and the auto interval must come out the same on every rank.
         self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
+        # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
+        # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
+        self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
         hosts = self._all_gather(platform.node(), self._ctl_pg)
         self.fingerprint = env_fingerprint(hosts=hosts)
 
@@ -167,13 +148,34 @@ class CheckpointManager:
         none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
         the objects that later `save` calls write. Every rank skips, loads or raises together: a
         candidate that fails to validate or load on any one rank is skipped by all. `before_step`:
-        only checkpoints of a step < before_step are candidates (a rollback past a loss spike)."""
+        only checkpoints of a step < before_step are candidates (a rollback past a loss spike); the
+        checkpoints above the step loaded then belong to the abandoned timeline and are moved aside to
+        `abandoned/` (`checkpoint_abandoned`), so that neither retention nor a later load counts them."""
         if len(model_parts) != len(optimizers):
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
-        return self._restore_newest(before_step)
+        step = self._restore_newest(before_step)
+        if before_step is not None and step > 0:
+            self._abandon_above(step)
+        return step
+
+    def _abandon_above(self, step: int) -> None:
+        """Rank 0 moves the checkpoints of a step > `step` aside, once every rank has finished reading (the
+        load's last all_gather); every rank waits for the outcome, so no save of the new timeline starts before."""
+        err = None
+        if self.rank == 0:
+            try:
+                for s, d, aside in abandon_above(self.folder, step=step, attempt=self.attempt):
+                    self._emit("checkpoint_abandoned", step=s, path=str(aside), from_path=str(d), target_step=step,
+                               reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline")
+            except OSError as e:
+                err = describe_error(e, self.folder)
+        err = self._bcast(err, self._ctl_pg)
+        if err is not None:
+            raise RuntimeError(f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
+                               f"({err}); move {self.folder}/step_N (N > {step}) aside by hand and restart")
 
     def _bind(self, model_parts: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
               lr_schedulers: Sequence[Any], train_state: Any | None) -> None:
@@ -260,7 +262,7 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
-        tmp, final = self.folder / f"step_{step}.tmp", self.folder / f"step_{step}"
+        tmp, final = self.folder / f"step_{step}.{self.attempt}.tmp", self.folder / f"step_{step}"
         if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
             if self.rank == 0:
                 self._prepare(tmp)
@@ -313,240 +315,10 @@ class CheckpointManager:
                     dist.destroy_process_group(pg)
             self._io_pg = self._ctl_pg = None
 
-    # ------------------------------------------------------------------ state
-
     def _unhook(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-    def _save_state_dict(self) -> dict[str, Any]:
-        """The state to save. Model and optimizer tensors come from a structure built once and rebuilt
-        only when the tensors behind it change; the optimizer's hyperparameters (lr), the scheduler, the
-        train state and the RNG are read fresh each time."""
-        sig = self._tensor_signature()
-        if self._cached is None or self._cached[0] != sig:
-            sd = self._state_dict()
-            self._cached = (sig, sd, _param_group_refs(sd["optim"], self._bound["optimizers"]))
-            if self._stager is not None:
-                self._stager.reset()
-            return sd
-        _, sd, refs = self._cached
-        if refs is None:  # hyperparameters not traceable to a param group: the optimizer part fresh each time
-            b = self._bound
-            sd["optim"] = {k: v for part, opt in zip(b["model_parts"], b["optimizers"])
-                           for k, v in get_optimizer_state_dict(part, opt, options=_OPTS).items()}
-        else:
-            opts = self._bound["optimizers"]
-            for key, oi, gi, name in refs:
-                sd["optim"][key] = opts[oi].param_groups[gi][name]
-        sd.update(self._small_state())
-        return sd
-
-    def _tensor_signature(self) -> tuple:
-        """Which tensors (and storages) the model and optimizer state consist of now; a change means
-        the cached state-dict structure points at tensors no longer in use."""
-        b = self._bound
-        assert b is not None
-        sig: list[Any] = []
-        for part in b["model_parts"]:
-            sig += [(id(t), _local(t).data_ptr()) for t in itertools.chain(part.parameters(), part.buffers())]
-        for opt in b["optimizers"]:
-            sig += [(id(t), _local(t).data_ptr()) for st in opt.state.values() for t in st.values()
-                    if isinstance(t, torch.Tensor)]
-        return tuple(sig)
-
-    def _small_state(self) -> dict[str, Any]:
-        """The non-tensor state of a save, pickled now: scheduler, train state, this rank's RNG."""
-        b = self._bound
-        assert b is not None
-        out: dict[str, Any] = {}
-        if b["lr_schedulers"]:
-            out["lr_scheduler"] = pickle.dumps(b["lr_schedulers"][0].state_dict())
-        if b["train_state"] is not None:
-            out["train_state"] = pickle.dumps(b["train_state"].state_dict())
-        out["rng"] = {f"rank{self.rank}": pickle.dumps(capture_rng())}
-        return out
-
-    def _state_dict(self, metadata_keys: set[str] | None = None,
-                    part_keys: list[list[str]] | None = None) -> dict[str, Any]:
-        b = self._bound
-        assert b is not None
-        model: dict[str, Any] = {}
-        for part in b["model_parts"]:
-            sd = get_model_state_dict(part, options=_OPTS)
-            dup = model.keys() & sd.keys()
-            assert not dup, f"model parts share keys {sorted(dup)[:3]}"
-            model.update(sd)
-            if part_keys is not None:
-                part_keys.append(list(sd))
-        optim: dict[str, Any] = {}
-        for part, opt in zip(b["model_parts"], b["optimizers"]):
-            optim.update(get_optimizer_state_dict(part, opt, options=_OPTS))
-        sd: dict[str, Any] = {"model": model, "optim": optim}
-        loading = metadata_keys is not None
-        if b["lr_schedulers"] and (not loading or "lr_scheduler" in metadata_keys):
-            sd["lr_scheduler"] = b"" if loading else pickle.dumps(b["lr_schedulers"][0].state_dict())
-        if b["train_state"] is not None and (not loading or "train_state" in metadata_keys):
-            sd["train_state"] = b"" if loading else pickle.dumps(b["train_state"].state_dict())
-        rng_key = f"rank{self.rank}"
-        if not loading:
-            sd["rng"] = {rng_key: pickle.dumps(capture_rng())}
-        elif f"rng.{rng_key}" in metadata_keys:
-            sd["rng"] = {rng_key: b""}
-        return sd
-
-    def _load_agreed(self, d: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
-        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
-        # afterwards, reached by every rank, decides for all.
-        err = info = None
-        try:
-            info = self._load(d, manifest)
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            err = _describe(e, self.folder)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
-        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
-
-    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        b = self._bound
-        assert b is not None
-        md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
-        same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get("mesh")
-        part_keys: list[list[str]] = []
-        sd = self._state_dict(md_keys, part_keys)
-        if not same_mesh:
-            sd.pop("rng", None)
-        with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, checkpoint_id=str(d), no_dist=True)
-        for part, keys in zip(b["model_parts"], part_keys):
-            set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)
-        for part, opt in zip(b["model_parts"], b["optimizers"]):
-            set_optimizer_state_dict(part, opt, sd["optim"], options=_OPTS)
-        if "lr_scheduler" in sd:
-            state = pickle.loads(sd["lr_scheduler"])
-            for sched in b["lr_schedulers"]:
-                sched.load_state_dict(state)
-        if "train_state" in sd:
-            b["train_state"].load_state_dict(pickle.loads(sd["train_state"]))
-        rng = restore_rng(pickle.loads(sd["rng"][f"rank{self.rank}"])) if "rng" in sd else []
-        return {"resharded": not same_mesh, "rng_restored": rng}
-
-    # ------------------------------------------------------------------ commit
-
-    def _prepare(self, tmp: Path) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-            self._emit("checkpoint_tmp_removed", path=str(tmp), reason="leftover of an interrupted save of this step")
-        tmp.mkdir()
-        n = self.cfg.lustre_stripe_count
-        if n > 0:
-            if shutil.which("lfs"):
-                subprocess.run(["lfs", "setstripe", "-c", str(n), str(tmp)], check=True, capture_output=True)
-            else:
-                log.warning("checkpoint.lustre_stripe_count=%d but `lfs` is not on PATH; striping left alone", n)
-
-    def _commit(self, step: int, tmp: Path, final: Path, fut: Future | None, err: BaseException | None,
-                t0: float, blocking_s: float | None, writer: RecordingWriter) -> None:
-        local_err, files = None, {}
-        try:
-            if err is not None:
-                raise err
-            if fut is not None:
-                fut.result()
-            files = _own_records(writer.records, self.rank, tmp)
-        except BaseException as e:  # noqa: BLE001 - agreed on below, raised on every rank
-            local_err = _describe(e, self.folder)
-        gathered = self._all_gather((local_err, files, blocking_s), self._io_pg)
-        result: dict[str, Any] | None = None
-        if self.rank == 0:
-            result = self._commit_rank0(step, tmp, final, gathered)
-        result = self._bcast(result, self._io_pg)
-        total_s = time.perf_counter() - t0
-        if not result["ok"]:
-            self._emit("checkpoint_failed", step=step, error=result["error"], total_s=round(total_s, 4))
-            raise CheckpointSaveError(f"checkpoint step_{step} was not committed: {result['error']}")
-        blocking = [g[2] for g in gathered if g[2] is not None]
-        self._emit("checkpoint_saved", step=step, path=str(final), bytes=result["bytes"], files=result["files"],
-                   blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
-                   async_mode=self.cfg.async_mode)
-        if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in a thread of its own
-            self._retaining = self._retain_pool.submit(self._retain_logged)
-
-    def _commit_rank0(self, step: int, tmp: Path, final: Path, gathered: list[Any]) -> dict[str, Any]:
-        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
-        renamed = False
-        if not errors:
-            try:
-                files: dict[str, Any] = {}
-                for _, f, _ in gathered:
-                    files.update(f)
-                for p in sorted(tmp.iterdir()):
-                    if p.name not in files:
-                        files[p.name] = file_record(p)
-                if ".metadata" not in files:
-                    raise RuntimeError(f"DCP wrote no .metadata in {tmp}")
-                nbytes = sum(f["size"] for f in files.values())
-                write_manifest(tmp, {
-                    "step": step,
-                    "time": time.time(),
-                    "world_size": self.world_size,
-                    "files": files,
-                    "bytes": nbytes,
-                    "env": self.fingerprint,
-                    "data_cursor": {"step": step},
-                    "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
-                    "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
-                    "async_mode": self.cfg.async_mode,
-                    **self.manifest_extra,
-                })  # fsyncs the manifest and the folder
-                if final.exists():
-                    aside = final.with_name(f"{final.name}.uncommitted-{time.time_ns()}")
-                    os.rename(final, aside)
-                    self._emit("checkpoint_moved_aside", step=step, path=str(aside),
-                               reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)")
-                os.rename(tmp, final)  # the commit
-                renamed = True
-                fsync_dir(self.folder)
-                return {"ok": True, "bytes": nbytes, "files": len(files)}
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"rank 0 commit: {_describe(e, self.folder)}")
-        for p in (tmp, final if renamed else None):
-            if p is not None and p.exists():
-                shutil.rmtree(p, ignore_errors=True)
-                self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save failed")
-        return {"ok": False, "error": "; ".join(errors)[:2000]}
-
-    def _retain_logged(self) -> None:
-        try:
-            self._retain()
-        except Exception as e:  # noqa: BLE001 - retention failing costs disk space, not the run
-            log.warning("retention under %s failed: %s", self.folder, _describe(e, self.folder))
-
-    def _retain(self) -> None:
-        # Counts toward checkpoint.keep only what load would accept (checkpoint.verify), newest first; of
-        # the older ones, only those whose manifest and sizes check out are deleted (the rest are left for
-        # a human), and never the newest one that passes the checksum.
-        dirs = step_dirs(self.folder)
-        if len(dirs) <= self.cfg.keep:
-            return  # nothing to delete: no need to read any checkpoint back
-        checksum = self.cfg.verify == "checksum"
-        kept: list[tuple[int, Path]] = []
-        retired: list[tuple[int, Path]] = []
-        for step, d in dirs:
-            if len(kept) < self.cfg.keep:
-                if not check_step_dir(d, step=step, checksum=checksum):
-                    kept.append((step, d))
-            elif not check_step_dir(d, step=step, checksum=False):
-                retired.append((step, d))
-        if retired and not checksum:  # kept by size only: the newest one that passes the checksum stays too
-            sound = next((sd for sd in kept + retired if not check_step_dir(sd[1], step=sd[0], checksum=True)), None)
-            retired = [sd for sd in retired if sd != sound]
-        for step, d in retired:
-            shutil.rmtree(d)
-            self._emit("checkpoint_deleted", step=step, path=str(d), reason=f"retention: checkpoint.keep={self.cfg.keep}")
 
     # ------------------------------------------------------------------ load helpers
 
@@ -560,7 +332,7 @@ class CheckpointManager:
         except ManifestError as e:
             problems = [str(e)]
         except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
-            problems = [f"rank {self.rank}: {_describe(e, self.folder)}"]
+            problems = [f"rank {self.rank}: {describe_error(e, self.folder)}"]
         problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
         return problems, (manifest if not problems else None)
 
@@ -571,7 +343,7 @@ class CheckpointManager:
                 self._remove_stale_tmp()
                 listing = [s for s, _ in step_dirs(self.folder)]
             except Exception as e:  # noqa: BLE001 - broadcast, so every rank raises it
-                listing = f"listing {self.folder} failed on rank 0: {_describe(e, self.folder)}"
+                listing = f"listing {self.folder} failed on rank 0: {describe_error(e, self.folder)}"
         listing = self._bcast(listing, self._ctl_pg)
         if isinstance(listing, str):
             raise RuntimeError(f"{listing}; make the folder readable (or fix run.dir) and restart")
@@ -583,11 +355,17 @@ class CheckpointManager:
             log.warning("skipping checkpoint %s: %s", d, reason)
 
     def _remove_stale_tmp(self) -> None:
+        """Removes the temporary (`step_N.<attempt>.tmp`) and moved-aside (`step_N.uncommitted-<attempt>`)
+        folders of earlier attempts; this attempt's are left alone (a save of its own may still write there)."""
         if not self.folder.is_dir():
             return
-        for p in sorted(self.folder.glob("step_*.tmp")):
+        for p in sorted([*self.folder.glob("step_*.tmp"), *self.folder.glob("step_*.uncommitted-*")]):
+            tmp = p.name.endswith(".tmp")
+            if p.name.endswith(f".{self.attempt}.tmp") or f".uncommitted-{self.attempt}" in p.name:
+                continue
             shutil.rmtree(p, ignore_errors=True)
-            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash")
+            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash" if tmp
+                       else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)")
 
     def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
         diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)
@@ -683,63 +461,3 @@ class CheckpointManager:
     def _barrier(self, pg: Any) -> None:
         if self._dist:
             dist.barrier(group=pg)
-
-
-def _own_records(records: dict[str, dict[str, Any]], rank: int, tmp: Path) -> dict[str, dict[str, Any]]:
-    """This rank's shard files with their size and crc32, from the writer's records; read back from disk
-    only where the writer ran elsewhere (async_mode=process) and left none here."""
-    mine = {n: r for n, r in records.items() if n.startswith(f"__{rank}_") or n == ".metadata"}
-    if mine:
-        return mine
-    return {p.name: file_record(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
-
-
-def _param_group_refs(optim_sd: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
-                      ) -> list[tuple[str, int, int, str]] | None:
-    """(key, optimizer, param group, name) of every flattened `param_groups.<fqn>.<name>` entry, traced
-    through the state tensors `state.<fqn>.*` that alias the optimizer's own; None when one is not traceable."""
-    owner = {id(t): (oi, gi) for oi, opt in enumerate(optimizers) for gi, g in enumerate(opt.param_groups)
-             for p in g["params"] for t in opt.state.get(p, {}).values()}
-    fqn_owner = {}
-    for key, v in optim_sd.items():
-        if key.startswith("state.") and id(v) in owner:
-            fqn_owner[key[len("state."):key.rindex(".")]] = owner[id(v)]
-    refs = []
-    for key in optim_sd:
-        if key.startswith("param_groups."):
-            fqn, name = key[len("param_groups."):key.rindex(".")], key[key.rindex(".") + 1:]
-            if fqn not in fqn_owner:
-                return None
-            refs.append((key, *fqn_owner[fqn], name))
-    return refs
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _describe(e: BaseException, folder: Path) -> str:
-    """A one-line cause; a full disk is named as such, with the free space and the fix."""
-    text = f"{type(e).__name__}: {e}"
-    enospc = "No space left on device" in text or any(
-        getattr(x, "errno", None) == errno.ENOSPC for x in _chain(e)
-    )
-    if enospc:
-        try:
-            free = shutil.disk_usage(folder).free
-        except OSError:
-            free = -1
-        return (f"no space left on device under {folder} ({free} bytes free); free space or put run.dir on a "
-                "larger filesystem")
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
-    return first[:500]
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    out, seen = [], set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out

@@ -172,13 +172,15 @@ class FailureConfig:
     health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only
     health_temp_warn_c: float = 85.0  # a GPU this hot without a thermal clock event: a warning event, no incident
     health_failing_xids: list[int] = field(default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])  # XIDs that fail the GPU (others warn)
-    spike_factor: float = 3.0  # a loss above this x the median of the last spike_window losses is a spike; 0 = off
+    spike_factor: float = 1.5  # a spike's loss is above this x the median of the last spike_window losses; 0 = off
+    spike_mad_k: float = 8.0  # ... and above that median + this x their median absolute deviation; 0 = ratio only
     spike_window: int = 50  # healthy losses in the running median (the check is armed once it is full)
     spike_grad_norm: float = 0.0  # a global grad norm above this is a spike too; 0 = off
     spike_patience: int = 1  # consecutive spiking steps that trigger a rollback (a non-finite loss: at once)
     spike_skip_steps: int = 4  # data steps skipped per rollback: the spike's and up to this many - 1 before it
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
-    max_rollbacks: int = 3  # rollbacks per run; one more spike stops the run for good (exit 77)
+    max_rollbacks: int = 3  # rollbacks per rollback_window_steps; one more spike stops the run for good (exit 77)
+    rollback_window_steps: int = 10000  # the steps max_rollbacks counts over (before the spike); 0 = the whole run
     straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
     straggler_intervals: int = 3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler event (K)
     straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)

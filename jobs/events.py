@@ -8,12 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventLog", "read_events"]
+__all__ = ["DURABLE", "EventLog", "read_events"]
+
+# The records that budgets and decisions are computed from (failures and attempts counted, the job MTBF, the
+# progress check against failure.max_attempts_without_progress): fsync'ed before emit returns, so a node
+# that loses power right after cannot take them back. Other kinds are left to the page cache.
+DURABLE = frozenset({"failure", "decision", "attempt_end", "attempt_start", "checkpoint_saved"})
 
 
 class EventLog:
     """Appends one JSON object per event; each line is one `write` on an O_APPEND file, so lines from
-    concurrent ranks never interleave on a local or NFS-like filesystem."""
+    concurrent ranks never interleave on a local or NFS-like filesystem. The kinds in DURABLE are fsync'ed."""
 
     def __init__(self, path: str | os.PathLike[str], *, rank: int = 0, restart: int = 0, attempt: str = "") -> None:
         self.path = Path(path)
@@ -29,6 +34,8 @@ class EventLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
+            if kind in DURABLE:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return record

@@ -4,8 +4,10 @@ Decided at the step boundary from the step's global loss and grad norm, which th
 all-reduce makes identical on every rank (bit for bit), so every rank decides alike with no collective.
 
 Detection (`observe`, a pure function of the detector state and the step's numbers): a step is
-suspicious when its loss is above `failure.spike_factor` x the median of the last `failure.spike_window`
-healthy losses (armed once the window is full), or its grad norm above `failure.spike_grad_norm`;
+suspicious when its loss is above both `failure.spike_factor` x the median of the last `failure.spike_window`
+healthy losses and that median + `failure.spike_mad_k` x their median absolute deviation (a robust
+z-score: a noisy curve widens the bar, a quiet one narrows it to the ratio; armed once the window is
+full), or its grad norm above `failure.spike_grad_norm`;
 `failure.spike_patience` suspicious steps in a row are a `loss_spike`. A non-finite loss or grad norm
 is a `non_finite_loss` at once (checked first: every comparison with NaN is False).
 
@@ -84,12 +86,16 @@ def check_config(f: FailureConfig) -> None:
     check_sdc(f)
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
+    if f.spike_mad_k < 0:
+        raise ValueError(f"failure.spike_mad_k({f.spike_mad_k}) must be >= 0 (0: the ratio alone); "
+                         "e.g. failure.spike_mad_k=8")
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
         raise ValueError(f"failure.spike_window({f.spike_window}), failure.spike_patience({f.spike_patience}) and "
                          f"failure.spike_skip_steps({f.spike_skip_steps}) must be >= 1")
-    if f.spike_grad_norm < 0 or f.max_rollbacks < 0:
-        raise ValueError(f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off) and failure.max_rollbacks"
-                         f"({f.max_rollbacks}) must be >= 0")
+    if f.spike_grad_norm < 0 or f.max_rollbacks < 0 or f.rollback_window_steps < 0:
+        raise ValueError(f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off), failure.max_rollbacks"
+                         f"({f.max_rollbacks}) and failure.rollback_window_steps({f.rollback_window_steps}) (0 = the "
+                         "whole run) must be >= 0")
     if not 0 < f.spike_lr_scale <= 1:
         raise ValueError(f"failure.spike_lr_scale({f.spike_lr_scale}) must be in (0, 1]; 1 leaves the LR alone")
 
@@ -132,9 +138,13 @@ def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: Failure
     hist = det["history"]
     median = statistics.median(hist) if len(hist) >= cfg.spike_window else None
     why = []
-    if cfg.spike_factor > 0 and median is not None and loss > cfg.spike_factor * median:
-        why.append(f"loss {loss:.4g} > failure.spike_factor({cfg.spike_factor}) x median {median:.4g} "
-                   f"of the last failure.spike_window({cfg.spike_window}) losses")
+    if cfg.spike_factor > 0 and median is not None:
+        mad = statistics.median(abs(x - median) for x in hist)
+        bar = max(cfg.spike_factor * median, median + cfg.spike_mad_k * mad)
+        if loss > bar:
+            why.append(f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
+                       f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
+                       f"of the last failure.spike_window({cfg.spike_window}) losses)")
     if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
         why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
     return median, why
@@ -221,10 +231,10 @@ class TrainingHealth:
         return True
 
     def rollback(self, st: Any, spike: Spike, *, load: Load, schedulers: list[Any]) -> None:
-        n = len(self.records) + 1
+        n, recent = len(self.records) + 1, self._recent(spike)
         self._emit("loss_spike", cls=spike.cls, step=spike.last + 1, first_step=spike.first + 1,
                    losses=spike.losses, grad_norms=spike.grad_norms, median=spike.median, reason=spike.reason)
-        if n > self.cfg.max_rollbacks:
+        if recent >= self.cfg.max_rollbacks:
             raise LossDiverged(spike.cls, self._summary(spike, f"failure.max_rollbacks({self.cfg.max_rollbacks}) "
                                                         "rollbacks are spent"))
         target = load(spike.first + 1)
@@ -241,9 +251,16 @@ class TrainingHealth:
         self._emit("rollback", record=record, max_rollbacks=self.cfg.max_rollbacks, lr_scale_total=self.lr_scale)
         self._incident(spike, record)
         if self.rank == 0:
-            log.warning("%s at step %d (%s): rollback %d of failure.max_rollbacks(%d) to step %d, data steps %s "
-                        "skipped, LR x %g", spike.cls, spike.last + 1, spike.reason, n, self.cfg.max_rollbacks, target,
-                        _span(skipped), self.lr_scale)
+            log.warning("%s at step %d (%s): rollback %d (%d of failure.max_rollbacks(%d) in the last failure."
+                        "rollback_window_steps(%d)) to step %d, data steps %s skipped, LR x %g", spike.cls,
+                        spike.last + 1, spike.reason, n, recent + 1, self.cfg.max_rollbacks,
+                        self.cfg.rollback_window_steps, target, _span(skipped), self.lr_scale)
+
+    def _recent(self, spike: Spike) -> int:
+        """The rollbacks that count toward failure.max_rollbacks at this spike: those of a spike within the
+        last failure.rollback_window_steps steps (every one when it is 0)."""
+        w = self.cfg.rollback_window_steps
+        return sum(1 for r in self.records if w == 0 or r["step"] > spike.last + 1 - w)
 
     def resume(self, st: Any, *, load: Load, schedulers: list[Any], agree: Callable[[Any], Any]) -> None:
         """After the trainer's first load: the rollback records of the checkpoint and of events.jsonl (rank
@@ -285,7 +302,8 @@ class TrainingHealth:
         done = "; ".join(f"#{r['rollback']} {r['cls']} at step {r['step']} -> step {r['target_step']}, data steps "
                          f"{_span(r['skipped_data_steps'])} skipped" for r in self.records) or "none"
         return (f"{spike.cls} at step {spike.last + 1} ({spike.reason}), and {why}; rollbacks so far: {done}. "
-                "Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks")
+                f"Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks (per "
+                f"failure.rollback_window_steps({self.cfg.rollback_window_steps}) steps; 0 = the whole run)")
 
     def _incident(self, spike: Spike, record: dict) -> None:
         if self.rank != 0:

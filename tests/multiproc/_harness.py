@@ -224,7 +224,7 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
         return
     what, _, step_s = patch.partition(":")
     at = int(step_s)
-    import checkpoint.manager as m
+    import checkpoint.commit as m
 
     if what == "kill_before_rename":
         orig = manager._commit
@@ -251,7 +251,7 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
         m.write_manifest = write
     elif what == "stall_write":
         if manager.rank == manager.world_size - 1:
-            _stall_writes(f"step_{at}.tmp")
+            _stall_writes(f"step_{at}.*.tmp")
     else:
         raise ValueError(patch)
 
@@ -262,9 +262,10 @@ def mesh_ckpt(**over: Any) -> dict[str, Any]:
 
 
 def _stall_writes(folder_name: str) -> None:
-    """Every file DCP opens for writing under a folder named `folder_name` stops after its first write,
+    """Every file DCP opens for writing under a folder whose name matches the pattern `folder_name` stops after its first write,
     once this process's pid is in run_dir/stalled (the folder's grandparent)."""
     import contextlib
+    import fnmatch
     import time
 
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -289,6 +290,6 @@ def _stall_writes(folder_name: str) -> None:
     def create_stream(fs, path, mode):
         with orig(fs, path, mode) as f:
             p = Path(path)
-            yield Stalling(f, p.parent.parent.parent / "stalled") if p.parent.name == folder_name else f
+            yield Stalling(f, p.parent.parent.parent / "stalled") if fnmatch.fnmatch(p.parent.name, folder_name) else f
 
     FileSystem.create_stream = create_stream

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint.manager as manager_mod
+import checkpoint.statedict as statedict_mod
 from checkpoint.manifest import MANIFEST, check_step_dir, read_manifest, step_dirs
 from jobs.events import read_events
 from tests.multiproc._harness import mesh_ckpt, train
@@ -89,15 +89,15 @@ def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
     """`train`, with rank 1 alone failing to load step_4: its `.metadata` read fails (EIO) or its
     optimizer state is refused after the read. Rank 0 sees nothing wrong."""
     if rank == 1 and fault == "metadata":
-        class Reader(manager_mod.FileSystemReader):
+        class Reader(statedict_mod.FileSystemReader):
             def read_metadata(self, *a, **k):
                 if str(self.path).endswith("step_4"):
                     raise OSError(errno.EIO, "Input/output error", f"{self.path}/.metadata")
                 return super().read_metadata(*a, **k)
 
-        manager_mod.FileSystemReader = Reader
+        statedict_mod.FileSystemReader = Reader
     elif rank == 1 and fault == "apply":
-        orig, calls = manager_mod.set_optimizer_state_dict, []
+        orig, calls = statedict_mod.set_optimizer_state_dict, []
 
         def refuse_first(*a, **k):
             calls.append(1)
@@ -105,7 +105,7 @@ def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
                 raise RuntimeError("size mismatch for optim state (injected on rank 1)")
             return orig(*a, **k)
 
-        manager_mod.set_optimizer_state_dict = refuse_first
+        statedict_mod.set_optimizer_state_dict = refuse_first
     return train(rank, world, **kw)
 
 
@@ -135,14 +135,15 @@ def test_kill_in_the_middle_of_a_save_falls_back_to_the_previous_checkpoint(four
     ck = tmp_path / "checkpoints"
     # The manifest is written inside the temporary folder and the rename commits both: wherever the
     # save dies, no step_4 exists (the old order left a step_4 without a manifest behind).
-    assert (ck / "step_4.tmp/.metadata").exists() and not (ck / "step_4").exists()
-    assert (ck / "step_4.tmp" / MANIFEST).exists() == (where == "kill_after_manifest")
+    [tmp] = ck.glob("step_4.*.tmp")  # step_<N>.<attempt>.tmp
+    assert (tmp / ".metadata").exists() and not (ck / "step_4").exists()
+    assert (tmp / MANIFEST).exists() == (where == "kill_after_manifest")
     res = _run(tmp_path, 4)
     assert res.results[0]["start"] == 2
     assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}
     ev = read_events(tmp_path / "events.jsonl")
     removed = [e for e in ev if e["kind"] == "checkpoint_tmp_removed"]
-    assert removed and removed[0]["path"].endswith("step_4.tmp")
+    assert removed and removed[0]["path"] == str(tmp)
     assert not [e for e in ev if e["kind"] == "checkpoint_skipped"]
 
 
@@ -161,7 +162,7 @@ def test_full_disk_fails_the_save_clearly_and_keeps_the_previous_checkpoint(tmp_
         failed = [e for e in ev if e["kind"] == "checkpoint_failed"]
         assert failed and failed[0]["step"] == 4 and "no space left on device" in failed[0]["error"]
         assert read_manifest(mnt / "checkpoints/step_2", step=2)["step"] == 2
-        assert not (mnt / "checkpoints/step_4.tmp").exists() and not (mnt / "checkpoints/step_4").exists()
+        assert not list((mnt / "checkpoints").glob("step_4.*tmp")) and not (mnt / "checkpoints/step_4").exists()
         res = _run(mnt, 2)  # the survivor loads (nothing left to train)
         assert res.results[0]["start"] == 2
     finally:
@@ -252,7 +253,7 @@ def test_a_rank_killed_from_outside_while_its_save_is_in_flight_leaves_nothing_l
     watcher.join()
     assert killed.exitcodes[1] == -signal.SIGKILL, killed.exitcodes
     ck = tmp_path / "checkpoints"
-    assert (ck / "step_4.tmp").is_dir() and not (ck / "step_4").exists()
+    assert [p.is_dir() for p in ck.glob("step_4.*.tmp")] == [True] and not (ck / "step_4").exists()
     assert [s for s, _ in step_dirs(ck)] == [2]
     for step, d in step_dirs(ck):
         assert check_step_dir(d, step=step, checksum=True) == [], d  # every step_N there is has a valid manifest

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint.commit as commit_mod
 import checkpoint.manager as manager_mod
+import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager, TrainState, diff_fingerprint, env_fingerprint
 from checkpoint.manifest import MANIFEST, ManifestError, check_files, file_record, read_manifest, step_dirs, write_manifest
 from checkpoint.state import capture_rng, restore_rng
@@ -189,14 +191,14 @@ def _flip_middle_byte(path):
 def test_retention_never_deletes_the_last_loadable_checkpoint_for_newer_ones_with_a_flipped_byte(
         tmp_path, monkeypatch, verify):
     """keep=2; steps 2 and 3 each get a byte flipped (same size) right after their commit: step 1 must stay."""
-    orig_write = manager_mod.write_manifest
+    orig_write = commit_mod.write_manifest
 
     def write_then_rot(step_dir, body):
         orig_write(step_dir, body)
         if body["step"] >= 2:
             _flip_middle_byte(step_dir / "__0_0.distcp")
 
-    monkeypatch.setattr(manager_mod, "write_manifest", write_then_rot)
+    monkeypatch.setattr(commit_mod, "write_manifest", write_then_rot)
     torch.manual_seed(0)
     model, x = _Two(), torch.randn(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -262,8 +264,8 @@ def test_save_returns_before_the_staging_copy_and_the_optimizer_step_waits_for_i
 
 def test_the_state_dict_structure_is_built_once_and_each_save_has_the_current_lr(tmp_path, monkeypatch):
     calls = []
-    orig = manager_mod.get_model_state_dict
-    monkeypatch.setattr(manager_mod, "get_model_state_dict", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = statedict_mod.get_model_state_dict
+    monkeypatch.setattr(statedict_mod, "get_model_state_dict", lambda *a, **k: calls.append(1) or orig(*a, **k))
     model, opt = _one_layer()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread", keep=5))
@@ -337,7 +339,7 @@ def test_torch_save_skips_the_zip_crc32_only_while_a_checkpoint_is_written(tmp_p
 
 def test_retention_runs_behind_the_commit_and_close_waits_for_it(tmp_path, monkeypatch):
     release, started = threading.Event(), threading.Event()
-    monkeypatch.setattr(CheckpointManager, "_retain", lambda self: started.set() or release.wait(30))
+    monkeypatch.setattr(CheckpointManager, "_retain", lambda self, newest: started.set() or release.wait(30))
     model, opt = _one_layer()
     ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
     ck.load_latest(model_parts=[model], optimizers=[opt])

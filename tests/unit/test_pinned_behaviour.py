@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint.manager as manager_mod
+import checkpoint.commit as commit_mod
 import jobs.trainer as trainer_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.manifest import MANIFEST, read_manifest, write_manifest
@@ -154,7 +154,7 @@ def test_the_auto_interval_saves_exactly_when_its_steps_have_passed_with_restart
 def test_the_manifest_is_written_inside_the_temporary_folder_before_the_rename_commits_it(tmp_path, monkeypatch):
     """Whatever instant a save dies at, no step_<N> exists without its manifest: the rename is the commit."""
     seen: list[tuple] = []
-    real_write, real_rename = manager_mod.write_manifest, os.rename
+    real_write, real_rename = commit_mod.write_manifest, os.rename
 
     def write(step_dir, body):
         seen.append(("manifest", Path(step_dir).name, (tmp_path / "step_1").exists()))
@@ -165,14 +165,15 @@ def test_the_manifest_is_written_inside_the_temporary_folder_before_the_rename_c
             seen.append(("rename", Path(src).name, Path(dst).name, (Path(src) / MANIFEST).exists()))
         real_rename(src, dst)
 
-    monkeypatch.setattr(manager_mod, "write_manifest", write)
-    monkeypatch.setattr(manager_mod.os, "rename", rename)
+    monkeypatch.setattr(commit_mod, "write_manifest", write)
+    monkeypatch.setattr(commit_mod.os, "rename", rename)
     model, opt = _model()
     ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="none"))
     ck.load_latest(model_parts=[model], optimizers=[opt])
     ck.save(1)
     ck.close()
-    assert seen == [("manifest", "step_1.tmp", False), ("rename", "step_1.tmp", "step_1", True)]
+    tmp = f"step_1.{ck.attempt}.tmp"  # this attempt's temporary folder (checkpoint/manager.py)
+    assert seen == [("manifest", tmp, False), ("rename", tmp, "step_1", True)]
 
 
 # ------------------------------------------------------------------ a straggler's peers

@@ -42,7 +42,7 @@ def _feed(losses: list[float], cfg: FailureConfig, grad_norms: list[float] | Non
 
 
 def test_a_loss_above_factor_times_the_running_median_is_a_spike_once_the_window_is_full():
-    cfg = FailureConfig(spike_factor=2.0, spike_window=3)
+    cfg = FailureConfig(spike_factor=2.0, spike_window=3, spike_mad_k=0.0)  # the ratio alone
     assert _feed([10.0, 1.0, 30.0], cfg) == []  # not armed: fewer than spike_window losses seen
     assert _feed([4.0, 4.0, 4.0, 8.0], cfg) == []  # 8 is not > 2 x 4
     assert _feed([4.0, 4.0, 4.0, 8.01], cfg) == [(3, "loss_spike", 3, 3)]
