@@ -6,12 +6,15 @@ slow); after it `failure.hang_timeout_s`; in a phase given its own limit (a chec
 wait for one: `failure.checkpoint_timeout_s`) that limit. When the limit passes, `on_hang` runs once in
 the watchdog thread, which keeps running while the main thread is blocked inside a collective.
 
-Peers: while this rank makes no progress (it waits, most likely inside a collective), its heartbeat
-thread reads the heartbeats of a few peers each beat (ranks r+1, r+2, r+4, ... mod world size, so every
-rank is watched by about log2(world size) others). A peer whose beat has not changed for
-`failure.missed_beats` heartbeats, while this rank has waited as long and its own beats are being
-written, is dead or stopped without a TCP reset (a powered-off node, a SIGSTOP, NCCL): `on_hang` runs
-then, after about (missed_beats + 1) heartbeats rather than the hang timeout.
+Peers: once a step completed, while this rank makes no progress (it waits, most likely inside a
+collective), its heartbeat thread reads the heartbeats of a few peers each beat (ranks r+1, r+2, r+4,
+... mod world size, so every rank is watched by about log2(world size) others). A peer whose beat has
+not changed for `failure.missed_beats` heartbeats, while this rank has waited as long and its own beats
+are being written, is dead or stopped without a TCP reset (a powered-off node, a SIGSTOP, NCCL):
+`on_hang` runs then, after about (missed_beats + 1) heartbeats rather than the hang timeout. Not before
+the first step (imports, build and the first step can starve a beat thread for seconds; the init
+timeout and TCP resets cover start-up), and not for a peer on this host whose process still runs (it
+is busy holding the GIL, and the hang timeout names it if it never comes back).
 
 Files never stall the watchdog: the heartbeat thread writes this rank's beat and reads its peers'
 (a hung shared filesystem blocks only that thread), and the watchdog thread itself touches no file.
@@ -24,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jobs.failure.heartbeat import Beat, beat_path, read_beat, write_beat
+from jobs.failure.heartbeat import Beat, beat_path, process_state, read_beat, write_beat
 from jobs.log import get_logger
 
 __all__ = ["Watchdog", "watched_peers", "EARLY_PHASES"]
@@ -105,7 +108,7 @@ class Watchdog:
         """Writes this rank's beat every heartbeat; while this rank waits, reads its watched peers' beats."""
         while True:
             self._write()
-            if self.peers and time.monotonic() - self._last > self.heartbeat_s:  # waiting: watch the peers
+            if self.peers and self.beat.step >= 1 and time.monotonic() - self._last > self.heartbeat_s:  # waiting
                 self.stale_peers = self._read_peers()
             else:
                 self._seen.clear()  # progress: peers are alive; start counting afresh at the next wait
@@ -122,8 +125,8 @@ class Watchdog:
             seen = self._seen.get(r)
             if seen is None or seen[0] != t:
                 self._seen[r] = (t, now)
-            elif now - seen[1] > self.stale_s:
-                stale.append(r)
+            elif now - seen[1] > self.stale_s and (b is None or process_state(b) != "running"):
+                stale.append(r)  # a peer on this host that still runs is busy (its beat thread starved), not gone
         return stale
 
     def _run(self) -> None:

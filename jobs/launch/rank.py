@@ -135,7 +135,7 @@ def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.dev
                         heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
                         world_size=env.world_size, missed_beats=f.missed_beats,
                         on_hang=lambda idle: _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step),
-                        stop_received=lambda: stop.received is not None,
+                        stop_received=stop.arrived,
                         on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase))
     watchdog.start()
     health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
