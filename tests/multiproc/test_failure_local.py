@@ -212,7 +212,8 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
     proc = _start(run_dir, ["train.steps=100000", f"data.path={data_path}", "checkpoint.enabled=false",
                             "mesh=single", "launcher.tasks_per_node=4", "mesh.dp_shard=4",
                             f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5",
-                            "failure.restarts_in_allocation=0"])
+                            # the hang timeout's path: the peers' fast check of missed heartbeats is off
+                            "failure.missed_beats=1000", "failure.restarts_in_allocation=0"])
     victim = None
     try:
         wait_for_step(run_dir, 2, proc)

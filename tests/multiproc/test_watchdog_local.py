@@ -187,3 +187,59 @@ def test_a_slurm_rank_entry_installs_its_stop_handlers_before_its_imports(tmp_pa
     assert proc.returncode != -signal.SIGUSR2, err[-2000:]
     assert "none.pkl" in err  # it went on to its imports and failed on the missing config, as it should
     assert handler_s < 0.5 * total_s, (handler_s, total_s)
+
+
+
+class _FreezableDir:
+    """An ext4 image loop-mounted on a folder, which `fsfreeze` can hold: every write to it then blocks
+    in the kernel until thawed, as on a parallel filesystem too busy to answer."""
+
+    def __init__(self, where: Path, image: Path) -> None:
+        self.where, self.image, self.frozen = where, image, False
+
+    def __enter__(self) -> "_FreezableDir":
+        self.where.mkdir(parents=True)
+        subprocess.run(["truncate", "-s", "64M", str(self.image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", str(self.image)], check=True, capture_output=True)
+        p = subprocess.run(["mount", "-o", "loop", str(self.image), str(self.where)], capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"cannot loop-mount an ext4 image here (needs root and /dev/loop*): {p.stderr.strip()}")
+        return self
+
+    def freeze(self, on: bool) -> None:
+        subprocess.run(["fsfreeze", "-f" if on else "-u", str(self.where)], check=True, timeout=30)
+        self.frozen = on
+
+    def __exit__(self, *exc) -> None:
+        if self.frozen:
+            self.freeze(False)
+        subprocess.run(["umount", str(self.where)], check=False)
+
+
+@pytest.mark.slow
+def test_a_final_save_slower_than_the_hang_timeout_completes(tmp_path: Path, data_path: str) -> None:
+    hang_s, held_s, steps = 4.0, 10.0, 20
+    run_dir = tmp_path / "run"
+    with _FreezableDir(run_dir / "checkpoints", tmp_path / "checkpoints.img") as ck:
+        proc = _start(run_dir, [f"train.steps={steps}", f"checkpoint.every_steps={steps}", "train.log_every=1",
+                                f"data.path={data_path}", "mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
+                                f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5",
+                                "failure.checkpoint_timeout_s=300", "failure.restarts_in_allocation=0"])
+        try:
+            wait_for_step(run_dir, steps - 8, proc)
+            ck.freeze(True)  # the final save (at step 20, its only one) now cannot write until thawed
+            time.sleep(held_s)
+            phases = {_beat(run_dir, r)["phase"] for r in (0, 1)}
+            ck.freeze(False)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            _finish(proc, [])
+        assert proc.returncode == 0, (out + err)[-3000:]
+        # both ranks were inside the held save (writing or waiting for the write), longer than the hang timeout
+        assert phases <= {"checkpoint_save", "checkpoint_wait"}, phases
+        events = _events(run_dir)
+        assert not [e for e in events if e["kind"] in ("failure", "decision")]
+        saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+        assert [e["step"] for e in saved] == [steps] and saved[0]["total_s"] > hang_s
+        assert (run_dir / f"checkpoints/step_{steps}/manifest.json").exists()
+        assert not (run_dir / f"checkpoints/step_{steps}.tmp").exists()
