@@ -73,3 +73,34 @@ def test_a_final_save_held_longer_than_the_hang_timeout_completes(run_root: Path
         if frozen:
             subprocess.run(["fsfreeze", "-u", str(ckpts)], check=False, timeout=30)
         subprocess.run(["umount", "-l", str(ckpts)], check=False)
+
+
+def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_ends_the_step(run_root: Path) -> None:
+    incidents = run_root / "incidents"
+    incidents.mkdir(parents=True)
+    # Stacks, incident, claim and decision all go here: the failure path meets a read-only disk.
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
+    job = None
+    try:
+        job = submit(run_root, "failure.missed_beats=3")
+        wait_for_step(run_root, 40)
+        pid = rank_pid(run_root, f"{job}.0", 1)
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        # rank 0 names the hang in seconds, cannot write anything of it (EROFS) and exits 75 anyway; no
+        # decision comes, so the supervisor ends the step one hang timeout after srun reported the exit
+        # (before: the stopped rank held the step, and the job, until its 30-minute time limit).
+        recs = wait_job_done(job, timeout=120)
+        took = time.monotonic() - t_stop
+        assert took < 5 * HANG_TIMEOUT_S, took
+        assert _states(recs) == ["FAILED"], recs
+        log = "".join(f.read_text() for f in (run_root / "slurm").rglob("*_log.*"))
+        assert "task 0: Exited with exit code 75" in log and "and no decision 20 s later" in log
+        assert list(incidents.iterdir()) == []
+    finally:
+        if job is not None and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            subprocess.run(["scancel", job], check=False)
+        subprocess.run(["umount", "-l", str(incidents)], check=False)
