@@ -33,12 +33,11 @@ def compose_or_report(overrides: Sequence[str]) -> JobConfig | None:
         return None
 
 
-def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool) -> None:
+def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool, point_run_dirs: bool) -> None:
     import hydra
 
     register_configs()  # hydra/launcher=meshjob_slurm is found by Hydra's plugin discovery (hydra_plugins/)
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _task(dcfg) -> int:
         from hydra.core.hydra_config import HydraConfig
 
@@ -47,16 +46,18 @@ def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool) -> No
             raise SystemExit(code)
         return code
 
-    _task()
+    _task.point_run_dirs = point_run_dirs  # read by hydra_plugins/meshjob_local_launcher (Hydra hands it this function)
+    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_task)()
 
 
 def main_for(run: Callable[[JobConfig], int], argv: Sequence[str] | None = None, *,
-             sweep_continues: bool = False) -> int:
+             sweep_continues: bool = False, point_run_dirs: bool = False) -> int:
     """A command's main(): plain overrides are composed here (errors exit 2, nothing written); Hydra's
-    flags and `-m` sweeps go through @hydra.main. `sweep_continues`: a failing point does not stop a sweep."""
+    flags and `-m` sweeps go through @hydra.main. `sweep_continues`: a failing point does not stop a sweep.
+    `point_run_dirs`: a local sweep's point <n> runs in `hydra.sweep.dir/<n>` (jobs.launch.sweep.point_run_dirs)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
-        _hydra_main(run, sweep_continues=sweep_continues)
+        _hydra_main(run, sweep_continues=sweep_continues, point_run_dirs=point_run_dirs)
         return exitcodes.OK
     cfg = compose_or_report(argv)
     return exitcodes.CONFIG_ERROR if cfg is None else run(cfg)

@@ -182,10 +182,13 @@ class FailureConfig:
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
     max_rollbacks: int = 3  # rollbacks per run; one more spike stops the run for good (exit 77)
     straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
-    straggler_intervals: int = 3  # consecutive slow log intervals before a straggler event (K)
+    straggler_intervals: int = 3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler event (K)
     straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)
     straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
     exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+    sdc_rerun: bool = True  # a suspicious step is re-run from the same state before its optimizer step: values that differ = hardware (`sdc`)
+    sdc_rtol: float = 0.0  # relative difference between a rank's two runs of a step that counts as different; 0 = any (train.deterministic)
+    replica_hash_every: int = 0  # mesh.dp_replicate > 1: compare parameter and gradient hashes across replicas every this many steps; 0 = off
 
 
 @dataclass

@@ -12,12 +12,14 @@ the checkpoint manager makes gloo groups of its own.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 import torch
 
 __all__ = ["DEVICES", "MIXED_PRECISIONS", "visible_gpus", "resolve_device", "resolve_mixed_precision", "backend_for",
-           "gpu_index", "rank_device", "export_environ"]
+           "gpu_index", "rank_device", "export_environ", "set_determinism", "trace_dir", "dump_flight_recorder", "TRACE_PREFIX"]
 
 DEVICES = ("auto", "cpu", "cuda")
 MIXED_PRECISIONS = ("auto", "bf16", "fp32")
@@ -37,12 +39,20 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def resolve_device(name: str, *, gpus: int | None = None) -> str:
+def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0, cluster: str = "") -> str:
     """"cpu" or "cuda" for `train.device`, given `gpus` visible (default: counted here).
-    ValueError for an unknown name, or cuda without a GPU."""
+    ValueError for an unknown name, cuda without a GPU, or auto finding no GPU on a node whose
+    profile (`cluster.gpus_per_node`) has GPUs: a CPU build of torch there would train on CPU unnoticed."""
     if name not in DEVICES:
         raise ValueError(f"train.device={name!r} is not one of {', '.join(DEVICES)}")
     has_cuda = (visible_gpus() if gpus is None else gpus) > 0
+    if name == "auto" and not has_cuda and gpus_per_node > 0:
+        build = "a CPU build" if torch.version.cuda is None else f"a CUDA {torch.version.cuda} build"
+        raise ValueError(
+            f"train.device=auto on a node of cluster={cluster or '?'} (cluster.gpus_per_node={gpus_per_node}) but torch "
+            f"{torch.__version__} ({build}) sees no CUDA GPU: it would train on the CPU. Install a CUDA build of torch "
+            "(or make the GPUs visible: CUDA_VISIBLE_DEVICES), or set train.device=cpu to train on CPUs on purpose"
+        )
     if name == "auto":
         return "cuda" if has_cuda else "cpu"
     if name == "cuda" and not has_cuda:
@@ -86,6 +96,26 @@ def rank_device(device_type: str, *, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+
+def set_determinism(deterministic: bool, *, device_type: str) -> str:
+    """Deterministic CUDA kernels for `train.deterministic=true` (what bitwise resume on CUDA needs),
+    without torch's NaN-fill of every uninitialised tensor (`fill_uninitialized_memory`, which writes
+    each torch.empty / FSDP buffer once more and buys nothing here: every buffer is written before it
+    is read); returns the line the rank logs at start: what was chosen, what it costs, the knob."""
+    if device_type != "cuda":
+        return (f"train.deterministic={str(deterministic).lower()}: CPU ranks over gloo run the same kernels "
+                "in the same order every time; nothing to set, nothing it costs")
+    if not deterministic:
+        return ("train.deterministic=false: CUDA may pick nondeterministic kernels (faster; resume is not bitwise, "
+                "losses after a resume drift in the last bits)")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it (or :16:8) to be deterministic
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return ("train.deterministic=true: deterministic CUDA kernels (torch.use_deterministic_algorithms; cuBLAS "
+            "workspace :4096:8, deterministic attention backward and scatter/index ops) so a resume is bitwise; "
+            "they cost step time (scripts/gpu_check measures how much: its determinism_cost); "
+            "train.deterministic=false turns them off (torchtitan's default)")
+
 def export_environ(cluster_env: Mapping[str, str], *, device_type: str, trace_dir: str | None = None,
                    environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Exports `cluster.env` (the profile wins, as in the sbatch script), then the NCCL defaults with
@@ -103,3 +133,47 @@ def export_environ(cluster_env: Mapping[str, str], *, device_type: str, trace_di
                 env[k] = v
                 done[k] = v
     return done
+
+
+TRACE_PREFIX = "nccl_trace_rank_"  # torch's dump file prefix (TORCH_NCCL_DEBUG_INFO_TEMP_FILE); fr_trace reads it
+
+
+def trace_dir(run_dir: str, attempt: str) -> Path:
+    """Where this attempt's flight-recorder dumps go: RUN_DIR/nccl_traces/<attempt>/."""
+    return Path(run_dir) / "nccl_traces" / attempt
+
+
+def dump_flight_recorder(directory: Path, *, rank: int, timeout_s: float = 10.0) -> Path | None:
+    """Writes this process's flight recorder (the last collectives of every process group, NCCL's and
+    gloo's, with their state: scheduled / started / completed) to `directory/nccl_trace_rank_<rank>`,
+    the file and pickle format torch writes on an NCCL timeout, so
+    `python -m torch.distributed.flight_recorder.fr_trace DIR` reads both. The watchdog calls it
+    before it ends a hung rank: it acts `failure.hang_timeout_s` after the last step, before NCCL's
+    own timeout would dump. Never raises and never waits past `timeout_s` (a dying rank must still
+    exit); None when nothing was written (a torch without the API, a full disk, a dump that hung).
+    Records only with TORCH_FR_BUFFER_SIZE (or the older TORCH_NCCL_TRACE_BUFFER_SIZE, set on CUDA by
+    `export_environ`) > 0; otherwise the dump holds no entries."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    # _dump_nccl_trace: CUDA builds (NCCL's recorder, with the communicators' state); _dump_fr_trace: the
+    # generic recorder every build has (torch >= 2.8; gloo's collectives on CPU).
+    fn = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+    if fn is None:
+        return None
+    path = directory / f"{TRACE_PREFIX}{rank}"
+    written: list[Path] = []
+
+    def write() -> None:
+        try:
+            data = fn()
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            written.append(path)
+        except Exception:  # noqa: BLE001 - a rank on its way out: no dump is better than no exit
+            pass
+
+    t = threading.Thread(target=write, name="meshjob-fr-dump", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return written[0] if written else None

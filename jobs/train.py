@@ -14,6 +14,7 @@ from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.failure.signals import StopSignals
 from jobs.launch.prepare import prepare_run
+from jobs.launch.rundir import claim_run_dir
 from jobs.log import setup_logging
 
 __all__ = ["main", "run"]
@@ -39,6 +40,7 @@ def run(cfg: JobConfig) -> int:
 
     try:
         check_device(cfg)  # the ranks run on this machine: the GPUs they need must be visible here
+        claim_run_dir(cfg, launcher="local")  # another run or a live job there: refused before anything is written
         run_dir = prepare_run(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -60,7 +62,7 @@ _early = StopSignals()
 
 def main(argv: list[str] | None = None) -> int:
     _early.install([signal.SIGUSR2, signal.SIGTERM])
-    return main_for(run, argv)
+    return main_for(run, argv, point_run_dirs=True)  # a local -m sweep: each point in its own run dir
 
 
 if __name__ == "__main__":

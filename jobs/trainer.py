@@ -24,6 +24,7 @@ from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mt
 from jobs.config import JobConfig, OptimConfig, config_hash
 from jobs.device import rank_device
 from jobs.events import EventLog, read_events
+from jobs.failure.sdc import SdcGuard, replica_groups
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
@@ -34,6 +35,7 @@ from jobs.model import Transformer, init_weights
 from jobs.data import BatchSource, sources_of
 from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
+from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
 from jobs.validate import Derived, check_device
 from parallel.pipeline import build_schedule
@@ -164,6 +166,10 @@ class Trainer:
         # Loss spikes: the step -> data step map, rollbacks and their LR scale (jobs/failure/spike.py).
         self.health = TrainingHealth(cfg.failure, rank=env.rank, run_dir=cfg.run.dir, attempt=env.attempt,
                                      emit=events.emit, events_path=events.path, vocab_size=cfg.model.vocab_size)
+        # Silent data corruption: a suspicious step is re-run before its optimizer step (jobs/failure/sdc.py).
+        self.sdc = SdcGuard(cfg.failure, rank=env.rank, world_size=env.world_size, hostname=env.hostname,
+                            attempt=env.attempt, first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
+                            emit=events.emit, groups=replica_groups(self.mesh))
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
                 s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio)
@@ -264,7 +270,11 @@ class Trainer:
             if not self.derived.dims.fsdp_enabled:
                 with self.timer.phase("pp_step" if self.schedule is not None else "backward"):
                     _replicate_partial_grads(self.parts)
+            self.sdc.inject(step, self.parts)  # tests only: MESHJOB_TEST_FLIP_GRAD (a no-op unless set)
             grad_norm, loss, stop = self.reduce_totals(local_loss, interval_end=self._interval_end(step + 1))
+            self.sdc.check(step=step, suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
+                           local_loss=local_loss, parts=self.parts, recompute=lambda: self._recompute(inputs, targets),
+                           save=self._save_before_step)
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
                 lr = self.optimizer_step()
@@ -274,6 +284,24 @@ class Trainer:
                          world_size=self.env.world_size, step_time_s=dt, peak_tflops=peak)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
                 "tokens_per_s": self.derived.tokens_per_step / dt, **flops, "stop": stop}
+
+    def _recompute(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The step's forward and backward again, from the same state on the same batch (sdc re-run)."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        local_loss = self.forward_backward(inputs, targets)
+        if not self.derived.dims.fsdp_enabled:
+            _replicate_partial_grads(self.parts)
+        return local_loss
+
+    def _save_before_step(self, this_step: bool) -> None:
+        """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
+        this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
+        self._wait_for_saves()
+        if this_step and self.cfg.checkpoint.enabled and self.state.step > 0 and not (
+                self.ckpt.folder / f"step_{self.state.step}").is_dir():
+            self._save(self.state.step)
+            self._wait_for_saves()
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
@@ -426,7 +454,7 @@ def _fmt_efficiency(m: dict) -> str:
     """TFLOP/s per rank, MFU on a GPU, and the window's peak memory when it was measured."""
     out = f"{m['tflops_per_rank']:.3g} TFLOP/s/rank"
     if "mfu" in m:
-        out += f" | MFU {m['mfu']:.1%}"
+        out += f" | {mfu_text(m['mfu'])}"
     if "peak_mem_bytes" in m:
         out += f" | peak mem {m['peak_mem_bytes'] / 2**20:.1f} MiB"
     return out

@@ -167,7 +167,7 @@ def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = Fa
     have bound to one GPU of its own."""
     t, ln = cfg.train, cfg.launcher
     n = visible_gpus() if gpus is None else gpus
-    device = resolve_device(t.device, gpus=n)
+    device = resolve_device(t.device, gpus=n, gpus_per_node=cfg.cluster.gpus_per_node, cluster=cfg.cluster.name)
     if device == "cuda" and n < ln.tasks_per_node and not (per_task and n == 1):
         raise ValueError(
             f"train.device={t.device} with launcher.tasks_per_node({ln.tasks_per_node}) ranks on this node but "

@@ -32,15 +32,17 @@ class MeshjobSlurmLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from jobs.launch.sweep import hydra_point, launch_sweep
+        from jobs.launch.sweep import hydra_point, launch_sweep, point_run_dirs
 
         loader = self.hydra_context.config_loader
-        points = [hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i)
-                  for i, o in enumerate(job_overrides)]
-        base = next((p.cfg for p in points if p.cfg is not None), None)
-        if base is None:
+        # hydra.sweep.dir: conf/train.yaml makes it ${run.dir}, resolved once here, or the user's own
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        dirs = point_run_dirs(job_overrides, sweep_dir=sweep_dir, first_idx=initial_job_idx)
+        points = [hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i, run_dir=d)
+                  for i, (o, d) in enumerate(zip(job_overrides, dirs))]
+        if all(p.cfg is None for p in points):
             raise ValueError("no sweep point composes:\n" + "\n".join(f"  {p.idx}: {p.reason}" for p in points))
-        launch_sweep(points, sweep_dir=Path(base.run.dir).resolve())
+        launch_sweep(points, sweep_dir=sweep_dir)
         return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED,
                           _return_value=p.job_id or f"pruned: {p.reason}", task_name="train")
                 for p in points]

@@ -22,10 +22,10 @@ __all__ = ["Incident", "classify", "classify_settled", "dump_stacks", "write_inc
 
 # Classes whose cure is a fresh start of the job (requeue); the others stop it (a bug or bad input
 # would fail the same way again). An unhealthy GPU (jobs.telemetry.health) is requeued without its node,
-# never restarted inside the allocation (the same GPU again).
+# never restarted inside the allocation (the same GPU again); so is silent data corruption (`sdc`, jobs/failure/sdc.py).
 REQUEUE_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "collective_mismatch",
                              "rendezvous_failure", "everything_slow", "rank_crashed", "preempted",
-                             "checkpoint_error", "unhealthy_gpu"})
+                             "checkpoint_error", "unhealthy_gpu", "sdc"})
 
 # Classes a restart of the ranks inside the same allocation cures when the suspects' nodes still answer.
 RESTART_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "rank_crashed"})

@@ -3,7 +3,9 @@
 Exactly one process decides per attempt: the first to claim `incidents/<attempt>/decision.json`
 (an O_EXCL create on the shared run dir, so it works across nodes and when rank 0 is the one that
 died). The decider writes the ledger records, runs `scontrol requeue` *before* any rank tears down,
-and leaves its exit code in the decision file for the other ranks.
+and only then publishes the decision file (its exit code for the other ranks, the supervisor's cue to
+end the step): a step, and the batch script after it, that ended on a published "requeue" before the
+requeue reached Slurm would end the job instead.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from pathlib import Path
 from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
-from jobs.failure.ledger import attempts_without_progress
+from jobs.failure.ledger import attempts, attempts_without_progress
+from jobs.failure.quarantine import QUARANTINE_CLASSES
 from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "Restart", "decide", "claim", "publish", "read_decision", "requeue_job", "requeues_used", "slurm_intent"]
+__all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s",
+           "requeue_job", "requeues_used", "slurm_intent", "suspects_again"]
+
+_SLURM_CALLS_S = 20.0  # what the decider's Slurm calls (sinfo, requeue, update) take on a healthy controller
 
 
 @dataclass
@@ -65,12 +71,16 @@ def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
 
 
 def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
-           slurm: str | None = None, restart: Restart | None = None) -> Decision:
+           slurm: str | None = None, restart: Restart | None = None,
+           suspect_nodes: list[str] | None = None) -> Decision:
     """Restart inside the allocation for a dead or hung rank whose node still answers, within
     failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
     unless the requeue budget or the no-progress breaker says stop; stop at once for anything else
     (a bug fails the same way again). `slurm` (from `slurm_intent`): Slurm already requeues the job,
-    or is cancelling it (not undone)."""
+    or is cancelling it (not undone). `suspect_nodes`: the incident's suspects' nodes; when the breaker
+    trips on a node-pointing incident (`QUARANTINE_CLASSES`) whose node was a suspect of an earlier
+    attempt of the same fruitless run, the job is requeued without it instead (a device that hangs
+    passes the node probe, and restarts on it count toward the breaker)."""
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
@@ -83,6 +93,7 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
         code = {"config_error": exitcodes.CONFIG_ERROR, "loss_spike": exitcodes.DIVERGED,
                 "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
+    cls = cause
     if restart is not None and restart.supervised and cause in RESTART_CLASSES and fruitless < cfg.max_attempts_without_progress:
         why = _no_restart(restart, cfg)
         if why is None:
@@ -93,11 +104,34 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
         return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
                         exitcodes.STOPPED, **facts)
     if fruitless >= cfg.max_attempts_without_progress:
+        again = suspects_again(events, suspect_nodes or []) if cls in QUARANTINE_CLASSES else []
+        if again:
+            return Decision("requeue", f"{cause}: suspect node {', '.join(again)} again after {fruitless} attempts "
+                            f"without a new checkpoint: requeue {used + 1} of failure.max_requeues({cfg.max_requeues}) "
+                            f"without it instead of the stop failure.max_attempts_without_progress"
+                            f"({cfg.max_attempts_without_progress}) calls for", exitcodes.REQUEUE, **facts)
         return Decision("stop", f"{fruitless} attempts in a row committed no new checkpoint >= "
                         f"failure.max_attempts_without_progress({cfg.max_attempts_without_progress})",
                         exitcodes.STOPPED, **facts)
     return Decision("requeue", f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
                     exitcodes.REQUEUE, **facts)
+
+
+def suspects_again(events: list[dict], nodes: list[str]) -> list[str]:
+    """Those of `nodes` that a node-pointing incident (`QUARANTINE_CLASSES`) of an earlier attempt of the
+    current no-progress streak named as a suspect (the newest attempt, the one being decided, is left out)."""
+    every = attempts(events)
+    streak = every[len(every) - attempts_without_progress(events):]
+    earlier = {a.attempt for a in streak[:-1]}
+    named = {s.get("node") for e in events if e.get("kind") == "failure" and e.get("attempt") in earlier
+             and e.get("cls") in QUARANTINE_CLASSES for s in e.get("suspects") or []}
+    return sorted(set(nodes) & named)
+
+
+def decision_wait_s(cfg: FailureConfig) -> float:
+    """How long a rank that did not decide waits for the decision: the decider settles the incident (up to
+    3.5 heartbeats), probes the suspects' nodes and asks Slurm, then publishes. Past it the rank exits 75."""
+    return 5 * cfg.heartbeat_s + cfg.node_probe_timeout_s + _SLURM_CALLS_S
 
 
 def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
@@ -109,15 +143,33 @@ def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
     return None
 
 
-def claim(run_dir: str | os.PathLike[str], attempt: str) -> bool:
-    """True for exactly one caller per attempt (the decider)."""
+def claim(run_dir: str | os.PathLike[str], attempt: str, *, rank: int | None = None) -> bool:
+    """True for exactly one caller per attempt (the decider); the claim names it (rank, pid, host), so that
+    the supervisor can name a decider that died before publishing (`claimant`)."""
     folder = incident_dir(run_dir, attempt)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        os.close(os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        fd = os.open(folder / ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    try:
+        os.write(fd, json.dumps({"rank": rank, "pid": os.getpid(), "host": os.uname().nodename}).encode())
+    finally:
+        os.close(fd)
     return True
+
+
+def claimant(run_dir: str | os.PathLike[str], attempt: str) -> dict | None:
+    """Who claimed the attempt's decision ({rank, pid, host}; {} for a claim that names nobody); None if
+    nobody did."""
+    try:
+        text = (incident_dir(run_dir, attempt) / ".claim").read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # empty: claimed, not yet named (or by a version that did not name it)
+        return {}
 
 
 def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -> None:

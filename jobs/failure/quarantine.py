@@ -1,12 +1,15 @@
 """Bad nodes: asking whether a node still answers, the run's quarantine list, and a requeue that avoids them.
 
-`RUN_DIR/quarantine.json` is a list of {node, reason, incident, time}; it only grows, survives
-requeues (it lives in the run dir) and every requeue this run makes excludes all of it. Slurm
-refuses `ExcNodeList` on a running job, so the exclusion is `scontrol requeuehold` -> `scontrol
-update ExcNodeList=` -> `scontrol release`: the job cannot start again between the requeue and the
-exclusion. A node "answers" when a one-task step on it (`srun --overlap` inside the job's own
-allocation) runs `true` within `failure.node_probe_timeout_s`: that exercises the node's slurmd and
-its ability to start a process, which Slurm's own node state only learns after SlurmdTimeout.
+`RUN_DIR/quarantine.json` is a list of {node, reason, incident, time, evidence}; it only grows, survives
+requeues (it lives in the run dir) and every requeue this run makes excludes all of it. Only incidents
+that point at a node go on it (`QUARANTINE_CLASSES`): a dead or hung rank, an unhealthy GPU, a straggler,
+silent data corruption; never a full shared disk or the arbitrary minority of a mismatch. Slurm refuses
+`ExcNodeList` on a running job, but accepts it from the moment `scontrol requeue` returns (the job is then
+PENDING|COMPLETING until its last process exits, and waits cred_expire+1 s more): so the exclusion is
+`requeue` -> `update ExcNodeList=`, never a hold that a failed or killed caller could leave in place.
+A node "answers" when a one-task step on it (`srun --overlap` inside the job's own allocation) runs
+`true` within `failure.node_probe_timeout_s`: that exercises the node's slurmd and its ability to start
+a process, which Slurm's own node state only learns after SlurmdTimeout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from pathlib import Path
 
 from jobs.log import get_logger
 
-__all__ = ["quarantined", "add_to_quarantine", "node_answers", "usable_nodes", "requeue_excluding"]
+__all__ = ["QUARANTINE_CLASSES", "quarantined", "add_to_quarantine", "node_answers", "known_nodes", "usable_nodes",
+           "requeue_excluding"]
+
+# Incident classes whose suspects' nodes are quarantined when the job is requeued: the ones whose evidence
+# points at a node. `sdc`: silent data corruption (a recomputed step that differs on one rank's node).
+QUARANTINE_CLASSES = frozenset({"dead_rank", "hung_rank", "unhealthy_gpu", "straggler", "sdc"})
 
 _STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_NODELIST",
               "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE",
@@ -39,15 +47,18 @@ def quarantined(run_dir: str | os.PathLike[str]) -> list[dict]:
         return []
 
 
-def add_to_quarantine(run_dir: str | os.PathLike[str], nodes: list[str], *, reason: str, incident: str) -> list[dict]:
-    """Adds the nodes not yet on the list (temp file + rename); returns the whole list."""
+def add_to_quarantine(run_dir: str | os.PathLike[str], nodes: list[str], *, reason: str, incident: str,
+                      evidence: dict[str, dict] | None = None) -> list[dict]:
+    """Adds the nodes not yet on the list (temp file + rename), each with its `evidence[node]` when given;
+    returns the whole list."""
     entries = quarantined(run_dir)
     known = {e["node"] for e in entries}
-    entries += [{"node": n, "reason": reason, "incident": incident, "time": time.time()}
+    entries += [{"node": n, "reason": reason, "incident": incident, "time": time.time(),
+                 **({"evidence": evidence.get(n, {})} if evidence is not None else {})}
                 for n in dict.fromkeys(nodes) if n and n not in known]
     path = _path(run_dir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1))
+    tmp.write_text(json.dumps(entries, indent=1, default=str))
     os.replace(tmp, path)
     return entries
 
@@ -70,14 +81,27 @@ def node_answers(job_id: str, node: str, *, timeout_s: float) -> bool:
     return out.returncode == 0
 
 
-def usable_nodes(partition: str | None, excluded: set[str]) -> list[str]:
-    """The partition's nodes (the default partition's when None) that are neither down, drained, failing
-    nor excluded; [] when sinfo cannot say."""
-    cmd = ["sinfo", "-h", "-N", "-o", "%N %t", *(["-p", partition] if partition else [])]
+def _sinfo(args: list[str]) -> str | None:
+    """stdout of `sinfo -h ARGS`; None when Slurm cannot answer (no sinfo, a timeout, a non-zero exit)."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(["sinfo", "-h", *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return []
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def known_nodes() -> set[str] | None:
+    """Every node name Slurm knows (all partitions, hidden ones included); None when it cannot say."""
+    out = _sinfo(["-a", "-N", "-o", "%N"])
+    return None if out is None else set(out.split())
+
+
+def usable_nodes(partition: str | None, excluded: set[str]) -> list[str] | None:
+    """The partition's nodes (the default partition's when None) that are neither down, drained, failing
+    nor excluded; None when sinfo cannot say (a busy or restarting controller is no reason to stop)."""
+    out = _sinfo(["-N", "-o", "%N %t", *(["-p", partition] if partition else [])])
+    if out is None:
+        return None
     bad = ("down", "drain", "drng", "fail", "maint", "no_resp", "npc", "unk")
     nodes = {}
     for line in out.splitlines():
@@ -90,19 +114,35 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _scontrol(args: list[str], said: list[str]) -> bool:
+    """Runs `scontrol ARGS` ignoring SIGTERM (a requeue SIGTERMs every process of the job, the caller's
+    scontrol calls included; the SIGKILL comes KillWait later); appends what it said; True on rc 0."""
+    try:
+        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60,
+                             preexec_fn=_ignore_sigterm)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        said.append(f"scontrol {args[0]}: {e}")
+        return False
+    said.append(f"scontrol {args[0]}: rc {out.returncode} {(out.stdout + out.stderr).strip()}".strip())
+    return out.returncode == 0
+
+
 def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
-    """Requeues `job_id` held, sets its ExcNodeList to `nodes` and releases it; (ok, what scontrol said).
-    The hold makes Slurm SIGTERM every process of the job, the scontrol calls that follow included: they
-    ignore SIGTERM (the SIGKILL comes KillWait later, long after they are done)."""
-    said = []
-    for args in (["requeuehold", job_id], ["update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
-                 ["release", job_id]):
-        try:
-            out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60,
-                                 preexec_fn=_ignore_sigterm)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return False, "; ".join([*said, f"scontrol {args[0]}: {e}"])
-        said.append(f"scontrol {args[0]}: rc {out.returncode} {(out.stdout + out.stderr).strip()}".strip())
-        if out.returncode != 0:
-            return False, "; ".join(said)
+    """`scontrol requeue JOB`, then `scontrol update JobId=JOB ExcNodeList=` the nodes Slurm knows; returns
+    (requeued, what was done and said). A name Slurm does not know (a node since removed) would make it
+    refuse the whole list, so it is dropped first and named; when Slurm cannot list its nodes or still
+    refuses, the job stays requeued with its previous exclusion (the supervisor of the next allocation
+    requeues it again if that holds a quarantined node). Nothing here can leave the job held."""
+    said: list[str] = []
+    known = known_nodes()  # before the requeue: after it, this process has KillWait left
+    names = list(dict.fromkeys(nodes)) if known is None else [n for n in dict.fromkeys(nodes) if n in known]
+    if known is None:
+        said.append("sinfo could not list the nodes: the exclusion is tried as is")
+    elif len(names) < len(set(nodes)):
+        unknown = [n for n in dict.fromkeys(nodes) if n not in known]
+        said.append(f"dropped node(s) Slurm does not know: {', '.join(unknown)}")
+    if not _scontrol(["requeue", job_id], said):
+        return False, "; ".join(said)
+    if nodes and not _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={','.join(names)}"], said):
+        said.append("requeued without the new exclusion")
     return True, "; ".join(said)

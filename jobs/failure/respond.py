@@ -4,23 +4,29 @@
 classify the incident from the heartbeats, write it, decide (requeue or stop) and act.
 `conclude`: the decider's part, shared with the stop-signal path. `open_attempt`: the ledger's
 record of a new attempt, writing the ends that the previous attempts could not write themselves.
+`decide_for_lost_decider`: the supervisor's part when a step ended with its decision claimed and never
+published.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import asdict, dataclass
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.events import EventLog, read_events
-from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, write_incident
+from jobs.failure.heartbeat import read_beats
+from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, incident_dir, write_incident
 from jobs.failure.ledger import render_summary, unfinished
-from jobs.failure.policy import Decision, Restart, claim, decide, publish, read_decision, requeue_job, slurm_intent
-from jobs.failure.quarantine import add_to_quarantine, node_answers, quarantined, requeue_excluding, usable_nodes
+from jobs.failure.policy import (Decision, Restart, claim, claimant, decide, decision_wait_s, publish, read_decision,
+                                 requeue_job, slurm_intent)
+from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined,
+                                     requeue_excluding, usable_nodes)
 from jobs.log import get_logger
 
-__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt"]
+__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider"]
 
 _once = threading.Lock()
 
@@ -53,10 +59,12 @@ def open_attempt(ctx: AttemptContext, **facts) -> None:
     ctx.events.emit("attempt_start", job_id=ctx.job_id, world_size=ctx.world_size, **facts)
 
 
-def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None) -> int:
-    """Writes the incident and the ledger records, decides, requeues before anyone tears down;
-    returns this process's exit code (the other ranks read it from the published decision)."""
-    if incident is not None:
+def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None,
+             recorded: bool = False) -> int:
+    """Writes the incident (unless `recorded` already) and the ledger records, decides, requeues before anyone
+    tears down, then publishes the decision; returns this process's exit code (the other ranks read it from
+    the decision)."""
+    if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
         ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
                         reported_by=incident.reported_by)
@@ -67,16 +75,20 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
     restart = _restart(ctx, suspects, slurm) if cause in RESTART_CLASSES else None
     d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
-               restart=restart)
-    excluded = _quarantine(ctx, d, suspects, incident)
+               restart=restart, suspect_nodes=suspects)
+    excluded = _quarantine(ctx, d, incident, restart)
     ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
-    publish(ctx.run_dir, ctx.attempt, d)
-    if d.action == "requeue" and ctx.job_id:
-        ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
-        # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
-        # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
-        ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
+    try:
+        if d.action == "requeue" and ctx.job_id:
+            ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
+            # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
+            # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
+            ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
+    finally:
+        # Only now: the supervisor ends the step on a published decision, and its batch script then ends
+        # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
+        publish(ctx.run_dir, ctx.attempt, d)
     log = get_logger()
     (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
                                                           cause, d.action, d.reason, d.exit_code)
@@ -96,22 +108,42 @@ def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None) -> Res
     return Restart(True, ctx.restart_in_allocation, bad)
 
 
-def _quarantine(ctx: AttemptContext, d: Decision, suspects: list[str], incident: Incident | None) -> list[str]:
-    """A requeue puts the incident's suspects' nodes on the run's quarantine list and excludes the whole
-    list; when that leaves too few nodes, the decision becomes a stop that says so. Returns the list."""
+def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None) -> list[str]:
+    """A requeue after an incident that points at nodes (`QUARANTINE_CLASSES`) puts its suspects' nodes on
+    the run's quarantine list, each with its evidence; every requeue excludes the whole list. When that
+    leaves too few usable nodes, the decision becomes a stop that says so (not when Slurm cannot say).
+    Returns the list."""
     if d.action not in ("requeue", "requeued_by_slurm") or not ctx.job_id:
         return []
-    if suspects and incident is not None:
-        add_to_quarantine(ctx.run_dir, suspects, reason=f"suspect of a {incident.cls} incident", incident=ctx.attempt)
+    if incident is not None and incident.cls in QUARANTINE_CLASSES:
+        evidence = _evidence(incident, restart, probe_timeout_s=ctx.cfg.node_probe_timeout_s)
+        add_to_quarantine(ctx.run_dir, list(evidence), reason=f"suspect of a {incident.cls} incident",
+                          incident=ctx.attempt, evidence=evidence)
     excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
     if excluded and d.action == "requeue":
         usable = usable_nodes(ctx.partition, set(excluded))
-        if len(usable) < ctx.nodes_needed:
+        if usable is None:
+            d.reason += "; sinfo could not say which nodes are usable: requeued without that check"
+        elif len(usable) < ctx.nodes_needed:
             d.action, d.exit_code = "stop", exitcodes.STOPPED
             d.reason = (f"the quarantine ({', '.join(excluded)}; {ctx.run_dir}/quarantine.json) leaves "
                         f"{len(usable)} usable node(s) in partition {ctx.partition or '(default)'}, the job needs "
                         f"{ctx.nodes_needed}: check the nodes, then remove them from quarantine.json to requeue")
     return excluded
+
+
+def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: float) -> dict[str, dict]:
+    """node -> why it is suspect: the incident's class and summary, its suspects on that node (rank, pid,
+    state, step, beat age, GPU...) and what the probe found, when it was probed."""
+    out: dict[str, dict] = {}
+    for s in incident.suspects:
+        if s.get("node"):
+            entry = out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})
+            entry["suspects"].append(s)
+    for node in restart.bad_nodes if restart else []:
+        if node in out:
+            out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s({probe_timeout_s})"
+    return out
 
 
 def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, during: str = "train",
@@ -121,8 +153,8 @@ def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, durin
     with _once:
         if ctx.rank >= 0:
             dump_stacks(ctx.run_dir, ctx.attempt, ctx.rank)
-        if not claim(ctx.run_dir, ctx.attempt):
-            d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
+        if not claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):
+            d = read_decision(ctx.run_dir, ctx.attempt, wait_s=decision_wait_s(ctx.cfg))
             return int(d["exit_code"]) if d else exitcodes.REQUEUE
         if incident is None:
             incident = classify_settled(run_dir=ctx.run_dir, world_size=ctx.world_size, me=ctx.rank,
@@ -130,3 +162,42 @@ def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, durin
                                         during=during)
         get_logger().error("incident %s: %s", incident.cls, incident.summary)
         return conclude(ctx, cause=incident.cls, step=step, incident=incident)
+
+
+def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | None:
+    """The supervisor's part when an attempt's step has ended (so every rank of it is gone) with the attempt
+    claimed and no decision published: its decider died while deciding (killed, its node lost, its own
+    failure path failed). Decides in its place, from the incident the decider wrote, else as a dead rank
+    naming the decider, and returns the published decision; None when nobody claimed the attempt (it
+    finished, or was stopped by a signal) or the decision is there."""
+    who = claimant(ctx.run_dir, ctx.attempt)
+    if who is None or read_decision(ctx.run_dir, ctx.attempt, wait_s=0) is not None:
+        return None
+    beats = read_beats(ctx.run_dir, ctx.attempt)
+    path = incident_dir(ctx.run_dir, ctx.attempt) / "incident.json"
+    try:
+        fields = json.loads(path.read_text())
+        incident, recorded = Incident(**{k: v for k, v in fields.items() if k != "stacks"}), True
+    except (OSError, ValueError, TypeError):
+        incident, recorded = _dead_decider(ctx, who, beats), False
+    get_logger().error("attempt %s: the step ended (exit %d) without the decision that %s claimed; deciding in its "
+                       "place: %s", ctx.attempt, step_code, _who(who), incident.summary)
+    step = max((b.step for b in beats.values()), default=None)
+    conclude(ctx, cause=incident.cls, step=step if step is None or step >= 0 else None, incident=incident,
+             recorded=recorded)
+    return read_decision(ctx.run_dir, ctx.attempt, wait_s=0)
+
+
+def _who(who: dict) -> str:
+    if who.get("rank") is None:
+        return "a rank"
+    return f"rank {who['rank']} (pid {who.get('pid')}, host {who.get('host')})"
+
+
+def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
+    """A `dead_rank` incident naming the decider (its node from its heartbeat), reported by the supervisor."""
+    b = beats.get(who.get("rank"))
+    suspects = [{"rank": b.rank, "node": b.node, "host": b.host, "pid": b.pid, "state": "dead", "step": b.step,
+                 "phase": b.phase}] if b is not None else []
+    return Incident("dead_rank", ctx.attempt, ctx.rank, f"{_who(who)} claimed the decision of attempt {ctx.attempt} "
+                    "and died before publishing it", suspects, {"claim": who})

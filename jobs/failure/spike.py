@@ -25,6 +25,10 @@ takes the union of both, by rollback number: a kill after a rollback but before 
 loads a checkpoint that does not know the record, and one saved inside the spike window (past the
 rollback's target) is replaced by the target. `failure.spike_lr_scale` multiplies the learning rate at
 each rollback (the product of the records' scales, applied from the rollback on).
+
+Before any of this, a suspicious step is re-run from the same state by jobs/failure/sdc.py (the trainer
+asks `suspicious` before the optimizer step): values that differ on the re-run are hardware (an `sdc`
+incident, the attempt ends); the same values are the data's, and the step goes on to `after_step` here.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ import torch
 from jobs.config import FailureConfig
 from jobs.events import read_events
 from jobs.failure.incident import Incident, incident_dir
+from jobs.failure.sdc import check_config as check_sdc
 
-__all__ = ["Spike", "LossDiverged", "TrainingHealth", "observe", "data_step", "skip_entries", "parse_corrupt",
+__all__ = ["Spike", "LossDiverged", "TrainingHealth", "observe", "suspicious", "data_step", "skip_entries", "parse_corrupt",
            "check_config", "CORRUPT_VAR", "DIVERGED_CLASSES"]
 
 CORRUPT_VAR = "MESHJOB_TEST_CORRUPT_DATA_STEP"  # tests only: "12,nan:20" corrupts data step 12's tokens, NaNs at 20
@@ -74,7 +79,9 @@ class LossDiverged(FloatingPointError):
 
 
 def check_config(f: FailureConfig) -> None:
-    """Config errors of the spike keys, naming the override and a value that works."""
+    """Config errors of the spike keys and of the SDC re-run that precedes a rollback (jobs/failure/sdc.py),
+    naming the override and a value that works."""
+    check_sdc(f)
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
@@ -99,13 +106,7 @@ def observe(det: dict[str, Any], *, step: int, loss: float, grad_norm: float, cf
         streak.append([step, loss, grad_norm])
         return _spike("non_finite_loss", streak, None, f"loss {loss}, grad norm {grad_norm} at step {step + 1}")
     hist = det["history"]
-    median = statistics.median(hist) if len(hist) >= cfg.spike_window else None
-    why = []
-    if cfg.spike_factor > 0 and median is not None and loss > cfg.spike_factor * median:
-        why.append(f"loss {loss:.4g} > failure.spike_factor({cfg.spike_factor}) x median {median:.4g} "
-                   f"of the last failure.spike_window({cfg.spike_window}) losses")
-    if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
-        why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
+    median, why = _reasons(det, loss=loss, grad_norm=grad_norm, cfg=cfg)
     if not why:
         hist.append(loss)
         del hist[: -cfg.spike_window]
@@ -116,6 +117,27 @@ def observe(det: dict[str, Any], *, step: int, loss: float, grad_norm: float, cf
         return None
     return _spike("loss_spike", streak, median, "; ".join(why) + f" for {len(streak)} step(s) "
                   f"(failure.spike_patience={cfg.spike_patience})")
+
+
+def suspicious(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> bool:
+    """Whether `observe` would count this step as suspicious (non-finite, or above a threshold); reads
+    `det` without changing it. The trainer asks before the optimizer step (jobs/failure/sdc.py)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return True
+    return bool(_reasons(det, loss=loss, grad_norm=grad_norm, cfg=cfg)[1])
+
+
+def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> tuple[float | None, list[str]]:
+    """(the running median or None, why the finite step is suspicious: [] when it is not)."""
+    hist = det["history"]
+    median = statistics.median(hist) if len(hist) >= cfg.spike_window else None
+    why = []
+    if cfg.spike_factor > 0 and median is not None and loss > cfg.spike_factor * median:
+        why.append(f"loss {loss:.4g} > failure.spike_factor({cfg.spike_factor}) x median {median:.4g} "
+                   f"of the last failure.spike_window({cfg.spike_window}) losses")
+    if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
+        why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
+    return median, why
 
 
 def _spike(cls: str, streak: list, median: float | None, reason: str) -> Spike:
@@ -181,6 +203,11 @@ class TrainingHealth:
                     for p in part.parameters():
                         (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
         return inputs, targets
+
+    def suspicious(self, st: Any, *, loss: float, grad_norm: float) -> bool:
+        """Whether step `st.step`'s global numbers make it suspicious (asked before its optimizer step,
+        so that jobs/failure/sdc.py can re-run it first); changes nothing."""
+        return suspicious(st.health.get("detector") or new_detector(), loss=loss, grad_norm=grad_norm, cfg=self.cfg)
 
     def after_step(self, st: Any, m: dict[str, Any], *, load: Load, schedulers: list[Any]) -> bool:
         """Checks step `st.step` (just trained, not yet recorded); True when it was a spike and the run

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from jobs import exitcodes
 from jobs.config import JobConfig
-from jobs.device import backend_for, export_environ, rank_device
+from jobs.device import backend_for, export_environ, rank_device, set_determinism, trace_dir, dump_flight_recorder
 from jobs.events import EventLog
 from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.policy import claim, read_decision
@@ -29,7 +29,7 @@ from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import rendezvous
-from jobs.log import setup_logging
+from jobs.log import get_logger, setup_logging
 from jobs.telemetry.health import GpuHealth, rank_health
 
 __all__ = ["run_rank", "attempt_context", "supervised"]
@@ -51,18 +51,17 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
 
 
 def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.device:
-    """Threads, this rank's GPU (set before anything touches one), the NCCL environment, determinism;
-    returns this rank's device."""
+    """Threads, the cluster's and NCCL's environment (exported before anything touches the GPU: CUDA
+    reads CUDA_DEVICE_MAX_CONNECTIONS and PYTORCH_CUDA_ALLOC_CONF when its context is created), this
+    rank's GPU, determinism (logged with what it costs); returns this rank's device."""
     threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
-    device = rank_device(device_type, local_rank=env.local_rank)
-    traces = Path(cfg.run.dir) / "nccl_traces" / env.attempt  # the flight recorder's dumps on a timeout
+    traces = trace_dir(cfg.run.dir, env.attempt)  # the flight recorder's dumps (NCCL timeout, watchdog)
     if device_type == "cuda":
         traces.mkdir(parents=True, exist_ok=True)
     export_environ(cfg.cluster.env, device_type=device_type, trace_dir=str(traces))
-    if cfg.train.deterministic and device_type == "cuda":  # bitwise resume needs deterministic kernels
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    device = rank_device(device_type, local_rank=env.local_rank)
+    get_logger().info("%s", set_determinism(cfg.train.deterministic, device_type=device_type))
     # DTensor warns on every grad-norm redistribute over the 2-D (dp_shard, tp) mesh; it is expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return device
@@ -110,8 +109,10 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         events.emit("failure", cls=e.cls, error=str(e), suspects=[])
         return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
-        log.error("%s during %s: %s", type(e).__name__, during, e, exc_info=not isinstance(e, dist.DistError))
-        _fail(ctx, error=e, during=during, step=watchdog.beat.step)
+        log.error("%s during %s: %s", type(e).__name__, during, e,
+                  exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
+        # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
+        _fail(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None))
     watchdog.stop()
     health.stop()
     if outcome == "done":
@@ -134,7 +135,8 @@ def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.dev
     watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
                         heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
                         world_size=env.world_size, missed_beats=f.missed_beats,
-                        on_hang=lambda idle: _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step),
+                        on_hang=lambda idle: (dump_flight_recorder(trace_dir(cfg.run.dir, env.attempt), rank=env.rank),
+                                              _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step)),
                         stop_received=stop.arrived,
                         on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase))
     watchdog.start()
@@ -164,7 +166,7 @@ def _stop_now(ctx: AttemptContext, stop: StopSignals, *, during: str) -> NoRetur
     code = exitcodes.REQUEUE
     try:
         ctx.events.emit("stop_requested", step=None, signal=stop.name, action=f"exit during {during}")
-        if claim(ctx.run_dir, ctx.attempt):
+        if claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):
             code = conclude(ctx, cause=stop.name or "stop_signal", step=None)
         else:
             d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
@@ -190,7 +192,7 @@ def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: i
     if outcome == "done":
         events.emit("attempt_end", cause="completed", action="done", step=step)
         return exitcodes.OK
-    if not claim(ctx.run_dir, ctx.attempt):  # a watchdog (a stop during start-up) decided already
+    if not claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):  # a watchdog (a stop during start-up) decided already
         d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
         return int(d["exit_code"]) if d else exitcodes.REQUEUE
     return conclude(ctx, cause=signal_name or "stop_signal", step=step)  # the signal may have reached a peer only

@@ -37,6 +37,7 @@ from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.prepare import prepare_run
+from jobs.launch.rundir import claim_run_dir, record_job
 from jobs.launch.slurm_state import job_state, wait_for_job
 
 __all__ = ["submit", "SlurmJob", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
@@ -240,6 +241,7 @@ def submit(cfg: JobConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.ENV_ERROR
     try:
+        claim_run_dir(cfg, launcher="slurm")  # another run or a live job there: refused before sbatch
         run_dir = prepare_run(cfg)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -250,6 +252,7 @@ def submit(cfg: JobConfig) -> int:
     except submitit.core.utils.FailedJobError as e:
         print(f"error: sbatch refused the job (run dir {run_dir} kept): {str(e).strip()}", file=sys.stderr)
         return exitcodes.ENV_ERROR
+    record_job(run_dir, job.job_id)
     out = folder / job.job_id
     print(f"submitted job {job.job_id}: {cfg.world_size} ranks ({cfg.world_size_expr}), "
           f"cluster={cfg.cluster.name}")
@@ -282,6 +285,11 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
         return exitcodes.CONFIG_ERROR
     if mode == "--rank":
         return rank_main(cfg, stop)
+    try:  # the batch step, at every start of the job: its own earlier attempts are its own
+        claim_run_dir(cfg, launcher="slurm", job_id=slurm_job_id(os.environ))
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     prepare_run(cfg)
     if mode == "--prepare":
         return exitcodes.OK

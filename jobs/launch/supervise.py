@@ -32,7 +32,7 @@ from jobs.config import JobConfig
 from jobs.events import EventLog
 from jobs.failure.policy import read_decision
 from jobs.failure.quarantine import quarantined, requeue_excluding
-from jobs.failure.respond import AttemptContext, open_attempt
+from jobs.failure.respond import AttemptContext, decide_for_lost_decider, open_attempt
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
@@ -72,13 +72,15 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     while True:
         attempt = attempt_name(job_id, restart, n)
         events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
-        open_attempt(AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size,
-                                    job_id=job_id, restart_count=restart, cfg=cfg.failure, events=events),
-                     nodes=nodes, launcher="slurm", restart_in_allocation=n)
+        ctx = AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size, job_id=job_id,
+                             restart_count=restart, cfg=cfg.failure, events=events, supervised=True,
+                             restart_in_allocation=n, partition=cfg.cluster.partition, nodes_needed=cfg.launcher.nodes)
+        open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n)
         cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs])
         code = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
                          no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
-        d = read_decision(cfg.run.dir, attempt, wait_s=0)
+        # A claimed attempt without a decision: its decider died deciding; decide in its place.
+        d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=code)
         if d is None or d["action"] != "restart" or stopping:
             return code if d is None else int(d["exit_code"])
         get_logger().warning("attempt %s ended by a restart decision: starting the ranks again (restart %d "

@@ -1,7 +1,9 @@
 """Sweeps under launcher=slurm: a whole `-m` sweep becomes one array job, infeasible points pruned first.
 
-The Hydra launcher plugin (`hydra_plugins/meshjob_slurm_launcher`) composes the points with
-`hydra_point` and hands them to `launch_sweep`, which never waits on the jobs.
+The Hydra launcher plugin (`hydra_plugins/meshjob_slurm_launcher`) gives each point its run directory
+(`point_run_dirs`), composes the points with `hydra_point` and hands them to `launch_sweep`, which never
+waits on the jobs. The local launcher's sweeps (`hydra_plugins/meshjob_local_launcher`) use the same
+`point_run_dirs`.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import submitit
 
 from jobs.config import JobConfig
 from jobs.launch.prepare import prepare_run
+from jobs.launch.rundir import check_run_dir, claim_run_dir, record_job
 from jobs.launch.slurm import SlurmJob, login_checks, make_executor, require_slurm
 from jobs.planner.gate import check
 
-__all__ = ["SweepPoint", "launch_sweep", "format_sweep_table", "hydra_point"]
+__all__ = ["SweepPoint", "launch_sweep", "format_sweep_table", "hydra_point", "run_dir_swept", "point_run_dirs"]
 
 
 @dataclass
@@ -43,6 +46,7 @@ def _feasibility(cfg: JobConfig) -> str | None:
         return f"launcher={cfg.launcher.name}: a Slurm sweep holds only launcher=slurm points"
     try:
         login_checks(cfg)
+        check_run_dir(cfg)  # another run, or a live job, in the point's run dir
     except ValueError as e:
         return str(e)
     failed = [c for c in check(cfg) if not c.ok]
@@ -56,42 +60,53 @@ def _resources(cfg: JobConfig) -> tuple:
             json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True))
 
 
+def run_dir_swept(job_overrides: Sequence[Sequence[str]]) -> bool:
+    """Whether the sweep's own overrides vary `run.dir` (then each point trains where it composes to).
+    Decided from the override strings, never from resolved values: the default `runs/${now:...}` resolves
+    anew for every point composed, and differs between points composed across a second boundary."""
+    return len({_override_value(o, "run.dir") for o in job_overrides}) > 1
+
+
+def _override_value(overrides: Sequence[str], key: str) -> str | None:
+    for o in overrides:
+        k, sep, v = o.partition("=")
+        if sep and k.lstrip("+~") == key:
+            return v
+    return None
+
+
+def point_run_dirs(job_overrides: Sequence[Sequence[str]], *, sweep_dir: Path, first_idx: int) -> list[Path | None]:
+    """Each point's run directory: `sweep_dir/<idx>`, or None for all points when the overrides sweep
+    `run.dir` itself. `sweep_dir` is `hydra.sweep.dir` (conf/train.yaml: `${run.dir}` unless given)."""
+    if run_dir_swept(job_overrides):
+        return [None] * len(job_overrides)
+    return [sweep_dir / str(first_idx + i) for i in range(len(job_overrides))]
+
+
 def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoint]:
     """Prunes infeasible points, submits the rest as one array job (per distinct resource shape),
     writes `sweep_dir/sweep.jsonl`, prints the table, and returns at once (never waits on the jobs).
 
-    Each point runs in `sweep_dir/<idx>` unless the sweep itself varies `run.dir`."""
-    composed = [p for p in points if p.cfg is not None and p.reason is None]
-    swept_run_dir = len({p.cfg.run.dir for p in composed}) > 1
-    for p in composed:
-        if not swept_run_dir:
-            p.cfg.run.dir = str(sweep_dir / str(p.idx))
-        p.reason = _feasibility(p.cfg)
-    live = [p for p in points if p.reason is None]
-    if live:
+    Each point trains in the run dir `hydra_point` gave it; two points never share one, and a point whose
+    run dir holds another run or a live job is pruned (`jobs.launch.rundir`)."""
+    for p in points:
+        if p.cfg is not None and p.reason is None:
+            p.reason = _feasibility(p.cfg)
+    _prune_shared_run_dirs(points)
+    if any(p.reason is None for p in points):
         require_slurm()
+    for p in points:
+        if p.reason is None:
+            try:
+                p.run_dir = str(claim_run_dir(p.cfg, launcher="slurm"))
+            except ValueError as e:
+                p.reason = str(e)
+    live = [p for p in points if p.reason is None]
     groups: dict[tuple, list[SweepPoint]] = {}
     for p in live:
         groups.setdefault(_resources(p.cfg), []).append(p)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    arrays: list[str] = []
-    for group in groups.values():
-        for p in group:
-            p.run_dir = str(prepare_run(p.cfg))
-        first = group[0].cfg
-        folder = sweep_dir / "slurm"
-        ex = make_executor(first, folder / "%j", job_name=f"meshjob-sweep-{sweep_dir.name}")
-        try:
-            with ex.batch():
-                jobs = [ex.submit(SlurmJob(p.cfg)) for p in group]
-        except submitit.core.utils.FailedJobError as e:
-            raise RuntimeError(f"sbatch refused the array job: {str(e).strip()}") from None
-        for p, job in zip(group, jobs):
-            p.job_id = job.job_id
-            link = Path(p.run_dir) / "slurm"
-            if not link.exists() and not link.is_symlink():
-                link.symlink_to(folder / job.job_id, target_is_directory=True)
-        arrays.append(jobs[0].job_id.split("_")[0])
+    arrays = [_submit_array(group, sweep_dir=sweep_dir) for group in groups.values()]
     with open(sweep_dir / "sweep.jsonl", "a") as f:
         for p in points:
             f.write(json.dumps({"idx": p.idx, "overrides": p.overrides, "job_id": p.job_id,
@@ -100,6 +115,38 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
     if not live:
         raise ValueError(f"every one of the {len(points)} sweep points was pruned; nothing was submitted")
     return points
+
+
+def _prune_shared_run_dirs(points: list[SweepPoint]) -> None:
+    first: dict[str, int] = {}
+    for p in points:
+        if p.reason is None and p.cfg is not None:
+            d = str(Path(p.cfg.run.dir).resolve())
+            if d in first:
+                p.reason = (f"run.dir={d} is point {first[d]}'s run dir too: two points never share a run "
+                            "directory; sweep run.dir over distinct values, or do not sweep it")
+            first.setdefault(d, p.idx)
+
+
+def _submit_array(group: list[SweepPoint], *, sweep_dir: Path) -> str:
+    """Prepares each point's run dir, submits the group as one array job, links each point's logs and
+    records its array element in its run dir; returns the array's job id."""
+    for p in group:
+        prepare_run(p.cfg)
+    folder = sweep_dir / "slurm"
+    ex = make_executor(group[0].cfg, folder / "%j", job_name=f"meshjob-sweep-{sweep_dir.name}")
+    try:
+        with ex.batch():
+            jobs = [ex.submit(SlurmJob(p.cfg)) for p in group]
+    except submitit.core.utils.FailedJobError as e:
+        raise RuntimeError(f"sbatch refused the array job: {str(e).strip()}") from None
+    for p, job in zip(group, jobs):
+        p.job_id = job.job_id
+        record_job(p.run_dir, job.job_id)
+        link = Path(p.run_dir) / "slurm"
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(folder / job.job_id, target_is_directory=True)
+    return jobs[0].job_id.split("_")[0]
 
 
 def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir: Path) -> str:
@@ -129,8 +176,10 @@ def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir
     return "\n".join(lines)
 
 
-def hydra_point(config: Any, overrides: Sequence[str], *, loader: Any, idx: int) -> SweepPoint:
-    """Composes one sweep point through Hydra's loader; a composition error prunes the point."""
+def hydra_point(config: Any, overrides: Sequence[str], *, loader: Any, idx: int,
+                run_dir: Path | None = None) -> SweepPoint:
+    """Composes one sweep point through Hydra's loader (a composition error prunes the point); `run_dir`
+    (from `point_run_dirs`) replaces the run.dir it composes to."""
     from omegaconf import open_dict
 
     from jobs.config import to_job_config
@@ -144,4 +193,7 @@ def hydra_point(config: Any, overrides: Sequence[str], *, loader: Any, idx: int)
         point.cfg = to_job_config(dcfg)
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; the point is reported
         point.reason = f"does not compose: {type(e).__name__}: {e}".splitlines()[0]
+        return point
+    if run_dir is not None:
+        point.cfg.run.dir = str(run_dir)
     return point

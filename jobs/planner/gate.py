@@ -28,6 +28,7 @@ from jobs.planner import arith as P
 from jobs.planner import costs as C
 from jobs.planner import hardware as H
 from jobs.planner import steptime as S
+from jobs.telemetry.flops import mfu_text
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -367,7 +368,7 @@ def _memory(x: _Draft) -> None:
             cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
             schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
             activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
-            params_elems=measured_max.get(pp_rank), **x.common,
+            params_elems=measured_max.get(pp_rank), autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2, **x.common,
         )
         x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:
@@ -524,7 +525,8 @@ def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
         params_active=x.pcount.active,
         peak_role=x.peak[2],
         per_rank={k: getattr(mem, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                               "activation_bytes", "logits_bytes", "p2p_bytes", "peak_bytes")},
+                                               "activation_bytes", "logits_bytes", "p2p_bytes", "autocast_bytes",
+                                               "peak_bytes")},
         roles=x.role_rows,
         heuristic_bytes_per_rank=P.heuristic_bytes_per_rank(x.pcount.total, model_shards=dims.pp * dims.tp * x.fsdp),
         activation=_activation_summary(x),
@@ -643,7 +645,7 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     lost = s["comm_exposed_s"] + s["dp_exposed_s"] + s["bubble_s"]
     top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
     comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
-    mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
+    mfu = f", {mfu_text(s['mfu'])}" if "mfu" in s else ""
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
                       f"recompute {s['recompute_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
@@ -735,6 +737,9 @@ def _memory_lines(plan: Plan) -> list[str]:
                                            "activation_bytes", "logits_bytes", "peak_bytes")))
     L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
              f"for params+grads+optim")
+    if plan.per_rank.get("autocast_bytes"):
+        L.append(f"  peak includes {_gib(plan.per_rank['autocast_bytes'])} of bf16 weight copies autocast keeps for backward "
+                 "(no FSDP on this mesh: one per microbatch in flight)")
     if plan.measured:
         L.append("  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds")
         for r in plan.measured:
@@ -769,7 +774,7 @@ def _comm_lines(plan: Plan) -> list[str]:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
                  f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
-                 + (f", MFU {s['mfu']:.1%})" if "mfu" in s else ")"))
+                 + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
     return L
 

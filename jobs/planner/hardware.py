@@ -16,7 +16,7 @@ from jobs.config import ClusterConfig
 
 __all__ = [
     "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
-    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S",
+    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S", "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
 ]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -35,6 +35,29 @@ IB_EFFICIENCY = 47.0 / 50.0
 # Latency: 46-48 us for all-reduces of 4 B..1 KiB on 2 nodes x 8 GPUs (NVIDIA/nccl#1244, NCCL 2.21, NDR IB).
 # Used for both scopes: no intra-node figure is cited, so the intra-node latency is an upper bound.
 NCCL_ALPHA_S = 46e-6
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak per GPU, matched on the name torch/NVML report ("NVIDIA H100
+# 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA H200", ...), most specific first. NVIDIA's product pages list bf16
+# "with sparsity": halved here. H100 (nvidia.com/en-us/data-center/h100): SXM 1,979, NVL 1,671, PCIe 1,513
+# -> 989 / 835 / 756 (torchtitan/tools/utils.py get_peak_flops has the same three). H200
+# (nvidia.com/en-us/data-center/h200): SXM 1,979, NVL 1,671 -> 989 / 835; GH200 the H200 SXM's. H800: the
+# H100's silicon with cut NVLink: SXM 989, PCIe 756. B200: 2.25 PFLOPS dense (NVIDIA Blackwell datasheet,
+# torchtitan's 2.25e15); GB200 2.5 PFLOPS per GPU (GB200 NVL72: 180 PFLOPS dense bf16 / 72). A100
+# (nvidia.com/en-us/data-center/a100): 312 dense, SXM and PCIe. L40S: 362 (L40S datasheet, 733 with sparsity).
+PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("GH200",), 989.0), (("H200", "NVL"), 835.0), (("H200",), 989.0),
+    (("H100", "NVL"), 835.0), (("H100", "PCIe"), 756.0), (("H100",), 989.0),
+    (("H800", "PCIe"), 756.0), (("H800",), 989.0),
+    (("GB200",), 2500.0), (("B200",), 2250.0), (("A100",), 312.0), (("L40S",), 362.0),
+)
+
+
+def peak_bf16_tflops(gpu_name: str) -> float:
+    """The dense bf16 peak of a GPU by the name torch reports; 0.0 for one not in the table (no MFU
+    then, never a guess: `cluster.gpu_bf16_tflops` sets it by hand)."""
+    name = gpu_name.upper()
+    return next((t for keys, t in PEAK_BF16_TFLOPS if all(k.upper() in name for k in keys)), 0.0)
+
 
 OUR_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # parallel/dims.py: row-major, tp innermost
 # "The Llama 3 Herd of Models" §3.3.2: ranks grouped as [TP, CP, PP, DP], TP innermost, DP outermost.

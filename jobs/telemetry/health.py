@@ -13,6 +13,12 @@ with that node quarantined (`jobs.failure.respond`). A warning is only a `gpu_he
 | retired pages (`nvmlDeviceGetRetiredPagesPendingStatus`, before Ampere) | a retirement pending | - |
 | XID events (`nvmlEventSetWait_v2`, where the driver delivers them) | an XID in `failure.health_failing_xids` | any other XID (13, 31, 43: usually the program's own fault) |
 
+A clock event fails the GPU only when CLOCK_EVENT_SAMPLES consecutive samples show it (until then it
+is a warning saying which sample it is): one sample is a moment, and a brief HW slowdown or thermal
+event must not end a job. At start the samples are taken CONFIRM_S apart, so a GPU that stays
+throttled still never joins the rendezvous; later ones come every `failure.health_every_s`. ECC,
+row-remap, page-retirement, XID and lost-GPU findings are states or events, failing at once.
+
 A check that NVML does not support on this GPU is left out (the start event lists it as
 `unsupported`). No nvidia-ml-py, no NVML library or a CPU run: nothing is checked, and rank 0 writes
 one `gpu_health` event `no GPU: skipped (<why>)`.
@@ -36,12 +42,15 @@ from jobs.failure.incident import Incident
 from jobs.log import get_logger
 
 __all__ = ["GpuId", "Nvml", "NotSupported", "PynvmlNvml", "Sample", "Finding", "GpuHealth", "open_nvml", "cuda_gpu",
-           "read_sample", "assess", "CLOCK_EVENTS", "GpuLost", "rank_health"]
+           "read_sample", "assess", "CLOCK_EVENTS", "CLOCK_EVENT_SAMPLES", "GpuLost", "rank_health"]
 
 # nvmlClocksEventReason* bits: name, failing?
 CLOCK_EVENTS = {0x8: ("hw_slowdown", True), 0x40: ("hw_thermal_slowdown", True),
                 0x80: ("hw_power_brake_slowdown", True), 0x20: ("sw_thermal_slowdown", True),
                 0x4: ("sw_power_cap", False)}
+
+CLOCK_EVENT_SAMPLES = 3  # consecutive samples with a failing clock event before the GPU counts as failing
+CONFIRM_S = 1.0  # at start: seconds between the samples that confirm a failing clock event
 
 
 class NotSupported(Exception):
@@ -241,6 +250,7 @@ class GpuHealth:
         self._handle: Any = None
         self._checks = 0
         self._last: list[tuple] = []
+        self._streak: dict[str, int] = {}  # failing clock event -> consecutive samples that showed it
         self._done = threading.Event()
 
     def check(self) -> list[Finding]:
@@ -256,7 +266,8 @@ class GpuHealth:
                 self._handle = find_handle(self.nvml, self.gpu)
                 _maybe(self.nvml.watch_xids, self._handle)
             sample = read_sample(self.nvml, self._handle)
-            found = assess(sample, temp_warn_c=self.cfg.health_temp_warn_c, failing_xids=self.cfg.health_failing_xids)
+            found = self._confirm(assess(sample, temp_warn_c=self.cfg.health_temp_warn_c,
+                                         failing_xids=self.cfg.health_failing_xids))
         except GpuLost as e:
             sample, found = None, [Finding("gpu_lost", True, f"NVML: {e} (fallen off the bus?)")]
         key = [(f.check, f.failing, f.detail if f.check == "xid" else "") for f in found]
@@ -267,6 +278,26 @@ class GpuHealth:
             self._done.set()  # one incident; the failure path ends the process
             self.on_failing(self.incident(sample, found))
         return found
+
+    def _confirm(self, found: list[Finding]) -> list[Finding]:
+        """A failing clock event counts as failing from its CLOCK_EVENT_SAMPLES-th consecutive sample on;
+        before that it is a warning saying which sample it is."""
+        def event(f: Finding) -> str | None:  # "clock event hw_slowdown at 91 C" -> hw_slowdown
+            return f.detail.split()[2] if f.check == "clock_events" and f.failing else None
+
+        seen = {event(f) for f in found} - {None}
+        self._streak = {e: self._streak.get(e, 0) + 1 for e in seen}
+        out = []
+        for f in found:
+            n = self._streak[event(f)] if event(f) else CLOCK_EVENT_SAMPLES
+            out.append(f if n >= CLOCK_EVENT_SAMPLES else Finding(
+                f.check, False,
+                f"{f.detail} (sample {n} of {CLOCK_EVENT_SAMPLES} in a row before the GPU counts as failing)"))
+        return out
+
+    def pending(self) -> bool:
+        """A failing clock event seen in fewer than CLOCK_EVENT_SAMPLES consecutive samples so far."""
+        return any(0 < n < CLOCK_EVENT_SAMPLES for n in self._streak.values())
 
     def _report(self, sample: Sample | None, found: list[Finding]) -> None:
         level = "failing" if any(f.failing for f in found) else "warning" if found else "ok"
@@ -293,6 +324,8 @@ class GpuHealth:
         A check that raises (NVML finds no such GPU) turns the checks off, saying why."""
         try:
             self.check()
+            while self.pending() and not self._done.wait(CONFIRM_S):  # confirm a clock event before training
+                self.check()
         except Exception as e:  # noqa: BLE001 - the checks are an aid; training does not depend on them
             self.nvml, self.skipped = None, f"GPU health check failed: {type(e).__name__}: {e}"
             self.emit("gpu_health", level="skipped", reason=self.skipped, node=self.node)

@@ -61,7 +61,8 @@ def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: 
 
     def quarantine(bad: list[str], d: Detection) -> None:
         add_to_quarantine(cfg.run.dir, bad, reason=f"straggler: {d.phase} {d.ratio:.2f}x its peers' median",
-                          incident=f"straggler event, attempt {env.attempt}")
+                          incident=f"straggler event, attempt {env.attempt}",
+                          evidence={n: {"cls": "straggler", **dataclasses.asdict(d)} for n in bad})
 
     return StepTelemetry(timer, detector, rank=env.rank, nodes=nodes, gather=gather, emit=events.emit,
                          baseline_path=path, on_straggler=quarantine if f.exclude_stragglers else None,

@@ -102,6 +102,7 @@ def test_the_gpu_is_found_by_uuid_or_else_by_pci_bus_id(known: dict) -> None:
     nvml = FakeNvml(h1=healthy(GPU1, clock_events=0x8, **known), h0=healthy(GPU0, uuid="GPU-other", pci="other"))
     m = GpuHealth(nvml, gpu=GPU1, cfg=CFG, rank=0, node="n", attempt="a", emit=lambda *a, **k: None,
                   on_failing=lambda inc: None)
+    m.check(), m.check()  # a clock event counts from its third sample in a row
     assert [f.detail for f in m.check()] == ["clock event hw_slowdown at 55 C"]
 
 
@@ -190,8 +191,9 @@ def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined_without_pro
     monkeypatch.setattr(respond, "requeue_excluding", lambda job, nodes: calls.append(nodes) or (True, ""))
     monkeypatch.setattr(respond, "usable_nodes", lambda partition, excluded: ["node1", "node3"])
     incidents: list = []
-    monitor(FakeNvml(h1=healthy(GPU1, clock_events=0x40)), GPU1, tmp_path, rank=1, node="node2",
-            incidents=incidents).check()
+    throttled = monitor(FakeNvml(h1=healthy(GPU1, clock_events=0x40)), GPU1, tmp_path, rank=1, node="node2",
+                        incidents=incidents)
+    throttled.check(), throttled.check(), throttled.check()  # a clock event counts from its third sample in a row
     events = EventLog(tmp_path / "events.jsonl", rank=1, attempt="7.0")
     ctx = AttemptContext(run_dir=str(tmp_path), attempt="7.0", rank=1, world_size=2, job_id="7", restart_count=0,
                          cfg=CFG, events=events, supervised=True, nodes_needed=2)
@@ -235,3 +237,47 @@ def test_a_gpu_nvml_has_lost_is_failing_even_before_it_has_a_handle(tmp_path: Pa
     incidents: list = []
     monitor(LostNvml(h0=healthy(GPU0)), GPU0, tmp_path, rank=0, node="node1", incidents=incidents).start()
     assert [(i.cls, i.suspects[0]["checks"]) for i in incidents] == [("unhealthy_gpu", ["gpu_lost"])]
+
+
+def test_one_sample_of_a_clock_event_is_a_warning_and_only_consecutive_samples_fail_the_gpu(tmp_path: Path) -> None:
+    """NVML's clock-event reasons are a moment's state: a brief HW slowdown in one sample must not end a job;
+    CLOCK_EVENT_SAMPLES in a row do (issue 22, item 10)."""
+    from jobs.telemetry.health import CLOCK_EVENT_SAMPLES
+
+    nvml = FakeNvml(h0=healthy(GPU0))
+    incidents: list = []
+    m = monitor(nvml, GPU0, tmp_path, rank=0, node="node1", incidents=incidents)
+    m.check()
+    for blip in (0x8, 0, 0x40, 0x40, 0, 0x8):  # throttled now and then, never three samples in a row
+        nvml.gpus["h0"]["clock_events"] = blip
+        found = m.check()
+        assert not any(f.failing for f in found), found
+    assert incidents == [] and CLOCK_EVENT_SAMPLES == 3
+    warned = [e for e in read_events(tmp_path / "events.jsonl", "gpu_health") if e["level"] == "warning"]
+    assert "(sample 1 of 3 in a row before the GPU counts as failing)" in warned[0]["findings"][0]["detail"]
+    nvml.gpus["h0"]["clock_events"] = 0x40
+    m.check(), m.check()  # HW thermal slowdown in samples 1 and 2 of a row (the last blip was another event)
+    assert incidents == []
+    nvml.gpus["h0"]["temperature_c"] = 93  # the temperature in the text changes; the event is the same one
+    assert [f.failing for f in m.check()] == [True]
+    assert [i.summary.split(": ", 1)[1] for i in incidents] == ["clock event hw_thermal_slowdown at 93 C"]
+
+
+def test_a_gpu_throttled_at_start_is_confirmed_before_training_and_a_blip_at_start_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.telemetry import health
+
+    class Blip(FakeNvml):  # HW slowdown in the first sample only
+        def clock_events(self, handle):
+            self.gpus[handle]["clock_events"], was = 0, super().clock_events(handle)
+            return was
+
+    monkeypatch.setattr(health, "CONFIRM_S", 0.01)
+    cfg = FailureConfig(health_every_s=0)  # at start only: the confirming samples are taken there
+    incidents: list = []
+    monitor(FakeNvml(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=incidents,
+            cfg=cfg).start()
+    assert [i.suspects[0]["checks"] for i in incidents] == [["clock_events"]]
+    monitor(Blip(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=(late := []),
+            cfg=cfg).start()
+    assert late == []

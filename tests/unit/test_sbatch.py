@@ -51,7 +51,7 @@ def test_h100_script_carries_the_headers_sites_expect() -> None:
                  "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append", "#SBATCH --partition=gpu",
                  "#SBATCH --account=my-account", "srun --kill-on-bad-exit=0",
                  "export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
-                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "module load cuda/12.4"):
+                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "module load cuda/12.4"):
         assert line in text, line
     torchrun = _rendered(*CASES["h100_ib-torchrun.sbatch"])
     assert "#SBATCH --ntasks-per-node=1" in torchrun and "#SBATCH --cpus-per-task=96" in torchrun

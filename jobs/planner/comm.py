@@ -1,0 +1,211 @@
+"""The planner's communication arithmetic: the collectives one rank issues per optimizer step, by mesh axis, and
+which axes cross the NVLink domain.
+
+Pure functions of plain numbers and `ModelConfig`; no torch, no Hydra, no I/O (the rules of `jobs.planner.arith`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jobs.config import ModelConfig
+from jobs.planner.memory import StageShape, stage_elems
+from jobs.planner.params import COMPUTE_BYTES, REDUCE_BYTES, count_params, kv_bytes_per_token
+from parallel.config import checkpointed_layers
+
+__all__ = ["CommItem", "comm_per_step", "axis_spans_nodes"]
+
+
+# ------------------------------------------------------------------------------------- communication
+
+
+@dataclass(frozen=True, slots=True)
+class CommItem:
+    """One kind of collective on one mesh axis, per rank per optimizer step."""
+
+    collective: str  # all_gather | reduce_scatter | all_reduce | send_recv | all_to_all
+    axis: str  # mesh axis name (pp, dp_replicate, dp_shard, cp, tp, ep)
+    what: str  # what it moves
+    count: int  # calls per step
+    bytes: int  # bytes each rank sends per step (ring algorithms: (n-1)/n of the buffer, x2 for all-reduce)
+    group: int  # ranks in one group of this axis
+
+    def as_dict(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def comm_per_step(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    pp: int,
+    dp_replicate: int,
+    fsdp: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    microbatches: int,
+    seq_len: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    activation_checkpointing: str,
+    ac_every: int = 2,
+    nvlink_domain: int = 0,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> list[CommItem]:
+    """Collectives per optimizer step for the rank holding `stages`, by axis.
+
+    FSDP (counts from CommDebugMode, notes torch-2.13-cpu.md §9): with a pipeline the stage stays
+    gathered (reshard_after_forward=False), so one all-gather per fully_shard unit per step; without
+    one, each microbatch gathers every block for forward and again for backward and the root once.
+    Gradients reduce-scatter once per unit per step (the pipeline schedule and the trainer sync on
+    the last microbatch only). A unit without parameters of its own (the root of a middle stage)
+    issues nothing. HSDP adds an all-reduce of the shard over dp_replicate.
+    TP (notes §3): with SP, per block and microbatch 2 all-gathers + 2 reduce-scatters forward (again
+    when recomputing) and the mirror image backward, plus one of each for the embedding and for the
+    head; without SP, 2 all-reduces forward and one per column-parallel linear (5) backward.
+    PP: one activation send forward and one gradient send backward per microbatch per stage boundary.
+    CP: all-gather based, as Llama 3 (`_cp_items`). EP: dispatch and combine all-to-all per MoE block
+    per microbatch, per forward and backward, node-limited when `model.moe_max_nodes` is set
+    (`_ep_items`; `nvlink_domain`: GPUs per node, 0 = unknown: every copy on the ep axis).
+    Parameters are gathered and activations sent in the compute dtype: `compute_bytes` 2 (bf16), 4 (fp32).
+    """
+    blocks = [i for st in stages for i in st.layers]
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+    s = seq_len // cp
+    act = compute_bytes * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    dt = _dtype_name(compute_bytes)
+    recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
+    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if i in moe)
+    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches,
+                        compute_bytes=compute_bytes)
+    if tp > 1:
+        items += _tp_items(blocks=len(blocks), recomputed=n_re, microbatches=microbatches, ends=int(first) + int(last),
+                           act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt)
+    if pp > 1:
+        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
+        per = act // tp if sequence_parallel and tp > 1 else act
+        items.append(CommItem("send_recv", "pp", f"{dt} activations fwd + grads bwd", sends, sends * per, pp))
+    if cp > 1:
+        items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
+                           micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+    if ep > 1 and moe:
+        n = 2 * microbatches * (2 * len(moe) + moe_re)  # dispatch + combine, per forward and backward
+        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
+                           compute_bytes=compute_bytes)
+    return items
+
+
+def _dtype_name(compute_bytes: int) -> str:
+    return {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
+
+
+def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
+                microbatches: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+    """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
+    their own dp degree), and HSDP's all-reduce of the shard over dp_replicate (see `comm_per_step`)."""
+    items: list[CommItem] = []
+    pc = count_params(m)
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
+    blocks = [i for st in stages for i in st.layers]
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    roots = sum(1 for st in stages if st.first or st.last)  # root units that own parameters
+    root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
+    moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
+    if pp > 1:
+        ag_count, ag_elems = len(blocks) + roots, dense
+    else:
+        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * (dense - root_elems) + root_elems)
+    if fsdp > 1 and dense:
+        items.append(CommItem("all_gather", "dp_shard", f"{_dtype_name(compute_bytes)} parameters", ag_count,
+                              int(_ring(fsdp) * compute_bytes * ag_elems), fsdp))
+        items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", len(blocks) + roots,
+                              int(_ring(fsdp) * REDUCE_BYTES * dense), fsdp))
+    edp = fsdp // max(ep, 1)  # the experts' own data-parallel degree
+    if edp > 1 and experts:
+        gathers = 1 if pp > 1 else 2 * microbatches
+        items.append(CommItem("all_gather", "dp_shard/ep", f"{_dtype_name(compute_bytes)} expert parameters",
+                              gathers * moe_blocks, int(gathers * _ring(edp) * compute_bytes * experts), edp))
+        items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
+                              int(_ring(edp) * REDUCE_BYTES * experts), edp))
+    if dp_replicate > 1:
+        shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
+        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", len(blocks) + roots,
+                              int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
+    return items
+
+
+def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
+              sequence_parallel: bool, dt: str = "bf16") -> list[CommItem]:
+    """Tensor parallel's activation collectives (see `comm_per_step`); `ends`: embedding and/or head held."""
+    per_block = microbatches * blocks
+    if sequence_parallel:
+        n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches
+        b = int(n * _ring(tp) * act)
+        return [CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
+                CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp)]
+    n = 7 * per_block + 2 * microbatches * recomputed + ends * microbatches
+    return [CommItem("all_reduce", "tp", f"{dt} activations", n, int(n * 2 * _ring(tp) * act), tp)]
+
+
+def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,
+              tp: int, cp: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+    """Context parallel as Llama 3 runs it ("The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.2):
+    "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the
+    local query (Q) tensor chunk" (the sequence split into 2·cp load-balanced chunks), not ring
+    attention's cp-1 point-to-point exchanges. Per block and microbatch: one K/V all-gather forward
+    (again when the block is recomputed) and the reduce-scatter of dK/dV backward, each moving
+    (cp-1)/cp of the full sequence's K/V per rank."""
+    kv_local = kv_bytes_per_token(m, tp=tp, compute_bytes=compute_bytes) * s * micro_batch  # this rank's 1/cp of the sequence
+    dt = _dtype_name(compute_bytes)
+    ag = microbatches * (blocks + recomputed)
+    rs = microbatches * blocks
+    return [CommItem("all_gather", "cp", f"{dt} K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
+            CommItem("reduce_scatter", "cp", f"{dt} dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp)]
+
+
+def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: int, nvlink_domain: int,
+              compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+    """The MoE all-to-alls of `n` dispatch/combine calls. Without node-limited routing each of a
+    token's k routed copies goes straight to its expert's rank: k·(ep-1)/ep copies per token on the ep
+    axis. With `model.moe_max_nodes` = M (DeepSeek-V3: 4; "DeepSeek-V3 Technical Report", arXiv
+    2412.19437, §2.1.2 "Node-Limited Routing" and §3.2.2: tokens go by IB once to each target node, to
+    the GPU with the same in-node index, then by NVLink to the GPUs hosting their experts) a token
+    crosses IB to at most min(k, M, nodes) nodes, (nodes-1)/nodes of them remote, and its k copies
+    travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`."""
+    token = compute_bytes * s * micro_batch * m.dim
+    dt, k = _dtype_name(compute_bytes), m.experts_per_token
+    g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
+    nodes = ep // g if ep % g == 0 else -(-ep // g)
+    if m.moe_max_nodes <= 0 or nvlink_domain <= 0 or nodes <= 1:
+        return [CommItem("all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
+    across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
+    return [
+        CommItem("all_to_all", "ep", f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
+                 int(n * across * token), ep),
+        CommItem("all_to_all", "ep_intra", f"{dt} routed tokens forwarded to experts in the node", n,
+                 int(n * k * _ring(g) * token), g),
+    ]
+
+
+def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) -> bool:
+    """Whether one group of `axis` crosses the NVLink domain: the mesh is row-major over
+    (pp, dp_replicate, dp_shard, cp, tp), so a group spans the product of its own size and every
+    inner axis's size (ep is carved out of dp_shard · cp, innermost first)."""
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    if axis == "ep_intra":  # node-limited routing's NVLink leg (`_ep_items`)
+        return False
+    if axis == "ep":
+        span = shape.get("ep", 1) * shape.get("tp", 1)
+    elif axis.startswith("dp_shard"):  # dp_shard, dp_shard*cp, dp_shard/ep: strided over all of dp_shard·cp·tp
+        span = shape.get("dp_shard", 1) * shape.get("cp", 1) * shape.get("tp", 1)
+    else:
+        i = order.index(axis)
+        span = math.prod(shape.get(a, 1) for a in order[i:])
+    return span > max(nvlink_domain, 1)

@@ -1,0 +1,375 @@
+"""The planner's memory arithmetic: the pipeline schedule's bubble and microbatches in flight, saved activations,
+peak memory per rank by what holds it, and checkpoint bytes.
+
+Pure functions of plain numbers and `ModelConfig`; no torch, no Hydra, no I/O (the rules of `jobs.planner.arith`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from jobs.config import ModelConfig
+from jobs.planner.params import (COMPUTE_BYTES, GRAD_BYTES, HEURISTIC_BYTES_PER_PARAM, OPTIM_BYTES, PARAM_BYTES,
+                                 REDUCE_BYTES, BlockParams, count_params)
+from parallel.config import checkpointed_layers
+
+__all__ = ["bubble_fraction", "layers_in_flight", "checkpointed_layers", "layer_activation_bytes", "logits_bytes",
+           "activation_bytes", "StageShape", "RankMemory", "rank_memory", "stage_elems", "shard_elems",
+           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes", "autocast_copy_bytes"]
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+def bubble_fraction(*, pp: int, microbatches: int, stages_per_rank: int = 1, schedule: str = "1f1b") -> float:
+    """Idle share of a step: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019, GPipe §2.2);
+    (p-1)/(v·m+p-1) with v stages per rank for the interleaved schedule (Narayanan et al. 2021, §2.2.2).
+    Zero-bubble V (Qi et al. 2024) is planned as interleaved with v=2, an upper bound."""
+    if pp <= 1:
+        return 0.0
+    if microbatches < 1:
+        raise ValueError(f"microbatches({microbatches}) must be >= 1")
+    v = stages_per_rank if schedule in ("interleaved_1f1b", "zbv_zero_bubble") else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str,
+                     pp_rank: int = 0) -> float:
+    """Layer-microbatches whose activations pp rank `pp_rank` holds at its peak.
+
+    gpipe: all m forwards before any backward, on every rank; 1f1b: rank r runs min(m, p - r)
+    warm-up forwards before its first backward (Narayanan et al. 2021, §2.2.1; torch's Schedule1F1B),
+    so the last stage holds one microbatch; interleaved: torch's warm-up on rank r,
+    (v-1)·p + 2(p-1-r), plus the steady state's one forward, chunk-microbatches of
+    layers_on_rank / v layers each; zbv: min(m, p) on every rank (not modelled per rank);
+    no pipeline: one microbatch at a time (gradient accumulation).
+    """
+    if pp <= 1:
+        return float(layers_on_rank)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank({pp_rank}) is not in [0, pp({pp}))")
+    if schedule == "gpipe":
+        return float(microbatches * layers_on_rank)
+    if schedule == "interleaved_1f1b":
+        v = stages_per_rank
+        chunks = min(microbatches * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+        return chunks * layers_on_rank / v
+    if schedule == "zbv_zero_bubble":
+        return float(min(microbatches, pp) * layers_on_rank)
+    return float(min(microbatches, pp - pp_rank) * layers_on_rank)
+
+
+# ---------------------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(
+    m: ModelConfig,
+    *,
+    layer: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    ep: int = 1,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> int:
+    """Bytes one block saves for backward for one microbatch, without activation checkpointing.
+
+    Counts the tensors autograd keeps in our block under DTensor TP: the RMSNorm inputs in fp32
+    (sequence-sharded with SP), the all-gathered input of each column-parallel linear (DTensor keeps
+    the gathered tensor), q/k before RoPE, q and the head-repeated k/v that SDPA saves, the SDPA
+    output (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. The
+    per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
+    with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
+    does not divide it. Context parallel divides the sequence. `compute_bytes`: 2 for bf16 compute,
+    4 for an fp32 run (the norm inputs and the logsumexp are fp32 either way).
+    """
+    s = seq_len // cp
+    sb = s * micro_batch
+    h = m.dim
+    t = max(tp, 1)
+    sharded = t if sequence_parallel else 1  # what the residual stream / norms are divided by
+    cb = compute_bytes
+    norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
+    gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = cb * sb * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) * 2
+        heads = cb * sb * m.n_heads * (3 * qk + 2 * m.v_head_dim) // t
+        attn = latents + heads
+    else:
+        hd = h // m.n_heads
+        hkv = m.n_kv_heads * hd
+        pre_rope = cb * sb * (h + hkv) // t
+        sdpa_in = cb * sb * 3 * h // t  # q, and k/v repeated to n_heads (repeat_interleave)
+        sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
+        attn = pre_rope + sdpa_in + sdpa_out
+    if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
+        f = m.moe_ffn_dim
+        routed = cb * sb * m.experts_per_token * (h + 4 * f) // t
+        shared = cb * sb * m.n_shared_experts * 4 * f // t
+        router = 4 * sb * m.n_routed_experts
+        ffn = routed + shared + router
+    else:
+        ffn = cb * sb * 4 * m.ffn_dim // t  # w1 out, w3 out, silu(w1 out), their product
+    return norm_in + gathered_in + attn + ffn
+
+
+def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True,
+                             compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Bytes one block keeps per microbatch under full activation checkpointing: its input only."""
+    sharded = tp if sequence_parallel and tp > 1 else 1
+    return compute_bytes * (seq_len // cp) * micro_batch * dim // sharded
+
+
+def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True,
+                 compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Transient peak of the loss on the last stage for one microbatch: bf16 logits, their fp32
+    copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit); in an
+    fp32 run (compute_bytes=4) the logits, log-softmax and gradient, 12 bytes per logit."""
+    v = vocab_size // tp if loss_parallel and tp > 1 else vocab_size
+    per_logit = 10 if compute_bytes == COMPUTE_BYTES else 12
+    return per_logit * (seq_len // cp) * micro_batch * v
+
+
+def activation_bytes(
+    m: ModelConfig,
+    layers: list[int],
+    *,
+    in_flight: float,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    activation_checkpointing: str,
+    ac_every: int = 2,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = True,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> int:
+    """Saved activations of a rank holding `layers` with `in_flight` layer-microbatches at its peak.
+
+    A checkpointed block keeps its input (`checkpointed_layer_bytes`), another its full set
+    (`layer_activation_bytes`); in flight is spread over the rank's blocks evenly. Under any
+    checkpointing one block's full set is live again while it is recomputed in backward (the
+    largest checkpointed one).
+    """
+    ckpt = set(checkpointed_layers(layers, mode=activation_checkpointing, every=ac_every))
+    kept, recompute = [], 0
+    for i in layers:
+        full = layer_activation_bytes(m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
+                                      sequence_parallel=sequence_parallel, ep=ep, compute_bytes=compute_bytes)
+        if i in ckpt:
+            recompute = max(recompute, full)
+            full = checkpointed_layer_bytes(seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp,
+                                            sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
+        kept.append(full)
+    return int(in_flight * sum(kept) / max(len(layers), 1)) + recompute
+
+
+# ------------------------------------------------------------------------------------- memory per rank
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """What one pipeline stage holds: its block indices and whether it has the embedding / the head."""
+
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Peak bytes on one rank, by what holds them (all bytes)."""
+
+    params_elems: int  # this rank's shard of the parameters, in elements
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    unsharded_bytes: int  # FSDP working set: all-gathered bf16 parameters and unsharded fp32 grads
+    activation_bytes: int  # saved activations at the schedule's peak (+ one recomputed block under AC)
+    logits_bytes: int  # loss transient on the last stage
+    activation_bytes_no_ac: int  # the same schedule without activation checkpointing
+    activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
+    p2p_bytes: int = 0  # pipeline receive buffers, allocated for every microbatch up front
+    autocast_bytes: int = 0  # bf16 weight copies autocast saves for backward (parts without FSDP; `autocast_copy_bytes`)
+
+    @property
+    def states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
+                + self.autocast_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+
+def _block_local(b: BlockParams, *, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) elements of one block on one tp/ep rank, before FSDP: projections and shared
+    experts sharded over tp, routed experts over tp and ep, norms and router replicated."""
+    return (b.attention + b.ffn) // tp + b.router + b.norms, b.experts // (tp * ep)
+
+
+def stage_elems(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of the stages one rank holds, after tensor and expert parallelism,
+    before FSDP sharding (dense parts shard over dp_shard·cp, experts over dp_shard·cp / ep)."""
+    pc = count_params(m)
+    dense = experts = 0
+    for st in stages:
+        for i in st.layers:
+            d, e = _block_local(pc.blocks[i], tp=tp, ep=ep)
+            dense, experts = dense + d, experts + e
+        if st.first:
+            dense += pc.embedding // tp
+        if st.last:
+            dense += pc.output // tp + pc.final_norm
+    return dense, experts
+
+
+def shard_elems(m: ModelConfig, stages: list[StageShape], *, tp: int, fsdp: int, ep: int = 1) -> int:
+    """Parameters of the largest FSDP shard of those stages (dp_shard rank 0: chunks round up)."""
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
+    return -(-dense // fsdp) + (-(-experts // max(fsdp // ep, 1)) if experts else 0)
+
+
+def rank_memory(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    tp: int,
+    fsdp: int,
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int,
+    schedule: str,
+    seq_len: int,
+    micro_batch: int,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    activation_checkpointing: str = "none",
+    ac_every: int = 2,
+    pp_rank: int = 0,
+    params_elems: int | None = None,
+    compute_bytes: int = COMPUTE_BYTES,
+    autocast: bool = False,
+) -> RankMemory:
+    """Peak memory of the rank holding `stages`, FSDP-sharded `fsdp` ways (dp_shard · cp; experts
+    ep · their own dp ways, the same product). `params_elems` replaces the analytic shard size with
+    one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
+    microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32.
+    `autocast`: bf16 through torch.autocast, not FSDP's policy (a mesh without FSDP: dp_replicate · dp_shard = 1)."""
+    blocks_on_rank = [i for st in stages for i in st.layers]
+    if params_elems is None:
+        params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
+    unsharded = _fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
+                                  compute_bytes=compute_bytes)
+    in_flight = layers_in_flight(
+        pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
+        schedule=schedule, pp_rank=pp_rank,
+    )
+    act = functools.partial(
+        activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
+        cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
+    )
+    p2p = _p2p_bytes(m, stages, tp=tp, pp=pp, cp=cp, microbatches=microbatches, seq_len=seq_len,
+                     micro_batch=micro_batch, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
+    loss = (
+        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
+                     loss_parallel=loss_parallel, compute_bytes=compute_bytes)
+        if any(st.last for st in stages)
+        else 0
+    )
+    return RankMemory(
+        params_elems=params_elems,
+        params_bytes=params_elems * PARAM_BYTES,
+        grads_bytes=params_elems * GRAD_BYTES,
+        optimizer_bytes=params_elems * OPTIM_BYTES,
+        unsharded_bytes=unsharded,
+        activation_bytes=act(activation_checkpointing=activation_checkpointing),
+        logits_bytes=loss,
+        activation_bytes_no_ac=act(activation_checkpointing="none"),
+        activation_bytes_full_ac=act(activation_checkpointing="full"),
+        p2p_bytes=p2p,
+        autocast_bytes=autocast_copy_bytes(m, stages, in_flight=in_flight, tp=tp, ep=ep, ac_every=ac_every,
+                                           activation_checkpointing=activation_checkpointing) if autocast else 0,
+    )
+
+
+def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, tp: int, ep: int = 1,
+                        activation_checkpointing: str = "none", ac_every: int = 2) -> int:
+    """The bf16 copies of the weights that torch.autocast makes in forward and autograd keeps for backward,
+    on parts FSDP does not wrap (parallel/precision.py): autocast casts each fp32 matmul weight once per
+    forward (its cache lives for one autocast region, one microbatch) and the linear saves the copy, so every
+    microbatch in flight holds a bf16 copy of the matmul weights it ran through (the embedding lookup and the
+    norms are not cast). A checkpointed block keeps none (one is live again while it recomputes); the head's
+    copy is kept per microbatch in flight on the last stage. Measured on CPU autocast
+    (tests/unit/test_device.py: every saved bf16 weight copy, byte for byte)."""
+    pc = count_params(m)
+    layers = [i for st in stages for i in st.layers]
+    ckpt = set(checkpointed_layers(layers, mode=activation_checkpointing, every=ac_every))
+    kept, recompute = 0, 0
+    for i in layers:
+        b = pc.blocks[i]
+        w = (b.attention + b.ffn) // tp + b.router + b.experts // (tp * ep)  # matmul weights: not the norms
+        if i in ckpt:
+            recompute = max(recompute, w)
+        else:
+            kept += w
+    microbatches = in_flight / max(len(layers), 1)  # layer-microbatches per layer: microbatches in flight
+    head = pc.output // tp if any(st.last for st in stages) else 0
+    return COMPUTE_BYTES * (int(microbatches * (kept + head)) + recompute)
+
+
+def _p2p_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,
+               seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int) -> int:
+    """Pipeline receive buffers on the rank holding `stages`: torch's PipelineStage allocates one per
+    microbatch for the activations coming in (every stage but the first) and for the gradients coming
+    back (every stage but the last)."""
+    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+    return 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
+
+
+def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,
+                      microbatches: int, compute_bytes: int) -> int:
+    """FSDP2's unsharded bytes on the rank holding `stages`. With a pipeline the stage stays unsharded
+    from the first forward to the last backward (reshard_after_forward=False) and gradients accumulate
+    unsharded until the last microbatch's reduce-scatter. Without one, a block is gathered just before
+    it runs (the next one is prefetched) and the root (embedding, head) stays gathered."""
+    if fsdp <= 1:
+        return 0
+    dense, experts = stage_elems(m, stages, tp=tp, ep=ep)  # this rank's elements before FSDP sharding
+    if pp > 1:
+        return (dense + experts) * (compute_bytes + REDUCE_BYTES)
+    pc = count_params(m)
+    blocks_on_rank = [i for st in stages for i in st.layers]
+    biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
+    root = (pc.embedding + pc.output) // tp + pc.final_norm
+    unsharded = biggest * 2 * compute_bytes + root * compute_bytes
+    # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
+    # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
+    return unsharded + (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
+
+
+def heuristic_bytes_per_rank(total_params: int, *, model_shards: int) -> int:
+    """The 16 bytes/parameter rule: params + grads + AdamW spread evenly over the ranks that shard
+    the model (pp · tp · dp_shard · cp; dp_replicate holds copies)."""
+    return HEURISTIC_BYTES_PER_PARAM * total_params // model_shards
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+
+
+def checkpoint_bytes(params_elems: int) -> int:
+    """Bytes a checkpoint holds for `params_elems` parameters: fp32 weights + AdamW's two moments
+    (gradients are not saved)."""
+    return params_elems * (PARAM_BYTES + OPTIM_BYTES)

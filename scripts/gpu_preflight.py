@@ -1,0 +1,307 @@
+"""The riskiest parts of the CUDA path, each in its own process, one JSON line per check: `scripts/gpu_check --preflight`.
+
+Run first on a machine that never ran meshjob (under two minutes on one GPU), so that what would break the
+full check shows up before it spends its window: this torch's API gaps, disk write speed, strict determinism
+with bf16 autocast + full activation checkpointing + fused AdamW run twice bitwise, a one-rank
+`cuda:nccl,cpu:gloo` world with the 5-axis mesh, its timeouts read back, FSDP2 in bf16 and a flight-recorder
+dump, then the real trainer saving and resuming bitwise. A check runs as `python scripts/gpu_preflight.py
+CHECK --device D --out DIR` and prints one JSON object as its last line; `run_preflight` runs them all.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Model widths of the full check's 1B model on CUDA, two layers (the kernels it runs; fits any GPU); tiny on CPU.
+WIDE = ["model.dim=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=8192", "model.vocab_size=32000"]
+CHECKS = ("torch", "disk", "kernels", "world", "trainer")
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> dotted torch path, from `import torch...` and `from torch... import x` lines."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    out[a.asname or a.name.split(".")[0]] = a.name if a.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether `dotted` (a module, or attributes of one) exists in this torch."""
+    parts = dotted.split(".")
+    obj, i = None, len(parts)
+    while i > 0:  # the longest importable module prefix
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            i -= 1
+    if obj is None:
+        return False
+    for name in parts[i:]:
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def torch_api_gaps() -> list[str]:
+    """Every torch name the project's packages import or reach by attribute that this torch lacks."""
+    used: dict[str, str] = {}
+    for pkg in ("jobs", "parallel", "checkpoint"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            names = _aliases(tree)
+            for node in ast.walk(tree):
+                chain, cur = [], node
+                while isinstance(cur, ast.Attribute):
+                    chain.append(cur.attr)
+                    cur = cur.value
+                if isinstance(cur, ast.Name) and cur.id in names and (chain or node is cur):
+                    dotted = ".".join([names[cur.id], *reversed(chain)])
+                    used.setdefault(dotted, f"{path.relative_to(REPO)}:{node.lineno}")
+    gaps, seen_missing = [], set()
+    for dotted in sorted(used):
+        if any(dotted.startswith(m + ".") for m in seen_missing):
+            continue
+        if not _resolve(dotted):
+            seen_missing.add(dotted)
+            gaps.append(f"{dotted} ({used[dotted]})")
+    return gaps
+
+
+def _shape(device: str, *, layers: int) -> tuple[list[str], int]:
+    """Model overrides and the sequence length for `device`: the 1B model's widths on CUDA, tiny on CPU."""
+    if device == "cuda":
+        return ["model=tiny", *WIDE, f"model.n_layers={layers}", "model.max_seq_len=2048"], 2048
+    return ["model=tiny", "model.max_seq_len=64"], 64
+
+
+def check_torch(device: str, out: Path) -> dict:
+    """Versions, the GPU torch sees, and every torch API the project uses that this torch lacks."""
+    import torch
+
+    gaps = torch_api_gaps()
+    res = {"ok": not gaps, "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+           "python": sys.version.split()[0], "venv": sys.prefix != sys.base_prefix, "gaps": gaps}
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        res.update(gpu=p.name, mem_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
+    return res
+
+
+def check_disk(device: str, out: Path) -> dict:
+    """Write + fsync speed where checkpoints go (a 1B checkpoint is 13.7 GB: 12 bytes per parameter)."""
+    size = (1 << 30) if device == "cuda" else (64 << 20)
+    path = out / "disk-probe.bin"
+    block = os.urandom(16 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t0
+    path.unlink()
+    free = shutil.disk_usage(out).free
+    gbps = size / secs / 1e9
+    return {"ok": free > 3 * 13.7e9 if device == "cuda" else True, "write_GBps": round(gbps, 3),
+            "free_GB": round(free / 1e9, 1), "est_1b_checkpoint_s": round(13.7 / gbps, 1), "dir": str(out)}
+
+
+def check_kernels(device: str, out: Path) -> dict:
+    """Two identical runs of two training steps under train.deterministic's settings (jobs.device.set_determinism):
+    bf16 autocast, full activation checkpointing, GQA attention, fused AdamW on CUDA; bitwise equal or not."""
+    import torch
+
+    from jobs.config import compose
+    from jobs.device import set_determinism
+    from jobs.model import Transformer, init_weights
+    from parallel.ac import apply_ac
+    from parallel.precision import apply_autocast
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    set_determinism(True, device_type=device)
+    overrides, seq = _shape(device, layers=2)
+    m = compose(overrides).model
+    runs, secs = [], []
+    for _ in range(2):
+        with torch.device("meta"):
+            model = Transformer(m)
+        apply_ac(model, mode="full", every=1)
+        apply_autocast(model, device_type=device)
+        model.to_empty(device=device)
+        init_weights(model, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
+        tok = torch.randint(0, m.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            logits = model(tok[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten(0, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        secs.append(round(time.perf_counter() - t0, 3))
+        runs.append([loss.item(), sum(p.double().sum().item() for p in model.parameters())])
+        del model, opt
+    res = {"ok": runs[0] == runs[1], "bitwise": runs[0] == runs[1], "loss": runs[0][0], "param_sums": [r[1] for r in runs],
+           "seconds": secs, "deterministic": torch.are_deterministic_algorithms_enabled(),
+           "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory, "logits_dtype": str(logits.dtype)}
+    if device == "cuda":
+        res["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return res
+
+
+def check_world(device: str, out: Path) -> dict:
+    """A one-rank world on the trainer's backend with the 5-axis mesh, float64 and CPU all-reduces, our process
+    group timeouts read back, FSDP2 in bf16 forward and backward, and the flight recorder dumped to a file."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from jobs.config import compose
+    from jobs.device import backend_for, dump_flight_recorder, export_environ
+    from jobs.failure.timeouts import set_pg_timeouts
+    from jobs.model import Transformer, init_weights
+    from parallel.dims import ParallelDims
+    from parallel.fsdp import apply_fsdp
+    from parallel.precision import fsdp_policy
+
+    traces = out / "nccl_traces"
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # gloo records too (on CUDA export_environ sets NCCL's)
+    export_environ({}, device_type=device, trace_dir=str(traces))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = ParallelDims(1, 1, 1, 1, 1, 1, 1).build_mesh(device)
+    x = torch.ones(3, dtype=torch.float64, device=device)
+    dist.all_reduce(x)
+    c = torch.ones(1)
+    dist.all_reduce(c)  # a CPU tensor: gloo on CUDA ranks
+    groups = set_pg_timeouts(42.0)
+    res: dict = {"backend": backend_for(device), "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "groups": groups}
+    if device == "cuda":
+        try:  # a private attribute: its absence is a finding, not a reason to lose the rest
+            res["nccl_timeout_s"] = dist.group.WORLD._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+        except Exception as e:  # noqa: BLE001
+            res["nccl_timeout_error"] = f"{type(e).__name__}: {e}"[:300]
+    m = compose(["model=tiny"]).model
+    with torch.device("meta"):
+        model = Transformer(m)
+    apply_fsdp(model, mesh["dp_shard"], reshard_after_forward=True, mp_policy=fsdp_policy("bf16"))
+    model.to_empty(device=device)
+    init_weights(model, seed=0)
+    logits = model(torch.randint(0, m.vocab_size, (2, 32)).to(device))
+    logits.float().sum().backward()
+    res.update(fsdp_out_dtype=str(logits.dtype), grad_dtype=str(next(model.parameters()).grad.dtype))
+    path = dump_flight_recorder(traces, rank=0)
+    res["flight_recorder"] = str(path) if path else None
+    res["flight_recorder_entries"] = len(pickle.loads(path.read_bytes()).get("entries", [])) if path else 0
+    dist.destroy_process_group()
+    res["ok"] = (x.tolist() == [1.0, 1.0, 1.0] and len(res["mesh"]) == 5 and res.get("nccl_timeout_s", 42.0) == 42.0
+                 and res["fsdp_out_dtype"] == "torch.bfloat16" and res["flight_recorder_entries"] > 0)
+    return res
+
+
+def check_trainer(device: str, out: Path) -> dict:
+    """The real trainer, one rank, deterministic, full AC: 6 steps saving at 3 and 6; step 6 removed; the
+    resume from 3 must give steps 4..6 the same losses bitwise."""
+    overrides, seq = _shape(device, layers=2)
+    run = out / "trainer"
+    ov = [*overrides, f"train.seq_len={seq}", "train.global_batch=4", "train.micro_batch=2", "mesh=single",
+          "launcher.tasks_per_node=1", f"train.device={device}", "train.mixed_precision=bf16", "train.steps=6",
+          "checkpoint.every_steps=3", "train.deterministic=true", "train.activation_checkpointing=full",
+          f"data.path={out / 'tokens.h5'}", "data.num_samples=64", "optim.lr=3e-4", "optim.warmup_steps=2",
+          f"run.dir={run}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    first: dict = {}
+    res: dict = {"runs": []}
+    for attempt in range(2):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "jobs.train", *ov], cwd=REPO, env=env, capture_output=True, text=True)
+        res["runs"].append({"rc": p.returncode, "wall_s": round(time.perf_counter() - t0, 1)})
+        if p.returncode:
+            res["runs"][-1]["tail"] = (p.stderr or p.stdout)[-1200:]
+            break
+        rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+        if attempt == 0:
+            first = rows
+            shutil.rmtree(run / "checkpoints" / "step_6", ignore_errors=True)
+    if len(res["runs"]) == 2 and res["runs"][1]["rc"] == 0:
+        res["bitwise"] = all(rows[s]["loss"] == first[s]["loss"] for s in (4, 5, 6))
+        res["losses"] = [first[s]["loss"] for s in sorted(first)]
+    res["ok"] = bool(res.get("bitwise"))
+    return res
+
+
+def run_check(name: str, *, device: str, out: Path, timeout_s: float) -> dict:
+    """One check in a fresh interpreter (each owns its CUDA context and its process group)."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), name, "--device", device, "--out", str(out)],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        res = json.loads(lines[-1]) if p.returncode == 0 and lines else {
+            "ok": False, "rc": p.returncode, "error": (p.stderr or p.stdout)[-1500:]}
+    except subprocess.TimeoutExpired:
+        res = {"ok": False, "rc": 124, "error": f"timed out after {timeout_s:.0f} s"}
+    return {"check": name, **res, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def run_preflight(*, device: str, out: Path, deadline_s: float) -> list[dict]:
+    """Every check in order, riskiest first, each printed as one JSON line when it ends; the time left is
+    shared among the checks still to run (a check given under 10 s is skipped, saying so)."""
+    end = time.monotonic() + deadline_s
+    results = []
+    for i, name in enumerate(CHECKS):
+        share = (end - time.monotonic()) / (len(CHECKS) - i) * (2.0 if name == "trainer" else 1.0)
+        budget = min(end - time.monotonic(), share)
+        res = ({"check": name, "ok": False, "skipped": f"deadline: {budget:.0f} s left for it"} if budget < 10 else
+               run_check(name, device=device, out=out, timeout_s=budget))
+        print(json.dumps(res, default=str), flush=True)
+        results.append(res)
+    return results
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("check", choices=CHECKS)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = globals()[f"check_{args.check}"](args.device, out)
+    print(json.dumps(res, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Silent data corruption on the real local cluster: bits flipped in one rank's gradient (the test seam
+MESHJOB_TEST_FLIP_GRAD) are found by the re-run, the job is requeued without that rank's node, and the requeued
+job, resumed at the step before the fault, finishes bitwise equal to an uninterrupted run (jobs/failure/sdc.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.failure.sdc import FLIP_VAR
+from tests.chaos.chaos_helpers import events, losses, wait_job_done
+from tests.conftest import run_train
+from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+# Two ranks on two nodes; healthy grad norms stay below 1, the flipped exponent bit makes them ~1e36.
+ARGS = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2", "train.steps=40",
+        "checkpoint.every_steps=10", "train.log_every=1", "failure=debug", "failure.spike_grad_norm=1000"]
+
+
+def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes_bitwise(
+        run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = run_train(["launcher=local", *ARGS], tmp_path / "ref", timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    monkeypatch.setenv(FLIP_VAR, "1:25:once")  # sbatch passes the submitting environment on to the job
+    r = cli("jobs.train", "launcher=slurm", *ARGS, f"run.dir={run_root}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = submitted_job_id(r.stdout)
+    recs = wait_job_done(job, timeout=600)
+    assert [x["State"].split()[0] for x in recs][-1] == "COMPLETED", recs
+    (failure,) = events(run_root, "failure")
+    ((rank, node),) = [(s["rank"], s["node"]) for s in failure["suspects"]]
+    assert failure["cls"] == "sdc" and rank == 1, failure
+    (d,) = events(run_root, "decision")
+    assert (d["cause"], d["action"], d["excluded"]) == ("sdc", "requeue", [node]), d
+    assert [q["node"] for q in json.loads((run_root / "quarantine.json").read_text())] == [node]
+    info = scontrol_job(job)
+    assert (info["Restarts"], info["ExcNodeList"]) == ("1", node) and node not in recs[-1]["NodeList"], (info, recs)
+    # The state before step 25 was saved as step 24 and the requeued job resumed there.
+    assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [24]
+    assert losses(run_root) == losses(ref.run_dir)  # every step, bitwise
