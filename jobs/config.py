@@ -167,6 +167,8 @@ class FailureConfig:
     collective_timeout_s: float = 300.0  # every process group once the first step has completed
     hang_timeout_s: float = 180.0  # watchdog: no step completes in this long (after the first) = a hang incident
     heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
+    missed_beats: int = 5  # a waiting rank names a peer hung once its heartbeat is this many beats old (no TCP reset needed)
+    checkpoint_timeout_s: float = 1800.0  # watchdog limit of a checkpoint write and of the wait for one (instead of hang_timeout_s)
     requeue_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])  # save, then requeue
     signal_margin_s: float = 30.0  # slack the submit-time check adds to one step + one blocking save
     health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only

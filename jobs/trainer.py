@@ -297,11 +297,11 @@ class Trainer:
     def _save_before_step(self, this_step: bool) -> None:
         """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
         this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
-        self.ckpt.wait()
+        self._wait_for_saves()
         if this_step and self.cfg.checkpoint.enabled and self.state.step > 0 and not (
                 self.ckpt.folder / f"step_{self.state.step}").is_dir():
             self._save(self.state.step)
-            self.ckpt.wait()
+            self._wait_for_saves()
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
@@ -333,11 +333,11 @@ class Trainer:
                 self._save(st.step)
             self.telemetry.step_done(st.step, interval_end=self._interval_end(st.step))
             if stop:
-                self.ckpt.wait()  # committed before the job lets go of its nodes
+                self._wait_for_saves()  # committed before the job lets go of its nodes
                 self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
                                  action="checkpoint saved; ending the attempt")
                 return "stopped"
-        self.ckpt.wait()  # the last save is committed (or its failure raised) before the run counts as done
+        self._wait_for_saves()  # the last save is committed (or its failure raised) before the run counts as done
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
         self.telemetry.finish(healthy=self.env.rank == 0 and healthy_run(self.events.path),
                               about={"run_dir": self.cfg.run.dir, "steps": st.step})
@@ -379,14 +379,22 @@ class Trainer:
             self.heldout.run(self, step)
 
     def _save(self, step: int) -> None:
-        self._phase("checkpoint_save")
+        # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
+        # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout.
+        self._phase("checkpoint_save", limit_s=self.cfg.failure.checkpoint_timeout_s)
         with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
             self.ckpt.save(step)
         self._phase("train")
 
-    def _phase(self, name: str) -> None:
+    def _wait_for_saves(self) -> None:
+        """Until the save in flight is committed (end of training, the stop path): a final write may take
+        longer than failure.hang_timeout_s, so the watchdog bounds it by failure.checkpoint_timeout_s."""
+        self._phase("checkpoint_wait", limit_s=self.cfg.failure.checkpoint_timeout_s)
+        self.ckpt.wait()
+
+    def _phase(self, name: str, *, limit_s: float | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.phase(name)
+            self.watchdog.phase(name, limit_s=limit_s)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         m = {**m, **self.memory.read()}  # every rank ends its memory window

@@ -13,7 +13,7 @@ from parallel.config import MULTI_STAGE_SCHEDULES, checkpointed_layers
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
-__all__ = ["validate", "check_device", "Derived"]
+__all__ = ["validate", "check_device", "Derived", "checkpoint_wait_s", "check_checkpoint_timeout", "stop_path_s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,9 +215,18 @@ def _check_failure(cfg: JobConfig) -> None:
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
-    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s", "node_probe_timeout_s"):
+    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s", "node_probe_timeout_s",
+                 "checkpoint_timeout_s"):
         if getattr(f, name) <= 0:
             raise ValueError(f"failure.{name}({getattr(f, name)}) must be > 0")
+    if f.hang_timeout_s >= f.collective_timeout_s:
+        raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) >= failure.collective_timeout_s"
+                         f"({f.collective_timeout_s}): a stuck collective would time out before the watchdog names "
+                         f"the hang (with every rank's stack and the suspect); set failure.hang_timeout_s below "
+                         f"failure.collective_timeout_s, e.g. failure.hang_timeout_s={f.collective_timeout_s * 0.6:g}")
+    if f.missed_beats < 2:
+        raise ValueError(f"failure.missed_beats({f.missed_beats}) must be >= 2: one late beat of a busy filesystem "
+                         "is no hang; e.g. failure.missed_beats=5")
     if f.hang_timeout_s < 3 * f.heartbeat_s:
         raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
                          "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s")
@@ -255,3 +264,29 @@ def _check_health(f: FailureConfig) -> None:
     if bad:
         raise ValueError(f"failure.health_failing_xids has {bad}: XIDs are positive integers, e.g. "
                          "failure.health_failing_xids=[48,63,64,74,79,92,94,95,119,120]")
+
+
+def checkpoint_wait_s(*, write_s: float, async_mode: str) -> float:
+    """The longest a checkpoint phase waits for writes, from the planner's write time of one checkpoint:
+    an async save first waits for the one still in flight, then writes its own (the stop path and the
+    end of training wait for both); a synchronous save writes one."""
+    return write_s * (1 if async_mode == "none" else 2)
+
+
+def check_checkpoint_timeout(f: FailureConfig, *, write_s: float, async_mode: str) -> None:
+    """failure.checkpoint_timeout_s covers the predicted checkpoint writes (Megatron's "checkpointing"
+    timeout); ValueError with the arithmetic and the value to set."""
+    need = checkpoint_wait_s(write_s=write_s, async_mode=async_mode)
+    if f.checkpoint_timeout_s < need:
+        n = "" if async_mode == "none" else "2 x "
+        raise ValueError(f"failure.checkpoint_timeout_s({f.checkpoint_timeout_s:g}) < {n}the predicted checkpoint write "
+                         f"({write_s:.0f} s, checkpoint.async_mode={async_mode}) = {need:.0f} s: the watchdog would end "
+                         f"every attempt inside its final save; set failure.checkpoint_timeout_s={int(need * 1.5) + 1}")
+
+
+def stop_path_s(*, step_s: float, blocking_s: float, write_s: float, async_mode: str) -> float:
+    """From a stop signal to the job letting go of its nodes: the step in progress, then the save, all of
+    whose write is waited for (synchronous: its blocking part is the write), after a save still in flight."""
+    if async_mode == "none":
+        return step_s + max(blocking_s, write_s)
+    return step_s + write_s + blocking_s + write_s

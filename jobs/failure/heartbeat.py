@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Beat", "beat_path", "write_beat", "read_beats", "process_state"]
+__all__ = ["Beat", "beat_path", "write_beat", "read_beat", "read_beats", "process_state"]
 
 
 @dataclass(slots=True)
@@ -37,6 +37,14 @@ def write_beat(path: Path, beat: Beat) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(asdict(beat)))
     os.replace(tmp, path)
+
+
+def read_beat(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Beat | None:
+    """The newest beat of `rank`, or None when it wrote none (or it cannot be read now)."""
+    try:
+        return Beat(**json.loads(beat_path(run_dir, attempt, rank).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def read_beats(run_dir: str | os.PathLike[str], attempt: str) -> dict[int, Beat]:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jobs.failure.heartbeat import Beat, process_state, read_beats
+from jobs.log import get_logger
 
 __all__ = ["Incident", "classify", "classify_settled", "dump_stacks", "write_incident", "error_class",
            "REQUEUE_CLASSES", "RESTART_CLASSES"]
@@ -30,7 +31,13 @@ REQUEUE_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "co
 RESTART_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "rank_crashed"})
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET")
-_TIMEOUT = ("Timed out", "timed out", "Timeout", "DistStoreError")
+# A timeout is a collective's only when torch.distributed says so: its own error types, or a timeout in
+# the text of a communication library (gloo: "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out
+# waiting 5000ms for recv", NCCL's watchdog: "Watchdog caught collective operation timeout"). A data
+# loader's or a file system's "timed out" is an ordinary error of this rank.
+_DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_COMM_LIBS = ("gloo", "nccl", "NCCL", "c10d", "ProcessGroup")
+_TIMEOUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
 @dataclass
@@ -56,7 +63,7 @@ def error_class(e: BaseException | None) -> str | None:
         return "checkpoint_error"
     if any(s in text for s in _PEER_GONE):
         return "peer_gone"
-    if any(s in text for s in _TIMEOUT) or type(e).__name__ in ("DistBackendError", "DistNetworkError"):
+    if type(e).__name__ in _DIST_ERRORS or (any(s in text for s in _TIMEOUT) and any(s in text for s in _COMM_LIBS)):
         return "collective_timeout"
     return None
 
@@ -113,6 +120,9 @@ def _all_alive(beats: dict[int, Beat], *, me: int, attempt: str, hint: str | Non
     if error is not None:
         return Incident("rank_crashed", attempt, me, f"rank {me} raised {type(error).__name__}: {error}"[:300],
                         [_suspect(beats[me], "crashed", now)] if me in beats else [], ev)
+    if error is None and ev["during"].startswith("checkpoint"):  # the watchdog's checkpoint_timeout_s passed
+        return Incident("checkpoint_error", attempt, me, f"every rank is alive, but the checkpoint write "
+                        f"({ev['during']}) did not finish within failure.checkpoint_timeout_s", [], ev)
     return Incident("everything_slow", attempt, me, "every rank is alive, heartbeating and at the same step, "
                     "but none completed it within failure.hang_timeout_s", [], ev)
 
@@ -138,22 +148,32 @@ def incident_dir(run_dir: str | os.PathLike[str], attempt: str) -> Path:
     return Path(run_dir) / "incidents" / attempt
 
 
-def dump_stacks(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Path:
-    """Every thread's Python stack of this process, into `incidents/<attempt>/stacks-rank<r>.txt`."""
+def dump_stacks(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Path | None:
+    """Every thread's Python stack of this process, into `incidents/<attempt>/stacks-rank<r>.txt`; None
+    when the file cannot be written (a full or read-only disk must not stop the failure path)."""
     path = incident_dir(run_dir, attempt) / f"stacks-rank{rank}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError as e:
+        get_logger().error("stacks not written to %s: %s", path, e)
+        return None
     return path
 
 
-def write_incident(run_dir: str | os.PathLike[str], inc: Incident) -> Path:
-    """`incidents/<attempt>/incident.json` (temp + rename), with the stack dumps found beside it."""
+def write_incident(run_dir: str | os.PathLike[str], inc: Incident) -> Path | None:
+    """`incidents/<attempt>/incident.json` (temp + rename), with the stack dumps found beside it; None
+    when it cannot be written (the decision and the requeue still follow; the ledger has the failure)."""
     folder = incident_dir(run_dir, inc.attempt)
-    folder.mkdir(parents=True, exist_ok=True)
-    record = {**asdict(inc), "stacks": sorted(p.name for p in folder.glob("stacks-rank*.txt"))}
     path = folder / "incident.json"
-    tmp = folder / ".incident.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {**asdict(inc), "stacks": sorted(p.name for p in folder.glob("stacks-rank*.txt"))}
+        tmp = folder / ".incident.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        get_logger().error("incident not written to %s: %s", path, e)
+        return None
     return path

@@ -1,11 +1,15 @@
 """The one owner of a rank's stop signals: handlers installed at process start that only set a flag.
 
 The trainer reads the flag at each step boundary and folds it into the step's one all-reduce, so
-every rank stops after the same step (README: "what happens when...").
+every rank stops after the same step (README: "what happens when..."). Python runs a handler only in
+the main thread and only between bytecodes, so while the main thread is blocked in C++ (a rendezvous,
+a collective, a checkpoint load) the flag stays unset; `arrived()` also reads the signal numbers that
+the C-level handler writes to a wakeup pipe (`signal.set_wakeup_fd`), which the watchdog thread polls.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Sequence
 
@@ -33,12 +37,33 @@ class StopSignals:
         self.received: int | None = None
         self.count = 0
         self._installed: set[signal.Signals] = set()
+        self._wakeup: int | None = None  # read end of the wakeup pipe
 
-    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True) -> "StopSignals":
+    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True, wakeup: bool = True) -> "StopSignals":
+        """Installs the handlers (main thread only); `wakeup`: also the wakeup pipe that `arrived()` reads."""
         self._installed = {*signals, *([signal.SIGINT] if ctrl_c else [])}
         for sig in self._installed:
             signal.signal(sig, self._on_signal)
+        if wakeup and self._wakeup is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            self._wakeup = r
         return self
+
+    def arrived(self) -> bool:
+        """Whether a stop signal arrived, also one whose Python handler has not run yet (the main thread
+        is blocked in C++); safe to call from any thread."""
+        if self.received is None and self._wakeup is not None:
+            try:
+                data = os.read(self._wakeup, 512)
+            except OSError:  # BlockingIOError: nothing arrived
+                data = b""
+            mine = [n for n in data if n in {int(s) for s in self._installed}]
+            if mine and self.received is None:
+                self.received = mine[0]
+        return self.received is not None
 
     def ignore_from_now(self) -> None:
         """The attempt is finished: a stop signal arriving now (Slurm's time-limit warning during

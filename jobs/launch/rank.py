@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         log.error("config error: %s", e)
         return conclude(ctx, cause="config_error", step=None) if env.rank == 0 else exitcodes.CONFIG_ERROR
     device = _setup_torch(cfg, env, device_type=device_type)
-    watchdog, health = _guards(cfg, env, ctx, device)
+    watchdog, health = _guards(cfg, env, ctx, device, stop=stop)
     trainer, during = None, "rendezvous"
     try:
         env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s,
@@ -111,7 +112,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         log.error("%s during %s: %s", type(e).__name__, during, e,
                   exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
         # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
-        _exit_now(on_failure(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None)))
+        _fail(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None))
     watchdog.stop()
     health.stop()
     if outcome == "done":
@@ -126,19 +127,61 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     return code
 
 
-def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device) -> tuple[Watchdog, GpuHealth]:
+def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device, *,
+            stop: StopSignals) -> tuple[Watchdog, GpuHealth]:
     """The rank's watchdog (heartbeats, hangs) and GPU health checks (now: a failing GPU never joins the
     rendezvous; then every failure.health_every_s), both started; either ends the attempt itself."""
     f = cfg.failure
     watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
                         heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
+                        world_size=env.world_size, missed_beats=f.missed_beats,
                         on_hang=lambda idle: (dump_flight_recorder(trace_dir(cfg.run.dir, env.attempt), rank=env.rank),
-                                              _exit_now(on_failure(ctx, during=watchdog.beat.phase, step=watchdog.beat.step))))
+                                              _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step)),
+                        stop_received=stop.arrived,
+                        on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase))
     watchdog.start()
     health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
-                         emit=ctx.events.emit, on_failing=lambda inc: _exit_now(on_failure(
-                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc))).start()
+                         emit=ctx.events.emit, on_failing=lambda inc: _fail(
+                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc)).start()
     return watchdog, health
+
+
+def _fail(ctx: AttemptContext, **facts) -> NoReturn:
+    """The failure path (`on_failure`), then the exit: whatever writing the stacks, the incident or the
+    ledger did (a full or read-only disk), this process ends, with 75 ("run again") unless a decision
+    said otherwise; a supervisor bounds the step once a rank left without a decision."""
+    code = exitcodes.REQUEUE
+    try:
+        code = on_failure(ctx, **facts)
+    except BaseException as e:  # noqa: BLE001 - nothing may keep a failed rank alive
+        _log_quietly("the failure path failed (%s: %s): exiting %d without a decision", type(e).__name__, e, code)
+    finally:
+        _exit_now(code)
+
+
+def _stop_now(ctx: AttemptContext, stop: StopSignals, *, during: str) -> NoReturn:
+    """A stop signal during rendezvous, build or load (the watchdog thread notices it within a second):
+    nothing was trained, so nothing is saved; the first rank to claim the attempt decides (a requeue),
+    the others take its exit code. Ranks stuck waiting for a peer are stopped by the launcher."""
+    code = exitcodes.REQUEUE
+    try:
+        ctx.events.emit("stop_requested", step=None, signal=stop.name, action=f"exit during {during}")
+        if claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):
+            code = conclude(ctx, cause=stop.name or "stop_signal", step=None)
+        else:
+            d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
+            code = int(d["exit_code"]) if d else exitcodes.REQUEUE
+    except BaseException as e:  # noqa: BLE001 - the stop must end the process
+        _log_quietly("the stop path failed (%s: %s): exiting %d", type(e).__name__, e, code)
+    finally:
+        _exit_now(code)
+
+
+def _log_quietly(msg: str, *args) -> None:
+    try:
+        logging.getLogger("meshjob").error(msg, *args)
+    except BaseException:  # noqa: BLE001 - stderr itself may be gone
+        pass
 
 
 def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: int, signal_name: str | None) -> int:
@@ -149,13 +192,18 @@ def _end_attempt(outcome: str, ctx: AttemptContext, events: EventLog, *, step: i
     if outcome == "done":
         events.emit("attempt_end", cause="completed", action="done", step=step)
         return exitcodes.OK
+    if not claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):  # a watchdog (a stop during start-up) decided already
+        d = read_decision(ctx.run_dir, ctx.attempt, wait_s=5 * ctx.cfg.heartbeat_s + 10)
+        return int(d["exit_code"]) if d else exitcodes.REQUEUE
     return conclude(ctx, cause=signal_name or "stop_signal", step=step)  # the signal may have reached a peer only
 
 
 def _exit_now(code: int) -> None:
     """Ends the process without teardown: after a failure a peer may be gone, and destroying groups,
     joining the checkpoint thread or Python's exit handlers could wait on it forever."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    finally:
+        os._exit(code)

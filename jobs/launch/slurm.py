@@ -14,6 +14,20 @@ by `python -m jobs.sbatch` (it composes the config itself and prepares the run d
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a rank's stop signals before anything slow (the imports below take about 1 s):
+    # a USR2 or SIGTERM from now on is recorded, not fatal (USR2's default action would kill the rank).
+    import signal as _signal
+    import sys as _sys
+
+    from jobs.failure.signals import StopSignals as _StopSignals, parse_signals as _parse_signals
+
+    if _sys.argv[1:2] == ["--agent"]:  # torchrun's agent: ignored, as the script's trap left them; its ranks
+        for _s in (_signal.SIGUSR2, _signal.SIGTERM):  # inherit that until their own handlers are in place
+            _signal.signal(_s, _signal.SIG_IGN)
+        _stop = _StopSignals()
+    else:
+        _stop = _StopSignals().install(_parse_signals(["SIGUSR2", "SIGTERM"]))
+
 import os
 import shlex
 import shutil
@@ -184,10 +198,12 @@ def check_slurm_config(cfg: JobConfig) -> None:
 
 
 def check_signal_lead(cfg: JobConfig) -> None:
-    """No requeue on a signal without checkpoints; and the time-limit warning must leave time for one
-    step, one blocking save and a margin (the planner's analytic estimates; skipped when the profile
-    has no GPU figures)."""
+    """No requeue on a signal without checkpoints; failure.checkpoint_timeout_s covers the predicted
+    checkpoint writes; and the time-limit warning leaves time for the stop path (one step, a save and
+    the whole of its write, after a save in flight) and a margin (the planner's analytic estimates;
+    skipped when the profile has no GPU figures)."""
     from jobs.planner.gate import build_plan
+    from jobs.validate import check_checkpoint_timeout, stop_path_s
 
     if cfg.failure.requeue_signals and not cfg.checkpoint.enabled:
         raise ValueError(f"failure.requeue_signals={list(cfg.failure.requeue_signals)} with checkpoint.enabled=false: "
@@ -196,12 +212,16 @@ def check_signal_lead(cfg: JobConfig) -> None:
     if not cfg.failure.requeue_signals or cfg.cluster.gpu_bf16_tflops <= 0:
         return
     plan = build_plan(cfg, measure=False)
-    step_s, save_s = plan.step.get("step_s_at_mfu", 0.0), plan.checkpoint.get("blocking_s", 0.0)
+    ck, mode = plan.checkpoint, cfg.checkpoint.async_mode
+    check_checkpoint_timeout(cfg.failure, write_s=ck.get("write_s", 0.0), async_mode=mode)
+    step_s = plan.step.get("step_s_at_mfu", 0.0)
+    save_s = stop_path_s(step_s=0.0, blocking_s=ck.get("blocking_s", 0.0), write_s=ck.get("write_s", 0.0), async_mode=mode)
     need = step_s + save_s + cfg.failure.signal_margin_s
     if cfg.launcher.signal_delay_s < need:
         raise ValueError(
-            f"launcher.signal_delay_s({cfg.launcher.signal_delay_s}) < one step ({step_s:.0f} s) + one blocking save "
-            f"({save_s:.0f} s) + failure.signal_margin_s({cfg.failure.signal_margin_s:.0f}) = {need:.0f} s (planner "
+            f"launcher.signal_delay_s({cfg.launcher.signal_delay_s}) < one step ({step_s:.0f} s) + a save and the whole "
+            f"of its write after any save in flight ({save_s:.0f} s, checkpoint.async_mode={mode}) + "
+            f"failure.signal_margin_s({cfg.failure.signal_margin_s:.0f}) = {need:.0f} s (planner "
             f"estimates for cluster={cfg.cluster.name}): the job would be killed before it saved; set "
             f"launcher.signal_delay_s={int(need) + 1}")
 
@@ -328,12 +348,6 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--agent"]:  # ignored, as the script's trap left them: the agent's ranks inherit that
-        for _s in (signal.SIGUSR2, signal.SIGTERM):  # until their own handlers are in place
-            signal.signal(_s, signal.SIG_IGN)
-        _stop = StopSignals()
-    else:  # before composing the config (seconds): a preemption signal that arrives now is recorded, not fatal
-        _stop = StopSignals().install(parse_signals(["SIGUSR2", "SIGTERM"]))
     if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank", "--agent"):
         print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
               "--agent TORCHRUN_ARGS...  "

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -119,7 +121,8 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
                              restart_in_allocation=n, partition=cfg.cluster.partition, nodes_needed=cfg.launcher.nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n)
         cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs])
-        code = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt)
+        code = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
+                         no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
         # A claimed attempt without a decision: its decider died deciding; decide in its place.
         d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=code)
         if d is None or d["action"] != "restart" or stopping:
@@ -140,10 +143,12 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str]) -> list[str]:
     return [*args, sys.executable, "-u", "-m", "jobs.launch.slurm", "--rank-config", str(config_path)]
 
 
-def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str) -> int:
-    """One srun step: its exit code; killed `_GRACE_S` after a published decision if still running."""
+def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float) -> int:
+    """One srun step: its exit code; killed `_GRACE_S` after a published decision if still running, or
+    `no_decision_s` after a rank left without any decision (see `_RankExits`)."""
     get_logger().info("starting attempt %s: %s", attempt, shlex.join(cmd))
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    exits = _RankExits(proc)
     decided_at = None
     while True:
         try:
@@ -152,9 +157,35 @@ def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str) -
             pass
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
             decided_at = time.monotonic()
+        if decided_at is None and exits.first_at is not None and time.monotonic() - exits.first_at > no_decision_s:
+            get_logger().error("attempt %s: %s, and no decision %.0f s later (the failure path could not write?): "
+                               "ending the step", attempt, exits.first, no_decision_s)
+            decided_at = float("-inf")  # kill now
         if decided_at is not None and time.monotonic() - decided_at > _GRACE_S:
             _kill_steps()
             decided_at = float("inf")  # once
+
+
+class _RankExits:
+    """srun's own stderr, passed through, watched for its line about a rank that ended (`srun: error:
+    node1: task 1: Exited with exit code 75`; srun prints it when the task ends, while the step goes on
+    under --kill-on-bad-exit=0): a rank that left without a decision (its failure path could not write
+    to a full or read-only disk) must not leave the others waiting until the time limit."""
+
+    _ENDED = re.compile(r"tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated|Aborted|Segmentation fault)")
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.first: str | None = None
+        self.first_at: float | None = None
+        threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            m = self._ENDED.search(line)
+            if m and self.first_at is None:
+                self.first, self.first_at = line.strip(), time.monotonic()
 
 
 def _numbered_steps() -> list[str]:

@@ -612,6 +612,7 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
                          f"blocking {ckpt['blocking_s']:.2f} s; interval {ckpt['interval_s']:.0f} s" if ok else
                          f"an async save takes {ckpt['write_s']:.0f} s, longer than the interval {ckpt['interval_s']:.0f} s: "
                          "saves would queue; raise checkpoint.every_steps or cluster.fs_write_GBps"))
+        out.append(_checkpoint_timeout_check(cfg, ckpt))
     ok = goodput >= pcfg.min_goodput
     out.append(Check("goodput", ok,
                      f"expected goodput {goodput:.3f} >= plan.min_goodput({pcfg.min_goodput}) at MTBF {ckpt['mtbf_s'] / 3600:.2f} h"
@@ -620,6 +621,18 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
                      f"({ckpt['policy']}, restart {ckpt['restart_s']:.0f} s): use checkpoint.interval=auto, "
                      f"checkpoint.async_mode=thread (restart: {ckpt['restart_source']})"))
     return out
+
+
+def _checkpoint_timeout_check(cfg: JobConfig, ckpt: dict) -> Check:
+    """failure.checkpoint_timeout_s (the watchdog's limit on a checkpoint write) covers the predicted write."""
+    from jobs.validate import check_checkpoint_timeout
+
+    try:
+        check_checkpoint_timeout(cfg.failure, write_s=ckpt["write_s"], async_mode=cfg.checkpoint.async_mode)
+    except ValueError as e:
+        return Check("checkpoint_timeout", False, str(e))
+    return Check("checkpoint_timeout", True, f"failure.checkpoint_timeout_s({cfg.failure.checkpoint_timeout_s:g}) covers "
+                 f"the predicted write ({ckpt['write_s']:.1f} s, checkpoint.async_mode={cfg.checkpoint.async_mode})")
 
 
 def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]) -> dict:

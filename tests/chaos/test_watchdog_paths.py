@@ -1,0 +1,106 @@
+"""The watchdog's paths on the local Slurm cluster, faults from outside the job: a final save held by a frozen
+filesystem for longer than the hang timeout completes; a SIGSTOPped rank (its heartbeat stops, its sockets stay
+open) is named from its missed heartbeats in seconds, not after the hang timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.chaos_helpers import STEPS, events, losses, rank_pid, submit, wait_for_step, wait_job_done
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+HANG_TIMEOUT_S = 20.0  # conf/failure/debug.yaml (heartbeat_s 1.0)
+
+
+def _states(recs: list[dict]) -> list[str]:
+    return [r["State"].split()[0] for r in recs]
+
+
+def test_a_sigstopped_rank_is_named_from_its_missed_heartbeats_in_seconds(run_root: Path) -> None:
+    job = submit(run_root, "failure.missed_beats=3")
+    wait_for_step(run_root, 40)
+    pid = rank_pid(run_root, f"{job}.0", 1)
+    os.kill(pid, signal.SIGSTOP)  # its sockets stay open: rank 0 sees no connection reset
+    t_stop = time.time()
+    recs = wait_job_done(job)
+    inc = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
+    assert inc["cls"] == "hung_rank", inc
+    assert [(s["rank"], s["node"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, "node2", pid, "stopped")]
+    # about (missed_beats + 1) heartbeats = 4 s, against 20 s for the hang timeout
+    assert inc["time"] - t_stop < 0.5 * HANG_TIMEOUT_S, inc["time"] - t_stop
+    assert _states(recs) == ["COMPLETED"], recs  # the step was killed and the ranks restarted inside the job
+    assert [e["action"] for e in events(run_root, "decision")] == ["restart"]
+    assert losses(run_root).keys() == set(range(1, STEPS + 1))
+
+
+def test_a_final_save_held_longer_than_the_hang_timeout_completes(run_root: Path, tmp_path: Path) -> None:
+    ckpts, image = run_root / "checkpoints", tmp_path / "checkpoints.img"
+    ckpts.mkdir(parents=True)
+    subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True, capture_output=True)
+    p = subprocess.run(["mount", "-o", "loop", str(image), str(ckpts)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here (needs root and /dev/loop*): {p.stderr.strip()}")
+    frozen, held_s = False, 1.5 * HANG_TIMEOUT_S
+    try:
+        job = submit(run_root)
+        wait_for_step(run_root, STEPS - 10)
+        # Every write to the checkpoints now blocks in the kernel (a parallel filesystem that stopped
+        # answering): the final save at step 300 cannot finish until thawed.
+        subprocess.run(["fsfreeze", "-f", str(ckpts)], check=True, timeout=30)
+        frozen = True
+        time.sleep(held_s)
+        phases = {json.loads((run_root / f"heartbeats/{job}.0/rank{r}.json").read_text())["phase"] for r in (0, 1)}
+        subprocess.run(["fsfreeze", "-u", str(ckpts)], check=True, timeout=30)
+        frozen = False
+        recs = wait_job_done(job)
+        assert phases <= {"checkpoint_save", "checkpoint_wait"}, phases
+        assert _states(recs) == ["COMPLETED"], recs
+        assert not events(run_root, "failure") and not events(run_root, "decision")
+        final = [e for e in events(run_root, "checkpoint_saved") if e["step"] == STEPS]
+        assert len(final) == 1 and final[0]["total_s"] > HANG_TIMEOUT_S, final
+        assert (ckpts / f"step_{STEPS}/manifest.json").exists() and not (ckpts / f"step_{STEPS}.tmp").exists()
+        assert losses(run_root).keys() == set(range(1, STEPS + 1))
+    finally:
+        if frozen:
+            subprocess.run(["fsfreeze", "-u", str(ckpts)], check=False, timeout=30)
+        subprocess.run(["umount", "-l", str(ckpts)], check=False)
+
+
+def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_ends_the_step(run_root: Path) -> None:
+    incidents = run_root / "incidents"
+    incidents.mkdir(parents=True)
+    # Stacks, incident, claim and decision all go here: the failure path meets a read-only disk.
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
+    job = None
+    try:
+        job = submit(run_root, "failure.missed_beats=3")
+        wait_for_step(run_root, 40)
+        pid = rank_pid(run_root, f"{job}.0", 1)
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        # rank 0 names the hang in seconds, cannot write anything of it (EROFS) and exits 75 anyway; no
+        # decision comes, so the supervisor ends the step one hang timeout after srun reported the exit
+        # (before: the stopped rank held the step, and the job, until its 30-minute time limit).
+        recs = wait_job_done(job, timeout=120)
+        took = time.monotonic() - t_stop
+        assert took < 5 * HANG_TIMEOUT_S, took
+        assert _states(recs) == ["FAILED"], recs
+        log = "".join(f.read_text() for f in (run_root / "slurm").rglob("*_log.*"))
+        assert "task 0: Exited with exit code 75" in log and "and no decision 20 s later" in log
+        assert list(incidents.iterdir()) == []
+    finally:
+        if job is not None and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            subprocess.run(["scancel", job], check=False)
+        subprocess.run(["umount", "-l", str(incidents)], check=False)

@@ -1,0 +1,231 @@
+"""The watchdog's paths in one process: stale peer heartbeats, a hung heartbeat write, checkpoint phases, a stop
+during start-up, a failing callback; the collective-timeout classifier and the checks of the failure timeouts."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.config import compose
+from jobs.failure import incident
+from jobs.failure.heartbeat import Beat, beat_path, read_beats, write_beat
+from jobs.failure.watchdog import Watchdog, watched_peers
+from jobs.validate import check_checkpoint_timeout, stop_path_s, validate
+
+HB = 0.1  # heartbeat of these tests; the watchdog thread checks every heartbeat
+
+
+def _wd(tmp_path: Path, fired: list[float], **kw) -> Watchdog:
+    args = dict(run_dir=str(tmp_path), attempt="a", rank=0, node="n0", heartbeat_s=HB, init_timeout_s=30.0,
+                hang_timeout_s=30.0, on_hang=fired.append, world_size=2, missed_beats=3)
+    return Watchdog(**{**args, **kw})
+
+
+def _peer_beat(tmp_path: Path, rank: int = 1) -> Beat:
+    b = Beat(rank=rank, pid=1, host="elsewhere", node=f"n{rank}", time=time.time(), step=5, phase="train",
+             progress_time=time.time())
+    write_beat(beat_path(tmp_path, "a", rank), b)
+    return b
+
+
+def _wait_for(pred, timeout_s: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    return None
+
+
+def test_every_rank_is_watched_by_about_log2_of_the_world_size_peers() -> None:
+    assert watched_peers(0, 1) == []
+    assert watched_peers(1, 2) == [0]
+    assert watched_peers(6, 8) == [7, 0, 2]
+    watchers = {r: 0 for r in range(1024)}
+    for r in range(1024):
+        for p in watched_peers(r, 1024):
+            watchers[p] += 1
+    assert set(watchers.values()) == {10}
+
+
+def test_a_peer_whose_heartbeat_stopped_fires_the_watchdog_after_missed_beats_not_the_hang_timeout(
+        tmp_path: Path) -> None:
+    fired: list[float] = []
+    _peer_beat(tmp_path)  # written once, never again: the peer is stopped (its socket stays open)
+    wd = _wd(tmp_path, fired).start()
+    try:
+        wd.progress(5)
+        after = _wait_for(lambda: fired, 10.0)
+    finally:
+        wd.stop()
+    # (missed_beats + 1) heartbeats to notice, checked every heartbeat: ~0.4-0.6 s; the hang timeout is 30 s
+    assert after is not None and after < 2.0, after
+    assert len(fired) == 1 and "rank(s) [1]" in wd.fired_because
+
+
+def test_a_peer_that_keeps_beating_is_never_named_while_this_rank_waits(tmp_path: Path) -> None:
+    fired: list[float] = []
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HB):
+            _peer_beat(tmp_path)
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    wd = _wd(tmp_path, fired).start()
+    try:
+        wd.progress(5)
+        time.sleep(1.5)  # this rank waits (no progress) 15 heartbeats; its peer is alive
+    finally:
+        wd.stop()
+        done.set()
+    assert fired == []
+
+
+def _hung_write(tmp_path: Path, rank: int) -> Path:
+    """The temp file of `rank`'s beat as a FIFO nobody reads: opening it blocks, as a write to a hung
+    shared filesystem does."""
+    path = beat_path(tmp_path, "a", rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fifo = path.with_name(f".{path.name}.tmp")
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _release(fifo: Path) -> None:
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the blocked open() of the writer return
+    time.sleep(0.2)
+    os.close(fd)
+    fifo.unlink(missing_ok=True)
+
+
+def test_a_hung_heartbeat_write_does_not_stop_the_watchdog(tmp_path: Path) -> None:
+    fired: list[float] = []
+    fifo = _hung_write(tmp_path, 0)
+    holder: list[Watchdog] = []
+    starter = threading.Thread(target=lambda: holder.append(_wd(tmp_path, fired, init_timeout_s=0.5).start()),
+                               daemon=True)
+    starter.start()
+    try:
+        after = _wait_for(lambda: fired, 5.0)
+        assert after is not None, "the watchdog never fired: its heartbeat write blocked it"
+        assert 0.5 < fired[0] < 1.5
+    finally:
+        _release(fifo)
+        for wd in holder:
+            wd.stop()
+
+
+def test_a_stale_peer_is_not_named_while_this_ranks_own_heartbeat_cannot_be_written(tmp_path: Path) -> None:
+    """A hung shared filesystem makes every peer's beat look stale: the peers are not blamed for it."""
+    fired: list[float] = []
+    _peer_beat(tmp_path)
+    fifo = _hung_write(tmp_path, 0)  # this rank's own writes hang
+    wd = _wd(tmp_path, fired).start()
+    try:
+        wd.progress(5)
+        time.sleep(1.5)
+    finally:
+        _release(fifo)
+        wd.stop()
+    assert fired == [], wd.fired_because
+
+
+def test_a_checkpoint_phase_has_its_own_limit_and_the_hang_timeout_returns_after_it(tmp_path: Path) -> None:
+    fired: list[float] = []
+    wd = _wd(tmp_path, fired, world_size=1, hang_timeout_s=0.3).start()
+    try:
+        wd.progress(1)
+        wd.phase("checkpoint_wait", limit_s=5.0)
+        time.sleep(1.0)  # three hang timeouts inside the checkpoint phase
+        assert fired == []
+        wd.phase("train")
+        after = _wait_for(lambda: fired, 3.0)
+    finally:
+        wd.stop()
+    assert after is not None and 0.3 < fired[0] < 1.0, fired
+
+
+def test_a_stop_signal_during_load_ends_the_attempt_from_the_watchdog_and_not_during_training(tmp_path: Path) -> None:
+    stopped: list[str] = []
+    received = threading.Event()
+    wd = _wd(tmp_path, [], world_size=1, stop_received=received.is_set,
+             on_stop=lambda: stopped.append(wd.beat.phase)).start()
+    try:
+        wd.phase("train")
+        received.set()
+        time.sleep(0.5)
+        assert stopped == []  # in training, the step boundary agrees on the stop (and saves first)
+        wd.phase("load")
+        after = _wait_for(lambda: stopped, 2.0)
+    finally:
+        wd.stop()
+    assert after is not None and after < 1.5 and stopped == ["load"]
+
+
+def test_an_error_in_on_hang_does_not_stop_the_heartbeats(tmp_path: Path) -> None:
+    def broken(_idle: float) -> None:
+        raise OSError(30, "Read-only file system")
+
+    wd = _wd(tmp_path, [], world_size=1, init_timeout_s=0.2, on_hang=broken).start()
+    try:
+        assert _wait_for(lambda: wd.fired_after_s is not None, 3.0) is not None
+        first = read_beats(tmp_path, "a")[0].time
+        time.sleep(5 * HB)
+        assert read_beats(tmp_path, "a")[0].time > first
+    finally:
+        wd.stop()
+
+
+def test_stacks_and_incident_that_cannot_be_written_do_not_raise(tmp_path: Path) -> None:
+    blocked = tmp_path / "run"
+    blocked.write_text("a file where the run dir's incidents folder would go")  # mkdir fails: an OSError
+    assert incident.dump_stacks(blocked, "a", 0) is None
+    assert incident.write_incident(blocked, incident.Incident("hung_rank", "a", 0, "x")) is None
+
+
+@pytest.mark.parametrize("error, cls", [
+    (RuntimeError("DataLoader worker (pid 123) timed out after 5 seconds"), None),
+    (TimeoutError("Timeout while reading /data/shard_0007.h5"), None),
+    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+                  "for recv operation to complete"), "collective_timeout"),
+    (RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"),
+     "collective_timeout"),
+])
+def test_only_a_timeout_of_the_communication_library_is_a_collective_timeout(error: BaseException, cls) -> None:
+    assert incident.error_class(error) == cls
+
+
+def test_a_watchdog_timeout_in_a_checkpoint_phase_is_a_checkpoint_error_without_suspects() -> None:
+    now = time.time()
+    beats = {r: Beat(rank=r, pid=os.getpid(), host=os.uname().nodename, node="n", time=now, step=9,
+                     phase="checkpoint_wait", progress_time=now) for r in range(2)}
+    inc = incident.classify(beats=beats, world_size=2, me=0, attempt="a", heartbeat_s=1.0, during="checkpoint_wait")
+    assert (inc.cls, inc.suspects) == ("checkpoint_error", [])
+    assert "failure.checkpoint_timeout_s" in inc.summary
+
+
+def test_a_hang_timeout_not_below_the_collective_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"failure\.hang_timeout_s\(300.0\) >= failure\.collective_timeout_s\(300.0\)"):
+        validate(compose(["run.dir=/nonexistent", "failure.hang_timeout_s=300"]))
+    validate(compose(["run.dir=/nonexistent", "failure.hang_timeout_s=299"]))
+
+
+def test_the_checkpoint_timeout_must_cover_the_predicted_writes_and_says_the_value_to_set() -> None:
+    f = compose(["run.dir=/nonexistent", "failure.checkpoint_timeout_s=100"]).failure
+    check_checkpoint_timeout(f, write_s=90.0, async_mode="none")
+    with pytest.raises(ValueError, match=r"failure\.checkpoint_timeout_s\(100\) < 2 x the predicted checkpoint write "
+                                         r"\(90 s, checkpoint\.async_mode=thread\) = 180 s: .* set failure\.checkpoint_timeout_s=271$"):
+        check_checkpoint_timeout(f, write_s=90.0, async_mode="thread")
+
+
+def test_the_stop_path_waits_for_the_whole_write_and_a_save_in_flight() -> None:
+    # a 5 s step, an async save blocking 2 s and writing 60 s: the step, the save in flight (60), the
+    # new save's blocking part (2) and its whole write (60); synchronously the save is its write
+    assert stop_path_s(step_s=5.0, blocking_s=2.0, write_s=60.0, async_mode="thread") == 127.0
+    assert stop_path_s(step_s=5.0, blocking_s=61.0, write_s=60.0, async_mode="none") == 66.0
