@@ -136,29 +136,7 @@ class Trainer:
         self.pp_group = self.mesh.get_group("pp") if dims.pp_enabled else None
         self.use_loss_parallel = dims.tp_enabled and cfg.mesh.loss_parallel
 
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        self.parts, self.stages = parallelize(
-            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
-            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
-            ac_every=cfg.train.ac_every,
-            pp_layers_per_stage=derived.pp_layers_per_stage,
-            compile=cfg.train.compile, mixed_precision=self.mixed_precision,
-        )
-        for part in self.parts:
-            part.to_empty(device=self.device)
-            init_weights(part, seed=cfg.train.seed)
-            part.train()
-        self.has_first = 0 in self.stages
-        self.has_last = (derived.num_stages - 1) in self.stages
-        self.schedule = None
-        if dims.pp_enabled:
-            self.schedule = build_schedule(
-                self.parts, self.stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
-                n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
-                loss_fn=cross_entropy,
-            )
+        self._build_model(cfg, derived)
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
@@ -186,6 +164,34 @@ class Trainer:
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
         set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
+
+    def _build_model(self, cfg: JobConfig, derived: Derived) -> None:
+        """This rank's model parts built on meta, parallelized (the recipe of parallel/), materialised and
+        initialised, and, with pipeline parallelism, the schedule over its stages."""
+        dims = derived.dims
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        self.parts, self.stages = parallelize(
+            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+            ac_every=cfg.train.ac_every,
+            pp_layers_per_stage=derived.pp_layers_per_stage,
+            compile=cfg.train.compile, mixed_precision=self.mixed_precision,
+        )
+        for part in self.parts:
+            part.to_empty(device=self.device)
+            init_weights(part, seed=cfg.train.seed)
+            part.train()
+        self.has_first = 0 in self.stages
+        self.has_last = (derived.num_stages - 1) in self.stages
+        self.schedule = None
+        if dims.pp_enabled:
+            self.schedule = build_schedule(
+                self.parts, self.stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
+                n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
+                loss_fn=cross_entropy,
+            )
 
     def _build_observers(self, cfg: JobConfig, env: DistEnv, events: EventLog) -> None:
         """Per-rank phase timing and stragglers (jobs/telemetry), and TensorBoard on rank 0 when asked for."""
