@@ -43,12 +43,14 @@ def bound_s(*waits: float) -> float:
     return REFERENCE_S + sum(waits) + 60
 
 
-def reference_run(run_dir: Path, tmp: Path, steps: int = STEPS) -> tuple[dict, dict]:
+def reference_run(run_dir: Path, tmp: Path, steps: int = STEPS) -> tuple[dict, Path]:
     """The config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data): every
-    step's loss and the final state, what a recovered run must equal bit for bit."""
+    step's loss and the file of its final state, what a recovered run must equal bit for bit. The state stays
+    on disk: the session keeps references, and tensors held by the pytest process are inherited by every rank
+    the later tiers fork (tests/multiproc/test_plan_vs_measured.py counts every live tensor)."""
     r = run_train(["launcher=local", *common(steps)], run_dir, timeout=REFERENCE_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    return losses(run_dir), final_state(run_dir, tmp, steps=steps)
+    return losses(run_dir), final_state_file(run_dir, tmp, steps=steps)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -57,15 +59,22 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def final_state(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> dict:
+def final_state_file(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> Path:
+    """The run's step-`steps` checkpoint converted to one torch.save file under `tmp`."""
     out = tmp / f"{run_dir.name}-{time.monotonic_ns()}.pt"
     convert(run_dir / f"checkpoints/step_{steps}", out)
-    return torch.load(out, weights_only=False)
+    return out
 
 
-def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, dict], tmp: Path) -> None:
-    """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's."""
-    ref_losses, ref_final = reference
+def final_state(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> dict:
+    return torch.load(final_state_file(run_dir, tmp, steps=steps), weights_only=False)
+
+
+def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, Path], tmp: Path) -> None:
+    """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's
+    (`reference`: its losses and its final state's file, see `reference_run`)."""
+    ref_losses, ref_file = reference
+    ref_final = torch.load(ref_file, weights_only=False)
     steps = max(ref_losses)  # the reference's length: STEPS, or LONG_STEPS for the time-limit case
     got = losses(run_dir)
     assert sorted(got) == list(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - set(got))

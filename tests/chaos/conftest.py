@@ -4,6 +4,7 @@ uninterrupted reference runs made once per session and step count."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +13,12 @@ from tests.slurm.conftest import run_root, slurm_cluster  # noqa: F401 - fixture
 
 
 @pytest.fixture(scope="session")
-def chaos_references(tmp_path_factory) -> Callable[[int], tuple[dict, dict]]:
+def chaos_references(tmp_path_factory) -> Callable[[int], tuple[dict, Path]]:
     """steps -> (losses, final state) of the chaos config run uninterrupted, made on first use and shared by
     every chaos test of the session (one local 2-rank run per step count)."""
-    made: dict[int, tuple[dict, dict]] = {}
+    made: dict[int, tuple[dict, Path]] = {}
 
-    def get(steps: int = STEPS) -> tuple[dict, dict]:
+    def get(steps: int = STEPS) -> tuple[dict, Path]:
         if steps not in made:
             made[steps] = reference_run(tmp_path_factory.mktemp(f"chaos_ref{steps}") / "run",
                                         tmp_path_factory.mktemp(f"chaos_ref{steps}_pt"), steps)
@@ -27,6 +28,6 @@ def chaos_references(tmp_path_factory) -> Callable[[int], tuple[dict, dict]]:
 
 
 @pytest.fixture
-def reference(chaos_references) -> tuple[dict, dict]:
+def reference(chaos_references) -> tuple[dict, Path]:
     """The STEPS-step reference (see chaos_references)."""
     return chaos_references(STEPS)

@@ -39,19 +39,29 @@ def _final(run_dir: Path, tmp: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def _step_of(name: str) -> int:
+    """N of a temporary folder `step_<N>.<attempt>.tmp` (checkpoint/manager.py: one per attempt)."""
+    return int(name[len("step_"):].split(".", 1)[0])
+
+
+def _in_flight(ckpts: Path, n: int) -> bool:
+    """A save of step N was begun (its temporary folder exists) and not committed (no step_<N>)."""
+    return any(p.is_dir() for p in ckpts.glob(f"step_{n}.*.tmp")) and not (ckpts / f"step_{n}").exists()
+
+
 def _stop_during_a_write(p: subprocess.Popen, ckpts: Path) -> int:
     """SIGSTOPs the launcher and its ranks (one process group) at an instant when a save after the first is in
-    flight (step_<N>.tmp there, step_<N> not yet committed) and returns N; a save that committed before the
+    flight (step_<N>.<attempt>.tmp there, step_<N> not yet committed) and returns N; a save that committed before the
     stop landed is let go (SIGCONT) and the next one tried."""
     deadline = time.monotonic() + RUN_S
     while time.monotonic() < deadline:
         assert p.poll() is None, "the run ended before a save could be caught in flight"
         tmps = [e.name for e in os.scandir(ckpts)] if ckpts.is_dir() else []
-        steps = [int(n[5:-4]) for n in tmps if n.startswith("step_") and n.endswith(".tmp")]
+        steps = [_step_of(n) for n in tmps if n.startswith("step_") and n.endswith(".tmp")]
         if steps and max(steps) > 4:
             os.killpg(p.pid, signal.SIGSTOP)
             n = max(steps)
-            if (ckpts / f"step_{n}.tmp").is_dir() and not (ckpts / f"step_{n}").exists():
+            if _in_flight(ckpts, n):
                 return n
             os.killpg(p.pid, signal.SIGCONT)  # committed in between: the next save
         time.sleep(0.001)
@@ -71,7 +81,7 @@ def test_a_trainer_killed_during_its_async_checkpoint_write_resumes_from_the_pre
         os.killpg(p.pid, signal.SIGKILL)  # the launcher and every rank, stopped mid-save
         p.wait()
     ck = run_dir / "checkpoints"
-    assert (ck / f"step_{killed}.tmp").is_dir() and not (ck / f"step_{killed}").exists()
+    assert _in_flight(ck, killed)
     committed = [e["step"] for e in read_events(run_dir / "events.jsonl", "checkpoint_saved")]
     assert committed and max(committed) < killed, (committed, killed)
 
@@ -80,7 +90,7 @@ def test_a_trainer_killed_during_its_async_checkpoint_write_resumes_from_the_pre
     loaded = read_events(run_dir / "events.jsonl", "checkpoint_loaded")
     assert [e["step"] for e in loaded] == [max(committed)], loaded  # the save before the killed one
     removed = read_events(run_dir / "events.jsonl", "checkpoint_tmp_removed")
-    assert [Path(e["path"]).name for e in removed] == [f"step_{killed}.tmp"], removed
+    assert [_step_of(Path(e["path"]).name) for e in removed] == [killed], removed  # the killed attempt's folder
     got, want = _losses(run_dir), _losses(ref_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [(s, got[s], want[s]) for s in got if got[s] != want[s]] == []

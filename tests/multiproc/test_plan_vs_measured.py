@@ -61,19 +61,28 @@ def _nbytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _storage(t) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata
+
+
 def _measure_rank(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """One rank: step 0 (AdamW's state appears), then step 1 under the tracker, recording what each
     block's forward leaves live; the gradients as AdamW sees them (after the trainer's own grad
     handling) and the AdamW moments."""
     cfg = compose(overrides)
     events = EventLog(Path(cfg.run.dir) / f"events{rank}.jsonl", rank=rank)
+    # Tensors this forked rank inherited from the pytest process (an earlier test's state still referenced there)
+    # are not the trainer's: left out, or they would count toward the measured peak. Held until the end, so that
+    # no storage of the trainer's can reuse the address of one that was freed meanwhile.
+    held = list(live_tensors())
+    inherited = {_storage(t) for t in held}
     tr = Trainer(cfg, validate(cfg), DistEnv.from_environ(), events=events)
     params = [p for part in tr.parts for p in part.parameters()]
     grads: list[int] = []
     for opt in tr.optimizers:
         opt.register_step_pre_hook(lambda *_: grads.append(_nbytes(p.grad for p in params if p.grad is not None)))
     tr.train_step(0)
-    live = LiveBytes(live_tensors)
+    live = LiveBytes(lambda: (t for t in live_tensors() if _storage(t) not in inherited))
     before: list[int] = []
     blocks: list[int] = []
     for blk in (b for part in tr.parts for b in part.layers.values()):
@@ -87,6 +96,7 @@ def _measure_rank(rank: int, world: int, overrides: list[str]) -> dict[str, int]
            "grads": grads[-1], "optim": _nbytes(moments), "peak": live.peak, "block_min": min(blocks),
            "block_max": max(blocks)}
     tr.close()
+    del held
     return out
 
 
