@@ -14,7 +14,7 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
-from tests.conftest import run_train
+from tests.conftest import assert_states_bitwise, run_train
 from tests.slurm.slurm_helpers import REPO, cli, sacct, submitted_job_id
 
 # 100 steps: the faults land at step ~40 (past the save at 25) and, for the sbatch case, again at 60; the
@@ -81,12 +81,7 @@ def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, Path
     bad = [(s, got[s], ref_losses[s]) for s in got if got[s] != ref_losses[s]]
     assert not bad, bad[:5]
     final = final_state(run_dir, tmp, steps=steps)
-    assert final["model"].keys() == ref_final["model"].keys()
-    for k, v in final["model"].items():
-        assert torch.equal(v, ref_final["model"][k]), k
-    for k, v in final["optim"].items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, ref_final["optim"][k]), k
+    assert_states_bitwise(final, ref_final)
 
 
 def submit(run_dir: Path, *extra: str, steps: int = STEPS) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, assert_states_bitwise, run_train
 
 RUN_S = 180  # one 24-step run of 2 ranks: ~25 s on the loaded 2-core box
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(3 * RUN_S + 60)]
@@ -95,9 +95,4 @@ def test_a_trainer_killed_during_its_async_checkpoint_write_resumes_from_the_pre
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [(s, got[s], want[s]) for s in got if got[s] != want[s]] == []
     final, ref_final = _final(run_dir, tmp_path), _final(ref_dir, tmp_path)
-    assert final["model"].keys() == ref_final["model"].keys()
-    for k, v in final["model"].items():
-        assert torch.equal(v, ref_final["model"][k]), k
-    for k, v in final["optim"].items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, ref_final["optim"][k]), k
+    assert_states_bitwise(final, ref_final)

@@ -19,7 +19,7 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, assert_states_bitwise, run_train
 
 RUN_S = 240  # one 12-step run of 8 ranks: ~60 s on the loaded 2-core box
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(3 * RUN_S + 60)]
@@ -74,12 +74,7 @@ def test_train_killed_after_step_6_resumes_bitwise(reference, tmp_path, data_pat
     for step in range(7, STEPS + 1):
         assert losses[step] == ref_losses[step], (step, losses[step], ref_losses[step])
     final = _final(run_dir, tmp_path)
-    assert final["model"].keys() == ref_final["model"].keys()
-    for k, v in final["model"].items():
-        assert torch.equal(v, ref_final["model"][k]), k
-    for k, v in final["optim"].items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, ref_final["optim"][k]), k
+    assert_states_bitwise(final, ref_final)
 
 
 def test_train_resumes_resharded_onto_dp_shard4_tp2_within_fp32_tolerance(reference, tmp_path, data_path):
