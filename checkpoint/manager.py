@@ -98,7 +98,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self.world_size = world_size
         self.total_steps = total_steps
         self.mtbf_s = mtbf_s
-        self.collective_timeout_s = collective_timeout_s  # DCP's background group in async_mode=process (RecordingWriter)
+        self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1

@@ -143,7 +143,8 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     if not bad:
         return None
     f, log = cfg.failure, get_logger()
-    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt_name(job_id, restart))
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart,
+                      attempt=attempt_name(job_id, restart))
     used = requeues_used(read_events(events.path), restart_count=restart)
     facts = dict(cause="quarantined_node", requeues_used=used, max_requeues=f.max_requeues, excluded=listed)
     what = f"allocation includes quarantined node(s) {', '.join(bad)} ({cfg.run.dir}/quarantine.json)"

@@ -5,7 +5,6 @@ the requeue budget; a later submission leaves out quarantined nodes Slurm no lon
 from __future__ import annotations
 
 import errno
-import os
 import signal
 import stat
 import sys
@@ -19,7 +18,7 @@ from jobs.events import EventLog, read_events
 from jobs.failure import quarantine, respond
 from jobs.failure.respond import AttemptContext
 from jobs.launch import supervise
-from tests.unit.test_requeue_path import _calls, _job, _verbs, slurm  # noqa: F401 - slurm: the stand-in fixture
+from tests.unit.test_requeue_path import _job, _verbs, slurm  # noqa: F401 - slurm: the stand-in fixture
 
 # A step of two ranks: the first time, rank 0 ends 75 without any decision (srun's line, as on the local cluster);
 # the next time, both finish.
@@ -44,11 +43,10 @@ def run_dir(tmp_path: Path, slurm: Path, monkeypatch) -> Path:  # noqa: F811 - t
     for k, v in {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_RESTART_COUNT": "0"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-    for s in (signal.SIGTERM, signal.SIGUSR2):
-        monkeypatch.setattr(supervise, "_restore_" + s.name, signal.getsignal(s), raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}  # supervise() installs its own
     yield tmp_path / "run"
-    for s in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(s, getattr(supervise, "_restore_" + s.name))
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 def _cfg(run_dir: Path, *overrides: str):
