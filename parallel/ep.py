@@ -111,4 +111,7 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshar
             fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy or MixedPrecisionPolicy())
             module.set_gradient_divide_factor(float(dp))
-            module.set_force_sum_reduction_for_comms(True)  # SUM, then / dp: gloo has no PREMUL_SUM
+            # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank: torch 2.13's FSDP then divides its
+            # local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).
+            if edp_mesh.size() > 1:
+                module.set_force_sum_reduction_for_comms(True)
