@@ -50,6 +50,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> (weights (tokens, k), expert ids (tokens, k), scores (tokens, n_experts))."""
+        counting = self.training and torch.is_grad_enabled()  # held-out evaluation does not move the biases
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
@@ -57,8 +58,9 @@ class Router(nn.Module):
             if self.max_groups < self.groups:
                 biased = self._limit_groups(biased)
             ids = biased.topk(self.top_k, dim=-1).indices
-            if self.training:  # evaluation forwards do not move the biases
-                self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.n_experts).to(self.tokens_per_expert)
+            if counting:
+                load = torch.bincount(ids.flatten(), minlength=self.n_experts)
+                self.tokens_per_expert += load.to(self.tokens_per_expert)
         weights = scores.gather(-1, ids)
         if self.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -74,7 +76,8 @@ class Router(nn.Module):
         return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, -1)
 
 
-def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
     """SwiGLU of tokens grouped by expert: x (sum(counts), dim) holds counts[e] rows for expert e in order.
 
     One batched matmul per weight for all local experts: the groups are padded to the largest one

@@ -134,7 +134,8 @@ class Trainer:
         self.device = rank_device(device_type, local_rank=env.local_rank)
         dims = derived.dims
         self.mesh = dims.build_mesh(self.device.type)
-        self.ep_mesh = dims.build_ep_mesh(self.device.type) if dims.ep_enabled else None  # the MoE mesh (parallel/ep.py)
+        # The MoE mesh (parallel/ep.py): dp_shard split into (edp, ep) over the same ranks.
+        self.ep_mesh = dims.build_ep_mesh(self.device.type) if dims.ep_enabled else None
         self.pp_group = self.mesh.get_group("pp") if dims.pp_enabled else None
         self.use_loss_parallel = dims.tp_enabled and cfg.mesh.loss_parallel
 

@@ -104,8 +104,8 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
     m = cfg.model
     if m.n_routed_experts <= 0:
         if dims.ep > 1:
-            raise ValueError(f"mesh.ep({dims.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: "
-                             "a dense model has no experts to shard; set mesh.ep=1 or pick an MoE model (model=tiny_moe)")
+            raise ValueError(f"mesh.ep({dims.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense "
+                             "model has no experts to shard; set mesh.ep=1 or pick an MoE model (model=tiny_moe)")
         return
     if m.n_routed_experts % dims.ep:
         raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({dims.ep}) != 0: "

@@ -1,4 +1,4 @@
-"""The MoE model (jobs/moe.py): one definition with the planner, grouped experts, node-limited routing, bias balancing."""
+"""The MoE model (jobs/moe.py): one definition with the planner, grouped experts, node limit, bias balancing."""
 
 from __future__ import annotations
 
@@ -116,6 +116,18 @@ def test_aux_loss_trains_the_router_without_changing_the_loss() -> None:
     assert not torch.allclose(out[0.0][1], out[0.1][1])
 
 
+def test_router_counts_training_forwards_only() -> None:
+    router = Router(compose(["model=tiny_moe"]).model)
+    torch.nn.init.normal_(router.gate.weight, 0, 0.02)
+    router.reset_buffers()
+    x = torch.randn(32, 64)
+    with torch.no_grad():  # held-out evaluation (jobs/evaluate.py)
+        router(x)
+    assert float(router.tokens_per_expert.sum()) == 0
+    router(x)
+    assert float(router.tokens_per_expert.sum()) == 32 * 2
+
+
 def test_expert_bias_is_checkpointed_model_state() -> None:
     model = Transformer(compose(["model=tiny_moe"]).model)
     keys = model.state_dict().keys()
@@ -124,7 +136,8 @@ def test_expert_bias_is_checkpointed_model_state() -> None:
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=2", "mesh.ep=2"], "mesh.ep(2) > 1 but model.n_routed_experts(0)"),
+    (["mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=2", "mesh.ep=2"],
+     "mesh.ep(2) > 1 but model.n_routed_experts(0)"),
     (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=3", "mesh.ep=3"], "mesh.ep(3)"),
     (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4", "mesh.ep=2", "mesh.tp=2"],
      "set mesh.tp=1 or mesh.ep=1"),
@@ -141,6 +154,7 @@ def test_moe_config_errors_name_the_override(overrides: list[str], needle: str) 
 
 
 def test_tiny_moe_with_ep2_validates() -> None:
-    d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4", "mesh.ep=2"]))
+    d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4",
+                          "mesh.ep=2"]))
     assert (d.dims.dp_shard, d.dims.ep) == (4, 2)
     assert d.dims.describe() == "dp_shard4 (ep2 within dp_shard)"
