@@ -122,6 +122,9 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
                          f"model.moe_max_nodes({m.moe_max_nodes}) of model.moe_groups({groups}) groups")
     if m.moe_ffn_dim <= 0:
         raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) must be > 0 with model.n_routed_experts > 0")
+    if dims.tp > 1 and m.attention == "gqa":  # an MLA model is planned only (jobs.plan), tp and all
+        raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model (model.n_routed_experts={m.n_routed_experts}): "
+                         "tensor parallel of MoE blocks is not built yet; set mesh.tp=1 (the experts shard over mesh.ep)")
 
 
 def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple[int, ...] | None]:
