@@ -9,12 +9,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 
-__all__ = ["ParallelDims", "MESH_AXES"]
+__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
 # inside a node (tp last: its collectives run every layer and need the fastest links). cp and ep
 # are named here so the vocabulary is fixed, but are refused (> 1) until they are built.
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
+EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class ParallelDims:
                     training: bool = True) -> "ParallelDims":
         """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
 
-        `training=False` (the planner) accepts mesh.cp > 1 and mesh.ep > 1, which training refuses."""
+        `training=False` (the planner) accepts mesh.cp > 1, which training refuses, and any mesh.ep."""
         where = f" ({world_size_expr})" if world_size_expr else ""
         for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
             v = getattr(mesh, axis)
@@ -53,8 +55,6 @@ class ParallelDims:
                 f"mesh.cp({mesh.cp}) > 1: context parallel is not built yet (torch's ring attention needs "
                 "CUDA SDPA kernels); set mesh.cp=1"
             )
-        if training and mesh.ep > 1:
-            raise ValueError(f"mesh.ep({mesh.ep}) > 1: expert parallel is not built yet; set mesh.ep=1")
         others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
         dp_shard = mesh.dp_shard
         if dp_shard == -1:
@@ -72,6 +72,8 @@ class ParallelDims:
                 f"mesh.cp({mesh.cp}) * mesh.tp({mesh.tp}) = {product} != world size {world_size}{where}; "
                 "make the product equal the world size (mesh.dp_shard=-1 fills the rest)"
             )
+        if training and mesh.ep > 1:
+            _check_ep(mesh, dp_shard=dp_shard)
         if mesh.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"mesh.pp_schedule={mesh.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
         return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.cp, mesh.tp, mesh.ep, world_size)
@@ -102,16 +104,38 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
-        return " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        out = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Builds the world DeviceMesh with every axis named (size-1 axes included)."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def build_ep_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The MoE mesh over the same ranks, dp_shard split into (edp, ep): ep = adjacent dp_shard ranks that
+        exchange tokens, edp = the ranks holding the same experts (their gradients are reduced over it)."""
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_AXES)
+
     @staticmethod
     def dp_rank(mesh: DeviceMesh) -> int:
         """This rank's index among the dp = dp_replicate * dp_shard slices of the global batch."""
         return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
+    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard, with FSDP; other axes refused."""
+    if dp_shard % mesh.ep:
+        raise ValueError(f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}): expert parallelism borrows its "
+                         "ranks from data parallelism (the ep ranks of a group train on different batch slices)")
+    for axis in ("pp", "dp_replicate", "cp", "tp"):
+        if getattr(mesh, axis) > 1:
+            raise ValueError(f"mesh.ep({mesh.ep}) > 1 with mesh.{axis}({getattr(mesh, axis)}) > 1 is not built yet "
+                             f"(expert parallel trains with mesh.dp_shard only); set mesh.{axis}=1 or mesh.ep=1")
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:
