@@ -161,6 +161,7 @@ class Trainer:
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        self.trained_steps: list[list[float]] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
         set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
@@ -379,6 +380,7 @@ class Trainer:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
             set_pg_timeouts(self.cfg.failure.collective_timeout_s)
         step_times.append(m["step_time_s"])
+        self.trained_steps.append([step, round(time.time(), 4), round(m["step_time_s"], 6)])
         if self._interval_end(step):
             self._log_metrics(step, m, step_times)
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
@@ -404,12 +406,13 @@ class Trainer:
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         m = {**m, **self.memory.read()}  # every rank ends its memory window
+        trained, self.trained_steps = self.trained_steps, []
         if self.env.rank != 0:
             return
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
         eta = recent * (self.cfg.train.steps - step)
         record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count, "attempt": self.env.attempt,
-                  "time": time.time()}
+                  "time": time.time(), "trained_steps": trained}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:

@@ -17,7 +17,7 @@ from jobs.telemetry.phases import in_step_order  # noqa: E402
 __all__ = ["loss_plot", "goodput_plot", "phase_heatmap", "COLORS"]
 
 COLORS = {"productive": "#2ca02c", "startup": "#1f77b4", "checkpoint_stall": "#ff7f0e", "lost_work": "#d62728",
-          "restart_gap": "#7f7f7f", "queue_wait": "#bcbd22", "other": "#c7c7c7"}
+          "failure_detection": "#9467bd", "restart_gap": "#7f7f7f", "queue_wait": "#bcbd22", "other": "#c7c7c7"}
 
 
 def loss_plot(metrics: list[dict], rows: list[Attempt], events: list[dict], path: Path) -> Path:

@@ -11,6 +11,7 @@ jobs/telemetry/phases.py). Without
 from __future__ import annotations
 
 import html
+import json
 import re
 import statistics
 import time
@@ -20,11 +21,12 @@ from datetime import datetime
 from pathlib import Path
 
 from jobs.events import read_events
+from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
-from jobs.telemetry.goodput import KINDS, Goodput, measure_goodput
+from jobs.telemetry.goodput import KINDS, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
-__all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "straggler_table",
+__all__ = ["RunData", "collect", "queue_waits", "slurm_ends", "read_phases", "goodput_table", "phase_table", "straggler_table",
            "render_text", "write_report"]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
@@ -32,10 +34,11 @@ _MEANS = {
     "productive": "steps the run kept",
     "startup": "attempt start -> first step (rendezvous, build, load)",
     "checkpoint_stall": "training blocked by saves (blocking_s)",
-    "lost_work": "steps trained again after a failure",
+    "lost_work": "steps trained again (failure, rollback)",
+    "failure_detection": "a failure's last step -> its decision",
     "restart_gap": "between attempts, outside the queue",
     "queue_wait": "Slurm Submit -> Start (sacct)",
-    "other": "logging, failure detection, teardown",
+    "other": "logging, eval, reload, final save, teardown",
 }
 
 
@@ -53,18 +56,66 @@ class RunData:
 
 
 def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
-            expected: float | None = None) -> RunData:
+            expected: float | None = None, costs: dict[str, float] | None = None) -> RunData:
     """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
-    Slurm records (with Submit and Start), None when sacct is not available."""
+    Slurm records (JobID, State, Submit, Start, End), None when sacct is not available. `expected`:
+    the expected goodput, else computed from `costs` (expected_goodput's keywords but solve_s) for
+    the productive time measured."""
+    now = time.time() if now is None else now
     events = read_events(run_dir / "events.jsonl")
     rows_all = read_events(run_dir / "metrics.jsonl")
     metrics = [m for m in rows_all if "step" in m and m.get("record") != "eval"]  # step lines; evals apart
     evals = [m for m in rows_all if m.get("record") == "eval"]
     rows = attempts(events)
-    g = measure_goodput(events, metrics, now=time.time() if now is None else now,
-                        queue=queue_waits(sacct_records or []), expected=expected)
+    knobs = _failure_knobs(run_dir)
+    beats = {a.attempt: max(b.time for b in got.values()) for a in rows
+             if a.end is None and (got := read_beats(run_dir, a.attempt))}
+    closed = close_dead(rows, events, metrics, now=now, beats=beats, slurm=slurm_ends(rows, sacct_records or []),
+                        fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S, quiet_s=knobs["hang_timeout_s"])
+    g = measure_goodput(events, metrics, now=now, queue=queue_waits(sacct_records or []), expected=expected,
+                        closed=closed)
+    if g.expected is None and costs is not None:
+        g.expected = expected_goodput(solve_s=g.seconds["productive"], **costs)
     return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
-                   running=bool(rows) and rows[-1].end is None, sacct=sacct_records is not None, evals=evals)
+                   running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
+                   sacct=sacct_records is not None, evals=evals)
+
+
+# A heartbeat younger than this many failure.heartbeat_s (+ slack) is live (the same rule as jobs/launch/rundir.py).
+_FRESH_BEATS = 5
+_FRESH_SLACK_S = 5.0
+
+
+def _failure_knobs(run_dir: Path) -> dict[str, float]:
+    """failure.heartbeat_s and failure.hang_timeout_s of the run (owner.json's flat config), else the defaults."""
+    try:
+        cfg = json.loads((run_dir / "owner.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        cfg = {}
+    return {"heartbeat_s": float(cfg.get("failure.heartbeat_s") or 2.0),
+            "hang_timeout_s": float(cfg.get("failure.hang_timeout_s") or 180.0)}
+
+
+def slurm_ends(rows: list[Attempt], records: list[dict[str, str]]) -> dict[str, tuple[str, float | None]]:
+    """(State, End as epoch seconds or None) of each Slurm attempt: record number <restart> of its job's
+    `sacct --duplicates` records (attempt `<job id>.<restart>[.<n>]`), else the job's last record."""
+    by_job: dict[str, list[dict[str, str]]] = {}
+    for r in records:
+        by_job.setdefault(r.get("JobID", ""), []).append(r)
+    out = {}
+    for a in rows:
+        recs = by_job.get(a.job_id or "")
+        if not recs:
+            continue
+        part = a.attempt.split(".")
+        i = int(part[1]) if len(part) > 1 and part[1].isdigit() else len(recs) - 1
+        r = recs[min(i, len(recs) - 1)]
+        try:
+            end = datetime.fromisoformat(r.get("End", "")).timestamp()
+        except ValueError:  # "Unknown" while it runs
+            end = None
+        out[a.attempt] = (r.get("State", ""), end)
+    return out
 
 
 def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
@@ -105,10 +156,13 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
 
 
 def goodput_table(g: Goodput, *, sacct: bool) -> str:
-    """The breakdown of the wall time by kind, then measured vs expected goodput, MTBF and MTTR."""
-    lines = [f"goodput: {g.goodput:.4f} measured"
-             + (f", {g.expected:.4f} expected by jobs.plan before submit" if g.expected is not None else
-                ", expected: n/a (jobs.plan could not plan config.yaml)"),
+    """The headline (productive / allocated, the queue apart), the breakdown of the wall time by kind,
+    then expected goodput, MTBF and MTTR."""
+    lines = [f"goodput: {g.goodput:.4f} measured (productive {g.seconds['productive']:.1f} s / allocated "
+             f"{g.allocated_s:.1f} s; queue {g.seconds['queue_wait']:.1f} s apart"
+             + ("" if sacct else ": sacct not available") + f"; {g.wall_goodput:.4f} of the wall time)"
+             + (f", {g.expected:.4f} expected (jobs.plan's costs, start-up and restarts included)"
+                if g.expected is not None else ", expected: n/a (jobs.plan could not plan config.yaml)"),
              f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
              ]
     for k in KINDS:
@@ -116,11 +170,14 @@ def goodput_table(g: Goodput, *, sacct: bool) -> str:
         note = _MEANS[k] if k != "queue_wait" or sacct else "n/a: sacct not available"
         lines.append(f"  {k:<17} {s:>10.1f} {s / g.wall_s if g.wall_s else 0:>7.1%}  {note}")
     lines.append(f"  {'wall':<17} {g.wall_s:>10.1f} {1:>7.1%}  first submit/start -> last end (or now)")
-    lines.append(f"  allocated {g.allocated_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
+    lines.append(f"  {g.attempts_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
                  f"attempt(s); steps kept {g.steps_productive}, redone {g.steps_lost}")
+    for attempt, c in g.closed.items():
+        lines.append(f"  attempt {attempt} wrote no end: closed at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))}"
+                     f" ({c.by}) as {c.cause}")
     mtbf = f"{g.mtbf_s:.1f} s" if g.mtbf_s is not None else "n/a (no failure)"
     mttr = f"{g.mttr_s:.1f} s" if g.mttr_s is not None else "n/a (no recovery)"
-    lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr}")
+    lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr} (last progress -> next step)")
     return "\n".join(lines)
 
 
