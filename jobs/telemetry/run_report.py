@@ -23,10 +23,10 @@ from pathlib import Path
 from jobs.events import read_events
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
-from jobs.telemetry.goodput import KINDS, Goodput, close_dead, expected_goodput, measure_goodput
+from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
-__all__ = ["RunData", "collect", "queue_waits", "slurm_ends", "read_phases", "goodput_table", "phase_table", "straggler_table",
+__all__ = ["RunData", "collect", "dead_attempts", "queue_waits", "slurm_ends", "read_phases", "goodput_table", "phase_table", "straggler_table",
            "render_text", "write_report"]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
@@ -67,11 +67,7 @@ def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict
     metrics = [m for m in rows_all if "step" in m and m.get("record") != "eval"]  # step lines; evals apart
     evals = [m for m in rows_all if m.get("record") == "eval"]
     rows = attempts(events)
-    knobs = _failure_knobs(run_dir)
-    beats = {a.attempt: max(b.time for b in got.values()) for a in rows
-             if a.end is None and (got := read_beats(run_dir, a.attempt))}
-    closed = close_dead(rows, events, metrics, now=now, beats=beats, slurm=slurm_ends(rows, sacct_records or []),
-                        fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S, quiet_s=knobs["hang_timeout_s"])
+    closed = dead_attempts(run_dir, rows, events, metrics, now=now, sacct_records=sacct_records)
     g = measure_goodput(events, metrics, now=now, queue=queue_waits(sacct_records or []), expected=expected,
                         closed=closed)
     if g.expected is None and costs is not None:
@@ -79,6 +75,17 @@ def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict
     return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
                    running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
                    sacct=sacct_records is not None, evals=evals)
+
+
+def dead_attempts(run_dir: Path, rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float,
+                  sacct_records: list[dict[str, str]] | None) -> dict[str, Closed]:
+    """The attempts without an end that are dead (jobs.telemetry.goodput.close_dead), judged by their Slurm
+    records, their heartbeats under `run_dir` and the run's failure.heartbeat_s / failure.hang_timeout_s."""
+    knobs = _failure_knobs(run_dir)
+    beats = {a.attempt: max(b.time for b in got.values()) for a in rows
+             if a.end is None and (got := read_beats(run_dir, a.attempt))}
+    return close_dead(rows, events, metrics, now=now, beats=beats, slurm=slurm_ends(rows, sacct_records or []),
+                      fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S, quiet_s=knobs["hang_timeout_s"])
 
 
 # A heartbeat younger than this many failure.heartbeat_s (+ slack) is live (the same rule as jobs/launch/rundir.py).

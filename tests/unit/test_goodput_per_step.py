@@ -138,3 +138,11 @@ def test_the_expected_goodput_counts_the_startup_and_the_saves() -> None:
     assert got == pytest.approx(100.0 / 130.0, rel=1e-6)
     assert expected_goodput(solve_s=100.0, interval_s=10.0, blocking_s=1.0, mtbf_s=1e12, restart_s=0,
                             startup_s=0) == pytest.approx(100 / 110, rel=1e-6)
+
+
+def test_status_names_an_attempt_that_died_without_an_end(tmp_path: Path, monkeypatch) -> None:
+    import jobs.status
+
+    monkeypatch.setattr(jobs.status, "sacct_attempts", lambda job: [])  # accounting knows nothing of job 7
+    text = jobs.status.status_text(_dead_run(tmp_path))
+    assert "attempt 7.0 is not running although it wrote no end: it died at " in text and "(last heartbeat)" in text
