@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 from jobs.events import read_events
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
 from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
-__all__ = ["RunData", "collect", "dead_attempts", "queue_waits", "slurm_ends", "read_phases", "goodput_table", "phase_table", "straggler_table",
-           "render_text", "write_report"]
+__all__ = ["RunData", "collect", "dead_attempts", "queue_waits", "slurm_ends", "read_phases", "goodput_table",
+           "phase_table", "straggler_table", "health_table", "render_text", "write_report"]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
 _MEANS = {
@@ -189,18 +191,32 @@ def goodput_table(g: Goodput, *, sacct: bool) -> str:
 
 
 def phase_table(phases: dict[int, dict[str, float]]) -> str:
-    """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median."""
+    """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median; beyond
+    PHASE_TABLE_RANKS ranks, the median, p90 and max over ranks and the slowest rank instead of one row each."""
     names = in_step_order(phases)
-    lines = ["phases (median ms per step):", "  " + f"{'rank':>4} " + " ".join(f"{n:>12}" for n in names)]
-    for r, p in phases.items():
-        lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
+    w = 10 if len(phases) > PHASE_TABLE_RANKS else 4
+    head = "  " + f"{'rank':>{w}} " + " ".join(f"{n:>12}" for n in names)
+    cols = {n: [p[n] for p in phases.values() if n in p] for n in names}
+    if len(phases) > PHASE_TABLE_RANKS:
+        lines = [f"phases (median ms per step, {len(phases)} ranks aggregated):", head]
+        for label, q in (("median", 50), ("p90", 90), ("max", 100)):
+            lines.append("  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}"
+                                                          for n in names))
+        slowest = [max((p[n], r) for r, p in phases.items() if n in p)[1] for n in names]
+        lines.append("  " + f"{'max rank':>10} " + " ".join(f"{r:>12}" for r in slowest))
+    else:
+        lines = ["phases (median ms per step):", head]
+        for r, p in phases.items():
+            lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
     ratio = []
     for n in names:
-        vals = [p[n] for p in phases.values() if n in p]
-        med = statistics.median(vals)
-        ratio.append(f"{max(vals) / med:>12.2f}" if med > 0 else f"{'-':>12}")
-    lines.append("  " + f"{'max/median':>4} " + " ".join(ratio))
+        med = statistics.median(cols[n])
+        ratio.append(f"{max(cols[n]) / med:>12.2f}" if med > 0 else f"{'-':>12}")
+    lines.append("  " + f"{'max/median':>{w}} " + " ".join(ratio))
     return "\n".join(lines)
+
+
+PHASE_TABLE_RANKS = 32  # more ranks than this: the phase table shows percentiles over ranks
 
 
 def render_text(d: RunData) -> str:
@@ -211,10 +227,37 @@ def render_text(d: RunData) -> str:
             + (f", loss {last['loss']:.4f}" if "loss" in last else "")
             + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
                f"{d.evals[-1]['step']}" if d.evals else ""))
-    parts = [head, render_summary(d.events), _causes(d.attempts), goodput_table(d.goodput, sacct=d.sacct)]
+    parts = [head + _throughput(last), render_summary(d.events), _causes(d.attempts),
+             goodput_table(d.goodput, sacct=d.sacct)]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
     parts.append(straggler_table(d.events))
+    parts.append(health_table(d.events))
     return "\n\n".join(parts)
+
+
+def _throughput(last: dict) -> str:
+    """The last logged interval's tok/s, MFU (TFLOP/s per rank without a GPU peak), step time and peak memory."""
+    parts = [f"{last['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in last else "",
+             f"MFU {100 * last['mfu']:.1f}%" if "mfu" in last else
+             f"{last['tflops_per_rank']:.3g} TFLOP/s per rank" if "tflops_per_rank" in last else "",
+             f"{last['step_time_s']:.3f} s/step" if "step_time_s" in last else "",
+             f"peak memory {last['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in last else ""]
+    shown = " | ".join(p for p in parts if p)
+    return f"\n  last interval: {shown}" if shown else ""
+
+
+def health_table(events: list[dict]) -> str:
+    """The run's GPU-health findings (`gpu_health` events that are not ok): when, node, GPU, level, what."""
+    found = [e for e in events if e.get("kind") == "gpu_health" and e.get("level") not in ("ok", "skipped")]
+    skipped = any(e.get("kind") == "gpu_health" and e.get("level") == "skipped" for e in events)
+    if not found:
+        return "GPU health: " + ("not checked (no GPU)" if skipped else "no finding")
+    lines = [f"GPU health: {len(found)} finding(s)", f"  {'attempt':<12} {'node':<10} {'level':<8} {'gpu':<14} what"]
+    for e in found:
+        what = "; ".join(f.get("detail", "") for f in e.get("findings", [])) or e.get("reason", "")
+        lines.append(f"  {e.get('attempt', ''):<12} {e.get('node', ''):<10} {e.get('level', ''):<8} "
+                     f"{str(e.get('gpu', ''))[:14]:<14} {what}")
+    return "\n".join(lines)
 
 
 def straggler_table(events: list[dict]) -> str:
@@ -243,8 +286,9 @@ def write_report(d: RunData, out: Path) -> list[Path]:
     from jobs.telemetry import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png"),
-               plots.goodput_plot(d.goodput, out / "goodput.png")]
+    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png", evals=d.evals),
+               plots.metrics_plot(d.metrics, d.attempts, out / "metrics.png"),
+               plots.goodput_plot(d.goodput, out / "goodput.png", events=d.events)]
     if d.phases:
         written.append(plots.phase_heatmap(d.phases, out / "phases.png"))
     page = out / "report.html"

@@ -105,5 +105,5 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     assert kept == list(range(again[0], STEPS + 1))  # every step accounted one by one (goodput's trained_steps)
     assert g.failures == 1 and g.mttr_s > 0 and 0 < g.goodput < 1
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
-    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "phases.png",
-                                                                        "report.html"]
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "metrics.png",
+                                                                        "phases.png", "report.html"]

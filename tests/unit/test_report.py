@@ -49,8 +49,8 @@ def test_report_of_an_ended_run_without_telemetry_has_tables_two_plots_and_the_p
     assert "lost_work                4.0" in text and "failures 1; observed job MTBF 50.0 s; MTTR 27.0 s" in text
     assert "phases: no telemetry/" in text
     written = write_report(d, run / "report")
-    assert [p.name for p in written] == ["loss.png", "goodput.png", "report.html"]
-    assert all(p.read_bytes()[:8] == PNG for p in written[:2])
+    assert [p.name for p in written] == ["loss.png", "metrics.png", "goodput.png", "report.html"]
+    assert all(p.read_bytes()[:8] == PNG for p in written[:3])
     page = (run / "report" / "report.html").read_text()
     assert '<img src="loss.png"' in page and '<img src="goodput.png"' in page and "goodput: 0.2667" in page
 
@@ -67,7 +67,7 @@ def test_report_of_a_running_run_with_telemetry_has_the_phase_table_and_heatmap(
     assert "   1        15.00         2.00" in text  # rank 1, median ms per step
     assert "max/median         1.20         1.00" in text  # 15 / median(10, 15)
     names = [p.name for p in write_report(d, tmp_path / "out")]
-    assert names == ["loss.png", "goodput.png", "phases.png", "report.html"]
+    assert names == ["loss.png", "metrics.png", "goodput.png", "phases.png", "report.html"]
     assert '<img src="phases.png"' in (tmp_path / "out" / "report.html").read_text()
 
 
