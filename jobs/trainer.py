@@ -319,6 +319,8 @@ class Trainer:
         # then every recorded rollback's data skip and LR scale again.
         self._load()
         self.health.resume(st, load=self._load, schedulers=self.lr_schedulers, agree=self._agree)
+        if self.tensorboard is not None:  # after a restart, TensorBoard drops what this attempt trains again
+            self.tensorboard.purge_step = st.step + 1
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
                          microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
@@ -409,6 +411,9 @@ class Trainer:
         trained, self.trained_steps = self.trained_steps, []
         if self.env.rank != 0:
             return
+        if trained:  # throughput and MFU as the interval's averages (total tokens / total time), not the last step's
+            scale = m["step_time_s"] * len(trained) / max(sum(dt for _, _, dt in trained), 1e-12)
+            m.update({k: m[k] * scale for k in ("tokens_per_s", "tflops_per_rank", "mfu") if k in m})
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
         eta = recent * (self.cfg.train.steps - step)
         record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count, "attempt": self.env.attempt,

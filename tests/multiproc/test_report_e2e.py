@@ -103,6 +103,11 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kept = [j for m in lines if m["attempt"] == "local.0.1" for j, _, _ in m["trained_steps"]]
     assert kept == list(range(again[0], STEPS + 1))  # every step accounted one by one (goodput's trained_steps)
+    per_step = next(e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                    if e["kind"] == "train_start")["tokens_per_step"]
+    for m in lines:  # tok/s is the interval's average: its tokens over its steps' summed time
+        assert m["tokens_per_s"] == pytest.approx(per_step * len(m["trained_steps"]) / sum(dt for _, _, dt in m["trained_steps"]),
+                                                  rel=1e-3)
     assert g.failures == 1 and g.mttr_s > 0 and 0 < g.goodput < 1
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
     assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "metrics.png",

@@ -116,3 +116,23 @@ def test_heatmap_values_are_written_in_a_colour_that_reads_on_their_cell() -> No
     colours = {t.get_text(): t.get_color() for t in ax.texts}
     assert colours == {"10.0": "black", "2.0": "white"}  # the bright (yellow) cell gets dark text
     plt.close(fig)
+
+
+def test_tensorboard_keeps_one_value_per_step_after_a_restart(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jobs.telemetry.tensorboard import ScalarLog
+
+    first = ScalarLog(tmp_path, purge_step=1)
+    for step in range(1, 11):  # the first attempt logs steps 1-10, then dies; its checkpoint was step 5
+        first.write({"step": step, "loss": 10.0 - step, "time": 1000.0 + step})
+    first.close()
+    again = ScalarLog(tmp_path, purge_step=6)  # the trainer sets the step resumed from + 1
+    for step in range(6, 9):
+        again.write({"step": step, "loss": 100.0 + step, "time": 2000.0 + step})
+    again.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert got == [(s, 10.0 - s) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 9)]
