@@ -7,7 +7,7 @@ per phase (seconds in that phase during the step; 0 when the step had none, e.g.
 names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end);
 on a CPU rank, the 2-D dataset `cpu` (rows x phases, its attribute `phases` names the columns) holds
 the same phases in CPU seconds (the straggler checks judge those plus the seconds the rank was
-descheduled in the phase: `Descheduled`).
+stopped in the phase: `Descheduled`).
 
 Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
 resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,40 +44,69 @@ SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
 
 
 class Descheduled:
-    """Seconds this process was not running although it had work: a daemon thread sleeps PERIOD_S at a
-    time and adds each wake-up's lateness beyond LATE_S to `seconds`. A process stopped (SIGSTOP/SIGCONT,
-    cpulimit), throttled (a cgroup quota) or pushed off its core by a noisy neighbour wakes it late by
-    that long; a rank asleep in a gloo collective (waiting for a slower peer) does not, because the
-    thread keeps waking on time while the main thread waits with the GIL released. Costs about 200
-    wake-ups a second, each a few microseconds. One per process (`get`), started in the rank itself.
+    """Seconds this process has spent stopped (SIGSTOP/SIGCONT from outside, cpulimit's duty cycle, a
+    debugger): a small watcher process (started once per rank, `get`) reads the rank's state in
+    /proc/<pid>/stat every PERIOD_S and adds the time between samples that find it stopped (T) to a
+    double in shared memory, which `seconds` reads (about a microsecond). From outside, because a stop
+    freezes every thread of the rank: a thread inside sees only a gap, and on a loaded machine a gap is
+    just as often a core it waited for or a GIL another thread held (tried: up to 30% of a busy
+    phase counted so). A rank asleep in a gloo collective, waiting for a slower peer, is not stopped: its
+    wait counts nothing, and a healthy rank's count stays exactly 0. Run-queue waits of a busy machine
+    are left out on purpose: on the shared 2-core CI box they are the noise that made healthy runs'
+    wall times vary 2x. The watcher exits when the rank does.
     """
 
     PERIOD_S = 0.005
-    LATE_S = 0.010  # lateness below this is the GIL hand-over (sys.getswitchinterval() = 5 ms) or scheduler noise
     _one: Descheduled | None = None
     _pid = 0
 
     def __init__(self) -> None:
-        import threading
+        import mmap
+        import subprocess
+        import sys
+        import tempfile
 
-        self.seconds = 0.0
-        threading.Thread(target=self._run, name="meshjob-descheduled", daemon=True).start()
+        fd, path = tempfile.mkstemp(prefix="meshjob-stopped-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.write(fd, bytes(8))
+        self._map = mmap.mmap(fd, 8)
+        os.close(fd)
+        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), path, str(self.PERIOD_S)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def seconds(self) -> float:
+        return struct.unpack_from("d", self._map)[0]
 
     @classmethod
     def get(cls) -> Descheduled:
-        if cls._one is None or cls._pid != os.getpid():  # a forked child has no thread of its parent's
+        if cls._one is None or cls._pid != os.getpid():  # a forked child needs a watcher of its own
             cls._one, cls._pid = cls(), os.getpid()
         return cls._one
 
-    def _run(self) -> None:
-        last = time.monotonic()
-        while True:
-            time.sleep(self.PERIOD_S)
-            now = time.monotonic()
-            late = now - last - self.PERIOD_S
-            if late > self.LATE_S:
-                self.seconds += late
-            last = now
+
+# The watcher (python -c, so that it imports nothing of the rank's): argv pid, shared file, period.
+_WATCHER = """
+import mmap, os, struct, sys, time
+pid, path, period = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+with open(path, "r+b") as f:
+    m = mmap.mmap(f.fileno(), 8)
+os.unlink(path)
+stopped, last = 0.0, time.monotonic()
+while True:
+    time.sleep(period)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        break
+    now = time.monotonic()
+    if state in (b"T", b"t"):
+        stopped += now - last
+        struct.pack_into("d", m, 0, stopped)
+    elif state in (b"Z", b"X"):
+        break
+    last = now
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +147,7 @@ class PhaseTimer:
     On CPU a phase is `time.perf_counter()` around it (the work is done when the call returns): that
     wall time goes to the file. The straggler checks get the wall time of the rank's own work instead
     (clock `work`): the phase's CPU time (`process_time`, all of the rank's threads) plus the time the
-    process was descheduled in it (`Descheduled`). A rank waiting in a gloo collective sleeps, so its
+    process was stopped from outside in it (`Descheduled`). A rank waiting in a gloo collective sleeps, so its
     wait for a slower peer counts neither way and does not make it look slow (its wall time would: on
     the loaded 2-core CI machine the wall time of one phase varied 2x between intervals of a healthy
     run, tests/multiproc/test_stragglers.py); a rank stopped or throttled from outside part of the

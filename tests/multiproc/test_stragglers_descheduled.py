@@ -2,8 +2,8 @@
 is named a straggler on CPU (issue 22, item 9).
 
 A stopped process uses no CPU, so its CPU time per phase does not change and a CPU-time clock never saw it;
-its peers wait for it asleep in gloo. The `work` clock (CPU time plus the time descheduled,
-jobs/telemetry/phases.py's Descheduled) sees the stop where the rank was working. Here the test stops rank 1
+its peers wait for it asleep in gloo. The `work` clock (CPU time plus the time stopped, which
+jobs/telemetry/phases.py's Descheduled watcher reads from outside the rank) sees the stop where the rank was working. Here the test stops rank 1
 for STOP_S out of every STOP_S + RUN_S for the whole run (a third of its wall time; measured ratio 1.99 in backward),
 2 ranks with FSDP, windows of 20 steps, named after K=2 slow windows past the warm-up one (a CPU-time clock named
 nobody in the same run: checked by judging CPU time alone, 2026-12-05). That healthy runs
