@@ -67,11 +67,13 @@ class Descheduled:
         import tempfile
 
         fd, path = tempfile.mkstemp(prefix="meshjob-stopped-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.unlink(path)  # the watcher gets the open file itself (pass_fds): nothing is left behind
         os.write(fd, bytes(8))
         self._map = mmap.mmap(fd, 8)
+        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(fd), str(self.PERIOD_S)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         pass_fds=(fd,), start_new_session=True)  # no pipe of the rank's held open
         os.close(fd)
-        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), path, str(self.PERIOD_S)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
     @property
     def seconds(self) -> float:
@@ -84,13 +86,12 @@ class Descheduled:
         return cls._one
 
 
-# The watcher (python -c, so that it imports nothing of the rank's): argv pid, shared file, period.
+# The watcher (python -c, so that it imports nothing of the rank's): argv pid, the shared file's fd, period.
 _WATCHER = """
 import mmap, os, struct, sys, time
-pid, path, period = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-with open(path, "r+b") as f:
-    m = mmap.mmap(f.fileno(), 8)
-os.unlink(path)
+pid, fd, period = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+m = mmap.mmap(fd, 8)
+os.close(fd)
 stopped, last = 0.0, time.monotonic()
 while True:
     time.sleep(period)
