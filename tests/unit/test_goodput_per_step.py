@@ -146,3 +146,21 @@ def test_status_names_an_attempt_that_died_without_an_end(tmp_path: Path, monkey
     monkeypatch.setattr(jobs.status, "sacct_attempts", lambda job: [])  # accounting knows nothing of job 7
     text = jobs.status.status_text(_dead_run(tmp_path))
     assert "attempt 7.0 is not running although it wrote no end: it died at " in text and "(last heartbeat)" in text
+
+
+def test_a_requeued_attempt_takes_its_own_sacct_record_and_the_expected_figure_uses_the_productive_time(
+        tmp_path: Path) -> None:
+    from jobs.failure.ledger import attempts
+    from jobs.telemetry.run_report import slurm_ends
+
+    ts = datetime.fromtimestamp
+    recs = [{"JobID": "7", "State": "REQUEUED", "End": ts(1050).isoformat()},
+            {"JobID": "7", "State": "FAILED", "End": ts(1090).isoformat()},
+            {"JobID": "8", "State": "RUNNING", "End": "Unknown"}]
+    rows = attempts([_ev(1000, "attempt_start", "7.0", job_id="7"), _ev(1060, "attempt_start", "7.1", job_id="7"),
+                     _ev(1070, "attempt_start", "8.0", job_id="8")])
+    assert slurm_ends(rows, recs) == {"7.0": ("REQUEUED", 1050.0), "7.1": ("FAILED", 1090.0), "8.0": ("RUNNING", None)}
+    costs = {"interval_s": 10.0, "blocking_s": 1.0, "mtbf_s": 1e12, "restart_s": 13.0, "startup_s": 13.0}
+    d = collect(_dead_run(tmp_path), now=100_000.0, costs=costs)
+    # 20 s of productive steps: 20 s + 2 saves of 1 s + one 13 s start-up = 35 s
+    assert d.goodput.expected == pytest.approx(20.0 / 35.0, rel=1e-6)
