@@ -2,8 +2,10 @@
 
 Prints the text tables and writes `loss.png`, `goodput.png` (`phases.png` with `telemetry/`) and
 `report.html` into `--out` (default RUN_DIR/report). Reads only the run dir, `sacct` when it is on
-PATH (queue wait), and plans `config.yaml` with `jobs.plan`'s own planner (analytic, no fake backend)
-for the expected goodput, unless `--no-plan`. Works on a run that is still going.
+PATH (queue wait; the end of an attempt that died without writing one), and plans `config.yaml` with
+`jobs.plan`'s own planner (analytic, no fake backend) for the expected goodput, unless `--no-plan`: Daly's
+expected time for the productive time measured, with the plan's save, failure and restart costs, plus
+one start-up. Works on a run that is still going.
 Exit code 0; 2 when RUN_DIR has no ledger.
 """
 
@@ -19,11 +21,13 @@ from jobs.failure.ledger import attempts
 from jobs.launch.slurm_state import SACCT_FIELDS, sacct_attempts
 from jobs.telemetry.run_report import collect, render_text, write_report
 
-__all__ = ["main", "expected_goodput", "sacct_records"]
+__all__ = ["main", "plan_costs", "sacct_records"]
 
 
-def expected_goodput(run_dir: Path) -> float | None:
-    """The goodput `jobs.plan` expects for the run's `config.yaml`; None when it cannot be planned."""
+def plan_costs(run_dir: Path) -> dict[str, float] | None:
+    """The costs `jobs.plan` plans for the run's `config.yaml` (checkpoint interval and blocking save,
+    job MTBF, restart; a start-up costs what a restart does), as jobs.telemetry.goodput.expected_goodput's
+    keywords but solve_s; None when it cannot be planned, without checkpoints, or with a cost unknown."""
     from omegaconf import OmegaConf
 
     from jobs.config import JobConfig
@@ -31,10 +35,16 @@ def expected_goodput(run_dir: Path) -> float | None:
 
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(run_dir / "config.yaml")))
-        return build_plan(cfg, measure=False).goodput_expected
-    except (OSError, ValueError) as e:
+        k = build_plan(cfg, measure=False).checkpoint
+        costs = {"interval_s": k["interval_s"], "blocking_s": k["blocking_s"], "mtbf_s": k["mtbf_s"],
+                 "restart_s": k["restart_s"], "startup_s": k["restart_s"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"warning: no expected goodput: jobs.plan could not plan {run_dir}/config.yaml: {e}", file=sys.stderr)
         return None
+    if not cfg.checkpoint.enabled or not all(isinstance(v, (int, float)) for v in costs.values()):
+        print("warning: no expected goodput: checkpoint.enabled=false or a cost jobs.plan does not know", file=sys.stderr)
+        return None
+    return {name: float(v) for name, v in costs.items()}
 
 
 def sacct_records(run_dir: Path) -> list[dict[str, str]] | None:
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir),
-                   expected=None if args.no_plan else expected_goodput(args.run_dir))
+                   costs=None if args.no_plan else plan_costs(args.run_dir))
     print(render_text(data))
     written = write_report(data, args.out or args.run_dir / "report")
     print("\nwrote " + ", ".join(str(w) for w in written))

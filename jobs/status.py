@@ -1,7 +1,8 @@
 """`python -m jobs.status RUN_DIR`: every attempt of a live or finished run, and what Slurm says of its jobs.
 
-Reads only the run dir (`events.jsonl`, `incidents/`) and, when `sacct` is on PATH, the accounting
-records of the run's Slurm jobs (`sacct --duplicates`: one line per attempt, requeues included).
+Reads only the run dir (`events.jsonl`, `metrics.jsonl`, `heartbeats/`, `incidents/`) and, when `sacct` is on PATH, the accounting
+records of the run's Slurm jobs (`sacct --duplicates`: one line per attempt, requeues included). An attempt
+that wrote no end but is dead (its job ended, or its heartbeats went stale) is named, with when it died.
 Exit code 0; 2 when RUN_DIR has no ledger.
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from jobs import exitcodes
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
+from jobs.telemetry.run_report import dead_attempts
 
 __all__ = ["main", "status_text"]
 
@@ -24,6 +27,13 @@ def status_text(run_dir: Path) -> str:
     events = read_events(run_dir / "events.jsonl")
     rows = attempts(events)
     lines = [f"run {run_dir}", render_summary(events)]
+    jobs = list(dict.fromkeys(a.job_id for a in rows if a.job_id))
+    records = {job: sacct_attempts(job) for job in jobs}
+    metrics = [m for m in read_events(run_dir / "metrics.jsonl") if "step" in m and m.get("record") != "eval"]
+    dead = dead_attempts(run_dir, rows, events, metrics, now=time.time(),
+                         sacct_records=[r for recs in records.values() for r in recs] if jobs else None)
+    lines += [f"attempt {a} is not running although it wrote no end: it died at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))} ({c.by})" for a, c in dead.items()]
     decisions = [e for e in events if e.get("kind") == "decision"]
     if decisions:
         d = decisions[-1]
@@ -32,9 +42,8 @@ def status_text(run_dir: Path) -> str:
     if incidents:
         inc = json.loads(incidents[-1].read_text())
         lines.append(f"newest incident ({incidents[-1].parent.name}): {inc['cls']}: {inc['summary']}")
-    jobs = list(dict.fromkeys(a.job_id for a in rows if a.job_id))
     for job in jobs:
-        recs = sacct_attempts(job)
+        recs = records[job]
         if recs:
             lines.append(f"slurm job {job} (sacct --duplicates):")
             lines += [f"  {r}" for r in _fmt_sacct(recs)]

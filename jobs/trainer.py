@@ -166,6 +166,7 @@ class Trainer:
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        self.trained_steps: list[list[float]] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
         set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
@@ -334,6 +335,8 @@ class Trainer:
         # then every recorded rollback's data skip and LR scale again.
         self._load()
         self.health.resume(st, load=self._load, schedulers=self.lr_schedulers, agree=self._agree)
+        if self.tensorboard is not None:  # after a restart, TensorBoard drops what this attempt trains again
+            self.tensorboard.purge_step = st.step + 1
         self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
                          world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
                          microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
@@ -395,6 +398,7 @@ class Trainer:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
             set_pg_timeouts(self.cfg.failure.collective_timeout_s)
         step_times.append(m["step_time_s"])
+        self.trained_steps.append([step, round(time.time(), 4), round(m["step_time_s"], 6)])
         if self._interval_end(step):
             self._log_metrics(step, m, step_times)
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
@@ -420,12 +424,16 @@ class Trainer:
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         m = {**m, **self.memory.read()}  # every rank ends its memory window
+        trained, self.trained_steps = self.trained_steps, []
         if self.env.rank != 0:
             return
+        if trained:  # throughput and MFU as the interval's averages (total tokens / total time), not the last step's
+            scale = m["step_time_s"] * len(trained) / max(sum(dt for _, _, dt in trained), 1e-12)
+            m.update({k: m[k] * scale for k in ("tokens_per_s", "tflops_per_rank", "mfu") if k in m})
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
         eta = recent * (self.cfg.train.steps - step)
         record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count, "attempt": self.env.attempt,
-                  "time": time.time()}
+                  "time": time.time(), "trained_steps": trained}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:

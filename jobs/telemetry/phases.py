@@ -6,7 +6,8 @@ per phase (seconds in that phase during the step; 0 when the step had none, e.g.
 `step` (int), `attempt` (int, an index into the file attribute `attempts`, a JSON list of attempt
 names: a restarted attempt appends rows with its own index) and `time` (epoch seconds at step end);
 on a CPU rank, the 2-D dataset `cpu` (rows x phases, its attribute `phases` names the columns) holds
-the same phases in CPU seconds (what the straggler checks judge).
+the same phases in CPU seconds (the straggler checks judge those plus the seconds the rank was
+stopped in the phase: `Descheduled`).
 
 Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
 resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PHASES", "PhaseTimer", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
+__all__ = ["PHASES", "PhaseTimer", "Descheduled", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
            "in_step_order", "META", "committed_rows"]
 
 PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
@@ -41,6 +43,73 @@ META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not p
 # does not depend on the machine's speed. CPU ranks only. Read once when the timer is built; never set it
 # in a real run.
 SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
+
+
+class Descheduled:
+    """Seconds this process has spent stopped (SIGSTOP/SIGCONT from outside, cpulimit's duty cycle, a
+    debugger): a small watcher process (started once per rank, `get`) reads the rank's state in
+    /proc/<pid>/stat every PERIOD_S and adds the time between samples that find it stopped (T) to a
+    double in shared memory, which `seconds` reads (about a microsecond). From outside, because a stop
+    freezes every thread of the rank: a thread inside sees only a gap, and on a loaded machine a gap is
+    just as often a core it waited for or a GIL another thread held (tried: up to 30% of a busy
+    phase counted so). A rank asleep in a gloo collective, waiting for a slower peer, is not stopped: its
+    wait counts nothing, and a healthy rank's count stays exactly 0. Run-queue waits of a busy machine
+    are left out on purpose: on the shared 2-core CI box they are the noise that made healthy runs'
+    wall times vary 2x. The watcher exits when the rank does.
+    """
+
+    PERIOD_S = 0.005
+    _one: Descheduled | None = None
+    _pid = 0
+
+    def __init__(self) -> None:
+        import mmap
+        import subprocess
+        import sys
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="meshjob-stopped-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.unlink(path)  # the watcher gets the open file itself (pass_fds): nothing is left behind
+        os.write(fd, bytes(8))
+        self._map = mmap.mmap(fd, 8)
+        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(fd), str(self.PERIOD_S)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         pass_fds=(fd,), start_new_session=True)  # no pipe of the rank's held open
+        os.close(fd)
+
+    @property
+    def seconds(self) -> float:
+        return struct.unpack_from("d", self._map)[0]
+
+    @classmethod
+    def get(cls) -> Descheduled:
+        if cls._one is None or cls._pid != os.getpid():  # a forked child needs a watcher of its own
+            cls._one, cls._pid = cls(), os.getpid()
+        return cls._one
+
+
+# The watcher (python -c, so that it imports nothing of the rank's): argv pid, the shared file's fd, period.
+_WATCHER = """
+import mmap, os, struct, sys, time
+pid, fd, period = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+m = mmap.mmap(fd, 8)
+os.close(fd)
+stopped, last = 0.0, time.monotonic()
+while True:
+    time.sleep(period)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        break
+    now = time.monotonic()
+    if state in (b"T", b"t"):
+        stopped += now - last
+        struct.pack_into("d", m, 0, stopped)
+    elif state in (b"Z", b"X"):
+        break
+    last = now
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +153,13 @@ class PhaseTimer:
     """Times the phases of each step on this rank; `with timer.phase("forward"): ...` adds to the step's row.
 
     On CPU a phase is `time.perf_counter()` around it (the work is done when the call returns): that
-    wall time goes to the file. The straggler checks get the phase's CPU time instead (`process_time`,
-    all of the rank's threads): a rank waiting in a gloo collective sleeps, so its wait for a slower
-    peer costs no CPU and does not make it look slow, and a busy machine's neighbours do not count (on
+    wall time goes to the file. The straggler checks get the wall time of the rank's own work instead
+    (clock `work`): the phase's CPU time (`process_time`, all of the rank's threads) plus the time the
+    process was stopped from outside in it (`Descheduled`). A rank waiting in a gloo collective sleeps, so its
+    wait for a slower peer counts neither way and does not make it look slow (its wall time would: on
     the loaded 2-core CI machine the wall time of one phase varied 2x between intervals of a healthy
-    run, tests/multiproc/test_stragglers.py). On CUDA
+    run, tests/multiproc/test_stragglers.py); a rank stopped or throttled from outside part of the
+    time, invisible to CPU time alone, is as slow as its peers find it (issue 22, item 9). On CUDA
     the kernels are only queued when the call returns, so a host clock would time the launch, not the
     work, and a `torch.cuda.synchronize()` per phase would stall the queue (and cost more than the 3%
     budget). Instead a pair of CUDA events is recorded on the current stream around each phase and read
@@ -106,12 +177,14 @@ class PhaseTimer:
         self.names = phase_names(pp=pp)
         self.cuda = device_type == "cuda"
         self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
-        self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks): what stragglers judge
+        self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks)
+        self._desched: dict[str, float] = dict.fromkeys(self.names, 0.0)  # seconds descheduled (CPU ranks): judged with _cpu
         self._events: list[tuple[str, object, object]] = []  # this step's CUDA (phase, start, end)
         self._pending: list[tuple[list[float], list[tuple[str, object, object]]]] = []  # rows whose events are unread
         self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
         self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
         self._flushed_at = -float("inf")  # time.monotonic() of the last flush
+        self._off = Descheduled.get() if enabled and not self.cuda else None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -128,7 +201,7 @@ class PhaseTimer:
             end.record()
             self._events.append((name, start, end))
             return
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, d0 = time.perf_counter(), time.process_time(), self._off.seconds
         yield
         if self.slow is not None and self.slow.phase == name:  # test-only (MESHJOB_TEST_SLOW_PHASE)
             until = time.process_time() + (self.slow.factor - 1.0) * (time.process_time() - c0)
@@ -137,6 +210,7 @@ class PhaseTimer:
             time.sleep(self.slow.stall_s)
         self._row[name] += time.perf_counter() - t0
         self._cpu[name] += time.process_time() - c0
+        self._desched[name] += self._off.seconds - d0
 
     def end_step(self, step: int) -> None:
         """Closes the step's row (phases it did not enter stay 0)."""
@@ -147,17 +221,18 @@ class PhaseTimer:
             self._pending.append((row, self._events))
             self._events = []
         self._rows.append((step, time.time(), row, cpu))
-        self.interval.append(row if self.cuda else cpu)
-        self._row, self._cpu = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0)
+        self.interval.append(row if self.cuda else [c + self._desched[n] for c, n in zip(cpu, self.names)])
+        self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
 
     def drop_step(self) -> None:
         """Forgets the open step's row (a step rolled back by the training-health check is not a step)."""
-        self._row, self._cpu, self._events = dict.fromkeys(self.names, 0.0), dict.fromkeys(self.names, 0.0), []
+        self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
+        self._events = []
 
     @property
     def clock(self) -> str:
-        """What the straggler checks compare: CUDA event time, or CPU time on a CPU rank."""
-        return "cuda" if self.cuda else "cpu"
+        """What the straggler checks compare: CUDA event time, or on a CPU rank `work` (CPU time plus time descheduled)."""
+        return "cuda" if self.cuda else "work"
 
     def _read_events(self) -> None:
         """Adds the CUDA events' times to their rows (the rows are shared with `interval`)."""

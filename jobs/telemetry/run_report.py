@@ -11,6 +11,7 @@ jobs/telemetry/phases.py). Without
 from __future__ import annotations
 
 import html
+import json
 import re
 import statistics
 import time
@@ -19,23 +20,27 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 from jobs.events import read_events
+from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
-from jobs.telemetry.goodput import KINDS, Goodput, measure_goodput
+from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
-__all__ = ["RunData", "collect", "queue_waits", "read_phases", "goodput_table", "phase_table", "straggler_table",
-           "render_text", "write_report"]
+__all__ = ["RunData", "collect", "dead_attempts", "queue_waits", "slurm_ends", "read_phases", "goodput_table",
+           "phase_table", "straggler_table", "health_table", "render_text", "write_report"]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
 _MEANS = {
     "productive": "steps the run kept",
     "startup": "attempt start -> first step (rendezvous, build, load)",
     "checkpoint_stall": "training blocked by saves (blocking_s)",
-    "lost_work": "steps trained again after a failure",
+    "lost_work": "steps trained again (failure, rollback)",
+    "failure_detection": "a failure's last step -> its decision",
     "restart_gap": "between attempts, outside the queue",
     "queue_wait": "Slurm Submit -> Start (sacct)",
-    "other": "logging, failure detection, teardown",
+    "other": "logging, eval, reload, final save, teardown",
 }
 
 
@@ -53,18 +58,73 @@ class RunData:
 
 
 def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
-            expected: float | None = None) -> RunData:
+            expected: float | None = None, costs: dict[str, float] | None = None) -> RunData:
     """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
-    Slurm records (with Submit and Start), None when sacct is not available."""
+    Slurm records (JobID, State, Submit, Start, End), None when sacct is not available. `expected`:
+    the expected goodput, else computed from `costs` (expected_goodput's keywords but solve_s) for
+    the productive time measured."""
+    now = time.time() if now is None else now
     events = read_events(run_dir / "events.jsonl")
     rows_all = read_events(run_dir / "metrics.jsonl")
     metrics = [m for m in rows_all if "step" in m and m.get("record") != "eval"]  # step lines; evals apart
     evals = [m for m in rows_all if m.get("record") == "eval"]
     rows = attempts(events)
-    g = measure_goodput(events, metrics, now=time.time() if now is None else now,
-                        queue=queue_waits(sacct_records or []), expected=expected)
+    closed = dead_attempts(run_dir, rows, events, metrics, now=now, sacct_records=sacct_records)
+    g = measure_goodput(events, metrics, now=now, queue=queue_waits(sacct_records or []), expected=expected,
+                        closed=closed)
+    if g.expected is None and costs is not None:
+        g.expected = expected_goodput(solve_s=g.seconds["productive"], **costs)
     return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
-                   running=bool(rows) and rows[-1].end is None, sacct=sacct_records is not None, evals=evals)
+                   running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
+                   sacct=sacct_records is not None, evals=evals)
+
+
+def dead_attempts(run_dir: Path, rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float,
+                  sacct_records: list[dict[str, str]] | None) -> dict[str, Closed]:
+    """The attempts without an end that are dead (jobs.telemetry.goodput.close_dead), judged by their Slurm
+    records, their heartbeats under `run_dir` and the run's failure.heartbeat_s / failure.hang_timeout_s."""
+    knobs = _failure_knobs(run_dir)
+    beats = {a.attempt: max(b.time for b in got.values()) for a in rows
+             if a.end is None and (got := read_beats(run_dir, a.attempt))}
+    return close_dead(rows, events, metrics, now=now, beats=beats, slurm=slurm_ends(rows, sacct_records or []),
+                      fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S, quiet_s=knobs["hang_timeout_s"])
+
+
+# A heartbeat younger than this many failure.heartbeat_s (+ slack) is live (the same rule as jobs/launch/rundir.py).
+_FRESH_BEATS = 5
+_FRESH_SLACK_S = 5.0
+
+
+def _failure_knobs(run_dir: Path) -> dict[str, float]:
+    """failure.heartbeat_s and failure.hang_timeout_s of the run (owner.json's flat config), else the defaults."""
+    try:
+        cfg = json.loads((run_dir / "owner.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        cfg = {}
+    return {"heartbeat_s": float(cfg.get("failure.heartbeat_s") or 2.0),
+            "hang_timeout_s": float(cfg.get("failure.hang_timeout_s") or 180.0)}
+
+
+def slurm_ends(rows: list[Attempt], records: list[dict[str, str]]) -> dict[str, tuple[str, float | None]]:
+    """(State, End as epoch seconds or None) of each Slurm attempt: record number <restart> of its job's
+    `sacct --duplicates` records (attempt `<job id>.<restart>[.<n>]`), else the job's last record."""
+    by_job: dict[str, list[dict[str, str]]] = {}
+    for r in records:
+        by_job.setdefault(r.get("JobID", ""), []).append(r)
+    out = {}
+    for a in rows:
+        recs = by_job.get(a.job_id or "")
+        if not recs:
+            continue
+        part = a.attempt.split(".")
+        i = int(part[1]) if len(part) > 1 and part[1].isdigit() else len(recs) - 1
+        r = recs[min(i, len(recs) - 1)]
+        try:
+            end = datetime.fromisoformat(r.get("End", "")).timestamp()
+        except ValueError:  # "Unknown" while it runs
+            end = None
+        out[a.attempt] = (r.get("State", ""), end)
+    return out
 
 
 def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
@@ -105,10 +165,13 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
 
 
 def goodput_table(g: Goodput, *, sacct: bool) -> str:
-    """The breakdown of the wall time by kind, then measured vs expected goodput, MTBF and MTTR."""
-    lines = [f"goodput: {g.goodput:.4f} measured"
-             + (f", {g.expected:.4f} expected by jobs.plan before submit" if g.expected is not None else
-                ", expected: n/a (jobs.plan could not plan config.yaml)"),
+    """The headline (productive / allocated, the queue apart), the breakdown of the wall time by kind,
+    then expected goodput, MTBF and MTTR."""
+    lines = [f"goodput: {g.goodput:.4f} measured (productive {g.seconds['productive']:.1f} s / allocated "
+             f"{g.allocated_s:.1f} s; queue {g.seconds['queue_wait']:.1f} s apart"
+             + ("" if sacct else ": sacct not available") + f"; {g.wall_goodput:.4f} of the wall time)"
+             + (f", {g.expected:.4f} expected (jobs.plan's costs, start-up and restarts included)"
+                if g.expected is not None else ", expected: n/a (jobs.plan could not plan config.yaml)"),
              f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
              ]
     for k in KINDS:
@@ -116,27 +179,44 @@ def goodput_table(g: Goodput, *, sacct: bool) -> str:
         note = _MEANS[k] if k != "queue_wait" or sacct else "n/a: sacct not available"
         lines.append(f"  {k:<17} {s:>10.1f} {s / g.wall_s if g.wall_s else 0:>7.1%}  {note}")
     lines.append(f"  {'wall':<17} {g.wall_s:>10.1f} {1:>7.1%}  first submit/start -> last end (or now)")
-    lines.append(f"  allocated {g.allocated_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
+    lines.append(f"  {g.attempts_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
                  f"attempt(s); steps kept {g.steps_productive}, redone {g.steps_lost}")
+    for attempt, c in g.closed.items():
+        lines.append(f"  attempt {attempt} wrote no end: closed at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))}"
+                     f" ({c.by}) as {c.cause}")
     mtbf = f"{g.mtbf_s:.1f} s" if g.mtbf_s is not None else "n/a (no failure)"
     mttr = f"{g.mttr_s:.1f} s" if g.mttr_s is not None else "n/a (no recovery)"
-    lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr}")
+    lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr} (last progress -> next step)")
     return "\n".join(lines)
 
 
 def phase_table(phases: dict[int, dict[str, float]]) -> str:
-    """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median."""
+    """Median ms per step, rank by phase, and each phase's slowest rank over the ranks' median; beyond
+    PHASE_TABLE_RANKS ranks, the median, p90 and max over ranks and the slowest rank instead of one row each."""
     names = in_step_order(phases)
-    lines = ["phases (median ms per step):", "  " + f"{'rank':>4} " + " ".join(f"{n:>12}" for n in names)]
-    for r, p in phases.items():
-        lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
+    w = 10 if len(phases) > PHASE_TABLE_RANKS else 4
+    head = "  " + f"{'rank':>{w}} " + " ".join(f"{n:>12}" for n in names)
+    cols = {n: [p[n] for p in phases.values() if n in p] for n in names}
+    if len(phases) > PHASE_TABLE_RANKS:
+        lines = [f"phases (median ms per step, {len(phases)} ranks aggregated):", head]
+        for label, q in (("median", 50), ("p90", 90), ("max", 100)):
+            lines.append("  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}"
+                                                          for n in names))
+        slowest = [max((p[n], r) for r, p in phases.items() if n in p)[1] for n in names]
+        lines.append("  " + f"{'max rank':>10} " + " ".join(f"{r:>12}" for r in slowest))
+    else:
+        lines = ["phases (median ms per step):", head]
+        for r, p in phases.items():
+            lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
     ratio = []
     for n in names:
-        vals = [p[n] for p in phases.values() if n in p]
-        med = statistics.median(vals)
-        ratio.append(f"{max(vals) / med:>12.2f}" if med > 0 else f"{'-':>12}")
-    lines.append("  " + f"{'max/median':>4} " + " ".join(ratio))
+        med = statistics.median(cols[n])
+        ratio.append(f"{max(cols[n]) / med:>12.2f}" if med > 0 else f"{'-':>12}")
+    lines.append("  " + f"{'max/median':>{w}} " + " ".join(ratio))
     return "\n".join(lines)
+
+
+PHASE_TABLE_RANKS = 32  # more ranks than this: the phase table shows percentiles over ranks
 
 
 def render_text(d: RunData) -> str:
@@ -147,10 +227,37 @@ def render_text(d: RunData) -> str:
             + (f", loss {last['loss']:.4f}" if "loss" in last else "")
             + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
                f"{d.evals[-1]['step']}" if d.evals else ""))
-    parts = [head, render_summary(d.events), _causes(d.attempts), goodput_table(d.goodput, sacct=d.sacct)]
+    parts = [head + _throughput(last), render_summary(d.events), _causes(d.attempts),
+             goodput_table(d.goodput, sacct=d.sacct)]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
     parts.append(straggler_table(d.events))
+    parts.append(health_table(d.events))
     return "\n\n".join(parts)
+
+
+def _throughput(last: dict) -> str:
+    """The last logged interval's tok/s, MFU (TFLOP/s per rank without a GPU peak), step time and peak memory."""
+    parts = [f"{last['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in last else "",
+             f"MFU {100 * last['mfu']:.1f}%" if "mfu" in last else
+             f"{last['tflops_per_rank']:.3g} TFLOP/s per rank" if "tflops_per_rank" in last else "",
+             f"{last['step_time_s']:.3f} s/step" if "step_time_s" in last else "",
+             f"peak memory {last['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in last else ""]
+    shown = " | ".join(p for p in parts if p)
+    return f"\n  last interval: {shown}" if shown else ""
+
+
+def health_table(events: list[dict]) -> str:
+    """The run's GPU-health findings (`gpu_health` events that are not ok): when, node, GPU, level, what."""
+    found = [e for e in events if e.get("kind") == "gpu_health" and e.get("level") not in ("ok", "skipped")]
+    skipped = any(e.get("kind") == "gpu_health" and e.get("level") == "skipped" for e in events)
+    if not found:
+        return "GPU health: " + ("not checked (no GPU)" if skipped else "no finding")
+    lines = [f"GPU health: {len(found)} finding(s)", f"  {'attempt':<12} {'node':<10} {'level':<8} {'gpu':<14} what"]
+    for e in found:
+        what = "; ".join(f.get("detail", "") for f in e.get("findings", [])) or e.get("reason", "")
+        lines.append(f"  {e.get('attempt', ''):<12} {e.get('node', ''):<10} {e.get('level', ''):<8} "
+                     f"{str(e.get('gpu', ''))[:14]:<14} {what}")
+    return "\n".join(lines)
 
 
 def straggler_table(events: list[dict]) -> str:
@@ -179,8 +286,9 @@ def write_report(d: RunData, out: Path) -> list[Path]:
     from jobs.telemetry import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png"),
-               plots.goodput_plot(d.goodput, out / "goodput.png")]
+    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png", evals=d.evals),
+               plots.metrics_plot(d.metrics, d.attempts, out / "metrics.png"),
+               plots.goodput_plot(d.goodput, out / "goodput.png", events=d.events)]
     if d.phases:
         written.append(plots.phase_heatmap(d.phases, out / "phases.png"))
     page = out / "report.html"

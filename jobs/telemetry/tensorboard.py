@@ -24,14 +24,22 @@ def check_tensorboard(enabled: bool) -> None:
 
 
 class ScalarLog:
-    """One SummaryWriter; `write(record)` adds every finite number of a metrics.jsonl record at its step."""
+    """One SummaryWriter; `write(record)` adds every finite number of a metrics.jsonl record at its step.
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    A restarted attempt trains again the steps after its checkpoint: `purge_step` (the step resumed from
+    + 1, set before the first write) makes TensorBoard drop the earlier attempt's events at and after it,
+    so each curve holds one value per step. The writer is opened at the first write, when it is known."""
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+    def __init__(self, run_dir: str | os.PathLike[str], *, purge_step: int | None = None) -> None:
+        self.log_dir = str(Path(run_dir) / "tensorboard")
+        self.purge_step = purge_step
+        self.writer = None
 
     def write(self, record: dict) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge_step)
         step = int(record["step"])
         for k, v in record.items():
             if k not in SKIPPED and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -39,4 +47,5 @@ class ScalarLog:
         self.writer.flush()  # readable while the run goes on (one flush per logged step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -86,7 +86,7 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     assert report.main([str(run_dir)]) == exitcodes.OK
     text = capsys.readouterr().out
     assert f": ended; step {STEPS} of {STEPS}" in text and "dead_rank -> restart x1, completed -> done x1" in text
-    assert "expected by jobs.plan before submit" in text
+    assert "expected (jobs.plan's costs, start-up and restarts included)" in text
     assert "phases (median ms per step):" in text
     # Whether CPU noise at log_every=2 names a straggler is tests/multiproc/test_stragglers.py's matter; the
     # report must show what the ledger holds: "none found", or a row for each straggler event.
@@ -100,7 +100,15 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     g = collect(run_dir).goodput
     # killed after step 8, resumed from the newest checkpoint: at least the flushed steps past it were redone
     assert g.steps_productive == STEPS and g.steps_lost >= len(first) - (again[0] - 1) >= 0
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kept = [j for m in lines if m["attempt"] == "local.0.1" for j, _, _ in m["trained_steps"]]
+    assert kept == list(range(again[0], STEPS + 1))  # every step accounted one by one (goodput's trained_steps)
+    per_step = next(e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                    if e["kind"] == "train_start")["tokens_per_step"]
+    for m in lines:  # tok/s is the interval's average: its tokens over its steps' summed time
+        assert m["tokens_per_s"] == pytest.approx(per_step * len(m["trained_steps"]) / sum(dt for _, _, dt in m["trained_steps"]),
+                                                  rel=1e-3)
     assert g.failures == 1 and g.mttr_s > 0 and 0 < g.goodput < 1
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
-    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "phases.png",
-                                                                        "report.html"]
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "metrics.png",
+                                                                        "phases.png", "report.html"]

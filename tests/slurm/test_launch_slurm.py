@@ -179,7 +179,8 @@ def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert ": ended; step 40 of 40" in r.stdout, r.stdout
     assert "-> requeue x1" in r.stdout and "completed -> done x1" in r.stdout, r.stdout
-    assert "expected by jobs.plan before submit" in r.stdout and "n/a: sacct not available" not in r.stdout, r.stdout
+    assert "expected (jobs.plan's costs, start-up and restarts included)" in r.stdout, r.stdout
+    assert "sacct not available" not in r.stdout, r.stdout
     g = collect(run_dir, sacct_records=sacct_records(run_dir)).goodput
     assert g.steps_productive == 40 and g.steps_lost == 0  # saved at the boundary after USR2: nothing redone
     assert g.seconds["queue_wait"] > 0 and 0 < g.goodput < 1

@@ -47,15 +47,18 @@ def test_goodput_of_two_attempts_with_one_failure_equals_the_hand_computed_figur
     # By hand: wall 990 -> 1060 = 70 s. productive: steps 1-4 (local.0) + 5-8 (local.0.1) = 8 x 2 s.
     # lost: steps 5, 6 of local.0 (redone) = 4 s. startup: 1000->1010 + 1040->1050 = 20 s.
     # stalls 1 + 0.5. restart gap 1030->1040 = 10. queue 990->1000 = 10.
-    # other: 1023->1030 (after the last step of local.0) + 1058.5->1060 = 8.5.
+    # failure detection: local.0's last progress (step 6 ends at 1023) -> its end 1030 (no decision) = 7.
+    # other: 1058.5->1060 (after the last save of local.0.1) = 1.5.
     assert g.wall_s == 70.0
     assert g.seconds == pytest.approx({"productive": 16.0, "startup": 20.0, "checkpoint_stall": 1.5,
-                                       "lost_work": 4.0, "restart_gap": 10.0, "queue_wait": 10.0, "other": 8.5})
-    assert g.goodput == pytest.approx(16.0 / 70.0)
+                                       "lost_work": 4.0, "failure_detection": 7.0, "restart_gap": 10.0,
+                                       "queue_wait": 10.0, "other": 1.5})
+    assert g.goodput == pytest.approx(16.0 / 60.0)  # productive / allocated (wall less the queue)
+    assert g.wall_goodput == pytest.approx(16.0 / 70.0)
     assert (g.steps_productive, g.steps_lost) == (8, 2)
-    assert g.allocated_s == 50.0 and g.failures == 1
+    assert g.allocated_s == 60.0 and g.attempts_s == 50.0 and g.failures == 1
     assert g.mtbf_s == pytest.approx(50.0)  # 50 s inside attempts / 1 failure
-    assert g.mttr_s == pytest.approx(20.0)  # failure at 1030 -> training again at 1050
+    assert g.mttr_s == pytest.approx(27.0)  # last progress at 1023 -> training again at 1050
     assert g.expected == 0.9
 
 
@@ -75,7 +78,7 @@ def test_a_lost_attempt_ends_at_its_own_last_record_and_the_wait_is_a_restart_ga
     events.insert(7, _ev(1040, "attempt_end", "local.0", cause="lost", action="none", step=6))
     g = measure_goodput(events, metrics, now=2000.0)
     assert g.seconds["restart_gap"] == pytest.approx(1040 - 1023)  # its last step logged at 1023
-    assert g.seconds["other"] == pytest.approx(1.5)
+    assert g.seconds["other"] == pytest.approx(1.5) and g.seconds["failure_detection"] == 0.0
     assert g.failures == 1 and g.mttr_s == pytest.approx(1050 - 1023)
 
 

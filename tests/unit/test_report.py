@@ -44,12 +44,13 @@ def test_report_of_an_ended_run_without_telemetry_has_tables_two_plots_and_the_p
     text = render_text(d)
     assert "run " in text and "ended; step 8 of ?" in text
     assert "local.0.1" in text and "dead_rank -> restart x1, completed -> done x1" in text
-    assert "goodput: 0.2667 measured, 0.9000 expected by jobs.plan" in text  # 16 s / 60 s: no queue wait known
-    assert "lost_work                4.0" in text and "failures 1; observed job MTBF 50.0 s; MTTR 20.0 s" in text
+    assert "goodput: 0.2667 measured (productive 16.0 s / allocated 60.0 s" in text  # no queue wait known
+    assert "0.9000 expected" in text
+    assert "lost_work                4.0" in text and "failures 1; observed job MTBF 50.0 s; MTTR 27.0 s" in text
     assert "phases: no telemetry/" in text
     written = write_report(d, run / "report")
-    assert [p.name for p in written] == ["loss.png", "goodput.png", "report.html"]
-    assert all(p.read_bytes()[:8] == PNG for p in written[:2])
+    assert [p.name for p in written] == ["loss.png", "metrics.png", "goodput.png", "report.html"]
+    assert all(p.read_bytes()[:8] == PNG for p in written[:3])
     page = (run / "report" / "report.html").read_text()
     assert '<img src="loss.png"' in page and '<img src="goodput.png"' in page and "goodput: 0.2667" in page
 
@@ -66,7 +67,7 @@ def test_report_of_a_running_run_with_telemetry_has_the_phase_table_and_heatmap(
     assert "   1        15.00         2.00" in text  # rank 1, median ms per step
     assert "max/median         1.20         1.00" in text  # 15 / median(10, 15)
     names = [p.name for p in write_report(d, tmp_path / "out")]
-    assert names == ["loss.png", "goodput.png", "phases.png", "report.html"]
+    assert names == ["loss.png", "metrics.png", "goodput.png", "phases.png", "report.html"]
     assert '<img src="phases.png"' in (tmp_path / "out" / "report.html").read_text()
 
 
@@ -97,5 +98,5 @@ def test_report_entry_refuses_a_folder_without_ledger_and_writes_into_out(tmp_pa
     assert report.main([str(tmp_path)]) == 2
     run = _run_dir(tmp_path)
     assert report.main([str(run), "--no-plan", "--out", str(tmp_path / "o")]) == 0
-    assert "goodput: 0.2667 measured, expected: n/a" in capsys.readouterr().out
+    assert "goodput: 0.2667 measured (" in (out := capsys.readouterr().out) and "expected: n/a" in out
     assert (tmp_path / "o" / "report.html").exists()

@@ -239,7 +239,7 @@ def test_step_telemetry_gathers_once_per_interval_skips_warm_up_and_reports_on_r
     assert len(gathered) == 4  # one gather per interval, none per step
     ((kind, ev),) = emitted  # interval 1 is warm-up; intervals 2 and 3 make the streak of 2
     assert kind == "straggler" and ev["step"] == 6 and (ev["ranks"], ev["nodes"], ev["phase"]) == ([2], ["n1"], "backward")
-    assert ev["clock"] == "cpu" and quarantined == [["n1"]]
+    assert ev["clock"] == "work" and quarantined == [["n1"]]
     assert st.finish(healthy=True, about={}) is False  # a run with a straggler writes no baseline
     assert "relative  backward   2" in straggler_table([{"kind": kind, **ev}])
 
