@@ -51,7 +51,7 @@ def test_the_trainer_applies_collective_timeout_s_after_the_first_step_only(monk
     stub = SimpleNamespace(
         watchdog=None, cfg=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=42.0)),
         events=SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f))),
-        _interval_end=lambda step: False, heldout=SimpleNamespace(due=lambda step: False))
+        _interval_end=lambda step: False, heldout=SimpleNamespace(due=lambda step: False), trained_steps=[])
     times: list[float] = []
     trainer_mod.Trainer._after_step(stub, 1, {"step_time_s": 0.5}, times)
     trainer_mod.Trainer._after_step(stub, 2, {"step_time_s": 0.4}, times)
