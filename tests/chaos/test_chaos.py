@@ -29,18 +29,6 @@ def _states(recs: list[dict]) -> list[str]:
     return [r["State"].split()[0] for r in recs]
 
 
-def test_usr2_from_scancel_saves_requeues_and_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
-    job = submit(run_root)
-    wait_for_step(run_root, 40)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
-    assert scontrol_job(job)["Restarts"] == "1"
-    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
-    assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
-
-
 def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
     job = submit(run_root)
     wait_for_step(run_root, 40)
@@ -118,18 +106,6 @@ def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finish
     assert d["action"] == "requeue" and "suspect node node2" in d["reason"] and d["excluded"] == ["node2"], d
     (q,) = json.loads((run_root / "quarantine.json").read_text())
     assert (q["node"], q["incident"]) == ("node2", f"{job}.0") and "dead_rank" in q["reason"], q
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
-
-
-def test_the_quarantine_list_is_honoured_by_a_later_requeue(run_root: Path, reference, tmp_path) -> None:
-    job = submit(run_root)
-    wait_for_step(run_root, 40)
-    (run_root / "quarantine.json").write_text(json.dumps([{"node": "node1", "reason": "by hand", "incident": None,
-                                                            "time": time.time()}]))
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # a preemption: save, then requeue
-    recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"] and recs[-1]["NodeList"] == "node[2-3]", recs
-    assert scontrol_job(job)["ExcNodeList"] == "node1"
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
