@@ -440,6 +440,7 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
         emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
         total_steps=cfg.train.steps, mtbf_s=mtbf_s, attempt=env.attempt,
+        collective_timeout_s=cfg.failure.collective_timeout_s,
     )
 
 
