@@ -15,7 +15,7 @@ import torch
 from checkpoint.convert import convert
 from jobs.events import read_events
 from tests.conftest import assert_states_bitwise, run_train
-from tests.slurm.slurm_helpers import REPO, cli, sacct, submitted_job_id
+from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 
 # 100 steps: the faults land at step ~40 (past the save at 25) and, for the sbatch case, again at 60; the
 # rest is what the job trains after its recovery. (The time-limit case stalls its steps instead of running
@@ -111,10 +111,21 @@ def wait_job_done(job: str, *, timeout: float = DONE_S) -> list[dict[str, str]]:
     while time.monotonic() < deadline:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
         if not state:
-            time.sleep(2)  # accounting catches up
-            return sacct(job)
-        time.sleep(1)
+            return _accounted(job)
+        time.sleep(0.25)
     raise AssertionError(f"job {job} still queued or running after {timeout} s: {sacct(job)}")
+
+
+def _accounted(job: str, *, wait_s: float = 30) -> list[dict[str, str]]:
+    """sacct's records of a job that has left the queue, once accounting shows every one of them final (it lags
+    the queue by about 0.1 s here; this replaced a fixed 2 s sleep per chaos test), or as they are after `wait_s`
+    (the test's own assertions then show them)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        recs = sacct(job)
+        if (recs and all(r["State"].split()[0] in FINAL for r in recs)) or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.1)
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:

@@ -1,6 +1,7 @@
 """The requeue path on the real local cluster (issue 20, item 2): a quarantine list naming a node Slurm does not
-know must not leave the requeued job held (the known names are still excluded), and a decider killed before it
-published its decision is replaced by the supervisor."""
+know must not leave the requeued job held (the known names are still excluded; the same job is the tier's USR2
+preemption case: saved, requeued, bitwise), and a decider killed before it published its decision is replaced by
+the supervisor."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (DONE_S, STEP_S, bound_s, events, losses, rank_pid, submit, wait_for_step,
-                                       wait_job_done)
+from tests.chaos.chaos_helpers import (DONE_S, STEP_S, assert_bitwise_equal_to_reference, bound_s, events, losses,
+                                       rank_pid, submit, wait_for_step, wait_job_done)
 from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -40,10 +41,14 @@ def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, 
 
 
 @pytest.mark.timeout(bound_s(STEP_S, BACK_S, DONE_S))  # its own waits are the bound
-def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(run_root: Path) -> None:
-    job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
+def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(run_root: Path, reference,
+                                                                                        tmp_path) -> None:
+    # Also the chaos tier's USR2 (scancel --signal=USR2, a preemption) and hand-written quarantine cases, once
+    # separate jobs with the same fault: the ranks save the stop step, the requeued job resumes there without
+    # the quarantined node1 and finishes bitwise equal to the uninterrupted run.
+    job = submit(run_root)
     try:
-        wait_for_step(run_root, 15)
+        wait_for_step(run_root, 40)
         # node99 was a node once (removed from slurm.conf since); node1 is real: Slurm refuses ExcNodeList
         # naming node99, and the old requeuehold -> update -> release left the job held for good on it.
         (run_root / "quarantine.json").write_text(json.dumps([
@@ -54,10 +59,14 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
     finally:
         subprocess.run(["scancel", job], capture_output=True)  # a no-op unless the job was left held
     assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "COMPLETED"], recs
-    assert recs[-1]["NodeList"] == "node[2-3]" and scontrol_job(job)["ExcNodeList"] == "node1", recs
+    info = scontrol_job(job)
+    assert recs[-1]["NodeList"] == "node[2-3]" and (info["ExcNodeList"], info["Restarts"]) == ("node1", "1"), (recs, info)
     (rq,) = events(run_root, "requeue")
     assert rq["ok"] and "dropped node(s) Slurm does not know: node99" in rq["scontrol"], rq
-    assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
+    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
+    assert {e["signal"] for e in events(run_root, "stop_requested") if e["rank"] == 0} == {"SIGUSR2"}
+    assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
 def _claimer(path: Path, *, timeout: float = 120) -> dict:

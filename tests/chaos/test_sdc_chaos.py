@@ -32,6 +32,15 @@ def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes
     job = submitted_job_id(r.stdout)
     recs = wait_job_done(job, timeout=DONE_S)
     assert [x["State"].split()[0] for x in recs][-1] == "COMPLETED", recs
+    # The re-run's evidence (tests/multiproc/test_sdc.py asserted it on the local launcher, a twin of this job).
+    (check,) = events(run_root, "sdc_check")
+    assert (check["step"], check["trigger"], check["verdict"], check["differ"], check["suspects"]) == (
+        25, "spike", "sdc", [1], [1]), check
+    first_run, rerun = check["values"]["1"]
+    assert first_run[1] > 1e30 and rerun[1] < 10  # rank 1's gradient: corrupt, then clean
+    assert check["values"]["0"][0] == check["values"]["0"][1]  # rank 0 computed the same bits twice
+    incident = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
+    assert incident["cls"] == "sdc" and incident["evidence"]["differ"] == [1], incident
     (failure,) = events(run_root, "failure")
     ((rank, node),) = [(s["rank"], s["node"]) for s in failure["suspects"]]
     assert failure["cls"] == "sdc" and rank == 1, failure
@@ -42,4 +51,15 @@ def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes
     assert (info["Restarts"], info["ExcNodeList"]) == ("1", node) and node not in recs[-1]["NodeList"], (info, recs)
     # The state before step 25 was saved as step 24 and the requeued job resumed there.
     assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [24]
+    assert max(m["step"] for m in _metrics(run_root) if m["restart"] == 0) == 24  # nothing after it trained
     assert losses(run_root) == losses(ref.run_dir)  # every step, bitwise
+    assert _final(run_root) == _final(ref.run_dir)  # and every step's grad norm and LR
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final(run_dir: Path) -> dict[int, tuple[float, float, float]]:
+    """step -> (loss, grad norm, lr) of the last line logged for each step."""
+    return {m["step"]: (m["loss"], m["grad_norm"], m["lr"]) for m in _metrics(run_dir) if "loss" in m}

@@ -1,15 +1,23 @@
-"""Every mesh trains exactly like one process: same model, data and seed give the same losses (fp32)."""
+"""Every mesh trains exactly like one process: same model, data and seed give the same losses (fp32), and the
+held-out evaluation (train.eval_every, on the training mesh, forward only) gives the same eval loss on every mesh
+and leaves the training losses as they are. The evaluation rides on these runs (it had three runs of its own,
+tests/multiproc/test_eval.py): the pipeline's forward-only schedule (pp2_dp_shard2_tp2 with two dp slices, pp4
+interleaved, pp2_tp2), loss_parallel over a tp-sharded vocabulary (tp4)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from tests.conftest import run_train
 
 pytestmark = pytest.mark.multiproc
 
 STEPS = 8
-COMMON = [f"train.steps={STEPS}", "checkpoint.enabled=false"]
+COMMON = [f"train.steps={STEPS}", "checkpoint.enabled=false", "train.eval_every=4", "train.eval_batches=2"]
+EVAL_STEPS = [4, 8]
 
 MESHES = {
     "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], []),
@@ -20,23 +28,33 @@ MESHES = {
     "pp2_tp2": (4, ["mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=2"], []),
 }
 
-_refs: dict[tuple[str, ...], list[float]] = {}
+_refs: dict[tuple[str, ...], tuple[list[float], torch.Tensor]] = {}
 
 
-def _reference(model: list[str], data_path: str, tmp_path_factory) -> list[float]:
+def _evals(run) -> torch.Tensor:
+    """The run's eval losses, after checking how they are logged: their own lines, at EVAL_STEPS, ppl = exp(loss)."""
+    assert [m["step"] for m in run.metrics()] == list(range(1, STEPS + 1))  # the step lines, without the eval lines
+    evals = run.evals()
+    assert [e["step"] for e in evals] == EVAL_STEPS and all(e["record"] == "eval" for e in evals)
+    assert all(math.isclose(e["eval_ppl"], math.exp(e["eval_loss"])) for e in evals)
+    assert "eval_loss" in run.stdout  # and on the progress line
+    return torch.tensor([e["eval_loss"] for e in evals], dtype=torch.float64)
+
+
+def _reference(model: list[str], data_path: str, tmp_path_factory) -> tuple[list[float], torch.Tensor]:
     key = tuple(model)
     if key not in _refs:
         run = run_train([*COMMON, *model, f"data.path={data_path}", "mesh=single", "launcher.tasks_per_node=1"],
                         tmp_path_factory.mktemp("ref"))
         assert run.returncode == 0, run.stderr[-3000:]
-        _refs[key] = run.losses()
+        _refs[key] = run.losses(), _evals(run)
     return _refs[key]
 
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path_factory) -> None:
     world, mesh, model = MESHES[name]
-    ref = _reference(model, data_path, tmp_path_factory)
+    ref, ref_evals = _reference(model, data_path, tmp_path_factory)
     run = run_train([*COMMON, *model, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"],
                     tmp_path_factory.mktemp(name))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -45,6 +63,10 @@ def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path
     for step, (a, b) in enumerate(zip(got, ref), start=1):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: {name} loss {a} vs single-process {b}"
     assert got[-1] < got[0]  # and it learns
+    evals = _evals(run)
+    # fp32 on CPU: the meshes differ only in reduction order (training parity holds to ~1e-6 relative)
+    torch.testing.assert_close(evals, ref_evals, rtol=1e-5, atol=1e-5)
+    assert evals[0] != evals[1]  # each evaluation sees the model as trained so far
 
 
 def test_default_run_learns_and_writes_its_run_dir(data_path: str, tmp_path) -> None:
