@@ -220,8 +220,9 @@ def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, d
         for (text, ends), enc in zip(batch, tok.encode_batch([t for t, _ in batch], add_special_tokens=False)):
             if doc["starts"]:
                 doc["held"] = _is_heldout(text, fraction)
-            ids = np.asarray(enc.ids + [eos] if ends else enc.ids, dtype=np.int64)
-            bufs["heldout" if doc["held"] else "tokens"].append(ids)
+            name = "heldout" if doc["held"] else "tokens"
+            ids = np.asarray(enc.ids + [eos] if ends else enc.ids, dtype=streams[name].dtype)
+            bufs[name].append(ids)
             tokens, documents = _COUNT[doc["held"]]
             counts[tokens] += len(ids)
             counts[documents] += ends
@@ -250,7 +251,7 @@ def _flush(streams: dict, bufs: dict[str, list[np.ndarray]]) -> None:
     for name, parts in bufs.items():
         if parts:
             ds = streams[name]
-            data = np.concatenate(parts).astype(ds.dtype)
+            data = np.concatenate(parts)
             n = ds.shape[0]
             ds.resize((n + len(data),))
             ds[n:] = data
