@@ -69,7 +69,8 @@ class DataConfig:
     heldout_fraction: float = 0.05  # share of documents (synthetic: of rows) kept out of training for evaluation
     sources: list[DataSource] = field(default_factory=list)  # tokenized: a weighted mixture of files; empty = data.path alone
     inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
-    tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json; None = train a byte-level BPE of model.vocab_size tokens
+    tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
+    doc_per: str = "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
 
 
 @dataclass

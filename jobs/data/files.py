@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import h5py
@@ -9,7 +11,7 @@ import h5py
 from jobs.config import DataConfig
 from jobs.data.synthetic import heldout_rows, write_synthetic
 
-__all__ = ["FORMAT_VERSION", "ensure_dataset", "sources_of", "padded_vocab", "NAMES"]
+__all__ = ["FORMAT_VERSION", "ensure_dataset", "sources_of", "padded_vocab", "tokenizer_sha256", "NAMES"]
 
 # 2: a `heldout` split beside `tokens` (held-out evaluation), and the `kind` attribute (synthetic | tokenized).
 FORMAT_VERSION = 2
@@ -19,6 +21,12 @@ NAMES = ("synthetic", "tokenized")  # data.name
 def padded_vocab(vocab: int, multiple: int = 64) -> int:
     """The model.vocab_size to suggest for a file's vocabulary: rounded up to a multiple of 64."""
     return -(-vocab // multiple) * multiple
+
+
+def tokenizer_sha256(tokenizer_json: str) -> str:
+    """The identity of a tokenizer: sha256 of its JSON with sorted keys and no spaces (formatting does not count)."""
+    canon = json.dumps(json.loads(tokenizer_json), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def sources_of(cfg: DataConfig) -> list[tuple[str, float]]:
@@ -43,6 +51,7 @@ def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int, eval_sa
         if weight <= 0:
             raise ValueError(f"data.sources: {path} has weight {weight}; every weight must be > 0")
         _check_tokenized(Path(path), vocab_size=vocab_size, sample_len=sample_len, eval_sample_len=eval_sample_len)
+    _check_one_tokenizer([path for path, _ in sources_of(cfg)])
     return Path(sources_of(cfg)[0][0]).resolve()
 
 
@@ -90,3 +99,18 @@ def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int, eval_sampl
     if heldout < eval_sample_len:
         raise ValueError(f"{path} holds {heldout} held-out tokens, fewer than one evaluation sample of train.seq_len + 1 "
                          f"= {eval_sample_len}; prepare it with a larger data.heldout_fraction, or set train.eval_every=0")
+
+
+def _check_one_tokenizer(paths: list[str]) -> None:
+    """A mixture's files share one tokenizer (the hash of its JSON) and one EOS id, else an id would mean
+    different tokens in different samples."""
+    seen: dict[tuple[str, int], list[str]] = {}
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            sha = tokenizer_sha256(f["tokenizer_json"][:].tobytes().decode()) if "tokenizer_json" in f else "none"
+            seen.setdefault((sha, int(f.attrs.get("eos_id", -1))), []).append(path)
+    if len(seen) > 1:
+        groups = "; ".join(f"{', '.join(p)} (tokenizer {sha[:12]}, eos_id {eos})" for (sha, eos), p in seen.items())
+        raise ValueError(f"data.sources mixes files made with different tokenizers: {groups}. Prepare every file "
+                         f"with one tokenizer, e.g. python -m jobs.prepare_data data.tokenizer={paths[0]} "
+                         "data.inputs=[FILES] data.path=NEW.h5 (the tokenizer of that file is reused)")

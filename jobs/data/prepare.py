@@ -1,11 +1,13 @@
 """`python -m jobs.prepare_data`'s work: a corpus -> the tokenized HDF5 token file the trainer reads.
 
 The file holds `tokens` (training documents) and `heldout` (documents kept out by the hash of their
-text, `data.heldout_fraction` of them), each a 1-D stream of documents each ended by EOS; the tokenizer
+text, `data.heldout_fraction` of them), each a 1-D stream of documents each ended by EOS, as uint16 when
+the vocabulary fits (else uint32; older files hold int32 and are read as they are); the tokenizer
 (`tokenizer_json`) and a JSON manifest (`manifest`: source files with size and sha256, vocabulary,
-counts) as byte datasets; `format`, `kind`, `vocab_size`, `eos_id`, `heldout_fraction` as attributes.
-Streaming: documents are read one line at a time and tokenized in batches appended to resizable
-datasets. Deterministic: the same inputs give the same bytes (no timestamps in the file). Re-running
+tokenizer hash, counts) as byte datasets; `format`, `kind`, `vocab_size`, `eos_id`, `heldout_fraction`
+as attributes. Streaming with bounded memory: documents (`data.doc_per` for plain text) are read in
+pieces of at most `corpus.PIECE_CHARS` characters and tokenized in batches of bounded size appended to
+resizable datasets; a long document's pieces follow each other in one split, EOS after the last. Deterministic: the same inputs give the same bytes (no timestamps in the file). Re-running
 with more inputs appends them (a file already in the manifest, by sha256, is skipped). Every write goes
 to a temporary copy renamed at the end: a malformed input (InputError) leaves nothing behind.
 """
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,13 +27,14 @@ import h5py
 import numpy as np
 
 from jobs.config import DataConfig
-from jobs.data.corpus import documents, file_digest
-from jobs.data.files import FORMAT_VERSION
+from jobs.data.corpus import DOC_PER, pieces, file_digest
+from jobs.data.files import FORMAT_VERSION, tokenizer_sha256
 
-__all__ = ["prepare_data", "read_manifest", "read_tokenizer", "EOS_TOKENS"]
+__all__ = ["prepare_data", "read_manifest", "read_tokenizer", "load_tokenizer", "EOS_TOKENS"]
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")  # a given tokenizer's EOS: the first it has
-_BATCH_DOCS = 512  # documents tokenized per encode_batch call
+_BATCH_DOCS = 512  # pieces tokenized per encode_batch call, at most
+_BATCH_CHARS = 1 << 20  # characters tokenized per encode_batch call, at most (plus one piece)
 _FLUSH_TOKENS = 1 << 20  # tokens buffered before an append to the file
 _CHUNK = 1 << 16  # HDF5 chunk of the token streams
 
@@ -41,6 +45,7 @@ def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], 
     say = progress or (lambda msg: print(f"prepare_data: {msg}", file=sys.stderr, flush=True))
     out = Path(cfg.path)
     inputs = _check_inputs(cfg)
+    given = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None  # before any input is read
     old = read_manifest(out) if out.exists() else None
     if old is not None and old["heldout_fraction"] != cfg.heldout_fraction:
         raise ValueError(f"{out} was split with data.heldout_fraction={old['heldout_fraction']}; append with the same")
@@ -49,11 +54,12 @@ def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], 
         say(f"nothing to add: every input is already in {out}")
         return old
     for path, _ in new:  # the whole check first: a malformed file stops the run before anything is written
-        for _ in documents(path):
+        for _ in pieces(path, doc_per=cfg.doc_per):
             pass
-    tok = _tokenizer(cfg, out=out, old=old, new=[p for p, _ in new], vocab_size=vocab_size, say=say)
+    tok = _tokenizer(cfg, given=given, out=out, old=old, new=[p for p, _ in new], vocab_size=vocab_size, say=say)
     origin = old["tokenizer"] if old else (cfg.tokenizer or f"byte-level BPE trained on the inputs (model.vocab_size={vocab_size})")
-    return _write(out, tok, new=new, old=old, heldout_fraction=cfg.heldout_fraction, origin=origin, say=say)
+    return _write(out, tok, new=new, old=old, heldout_fraction=cfg.heldout_fraction, doc_per=cfg.doc_per,
+                  origin=origin, say=say)
 
 
 def _check_inputs(cfg: DataConfig) -> list[Path]:
@@ -65,6 +71,9 @@ def _check_inputs(cfg: DataConfig) -> list[Path]:
             raise ValueError(f"data.inputs: {p} is not a file")
     if not 0.0 < cfg.heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction({cfg.heldout_fraction}) must be in (0, 1)")
+    if cfg.doc_per not in DOC_PER:
+        raise ValueError(f"data.doc_per={cfg.doc_per} is not one of {', '.join(DOC_PER)} (what one document of a "
+                         "plain text file is; JSON lines are always one document per line)")
     return paths
 
 
@@ -82,23 +91,54 @@ def _new_files(inputs: list[Path], old: dict | None, say: Callable[[str], None])
     return new
 
 
-def _all_documents(paths: list[Path]) -> Iterator[str]:
+def _all_texts(paths: list[Path], doc_per: str) -> Iterator[str]:
     for p in paths:
-        yield from documents(p)
+        for text, _ in pieces(p, doc_per=doc_per):
+            yield text
 
 
-def _tokenizer(cfg: DataConfig, *, out: Path, old: dict | None, new: list[Path], vocab_size: int,
+def load_tokenizer(spec: str):
+    """data.tokenizer: a tokenizer.json, or a file made by prepare_data whose tokenizer is reused (one tokenizer
+    for a mixture); ValueError naming the override when it is missing, unreadable or has no EOS token."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={spec} is not a file: give a tokenizer.json, a token file made by "
+                         "python -m jobs.prepare_data (its tokenizer is reused), or no data.tokenizer (a BPE is "
+                         "trained on the inputs)")
+    try:
+        if h5py.is_hdf5(path):
+            with h5py.File(path, "r") as f:
+                if "tokenizer_json" not in f:
+                    raise ValueError(f"data.tokenizer={spec} is an HDF5 file without a tokenizer_json dataset, "
+                                     "not a token file made by python -m jobs.prepare_data")
+                tok = Tokenizer.from_str(f["tokenizer_json"][:].tobytes().decode())
+        else:
+            tok = Tokenizer.from_file(str(path))
+    except ValueError:
+        raise
+    except Exception as e:  # tokenizers raises a bare Exception; OSError for a file that cannot be opened
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"data.tokenizer={spec} cannot be read as a tokenizer ({why}); give the tokenizer.json "
+                         "of the `tokenizers` library or a token file made by python -m jobs.prepare_data") from None
+    _eos_id(tok, given=spec)
+    return tok
+
+
+def _tokenizer(cfg: DataConfig, *, given, out: Path, old: dict | None, new: list[Path], vocab_size: int,
                say: Callable[[str], None]):
     """The file's own tokenizer when appending, else data.tokenizer, else a byte-level BPE trained on the inputs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if old is not None:
-        if cfg.tokenizer and Tokenizer.from_file(cfg.tokenizer).to_str() != read_tokenizer(out).to_str():
+        mine = read_tokenizer(out)
+        if given is not None and tokenizer_sha256(given.to_str()) != tokenizer_sha256(mine.to_str()):
             raise ValueError(f"data.tokenizer={cfg.tokenizer} is not the tokenizer {out} was made with; "
                              "append without data.tokenizer, or write a new data.path")
-        return read_tokenizer(out)
-    if cfg.tokenizer:
-        return Tokenizer.from_file(cfg.tokenizer)
+        return mine
+    if given is not None:
+        return given
     if vocab_size < 257:
         raise ValueError(f"model.vocab_size({vocab_size}) leaves no room for a byte-level BPE (256 byte tokens + EOS): "
                          "set model.vocab_size=512 (or more), or give data.tokenizer=tokenizer.json")
@@ -108,7 +148,7 @@ def _tokenizer(cfg: DataConfig, *, out: Path, old: dict | None, new: list[Path],
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKENS[0]], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     say(f"training a byte-level BPE of model.vocab_size={vocab_size} tokens on {len(new)} file(s)")
-    tok.train_from_iterator(_all_documents(new), trainer)
+    tok.train_from_iterator(_all_texts(new, cfg.doc_per), trainer)
     return tok
 
 
@@ -124,20 +164,28 @@ def _is_heldout(doc: str, fraction: float) -> bool:
     return int.from_bytes(hashlib.sha256(doc.encode()).digest()[:8], "big") < fraction * 2**64
 
 
-def _write(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict | None, heldout_fraction: float, origin: str,
-           say: Callable[[str], None]) -> dict:
+def _token_dtype(vocab: int) -> type:
+    """The narrowest unsigned type that holds every id of a `vocab`-token vocabulary."""
+    return np.uint16 if vocab <= 1 << 16 else np.uint32
+
+
+def _write(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict | None, heldout_fraction: float, doc_per: str,
+           origin: str, say: Callable[[str], None]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     if old is not None:
         shutil.copyfile(out, tmp)  # an append works on a copy: the original stays whole until the rename
+    t0 = time.perf_counter()
     try:
         with h5py.File(tmp, "a" if old is not None else "w") as f:
             eos = int(f.attrs["eos_id"]) if old is not None else _eos_id(tok, given=origin)
-            streams = {name: f.get(name) or f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=np.int32,
+            dtype = _token_dtype(tok.get_vocab_size(with_added_tokens=True))
+            streams = {name: f.get(name) or f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
                                                              chunks=(_CHUNK,), track_times=False)
-                       for name in ("tokens", "heldout")}
+                       for name in ("tokens", "heldout")}  # an existing stream keeps its dtype (int32 before)
             files = (old["files"] if old else []) + [
-                {**meta, **_append_file(path, tok, streams, eos=eos, fraction=heldout_fraction, say=say)}
+                {**meta, **_append_file(path, tok, streams, eos=eos, fraction=heldout_fraction, doc_per=doc_per,
+                                        say=say)}
                 for path, meta in new]
             manifest = _manifest(files, tok, eos=eos, heldout_fraction=heldout_fraction, origin=origin)
             _put_bytes(f, "manifest", json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -148,34 +196,50 @@ def _write(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict | None, he
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    added = sum(c["tokens"] + c["heldout_tokens"] for c in files[len(old["files"]) if old else 0:])
+    secs = time.perf_counter() - t0
     say(f"wrote {out}: {manifest['documents']} documents, {manifest['tokens']} training and "
-        f"{manifest['heldout_tokens']} held-out tokens, vocabulary {manifest['vocab_size']}")
+        f"{manifest['heldout_tokens']} held-out tokens, vocabulary {manifest['vocab_size']}; "
+        f"{added} tokens added in {secs:.1f} s ({added / max(secs, 1e-9):,.0f} tokens/s, tokenizing and writing)")
     return manifest
 
 
-def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, say: Callable[[str], None]) -> dict:
-    """Tokenizes one file into the two streams; returns its counts."""
+_COUNT = {False: ("tokens", "documents"), True: ("heldout_tokens", "heldout_documents")}  # held out -> counters
+
+
+def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, doc_per: str,
+                 say: Callable[[str], None]) -> dict:
+    """Tokenizes one file's pieces into the two streams (a document's split is chosen by its first piece, so a
+    long document's pieces never straddle it); returns its counts."""
     bufs: dict[str, list[np.ndarray]] = {"tokens": [], "heldout": []}
     counts = {"documents": 0, "heldout_documents": 0, "tokens": 0, "heldout_tokens": 0}
-    batch: list[str] = []
+    batch: list[tuple[str, bool]] = []
+    doc = {"starts": True, "held": False}
 
     def encode() -> None:
-        for doc, enc in zip(batch, tok.encode_batch(batch, add_special_tokens=False)):
-            held = _is_heldout(doc, fraction)
-            ids = np.asarray(enc.ids + [eos], dtype=np.int32)
-            bufs["heldout" if held else "tokens"].append(ids)
-            counts["heldout_documents" if held else "documents"] += 1
-            counts["heldout_tokens" if held else "tokens"] += len(ids)
+        for (text, ends), enc in zip(batch, tok.encode_batch([t for t, _ in batch], add_special_tokens=False)):
+            if doc["starts"]:
+                doc["held"] = _is_heldout(text, fraction)
+            name = "heldout" if doc["held"] else "tokens"
+            ids = np.asarray(enc.ids + [eos] if ends else enc.ids, dtype=streams[name].dtype)
+            bufs[name].append(ids)
+            tokens, documents = _COUNT[doc["held"]]
+            counts[tokens] += len(ids)
+            counts[documents] += ends
+            doc["starts"] = ends
         batch.clear()
         if sum(len(b) for bs in bufs.values() for b in bs) >= _FLUSH_TOKENS:
             _flush(streams, bufs)
             say(f"{path}: {counts['documents'] + counts['heldout_documents']} documents, "
                 f"{counts['tokens'] + counts['heldout_tokens']} tokens")
 
-    for doc in documents(path):
-        batch.append(doc)
-        if len(batch) == _BATCH_DOCS:
+    chars = 0
+    for piece in pieces(path, doc_per=doc_per):
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
             encode()
+            chars = 0
     encode()
     _flush(streams, bufs)
     say(f"{path}: {counts['documents']} + {counts['heldout_documents']} held-out documents, "
@@ -186,7 +250,8 @@ def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, s
 def _flush(streams: dict, bufs: dict[str, list[np.ndarray]]) -> None:
     for name, parts in bufs.items():
         if parts:
-            ds, data = streams[name], np.concatenate(parts)
+            ds = streams[name]
+            data = np.concatenate(parts)
             n = ds.shape[0]
             ds.resize((n + len(data),))
             ds[n:] = data
@@ -196,7 +261,8 @@ def _flush(streams: dict, bufs: dict[str, list[np.ndarray]]) -> None:
 def _manifest(files: list[dict], tok, *, eos: int, heldout_fraction: float, origin: str) -> dict:
     total = {k: sum(f[k] for f in files) for k in ("documents", "heldout_documents", "tokens", "heldout_tokens")}
     return {"format": FORMAT_VERSION, "kind": "tokenized", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "tokenizer": origin, "eos_id": eos, "eos_token": tok.id_to_token(eos), "heldout_fraction": heldout_fraction, "files": files,
+            "tokenizer": origin, "tokenizer_sha256": tokenizer_sha256(tok.to_str()), "eos_id": eos,
+            "eos_token": tok.id_to_token(eos), "heldout_fraction": heldout_fraction, "files": files,
             **total}
 
 
