@@ -64,6 +64,7 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)  # tokenized: a weighted mixture of files; empty = data.path alone
     inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
     tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json; None = train a byte-level BPE of model.vocab_size tokens
+    accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
 
 
 @dataclass
