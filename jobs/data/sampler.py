@@ -77,10 +77,23 @@ def mixture_indices(*, seed: int, step: int, global_batch: int, sizes: Sequence[
                     weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample) of every position of step `step`'s global batch of a mixture read from the start
     (exact blending, jobs/data/cursor.py). One source is exactly `global_batch_indices`."""
-    start = step * global_batch
-    before = np.bincount(blend(consumed=[0] * len(sizes), weights=weights, n=start), minlength=len(sizes))
-    return _mix(seed=seed, consumed=before.tolist(), base=[0] * len(sizes), n=global_batch, sizes=sizes,
-                weights=weights)
+    before = _counts_before(tuple(float(w) for w in weights), step * global_batch)
+    return _mix(seed=seed, consumed=before, base=[0] * len(sizes), n=global_batch, sizes=sizes, weights=weights)
+
+
+_COUNTS: dict[tuple[float, ...], tuple[int, list[int]]] = {}  # weights -> the last (position, counts) computed
+
+
+def _counts_before(weights: tuple[float, ...], position: int) -> list[int]:
+    """Each source's count among the first `position` samples blended from the start (going on from the last
+    position computed for these weights when it is not past `position`: consecutive steps cost one batch each)."""
+    at, counts = _COUNTS.get(weights, (0, [0] * len(weights)))
+    if at > position:
+        at, counts = 0, [0] * len(weights)
+    src = blend(consumed=counts, weights=weights, n=position - at)
+    counts = [c + int(k) for c, k in zip(counts, np.bincount(src, minlength=len(weights)))]
+    _COUNTS[weights] = (position, counts)
+    return list(counts)
 
 
 class _Split:
