@@ -359,7 +359,7 @@ class Trainer:
         the sampler goes on from its data cursor (ValueError when a data file changed, data.accept_changed_files)."""
         step = self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
                                      lr_schedulers=self.lr_schedulers, train_state=self.state, before_step=before_step)
-        for note in self.data.restore(self.state.data, accept_changed_files=self.cfg.data.accept_changed_files):
+        for note in self.data.restore(self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files):
             if self.env.rank == 0:
                 self.log.warning("resuming at step %d: %s", step, note)
                 self.events.emit("data_cursor_changed", step=step, note=note)

@@ -83,6 +83,15 @@ def file_identity(path: str | os.PathLike[str]) -> dict:
     return {"path": str(path), "size": path.stat().st_size, "id": h.hexdigest()[:16]}
 
 
+def _apportion(n: int, weights: list[float]) -> list[int]:
+    """`n` split by `weights`, largest remainders first (exact for one source)."""
+    share = [n * float(w) / float(sum(weights)) for w in weights]
+    out = [int(x) for x in share]
+    for k in sorted(range(len(share)), key=lambda k: out[k] - share[k])[: n - sum(out)]:
+        out[k] += 1
+    return out
+
+
 def _plain(v: object) -> object:
     if isinstance(v, np.ndarray):
         return v.tolist()
@@ -93,14 +102,17 @@ def _plain(v: object) -> object:
     return v
 
 
-def restore_anchor(saved: dict | None, *, files: list[dict], weights: list[float],
-                   accept_changed_files: bool) -> tuple[Anchor, list[str]]:
-    """The anchor to go on from, given a checkpoint's cursor (`saved`; empty in checkpoints older than it:
-    the cursor is the step, as then) and this run's files and weights; and what changed, in words.
-    A file whose size or header differs is refused (ValueError) unless `accept_changed_files`."""
-    zeros = [0] * len(files)
+def restore_anchor(saved: dict | None, *, files: list[dict], weights: list[float], accept_changed_files: bool,
+                   data_step: int = 0, global_batch: int = 0) -> tuple[Anchor, list[str]]:
+    """The anchor to go on from, given a checkpoint's cursor and this run's files and weights; and what
+    changed, in words. A file whose size or header differs is refused (DataChanged) unless
+    `accept_changed_files`. A checkpoint older than the cursor (`saved` empty) of step `data_step`: the
+    cursor is the step, as then (data step d reads from sample d * global_batch; a mixture's counts there
+    are its shares, rounded, without replaying the blend from the start)."""
     if not saved:
-        return Anchor(0, 0, list(zeros), list(zeros)), []
+        position = data_step * global_batch
+        consumed = _apportion(position, weights)
+        return Anchor(data_step, position, consumed, list(consumed)), []
     old = saved["files"]
     if len(old) == len(files):
         match = list(range(len(files)))

@@ -174,12 +174,14 @@ class BatchSource:
             self._files = [file_identity(p) for p in self.paths]
         return self._files
 
-    def restore(self, saved: dict | None, *, accept_changed_files: bool = False) -> list[str]:
-        """Goes on from a checkpoint's cursor (`saved`; empty: from the step, as checkpoints older than the
-        cursor did). ValueError when a data file changed, unless `accept_changed_files`. Returns the changes
-        it went on over, in words (a changed train.global_batch, an accepted file change, new weights)."""
+    def restore(self, saved: dict | None, *, step: int = 0, accept_changed_files: bool = False) -> list[str]:
+        """Goes on from a checkpoint's cursor (`saved`; empty: the checkpoint of step `step` is older than the
+        cursor, which is then the step). DataChanged (a ValueError) when a data file changed, unless
+        `accept_changed_files`. Returns the changes it went on over, in words (a changed train.global_batch,
+        an accepted file change, new weights)."""
         self.anchor, notes = restore_anchor(saved, files=self._identities(), weights=self.weights,
-                                            accept_changed_files=accept_changed_files)
+                                            accept_changed_files=accept_changed_files, data_step=step,
+                                            global_batch=self.global_batch)
         self._at = (self.anchor.position, list(self.anchor.consumed))
         if saved and int(saved["global_batch"]) != self.global_batch:
             notes.insert(0, f"train.global_batch changed ({saved['global_batch']} -> {self.global_batch}): data step "

@@ -109,10 +109,16 @@ def test_a_resume_with_a_smaller_global_batch_reads_on_from_the_next_unread_samp
 
 
 def test_a_checkpoint_without_a_cursor_reads_from_the_step_as_before(two_files, tmp_path) -> None:
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    _read(two_files, a, range(6), global_batch=8)
-    _read(two_files, b, [3, 4, 5], global_batch=8, saved={})
-    assert _logged(b) == _logged(a)[24:]
+    one = [two_files[0]]
+    log = tmp_path / "a.jsonl"
+    _read(one, log, [3, 4, 5], global_batch=8, saved={}, step=3)  # a checkpoint of step 3 from before the cursor
+    rows = [json.loads(l) for l in log.read_text().splitlines()]
+    assert [r["position"] for r in rows] == [24, 32, 40]
+    assert [r["sample"] for r in rows] == [global_batch_indices(seed=7, step=s, global_batch=8, num_samples=64).tolist()
+                                           for s in (3, 4, 5)]
+    far = BatchSource(two_files, seed=7, global_batch=1024, seq_len=8, dp_rank=0, dp=1)
+    far.restore({}, step=10**6)  # a mixture's counts there are its shares, not a replay of 10**9 samples
+    assert far.anchor.position == 1024 * 10**6 and far.anchor.consumed == [614400000, 409600000]
 
 
 def test_a_changed_data_file_is_refused_naming_the_override_and_accepted_with_it(two_files, tmp_path) -> None:
