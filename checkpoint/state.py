@@ -13,14 +13,16 @@ __all__ = ["TrainState", "capture_rng", "restore_rng"]
 
 @dataclass
 class TrainState:
-    """Progress of the run; identical on every rank (the data cursor is the step: the sampler maps
-    (seed, step) to global sample indices, independent of the mesh)."""
+    """Progress of the run; identical on every rank. `data` is the data cursor (jobs/data/cursor.py: the next
+    data step, the samples consumed per source, the files' identity); empty in checkpoints older than it,
+    whose cursor is the step (data step d reads from global sample d * train.global_batch)."""
 
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # tokens consumed across all ranks
     loss_tail: list[float] = field(default_factory=list)  # the last `tail_len` logged losses
     tail_len: int = 100  # how many losses loss_tail keeps
     health: dict[str, Any] = field(default_factory=dict)  # training health (jobs.failure.spike): detector, rollbacks
+    data: dict[str, Any] = field(default_factory=dict)  # the data cursor at `step` (BatchSource.cursor), set at each save
 
     def record(self, *, step: int, loss: float, tokens: int) -> None:
         """Marks `step` done, having consumed `tokens` more tokens with loss `loss`."""
@@ -31,13 +33,14 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail),
-                "health": copy.deepcopy(self.health)}
+                "health": copy.deepcopy(self.health), "data": copy.deepcopy(self.data)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd["tokens_seen"])
         self.loss_tail = [float(x) for x in sd["loss_tail"]][-self.tail_len :]
         self.health = copy.deepcopy(sd.get("health", {}))  # absent in checkpoints older than it
+        self.data = copy.deepcopy(sd.get("data", {}))  # absent in checkpoints older than it: the cursor is the step
 
 
 def capture_rng() -> dict[str, Any]:

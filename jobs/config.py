@@ -71,6 +71,7 @@ class DataConfig:
     inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
     tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
     doc_per: str = "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
+    accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.moe import moe_layers, update_expert_bias
-from jobs.data import BatchSource, sources_of
+from jobs.data import SAMPLE_LOG_VAR, BatchSource, sources_of
 from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
@@ -161,7 +162,7 @@ class Trainer:
         ]
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
-            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp,
+            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, sample_log=os.environ.get(SAMPLE_LOG_VAR) if env.rank == 0 else None,
         )
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
         self.state = TrainState()
@@ -373,9 +374,15 @@ class Trainer:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
     def _load(self, before_step: int | None = None) -> int:
-        """The newest valid checkpoint (of a step < before_step) into the model, optimizers, schedulers and state."""
-        return self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
+        """The newest valid checkpoint (of a step < before_step) into the model, optimizers, schedulers and state;
+        the sampler goes on from its data cursor (ValueError when a data file changed, data.accept_changed_files)."""
+        step = self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
                                      lr_schedulers=self.lr_schedulers, train_state=self.state, before_step=before_step)
+        for note in self.data.restore(self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files):
+            if self.env.rank == 0:
+                self.log.warning("resuming at step %d: %s", step, note)
+                self.events.emit("data_cursor_changed", step=step, note=note)
+        return step
 
     def _agree(self, obj: object) -> object:
         """Rank 0's `obj` on every rank."""
@@ -408,6 +415,7 @@ class Trainer:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
         # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout.
         self._phase("checkpoint_save", limit_s=self.cfg.failure.checkpoint_timeout_s)
+        self.state.data = self.data.cursor(self.health.data_step(step))  # the next data step to read, and where
         with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
             self.ckpt.save(step)
         self._phase("train")

@@ -1,14 +1,21 @@
-"""The sampler: (seed, step) -> the global batch's samples, over one token file or a weighted mixture.
+"""The sampler: a data step -> the global batch's samples, over one token file or a weighted mixture.
 
 Two layouts of a split (`tokens` for training, `heldout` for evaluation) are read:
 - rows (2-D, the synthetic file): a sample is the first `seq_len + 1` tokens of one row;
 - a stream (1-D, a tokenized corpus): documents concatenated, each ended by EOS, and cut into
   consecutive non-overlapping samples of `seq_len + 1` tokens (packing; a document may span two
   samples, the tail shorter than one sample is not used).
+
+Data step `d` reads global samples `position + (d - data_step) * global_batch` onward, from the cursor's
+anchor (jobs/data/cursor.py: zero for a fresh run, a checkpoint's cursor on resume). A mixture blends its
+sources exactly (each global sample to the source that lags its weight most); each source reads its own
+consumed count through epoch-wise permutations keyed by (seed, epoch[, stream]). Nothing depends on the mesh.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,46 +24,76 @@ import h5py
 import numpy as np
 import torch
 
-__all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "SPLITS"]
+from jobs.data.cursor import VERSION, Anchor, blend, file_identity, restore_anchor
+
+__all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS", "SAMPLE_LOG_VAR"]
 
 SPLITS = ("tokens", "heldout")  # dataset names: the training split and the held-out split
-_MIX_KEY = 0x6D6978  # seeds the per-position source choice of a mixture apart from every sample permutation
+SAMPLE_LOG_VAR = "MESHJOB_TEST_SAMPLE_LOG"  # tests only: rank 0 appends each training batch's global samples here
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(seed: int, epoch: int, stream: int, num_samples: int) -> np.ndarray:
+    key = [seed, epoch] if stream == 0 else [seed, epoch, stream]
+    perm = np.random.default_rng(key).permutation(num_samples)
+    perm.flags.writeable = False
+    return perm
+
+
+def epoch_samples(*, seed: int, num_samples: int, positions: np.ndarray, stream: int = 0) -> np.ndarray:
+    """The sample indices at a source's read positions (0 = its first sample ever read): epoch-wise
+    permutations of the file seeded by (seed, epoch) (and `stream`, one per mixture source)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    epochs = positions // num_samples
+    out = np.empty(len(positions), dtype=np.int64)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        out[sel] = _permutation(seed, int(epoch), stream, num_samples)[positions[sel] % num_samples]
+    return out
 
 
 def global_batch_indices(*, seed: int, step: int, global_batch: int, num_samples: int, stream: int = 0) -> np.ndarray:
-    """Sample indices of step `step`'s global batch: epoch-wise permutations of the file, seeded by
-    (seed, epoch) (and `stream`, one per mixture source), read in order. A pure function of its
-    arguments (never of the mesh)."""
+    """Sample indices of step `step`'s global batch of one file read from the start (positions
+    step * global_batch onward). A pure function of its arguments (never of the mesh)."""
     start = step * global_batch
-    pos = np.arange(start, start + global_batch)
-    epochs = pos // num_samples
-    out = np.empty(global_batch, dtype=np.int64)
-    for epoch in np.unique(epochs):
-        key = [seed, int(epoch)] if stream == 0 else [seed, int(epoch), stream]
-        perm = np.random.default_rng(key).permutation(num_samples)
-        sel = epochs == epoch
-        out[sel] = perm[pos[sel] % num_samples]
-    return out
+    return epoch_samples(seed=seed, num_samples=num_samples, positions=np.arange(start, start + global_batch),
+                         stream=stream)
+
+
+def _mix(*, seed: int, consumed: Sequence[int], base: Sequence[int], n: int, sizes: Sequence[int],
+         weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, sample) of the next `n` global samples after the sources consumed `consumed`."""
+    src = blend(consumed=consumed, weights=weights, n=n, base=base)
+    sample = np.zeros(n, dtype=np.int64)
+    for s, size in enumerate(sizes):
+        sel = np.flatnonzero(src == s)
+        if len(sel):
+            pos = consumed[s] + np.arange(len(sel))
+            sample[sel] = epoch_samples(seed=seed, num_samples=size, positions=pos, stream=0 if len(sizes) == 1 else s + 1)
+    return src, sample
 
 
 def mixture_indices(*, seed: int, step: int, global_batch: int, sizes: Sequence[int],
                     weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(source, sample) of every position of step `step`'s global batch. Each position draws its source
-    with probability weight / sum(weights) from an RNG keyed by (seed, step); source s's sample at that
-    position comes from its own epoch-wise permutation (stream s + 1). A pure function of its arguments.
-    One source is exactly `global_batch_indices`."""
-    if len(sizes) == 1:
-        return np.zeros(global_batch, dtype=np.int64), global_batch_indices(
-            seed=seed, step=step, global_batch=global_batch, num_samples=sizes[0])
-    p = np.asarray(weights, dtype=np.float64)
-    src = np.random.default_rng([seed, step, _MIX_KEY]).choice(len(sizes), size=global_batch, p=p / p.sum())
-    sample = np.zeros(global_batch, dtype=np.int64)
-    for s, n in enumerate(sizes):
-        sel = src == s
-        if sel.any():
-            sample[sel] = global_batch_indices(seed=seed, step=step, global_batch=global_batch, num_samples=n,
-                                               stream=s + 1)[sel]
-    return src.astype(np.int64), sample
+    """(source, sample) of every position of step `step`'s global batch of a mixture read from the start
+    (exact blending, jobs/data/cursor.py). One source is exactly `global_batch_indices`."""
+    before = _counts_before(tuple(float(w) for w in weights), step * global_batch)
+    return _mix(seed=seed, consumed=before, base=[0] * len(sizes), n=global_batch, sizes=sizes, weights=weights)
+
+
+_COUNTS: dict[tuple[float, ...], tuple[int, list[int]]] = {}  # weights -> the last (position, counts) computed
+
+
+def _counts_before(weights: tuple[float, ...], position: int) -> list[int]:
+    """Each source's count among the first `position` samples blended from the start (going on from the last
+    position computed for these weights when it is not past `position`: consecutive steps cost one batch each)."""
+    at, counts = _COUNTS.get(weights, (0, [0] * len(weights)))
+    if at > position:
+        at, counts = 0, [0] * len(weights)
+    src = blend(consumed=counts, weights=weights, n=position - at)
+    counts = [c + int(k) for c, k in zip(counts, np.bincount(src, minlength=len(weights)))]
+    _COUNTS[weights] = (position, counts)
+    return list(counts)
 
 
 class _Split:
@@ -81,29 +118,88 @@ class _Split:
 
 
 class BatchSource:
-    """This dp rank's (inputs, targets) for a step, read lazily in this process from one token file
-    (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set."""
+    """This dp rank's (inputs, targets) for a data step, read lazily in this process from one token file
+    (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set.
+    Reads from the start until `restore` puts it at a checkpoint's cursor; `cursor` is what to save.
+    `sample_log` (tests): a file that gets one JSON line per batch with its global (source, sample) pairs."""
 
     def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
-                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens") -> None:
+                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens", sample_log: str | None = None) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
         self.paths = [Path(p) for p, _ in sources]
         self.weights = [float(w) for _, w in sources]
         self.seed, self.global_batch, self.seq_len, self.split = seed, global_batch, seq_len, split
-        self.dp_rank, self.dp = dp_rank, dp
+        self.dp_rank, self.dp, self.sample_log = dp_rank, dp, sample_log
         self._splits: list[_Split] | None = None
+        zeros = [0] * len(self.paths)
+        self.anchor = Anchor(0, 0, list(zeros), list(zeros))
+        self._at: tuple[int, list[int]] = (0, list(zeros))  # (global position, consumed) last computed
+        self._files: list[dict] | None = None  # the files' identity, taken once (file_identity)
 
     def _open(self) -> list[_Split]:
         if self._splits is None:
             self._splits = [_Split(p, self.split, self.seq_len + 1) for p in self.paths]
         return self._splits
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _position(self, data_step: int) -> int:
+        a = self.anchor
+        if data_step < a.data_step:
+            raise RuntimeError(f"data step {data_step} precedes the cursor's data step {a.data_step} (restored "
+                               "from the checkpoint); the run's data steps only go forward")
+        return a.position + (data_step - a.data_step) * self.global_batch
+
+    def _consumed_at(self, position: int) -> list[int]:
+        """Each source's consumed count when `position` global samples are consumed (from the anchor on)."""
+        at, consumed = self._at
+        if not self.anchor.position <= at <= position:
+            at, consumed = self.anchor.position, list(self.anchor.consumed)
+        if position > at:
+            src = blend(consumed=consumed, weights=self.weights, n=position - at, base=self.anchor.base)
+            consumed = [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))]
+        self._at = (position, consumed)
+        return list(consumed)
+
+    def cursor(self, data_step: int) -> dict:
+        """The cursor a checkpoint keeps when data step `data_step` is the next to read (TrainState.data)."""
+        position = self._position(data_step)
+        return {"version": VERSION, "data_step": data_step, "position": position,
+                "consumed": self._consumed_at(position), "base": list(self.anchor.base),
+                "global_batch": self.global_batch, "weights": list(self.weights),
+                "files": self._identities()}
+
+    def _identities(self) -> list[dict]:
+        if self._files is None:
+            self._files = [file_identity(p) for p in self.paths]
+        return self._files
+
+    def restore(self, saved: dict | None, *, step: int = 0, accept_changed_files: bool = False) -> list[str]:
+        """Goes on from a checkpoint's cursor (`saved`; empty: the checkpoint of step `step` is older than the
+        cursor, which is then the step). DataChanged (a ValueError) when a data file changed, unless
+        `accept_changed_files`. Returns the changes it went on over, in words (a changed train.global_batch,
+        an accepted file change, new weights)."""
+        self.anchor, notes = restore_anchor(saved, files=self._identities(), weights=self.weights,
+                                            accept_changed_files=accept_changed_files, data_step=step,
+                                            global_batch=self.global_batch)
+        self._at = (self.anchor.position, list(self.anchor.consumed))
+        if saved and int(saved["global_batch"]) != self.global_batch:
+            notes.insert(0, f"train.global_batch changed ({saved['global_batch']} -> {self.global_batch}): data step "
+                         f"{self.anchor.data_step} reads on from global sample {self.anchor.position}, the first unread")
+        return notes
+
+    def batch(self, data_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         splits = self._open()
-        src, sample = mixture_indices(seed=self.seed, step=step, global_batch=self.global_batch,
-                                      sizes=[s.num_samples for s in splits], weights=self.weights)
+        start = self._position(data_step)
+        consumed = self._consumed_at(start)
+        src, sample = _mix(seed=self.seed, consumed=consumed, base=self.anchor.base, n=self.global_batch,
+                           sizes=[s.num_samples for s in splits], weights=self.weights)
+        self._at = (start + self.global_batch,
+                    [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))])
+        if self.sample_log:
+            with open(self.sample_log, "a") as f:
+                f.write(json.dumps({"data_step": data_step, "position": start, "source": src.tolist(),
+                                    "sample": sample.tolist()}) + "\n")
         local = self.global_batch // self.dp
         mine = slice(self.dp_rank * local, (self.dp_rank + 1) * local)
         src, sample = src[mine], sample[mine]

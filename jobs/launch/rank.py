@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from jobs import exitcodes
 from jobs.config import JobConfig
+from jobs.data import DataChanged
 from jobs.device import backend_for, export_environ, rank_device, set_determinism, trace_dir, dump_flight_recorder
 from jobs.events import EventLog
 from jobs.failure.respond import AttemptContext, conclude, on_failure
@@ -108,6 +109,16 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         claim(cfg.run.dir, env.attempt)
         events.emit("failure", cls=e.cls, error=str(e), suspects=[])
         return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
+    except DataChanged as e:  # jobs/data/cursor.py: a data file changed since the checkpoint; alike on every rank
+        log.error("config error: %s", e)
+        watchdog.stop()
+        health.stop()
+        if env.rank != 0:
+            d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+            return int(d["exit_code"]) if d else exitcodes.CONFIG_ERROR
+        claim(cfg.run.dir, env.attempt)
+        events.emit("failure", cls="config_error", error=str(e), suspects=[])
+        return conclude(ctx, cause="config_error", step=watchdog.beat.step)
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
         log.error("%s during %s: %s", type(e).__name__, during, e,
                   exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))

@@ -41,12 +41,14 @@ OWNER_FILE = "owner.json"
 
 # The keys a later start of a run may change (fnmatch patterns over dotted keys); the README's
 # "One run per directory" says why for each. Everything else (model.*, data.*, optim.*, train.seed,
-# train.global_batch, train.seq_len, train.device, ...) defines the run and must stay as it was.
+# train.seq_len, train.device, ...) defines the run and must stay as it was.
 RESUMABLE = (
     "run.*",  # the directory itself: given relative or absolute, or moved
     "train.steps",  # train longer or shorter
     "train.log_every", "train.eval_every", "train.eval_batches",  # what is measured, not what is trained
     "train.micro_batch", "train.activation_checkpointing", "train.ac_every", "train.compile",  # how a batch is computed
+    "train.global_batch",  # a batch-size ramp: the data cursor goes on at the next unread sample (jobs/data/cursor.py)
+    "data.accept_changed_files",  # the override that accepts a changed data file on resume
     "mesh.*", "launcher.*", "cluster.*",  # where and on which mesh it runs: a resume reshards (DESIGN 3.3)
     "checkpoint.*", "failure.*", "metrics.*", "plan.*", "calibrate.*",  # how it is saved, guarded and measured
 )

@@ -122,7 +122,7 @@ def test_train_state_keeps_a_bounded_loss_tail():
     st = TrainState(tail_len=3)
     for s in range(1, 6):
         st.record(step=s, loss=float(s), tokens=10)
-    assert st.state_dict() == {"step": 5, "tokens_seen": 50, "loss_tail": [3.0, 4.0, 5.0], "health": {}}
+    assert st.state_dict() == {"step": 5, "tokens_seen": 50, "loss_tail": [3.0, 4.0, 5.0], "health": {}, "data": {}}
     other = TrainState()
     other.load_state_dict(st.state_dict())
     assert other.step == 5 and other.loss_tail == [3.0, 4.0, 5.0]
