@@ -154,11 +154,13 @@ class Trainer:
                 * self.health.lr_scale)
             for opt in self.optimizers
         ]
+        positions = self.parts[0].rope_positions  # a cp rank reads its zig-zag chunks' tokens only (parallel/cp.py)
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
-            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp,
+            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
         )
-        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
+        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
+                                   seq_positions=positions)
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
@@ -178,6 +180,7 @@ class Trainer:
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
             compile=cfg.train.compile, mixed_precision=self.mixed_precision,
+            cp_impl=cfg.mesh.cp_impl, seq_len=cfg.train.seq_len,
         )
         for part in self.parts:
             part.to_empty(device=self.device)

@@ -12,8 +12,8 @@ from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 __all__ = ["ParallelDims", "MESH_AXES"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
-# inside a node (tp last: its collectives run every layer and need the fastest links). cp and ep
-# are named here so the vocabulary is fixed, but are refused (> 1) until they are built.
+# inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
+# K/V exchange runs every layer too). ep is named so the vocabulary is fixed, but refused (> 1).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -24,7 +24,9 @@ class ParallelDims:
     The mesh is row-major over MESH_AXES: rank = ((((pp·R + r)·S + s)·C + c)·T + t), so tp groups are
     adjacent ranks (one node's NVLink domain) and pp groups are the farthest apart. Derived meshes:
     `dp` = dp_replicate * dp_shard slices of the global batch (see `dp_rank`); FSDP2 shards over
-    `dp_shard` and replicates over `dp_replicate` (HSDP).
+    `dp_shard` and replicates over `dp_replicate` (HSDP). With cp > 1, FSDP2 shards over the flattened
+    `dp_shard_cp` = dp_shard * cp axis instead (as torchtitan): cp ranks hold the same parameters and
+    see different tokens, so their gradients are averaged exactly like dp's (reduce-scatter).
     """
 
     pp: int
@@ -40,7 +42,7 @@ class ParallelDims:
                     training: bool = True) -> "ParallelDims":
         """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
 
-        `training=False` (the planner) accepts mesh.cp > 1 and mesh.ep > 1, which training refuses."""
+        `training=False` (the planner) accepts mesh.ep > 1, which training refuses."""
         where = f" ({world_size_expr})" if world_size_expr else ""
         for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
             v = getattr(mesh, axis)
@@ -48,11 +50,6 @@ class ParallelDims:
                 raise ValueError(f"mesh.{axis}({v}) must be >= 1")
         if mesh.dp_shard < 1 and mesh.dp_shard != -1:
             raise ValueError(f"mesh.dp_shard({mesh.dp_shard}) must be >= 1, or -1 for the ranks left over")
-        if training and mesh.cp > 1:
-            raise ValueError(
-                f"mesh.cp({mesh.cp}) > 1: context parallel is not built yet (torch's ring attention needs "
-                "CUDA SDPA kernels); set mesh.cp=1"
-            )
         if training and mesh.ep > 1:
             raise ValueError(f"mesh.ep({mesh.ep}) > 1: expert parallel is not built yet; set mesh.ep=1")
         others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
@@ -83,7 +80,11 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        return self.dp * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -105,8 +106,17 @@ class ParallelDims:
         return " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """Builds the world DeviceMesh with every axis named (size-1 axes included)."""
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
+        `dp_shard_cp` axis FSDP2 shards over when cp > 1."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        if self.cp_enabled:
+            mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        return mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (or dp_shard_cp), with dp_replicate in front for HSDP."""
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        return mesh[("dp_replicate", shard)] if self.hsdp_enabled else mesh[shard]
 
     @staticmethod
     def dp_rank(mesh: DeviceMesh) -> int:

@@ -82,10 +82,12 @@ class _Split:
 
 class BatchSource:
     """This dp rank's (inputs, targets) for a step, read lazily in this process from one token file
-    (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set."""
+    (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set.
+    `seq_positions` (context parallel): only the inputs at those positions of a sample, and their targets."""
 
     def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
-                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens") -> None:
+                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens",
+                 seq_positions: torch.Tensor | None = None) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -93,6 +95,7 @@ class BatchSource:
         self.weights = [float(w) for _, w in sources]
         self.seed, self.global_batch, self.seq_len, self.split = seed, global_batch, seq_len, split
         self.dp_rank, self.dp = dp_rank, dp
+        self.seq_positions = seq_positions
         self._splits: list[_Split] | None = None
 
     def _open(self) -> list[_Split]:
@@ -113,6 +116,8 @@ class BatchSource:
             if sel.any():
                 rows[sel] = split.rows(sample[sel])
         t = torch.from_numpy(rows)
+        if self.seq_positions is not None:
+            return t[:, self.seq_positions], t[:, self.seq_positions + 1]
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def close(self) -> None:

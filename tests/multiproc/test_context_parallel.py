@@ -1,0 +1,89 @@
+"""Context parallelism (parallel/cp.py) on real gloo ranks: cp ranks together compute the single-process loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from jobs.config import ModelConfig
+from jobs.model import Transformer, init_weights
+from jobs.trainer import cross_entropy
+from parallel.cp import apply_cp, ring_blocks
+from parallel.tp import apply_tp
+from tests.multiproc._ranks import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+SEQ, BATCH = 32, 2
+CFG = ModelConfig(name="cp_test", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64,
+                  max_seq_len=64)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    toks = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return toks[:, :-1], toks[:, 1:]
+
+
+def _reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process loss and gradients of the full batch."""
+    model = Transformer(CFG)
+    init_weights(model, seed=3)
+    x, y = _batch()
+    loss = cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_rank(rank: int, world: int, *, impl: str, cp: int, tp: int) -> dict:
+    """One fwd/bwd on a (cp, tp) mesh; gradients averaged over cp here (the trainer's FSDP does it over dp_shard*cp)."""
+    mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    apply_cp(model, mesh["cp"], impl=impl, seq_len=SEQ)
+    if tp > 1:
+        apply_tp(model, mesh["tp"], sequence_parallel=True, loss_parallel=False)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=3)
+    x, y = _batch()
+    pos = model.rope_positions
+    loss = cross_entropy(model(x[:, pos]), y[:, pos])
+    loss.backward()
+    dist.all_reduce(loss := loss.detach().clone(), group=mesh.get_group("cp"))
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(g, group=mesh.get_group("cp"))
+        grads[n] = g / cp
+    blocks = {}
+    for block in model.layers.values():
+        for kind, count in block.attention.context_parallel.blocks.items():
+            blocks[kind] = blocks.get(kind, 0) + count
+    return {"loss": loss.item() / cp, "grads": grads, "blocks": blocks, "cp_rank": mesh["cp"].get_local_rank()}
+
+
+def _assert_matches_reference(out, *, what: str) -> None:
+    ref_loss, ref_grads = _reference()
+    for rank, res in out.results.items():
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"{what} rank {rank}"
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(res["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{what} rank {rank} {name}")
+
+
+@pytest.mark.parametrize("impl", ["allgather", "ring"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_loss_and_gradients_equal_the_single_process_run(impl: str, cp: int) -> None:
+    out = run_ranks(_cp_rank, cp, impl=impl, cp=cp, tp=1, timeout=120)
+    _assert_matches_reference(out, what=f"{impl} cp{cp}")
+    if impl == "ring":  # every rank does the same causal work: 2 causal + 2cp-1 full blocks per layer
+        counts = {res["cp_rank"]: res["blocks"] for res in out.results.values()}
+        assert all(c == {"causal": 2 * CFG.n_layers, "full": (2 * cp - 1) * CFG.n_layers} for c in counts.values()), counts
+        assert all(sorted(k for _, _, _, k in ring_blocks(cp, r)).count("full") == 2 * cp - 1 for r in range(cp))
+
+
+@pytest.mark.parametrize("impl", ["allgather", "ring"])
+def test_cp2_with_tp2_equals_the_single_process_run(impl: str) -> None:
+    out = run_ranks(_cp_rank, 4, impl=impl, cp=2, tp=2, timeout=120)
+    _assert_matches_reference(out, what=f"{impl} cp2 tp2")
