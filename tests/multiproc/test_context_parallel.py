@@ -13,6 +13,7 @@ from jobs.model import Transformer, init_weights
 from jobs.trainer import cross_entropy
 from parallel.cp import apply_cp, ring_blocks
 from parallel.tp import apply_tp
+from tests.conftest import run_train
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -87,3 +88,27 @@ def test_cp_loss_and_gradients_equal_the_single_process_run(impl: str, cp: int) 
 def test_cp2_with_tp2_equals_the_single_process_run(impl: str) -> None:
     out = run_ranks(_cp_rank, 4, impl=impl, cp=2, tp=2, timeout=120)
     _assert_matches_reference(out, what=f"{impl} cp2 tp2")
+
+
+TRAIN_MESHES = {  # name: (world, overrides); the reference is test_parity's single-process run (same steps)
+    # FSDP over dp_shard*cp, the loader's zig-zag tokens, the loss mean over cp ranks
+    "cp2_dp_shard2_ring": (4, ["mesh.pp=1", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=2", "mesh.cp_impl=ring"]),
+    # a pipeline stage per pp rank, each attending across cp (~30 s on 2 cores)
+    "pp2_cp2_allgather": (4, ["mesh.pp=2", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=1", "mesh.cp_impl=allgather"]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("pp") else [])
+                                  for n in TRAIN_MESHES])
+def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_path: str, tmp_path_factory) -> None:
+    from tests.multiproc.test_parity import COMMON, STEPS, _reference
+
+    world, mesh = TRAIN_MESHES[name]
+    ref = _reference([], data_path, tmp_path_factory)
+    run = run_train([*COMMON, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"],
+                    tmp_path_factory.mktemp(name))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = run.losses()
+    assert len(got) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(got, ref), start=1):
+        assert a == pytest.approx(b, rel=1e-5), f"step {step}: {name} loss {a} vs single-process {b}"
