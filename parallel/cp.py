@@ -122,6 +122,61 @@ def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tens
     return o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse), lse
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _FusedRing(torch.autograd.Function):
+    """The ring on CPU with torch's fused flash kernel per block (it returns the block's log-sum-exp but does
+    not differentiate through it, so the ring's backward is written out): forward merges the blocks;
+    backward runs each block's flash backward against the merged output and log-sum-exp (exact: the
+    softmax gradient only needs the final row statistics), K/V travelling the ring again with their
+    gradient accumulator, which one last hop brings home. q (b, h, 2c, d), k/v (b, kv_heads, 2c, d)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: "ContextParallelAttention") -> torch.Tensor:
+        rep, mine, qs = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp), q.chunk(2, dim=2)
+        acc: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {c: None for c in mine}
+        kv = torch.stack([k, v])
+        for step, blocks in attn.ring_steps(count=True):
+            if step:
+                kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
+            src = _chunks((attn.rank - step) % attn.cp, attn.cp)
+            for qc, kc, kind in blocks:
+                i, j = mine.index(qc), src.index(kc)
+                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1) for t in (kv[0], kv[1]))
+                o, lse = _flash(qs[i].contiguous(), kb.contiguous(), vb.contiguous(), 0.0, kind == "causal")
+                acc[qc] = _merge(acc[qc], (o.float(), lse.unsqueeze(-1)))
+        out = torch.cat([acc[c][0] for c in mine], dim=2).to(q.dtype)
+        lse = torch.cat([acc[c][1] for c in mine], dim=2).squeeze(-1).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn = attn
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        attn = ctx.attn
+        rep, mine = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp)
+        qs, outs, douts, lses = (t.chunk(2, dim=2) for t in (q, out, dout.contiguous(), lse))
+        dq = [torch.zeros_like(c, dtype=torch.float32) for c in qs]
+        kv = torch.cat([torch.stack([k, v]), torch.zeros((2, *k.shape), dtype=k.dtype)])  # K, V, dK, dV
+        for step, blocks in attn.ring_steps():
+            if step:
+                kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
+            src = _chunks((attn.rank - step) % attn.cp, attn.cp)
+            for qc, kc, kind in blocks:
+                i, j = mine.index(qc), src.index(kc)
+                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1).contiguous() for t in (kv[0], kv[1]))
+                g = _flash_backward(douts[i].contiguous(), qs[i].contiguous(), kb, vb, outs[i].contiguous(),
+                                    lses[i].contiguous(), 0.0, kind == "causal")
+                dq[i] += g[0].float()
+                for t, d in ((2, g[1]), (3, g[2])):  # the GQA repeat's gradient: a sum over each group's heads
+                    kv[t].chunk(2, dim=2)[j].add_(d.unflatten(1, (-1, rep)).sum(2).to(kv.dtype))
+        dkv = kv[2:] if attn.cp == 1 else _exchange(kv[2:], to=attn.nxt, frm=attn.prv, group=attn.group)
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0], dkv[1], None
+
+
 class ContextParallelAttention:
     """Causal attention over the cp axis for one attention layer: (q, k, v) of this rank's two chunks,
     (batch, seq/cp, heads, head_dim) (k/v with n_kv_heads) -> (batch, seq/cp, heads, head_dim).
@@ -135,6 +190,7 @@ class ContextParallelAttention:
         ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prv = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
         self.blocks: Counter[str] = Counter()
+        self.fused = True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = self._allgather(q, k, v) if self.impl == "allgather" else self._ring(q, k, v)
@@ -153,7 +209,20 @@ class ContextParallelAttention:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask)
         return out.transpose(1, 2)
 
+    def ring_steps(self, *, count: bool = False) -> list[tuple[int, list[tuple[int, int, str]]]]:
+        """`ring_blocks` grouped by step, (step, [(query chunk, key chunk, kind)]); `count`: adds them to `blocks`."""
+        plan = ring_blocks(self.cp, self.rank)
+        for *_, kind in plan if count else ():
+            self.blocks[kind] += 1
+        return [(s, [(q, k, kind) for t, q, k, kind in plan if t == s]) for s in range(self.cp)]
+
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused and q.device.type == "cpu":
+            return _FusedRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self).transpose(1, 2)
+        return self._ring_autograd(q, k, v)
+
+    def _ring_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The ring from differentiable pieces (any device): autograd runs its backward through _RingShift."""
         rep = q.shape[2] // k.shape[2]
         qs = q.transpose(1, 2).chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
         mine = _chunks(self.rank, self.cp)

@@ -38,12 +38,14 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _cp_rank(rank: int, world: int, *, impl: str, cp: int, tp: int) -> dict:
+def _cp_rank(rank: int, world: int, *, impl: str, cp: int, tp: int, fused: bool = True) -> dict:
     """One fwd/bwd on a (cp, tp) mesh; gradients averaged over cp here (the trainer's FSDP does it over dp_shard*cp)."""
     mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
     with torch.device("meta"):
         model = Transformer(CFG)
     apply_cp(model, mesh["cp"], impl=impl, seq_len=SEQ)
+    for block in model.layers.values():
+        block.attention.context_parallel.fused = fused
     if tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=True, loss_parallel=False)
     model.to_empty(device="cpu")
@@ -82,6 +84,13 @@ def test_cp_loss_and_gradients_equal_the_single_process_run(impl: str, cp: int) 
         counts = {res["cp_rank"]: res["blocks"] for res in out.results.values()}
         assert all(c == {"causal": 2 * CFG.n_layers, "full": (2 * cp - 1) * CFG.n_layers} for c in counts.values()), counts
         assert all(sorted(k for _, _, _, k in ring_blocks(cp, r)).count("full") == 2 * cp - 1 for r in range(cp))
+
+
+def test_the_unfused_ring_autograd_path_equals_the_single_process_run_too() -> None:
+    """The ring off CPU (no fused flash kernel with a written-out backward): autograd through _RingShift."""
+    out = run_ranks(_cp_rank, 2, impl="ring", cp=2, tp=1, fused=False, timeout=120)
+    _assert_matches_reference(out, what="unfused ring cp2")
+    assert all(res["blocks"] == {"causal": 2 * CFG.n_layers, "full": 3 * CFG.n_layers} for res in out.results.values())
 
 
 @pytest.mark.parametrize("impl", ["allgather", "ring"])
