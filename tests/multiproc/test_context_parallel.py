@@ -121,3 +121,38 @@ def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_p
     assert len(got) == len(ref) == STEPS
     for step, (a, b) in enumerate(zip(got, ref), start=1):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: {name} loss {a} vs single-process {b}"
+
+
+CP_RESUME = ["train.steps=6", "checkpoint.every_steps=3"]
+CP2_DP_SHARD2 = ["mesh.pp=1", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=2", "mesh.cp_impl=ring", "launcher.tasks_per_node=4"]
+
+
+@pytest.mark.slow
+def test_a_cp_run_resumes_bitwise_and_reshards_onto_one_process(data_path: str, tmp_path) -> None:
+    """Step 3's checkpoint of a cp2*dp_shard2 run, resumed on the same mesh (bitwise: losses and final state)
+    and on one process (cp 2 -> 1: within fp32 tolerance)."""
+    import shutil
+
+    from checkpoint.convert import convert
+    from jobs.events import read_events
+    from tests.conftest import assert_states_bitwise
+
+    ref = run_train([*CP_RESUME, *CP2_DP_SHARD2, f"data.path={data_path}"], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    final = {}
+    for name, mesh in (("same", CP2_DP_SHARD2), ("single", ["mesh=single", "launcher.tasks_per_node=1"])):
+        run_dir = tmp_path / name
+        shutil.copytree(tmp_path / "ref/checkpoints/step_3", run_dir / "checkpoints/step_3")
+        r = run_train([*CP_RESUME, *mesh, f"data.path={data_path}"], run_dir)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert [e["step"] for e in read_events(run_dir / "events.jsonl", "checkpoint_loaded")] == [3]
+        assert len(r.losses()) == 3, r.losses()  # steps 4..6
+        for step, (a, b) in enumerate(zip(r.losses(), ref.losses()[3:]), start=4):
+            if name == "same":
+                assert a == b, (step, a, b)
+            else:
+                assert a == pytest.approx(b, rel=1e-5), (step, a, b)
+        convert(run_dir / "checkpoints/step_6", tmp_path / f"{name}.pt")
+        final[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    convert(tmp_path / "ref/checkpoints/step_6", tmp_path / "ref.pt")
+    assert_states_bitwise(final["same"], torch.load(tmp_path / "ref.pt", weights_only=False))
