@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,9 @@ class ParallelDims:
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP2 shards over: dp_shard (or dp_shard_cp), with dp_replicate in front for HSDP."""
         shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
-        return mesh[("dp_replicate", shard)] if self.hsdp_enabled else mesh[shard]
+        with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened axis from the root will change
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh[("dp_replicate", shard)] if self.hsdp_enabled else mesh[shard]
 
     @staticmethod
     def dp_rank(mesh: DeviceMesh) -> int:
