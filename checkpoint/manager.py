@@ -85,6 +85,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         total_steps: int | None = None,
         mtbf_s: float | None = None,
         attempt: str = "",
+        collective_timeout_s: float | None = None,
     ) -> None:
         if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
             raise ValueError(
@@ -97,6 +98,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self.world_size = world_size
         self.total_steps = total_steps
         self.mtbf_s = mtbf_s
+        self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
@@ -268,7 +270,8 @@ class CheckpointManager(CommitMixin, StateDictMixin):
                 self._prepare(tmp)
             self._barrier(self._ctl_pg)
         sd = self._save_state_dict()
-        writer = RecordingWriter(tmp, thread_count=self.cfg.writer_threads)  # DCP makes the folder on each rank
+        writer = RecordingWriter(tmp, thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
+                                 collective_timeout_s=self.collective_timeout_s)
         if self.cfg.async_mode == "none":
             err = None
             try:

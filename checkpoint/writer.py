@@ -10,10 +10,12 @@ import os
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -28,12 +30,25 @@ _WRITEBACK_MIN = 1 << 20  # writes smaller than this are left to the final fsync
 class RecordingWriter(FileSystemWriter):
     """FileSystemWriter (one file per rank, fsync'ed once by DCP) that records each file's
     {"size", "crc32"} in `records` from the bytes it writes, for the manifest. In async_mode=process
-    the writer runs in another process and `records` stays empty here: the caller reads the files."""
+    the writer runs in another process and `records` stays empty here: the caller reads the files.
 
-    def __init__(self, path: Path, *, thread_count: int) -> None:
+    `collective_timeout_s` bounds the collectives of DCP's background process (async_mode=process): torch
+    2.13 spawns it and makes its gloo group with the backend's 30-minute default, and offers no argument,
+    environment variable or executor hook for it (torch/distributed/checkpoint/_async_process_executor.py,
+    `_checkpointing_subprocess`: `dist.init_process_group(backend=dist.Backend.GLOO)`); this writer is the one
+    object of ours that DCP runs in that process, and its set-up comes before every save's first collective."""
+
+    def __init__(self, path: Path, *, thread_count: int, collective_timeout_s: float | None = None) -> None:
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count)
         self.records: dict[str, dict[str, Any]] = {}
         self.fs = _RecordingFileSystem(self.records)
+        self.collective_timeout_s = collective_timeout_s
+        self._pid = os.getpid()  # pickled with the writer: another pid is DCP's background process
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if self.collective_timeout_s is not None and os.getpid() != self._pid and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.collective_timeout_s))  # its only group
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         with zip_crc32_off():  # DCP's FileSystemWriter writes synchronously in here

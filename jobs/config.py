@@ -32,13 +32,19 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base
     max_seq_len: int = 2048  # longest sequence RoPE tables are built for
-    # Mixture of experts (DeepSeek-V3 style; planned analytically, not built for training yet).
+    # Mixture of experts (DeepSeek-V3 style; jobs/moe.py trains it, jobs.plan plans it).
     n_routed_experts: int = 0  # routed experts per MoE layer; 0 = dense model
     n_shared_experts: int = 0  # always-active shared experts per MoE layer
     experts_per_token: int = 0  # routed experts each token is sent to (top-k)
     moe_ffn_dim: int = 0  # SwiGLU hidden size of one expert
     n_dense_layers: int = 0  # leading blocks with a dense FFN (ffn_dim) before the MoE blocks
     moe_max_nodes: int = 0  # node-limited routing: a token's routed experts lie on at most this many nodes (DeepSeek-V3: 4); 0 = unlimited
+    moe_groups: int = 0  # contiguous expert groups the node limit counts, one per node the experts span (DeepSeek-V3 n_group: 8); 0 = 1
+    moe_score_func: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
+    moe_route_norm: bool = False  # DeepSeek-style: the top-k weights are normalised to sum to 1 (always with sigmoid)
+    moe_route_scale: float = 1.0  # routed output scale after normalisation (DeepSeek-V3 routed_scaling_factor: 2.5)
+    moe_bias_rate: float = 1.0e-3  # aux-loss-free balancing: expert bias += rate * sign(mean load - load) per step (DeepSeek-V3 gamma); 0 = off
+    moe_aux_loss_coef: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 alpha: 1e-4); 0 = off
     # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
     attention: str = "gqa"  # gqa | mla
     q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression

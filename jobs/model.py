@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jobs.config import ModelConfig
+from jobs.moe import MoE
 
 __all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
@@ -83,13 +84,20 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def ffn_block(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The FFN of block `layer`: dense SwiGLU before model.n_dense_layers or without experts, else MoE (jobs/moe.py)."""
+    if cfg.n_routed_experts > 0 and layer >= cfg.n_dense_layers:
+        return MoE(cfg)
+    return FeedForward(cfg.dim, cfg.ffn_dim)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = ffn_block(cfg, layer)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -102,12 +110,12 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.attention != "gqa" or cfg.n_routed_experts > 0:  # not a GQA block with 56-dim heads in disguise
-            raise ValueError(f"model.attention={cfg.attention}, model.n_routed_experts={cfg.n_routed_experts}: "
-                             "jobs/model.py builds dense GQA only; MLA/MoE models are planned (jobs.plan), not trained")
+        if cfg.attention != "gqa":  # not a GQA block with 56-dim heads in disguise
+            raise ValueError(f"model.attention={cfg.attention}: jobs/model.py builds GQA attention only; "
+                             "MLA models are planned (jobs.plan), not trained")
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_positions: torch.Tensor | None = None  # RoPE rows of a cp rank's chunks (parallel.cp.apply_cp)
@@ -123,14 +131,18 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self) -> None:
-        """Recomputes the non-persistent RoPE table (after `to_empty` from the meta device); on a cp rank,
-        the rows of its chunks' global positions."""
+        """Recomputes the non-persistent RoPE table (on a cp rank, the rows of its chunks' global positions)
+        and zeroes the MoE routers' buffers (after `to_empty` from the meta device; a checkpoint load then
+        restores the expert biases)."""
         table = rope_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
         if self.rope_positions is None:
             with torch.no_grad():
                 self.rope.copy_(table)
         else:
             self.rope = table[self.rope_positions].to(self.rope.device)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.router.reset_buffers()
 
 
 def _init_std(fqn: str, cfg: ModelConfig) -> float | None:

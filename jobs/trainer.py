@@ -32,6 +32,7 @@ from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import DistEnv
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
+from jobs.moe import moe_layers, update_expert_bias
 from jobs.data import BatchSource, sources_of
 from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
@@ -133,11 +134,15 @@ class Trainer:
         self.device = rank_device(device_type, local_rank=env.local_rank)
         dims = derived.dims
         self.mesh = dims.build_mesh(self.device.type)
+        # The MoE mesh (parallel/ep.py): dp_shard split into (edp, ep) over the same ranks.
+        self.ep_mesh = dims.build_ep_mesh(self.device.type) if dims.ep_enabled else None
         self.pp_group = self.mesh.get_group("pp") if dims.pp_enabled else None
         self.use_loss_parallel = dims.tp_enabled and cfg.mesh.loss_parallel
 
         self._build_model(cfg, derived)
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
+        self.moe_layers = moe_layers(self.parts)
+        self.moe_group = self._moe_group()  # the router counts' all-reduce (bias balancing)
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
@@ -179,7 +184,7 @@ class Trainer:
             loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
-            compile=cfg.train.compile, mixed_precision=self.mixed_precision,
+            compile=cfg.train.compile, mixed_precision=self.mixed_precision, ep_mesh=self.ep_mesh,
             cp_impl=cfg.mesh.cp_impl, seq_len=cfg.train.seq_len,
         )
         for part in self.parts:
@@ -260,7 +265,8 @@ class Trainer:
         return math.sqrt(float(totals[0])), float(totals[1]), stop_agreed
 
     def optimizer_step(self) -> float:
-        """AdamW and the LR schedule on every model part; returns the learning rate the step used.
+        """AdamW and the LR schedule on every model part, then the MoE routers' bias update; returns the learning
+        rate the step used.
         A checkpoint save may still be copying these parameters: each opt.step() first waits for that
         copy (a step pre-hook that CheckpointManager.load_latest put on every optimizer)."""
         lr = self.lr_schedulers[0].get_last_lr()[0]
@@ -268,7 +274,17 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        update_expert_bias(self.moe_layers, rate=self.cfg.model.moe_bias_rate, group=self.moe_group)
         return lr
+
+    def _moe_group(self):
+        """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
+        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model."""
+        if not self.moe_layers or self.env.world_size == 1:
+            return None
+        if not self.derived.dims.pp_enabled:
+            return dist.group.WORLD
+        return self.mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("moe_stage").get_group()
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -443,6 +459,7 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
         emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
         total_steps=cfg.train.steps, mtbf_s=mtbf_s, attempt=env.attempt,
+        collective_timeout_s=cfg.failure.collective_timeout_s,
     )
 
 

@@ -39,6 +39,7 @@ def validate(cfg: JobConfig) -> Derived:
 
     _check_model(cfg, dims)
     _check_cp(cfg, dims)
+    _check_moe(cfg, dims)
     spr, num_stages, split = _check_pipeline(cfg, dims)
     microbatches = _check_batch(cfg, dims)
 
@@ -119,6 +120,34 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
     if t.compile:
         raise ValueError(f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
                          "compiled (untested); set train.compile=false or mesh.cp=1")
+
+
+def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
+    """The MoE keys (jobs/moe.py) and expert parallelism against them."""
+    m = cfg.model
+    if m.n_routed_experts <= 0:
+        if dims.ep > 1:
+            raise ValueError(f"mesh.ep({dims.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense "
+                             "model has no experts to shard; set mesh.ep=1 or pick an MoE model (model=tiny_moe)")
+        return
+    if m.n_routed_experts % dims.ep:
+        raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({dims.ep}) != 0: "
+                         "each ep rank needs whole experts")
+    if m.moe_score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"model.moe_score_func={m.moe_score_func!r} is not one of softmax, sigmoid")
+    groups = max(m.moe_groups, 1)
+    if m.n_routed_experts % groups:
+        raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % model.moe_groups({groups}) != 0: "
+                         "the node limit counts equal groups of experts")
+    allowed = m.n_routed_experts // groups * (m.moe_max_nodes if 0 < m.moe_max_nodes < groups else groups)
+    if not 0 < m.experts_per_token <= allowed:
+        raise ValueError(f"model.experts_per_token({m.experts_per_token}) must be in 1..{allowed}: the experts of "
+                         f"model.moe_max_nodes({m.moe_max_nodes}) of model.moe_groups({groups}) groups")
+    if m.moe_ffn_dim <= 0:
+        raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) must be > 0 with model.n_routed_experts > 0")
+    if dims.tp > 1 and m.attention == "gqa":  # an MLA model is planned only (jobs.plan), tp and all
+        raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model (model.n_routed_experts={m.n_routed_experts}): "
+                         "tensor parallel of MoE blocks is not built yet; set mesh.tp=1 (the experts shard over mesh.ep)")
 
 
 def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple[int, ...] | None]:

@@ -10,12 +10,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 
-__all__ = ["ParallelDims", "MESH_AXES"]
+__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
 # inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
-# K/V exchange runs every layer too). ep is named so the vocabulary is fixed, but refused (> 1).
+# K/V exchange runs every layer too). ep splits dp_shard on a second mesh (EP_MESH_AXES below).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
+EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ParallelDims:
                     training: bool = True) -> "ParallelDims":
         """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
 
-        `training=False` (the planner) accepts mesh.ep > 1, which training refuses."""
+        `training=False` (the planner) accepts any mesh.ep."""
         where = f" ({world_size_expr})" if world_size_expr else ""
         for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
             v = getattr(mesh, axis)
@@ -51,8 +53,6 @@ class ParallelDims:
                 raise ValueError(f"mesh.{axis}({v}) must be >= 1")
         if mesh.dp_shard < 1 and mesh.dp_shard != -1:
             raise ValueError(f"mesh.dp_shard({mesh.dp_shard}) must be >= 1, or -1 for the ranks left over")
-        if training and mesh.ep > 1:
-            raise ValueError(f"mesh.ep({mesh.ep}) > 1: expert parallel is not built yet; set mesh.ep=1")
         others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
         dp_shard = mesh.dp_shard
         if dp_shard == -1:
@@ -70,6 +70,8 @@ class ParallelDims:
                 f"mesh.cp({mesh.cp}) * mesh.tp({mesh.tp}) = {product} != world size {world_size}{where}; "
                 "make the product equal the world size (mesh.dp_shard=-1 fills the rest)"
             )
+        if training and mesh.ep > 1:
+            _check_ep(mesh, dp_shard=dp_shard)
         if mesh.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"mesh.pp_schedule={mesh.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
         return cls(mesh.pp, mesh.dp_replicate, dp_shard, mesh.cp, mesh.tp, mesh.ep, world_size)
@@ -104,7 +106,8 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
-        return " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        out = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
@@ -121,10 +124,31 @@ class ParallelDims:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
             return mesh[("dp_replicate", shard)] if self.hsdp_enabled else mesh[shard]
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def build_ep_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The MoE mesh over the same ranks, dp_shard split into (edp, ep): ep = adjacent dp_shard ranks that
+        exchange tokens, edp = the ranks holding the same experts (their gradients are reduced over it)."""
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_AXES)
+
     @staticmethod
     def dp_rank(mesh: DeviceMesh) -> int:
         """This rank's index among the dp = dp_replicate * dp_shard slices of the global batch."""
         return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
+    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard, with FSDP; other axes refused."""
+    if dp_shard % mesh.ep:
+        raise ValueError(f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}): expert parallelism borrows its "
+                         "ranks from data parallelism (the ep ranks of a group train on different batch slices)")
+    for axis in ("pp", "dp_replicate", "cp", "tp"):
+        if getattr(mesh, axis) > 1:
+            raise ValueError(f"mesh.ep({mesh.ep}) > 1 with mesh.{axis}({getattr(mesh, axis)}) > 1 is not built yet "
+                             f"(expert parallel trains with mesh.dp_shard only); set mesh.{axis}=1 or mesh.ep=1")
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.ac import apply_ac
 from parallel.dims import ParallelDims
+from parallel.ep import apply_ep, apply_expert_fsdp, is_grouped_experts
 from parallel.fsdp import apply_fsdp
 from parallel.compile import apply_compile
 from parallel.cp import apply_cp
@@ -34,6 +35,7 @@ def parallelize(
     mixed_precision: str = "fp32",
     cp_impl: str = "allgather",
     seq_len: int = 0,
+    ep_mesh: DeviceMesh | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
 
@@ -53,6 +55,9 @@ def parallelize(
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
          `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
          (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
+    With mesh.ep > 1 (`ep_mesh`, ParallelDims.build_ep_mesh), expert parallelism comes after TP (its
+    place in the order; the two do not combine yet) and the routed experts get their own FSDP over the
+    expert-data-parallel axis before the blocks are wrapped (parallel/ep.py).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
     if dims.pp > 1:
@@ -63,13 +68,22 @@ def parallelize(
     else:
         stages, parts = [0], [model]
     for part in parts:
+        has_experts = any(is_grouped_experts(m) for m in part.modules())
+        if dims.tp_enabled and has_experts:
+            raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model: tensor parallel of MoE blocks is not built "
+                             "yet; set mesh.tp=1 (the experts shard over mesh.ep)")
         if dims.cp_enabled:
             apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         apply_ac(part, mode=activation_checkpointing, every=ac_every)
+        if ep_mesh is not None:
+            apply_ep(part, ep_mesh["ep"])
         if compile:
             apply_compile(part)
+        if ep_mesh is not None:
+            apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp, reshard_after_forward=not dims.pp_enabled,
+                              mp_policy=fsdp_policy(mixed_precision))
         if dims.fsdp_enabled:
             apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
                        mp_policy=fsdp_policy(mixed_precision))

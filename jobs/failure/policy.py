@@ -176,7 +176,7 @@ def claimant(run_dir: str | os.PathLike[str], attempt: str) -> dict | None:
     nobody did."""
     try:
         text = (incident_dir(run_dir, attempt) / ".claim").read_text()
-    except FileNotFoundError:
+    except OSError:  # none there, or its folder cannot be read (nor written: no claim could be made)
         return None
     try:
         return json.loads(text)

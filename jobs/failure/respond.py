@@ -5,14 +5,14 @@ classify the incident from the heartbeats, write it, decide (requeue or stop) an
 `conclude`: the decider's part, shared with the stop-signal path. `open_attempt`: the ledger's
 record of a new attempt, writing the ends that the previous attempts could not write themselves.
 `decide_for_lost_decider`: the supervisor's part when a step ended with its decision claimed and never
-published.
+published; `decide_for_silent_attempt`: its part when a rank left and nobody could even claim the decision.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
@@ -26,7 +26,8 @@ from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node
                                      requeue_excluding, usable_nodes)
 from jobs.log import get_logger
 
-__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider"]
+__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider",
+           "decide_for_silent_attempt"]
 
 _once = threading.Lock()
 
@@ -64,6 +65,12 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
     """Writes the incident (unless `recorded` already) and the ledger records, decides, requeues before anyone
     tears down, then publishes the decision; returns this process's exit code (the other ranks read it from
     the decision)."""
+    return _conclude(ctx, cause=cause, step=step, incident=incident, recorded=recorded).exit_code
+
+
+def _conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None,
+              recorded: bool) -> Decision:
+    """`conclude`, returning the decision."""
     if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
         ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
@@ -88,14 +95,24 @@ def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Inc
     finally:
         # Only now: the supervisor ends the step on a published decision, and its batch script then ends
         # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
-        publish(ctx.run_dir, ctx.attempt, d)
+        _publish(ctx, d)
     log = get_logger()
     (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
                                                           cause, d.action, d.reason, d.exit_code)
     if d.action == "stop":
         print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
               flush=True)
-    return d.exit_code
+    return d
+
+
+def _publish(ctx: AttemptContext, d: Decision) -> None:
+    """`publish`; the supervisor (rank -1), whose step is over, prints a decision it cannot write to the job log."""
+    try:
+        publish(ctx.run_dir, ctx.attempt, d)
+    except OSError as e:
+        if ctx.rank >= 0:
+            raise
+        get_logger().error("decision of attempt %s not published (%s): %s", ctx.attempt, e, json.dumps(asdict(d)))
 
 
 def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None) -> Restart | None:
@@ -201,3 +218,41 @@ def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
                  "phase": b.phase}] if b is not None else []
     return Incident("dead_rank", ctx.attempt, ctx.rank, f"{_who(who)} claimed the decision of attempt {ctx.attempt} "
                     "and died before publishing it", suspects, {"claim": who})
+
+
+def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) -> dict | None:
+    """The supervisor's part when srun reported a rank of the step gone (`why`: srun's line) and the step ended
+    with nobody having claimed the attempt: the ranks' failure path could not even claim it (a full or
+    read-only incidents folder). Decides in their place, as a `dead_rank` without suspects (a rank that could
+    not write is no evidence against its node), with the ranks' policy and budgets: a restart in the
+    allocation, a requeue or a stop. Records what it can (the ledger, else the job log) and returns the
+    decision even when it could not be published; None when someone claimed or decided the attempt."""
+    if claimant(ctx.run_dir, ctx.attempt) is not None or read_decision(ctx.run_dir, ctx.attempt, wait_s=0) is not None:
+        return None
+    try:
+        if not claim(ctx.run_dir, ctx.attempt, rank=ctx.rank):
+            return None
+    except OSError as e:  # every rank of the step is gone: nobody else can decide
+        get_logger().error("attempt %s: cannot claim its decision (%s); deciding without a claim", ctx.attempt, e)
+    beats = read_beats(ctx.run_dir, ctx.attempt)
+    step = max((b.step for b in beats.values() if b.step >= 0), default=None)
+    incident = Incident("dead_rank", ctx.attempt, ctx.rank, f"{why}, and no rank claimed or published a decision "
+                        "(their failure path could not write?)", [], {"srun": why, "step_exit_code": step_code})
+    get_logger().error("attempt %s: deciding in the ranks' place: %s", ctx.attempt, incident.summary)
+    e = ctx.events
+    d = _conclude(replace(ctx, events=_LedgerOrLog(e.path, rank=e.rank, restart=e.restart, attempt=e.attempt)),
+                  cause=incident.cls, step=step, incident=incident, recorded=False)
+    return read_decision(ctx.run_dir, ctx.attempt, wait_s=0) or asdict(d)
+
+
+class _LedgerOrLog(EventLog):
+    """The ledger, for a supervisor deciding in the place of ranks that could not write: a record the ledger
+    refuses (a full or read-only disk) goes to the job log instead."""
+
+    def emit(self, kind: str, **fields) -> dict:
+        try:
+            return super().emit(kind, **fields)
+        except OSError as e:
+            record = {"kind": kind, "attempt": self.attempt, **fields}
+            get_logger().error("ledger %s not written (%s): %s", self.path, e, json.dumps(record, default=str))
+            return record

@@ -42,7 +42,7 @@ from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.events import EventLog
 from jobs.failure.policy import read_decision
-from jobs.failure.quarantine import quarantined
+from jobs.failure.quarantine import known_nodes, quarantined
 from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
@@ -261,8 +261,7 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
         array_parallelism=ln.array_parallelism or 256,
     )
     # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
-    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")),
-                                      *(e["node"] for e in quarantined(cfg.run.dir))]))
+    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")), *_known_quarantined(cfg.run.dir)]))
     optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint,
                     exclude=exclude)
     params.update({k: v for k, v in optional.items() if v})
@@ -272,6 +271,21 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
         params["mem"] = f"{cl.mem_per_node_gb}G"
     ex.update_parameters(**params)
     return ex
+
+
+def _known_quarantined(run_dir: str) -> list[str]:
+    """The run's quarantined nodes that Slurm knows: sbatch refuses a job whose --exclude names a node it does
+    not know (one since removed or renamed), so those are left out and named on stderr; all of them when
+    sinfo cannot say."""
+    listed = list(dict.fromkeys(e["node"] for e in quarantined(run_dir)))
+    known = known_nodes() if listed else None
+    if known is None:
+        return listed
+    dropped = [n for n in listed if n not in known]
+    if dropped:
+        print(f"warning: quarantined node(s) {', '.join(dropped)} ({run_dir}/quarantine.json) unknown to Slurm: "
+              "not excluded", file=sys.stderr)
+    return [n for n in listed if n in known]
 
 
 def submit(cfg: JobConfig) -> int:

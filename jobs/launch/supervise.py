@@ -39,9 +39,10 @@ from pathlib import Path
 from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.events import EventLog, read_events
-from jobs.failure.policy import claim, read_decision
+from jobs.failure.policy import claim, read_decision, requeues_used
 from jobs.failure.quarantine import quarantined, requeue_excluding
-from jobs.failure.respond import AttemptContext, conclude, decide_for_lost_decider, open_attempt
+from jobs.failure.respond import (AttemptContext, conclude, decide_for_lost_decider, decide_for_silent_attempt,
+                                  open_attempt)
 from jobs.failure.signals import parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
@@ -103,12 +104,9 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     stopping: list[int] = []
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, lambda signum, _f: stopping.append(signum))
-    listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
-    bad = sorted(set(nodes) & set(listed))
-    if bad:  # the exclusion of an earlier requeue did not take (or a later submission of the same run dir)
-        ok, said = requeue_excluding(job_id, listed)
-        get_logger().error("allocation includes quarantined node(s) %s: requeued without them (%s)", bad, said)
-        return exitcodes.REQUEUE
+    off = _off_quarantine(cfg, job_id=job_id, restart=restart, nodes=nodes)
+    if off is not None:
+        return off
     path = rank_config_path(cfg.run.dir, job_id, restart)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(cfg))
@@ -121,15 +119,47 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
                              restart_in_allocation=n, partition=cfg.cluster.partition, nodes_needed=cfg.launcher.nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n)
         cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs])
-        code = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
-                         no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
-        # A claimed attempt without a decision: its decider died deciding; decide in its place.
-        d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=code)
+        code, gone = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
+                               no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
+        # A claimed attempt without a decision: its decider died deciding; a rank gone and nobody claimed: the
+        # ranks' failure path could not write. Either way, decide in their place.
+        d = (read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=code)
+             or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None))
         if d is None or d["action"] != "restart" or stopping:
             return code if d is None else int(d["exit_code"])
         get_logger().warning("attempt %s ended by a restart decision: starting the ranks again (restart %d "
                              "inside job %s)", attempt, n + 1, job_id)
         n += 1
+
+
+def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[str]) -> int | None:
+    """An allocation that holds a quarantined node (the exclusion of an earlier requeue did not take, or a later
+    submission of the same run dir) is requeued without them before any rank starts, within
+    failure.max_requeues like every requeue (Slurm handing out the node again must not requeue the job
+    forever): a `decision` of cause `quarantined_node` in the ledger, and the exit code; None when no
+    quarantined node is in the allocation."""
+    listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
+    bad = sorted(set(nodes) & set(listed))
+    if not bad:
+        return None
+    f, log = cfg.failure, get_logger()
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart,
+                      attempt=attempt_name(job_id, restart))
+    used = requeues_used(read_events(events.path), restart_count=restart)
+    facts = dict(cause="quarantined_node", requeues_used=used, max_requeues=f.max_requeues, excluded=listed)
+    what = f"allocation includes quarantined node(s) {', '.join(bad)} ({cfg.run.dir}/quarantine.json)"
+    if used >= f.max_requeues:
+        reason = (f"{what} and the requeue budget is spent: {used} requeues >= failure.max_requeues({f.max_requeues}); "
+                  "check the nodes and remove them from quarantine.json, or exclude them in cluster.exclude")
+        events.emit("decision", action="stop", reason=reason, exit_code=exitcodes.STOPPED, **facts)
+        log.error("%s: stop", reason)
+        return exitcodes.STOPPED
+    reason = f"{what}: requeue {used + 1} of failure.max_requeues({f.max_requeues}) without them"
+    events.emit("decision", action="requeue", reason=reason, exit_code=exitcodes.REQUEUE, **facts)
+    ok, said = requeue_excluding(job_id, listed)
+    events.emit("requeue", job_id=job_id, ok=ok, scontrol=said, excluded=listed)
+    log.error("%s (%s)", reason, said)
+    return exitcodes.REQUEUE
 
 
 def _srun(cfg: JobConfig, config_path: Path, logs: list[str]) -> list[str]:
@@ -143,16 +173,18 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str]) -> list[str]:
     return [*args, sys.executable, "-u", "-m", "jobs.launch.slurm", "--rank-config", str(config_path)]
 
 
-def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float) -> int:
-    """One srun step: its exit code; killed `_GRACE_S` after a published decision if still running, or
-    `no_decision_s` after a rank left without any decision (see `_RankExits`)."""
+def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *,
+              no_decision_s: float) -> tuple[int, str | None]:
+    """One srun step: its exit code and srun's line about the first rank that ended (None: none did); killed
+    `_GRACE_S` after a published decision if still running, or `no_decision_s` after a rank left without any
+    decision (see `_RankExits`)."""
     get_logger().info("starting attempt %s: %s", attempt, shlex.join(cmd))
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     exits = _RankExits(proc)
     decided_at = None
     while True:
         try:
-            return proc.wait(timeout=_POLL_S)
+            return proc.wait(timeout=_POLL_S), exits.settled()
         except subprocess.TimeoutExpired:
             pass
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
@@ -177,7 +209,13 @@ class _RankExits:
     def __init__(self, proc: subprocess.Popen) -> None:
         self.first: str | None = None
         self.first_at: float | None = None
-        threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True).start()
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True)
+        self._thread.start()
+
+    def settled(self) -> str | None:
+        """`first`, once srun's last lines are read (it prints a task's end as the step ends, too)."""
+        self._thread.join(timeout=5.0)
+        return self.first
 
     def _pump(self, stream) -> None:
         for line in stream:

@@ -10,10 +10,10 @@ Nothing is written anywhere (run.dir is never created).
 Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each failure names the knob);
 2 the config is invalid (the ValueError of `jobs.validate`, or a composition error).
 
-Context parallel (mesh.cp > 1, trained by parallel/cp.py) and expert parallel (mesh.ep > 1, not built
-for training) are planned the same way: their own arithmetic is checked here, `validate()` runs on the
-config with those axes folded away, and a note says how each is planned. MoE and MLA
-models are planned analytically only (jobs/model.py builds neither).
+Context parallel (mesh.cp > 1, trained by parallel/cp.py) and expert parallel (mesh.ep > 1) are
+planned the same way: their own arithmetic is checked here, `validate()` runs on the config with
+those axes folded away, and a note says how each is planned (and whether training is built). MoE
+and MLA models are planned analytically only (jobs/model.py builds MoE blocks, jobs/moe.py, but not MLA).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def validate_for_planning(cfg: JobConfig):
     notes: list[str] = []
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
-            f"model {m.name}: MoE/MLA planned analytically (jobs/model.py builds neither; no fake-backend measurement)"
+            f"model {m.name}: MoE/MLA planned analytically (no fake-backend measurement"
+            f"{'; jobs/model.py does not build MLA' if m.attention == 'mla' else ''})"
         )
     if mesh.cp <= 1 and mesh.ep <= 1:
         return validate(cfg), notes
@@ -94,7 +95,9 @@ def validate_for_planning(cfg: JobConfig):
                 f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({mesh.cp}) = {dp_shard * mesh.cp}: "
                 "expert parallelism borrows its ranks from data parallelism"
             )
-        notes.append(f"ep{mesh.ep}: planned analytically, training not built yet (experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
+        trainable = m.attention == "gqa" and mesh.pp == mesh.dp_replicate == mesh.cp == mesh.tp == 1  # parallel/dims.py
+        notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if trainable else 'not built yet'} "
+                     "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
     view = copy.deepcopy(cfg)
     view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
     view.launcher.nodes, view.launcher.tasks_per_node = 1, world // mesh.cp

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (DONE_S, LONG_STEPS, STEP_S, STEPS, assert_bitwise_equal_to_reference, bound_s,
+from jobs.telemetry.phases import SLOW_PHASE_VAR
+from tests.chaos.chaos_helpers import (DONE_S, STEP_S, STEPS, assert_bitwise_equal_to_reference, bound_s,
                                        bring_nodes_back, common, events, losses, rank_pid, status, submit,
                                        take_node_down, wait_for_step, wait_job_done)
 from tests.slurm.slurm_helpers import cli, scontrol_job
@@ -23,6 +24,7 @@ from tests.slurm.slurm_helpers import cli, scontrol_job
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
               pytest.mark.timeout(bound_s(STEP_S, DONE_S))]
 NODE_DOWN_DONE_S, LONG_DONE_S = 600, 900
+STALL_S = 1.0  # the time-limit case's fixed stall per step (seconds)
 
 
 def _states(recs: list[dict]) -> list[str]:
@@ -177,18 +179,20 @@ def test_a_sigstopped_rank_is_named_within_1_1_hang_timeouts_killed_and_the_rank
     assert losses(run_root).keys() == set(range(1, STEPS + 1))
 
 
-@pytest.mark.timeout(bound_s(LONG_DONE_S))  # bound_s counts its one reference run
-def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, chaos_references,
-                                                                             tmp_path) -> None:
-    # A 2-minute limit with USR2 90 s before it: Slurm checks limits coarsely and sends the warning
-    # 30-60 s into each attempt, so the LONG_STEPS (300) steps take more than one attempt, each but the last
-    # ended by the warning, saved and requeued (the budget is raised for that; it does not change the
-    # numerics). The one chaos case that needs the long run, and its own reference of that length.
-    # Made before the job, not while it runs: an attempt that the load keeps from its first step until the
-    # warning commits nothing (seen: three such attempts in a row hit the no-progress breaker).
-    reference = chaos_references(LONG_STEPS)
-    job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=90", "failure.max_requeues=20",
-                 "failure.max_attempts_without_progress=3", steps=LONG_STEPS)
+@pytest.mark.timeout(bound_s(LONG_DONE_S))  # bound_s counts its use of the shared reference run
+def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path,
+                                                                             monkeypatch) -> None:
+    # A 2-minute limit with USR2 60 s before it: Slurm checks limits coarsely and sends the warning
+    # 60-90 s into each attempt (late enough for a start-up slowed by load: with the warning 30 s in, three
+    # attempts in a row were warned before their first step and the no-progress breaker stopped the job).
+    # The run must outlast that on any machine, so every step stalls a fixed STALL_S in its optimizer phase
+    # (the test seam's "+<seconds>" form; a sleep, which changes no number): STEPS x STALL_S = 100 s of steps
+    # alone. Before, 300 plain steps outlasted the warning on this box and finished inside one attempt on CI's
+    # faster one (COMPLETED, never REQUEUED). Each attempt but the last is ended by the warning, saved and
+    # requeued (the budget is raised for that; it does not change the numerics).
+    monkeypatch.setenv(SLOW_PHASE_VAR, f"all:optimizer:+{STALL_S}")  # sbatch passes the environment to the job
+    job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=60", "failure.max_requeues=20",
+                 "failure.max_attempts_without_progress=3")
     recs = wait_job_done(job, timeout=LONG_DONE_S)
     assert _states(recs)[-1] == "COMPLETED" and "REQUEUED" in _states(recs), recs
     assert "TIMEOUT" not in _states(recs), recs

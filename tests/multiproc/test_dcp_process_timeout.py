@@ -1,0 +1,51 @@
+"""checkpoint.async_mode=process: the gloo group of DCP's background process gets failure.collective_timeout_s
+(RecordingWriter sets it there), not gloo's 30-minute default, read back inside that process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from checkpoint.writer import RecordingWriter
+from tests.multiproc._ranks import run_ranks
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # slow: DCP spawns a fresh interpreter (~10 s)
+
+
+class _ProbeWriter(RecordingWriter):
+    """RecordingWriter that, after its set-up, writes its process's pid and default group's timeout beside the
+    checkpoint (DCP pickles it into the background process, where it runs)."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        group = torch.distributed.distributed_c10d._get_default_group()
+        timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        (Path(self.path) / "probe.txt").write_text(f"{os.getpid()} {timeout}")
+
+
+def _two_saves(rank: int, world_size: int, folder: str) -> list[tuple[int, float]]:
+    """A save without, then one with collective_timeout_s=7, both in DCP's background process; what each saw."""
+    out = []
+    for name, timeout_s in (("without", None), ("with", 7.0)):
+        path = Path(folder) / name
+        dcp.async_save({"w": torch.arange(4.0)}, storage_writer=_ProbeWriter(path, thread_count=1,
+                                                                             collective_timeout_s=timeout_s),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        pid, seen = (path / "probe.txt").read_text().split()
+        out.append((int(pid), float(seen)))
+    return out
+
+
+def test_the_background_process_group_of_an_async_process_save_gets_the_collective_timeout(tmp_path: Path) -> None:
+    res = run_ranks(_two_saves, 1, str(tmp_path), timeout=120.0)
+    (without, with_), parent = res.results[0], os.getpid()
+    assert without[0] == with_[0] != parent  # the same background process, not this one nor the rank's
+    assert without[1] == 1800.0  # gloo's default: what the group kept before RecordingWriter set it
+    assert with_[1] == 7.0

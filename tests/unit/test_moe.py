@@ -1,0 +1,162 @@
+"""The MoE model (jobs/moe.py): one definition with the planner, grouped experts, node limit, bias balancing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jobs.config import compose
+from jobs.model import Transformer, init_weights
+from jobs.moe import MoE, Router, grouped_swiglu, update_expert_bias
+from jobs.planner.params import count_params
+from jobs.validate import validate
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.n_shared_experts=2", "model.n_dense_layers=2"],
+                                       ["model.n_shared_experts=0", "model.n_routed_experts=16", "model.moe_groups=8"]])
+def test_trainer_parameter_count_equals_the_planners_for_tiny_moe(overrides: list[str]) -> None:
+    m = compose(["model=tiny_moe", *overrides]).model
+    with torch.device("meta"):
+        model = Transformer(m)
+    assert sum(p.numel() for p in model.parameters()) == count_params(m).total
+    assert sum(isinstance(mod, MoE) for mod in model.modules()) == m.n_layers - m.n_dense_layers
+
+
+def test_grouped_experts_equal_one_swiglu_per_expert() -> None:
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), 8, generator=g)
+    w1, w3 = torch.randn(4, 8, 6, generator=g), torch.randn(4, 8, 6, generator=g)
+    w2 = torch.randn(4, 6, 8, generator=g)
+    starts = [sum(counts[:e]) for e in range(4)]
+    loop = torch.cat([(F.silu(x[s:s + c] @ w1[e]) * (x[s:s + c] @ w3[e])) @ w2[e]
+                      for e, (s, c) in enumerate(zip(starts, counts))])
+    torch.testing.assert_close(grouped_swiglu(x, counts, w1, w2, w3), loop)
+
+
+def _skewed_router(overrides: list[str]) -> tuple[Router, torch.Tensor]:
+    """A router whose gate prefers experts 0 and 1 for every token (they point along a direction all tokens share)."""
+    m = compose(["model=tiny_moe", *overrides]).model
+    router = Router(m)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        router.gate.weight.copy_(0.02 * torch.randn(router.gate.weight.shape, generator=g))
+        router.gate.weight[:2] += 0.5
+    router.reset_buffers()
+    x = torch.randn(512, m.dim, generator=g) * 0.5 + 1.0
+    return router, x
+
+
+def _imbalance(router: Router, x: torch.Tensor) -> float:
+    """max load / mean load of one routing of x (1.0 = perfectly even)."""
+    router.tokens_per_expert.zero_()
+    router(x)
+    load = router.tokens_per_expert.clone()
+    router.tokens_per_expert.zero_()
+    return float(load.max() / load.mean())
+
+
+def test_bias_balancing_evens_a_skewed_router_below_1_25() -> None:
+    router, x = _skewed_router(["model.moe_max_nodes=0"])
+    before = _imbalance(router, x)
+    layer = MoE.__new__(MoE)  # update_expert_bias only reads .router
+    torch.nn.Module.__init__(layer)
+    layer.router = router
+    for _ in range(300):
+        router(x)
+        update_expert_bias([layer], rate=1e-3)
+    after = _imbalance(router, x)
+    assert before >= 3.0, before  # experts 0 and 1 take (nearly) every token: 4x the mean
+    assert after < 1.25, (before, after)
+    assert router.expert_bias[:2].max() < router.expert_bias[2:].min()  # the favoured experts were pushed down
+
+
+def test_node_limited_routing_never_uses_more_groups_than_moe_max_nodes() -> None:
+    # 16 experts in 8 groups ("nodes"), top-6: unlimited routing spreads a token over up to 6 groups.
+    over = ["model.n_routed_experts=16", "model.moe_groups=8", "model.experts_per_token=6"]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2048, 64, generator=g)
+    for limit, most in ((0, 6), (4, 4), (3, 3)):  # 3 groups of 2 = exactly the 6 experts
+        router = Router(compose(["model=tiny_moe", *over, f"model.moe_max_nodes={limit}"]).model)
+        with torch.no_grad():
+            router.gate.weight.normal_(0, 1, generator=g)
+        router.reset_buffers()
+        _, ids, _ = router(x)
+        nodes = torch.stack([torch.unique(row // 2).numel() * torch.ones(()) for row in ids]).long()
+        assert int(nodes.max()) == most, (limit, nodes.bincount())
+        assert ids.unique(dim=1).shape == ids.shape  # k distinct experts per token
+
+
+def test_router_weights_are_normalised_for_sigmoid_and_plain_softmax_for_softmax() -> None:
+    x = torch.randn(32, 64)
+    sig = Router(compose(["model=tiny_moe", "model.moe_route_scale=2.5"]).model)
+    soft = Router(compose(["model=tiny_moe", "model.moe_score_func=softmax", "model.moe_route_norm=false"]).model)
+    for r in (sig, soft):
+        torch.nn.init.normal_(r.gate.weight, 0, 0.5)
+        r.reset_buffers()
+    w, _, _ = sig(x)
+    torch.testing.assert_close(w.sum(-1), torch.full((32,), 2.5))
+    w, ids, scores = soft(x)
+    torch.testing.assert_close(w, scores.gather(-1, ids))
+    assert float(w.sum(-1).max()) < 1.0
+
+
+def test_aux_loss_trains_the_router_without_changing_the_loss() -> None:
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    out = {}
+    for coef in (0.0, 0.1):
+        model = Transformer(compose(["model=tiny_moe", f"model.moe_aux_loss_coef={coef}"]).model)
+        init_weights(model, seed=0)
+        loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        out[coef] = (float(loss), model.layers["1"].feed_forward.router.gate.weight.grad.clone())
+    assert out[0.0][0] == out[0.1][0]
+    assert not torch.allclose(out[0.0][1], out[0.1][1])
+
+
+def test_router_counts_training_forwards_only() -> None:
+    router = Router(compose(["model=tiny_moe"]).model)
+    torch.nn.init.normal_(router.gate.weight, 0, 0.02)
+    router.reset_buffers()
+    x = torch.randn(32, 64)
+    with torch.no_grad():  # held-out evaluation (jobs/evaluate.py)
+        router(x)
+    assert float(router.tokens_per_expert.sum()) == 0
+    router(x)
+    assert float(router.tokens_per_expert.sum()) == 32 * 2
+
+
+def test_expert_bias_is_checkpointed_model_state() -> None:
+    model = Transformer(compose(["model=tiny_moe"]).model)
+    keys = model.state_dict().keys()
+    assert "layers.1.feed_forward.router.expert_bias" in keys
+    assert not any("tokens_per_expert" in k for k in keys)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=2", "mesh.ep=2"],
+     "mesh.ep(2) > 1 but model.n_routed_experts(0)"),
+    (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=3", "mesh.ep=3"], "mesh.ep(3)"),
+    (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4", "mesh.ep=2", "mesh.tp=2"],
+     "set mesh.tp=1 or mesh.ep=1"),
+    (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4", "mesh.ep=2", "mesh.pp=2"],
+     "set mesh.pp=1 or mesh.ep=1"),
+    (["model=tiny_moe", "mesh=single", "mesh.tp=2", "launcher.tasks_per_node=2"],
+     "mesh.tp(2) > 1 with an MoE model (model.n_routed_experts=8)"),
+    (["model=tiny_moe", "model.moe_score_func=relu"], "model.moe_score_func='relu'"),
+    (["model=tiny_moe", "model.moe_groups=3"], "model.moe_groups(3)"),
+    (["model=tiny_moe", "model.moe_max_nodes=1", "model.experts_per_token=3"], "model.experts_per_token(3)"),
+])
+def test_moe_config_errors_name_the_override(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ValueError) as e:
+        validate(compose(overrides))
+    assert needle in str(e.value)
+
+
+def test_tiny_moe_with_ep2_validates() -> None:
+    d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4",
+                          "mesh.ep=2"]))
+    assert (d.dims.dp_shard, d.dims.ep) == (4, 2)
+    assert d.dims.describe() == "dp_shard4 (ep2 within dp_shard)"
