@@ -41,12 +41,13 @@ class HeldoutEval:
     """This dp rank's held-out batches and the evaluation hook the trainer calls after each step."""
 
     def __init__(self, cfg: JobConfig, *, dp_rank: int, dp: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 seq_positions: torch.Tensor | None = None) -> None:
         t = cfg.train
         self.loss_fn = loss_fn
         self.every, self.n_batches, self.steps = t.eval_every, t.eval_batches, t.steps
         self.data = BatchSource(sources_of(cfg.data), seed=t.seed, global_batch=t.global_batch, seq_len=t.seq_len,
-                                dp_rank=dp_rank, dp=dp, split="heldout")
+                                dp_rank=dp_rank, dp=dp, split="heldout", seq_positions=seq_positions)
 
     def due(self, step: int) -> bool:
         return eval_due(step, every=self.every, steps=self.steps)

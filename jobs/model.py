@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.context_parallel = None  # set by parallel.cp.apply_cp: attention across the cp axis
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.context_parallel is not None:  # this rank holds 2 of the sequence's 2*cp chunks
+            return self.wo(self.context_parallel(q, k, v).reshape(bs, seq, -1))
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -115,6 +118,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rope_positions: torch.Tensor | None = None  # RoPE rows of a cp rank's chunks (parallel.cp.apply_cp)
         self.register_buffer(
             "rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
         )
@@ -127,10 +131,15 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self) -> None:
-        """Recomputes the non-persistent RoPE table and zeroes the MoE routers' buffers (after `to_empty` from
-        the meta device; a checkpoint load then restores the expert biases)."""
-        with torch.no_grad():
-            self.rope.copy_(rope_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta))
+        """Recomputes the non-persistent RoPE table (on a cp rank, the rows of its chunks' global positions)
+        and zeroes the MoE routers' buffers (after `to_empty` from the meta device; a checkpoint load then
+        restores the expert biases)."""
+        table = rope_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+        if self.rope_positions is None:
+            with torch.no_grad():
+                self.rope.copy_(table)
+        else:
+            self.rope = table[self.rope_positions].to(self.rope.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.router.reset_buffers()

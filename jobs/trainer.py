@@ -160,11 +160,14 @@ class Trainer:
                 * self.health.lr_scale)
             for opt in self.optimizers
         ]
+        positions = self.parts[0].rope_positions  # a cp rank reads its zig-zag chunks' tokens only (parallel/cp.py)
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
-            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, sample_log=os.environ.get(SAMPLE_LOG_VAR) if env.rank == 0 else None,
+            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
+            sample_log=os.environ.get(SAMPLE_LOG_VAR) if env.rank == 0 else None,
         )
-        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy)
+        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
+                                   seq_positions=positions)
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
         self.trained_steps: list[list[float]] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
@@ -185,6 +188,7 @@ class Trainer:
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
             compile=cfg.train.compile, mixed_precision=self.mixed_precision, ep_mesh=self.ep_mesh,
+            cp_impl=cfg.mesh.cp_impl, seq_len=cfg.train.seq_len,
         )
         for part in self.parts:
             part.to_empty(device=self.device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
-from parallel.config import MULTI_STAGE_SCHEDULES, checkpointed_layers
+from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
@@ -38,6 +38,7 @@ def validate(cfg: JobConfig) -> Derived:
     dims = ParallelDims.from_config(mesh, world_size=cfg.world_size, world_size_expr=cfg.world_size_expr)
 
     _check_model(cfg, dims)
+    _check_cp(cfg, dims)
     _check_moe(cfg, dims)
     spr, num_stages, split = _check_pipeline(cfg, dims)
     microbatches = _check_batch(cfg, dims)
@@ -97,6 +98,28 @@ def _check_model(cfg: JobConfig, dims: ParallelDims) -> None:
             f"train.seq_len({t.seq_len}) % mesh.tp({dims.tp}) != 0 with mesh.sequence_parallel=true; "
             "make the sequence divisible or set mesh.sequence_parallel=false"
         )
+
+
+def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Context parallel (parallel/cp.py): 2*cp equal chunks per sample, sequence parallel inside a cp rank's share."""
+    t, mesh = cfg.train, cfg.mesh
+    if mesh.cp_impl not in CP_IMPLS:
+        raise ValueError(f"mesh.cp_impl={mesh.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
+    if dims.cp == 1:
+        return
+    if t.seq_len % (2 * dims.cp):
+        raise ValueError(
+            f"train.seq_len({t.seq_len}) % (2 * mesh.cp({dims.cp})) = {t.seq_len % (2 * dims.cp)} != 0: context "
+            "parallel cuts each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp"
+        )
+    if dims.tp > 1 and mesh.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
+        raise ValueError(
+            f"train.seq_len({t.seq_len}) / mesh.cp({dims.cp}) = {t.seq_len // dims.cp} is not divisible by "
+            f"mesh.tp({dims.tp}) with mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false"
+        )
+    if t.compile:
+        raise ValueError(f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
+                         "compiled (untested); set train.compile=false or mesh.cp=1")
 
 
 def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv_zero_bubble")
 AC_MODES = ("none", "selective", "full")  # train.activation_checkpointing
+CP_IMPLS = ("allgather", "ring")  # mesh.cp_impl (parallel/cp.py)
 
 
 def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
@@ -28,12 +29,13 @@ class MeshConfig:
     pp: int = 1  # pipeline-parallel degree (stages across ranks)
     dp_replicate: int = 1  # data-parallel replicas (HSDP outer axis; DDP-like)
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = the ranks left after the other axes
-    cp: int = 1  # context-parallel degree (not built yet: must be 1)
+    cp: int = 1  # context-parallel degree: each rank holds 2 of the sequence's 2*cp zig-zag chunks (parallel/cp.py)
     tp: int = 1  # tensor-parallel degree
     ep: int = 1  # expert-parallel degree: MoE experts sharded over ep ranks within dp_shard (parallel/ep.py)
     pp_schedule: str = "1f1b"  # one of gpipe, 1f1b, interleaved_1f1b, zbv_zero_bubble
     pp_microbatches: int = -1  # microbatches per step per dp rank; -1 = global_batch / (dp * micro_batch)
     pp_stages_per_rank: int = -1  # virtual stages per pp rank; -1 = 1, or 2 for multi-stage schedules
     pp_layers_per_stage: list[int] | None = None  # blocks per stage, in stage order (pp * stages per rank entries); None = balanced by cost
+    cp_impl: str = "allgather"  # attention across cp ranks: allgather (K/V all-gathered) or ring (K/V passed around)
     sequence_parallel: bool = True  # shard norms/activations along the sequence dim across tp
     loss_parallel: bool = True  # compute the loss on vocab-sharded logits (no all-gather of logits)

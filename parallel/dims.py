@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +13,8 @@ from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 __all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
-# inside a node (tp last: its collectives run every layer and need the fastest links). cp and ep
-# are named here so the vocabulary is fixed, but are refused (> 1) until they are built.
+# inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
+# K/V exchange runs every layer too). ep splits dp_shard on a second mesh (EP_MESH_AXES below).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
 EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
@@ -26,7 +27,9 @@ class ParallelDims:
     The mesh is row-major over MESH_AXES: rank = ((((pp·R + r)·S + s)·C + c)·T + t), so tp groups are
     adjacent ranks (one node's NVLink domain) and pp groups are the farthest apart. Derived meshes:
     `dp` = dp_replicate * dp_shard slices of the global batch (see `dp_rank`); FSDP2 shards over
-    `dp_shard` and replicates over `dp_replicate` (HSDP).
+    `dp_shard` and replicates over `dp_replicate` (HSDP). With cp > 1, FSDP2 shards over the flattened
+    `dp_shard_cp` = dp_shard * cp axis instead (as torchtitan): cp ranks hold the same parameters and
+    see different tokens, so their gradients are averaged exactly like dp's (reduce-scatter).
     """
 
     pp: int
@@ -42,7 +45,7 @@ class ParallelDims:
                     training: bool = True) -> "ParallelDims":
         """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
 
-        `training=False` (the planner) accepts mesh.cp > 1, which training refuses, and any mesh.ep."""
+        `training=False` (the planner) accepts any mesh.ep."""
         where = f" ({world_size_expr})" if world_size_expr else ""
         for axis in ("pp", "dp_replicate", "cp", "tp", "ep"):
             v = getattr(mesh, axis)
@@ -50,11 +53,6 @@ class ParallelDims:
                 raise ValueError(f"mesh.{axis}({v}) must be >= 1")
         if mesh.dp_shard < 1 and mesh.dp_shard != -1:
             raise ValueError(f"mesh.dp_shard({mesh.dp_shard}) must be >= 1, or -1 for the ranks left over")
-        if training and mesh.cp > 1:
-            raise ValueError(
-                f"mesh.cp({mesh.cp}) > 1: context parallel is not built yet (torch's ring attention needs "
-                "CUDA SDPA kernels); set mesh.cp=1"
-            )
         others = mesh.pp * mesh.dp_replicate * mesh.cp * mesh.tp
         dp_shard = mesh.dp_shard
         if dp_shard == -1:
@@ -85,7 +83,11 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        return self.dp * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -108,8 +110,19 @@ class ParallelDims:
         return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """Builds the world DeviceMesh with every axis named (size-1 axes included)."""
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
+        `dp_shard_cp` axis FSDP2 shards over when cp > 1."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        if self.cp_enabled:
+            mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        return mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (or dp_shard_cp), with dp_replicate in front for HSDP."""
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened axis from the root will change
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh[("dp_replicate", shard)] if self.hsdp_enabled else mesh[shard]
 
     @property
     def ep_enabled(self) -> bool:

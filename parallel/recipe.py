@@ -10,6 +10,7 @@ from parallel.dims import ParallelDims
 from parallel.ep import apply_ep, apply_expert_fsdp, is_grouped_experts
 from parallel.fsdp import apply_fsdp
 from parallel.compile import apply_compile
+from parallel.cp import apply_cp
 from parallel.pipeline import layer_ranges, split_stage, stage_ids
 from parallel.precision import apply_autocast, fsdp_policy
 from parallel.tp import apply_tp
@@ -32,6 +33,8 @@ def parallelize(
     pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
     compile: bool = False,
     mixed_precision: str = "fp32",
+    cp_impl: str = "allgather",
+    seq_len: int = 0,
     ep_mesh: DeviceMesh | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Returns (parts, stage ids): the model parts this rank holds, each sharded, still on `model`'s device.
@@ -39,13 +42,16 @@ def parallelize(
     The order is fixed, for these reasons:
       1. pipeline split first, so no rank builds or shards layers it does not own
          (`pp_layers_per_stage` blocks per stage; None = balanced by cost);
+      1b. context parallel (`cp_impl`, with cp > 1): attention layers attend across the cp axis and RoPE
+         takes this rank's zig-zag positions of a `seq_len` sample (parallel/cp.py); it changes no
+         parameter, so it comes before TP, which only sees the heads of the local chunks;
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
       3. activation checkpointing (`parallel.ac`) after TP, so a recomputed block replays its TP
          collectives, and before FSDP2, so FSDP's hooks wrap the checkpointed block (as torchtitan);
       4. torch.compile per block (`compile`), after TP and AC, before FSDP (torchtitan's order):
          FSDP2 then wraps compiled blocks (no graph breaks or recompiles measured on CPU), and the
          blocks share one compiled graph;
-      5. FSDP2 last, over dp (and dp_replicate for HSDP): it shards the (TP-)parameters further.
+      5. FSDP2 last, over dp_shard (dp_shard * cp with context parallel; and dp_replicate for HSDP): it shards the (TP-)parameters further.
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
          `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
          (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
@@ -66,6 +72,8 @@ def parallelize(
         if dims.tp_enabled and has_experts:
             raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model: tensor parallel of MoE blocks is not built "
                              "yet; set mesh.tp=1 (the experts shard over mesh.ep)")
+        if dims.cp_enabled:
+            apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         apply_ac(part, mode=activation_checkpointing, every=ac_every)
@@ -77,8 +85,7 @@ def parallelize(
             apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp, reshard_after_forward=not dims.pp_enabled,
                               mp_policy=fsdp_policy(mixed_precision))
         if dims.fsdp_enabled:
-            dp_mesh = mesh[("dp_replicate", "dp_shard")] if dims.hsdp_enabled else mesh["dp_shard"]
-            apply_fsdp(part, dp_mesh, reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
+            apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
                        mp_policy=fsdp_policy(mixed_precision))
         elif mixed_precision == "bf16":
             apply_autocast(part, device_type=mesh.device_type)

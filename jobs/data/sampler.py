@@ -121,10 +121,12 @@ class BatchSource:
     """This dp rank's (inputs, targets) for a data step, read lazily in this process from one token file
     (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set.
     Reads from the start until `restore` puts it at a checkpoint's cursor; `cursor` is what to save.
+    `seq_positions` (context parallel): only the inputs at those positions of a sample, and their targets.
     `sample_log` (tests): a file that gets one JSON line per batch with its global (source, sample) pairs."""
 
     def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
-                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens", sample_log: str | None = None) -> None:
+                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens",
+                 seq_positions: torch.Tensor | None = None, sample_log: str | None = None) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -132,6 +134,7 @@ class BatchSource:
         self.weights = [float(w) for _, w in sources]
         self.seed, self.global_batch, self.seq_len, self.split = seed, global_batch, seq_len, split
         self.dp_rank, self.dp, self.sample_log = dp_rank, dp, sample_log
+        self.seq_positions = seq_positions
         self._splits: list[_Split] | None = None
         zeros = [0] * len(self.paths)
         self.anchor = Anchor(0, 0, list(zeros), list(zeros))
@@ -209,6 +212,8 @@ class BatchSource:
             if sel.any():
                 rows[sel] = split.rows(sample[sel])
         t = torch.from_numpy(rows)
+        if self.seq_positions is not None:
+            return t[:, self.seq_positions], t[:, self.seq_positions + 1]
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def close(self) -> None:

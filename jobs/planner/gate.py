@@ -10,10 +10,10 @@ Nothing is written anywhere (run.dir is never created).
 Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each failure names the knob);
 2 the config is invalid (the ValueError of `jobs.validate`, or a composition error).
 
-Context parallel (mesh.cp > 1) and expert parallel (mesh.ep > 1) are not built for training; the
-planner still plans them: it checks their own arithmetic here, runs `validate()` on the config with
-those axes folded away, and reports "planned analytically" (and whether training is built). MoE and MLA
-models are planned analytically only (jobs/model.py builds MoE blocks, jobs/moe.py, but not MLA).
+Context parallel (mesh.cp > 1, trained by parallel/cp.py) and expert parallel (mesh.ep > 1) are
+planned the same way: their own arithmetic is checked here, `validate()` runs on the config with
+those axes folded away, and a note says how each is planned (and whether training is built). MoE
+and MLA models are planned analytically only (jobs/model.py builds MoE blocks, jobs/moe.py, but not MLA).
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def validate_for_planning(cfg: JobConfig):
                 f"train.seq_len({t.seq_len}) / mesh.cp({mesh.cp}) = {t.seq_len // mesh.cp} is not divisible by "
                 f"mesh.tp({mesh.tp}) with mesh.sequence_parallel=true"
             )
-        notes.append(f"cp{mesh.cp}: planned analytically, training not built yet (FSDP sized over dp_shard*cp, as torchtitan)")
+        notes.append(f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
+                     "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
+                     "sized over dp_shard*cp, as torchtitan")
     if mesh.ep > 1:
         if m.n_routed_experts <= 0:
             raise ValueError(f"mesh.ep({mesh.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense model has no experts to shard")

@@ -55,7 +55,7 @@ def test_preset_world_sizes_and_meshes_are_the_published_ones():
 
 def test_cp_and_ep_are_planned_not_refused_and_say_so():
     plan = build_plan(compose(["+experiment=llama3_405b_131k_16384gpu"]), measure=False)
-    assert any("cp16: planned analytically, training not built yet" in n for n in plan.notes)
+    assert any("cp16: context parallel (mesh.cp_impl=allgather) is trained by parallel/cp.py" in n for n in plan.notes)
     assert any(c["axis"] == "cp" and c["collective"] == "all_gather" for c in plan.comm)  # Llama 3 §3.3.2
     plan = build_plan(compose(["+experiment=deepseek_v3_2048gpu"]), measure=False)
     assert any("ep64: planned analytically, training not built yet" in n for n in plan.notes)
@@ -63,11 +63,10 @@ def test_cp_and_ep_are_planned_not_refused_and_say_so():
     assert plan.params_total == 671_026_404_352
 
 
-def test_the_training_validator_still_refuses_cp():
+def test_the_training_validator_accepts_cp_now_that_it_is_built():
     from jobs.validate import validate
 
-    with pytest.raises(ValueError, match=r"mesh\.cp\(16\)"):
-        validate(compose(["+experiment=llama3_405b_131k_16384gpu"]))
+    assert validate(compose(["+experiment=llama3_405b_131k_16384gpu"])).dims.cp == 16  # parallel/cp.py
 
 
 def test_fake_backend_shards_match_the_analytic_count_on_every_sampled_rank():

@@ -1,0 +1,252 @@
+"""Context parallelism: the sequence split over the cp axis in zig-zag chunks, and causal attention over it
+by all-gathered K/V (`mesh.cp_impl=allgather`) or by K/V blocks rotated around a ring (`ring`).
+
+Built on torch.distributed primitives (torch's `context_parallel` has only CUDA SDPA handlers, notes
+item 11), so it runs on gloo/CPU and CUDA alike. Layout: the sequence is cut into 2*cp chunks and cp
+rank i holds chunks i and 2cp-1-i (Llama 3 §3.3.2 / zig-zag ring attention): under a causal mask an
+early chunk is cheap and a late one dear, so every rank gets the same work. Each rank runs the whole
+model on its 2 chunks; only attention looks across ranks. RoPE uses the chunks' global positions
+(`Transformer.rope_positions`), the data loader hands each rank its chunks' tokens
+(`seq_positions`), and each rank's mean loss covers equally many tokens, so the mean over cp ranks
+(FSDP's gradient average over dp_shard*cp, the trainer's loss all-reduce) is the global mean.
+
+- allgather: K and V (before the GQA repeat, so n_kv_heads cross the wire) are all-gathered over cp
+  and each query attends to the keys at global positions <= its own; backward reduce-scatters the
+  K/V gradients. One collective each way per layer; every rank computes (2cp chunks) x (2 chunks).
+- ring: cp steps; at step s a rank holds the K/V of rank (r - s) mod cp and passes it on to r + 1
+  (batch_isend_irecv, whose backward passes the gradient the other way). A (query chunk, key chunk)
+  block is full when the key chunk is earlier, causal on the diagonal and skipped when later; the
+  partial softmaxes are merged with their log-sum-exp. Per rank: 2 causal + 2cp-1 full blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.config import CP_IMPLS
+
+__all__ = ["CP_IMPLS", "zigzag_positions", "ring_blocks", "ContextParallelAttention", "apply_cp"]
+
+
+def zigzag_positions(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global token positions held by `cp_rank`: chunk cp_rank then chunk 2cp-1-cp_rank of 2cp equal chunks."""
+    assert seq_len % (2 * cp) == 0, (seq_len, cp)
+    c = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def _chunks(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def ring_blocks(cp: int, cp_rank: int) -> list[tuple[int, int, int, str]]:
+    """The ring's attention blocks on `cp_rank`: (step, query chunk, key chunk, "full" | "causal"); skipped
+    blocks (key chunk after query chunk) are absent. A pure function: the ring runs exactly this list."""
+    out = []
+    for step in range(cp):
+        src = (cp_rank - step) % cp
+        for qc in _chunks(cp_rank, cp):
+            for kc in _chunks(src, cp):
+                if kc < qc:
+                    out.append((step, qc, kc, "full"))
+                elif kc == qc:
+                    out.append((step, qc, kc, "causal"))
+    return out
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over `group`; backward reduce-scatters (sums) the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        n = dist.get_world_size(group)
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // n, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _RingShift(torch.autograd.Function):
+    """Sends x to the next cp rank and returns the previous one's; backward sends the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, nxt: int, prv: int) -> torch.Tensor:
+        ctx.group, ctx.nxt, ctx.prv = group, nxt, prv
+        return _exchange(x, to=nxt, frm=prv, group=group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, to=ctx.prv, frm=ctx.nxt, group=ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, *, to: int, frm: int, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    buf = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, buf, frm, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return buf
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's softmax attention and its log-sum-exp: q (b, h, s, d), k/v (b, h, t, d) -> (b, h, s, d), (b, h, s, 1)."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v.float(), lse
+
+
+def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tensor, torch.Tensor]):
+    """Two partial softmax attentions over disjoint keys merged into one, exactly (log-sum-exp weights)."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse), lse
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _FusedRing(torch.autograd.Function):
+    """The ring on CPU with torch's fused flash kernel per block (it returns the block's log-sum-exp but does
+    not differentiate through it, so the ring's backward is written out): forward merges the blocks;
+    backward runs each block's flash backward against the merged output and log-sum-exp (exact: the
+    softmax gradient only needs the final row statistics), K/V travelling the ring again with their
+    gradient accumulator, which one last hop brings home. q (b, h, 2c, d), k/v (b, kv_heads, 2c, d)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: "ContextParallelAttention") -> torch.Tensor:
+        rep, mine, qs = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp), q.chunk(2, dim=2)
+        acc: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {c: None for c in mine}
+        kv = torch.stack([k, v])
+        for step, blocks in attn.ring_steps(count=True):
+            if step:
+                kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
+            src = _chunks((attn.rank - step) % attn.cp, attn.cp)
+            for qc, kc, kind in blocks:
+                i, j = mine.index(qc), src.index(kc)
+                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1) for t in (kv[0], kv[1]))
+                o, lse = _flash(qs[i].contiguous(), kb.contiguous(), vb.contiguous(), 0.0, kind == "causal")
+                acc[qc] = _merge(acc[qc], (o.float(), lse.unsqueeze(-1)))
+        out = torch.cat([acc[c][0] for c in mine], dim=2).to(q.dtype)
+        lse = torch.cat([acc[c][1] for c in mine], dim=2).squeeze(-1).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn = attn
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        attn = ctx.attn
+        rep, mine = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp)
+        qs, outs, douts, lses = (t.chunk(2, dim=2) for t in (q, out, dout.contiguous(), lse))
+        dq = [torch.zeros_like(c, dtype=torch.float32) for c in qs]
+        kv = torch.cat([torch.stack([k, v]), torch.zeros((2, *k.shape), dtype=k.dtype)])  # K, V, dK, dV
+        for step, blocks in attn.ring_steps():
+            if step:
+                kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
+            src = _chunks((attn.rank - step) % attn.cp, attn.cp)
+            for qc, kc, kind in blocks:
+                i, j = mine.index(qc), src.index(kc)
+                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1).contiguous() for t in (kv[0], kv[1]))
+                g = _flash_backward(douts[i].contiguous(), qs[i].contiguous(), kb, vb, outs[i].contiguous(),
+                                    lses[i].contiguous(), 0.0, kind == "causal")
+                dq[i] += g[0].float()
+                for t, d in ((2, g[1]), (3, g[2])):  # the GQA repeat's gradient: a sum over each group's heads
+                    kv[t].chunk(2, dim=2)[j].add_(d.unflatten(1, (-1, rep)).sum(2).to(kv.dtype))
+        dkv = kv[2:] if attn.cp == 1 else _exchange(kv[2:], to=attn.nxt, frm=attn.prv, group=attn.group)
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0], dkv[1], None
+
+
+class ContextParallelAttention:
+    """Causal attention over the cp axis for one attention layer: (q, k, v) of this rank's two chunks,
+    (batch, seq/cp, heads, head_dim) (k/v with n_kv_heads) -> (batch, seq/cp, heads, head_dim).
+    `blocks` counts the attention blocks this rank computed ("full", "causal"), for tests and benchmarks."""
+
+    def __init__(self, cp_mesh: DeviceMesh, *, impl: str) -> None:
+        if impl not in CP_IMPLS:
+            raise ValueError(f"mesh.cp_impl={impl!r} is not one of {', '.join(CP_IMPLS)}")
+        self.impl, self.group = impl, cp_mesh.get_group()
+        self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        ranks = dist.get_process_group_ranks(self.group)
+        self.nxt, self.prv = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
+        self.blocks: Counter[str] = Counter()
+        self.fused = True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self._allgather(q, k, v) if self.impl == "allgather" else self._ring(q, k, v)
+        return out.type_as(q)
+
+    def _allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq = q.shape[1]
+        kv = torch.stack([k, v]).transpose(0, 2)  # (seq, b, 2, kv_heads, d): gathered along seq
+        kv = _AllGatherSeq.apply(kv, self.group).transpose(0, 2)
+        keys = torch.cat([zigzag_positions(seq * self.cp, cp=self.cp, cp_rank=r) for r in range(self.cp)])
+        mine = zigzag_positions(seq * self.cp, cp=self.cp, cp_rank=self.rank)
+        mask = (mine[:, None] >= keys[None, :]).to(q.device)
+        rep = q.shape[2] // k.shape[2]
+        kf, vf = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kv[0], kv[1]))
+        self.blocks["full"] += 2 * 2 * self.cp  # two query chunks against every chunk, masked or not
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask)
+        return out.transpose(1, 2)
+
+    def ring_steps(self, *, count: bool = False) -> list[tuple[int, list[tuple[int, int, str]]]]:
+        """`ring_blocks` grouped by step, (step, [(query chunk, key chunk, kind)]); `count`: adds them to `blocks`."""
+        plan = ring_blocks(self.cp, self.rank)
+        for *_, kind in plan if count else ():
+            self.blocks[kind] += 1
+        return [(s, [(q, k, kind) for t, q, k, kind in plan if t == s]) for s in range(self.cp)]
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused and q.device.type == "cpu":
+            return _FusedRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self).transpose(1, 2)
+        return self._ring_autograd(q, k, v)
+
+    def _ring_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The ring from differentiable pieces (any device): autograd runs its backward through _RingShift."""
+        rep = q.shape[2] // k.shape[2]
+        qs = q.transpose(1, 2).chunk(2, dim=2)  # the two query chunks, (b, h, c, d) each
+        mine = _chunks(self.rank, self.cp)
+        kv = torch.stack([k, v])  # one tensor per hop: K and V travel (and their gradients return) together
+        acc: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {c: None for c in mine}
+        plan = ring_blocks(self.cp, self.rank)
+        for step in range(self.cp):
+            if step:
+                kv = _RingShift.apply(kv, self.group, self.nxt, self.prv)
+            src = _chunks((self.rank - step) % self.cp, self.cp)
+            ks, vs = (t.repeat_interleave(rep, dim=2).transpose(1, 2).chunk(2, dim=2) for t in (kv[0], kv[1]))
+            for s, qc, kc, kind in plan:
+                if s != step:
+                    continue
+                i, j = mine.index(qc), src.index(kc)
+                acc[qc] = _merge(acc[qc], _block(qs[i], ks[j], vs[j], causal=kind == "causal"))
+                self.blocks[kind] += 1
+        out = torch.cat([acc[c][0] for c in mine], dim=2)
+        return out.transpose(1, 2)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, seq_len: int) -> None:
+    """Makes `model` (or a pipeline stage of it) a cp rank's model: every attention layer attends over the
+    cp axis and RoPE uses this rank's zig-zag positions of a `seq_len`-token sample. No parameters change."""
+    model.rope_positions = zigzag_positions(seq_len, cp=cp_mesh.size(), cp_rank=cp_mesh.get_local_rank())
+    for block in model.layers.values():
+        block.attention.context_parallel = ContextParallelAttention(cp_mesh, impl=impl)
