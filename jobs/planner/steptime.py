@@ -45,9 +45,17 @@ from jobs.config import ModelConfig
 from jobs.planner import arith as P
 from jobs.planner.hardware import Hardware, axis_scope
 
-__all__ = ["StepTime", "stage_flops", "predict_rank", "predict_step"]
+__all__ = ["StepTime", "stage_flops", "predict_rank", "predict_step", "exposed_axis"]
 
 _EXPOSED_AXES = ("tp", "pp", "cp", "ep")
+
+
+def exposed_axis(axis: str) -> bool:
+    """Whether collectives on `axis` sit on the critical path (not hidden behind compute): tp, pp, cp and every
+    expert-parallel leg (`ep`, node-limited routing's `ep_intra`), whatever suffix the plan gives the name
+    (`dp_shard*cp`, `dp_shard/ep` are FSDP's and overlap)."""
+    base = axis.split("/")[0].split("*")[0]
+    return base in _EXPOSED_AXES or base.startswith("ep")
 
 
 def stage_flops(m: ModelConfig, stages: list[P.StageShape], *, tokens: float, seq_len: int, tp: int,
@@ -95,14 +103,14 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_mb
         scope = axis_scope(it["axis"], shape, node_ranks=hw.node_ranks, pod_ranks=hw.pod_ranks)
         link = hw.link(it["collective"], scope)
         secs = link.seconds(calls=it["count"], nbytes=it["bytes"], op=it["collective"], group=it["group"])
-        if not hw.overlap or it["axis"].split("/")[0] in _EXPOSED_AXES:
+        on_stage = exposed_axis(it["axis"])
+        if not hw.overlap or on_stage:
             exposed = secs
         elif it["collective"] == "all_gather":  # prefetched, hidden behind the previous block's compute
             window = fwd_mb / max(units, 1) if pp > 1 else train_mb * microbatches / max(it["count"], 1)
             exposed = _dp_exposed(secs, it["count"], window)
         else:  # reduce-scatter / HSDP all-reduce behind the last microbatch's backward
             exposed = _dp_exposed(secs, it["count"], (train_mb - fwd_mb) / max(units, 1))
-        on_stage = it["axis"].split("/")[0] in _EXPOSED_AXES
         stage, tail = stage + (exposed if on_stage else 0.0), tail + (0.0 if on_stage else exposed)
         rows.append({**it, "scope": scope, "seconds": secs, "exposed_s": exposed, "alpha_s": link.alpha_s,
                      "bus_GBps": link.bus_GBps, "source": link.source})
