@@ -136,6 +136,7 @@ class ClusterConfig:
     gpu_mem_gib: float = 0.0  # memory per GPU
     nvlink_domain: int = 1  # GPUs that share the fast intra-node fabric
     intra_node_bw_GBps: float = 0.0  # per-GPU intra-node (NVLink) bandwidth, GB/s
+    intra_node_bw_achieved: bool = False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
     inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s

@@ -130,8 +130,12 @@ def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
 
 
 def _published_links(cl: ClusterConfig) -> dict[str, Link]:
-    intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
-                 f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
+    if cl.intra_node_bw_achieved:  # the profile's figure was measured as achieved: the efficiency is in it already
+        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps, "cluster.intra_node_bw_GBps as achieved "
+                     "(cluster.intra_node_bw_achieved=true, no efficiency applied); alpha NVIDIA/nccl#1244")
+    else:
+        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
+                     f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
     inter = Link(NCCL_ALPHA_S, cl.inter_node_bw_GBps * IB_EFFICIENCY,
                  f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244")
     return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}

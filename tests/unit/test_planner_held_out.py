@@ -21,3 +21,15 @@ def test_every_expert_parallel_row_is_exposed_including_the_in_node_leg():
     assert plan.step["comm_exposed_s"] == pytest.approx(on_stage)
     tail = sum(c["exposed_s"] for c in plan.comm if c["axis"].startswith("dp")) + plan.comm[-1]["exposed_s"]
     assert plan.step["dp_exposed_s"] == pytest.approx(tail)
+
+
+def test_an_achieved_nvlink_figure_is_not_discounted_again():
+    # DeepSeek-V3 report §3.2.2: "NVLink offers 160 GB/s" achieved on H800; the 370/450 NCCL efficiency
+    # applies to a line rate (h100_ib's 450), not to it (it made 131.6).
+    from jobs.planner import hardware as H
+
+    h800 = H.hardware(compose(["cluster=h800_ib"]).cluster, dtype="bf16", tasks_per_node=8)
+    assert h800.link("all_to_all", "intra").bus_GBps == 160.0
+    assert "achieved" in h800.link("all_to_all", "intra").source
+    h100 = H.hardware(compose(["cluster=h100_ib"]).cluster, dtype="bf16", tasks_per_node=8)
+    assert h100.link("all_gather", "intra").bus_GBps == pytest.approx(450 * 370 / 450)
