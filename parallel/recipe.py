@@ -56,10 +56,11 @@ def parallelize(
         parts = [split_stage(model, s, ranges) for s in stages]
     else:
         stages, parts = [0], [model]
+    rank_layers = [int(k) for part in parts for k in part.layers.keys()]  # selective AC counts over all of them
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        apply_ac(part, mode=activation_checkpointing, every=ac_every)
+        apply_ac(part, mode=activation_checkpointing, every=ac_every, rank_layers=rank_layers)
         if compile:
             apply_compile(part)
         if dims.fsdp_enabled:

@@ -729,12 +729,12 @@ def render(plan: Plan) -> str:
 def _memory_lines(plan: Plan) -> list[str]:
     """The memory table: per role, the fake-backend samples, and the activations of the peak role."""
     L = []
-    L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  logits    peak")
+    L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  pp_recv  logits    peak")
     for r in plan.roles:
         tag = "*" if r["measured"] else " "
         L.append(f"  {r['role'][:27]:27s}{tag}" + "".join(
             f"{r[k] / GiB:8.2f}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                           "activation_bytes", "logits_bytes", "peak_bytes")))
+                                           "activation_bytes", "p2p_bytes", "logits_bytes", "peak_bytes")))
     L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
              f"for params+grads+optim")
     if plan.per_rank.get("autocast_bytes"):

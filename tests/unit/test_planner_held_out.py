@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from jobs.config import compose
-from jobs.planner.gate import build_plan
+from jobs.planner import arith as P
+from jobs.planner.gate import _stage_shapes, build_plan, render, validate_for_planning
 
 
 def test_every_expert_parallel_row_is_exposed_including_the_in_node_leg():
@@ -33,3 +34,38 @@ def test_an_achieved_nvlink_figure_is_not_discounted_again():
     assert "achieved" in h800.link("all_to_all", "intra").source
     h100 = H.hardware(compose(["cluster=h100_ib"]).cluster, dtype="bf16", tasks_per_node=8)
     assert h100.link("all_gather", "intra").bus_GBps == pytest.approx(450 * 370 / 450)
+
+
+def test_pipeline_receive_buffers_have_their_own_column_and_are_not_counted_twice_under_ac():
+    # A non-first stage's received activations are the first block's input; under AC that input is what the
+    # checkpoint keeps: one tensor, in `p2p_bytes` (one buffer per microbatch, allocated up front), not again
+    # in the activations.
+    m = compose(["model=llama3_8b"]).model
+    stages = [P.StageShape((4, 5), False, False), P.StageShape((12, 13), False, False)]  # interleaved, not the ends
+    kw = dict(tp=1, fsdp=1, pp=4, microbatches=8, stages_per_rank=2, schedule="interleaved_1f1b", seq_len=1024,
+              micro_batch=1, pp_rank=1)
+    full = P.rank_memory(m, stages, activation_checkpointing="full", **kw)
+    hop = 2 * 1024 * m.dim
+    assert full.p2p_bytes == 8 * hop * 2 * 2  # 8 microbatches x (activation in + gradient in) x 2 stages
+    per_block_mb = P.layers_in_flight(pp=4, microbatches=8, layers_on_rank=4, stages_per_rank=2,
+                                      schedule="interleaved_1f1b", pp_rank=1) / 4
+    biggest = P.layer_activation_bytes(m, layer=13, seq_len=1024, micro_batch=1, tp=1)
+    # 4 checkpointed inputs per microbatch in flight, 2 of which (each stage's first) are receive buffers
+    assert full.activation_bytes == int(per_block_mb * 4 * hop) - int(2 * hop * per_block_mb) + biggest
+    none = P.rank_memory(m, stages, activation_checkpointing="none", **kw)  # no checkpoint keeps the input
+    assert none.activation_bytes == int(per_block_mb * 4 * P.layer_activation_bytes(m, layer=4, seq_len=1024,
+                                                                                     micro_batch=1, tp=1))
+    text = render(build_plan(compose(["+experiment=llama3_405b_8k_8192gpu"]), measure=False))
+    assert any(line.startswith("memory per rank") and "pp_recv" in line for line in text.splitlines())
+
+
+def test_selective_ac_checkpoints_half_of_every_pipeline_rank_not_all_of_one():
+    # Llama 3 405B at 8K, interleaved 1-layer chunks: pp rank r holds layers r, r+16, ... (one parity); by the
+    # global layer index rank 0 recomputed none and rank 1 all. Chosen per rank, each recomputes half.
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu", "train.activation_checkpointing=selective"])
+    shapes = _stage_shapes(cfg, validate_for_planning(cfg)[0])
+    for stages in shapes.values():
+        layers = [i for st in stages for i in st.layers]
+        assert len(P.checkpointed_layers(layers, mode="selective", every=2)) == len(layers) // 2
+    acts = [r["activation_bytes"] for r in build_plan(cfg, measure=False).roles]
+    assert max(acts) / min(acts) < 1.5, acts
