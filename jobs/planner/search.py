@@ -91,6 +91,10 @@ class SearchResult:
         return next((i + 1 for i, c in enumerate(self.ranked) if c.own), None)
 
 
+def _goodput_cell(goodput: float | None) -> str:
+    return f"{goodput:7.3f}" if goodput is not None else "unknown"
+
+
 def predicted(plan: Plan) -> dict[str, float]:
     """The figures the ranking reads from a plan, in one place: the predicted step of
     `jobs/planner/steptime.py` (compute at the achieved matmul rate, each collective's alpha-beta cost on
@@ -292,7 +296,7 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
         n = c.numbers
         label = c.shape.label() + ("" if c.shape.trainable(cfg) else " ~")
         L.append(f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
-                 f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {n['goodput']:7.3f}")
+                 f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {_goodput_cell(n['goodput'])}")
     own = r.own_rank()
     built = [c for c in r.ranked if c.shape.trainable(cfg)]
     among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")

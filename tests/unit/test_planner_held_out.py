@@ -69,3 +69,22 @@ def test_selective_ac_checkpoints_half_of_every_pipeline_rank_not_all_of_one():
         assert len(P.checkpointed_layers(layers, mode="selective", every=2)) == len(layers) // 2
     acts = [r["activation_bytes"] for r in build_plan(cfg, measure=False).roles]
     assert max(acts) / min(acts) < 1.5, acts
+
+
+def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_measured(tmp_path):
+    # No ledger in run.dir and no plan.restart_overhead_s: the restart is the load alone (2.4 s of 4.87 TB at
+    # 2 TB/s), which once printed goodput 0.999 at a 12 s interval as if known.
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}"]), measure=False)
+    assert plan.goodput_expected is None and not plan.checkpoint["restart_known"]
+    row = next(r for r in plan.readiness if r["question"] == "what happens when a rank dies?")
+    assert row["status"] == "warn" and "restart unknown" in row["answer"] and "goodput unknown" in row["answer"]
+    assert "lower bound" in row["answer"]  # the 12 s interval rests on a save cost without its fixed part
+    check = next(c for c in plan.checks if c.name == "goodput")
+    assert "unknown" in check.why and "Llama 3" in check.why and "§3.3.4" in check.why  # a labelled reference
+    assert "expected goodput unknown" in render(plan)
+    # An explicit assumption gives a number again, labelled as the user's.
+    told = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}",
+                               "plan.restart_overhead_s=300", "plan.save_fixed_s=5"]), measure=False)
+    assert told.goodput_expected == pytest.approx(0.944, abs=0.005)
+    assert "user assumption" in told.checkpoint["restart_source"]
+    assert next(r for r in told.readiness if r["question"] == "what happens when a rank dies?")["status"] == "ok"
