@@ -431,7 +431,8 @@ def _step_time(x: _Draft) -> None:
             m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
             micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
             recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
-            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank)))
+            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
+            sequence_parallel=x.common["sequence_parallel"], compute_bytes=H.compute_bytes(cfg)))
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
@@ -443,8 +444,10 @@ def _step_time(x: _Draft) -> None:
     x.step.update(
         step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
         matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
+        hbm_GBps=hw.hbm_GBps, comm_sm_share=hw.comm_sm_share,
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
-        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["bubble_s"] + sum(r["seconds"] for r in slow.comm),
+        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["memory_bound_s"] + parts["bubble_s"]
+        + sum(r["seconds"] for r in slow.comm),
         step_s_at_mfu=slow.step_s,  # the key the Slurm signal check reads (kept: it is the predicted step now)
     )
     if cl.gpu_bf16_tflops > 0:
@@ -561,7 +564,9 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     _fake_backend(x, measure)
     for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput):
         step(x)
-    x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper) + x.checks
+    in_flight = _activation_summary(x)["layers_in_flight"]
+    x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper,
+                                in_flight=in_flight) + x.checks
     readiness = _readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
     return _assemble(x, readiness, t0)
 
@@ -575,7 +580,7 @@ def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
 
 
 def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict, goodput: float | None,
-                     upper: float) -> list[Check]:
+                     upper: float, *, in_flight: float = 0.0) -> list[Check]:
     cl, dims, ln, pcfg = cfg.cluster, d.dims, cfg.launcher, cfg.plan
     out = [Check("config", True, f"valid: {dims.describe()} on {dims.world_size} ranks, {d.microbatches} microbatches/step")]
     if cl.gpus_per_node > 0:
@@ -594,8 +599,10 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
     if cl.gpu_mem_gib > 0:
         usable = cl.gpu_mem_gib * GiB * pcfg.usable_mem_fraction
         ok = mem.peak_bytes <= usable
+        flight = (f"; {in_flight:.0f} layer-microbatches of activations in flight on {role} "
+                  f"(mesh.pp_schedule={cfg.mesh.pp_schedule}, torch's warm-up)")
         why = (f"peak {mem.peak_bytes / GiB:.1f} GiB on {role} <= {usable / GiB:.1f} GiB "
-               f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction}))")
+               f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction}))" + flight)
         if not ok:
             fixes = []
             other = mem.peak_bytes - mem.activation_bytes + mem.activation_bytes_full_ac
@@ -603,8 +610,8 @@ def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict
                 fixes.append(f"train.activation_checkpointing=full fits ({other / GiB:.1f} GiB)")
             fixes.append("raise mesh.pp / mesh.tp / mesh.dp_shard, or lower train.micro_batch")
             why = (f"peak {mem.peak_bytes / GiB:.1f} GiB on {role} > {usable / GiB:.1f} GiB usable "
-                   f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction})): "
-                   + "; ".join(fixes))
+                   f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction}))"
+                   + flight + ": " + "; ".join(fixes))
         out.append(Check("memory", ok, why))
     else:
         out.append(Check("memory", True, f"cluster.gpu_mem_gib=0 ({cl.name}: CPU ranks); peak {mem.peak_bytes / GiB:.2f} GiB per rank, not checked"))
@@ -675,7 +682,8 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     mfu = f", {mfu_text(s['mfu'])}" if "mfu" in s else ""
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
-                      f"recompute {s['recompute_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
+                      f"recompute {s['recompute_s']:.3g} s + memory-bound ops {s['memory_bound_s']:.3g} s + interference "
+                      f"{s['interference_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
                       f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s + optimizer "
                       f"{s['optimizer_s']:.3g} s "
                       f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
@@ -802,10 +810,14 @@ def _comm_lines(plan: Plan) -> list[str]:
     s = plan.step
     if "step_s" in s:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
+                 f"memory-bound ops {s['memory_bound_s']:.3g} s + interference {s['interference_s']:.3g} s + "
                  f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+        if s.get("memory_bound_s") or s.get("interference_s"):
+            L.append(f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
+                     f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})")
     return L
 
 

@@ -27,10 +27,21 @@ PRESETS = [
 ]
 
 
+# The paper's own setting, no activation checkpointing at 8K (Llama 3 §3.3.2), does not fit under torch's
+# interleaved warm-up (141 layer-microbatches in flight on pp1 at 8,192 GPUs): the plan says so and names the fix.
+DOES_NOT_FIT = {"llama3_405b_8k_8192gpu", "llama3_405b_8k_16384gpu"}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_published_preset_plans_and_passes_analytically(preset):
     checks = check(compose([f"+experiment={preset}"]))
-    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    failed = [c for c in checks if not c.ok]
+    if preset in DOES_NOT_FIT:
+        assert [c.name for c in failed] == ["memory"], failed
+        assert "train.activation_checkpointing=full fits" in failed[0].why and "in flight" in failed[0].why
+        checks = check(compose([f"+experiment={preset}", "train.activation_checkpointing=full"]))
+        failed = [c for c in checks if not c.ok]
+    assert not failed, failed
     assert {c.name for c in checks} >= {"config", "memory", "checkpoint", "goodput", "tp_in_nvlink_domain"}
 
 
@@ -132,7 +143,8 @@ def test_check_returns_a_config_failure_instead_of_raising():
 
 def test_the_six_readiness_questions_are_answered():
     plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "plan.restart_overhead_s=300",
-                               "plan.save_fixed_s=5"]), measure=False)  # known costs: no warning on rank death
+                               "plan.save_fixed_s=5", "train.activation_checkpointing=full"]),
+                      measure=False)  # known costs: no warning on rank death; full AC: it fits
     questions = [r["question"] for r in plan.readiness]
     assert questions == [
         "does it fit?", "where does the step time go?", "what happens when a rank dies?",
@@ -178,7 +190,7 @@ def test_plan_writes_nothing(tmp_path):
 def test_a_16384_rank_plan_with_the_fake_backend_completes_in_under_60_s():
     # CPU seconds of this process: on an idle 2-core box they equal the wall time; on a shared one
     # (other test workers) the wall time is longer by the contention.
-    cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu", "train.activation_checkpointing=full"])
     wall, cpu = time.perf_counter(), time.process_time()
     plan = build_plan(cfg, measure=True)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

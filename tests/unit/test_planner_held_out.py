@@ -88,3 +88,62 @@ def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_mea
     assert told.goodput_expected == pytest.approx(0.944, abs=0.005)
     assert "user assumption" in told.checkpoint["restart_source"]
     assert next(r for r in told.readiness if r["question"] == "what happens when a rank dies?")["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------------- held-out published runs
+# None of these rows set a constant of the step-time model: its constants come from elsewhere (README
+# "Held-out validation"): the 0.80 achieved GEMM (Bekman's max-achievable matmul table), NCCL's 370/450
+# NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290, nccl#1244), the datasheet
+# peaks, HBM bandwidths and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
+# GPT-3 175B as Megatron-LM trained it, in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of
+# 2/3 x 4h hidden (the same parameters and FLOPs as GeLU's 4h), vocab 51,200, sequence 2,048.
+GPT3_175B_MEGATRON = ["model=llama3_70b", "model.name=gpt3_175b", "model.dim=12288", "model.n_layers=96",
+                      "model.n_heads=96", "model.n_kv_heads=96", "model.ffn_dim=32768", "model.vocab_size=51200",
+                      "model.max_seq_len=2048", "cluster=a100_ib", "launcher=slurm", "launcher.nodes=48",
+                      "launcher.tasks_per_node=8", "mesh.tp=8", "mesh.pp=12", "mesh.dp_replicate=4", "mesh.dp_shard=1",
+                      "mesh.pp_schedule=1f1b", "train.seq_len=2048", "train.micro_batch=1", "train.global_batch=1536",
+                      "train.activation_checkpointing=full"]
+
+
+def _megatron_tflops(plan, *, B=1536, s=2048, l=96, h=12288, V=51200) -> float:
+    """Megatron-LM's achieved teraFLOP/s per GPU: its own count, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
+    (Narayanan et al. 2021, §5.1: with activation recomputation), over the predicted iteration."""
+    flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return flops / (plan.step["step_s"] * plan.world_size) / 1e12
+
+
+HELD_OUT = {
+    # "The Llama 3 Herd of Models" (arXiv 2407.21783) Table 4; no activation checkpointing at 8K (§3.3.2)
+    "llama3_405b_8192gpu_mfu": (["+experiment=llama3_405b_8k_8192gpu"], 0.43, lambda p: p.step["mfu"]),
+    "llama3_405b_16384gpu_mfu": (["+experiment=llama3_405b_8k_16384gpu"], 0.41, lambda p: p.step["mfu"]),
+    # pytorch/torchtitan docs/performance.md, Llama 3 on 64 A100 80GB, FSDP2, local batch 1, seq 8,192
+    "torchtitan_8b_selective_layer_tok_s": (["+experiment=llama3_8b", "train.activation_checkpointing=selective"],
+                                            2904, lambda p: p.step["tokens_per_s"] / p.world_size),
+    "torchtitan_70b_full_tok_s": (["+experiment=llama3_70b", "mesh.tp=1", "train.micro_batch=1"], 331,
+                                  lambda p: p.step["tokens_per_s"] / p.world_size),
+    # Narayanan et al. 2021 (arXiv 2104.04473) Table 2, PTD parallelism: GPT 174.6B, t8 x p12 on 384 A100,
+    # batch 1536, microbatch 1: 153 teraFLOP/s per GPU
+    "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
+}
+# The model has no term for what the two Llama 3 rows lose beyond it (see the README's held-out table):
+# predicted 1.21-1.24x too fast. Pinned here so that a change in either direction is seen.
+KNOWN_GAP = {"llama3_405b_8192gpu_mfu": (1.15, 1.30), "llama3_405b_16384gpu_mfu": (1.15, 1.30)}
+
+
+@pytest.mark.parametrize("row", list(HELD_OUT))
+def test_held_out_published_runs_are_predicted_within_15_percent(row):
+    overrides, published, metric = HELD_OUT[row]
+    plan = build_plan(compose(overrides), measure=False)
+    ratio = metric(plan) / published
+    low, high = KNOWN_GAP.get(row, (0.85, 1.15))
+    assert low <= ratio <= high, (row, ratio)
+    assert plan.step["memory_bound_s"] > 0 and plan.step["interference_s"] > 0  # GPU profiles: both terms on
+
+
+@pytest.mark.xfail(strict=True, reason="Llama 3 405B is predicted 1.21-1.24x too fast: the model lacks a term for "
+                   "what the 405B runs lose beyond GEMMs at 0.80 of peak, NCCL's bus bandwidth, HBM-bound ops and "
+                   "the bubble (see README, held-out validation); no constant is tuned to close it")
+@pytest.mark.parametrize("row", list(KNOWN_GAP))
+def test_llama3_405b_is_within_15_percent(row):
+    overrides, published, metric = HELD_OUT[row]
+    assert 0.85 <= metric(build_plan(compose(overrides), measure=False)) / published <= 1.15
