@@ -680,6 +680,12 @@ def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]
     top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
     comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
     mfu = f", {mfu_text(s['mfu'])}" if "mfu" in s else ""
+    a2a = sum(c["exposed_s"] or 0 for c in comm if c["axis"].startswith("ep"))
+    if a2a:  # which schedule the verdict is about (DeepSeek-V3 report §3.2.1: DualPipe overlaps the all-to-all)
+        device = s["compute_s"] + s["recompute_s"] + s.get("memory_bound_s", 0.0)
+        comm_txt += (f"; the all-to-all ({a2a:.3g} s) is exposed under our mesh.pp_schedule={cfg.mesh.pp_schedule}, "
+                     f"which overlaps none of it; under DualPipe, which pairs it with another chunk's compute, "
+                     f"at most max(0, all-to-all - compute) = {max(0.0, a2a - device):.3g} s would be")
     return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
             "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
                       f"recompute {s['recompute_s']:.3g} s + memory-bound ops {s['memory_bound_s']:.3g} s + interference "

@@ -104,7 +104,9 @@ def layer_activation_bytes(
         hd = h // m.n_heads
         hkv = m.n_kv_heads * hd
         pre_rope = cb * sb * (h + hkv) // t
-        sdpa_in = cb * sb * 3 * h // t  # q, and k/v repeated to n_heads (repeat_interleave)
+        # q, and k/v repeated to n_heads (repeat_interleave); under context parallelism k/v are the all-gathered
+        # whole sequence (cp x this rank's part: Llama 3 §3.3.2), repeated to every head, and SDPA saves them
+        sdpa_in = cb * sb * h // t + cb * sb * cp * 2 * h // t
         sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
         attn = pre_rope + sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:

@@ -147,3 +147,25 @@ def test_held_out_published_runs_are_predicted_within_15_percent(row):
 def test_llama3_405b_is_within_15_percent(row):
     overrides, published, metric = HELD_OUT[row]
     assert 0.85 <= metric(build_plan(compose(overrides), measure=False)) / published <= 1.15
+
+
+def test_the_all_to_all_warning_says_which_schedule_it_is_about():
+    # DeepSeek-V3 report §3.2.1: DualPipe overlaps the all-to-all with a paired chunk's compute; our plain 1F1B
+    # does not. The warning names our schedule and gives DualPipe's bound, max(0, a2a - compute).
+    plan = build_plan(compose(["+experiment=deepseek_v3_2048gpu"]), measure=False)
+    row = next(r for r in plan.readiness if r["question"] == "where does the step time go?")
+    assert row["status"] == "warn" and "mesh.pp_schedule=1f1b" in row["answer"] and "DualPipe" in row["answer"]
+    s = plan.step
+    a2a = sum(c["exposed_s"] for c in plan.comm if c["axis"].startswith("ep"))
+    bound = max(0.0, a2a - (s["compute_s"] + s["recompute_s"] + s["memory_bound_s"]))
+    assert f"= {bound:.3g} s would be" in row["answer"]
+
+
+def test_context_parallel_counts_the_gathered_whole_sequence_k_v_repeated_to_every_head():
+    # All-gather CP (Llama 3 §3.3.2): each rank's SDPA saves K and V of the whole sequence, repeated from the
+    # 8 KV heads to all 32: 2 x seq x dim bf16 bytes whatever cp is; everything else is divided by cp.
+    m = compose(["model=llama3_8b"]).model
+    one = P.layer_activation_bytes(m, layer=0, seq_len=8192, micro_batch=1, tp=1, cp=1)
+    two = P.layer_activation_bytes(m, layer=0, seq_len=8192, micro_batch=1, tp=1, cp=2)
+    # one = X + 2·2·8192·dim (local K/V, repeated); two = X/2 + the same whole-sequence K/V
+    assert two - one // 2 == pytest.approx(2 * 8192 * m.dim, abs=8)
