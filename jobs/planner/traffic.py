@@ -8,7 +8,7 @@ inputs and writing its output once, per token of one rank (tensor-parallel shard
 adds on 1/tp of the tokens under sequence parallelism):
   RMSNorm (x.float(), pow, mean, x * rsqrt, type_as, * weight): 36 bytes per element, two per block;
   residual adds: 6 bytes per element (two bf16 reads, one write), two per block;
-  RoPE on q and k (four products, two sums in fp32, cat, cast): 38 bytes per element;
+  RoPE on q and k (four products, two sums in fp32, cat, cast): 38 bytes per rotated element;
   the GQA repeat of k and v to every head: 2 bytes read per kv element, 2 written per q element, twice;
   the attention output's transpose + reshape copy: 4 bytes per element;
   SwiGLU's silu(w1 x) * w3 x: 10 bytes per hidden element;
@@ -39,30 +39,32 @@ SWIGLU_BYTES = 10
 LOSS_BYTES = 32
 
 
-def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int]:
-    """(query width, key/value width, FFN hidden width) of one block, unsharded."""
+def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int, int]:
+    """(query width, key/value width, width RoPE rotates, FFN hidden width) of one block, unsharded. MLA
+    rotates only the qk_rope_head_dim part of each query head and one shared key part (DeepSeek-V3 §2.1.1)."""
     if m.attention == "mla":
         q = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        kv = q
+        kv, rope = q, (m.n_heads + 1) * m.qk_rope_head_dim
     else:
         q = m.dim
         kv = m.n_kv_heads * (m.dim // m.n_heads)
+        rope = q + kv
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
         f = (m.experts_per_token + m.n_shared_experts) * m.moe_ffn_dim
     else:
         f = m.ffn_dim
-    return q, kv, f
+    return q, kv, rope, f
 
 
 def block_bytes_per_token(m: ModelConfig, *, layer: int, tp: int, sequence_parallel: bool,
                           compute_bytes: int = COMPUTE_BYTES) -> float:
     """HBM bytes one block's forward moves per token on one tensor-parallel rank (see the module docstring);
     `compute_bytes` scales the bf16 parts for an fp32 run."""
-    q, kv, f = _widths(m, layer)
+    q, kv, rope, f = _widths(m, layer)
     scale = compute_bytes / COMPUTE_BYTES
     n = m.dim / (tp if sequence_parallel and tp > 1 else 1)
     per = 2 * NORM_BYTES * n + 2 * RESIDUAL_BYTES * n * scale
-    per += ROPE_BYTES * (q + kv) / tp
+    per += ROPE_BYTES * rope / tp
     if kv < q:
         per += 2 * REPEAT_BYTES * (kv + q) / tp * scale
     per += COPY_BYTES * q / tp * scale + SWIGLU_BYTES * f / tp * scale
