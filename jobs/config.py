@@ -144,8 +144,11 @@ class ClusterConfig:
     gpu_mem_gib: float = 0.0  # memory per GPU
     nvlink_domain: int = 1  # GPUs that share the fast intra-node fabric
     intra_node_bw_GBps: float = 0.0  # per-GPU intra-node (NVLink) bandwidth, GB/s
+    intra_node_bw_achieved: bool = False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
     inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
+    gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
+    gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some of them); 0 = not modelled
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)

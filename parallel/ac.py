@@ -3,8 +3,9 @@
 Modes (`train.activation_checkpointing`):
   none       every block keeps its activations for backward;
   full       every block keeps only its input and recomputes the rest in backward (one more forward);
-  selective  every k-th block (`train.ac_every`, counted on the global layer index: blocks with
-             (layer + 1) % k == 0) is checkpointed as in `full`, the others keep everything.
+  selective  every k-th block (`train.ac_every`) of the blocks one rank holds, in order over all its
+             pipeline stages, is checkpointed as in `full`, the others keep everything (per rank, so
+             interleaved 1-layer chunks are not all or nothing by layer parity).
 Selective here is block-level only; op-level selective checkpointing (save the matmul outputs,
 recompute the cheap pointwise ops, torch's `create_selective_checkpoint_contexts`) is not done.
 
@@ -22,10 +23,11 @@ from parallel.config import AC_MODES, checkpointed_layers
 
 __all__ = ["AC_MODES", "checkpointed_layers", "apply_ac"]
 
-def apply_ac(model: nn.Module, *, mode: str, every: int) -> list[int]:
-    """Checkpoints the blocks of `model.layers` (keys are global layer indices) that `mode` selects;
-    returns their indices."""
-    chosen = checkpointed_layers([int(k) for k in model.layers.keys()], mode=mode, every=every)
+def apply_ac(model: nn.Module, *, mode: str, every: int, rank_layers: list[int] | None = None) -> list[int]:
+    """Checkpoints the blocks of `model.layers` (keys are global layer indices) that `mode` selects among
+    `rank_layers` (every block this rank holds, all its stages; default: this part's); returns their indices."""
+    own = [int(k) for k in model.layers.keys()]
+    chosen = [i for i in checkpointed_layers(rank_layers or own, mode=mode, every=every) if i in own]
     for i in chosen:
         checkpoint(model.layers[str(i)])
     return chosen

@@ -12,7 +12,10 @@ CP_IMPLS = ("allgather", "ring")  # mesh.cp_impl (parallel/cp.py)
 
 def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
     """The global layer indices among `layers` whose block is checkpointed under `mode` (torch-free:
-    the planner and validation use it without importing torch; `parallel.ac` applies it)."""
+    the planner and validation use it without importing torch; `parallel.ac` applies it). Selective
+    counts position in `layers`, the blocks one rank holds in order (all its pipeline stages): every
+    `every`-th of them. Counting the global index instead checkpointed all of a rank whose interleaved
+    1-layer chunks share a parity (Llama 3 405B: rank r holds layers r, r+16, ...) and none of the next."""
     if mode not in AC_MODES:
         raise ValueError(f"train.activation_checkpointing={mode!r} is not one of {', '.join(AC_MODES)}")
     if mode == "none":
@@ -21,7 +24,7 @@ def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int
         return list(layers)
     if every < 1:
         raise ValueError(f"train.ac_every({every}) must be >= 1 with train.activation_checkpointing=selective")
-    return [i for i in layers if (i + 1) % every == 0]
+    return [i for j, i in enumerate(layers) if (j + 1) % every == 0]
 
 
 @dataclass

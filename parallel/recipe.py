@@ -67,6 +67,7 @@ def parallelize(
         parts = [split_stage(model, s, ranges) for s in stages]
     else:
         stages, parts = [0], [model]
+    rank_layers = [int(k) for part in parts for k in part.layers.keys()]  # selective AC counts over all of them
     for part in parts:
         has_experts = any(is_grouped_experts(m) for m in part.modules())
         if dims.tp_enabled and has_experts:
@@ -76,7 +77,7 @@ def parallelize(
             apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
         if dims.tp_enabled:
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        apply_ac(part, mode=activation_checkpointing, every=ac_every)
+        apply_ac(part, mode=activation_checkpointing, every=ac_every, rank_layers=rank_layers)
         if ep_mesh is not None:
             apply_ep(part, ep_mesh["ep"])
         if compile:

@@ -13,7 +13,7 @@ all-gathered parameters), fp32 gradient reduction.
 from __future__ import annotations
 
 from jobs.planner.comm import CommItem, _cp_items, _ep_items, _fsdp_items, _ring, _tp_items, axis_spans_nodes, comm_per_step
-from jobs.planner.memory import (RankMemory, StageShape, _block_local, _fsdp_working_set, _p2p_bytes, activation_bytes,
+from jobs.planner.memory import (RankMemory, StageShape, _block_local, _fsdp_working_set, activation_bytes,
                                  autocast_copy_bytes,
                                  bubble_fraction, checkpoint_bytes, checkpointed_layer_bytes, checkpointed_layers,
                                  heuristic_bytes_per_rank, layer_activation_bytes, layers_in_flight, logits_bytes,

@@ -19,6 +19,7 @@ __all__ = ["Cost", "ledger_costs", "save_cost", "restart_cost"]
 class Cost:
     seconds: float
     source: str
+    known: bool = True  # False: `seconds` leaves out a part nobody measured or assumed (a lower bound)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -69,6 +70,10 @@ def save_cost(*, ledger: Cost | None, override: float | None, async_mode: str, w
     src = f"{what} + cluster.fs_fsync_s ({profile})"
     if override is not None:
         return Cost(moved + override, f"{what} ({profile}) + plan.save_fixed_s={override:g} (user assumption)")
+    if fsync_s <= 0:
+        return Cost(moved, f"{what} ({profile}) only: cluster.fs_fsync_s not measured and no ledger, so the save's "
+                           "fixed costs (DCP planning, commit) are not counted: a lower bound (set plan.save_fixed_s)",
+                    known=False)
     return Cost(moved + fsync_s, src)
 
 
@@ -81,5 +86,5 @@ def restart_cost(*, ledger: Cost | None, override: float | None, load_s: float, 
                                        f"{override:g} (user assumption)")
     if ledger is not None:
         return ledger
-    return Cost(load_s, f"load at cluster.fs_write_GBps ({profile}) only: no ledger in run.dir and no "
-                        "plan.restart_overhead_s, so requeue/start/rendezvous time is not counted")
+    return Cost(load_s, f"unknown: the load at cluster.fs_write_GBps ({profile}) only; no ledger in run.dir and no "
+                        "plan.restart_overhead_s, so requeue/start/rendezvous time is not counted", known=False)

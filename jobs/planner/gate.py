@@ -5,7 +5,8 @@ sample of ranks covering every pipeline role, and compared with the 16 bytes/par
 activation memory with and without activation checkpointing, the communication per step by
 collective and mesh axis, the pipeline bubble, the checkpoint size, write time, Young/Daly interval
 and expected goodput, and a six-question readiness table. `plan.json=true` prints one JSON object.
-Nothing is written anywhere (run.dir is never created).
+Nothing is written anywhere (run.dir is never created). The checks and the readiness table are
+`jobs.planner.checks`; the arithmetic is `jobs.planner.arith` (memory, comm, params) and `steptime`.
 
 Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each failure names the knob);
 2 the config is invalid (the ValueError of `jobs.validate`, or a composition error).
@@ -28,20 +29,13 @@ from jobs.planner import arith as P
 from jobs.planner import costs as C
 from jobs.planner import hardware as H
 from jobs.planner import steptime as S
+from jobs.planner.checks import (INTERVAL_LOWER_BOUND, Check, analytic_checks, goodput_text, readiness,
+                                 restart_text)
 from jobs.telemetry.flops import mfu_text
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
 GiB = 2**30
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One readiness check: its name, whether it passed, and why (naming the knob when it did not)."""
-
-    name: str
-    ok: bool
-    why: str
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -288,7 +282,7 @@ class Plan:
     step: dict[str, float | str]  # predicted parts in seconds, tokens_per_s, mfu; where the figures came from
     bubble_fraction: float
     checkpoint: dict[str, float]
-    goodput_expected: float
+    goodput_expected: float | None  # None: the restart cost is unknown (no ledger, no plan.restart_overhead_s)
     checks: list[Check]
     readiness: list[dict]
     notes: list[str] = field(default_factory=list)
@@ -323,7 +317,8 @@ class _Draft:
     step: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
     checkpoint: dict = field(default_factory=dict)
-    goodput: float = 0.0
+    goodput: float | None = 0.0
+    goodput_upper: float = 0.0  # the goodput with an unknown restart counted as its load only: an upper bound
     axes: list[dict] = field(default_factory=list)
 
     @property
@@ -435,7 +430,8 @@ def _step_time(x: _Draft) -> None:
             m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
             micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
             recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
-            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank)))
+            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
+            sequence_parallel=x.common["sequence_parallel"], compute_bytes=H.compute_bytes(cfg)))
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
@@ -447,8 +443,10 @@ def _step_time(x: _Draft) -> None:
     x.step.update(
         step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
         matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
+        hbm_GBps=hw.hbm_GBps, comm_sm_share=hw.comm_sm_share,
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
-        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["bubble_s"] + sum(r["seconds"] for r in slow.comm),
+        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["memory_bound_s"] + parts["bubble_s"]
+        + sum(r["seconds"] for r in slow.comm),
         step_s_at_mfu=slow.step_s,  # the key the Slurm signal check reads (kept: it is the predicted step now)
     )
     if cl.gpu_bf16_tflops > 0:
@@ -485,7 +483,8 @@ def _checkpoint(x: _Draft) -> None:
         "interval_s": tau, "daly_interval_s": ip.interval_s, "young_interval_s": ip.young_s,
         "interval_steps": max(1, round(tau / x.step_s)) if x.step_s else None,
         "mtbf_s": mtbf, "restart_s": restart, "lost_work_per_failure_s": (tau + delta) / 2, "policy": policy,
-        "blocking_source": save.source, "restart_source": rst.source,
+        "blocking_source": save.source, "restart_source": rst.source, "save_known": save.known,
+        "restart_known": rst.known,
     }
 
 
@@ -496,6 +495,9 @@ def _goodput(x: _Draft) -> None:
     k = x.checkpoint
     x.goodput = (1.0 / expected_wall_time(1.0, tau=k["interval_s"], delta=k["blocking_s"], mtbf=k["mtbf_s"],
                                           restart=k["restart_s"]) if x.cfg.checkpoint.enabled else 0.0)
+    x.goodput_upper = x.goodput
+    if x.cfg.checkpoint.enabled and not k["restart_known"]:  # never a number that looks measured
+        x.goodput = None
 
 
 def _activation_summary(x: _Draft) -> dict[str, object]:
@@ -561,9 +563,11 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     _fake_backend(x, measure)
     for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput):
         step(x)
-    x.checks = _analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput) + x.checks
-    readiness = _readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
-    return _assemble(x, readiness, t0)
+    in_flight = _activation_summary(x)["layers_in_flight"]
+    x.checks = analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper,
+                               in_flight=in_flight) + x.checks
+    rows = readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
+    return _assemble(x, rows, t0)
 
 
 def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
@@ -572,120 +576,6 @@ def _recomputed_share(cfg: JobConfig, stages: list[P.StageShape]) -> float:
     t = cfg.train
     ckpt = P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every)
     return len(ckpt) / max(len(layers), 1)
-
-
-def _analytic_checks(cfg: JobConfig, d, mem: P.RankMemory, role: str, ckpt: dict, goodput: float) -> list[Check]:
-    cl, dims, ln, pcfg = cfg.cluster, d.dims, cfg.launcher, cfg.plan
-    out = [Check("config", True, f"valid: {dims.describe()} on {dims.world_size} ranks, {d.microbatches} microbatches/step")]
-    if cl.gpus_per_node > 0:
-        ok = ln.tasks_per_node <= cl.gpus_per_node
-        out.append(Check("ranks_per_node", ok,
-                         f"launcher.tasks_per_node({ln.tasks_per_node}) <= cluster.gpus_per_node({cl.gpus_per_node})" if ok else
-                         f"launcher.tasks_per_node({ln.tasks_per_node}) > cluster.gpus_per_node({cl.gpus_per_node}): "
-                         f"set launcher.tasks_per_node={cl.gpus_per_node}"))
-        inner = dims.tp
-        ok = inner <= cl.nvlink_domain
-        out.append(Check("tp_in_nvlink_domain", ok,
-                         f"mesh.tp({dims.tp}) <= cluster.nvlink_domain({cl.nvlink_domain})" if ok else
-                         f"mesh.tp({dims.tp}) > cluster.nvlink_domain({cl.nvlink_domain}): every tensor-parallel collective "
-                         f"(4 per block per microbatch) would cross nodes at cluster.inter_node_bw_GBps({cl.inter_node_bw_GBps}) "
-                         f"instead of {cl.intra_node_bw_GBps} GB/s; use mesh.tp<={cl.nvlink_domain} and more mesh.pp or mesh.dp_shard"))
-    if cl.gpu_mem_gib > 0:
-        usable = cl.gpu_mem_gib * GiB * pcfg.usable_mem_fraction
-        ok = mem.peak_bytes <= usable
-        why = (f"peak {mem.peak_bytes / GiB:.1f} GiB on {role} <= {usable / GiB:.1f} GiB "
-               f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction}))")
-        if not ok:
-            fixes = []
-            other = mem.peak_bytes - mem.activation_bytes + mem.activation_bytes_full_ac
-            if cfg.train.activation_checkpointing != "full" and other <= usable:
-                fixes.append(f"train.activation_checkpointing=full fits ({other / GiB:.1f} GiB)")
-            fixes.append("raise mesh.pp / mesh.tp / mesh.dp_shard, or lower train.micro_batch")
-            why = (f"peak {mem.peak_bytes / GiB:.1f} GiB on {role} > {usable / GiB:.1f} GiB usable "
-                   f"(cluster.gpu_mem_gib({cl.gpu_mem_gib}) * plan.usable_mem_fraction({pcfg.usable_mem_fraction})): "
-                   + "; ".join(fixes))
-        out.append(Check("memory", ok, why))
-    else:
-        out.append(Check("memory", True, f"cluster.gpu_mem_gib=0 ({cl.name}: CPU ranks); peak {mem.peak_bytes / GiB:.2f} GiB per rank, not checked"))
-    ck = cfg.checkpoint
-    if not ck.enabled:
-        out.append(Check("checkpoint", False, "checkpoint.enabled=false: a failure loses the whole run; set checkpoint.enabled=true"))
-    else:
-        ok = ck.async_mode == "none" or ckpt["write_s"] <= ckpt["interval_s"]
-        out.append(Check("checkpoint", ok,
-                         f"{ckpt['bytes_total'] / 1e12:.3f} TB written in {ckpt['write_s']:.1f} s at cluster.fs_write_GBps({cl.fs_write_GBps}); "
-                         f"blocking {ckpt['blocking_s']:.2f} s; interval {ckpt['interval_s']:.0f} s" if ok else
-                         f"an async save takes {ckpt['write_s']:.0f} s, longer than the interval {ckpt['interval_s']:.0f} s: "
-                         "saves would queue; raise checkpoint.every_steps or cluster.fs_write_GBps"))
-        out.append(_checkpoint_timeout_check(cfg, ckpt))
-    ok = goodput >= pcfg.min_goodput
-    out.append(Check("goodput", ok,
-                     f"expected goodput {goodput:.3f} >= plan.min_goodput({pcfg.min_goodput}) at MTBF {ckpt['mtbf_s'] / 3600:.2f} h"
-                     if ok else
-                     f"expected goodput {goodput:.3f} < plan.min_goodput({pcfg.min_goodput}) at job MTBF {ckpt['mtbf_s'] / 3600:.2f} h "
-                     f"({ckpt['policy']}, restart {ckpt['restart_s']:.0f} s): use checkpoint.interval=auto, "
-                     f"checkpoint.async_mode=thread (restart: {ckpt['restart_source']})"))
-    return out
-
-
-def _checkpoint_timeout_check(cfg: JobConfig, ckpt: dict) -> Check:
-    """failure.checkpoint_timeout_s (the watchdog's limit on a checkpoint write) covers the predicted write."""
-    from jobs.validate import check_checkpoint_timeout
-
-    try:
-        check_checkpoint_timeout(cfg.failure, write_s=ckpt["write_s"], async_mode=cfg.checkpoint.async_mode)
-    except ValueError as e:
-        return Check("checkpoint_timeout", False, str(e))
-    return Check("checkpoint_timeout", True, f"failure.checkpoint_timeout_s({cfg.failure.checkpoint_timeout_s:g}) covers "
-                 f"the predicted write ({ckpt['write_s']:.1f} s, checkpoint.async_mode={cfg.checkpoint.async_mode})")
-
-
-def _where_time_goes(cfg: JobConfig, step: dict, bubble: float, comm: list[dict]) -> dict:
-    """The predicted step, part by part; "warn" when exposed communication and the bubble outweigh compute."""
-    if "step_s" not in step:
-        return {"question": "where does the step time go?", "status": "info",
-                "answer": f"{step['model_tflop_per_rank']:.4f} TFLOP per rank per step, bubble {bubble:.1%}; "
-                          f"cluster={cfg.cluster.name} has no calibrated or cited figures: run python -m jobs.calibrate"}
-    s = step
-    lost = s["comm_exposed_s"] + s["dp_exposed_s"] + s["bubble_s"]
-    top = sorted(comm, key=lambda c: -(c.get("exposed_s") or 0))[:2]
-    comm_txt = ", ".join(f"{c['collective']}/{c['axis']} {c['exposed_s']:.3g} s exposed ({c['link']})" for c in top)
-    mfu = f", {mfu_text(s['mfu'])}" if "mfu" in s else ""
-    return {"question": "where does the step time go?", "status": "ok" if lost <= s["compute_s"] else "warn",
-            "answer": f"predicted {s['step_s']:.3g} s/step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + "
-                      f"recompute {s['recompute_s']:.3g} s + host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble "
-                      f"{s['bubble_s']:.3g} s ({bubble:.1%}) + data-parallel tail {s['dp_exposed_s']:.3g} s + optimizer "
-                      f"{s['optimizer_s']:.3g} s "
-                      f"(top: {comm_txt}); {s['tokens_per_s']:.4g} tokens/s{mfu}"}
-
-
-def _readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> list[dict]:
-    by = {c.name: c for c in checks}
-    fit_ok = by["memory"].ok and by.get("parallelize", Check("", True, "")).ok
-    rows = [{"question": "does it fit?", "status": "ok" if fit_ok else "fail", "answer": by["memory"].why}]
-    rows.append(_where_time_goes(cfg, step, bubble, comm))
-    rows.append({"question": "what happens when a rank dies?", "status": "ok" if by["goodput"].ok else "fail",
-                 "answer": f"job MTBF {ckpt['mtbf_s'] / 3600:.2f} h; save every {ckpt['interval_s']:.0f} s "
-                           f"({ckpt['policy']}); restart {ckpt['restart_s']:.0f} s; lose ~{ckpt['lost_work_per_failure_s']:.0f} s "
-                           f"of work per failure; expected goodput {goodput:.3f}"})
-    det = cfg.train.deterministic
-    rows.append({"question": "will it resume bit-exactly?", "status": "ok" if det and cfg.checkpoint.enabled else "warn",
-                 "answer": f"train.deterministic={det}, train.seed={cfg.train.seed}; checkpoints restore every RNG "
-                           "and the data cursor: bitwise on the same mesh, fp32-close on another"
-                           + ("" if cfg.checkpoint.enabled else "; checkpoint.enabled=false: nothing to resume from")})
-    f = cfg.failure
-    rows.append({"question": "will a straggler be seen?", "status": "ok" if cfg.metrics.phase_timing else "warn",
-                 "answer": (f"per-rank phase times every log interval: a rank {f.straggler_ratio}x its peers' median, "
-                            f"or every rank {f.straggler_ratio}x the baseline under {f.straggler_baseline_root}, for "
-                            f"{f.straggler_intervals} intervals is a straggler event"
-                            + ("; its node is quarantined" if f.exclude_stragglers else ""))
-                 if cfg.metrics.phase_timing else
-                 "metrics.phase_timing=false: a slow rank shows only as a slower step for everyone"})
-    drift = cfg.checkpoint.on_env_drift
-    rows.append({"question": "is the environment pinned?", "status": {"refuse": "ok", "warn": "warn"}.get(drift, "fail"),
-                 "answer": f"checkpoint.on_env_drift={drift}: a resume with a different environment fingerprint is "
-                           + {"refuse": "refused", "warn": "logged, not refused", "allow": "accepted silently"}.get(drift, drift)})
-    return rows
 
 
 # ----------------------------------------------------------------------------------- sweep pruning
@@ -734,12 +624,12 @@ def render(plan: Plan) -> str:
 def _memory_lines(plan: Plan) -> list[str]:
     """The memory table: per role, the fake-backend samples, and the activations of the peak role."""
     L = []
-    L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  logits    peak")
+    L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  pp_recv  logits    peak")
     for r in plan.roles:
         tag = "*" if r["measured"] else " "
         L.append(f"  {r['role'][:27]:27s}{tag}" + "".join(
             f"{r[k] / GiB:8.2f}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                           "activation_bytes", "logits_bytes", "peak_bytes")))
+                                           "activation_bytes", "p2p_bytes", "logits_bytes", "peak_bytes")))
     L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
              f"for params+grads+optim")
     if plan.per_rank.get("autocast_bytes"):
@@ -777,10 +667,14 @@ def _comm_lines(plan: Plan) -> list[str]:
     s = plan.step
     if "step_s" in s:
         L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
+                 f"memory-bound ops {s['memory_bound_s']:.3g} s + interference {s['interference_s']:.3g} s + "
                  f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+        if s.get("memory_bound_s") or s.get("interference_s"):
+            L.append(f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
+                     f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})")
     return L
 
 
@@ -792,7 +686,8 @@ def _checkpoint_lines(plan: Plan) -> list[str]:
         f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
         f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
         + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
-        + f"; restart {k['restart_s']:.0f} s; expected goodput {plan.goodput_expected:.3f}",
+        + ("" if k["save_known"] else f" ({INTERVAL_LOWER_BOUND})")
+        + f"; restart {restart_text(k)}; expected goodput {goodput_text(plan.goodput_expected)}",
         f"  blocking save from: {k['blocking_source']}",
         f"  restart from: {k['restart_source']}",
     ]

@@ -16,7 +16,7 @@ from jobs.config import ClusterConfig
 
 __all__ = [
     "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
-    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "IB_EFFICIENCY", "NCCL_ALPHA_S", "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
+    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "COMM_SMS", "IB_EFFICIENCY", "NCCL_ALPHA_S", "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
 ]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -32,6 +32,13 @@ MATMUL_SOURCE = "0.80 x cluster.gpu_bf16_tflops (achieved bf16 GEMM, H100 SXM ~7
 NVLINK_EFFICIENCY = 370.0 / 450.0
 # InfiniBand NDR 400 Gb/s (50 GB/s): "you should see 46-48 GB/s per NIC", NVIDIA's D. Addison in NVIDIA/nccl-tests#290.
 IB_EFFICIENCY = 47.0 / 50.0
+# Communication kernels beside compute: "only 20 SMs are sufficient to fully utilize the bandwidths of IB and
+# NVLink" of the H800's 132 ("DeepSeek-V3 Technical Report", arXiv 2412.19437, §3.2.2): while a collective runs
+# hidden behind compute, the compute has cluster.gpu_sms - 20 SMs, so it loses 20 / gpu_sms of that time.
+COMM_SMS = 20
+COMM_SMS_SOURCE = "20 SMs drive IB + NVLink (DeepSeek-V3 report §3.2.2) of cluster.gpu_sms"
+# Memory-bound ops run at cluster.gpu_hbm_GBps, the datasheet's HBM bandwidth (jobs.planner.traffic).
+HBM_SOURCE = "cluster.gpu_hbm_GBps (datasheet HBM bandwidth; memory-bound ops' bytes from jobs.planner.traffic)"
 # Latency: 46-48 us for all-reduces of 4 B..1 KiB on 2 nodes x 8 GPUs (NVIDIA/nccl#1244, NCCL 2.21, NDR IB).
 # Used for both scopes: no intra-node figure is cited, so the intra-node latency is an upper bound.
 NCCL_ALPHA_S = 46e-6
@@ -106,6 +113,8 @@ class Hardware:
     pp_action_host_s: float = 0.0  # host time per pipeline schedule action beyond compute and sends; 0 = not modelled
     bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
     bubble_why: str = ""
+    hbm_GBps: float = 0.0  # the memory-bound ops' rate (GPU datasheet); 0 = not modelled (a calibrated CPU rate holds them)
+    comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
 
     def link(self, op: str, scope: str) -> Link:
         return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
@@ -130,8 +139,12 @@ def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
 
 
 def _published_links(cl: ClusterConfig) -> dict[str, Link]:
-    intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
-                 f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
+    if cl.intra_node_bw_achieved:  # the profile's figure was measured as achieved: the efficiency is in it already
+        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps, "cluster.intra_node_bw_GBps as achieved "
+                     "(cluster.intra_node_bw_achieved=true, no efficiency applied); alpha NVIDIA/nccl#1244")
+    else:
+        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
+                     f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
     inter = Link(NCCL_ALPHA_S, cl.inter_node_bw_GBps * IB_EFFICIENCY,
                  f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244")
     return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}
@@ -173,6 +186,8 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         optimizer_ns_per_param=cl.optimizer_ns_per_param,
         fsdp_unit_host_s=_fsdp_unit_host_s(cl, tp),
         pp_action_host_s=cl.pp_action_host_s,
+        hbm_GBps=cl.gpu_hbm_GBps if gpu else 0.0,
+        comm_sm_share=COMM_SMS / cl.gpu_sms if gpu and cl.gpu_sms > COMM_SMS else 0.0,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
                     f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),

@@ -16,7 +16,8 @@ from parallel.config import checkpointed_layers
 
 __all__ = ["bubble_fraction", "layers_in_flight", "checkpointed_layers", "layer_activation_bytes", "logits_bytes",
            "activation_bytes", "StageShape", "RankMemory", "rank_memory", "stage_elems", "shard_elems",
-           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes", "autocast_copy_bytes"]
+           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes", "autocast_copy_bytes",
+           "pp_recv_bytes"]
 
 
 # ------------------------------------------------------------------------------------------- pipeline
@@ -103,7 +104,9 @@ def layer_activation_bytes(
         hd = h // m.n_heads
         hkv = m.n_kv_heads * hd
         pre_rope = cb * sb * (h + hkv) // t
-        sdpa_in = cb * sb * 3 * h // t  # q, and k/v repeated to n_heads (repeat_interleave)
+        # q, and k/v repeated to n_heads (repeat_interleave); under context parallelism k/v are the all-gathered
+        # whole sequence (cp x this rank's part: Llama 3 §3.3.2), repeated to every head, and SDPA saves them
+        sdpa_in = cb * sb * h // t + cb * sb * cp * 2 * h // t
         sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
         attn = pre_rope + sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
@@ -277,11 +280,20 @@ def rank_memory(
         pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
         schedule=schedule, pp_rank=pp_rank,
     )
-    act = functools.partial(
+    saved = functools.partial(
         activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
         cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
     )
-    p2p = _p2p_bytes(m, stages, tp=tp, pp=pp, cp=cp, microbatches=microbatches, seq_len=seq_len,
+    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
+                     compute_bytes=compute_bytes)
+
+    def act(*, activation_checkpointing: str) -> int:
+        """Saved activations less the checkpointed inputs that are pipeline receive buffers (in `p2p_bytes`)."""
+        shared = _received_and_checkpointed(stages, mode=activation_checkpointing, every=ac_every, rank_layers=blocks_on_rank)
+        return saved(activation_checkpointing=activation_checkpointing) - int(
+            shared * hop * in_flight / max(len(blocks_on_rank), 1))
+
+    p2p = pp_recv_bytes(m, stages, tp=tp, pp=pp, cp=cp, microbatches=microbatches, seq_len=seq_len,
                      micro_batch=micro_batch, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
     loss = (
         logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
@@ -330,13 +342,27 @@ def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: 
     return COMPUTE_BYTES * (int(microbatches * (kept + head)) + recompute)
 
 
-def _p2p_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,
-               seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int) -> int:
-    """Pipeline receive buffers on the rank holding `stages`: torch's PipelineStage allocates one per
-    microbatch for the activations coming in (every stage but the first) and for the gradients coming
-    back (every stage but the last)."""
-    hop = compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+def _hop_bytes(m: ModelConfig, *, tp: int, cp: int, seq_len: int, micro_batch: int, sequence_parallel: bool,
+               compute_bytes: int) -> int:
+    """One microbatch's hidden states between two stages (and one block's checkpointed input)."""
+    return compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
+
+
+def pp_recv_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,
+                  seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int) -> int:
+    """Pipeline receive buffers on the rank holding `stages` (the `p2p` column): torch's PipelineStage
+    allocates one per microbatch for the activations coming in (every stage but the first) and for the
+    gradients coming back (every stage but the last), up front."""
+    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
+                     compute_bytes=compute_bytes)
     return 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
+
+
+def _received_and_checkpointed(stages: list[StageShape], *, mode: str, every: int, rank_layers: list[int]) -> int:
+    """Stages whose first block is checkpointed and gets its input from a pipeline receive buffer: that
+    input is the buffer itself (one tensor), held in `p2p_bytes`, so the activations must not count it again."""
+    ckpt = set(checkpointed_layers(rank_layers, mode=mode, every=every))
+    return sum(1 for st in stages if not st.first and st.layers and st.layers[0] in ckpt)
 
 
 def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,

@@ -73,7 +73,7 @@ class Shape:
 @dataclass
 class Candidate:
     shape: Shape
-    numbers: dict[str, float]  # predicted(): step_s, tokens_per_s, mfu, peak_bytes, bubble, goodput
+    numbers: dict[str, float]  # predicted(): step_s, tokens_per_s, mfu, peak_bytes, bubble, goodput, in_flight
     own: bool = False  # the composed config's own shape
 
 
@@ -91,6 +91,10 @@ class SearchResult:
         return next((i + 1 for i, c in enumerate(self.ranked) if c.own), None)
 
 
+def _goodput_cell(goodput: float | None) -> str:
+    return f"{goodput:7.3f}" if goodput is not None else "unknown"
+
+
 def predicted(plan: Plan) -> dict[str, float]:
     """The figures the ranking reads from a plan, in one place: the predicted step of
     `jobs/planner/steptime.py` (compute at the achieved matmul rate, each collective's alpha-beta cost on
@@ -100,7 +104,7 @@ def predicted(plan: Plan) -> dict[str, float]:
     tokens = s["model_tflop_per_rank"] * 1e12 * plan.world_size / s["flops_per_token"]  # tokens per step
     return {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": s["mfu"],
             "peak_bytes": plan.per_rank["peak_bytes"], "bubble": plan.bubble_fraction,
-            "goodput": plan.goodput_expected}
+            "goodput": plan.goodput_expected, "in_flight": plan.activation["layers_in_flight"]}
 
 
 # ------------------------------------------------------------------------------------------ enumeration
@@ -255,7 +259,7 @@ def search(cfg: JobConfig) -> SearchResult:
     calls += 1
     if own is not None:
         ranked = [c for c in ranked if c.shape != own.shape] + [own]
-    ranked.sort(key=lambda c: -c.numbers["tokens_per_s"])
+    ranked.sort(key=lambda c: (not c.shape.trainable(cfg), -c.numbers["tokens_per_s"]))  # what jobs.train builds first
     return SearchResult(ranked, rejected, len(space), calls, time.perf_counter() - t0, cfg.world_size, own_why)
 
 
@@ -285,14 +289,17 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     """The ranked table (first `rows`), the config's own rank, and the rejections grouped by reason."""
     L = [f"search: {r.enumerated} shapes for {r.world_size} ranks, {r.planned} planned (analytic, no fake backend), "
          f"{len(r.ranked)} feasible, in {r.seconds:.1f} s",
-         "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails)",
-         "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput"]
+         "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails), "
+         "the shapes jobs.train builds first; in flight: layer-microbatches of activations held at the peak (torch's "
+         "schedule warm-up), which chose the AC",
+         "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput  in flight"]
     shown = [(i, c) for i, c in enumerate(r.ranked) if i < rows or c.own]
     for i, c in shown:
         n = c.numbers
         label = c.shape.label() + ("" if c.shape.trainable(cfg) else " ~")
         L.append(f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
-                 f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {n['goodput']:7.3f}")
+                 f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {_goodput_cell(n['goodput'])}"
+                 f"  {n['in_flight']:9.0f}")
     own = r.own_rank()
     built = [c for c in r.ranked if c.shape.trainable(cfg)]
     among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")

@@ -49,9 +49,13 @@ def test_ac_keeps_every_parameter_name_and_the_gradients():
     assert torch.equal(grads["none"], grads["full"])  # recomputation replays the same ops: bitwise
 
 
-def test_selective_counts_on_the_global_layer_index_so_a_pipeline_stage_agrees():
+def test_selective_counts_the_blocks_a_rank_holds_so_every_pipeline_rank_checkpoints_its_share():
     assert checkpointed_layers([4, 5, 6, 7], mode="selective", every=2) == [5, 7]
     assert checkpointed_layers(list(range(61)), mode="selective", every=4) == list(range(3, 61, 4))
+    # Llama 3 405B's interleaved 1-layer chunks: pp rank 0 holds layers 0, 16, 32, ... (all even), rank 1
+    # layers 1, 17, ...; by global parity rank 0 checkpointed none and rank 1 all; per rank, half of each.
+    assert checkpointed_layers([0, 16, 32, 48], mode="selective", every=2) == [16, 48]
+    assert checkpointed_layers([1, 17, 33, 49], mode="selective", every=2) == [17, 49]
 
 
 def test_the_planner_checkpoints_the_same_layers_as_the_trainer():

@@ -27,10 +27,21 @@ PRESETS = [
 ]
 
 
+# The paper's own setting, no activation checkpointing at 8K (Llama 3 §3.3.2), does not fit under torch's
+# interleaved warm-up (141 layer-microbatches in flight on pp1 at 8,192 GPUs): the plan says so and names the fix.
+DOES_NOT_FIT = {"llama3_405b_8k_8192gpu", "llama3_405b_8k_16384gpu"}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_published_preset_plans_and_passes_analytically(preset):
     checks = check(compose([f"+experiment={preset}"]))
-    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    failed = [c for c in checks if not c.ok]
+    if preset in DOES_NOT_FIT:
+        assert [c.name for c in failed] == ["memory"], failed
+        assert "train.activation_checkpointing=full fits" in failed[0].why and "in flight" in failed[0].why
+        checks = check(compose([f"+experiment={preset}", "train.activation_checkpointing=full"]))
+        failed = [c for c in checks if not c.ok]
+    assert not failed, failed
     assert {c.name for c in checks} >= {"config", "memory", "checkpoint", "goodput", "tp_in_nvlink_domain"}
 
 
@@ -130,7 +141,9 @@ def test_check_returns_a_config_failure_instead_of_raising():
 
 
 def test_the_six_readiness_questions_are_answered():
-    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu"]), measure=False)
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "plan.restart_overhead_s=300",
+                               "plan.save_fixed_s=5", "train.activation_checkpointing=full"]),
+                      measure=False)  # known costs: no warning on rank death; full AC: it fits
     questions = [r["question"] for r in plan.readiness]
     assert questions == [
         "does it fit?", "where does the step time go?", "what happens when a rank dies?",
@@ -176,7 +189,7 @@ def test_plan_writes_nothing(tmp_path):
 def test_a_16384_rank_plan_with_the_fake_backend_completes_in_under_60_s():
     # CPU seconds of this process: on an idle 2-core box they equal the wall time; on a shared one
     # (other test workers) the wall time is longer by the contention.
-    cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu", "train.activation_checkpointing=full"])
     wall, cpu = time.perf_counter(), time.process_time()
     plan = build_plan(cfg, measure=True)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -211,7 +224,10 @@ def test_deepseek_v3_last_stage_is_planned_with_the_2_layer_microbatches_it_hold
     ckpt = P.checkpointed_layer_bytes(seq_len=t.seq_len, micro_batch=1, dim=m.dim, tp=1, sequence_parallel=False)
     full = max(P.layer_activation_bytes(m, layer=i, seq_len=t.seq_len, micro_batch=1, tp=1, sequence_parallel=False)
                for i in shapes[15][0].layers)
-    assert last["activation_bytes"] == 2 * ckpt + full  # full AC: 2 layer inputs kept + one block recomputed
+    # full AC: 2 layer inputs kept + one block recomputed; the first input is the pipeline receive buffer, held
+    # in p2p_bytes (issue 22), so the activations hold the second only
+    assert last["activation_bytes"] == ckpt + full
+    assert last["p2p_bytes"] == d.microbatches * ckpt  # one receive buffer per microbatch (the last sends no grads in)
 
 
 def test_interleaved_warm_up_depends_on_the_pp_rank():

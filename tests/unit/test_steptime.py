@@ -16,24 +16,21 @@ def test_plan_mfu_is_no_longer_an_input():
     assert is_config_error(e.value)
 
 
-def test_llama3_405b_predicted_mfu_is_near_the_published_41_percent_without_being_told():
-    # "The Llama 3 Herd of Models" Table 4: 16,384 GPUs, TP 8, PP 16, DP 128, 400 TFLOPs/GPU = 41% BF16 MFU.
-    # The prediction uses only the datasheet peak x the cited achieved-GEMM efficiency and the cited link figures.
+def test_llama3_405b_step_parts_each_follow_their_own_definition():
+    # "The Llama 3 Herd of Models" Table 4: 16,384 GPUs, TP 8, PP 16, DP 128, no activation checkpointing at 8K
+    # (§3.3.2). How close the prediction comes to the published 41% MFU is the held-out table's business
+    # (tests/unit/test_planner_held_out.py); here each part is checked against its own definition.
     plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu"]), measure=False)
     s = plan.step
-    # Predicted 40.4% (2026-12-04); within 5% of the published 41% (a band of +-25%, 31-51%, let a 20% error
-    # in the GEMM efficiency or the link figures pass unseen).
-    assert 0.41 * 0.95 <= s["mfu"] <= 0.41 * 1.05, s
-    # The parts, each from its own definition rather than from the sum the code forms: full activation
-    # checkpointing re-runs the forward, 2 of the 6 FLOPs per parameter and token (1/3 of compute); the
-    # throughput is the 2,048 x 8,192 tokens of a step over its time; MFU is FLOPs per token x tokens/s over
-    # the peak of 16,384 H100s (989 dense bf16 TFLOP/s each).
-    assert s["recompute_s"] == pytest.approx(s["compute_s"] / 3)
+    assert s["recompute_s"] == 0.0  # no activation checkpointing: nothing runs forward twice
     assert s["tokens_per_s"] == pytest.approx(2048 * 8192 / s["step_s"])
     assert s["mfu"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"] / (16384 * 989e12))
     # interleaved 1F1B, p = 16, v = 8 one-layer chunks (Llama 3 section 3.3.2): bubble (p-1)/(v*m + p-1) = 15/143,
     # so the stage stretches by 15/128
-    assert s["bubble_s"] == pytest.approx((s["compute_s"] + s["recompute_s"] + s["comm_exposed_s"]) * 15 / 128)
+    busy = s["compute_s"] + s["memory_bound_s"] + s["interference_s"] + s["comm_exposed_s"] + s["host_s"]
+    assert s["bubble_s"] == pytest.approx(busy * 15 / 128)
+    # memory-bound ops at the H100's 3.35 TB/s: a few percent of a 405B's compute at tp8 (dim 16,384)
+    assert 0.02 < s["memory_bound_s"] / s["compute_s"] < 0.2
     assert "Bekman" in s["matmul_source"]
     assert any("nccl-tests#212" in c["source"] for c in plan.comm)
     tp = [c for c in plan.comm if c["axis"] == "tp"]
@@ -94,8 +91,9 @@ def test_save_and_restart_costs_come_from_the_runs_own_ledger(tmp_path):
     assert ck["restart_s"] == pytest.approx(50.0) and "median start-up" in ck["restart_source"]
     # Without a ledger: the profile's bytes and commit cost, and the restart says what it leaves out.
     plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path / 'none'}"]), measure=False)
-    assert "cluster.host_copy_GBps + cluster.fs_fsync_s" in plan.checkpoint["blocking_source"]
-    assert "not counted" in plan.checkpoint["restart_source"]
+    assert "cluster.host_copy_GBps" in plan.checkpoint["blocking_source"]
+    assert "cluster.fs_fsync_s not measured" in plan.checkpoint["blocking_source"]
+    assert "not counted" in plan.checkpoint["restart_source"] and "unknown" in plan.checkpoint["restart_source"]
 
 
 def _calibrated(overrides: list[str], **figures):

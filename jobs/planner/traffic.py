@@ -1,0 +1,76 @@
+"""Bytes the memory-bandwidth-bound work of a training step moves through HBM: the element-wise and
+reduction ops between the matmuls (RMSNorm, residual adds, RoPE, the GQA repeat, SwiGLU's gate, the
+attention output's copy, the loss's casts and log-softmax), which run at the memory's rate, not the
+tensor cores'.
+
+Counted as our block runs them in eager PyTorch (jobs/model.py), one kernel per op, each reading its
+inputs and writing its output once, per token of one rank (tensor-parallel shards; the norms and residual
+adds on 1/tp of the tokens under sequence parallelism):
+  RMSNorm (x.float(), pow, mean, x * rsqrt, type_as, * weight): 36 bytes per element, two per block;
+  residual adds: 6 bytes per element (two bf16 reads, one write), two per block;
+  RoPE on q and k (four products, two sums in fp32, cat, cast): 38 bytes per rotated element;
+  the GQA repeat of k and v to every head: 2 bytes read per kv element, 2 written per q element, twice;
+  the attention output's transpose + reshape copy: 4 bytes per element;
+  SwiGLU's silu(w1 x) * w3 x: 10 bytes per hidden element;
+  the loss on the last stage: the logits' fp32 copy, log-softmax, its gradient and the cast back: 32
+  bytes per logit (vocab / tp with loss parallel).
+Backward moves about twice the forward's bytes (each op reads its saved input and the incoming gradient
+and writes the outgoing one): a step is 3 x the forward's traffic, plus one forward per recomputed block.
+Attention itself (flash / memory-efficient SDPA) is counted as matmul FLOPs. The rate is the GPU's HBM
+bandwidth from its datasheet (`cluster.gpu_hbm_GBps`), an upper bound on what the ops reach: the time
+is a lower bound. A fused or compiled block moves less (Megatron-LM's fused kernels, torch.compile).
+
+Pure functions of plain numbers and `ModelConfig`; no torch.
+"""
+
+from __future__ import annotations
+
+from jobs.config import ModelConfig
+from jobs.planner.params import COMPUTE_BYTES
+
+__all__ = ["block_bytes_per_token", "loss_bytes_per_token"]
+
+NORM_BYTES = 36  # per element: x.float() 2+4, pow 4+4, mean 4, x*rsqrt 4+4, type_as 4+2, *weight 2+2
+RESIDUAL_BYTES = 6
+ROPE_BYTES = 38
+REPEAT_BYTES = 2
+COPY_BYTES = 4
+SWIGLU_BYTES = 10
+LOSS_BYTES = 32
+
+
+def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int, int]:
+    """(query width, key/value width, width RoPE rotates, FFN hidden width) of one block, unsharded. MLA
+    rotates only the qk_rope_head_dim part of each query head and one shared key part (DeepSeek-V3 §2.1.1)."""
+    if m.attention == "mla":
+        q = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        kv, rope = q, (m.n_heads + 1) * m.qk_rope_head_dim
+    else:
+        q = m.dim
+        kv = m.n_kv_heads * (m.dim // m.n_heads)
+        rope = q + kv
+    if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
+        f = (m.experts_per_token + m.n_shared_experts) * m.moe_ffn_dim
+    else:
+        f = m.ffn_dim
+    return q, kv, rope, f
+
+
+def block_bytes_per_token(m: ModelConfig, *, layer: int, tp: int, sequence_parallel: bool,
+                          compute_bytes: int = COMPUTE_BYTES) -> float:
+    """HBM bytes one block's forward moves per token on one tensor-parallel rank (see the module docstring);
+    `compute_bytes` scales the bf16 parts for an fp32 run."""
+    q, kv, rope, f = _widths(m, layer)
+    scale = compute_bytes / COMPUTE_BYTES
+    n = m.dim / (tp if sequence_parallel and tp > 1 else 1)
+    per = 2 * NORM_BYTES * n + 2 * RESIDUAL_BYTES * n * scale
+    per += ROPE_BYTES * rope / tp
+    if kv < q:
+        per += 2 * REPEAT_BYTES * (kv + q) / tp * scale
+    per += COPY_BYTES * q / tp * scale + SWIGLU_BYTES * f / tp * scale
+    return per
+
+
+def loss_bytes_per_token(m: ModelConfig, *, tp: int, loss_parallel: bool = True) -> float:
+    """HBM bytes the loss moves per token, forward and backward, on the last stage."""
+    return LOSS_BYTES * m.vocab_size / (tp if loss_parallel and tp > 1 else 1)

@@ -1,0 +1,171 @@
+"""The planner checked against what it was not fitted to (issue 22): every expert-parallel leg on the
+critical path, achieved bandwidths taken as achieved, pipeline buffers counted once, selective AC chosen per
+stage, unknown restart costs said to be unknown, and held-out published runs predicted within 15%."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.config import compose
+from jobs.planner import arith as P
+from jobs.planner.gate import _stage_shapes, build_plan, render, validate_for_planning
+
+
+def test_every_expert_parallel_row_is_exposed_including_the_in_node_leg():
+    # DeepSeek-V3 (h800_ib, node-limited routing): the all-to-all has an IB leg (`ep`) and an NVLink leg
+    # (`ep_intra`); our 1F1B overlaps neither, so both are on the stage's critical path, none in the FSDP tail.
+    plan = build_plan(compose(["+experiment=deepseek_v3_2048gpu"]), measure=False)
+    ep = [c for c in plan.comm if c["axis"].startswith("ep")]
+    assert {c["axis"] for c in ep} == {"ep", "ep_intra"}
+    assert all(c["exposed_s"] == c["seconds"] > 0 for c in ep), ep
+    on_stage = sum(c["exposed_s"] for c in plan.comm if c["axis"] in ("ep", "ep_intra", "pp", "tp", "cp"))
+    assert plan.step["comm_exposed_s"] == pytest.approx(on_stage)
+    tail = sum(c["exposed_s"] for c in plan.comm if c["axis"].startswith("dp")) + plan.comm[-1]["exposed_s"]
+    assert plan.step["dp_exposed_s"] == pytest.approx(tail)
+
+
+def test_an_achieved_nvlink_figure_is_not_discounted_again():
+    # DeepSeek-V3 report §3.2.2: "NVLink offers 160 GB/s" achieved on H800; the 370/450 NCCL efficiency
+    # applies to a line rate (h100_ib's 450), not to it (it made 131.6).
+    from jobs.planner import hardware as H
+
+    h800 = H.hardware(compose(["cluster=h800_ib"]).cluster, dtype="bf16", tasks_per_node=8)
+    assert h800.link("all_to_all", "intra").bus_GBps == 160.0
+    assert "achieved" in h800.link("all_to_all", "intra").source
+    h100 = H.hardware(compose(["cluster=h100_ib"]).cluster, dtype="bf16", tasks_per_node=8)
+    assert h100.link("all_gather", "intra").bus_GBps == pytest.approx(450 * 370 / 450)
+
+
+def test_pipeline_receive_buffers_have_their_own_column_and_are_not_counted_twice_under_ac():
+    # A non-first stage's received activations are the first block's input; under AC that input is what the
+    # checkpoint keeps: one tensor, in `p2p_bytes` (one buffer per microbatch, allocated up front), not again
+    # in the activations.
+    m = compose(["model=llama3_8b"]).model
+    stages = [P.StageShape((4, 5), False, False), P.StageShape((12, 13), False, False)]  # interleaved, not the ends
+    kw = dict(tp=1, fsdp=1, pp=4, microbatches=8, stages_per_rank=2, schedule="interleaved_1f1b", seq_len=1024,
+              micro_batch=1, pp_rank=1)
+    full = P.rank_memory(m, stages, activation_checkpointing="full", **kw)
+    hop = 2 * 1024 * m.dim
+    assert full.p2p_bytes == 8 * hop * 2 * 2  # 8 microbatches x (activation in + gradient in) x 2 stages
+    per_block_mb = P.layers_in_flight(pp=4, microbatches=8, layers_on_rank=4, stages_per_rank=2,
+                                      schedule="interleaved_1f1b", pp_rank=1) / 4
+    biggest = P.layer_activation_bytes(m, layer=13, seq_len=1024, micro_batch=1, tp=1)
+    # 4 checkpointed inputs per microbatch in flight, 2 of which (each stage's first) are receive buffers
+    assert full.activation_bytes == int(per_block_mb * 4 * hop) - int(2 * hop * per_block_mb) + biggest
+    none = P.rank_memory(m, stages, activation_checkpointing="none", **kw)  # no checkpoint keeps the input
+    assert none.activation_bytes == int(per_block_mb * 4 * P.layer_activation_bytes(m, layer=4, seq_len=1024,
+                                                                                     micro_batch=1, tp=1))
+    text = render(build_plan(compose(["+experiment=llama3_405b_8k_8192gpu"]), measure=False))
+    assert any(line.startswith("memory per rank") and "pp_recv" in line for line in text.splitlines())
+
+
+def test_selective_ac_checkpoints_half_of_every_pipeline_rank_not_all_of_one():
+    # Llama 3 405B at 8K, interleaved 1-layer chunks: pp rank r holds layers r, r+16, ... (one parity); by the
+    # global layer index rank 0 recomputed none and rank 1 all. Chosen per rank, each recomputes half.
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu", "train.activation_checkpointing=selective"])
+    shapes = _stage_shapes(cfg, validate_for_planning(cfg)[0])
+    for stages in shapes.values():
+        layers = [i for st in stages for i in st.layers]
+        assert len(P.checkpointed_layers(layers, mode="selective", every=2)) == len(layers) // 2
+    acts = [r["activation_bytes"] for r in build_plan(cfg, measure=False).roles]
+    assert max(acts) / min(acts) < 1.5, acts
+
+
+def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_measured(tmp_path):
+    # No ledger in run.dir and no plan.restart_overhead_s: the restart is the load alone (2.4 s of 4.87 TB at
+    # 2 TB/s), which once printed goodput 0.999 at a 12 s interval as if known.
+    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}"]), measure=False)
+    assert plan.goodput_expected is None and not plan.checkpoint["restart_known"]
+    row = next(r for r in plan.readiness if r["question"] == "what happens when a rank dies?")
+    assert row["status"] == "warn" and "restart unknown" in row["answer"] and "goodput unknown" in row["answer"]
+    assert "lower bound" in row["answer"]  # the 12 s interval rests on a save cost without its fixed part
+    check = next(c for c in plan.checks if c.name == "goodput")
+    assert "unknown" in check.why and "Llama 3" in check.why and "§3.3.4" in check.why  # a labelled reference
+    assert "expected goodput unknown" in render(plan)
+    # An explicit assumption gives a number again, labelled as the user's.
+    told = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}",
+                               "plan.restart_overhead_s=300", "plan.save_fixed_s=5"]), measure=False)
+    assert told.goodput_expected == pytest.approx(0.944, abs=0.005)
+    assert "user assumption" in told.checkpoint["restart_source"]
+    assert next(r for r in told.readiness if r["question"] == "what happens when a rank dies?")["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------------- held-out published runs
+# None of these rows set a constant of the step-time model: its constants come from elsewhere (README
+# "Held-out validation"): the 0.80 achieved GEMM (Bekman's max-achievable matmul table), NCCL's 370/450
+# NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290, nccl#1244), the datasheet
+# peaks, HBM bandwidths and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
+# GPT-3 175B as Megatron-LM trained it, in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of
+# 2/3 x 4h hidden (the same parameters and FLOPs as GeLU's 4h), vocab 51,200, sequence 2,048.
+GPT3_175B_MEGATRON = ["model=llama3_70b", "model.name=gpt3_175b", "model.dim=12288", "model.n_layers=96",
+                      "model.n_heads=96", "model.n_kv_heads=96", "model.ffn_dim=32768", "model.vocab_size=51200",
+                      "model.max_seq_len=2048", "cluster=a100_ib", "launcher=slurm", "launcher.nodes=48",
+                      "launcher.tasks_per_node=8", "mesh.tp=8", "mesh.pp=12", "mesh.dp_replicate=4", "mesh.dp_shard=1",
+                      "mesh.pp_schedule=1f1b", "train.seq_len=2048", "train.micro_batch=1", "train.global_batch=1536",
+                      "train.activation_checkpointing=full"]
+
+
+def _megatron_tflops(plan, *, B=1536, s=2048, l=96, h=12288, V=51200) -> float:
+    """Megatron-LM's achieved teraFLOP/s per GPU: its own count, 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration
+    (Narayanan et al. 2021, §5.1: with activation recomputation), over the predicted iteration."""
+    flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return flops / (plan.step["step_s"] * plan.world_size) / 1e12
+
+
+HELD_OUT = {
+    # "The Llama 3 Herd of Models" (arXiv 2407.21783) Table 4; no activation checkpointing at 8K (§3.3.2)
+    "llama3_405b_8192gpu_mfu": (["+experiment=llama3_405b_8k_8192gpu"], 0.43, lambda p: p.step["mfu"]),
+    "llama3_405b_16384gpu_mfu": (["+experiment=llama3_405b_8k_16384gpu"], 0.41, lambda p: p.step["mfu"]),
+    # pytorch/torchtitan docs/performance.md, Llama 3 on 64 A100 80GB, FSDP2, local batch 1, seq 8,192
+    "torchtitan_8b_selective_layer_tok_s": (["+experiment=llama3_8b", "train.activation_checkpointing=selective"],
+                                            2904, lambda p: p.step["tokens_per_s"] / p.world_size),
+    "torchtitan_70b_full_tok_s": (["+experiment=llama3_70b", "mesh.tp=1", "train.micro_batch=1"], 331,
+                                  lambda p: p.step["tokens_per_s"] / p.world_size),
+    # Narayanan et al. 2021 (arXiv 2104.04473) Table 2, PTD parallelism: GPT 174.6B, t8 x p12 on 384 A100,
+    # batch 1536, microbatch 1: 153 teraFLOP/s per GPU
+    "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
+}
+# The model has no term for what the two Llama 3 rows lose beyond it (see the README's held-out table):
+# predicted 1.21-1.24x too fast. Pinned here so that a change in either direction is seen.
+KNOWN_GAP = {"llama3_405b_8192gpu_mfu": (1.15, 1.30), "llama3_405b_16384gpu_mfu": (1.15, 1.30)}
+
+
+@pytest.mark.parametrize("row", list(HELD_OUT))
+def test_held_out_published_runs_are_predicted_within_15_percent(row):
+    overrides, published, metric = HELD_OUT[row]
+    plan = build_plan(compose(overrides), measure=False)
+    ratio = metric(plan) / published
+    low, high = KNOWN_GAP.get(row, (0.85, 1.15))
+    assert low <= ratio <= high, (row, ratio)
+    assert plan.step["memory_bound_s"] > 0 and plan.step["interference_s"] > 0  # GPU profiles: both terms on
+
+
+@pytest.mark.xfail(strict=True, reason="Llama 3 405B is predicted 1.21-1.24x too fast: the model lacks a term for "
+                   "what the 405B runs lose beyond GEMMs at 0.80 of peak, NCCL's bus bandwidth, HBM-bound ops and "
+                   "the bubble (see README, held-out validation); no constant is tuned to close it")
+@pytest.mark.parametrize("row", list(KNOWN_GAP))
+def test_llama3_405b_is_within_15_percent(row):
+    overrides, published, metric = HELD_OUT[row]
+    assert 0.85 <= metric(build_plan(compose(overrides), measure=False)) / published <= 1.15
+
+
+def test_the_all_to_all_warning_says_which_schedule_it_is_about():
+    # DeepSeek-V3 report §3.2.1: DualPipe overlaps the all-to-all with a paired chunk's compute; our plain 1F1B
+    # does not. The warning names our schedule and gives DualPipe's bound, max(0, a2a - compute).
+    plan = build_plan(compose(["+experiment=deepseek_v3_2048gpu"]), measure=False)
+    row = next(r for r in plan.readiness if r["question"] == "where does the step time go?")
+    assert row["status"] == "warn" and "mesh.pp_schedule=1f1b" in row["answer"] and "DualPipe" in row["answer"]
+    s = plan.step
+    a2a = sum(c["exposed_s"] for c in plan.comm if c["axis"].startswith("ep"))
+    bound = max(0.0, a2a - (s["compute_s"] + s["recompute_s"] + s["memory_bound_s"]))
+    assert f"= {bound:.3g} s would be" in row["answer"]
+
+
+def test_context_parallel_counts_the_gathered_whole_sequence_k_v_repeated_to_every_head():
+    # All-gather CP (Llama 3 §3.3.2): each rank's SDPA saves K and V of the whole sequence, repeated from the
+    # 8 KV heads to all 32: 2 x seq x dim bf16 bytes whatever cp is; everything else is divided by cp.
+    m = compose(["model=llama3_8b"]).model
+    one = P.layer_activation_bytes(m, layer=0, seq_len=8192, micro_batch=1, tp=1, cp=1)
+    two = P.layer_activation_bytes(m, layer=0, seq_len=8192, micro_batch=1, tp=1, cp=2)
+    # one = X + 2·2·8192·dim (local K/V, repeated); two = X/2 + the same whole-sequence K/V
+    assert two - one // 2 == pytest.approx(2 * 8192 * m.dim, abs=8)
