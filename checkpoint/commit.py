@@ -117,8 +117,7 @@ class CommitMixin:
             log.warning("retention under %s failed: %s", self.folder, describe_error(e, self.folder))
 
     def _retain(self, newest: int) -> None:
-        retain(self.folder, keep=self.cfg.keep, verify=self.cfg.verify, emit=self._emit, newest=newest,
-               verified=self._verified)
+        retain(self.folder, keep=self.cfg.keep, emit=self._emit, newest=newest, damaged=self._damaged)
 
 
 def _own_records(records: dict[str, dict[str, Any]], rank: int, tmp: Path) -> dict[str, dict[str, Any]]:

@@ -44,7 +44,7 @@ from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
-from checkpoint.retention import abandon_above
+from checkpoint.retention import abandon_above, manifest_crc
 from checkpoint.statedict import StateDictMixin
 from checkpoint.writer import RecordingWriter, ThreadStager
 
@@ -110,7 +110,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
         self._pending: Future | None = None
         self._retaining: Future | None = None
-        self._verified: dict[tuple[int, str], bool] = {}  # retention's full crc32 checks, each done once
+        self._damaged: set[tuple[int, str]] = set()  # (step, manifest crc32) the load skipped: retention counts none
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
@@ -353,6 +353,8 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         return listing
 
     def _skip(self, step: int, d: Path, reason: str) -> None:
+        if self.rank == 0:  # the rank that runs retention
+            self._damaged.add((step, manifest_crc(d)))
         self._emit("checkpoint_skipped", step=step, path=str(d), reason=reason)
         if self.rank == 0:
             log.warning("skipping checkpoint %s: %s", d, reason)

@@ -10,56 +10,52 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkpoint.manifest import ManifestError, check_step_dir, fsync_dir, read_manifest, step_dirs
+from checkpoint.manifest import ManifestError, check_files, fsync_dir, read_manifest, step_dirs
 
-__all__ = ["ABANDONED", "abandon_above", "retain"]
+__all__ = ["ABANDONED", "abandon_above", "manifest_crc", "retain"]
 
 ABANDONED = "abandoned"  # under the checkpoint folder: step_<N>.<attempt>, kept for a human
 
 
-def retain(folder: Path, *, keep: int, verify: str, emit: Callable[..., Any], newest: int | None = None,
-           verified: dict[tuple[int, str], bool] | None = None) -> None:
-    """Deletes the checkpoints past the newest `keep` under `folder`. Counts toward checkpoint.keep only
-    what load would accept (checkpoint.verify), newest first; of the older ones, only those whose manifest
-    and sizes check out are deleted (the rest are left for a human), and never the newest one that passes
-    the checksum. `newest`: the step just committed, the head of the current timeline; it is never deleted,
-    and folders of a later step (another timeline's, left by a crash during a rollback) are neither counted
-    nor deleted. `emit(kind, **fields)` records each deletion. `verified`: the outcome of each full crc32
-    check so far, by (step, manifest crc32), kept by the caller across saves, so that a checkpoint's files
-    are read back once (in the page cache, right after its commit) and never again after later saves."""
-    cache: dict[tuple[int, str], bool] = {} if verified is None else verified
-
-    def problems(step: int, d: Path, checksum: bool) -> bool:
-        if not checksum:
-            return bool(check_step_dir(d, step=step, checksum=False))
-        key = (step, _manifest_crc(d))
-        if key[1] == "" or key not in cache:
-            cache[key] = not check_step_dir(d, step=step, checksum=True)
-        return not cache[key]
-
+def retain(folder: Path, *, keep: int, emit: Callable[..., Any], newest: int | None = None,
+           damaged: set[tuple[int, str]] | frozenset[tuple[int, str]] = frozenset()) -> None:
+    """Deletes the checkpoints past the newest `keep` under `folder`, reading no checkpoint back: the crc32
+    recorded at commit from the bytes as they were written is trusted, so a checkpoint counts toward
+    checkpoint.keep, newest first, when its manifest and file sizes check out (a stat each), and so does an
+    older one before it is deleted (the rest are left for a human). Damage after the commit (same size) is
+    found by load's checksum (checkpoint.verify), which skips that checkpoint; `damaged`: the (step, manifest
+    crc32) of those this attempt's load skipped, neither counted nor deleted. `newest`: the step just committed, the head
+    of the current timeline; it is never deleted, and folders of a later step (another timeline's, left by a
+    crash during a rollback) are neither counted nor deleted. `emit(kind, **fields)` records each deletion."""
     dirs = [(s, d) for s, d in step_dirs(folder) if newest is None or s <= newest]
     if len(dirs) <= keep:
-        return  # nothing to delete: no need to read any checkpoint back
-    checksum = verify == "checksum"
-    kept: list[tuple[int, Path]] = []
-    retired: list[tuple[int, Path]] = []
+        return
+    kept, retired = 0, []
     for step, d in dirs:
-        if len(kept) < keep:
-            if not problems(step, d, checksum):
-                kept.append((step, d))
-        elif not problems(step, d, False):
+        crc = _sound(d, step)
+        if crc is None or (step, crc) in damaged:
+            continue  # torn, truncated or found damaged by the load: neither counted nor deleted
+        if kept < keep:
+            kept += 1
+        elif step != newest:
             retired.append((step, d))
-    if retired and not checksum:  # kept by size only: the newest one that passes the checksum stays too
-        sound = next((sd for sd in kept + retired if not problems(sd[0], sd[1], True)), None)
-        retired = [sd for sd in retired if sd != sound]
     for step, d in retired:
-        if step == newest:
-            continue
         shutil.rmtree(d)
         emit("checkpoint_deleted", step=step, path=str(d), reason=f"retention: checkpoint.keep={keep}")
 
 
-def _manifest_crc(d: Path) -> str:
+def _sound(d: Path, step: int) -> str | None:
+    """The manifest's own crc32 when the manifest and every file's size check out, else None (no file read)."""
+    try:
+        manifest = read_manifest(d, step=step)
+        if check_files(d, manifest["files"], sorted(manifest["files"]), checksum=False):
+            return None
+    except (ManifestError, OSError):
+        return None
+    return str(manifest.get("manifest_crc32", ""))
+
+
+def manifest_crc(d: Path) -> str:
     """The manifest's own crc32 (it covers every file's size and crc32): names one commit of a step."""
     try:
         return str(read_manifest(d).get("manifest_crc32", ""))

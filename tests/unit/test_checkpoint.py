@@ -187,38 +187,65 @@ def _flip_middle_byte(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("verify", ["checksum", "size"])
-def test_retention_never_deletes_the_last_loadable_checkpoint_for_newer_ones_with_a_flipped_byte(
-        tmp_path, monkeypatch, verify):
-    """keep=2; steps 2 and 3 each get a byte flipped (same size) right after their commit: step 1 must stay."""
+def _rotting(monkeypatch, steps: set[int]) -> None:
+    """A byte of rank 0's shard flipped (same size) right after the commit of each of `steps`."""
     orig_write = commit_mod.write_manifest
 
     def write_then_rot(step_dir, body):
         orig_write(step_dir, body)
-        if body["step"] >= 2:
+        if body["step"] in steps:
             _flip_middle_byte(step_dir / "__0_0.distcp")
 
     monkeypatch.setattr(commit_mod, "write_manifest", write_then_rot)
+
+
+def _save_steps(folder, steps, events, model, opt, x, **cfg) -> None:
+    ck = CheckpointManager(folder, cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=2, **cfg),
+                           emit=lambda kind, **f: events.append((kind, f)))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    for step in steps:
+        _step([model], [opt], x)
+        ck.save(step)
+    ck.close()
+
+
+def test_a_checkpoint_with_a_flipped_byte_is_never_loaded_and_retention_trusts_the_commits_crc32(
+        tmp_path, monkeypatch):
+    """Retention reads no checkpoint back (it trusts the crc32 taken from the bytes as written): damage after
+    the commit is the load's to find. keep=2 is the fallback for one damaged checkpoint."""
+    _rotting(monkeypatch, {3})
     torch.manual_seed(0)
     model, x = _Two(), torch.randn(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     events: list[tuple[str, dict]] = []
-    cfg = CheckpointConfig(every_steps=1, async_mode="none", keep=2, verify=verify)
-    ck = CheckpointManager(tmp_path, cfg=cfg, emit=lambda kind, **f: events.append((kind, f)))
-    assert ck.load_latest(model_parts=[model], optimizers=[opt]) == 0
-    for step in (1, 2, 3):
-        _step([model], [opt], x)
-        ck.save(step)
-    ck.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2", "step_3"]
-    assert [f["step"] for k, f in events if k == "checkpoint_deleted"] == []
-
+    _save_steps(tmp_path, (1, 2, 3), events, model, opt, x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]  # 3 counted by its sizes
+    # The load skips 3 (crc32) and loads 2; the next save keeps 4 and 2: the skipped 3 is not counted (nor deleted).
     fresh = _Two()
-    ck2 = CheckpointManager(tmp_path, cfg=CheckpointConfig(), emit=lambda kind, **f: events.append((kind, f)))
-    assert ck2.load_latest(model_parts=[fresh], optimizers=[torch.optim.AdamW(fresh.parameters())]) == 1
-    ck2.close()
+    _save_steps(tmp_path, (4,), events, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1), x)
+    assert [(f["step"], "crc32" in f["reason"]) for k, f in events if k == "checkpoint_skipped"] == [(3, True)]
+    assert [f["step"] for k, f in events if k == "checkpoint_loaded"] == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
+
+
+def test_the_newest_keep_checkpoints_all_damaged_after_their_commit_load_none_rather_than_a_damaged_one(
+        tmp_path, monkeypatch):
+    """The limit of trusting the commit's crc32 (before, retention re-read each new checkpoint once, from the
+    page cache, and kept step 1 here): with both of the newest keep=2 flipped, none loads, and no damaged one."""
+    _rotting(monkeypatch, {2, 3})
+    torch.manual_seed(0)
+    model, x = _Two(), torch.randn(8, 4)
+    events: list[tuple[str, dict]] = []
+    _save_steps(tmp_path, (1, 2, 3), events, model, torch.optim.AdamW(model.parameters(), lr=0.1), x)
+    assert [f["step"] for k, f in events if k == "checkpoint_deleted"] == [1]
+    fresh = _Two()
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(), emit=lambda kind, **f: events.append((kind, f)))
+    assert ck.load_latest(model_parts=[fresh], optimizers=[torch.optim.AdamW(fresh.parameters())]) == 0
+    ck.close()
     assert [f["step"] for k, f in events if k == "checkpoint_skipped"] == [3, 2]
     assert all("crc32" in f["reason"] for k, f in events if k == "checkpoint_skipped")
+    kinds = [k for k, _ in events]
+    assert "checkpoint_loaded" not in kinds and kinds[-1] == "checkpoint_none"
 
 
 def _one_layer():

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
+from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.manifest import file_record, step_dirs, write_manifest
-from checkpoint.retention import abandon_above, retain
+from checkpoint.retention import abandon_above, manifest_crc, retain
 
 
 def _commit(folder: Path, step: int) -> Path:
@@ -26,7 +30,7 @@ def test_retention_neither_counts_nor_deletes_folders_above_the_step_just_commit
     for s in (10, 20, 30, 40, 22):
         _commit(tmp_path, s)
     events: list[tuple[str, dict]] = []
-    retain(tmp_path, keep=2, verify="size", emit=lambda k, **f: events.append((k, f)), newest=22)
+    retain(tmp_path, keep=2, emit=lambda k, **f: events.append((k, f)), newest=22)
     assert _steps(tmp_path) == [40, 30, 22, 20]
     assert [(k, f["step"]) for k, f in events] == [("checkpoint_deleted", 10)]
 
@@ -34,14 +38,14 @@ def test_retention_neither_counts_nor_deletes_folders_above_the_step_just_commit
 def test_without_the_newest_step_retention_counts_every_folder_newest_first(tmp_path):
     for s in (10, 20, 30, 40, 22):
         _commit(tmp_path, s)
-    retain(tmp_path, keep=2, verify="size", emit=lambda *a, **k: None)
+    retain(tmp_path, keep=2, emit=lambda *a, **k: None)
     assert _steps(tmp_path) == [40, 30]  # what the trainer did before: the rollback target 20 deleted
 
 
 def test_retention_never_deletes_the_step_just_committed_even_with_keep_one_and_a_newer_sound_one(tmp_path):
     for s in (5, 9):
         _commit(tmp_path, s)
-    retain(tmp_path, keep=1, verify="checksum", emit=lambda *a, **k: None, newest=5)
+    retain(tmp_path, keep=1, emit=lambda *a, **k: None, newest=5)
     assert _steps(tmp_path) == [9, 5]
 
 
@@ -59,28 +63,49 @@ def test_abandon_above_moves_the_later_folders_aside_under_the_attempt_and_twice
     assert abandon_above(tmp_path, step=20, attempt="123.0") == []
 
 
-def test_retention_reads_each_checkpoint_back_at_most_once_across_saves(tmp_path, monkeypatch):
-    import collections
+def _rchar() -> int:
+    """Bytes this process (every thread) has read so far by read-like system calls (/proc/self/io)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
 
-    import torch
 
+@pytest.mark.parametrize("mode", ["none", "thread"])
+def test_a_save_and_its_retention_read_no_checkpoint_bytes_back(tmp_path, monkeypatch, mode):
+    # Before: retention re-read each new checkpoint in full once after its save (12.6 MB each here).
     import checkpoint.manifest as manifest_mod
-    from checkpoint import CheckpointConfig, CheckpointManager
 
-    reads: collections.Counter = collections.Counter()
-    orig = manifest_mod._crc32_path
-    monkeypatch.setattr(manifest_mod, "_crc32_path", lambda p: reads.update([p.parent.name]) or orig(p))
+    summed: list[int] = []
+    orig = manifest_mod._crc32_fd
+    monkeypatch.setattr(manifest_mod, "_crc32_fd", lambda fd: summed.append(fd) or orig(fd))
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
+    model = torch.nn.Linear(1024, 1024)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=2, verify="checksum"))
+    model(torch.ones(2, 1024)).sum().backward()
+    opt.step()  # the optimizer state exists: params + two moments, ~12.6 MB a checkpoint
+    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode=mode, keep=2, verify="checksum"))
     ck.load_latest(model_parts=[model], optimizers=[opt])
-    files = {}
-    for step in range(1, 7):
+    read = 0
+    for step in range(1, 6):
+        before = _rchar()
         ck.save(step)
-        ck._retaining.result()
-        files[step] = len(list((tmp_path / f"step_{step}").iterdir())) - 1  # all but the manifest
+        ck.wait()
+        ck._retaining.result()  # retention (a thread of its own) included
+        read += _rchar() - before
     ck.close()
-    assert _steps(tmp_path) == [6, 5]
-    # Before: the newest keep=2 were read in full after every save (step 5: after saves 5 and 6, and so on).
-    assert {d: n for d, n in reads.items()} == {f"step_{s}": files[s] for s in range(2, 7)}
+    assert _steps(tmp_path) == [5, 4]  # retention ran and deleted 1, 2 and 3
+    nbytes = sum(f.stat().st_size for f in (tmp_path / "step_5").iterdir())
+    assert nbytes > 12e6 and summed == []
+    assert read < 256 << 10, (read, nbytes)  # the manifests only (a few KB each), never a shard
+
+
+def test_a_checkpoint_the_load_skipped_is_neither_counted_nor_deleted_by_retention(tmp_path):
+    # Sizes check out on all three; the load found step 30's crc32 wrong. keep=2 keeps 40 and 20, deletes 10.
+    for s in (10, 20, 30, 40):
+        _commit(tmp_path, s)
+    events: list[tuple[str, dict]] = []
+    damaged = {(30, manifest_crc(tmp_path / "step_30"))}
+    retain(tmp_path, keep=2, emit=lambda k, **f: events.append((k, f)), newest=40, damaged=damaged)
+    assert _steps(tmp_path) == [40, 30, 20]
+    assert [(k, f["step"]) for k, f in events] == [("checkpoint_deleted", 10)]
+    # Another commit of step 30 (another manifest crc32) is not the damaged one: counted again.
+    retain(tmp_path, keep=2, emit=lambda *a, **k: None, newest=40, damaged={(30, "0badc0de")})
+    assert _steps(tmp_path) == [40, 30]
