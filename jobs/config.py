@@ -188,7 +188,7 @@ class FailureConfig:
     spike_factor: float = 1.5  # a spike's loss is above this x the median of the last spike_window losses; 0 = off
     spike_mad_k: float = 8.0  # ... and above that median + this x their median absolute deviation; 0 = ratio only
     spike_window: int = 50  # healthy losses in the running median (the check is armed once it is full)
-    spike_grad_norm: float = 0.0  # a global grad norm above this is a spike too; 0 = off
+    spike_grad_norm: float = 0.0  # a global grad norm above this is a spike too, once the window is full; 0 = off
     spike_patience: int = 1  # consecutive spiking steps that trigger a rollback (a non-finite loss: at once)
     spike_skip_steps: int = 4  # data steps skipped per rollback: the spike's and up to this many - 1 before it
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged

@@ -6,8 +6,9 @@ all-reduce makes identical on every rank (bit for bit), so every rank decides al
 Detection (`observe`, a pure function of the detector state and the step's numbers): a step is
 suspicious when its loss is above both `failure.spike_factor` x the median of the last `failure.spike_window`
 healthy losses and that median + `failure.spike_mad_k` x their median absolute deviation (a robust
-z-score: a noisy curve widens the bar, a quiet one narrows it to the ratio; armed once the window is
-full), or its grad norm above `failure.spike_grad_norm`;
+z-score: a noisy curve widens the bar, a quiet one narrows it to the ratio), or its grad norm above
+`failure.spike_grad_norm`; both checks are armed once the window holds `spike_window` healthy steps (the
+warm-up: early losses fall fast, early grad norms run high);
 `failure.spike_patience` suspicious steps in a row are a `loss_spike`. A non-finite loss or grad norm
 is a `non_finite_loss` at once (checked first: every comparison with NaN is False).
 
@@ -126,17 +127,24 @@ def observe(det: dict[str, Any], *, step: int, loss: float, grad_norm: float, cf
 
 
 def suspicious(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> bool:
-    """Whether `observe` would count this step as suspicious (non-finite, or above a threshold); reads
-    `det` without changing it. The trainer asks before the optimizer step (jobs/failure/sdc.py)."""
+    """Whether this step is re-run before its optimizer step (jobs/failure/sdc.py): when `observe` would
+    count it as suspicious (non-finite, or above a threshold), and when its grad norm is above
+    failure.spike_grad_norm during the warm-up too (a re-run costs one step; a flipped bit is no less
+    likely early on), which `observe` then does not count. Reads `det` without changing it."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return True
+    if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
         return True
     return bool(_reasons(det, loss=loss, grad_norm=grad_norm, cfg=cfg)[1])
 
 
 def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> tuple[float | None, list[str]]:
-    """(the running median or None, why the finite step is suspicious: [] when it is not)."""
+    """(the running median or None, why the finite step is suspicious: [] when it is not). Both checks are
+    armed once the window holds failure.spike_window healthy steps: early losses fall fast and early grad
+    norms run high (at initialisation, during the LR warm-up), and neither is a spike."""
     hist = det["history"]
-    median = statistics.median(hist) if len(hist) >= cfg.spike_window else None
+    armed = len(hist) >= cfg.spike_window
+    median = statistics.median(hist) if armed else None
     why = []
     if cfg.spike_factor > 0 and median is not None:
         mad = statistics.median(abs(x - median) for x in hist)
@@ -145,7 +153,7 @@ def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: Failure
             why.append(f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
                        f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
                        f"of the last failure.spike_window({cfg.spike_window}) losses)")
-    if cfg.spike_grad_norm > 0 and grad_norm > cfg.spike_grad_norm:
+    if cfg.spike_grad_norm > 0 and armed and grad_norm > cfg.spike_grad_norm:
         why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
     return median, why
 
