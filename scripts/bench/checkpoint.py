@@ -1,6 +1,8 @@
 """Checkpoint benchmark: B2 training time lost per async save / sync save, B3 checkpoint/raw-disk write throughput, B4 resume/(load + step), in one run.
 
     python scripts/bench/checkpoint.py [--ranks 2] [--dim 1024] [--layers 4] [--dir /tmp/ckbench] [--out bench.jsonl]
+    python scripts/bench/checkpoint.py --only b3 --dim 4096 --layers 10     # B3 alone at ~1 GB per rank (2 ranks)
+    python scripts/bench/checkpoint.py --only b2 --ranks 1 --threads 1      # B2 with a core free beside the rank
 
 Every rank holds an FSDP2 shard of an MLP stack trained by AdamW (state = 3x params). Baselines are
 measured in the same run on the same filesystem: a synchronous `async_mode=none` save (B2's denominator
@@ -10,7 +12,12 @@ set_state_dict) of the same checkpoint plus the first step (B4). B2's numerator:
 rounds of two blocks of --b2-steps training steps each, one plain and one that starts with an async
 (`thread`) save and ends once that save is committed (the order alternates by round); the median over
 rounds of (save block - plain block). The manager runs with the default config (verify=checksum).
-Prints the ratios and appends one JSON line.
+B2 is labelled with the cores left free beside the ranks (`--threads` torch threads per rank): a GPU
+node's rank leaves host cores idle for the async writer; on a CPU-bound box every core is busy.
+B3 also prints the fixed cost per save: where a synchronous save's time goes on each rank (planning
+with its collective, serialisation and write, crc32, fsync, DCP's finish and .metadata, our commit),
+timed by wrappers installed in this process only; fixed = planning + finish + commit (what does not
+grow with the bytes). Prints the ratios and appends one JSON line.
 """
 
 from __future__ import annotations
@@ -39,7 +46,65 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
+import checkpoint.commit as commit_mod  # noqa: E402
+import checkpoint.writer as writer_mod  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
+
+# Where a synchronous save's time goes, per rank: wrappers around the writer, the crc32, fsync and the commit
+# (this process only; the manager is unchanged). Seconds, summed over the saves made while `_PROFILE["on"]`.
+_PROFILE: dict = {"on": False}
+_fsync = os.fsync
+_PHASES = ("plan", "write", "crc32", "fsync", "finish", "commit")
+
+
+def _timed(fn, key):
+    def wrapper(*args, **kwargs):
+        if not _PROFILE["on"]:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _PROFILE[key] = _PROFILE.get(key, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+class _TimedZlib:
+    crc32 = staticmethod(_timed(__import__("zlib").crc32, "crc32"))
+
+
+def _install_profile() -> None:
+    W = writer_mod.RecordingWriter
+    W.write_data = _timed(W.write_data, "write")  # serialisation, write, crc32, fsync of the shard
+    W.finish = _timed(W.finish, "finish")  # the coordinator's .metadata, written and fsync'ed
+    writer_mod.zlib = _TimedZlib
+    fsync = _timed(os.fsync, "fsync")  # the shards' (inside write_data; the others are finish's and commit's)
+    os.fsync = lambda fd: fsync(fd) if _PROFILE.get("in_write") else _fsync(fd)
+    commit_mod.CommitMixin._commit = _timed(commit_mod.CommitMixin._commit, "commit")
+    orig_save = dcp.save
+
+    def save(*args, **kwargs):  # planning = the time before write_data starts (state dict, plans, their collective)
+        if not _PROFILE["on"]:
+            return orig_save(*args, **kwargs)
+        writer = kwargs["storage_writer"]
+        t0, box = time.perf_counter(), {}
+        inner = writer.write_data
+
+        def write_data(*a, **k):
+            box["t"] = time.perf_counter()
+            _PROFILE["in_write"] = True
+            try:
+                return inner(*a, **k)
+            finally:
+                _PROFILE["in_write"] = False
+
+        writer.write_data = write_data
+        try:
+            return orig_save(*args, **kwargs)
+        finally:
+            _PROFILE["plan"] = _PROFILE.get("plan", 0.0) + box.get("t", t0) - t0
+
+    dcp.save = save
 
 
 def _model(dim: int, layers: int, world: int):
@@ -139,8 +204,24 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
         return out
     for _ in range(2):
         _step(model, opt, a.dim)
+    out.update(_saves(model, opt, a, root, rank, world))  # the sync save: B3's numerator, B2's denominator
+    if a.only in ("all", "b2"):
+        b2 = _b2_blocks(model, opt, a, root, rank, world)
+        out["b2_lost_per_save_s"] = statistics.median(s - p for s, p in zip(b2["save"], b2["plain"]))
+        out["b2_plain_block_s"] = statistics.median(b2["plain"])
+        out["b2_lost_total_s"] = (sum(b2["save"]) - sum(b2["plain"])) / len(b2["save"])
+    if a.only in ("all", "b3"):
+        out["raw_write_s"] = _raw_write(a, root, rank, world)
+    out["t_start"] = t_start
+    return out
+
+
+def _saves(model, opt, a: argparse.Namespace, root: Path, rank: int, world: int) -> dict:
+    """--saves synchronous saves (profiled: where the time goes) and --saves async (thread) saves, each
+    timed from save() to its commit; medians, and the sync saves' phases per save."""
     res: dict[str, list[float]] = {}
-    for mode in ("none", "thread"):
+    modes = ("none", "thread") if a.only == "all" else ("none",)
+    for mode in modes:
         ck = _manager(root / mode, mode, rank, world, 10**6)
         ck.load_latest(model_parts=[model], optimizers=[opt])
         blocking, total = [], []
@@ -148,19 +229,28 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
             _step(model, opt, a.dim)
             if world > 1:
                 dist.barrier()
+            _PROFILE["on"] = mode == "none"
             t0 = time.perf_counter()
             ck.save(i)
             blocking.append(time.perf_counter() - t0)
             ck.wait()
             total.append(time.perf_counter() - t0)
+            _PROFILE["on"] = False
         ck.close()
         res[f"{mode}_blocking_s"], res[f"{mode}_total_s"] = blocking, total
-    out.update({k: statistics.median(v) for k, v in res.items()})
-    b2 = _b2_blocks(model, opt, a, root, rank, world)
-    out["b2_lost_per_save_s"] = statistics.median(s - p for s, p in zip(b2["save"], b2["plain"]))
-    out["b2_plain_block_s"] = statistics.median(b2["plain"])
-    out["b2_lost_total_s"] = (sum(b2["save"]) - sum(b2["plain"])) / len(b2["save"])
-    # B3 baseline: this rank's share of the same bytes, one file per rank, os.write + fsync, all ranks at once.
+    out: dict = {k: statistics.median(v) for k, v in res.items()}
+    out["phases_s"] = {k: _PROFILE.get(k, 0.0) / a.saves for k in _PHASES}
+    step_dir = root / "none" / f"step_{a.saves}"
+    out["mine"] = sum(p.stat().st_size for p in step_dir.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        out["mine"] += (step_dir / ".metadata").stat().st_size
+    out["bytes"] = sum(f.stat().st_size for f in step_dir.iterdir() if f.name != "manifest.json")
+    return out
+
+
+def _raw_write(a: argparse.Namespace, root: Path, rank: int, world: int) -> float:
+    """B3 baseline: this rank's share of the same bytes, one file per rank, os.write + fsync, all ranks at
+    once, then the folder's fsync; the median over --saves."""
     step_dir = root / "none" / f"step_{a.saves}"
     mine = sum(p.stat().st_size for p in step_dir.glob(f"__{rank}_*.distcp"))
     if rank == 0:
@@ -185,16 +275,13 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
             dist.barrier()
         raw.append(time.perf_counter() - t0)
         p.unlink()
-    out["raw_write_s"] = statistics.median(raw)
-    out["bytes"] = sum(f.stat().st_size for f in step_dir.iterdir() if f.name != "manifest.json")
-    out["t_start"] = t_start
-    return out
+    return statistics.median(raw)
 
 
 def _child(q, rank, world, port, a, t_launch):
     a.t_child_start = time.time()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(a.threads)
     try:
         if world > 1:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
@@ -234,57 +321,97 @@ def _launch(a: argparse.Namespace) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores / --ranks)")
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--only", choices=("all", "b2", "b3"), default="all", help="b2 or b3 alone (no B4)")
     ap.add_argument("--b2-rounds", type=int, default=10, help="B2: rounds of one plain and one saving block")
     ap.add_argument("--b2-steps", type=int, default=8, help="B2: training steps per block")
     ap.add_argument("--dir", default="/tmp/meshjob-ckbench")
     ap.add_argument("--out", default=None, help="append the JSON line here too")
     a = ap.parse_args()
+    cores = os.cpu_count() or 1
+    a.threads = a.threads or max(1, cores // a.ranks)
     shutil.rmtree(a.dir, ignore_errors=True)
     Path(a.dir).mkdir(parents=True)
+    _install_profile()
     a.phase = "save"
     save = _launch(a)
-    a.phase, a.resume_step = "bare", a.saves
-    bare = _launch(a)
-    a.phase = "resume"
-    resume = _launch(a)
-    worst = {k: max(o[k] for o in save) for k in save[0] if k.endswith("_s")}
-    rworst = {k: max(o[k] for o in grp) for grp in (resume, bare) for k in grp[0] if k.endswith("_s")}
-    nbytes = save[0]["bytes"]
-    row = {
-        "bench": "checkpoint",
-        "ranks": a.ranks, "dim": a.dim, "layers": a.layers, "bytes": nbytes,
-        **{k: round(v, 4) for k, v in {**worst, **rworst}.items()},
-        "ckpt_write_GBps": nbytes / worst["none_total_s"] / 1e9,
-        "raw_write_GBps": nbytes / worst["raw_write_s"] / 1e9,
-        "blocking_over_sync": worst["thread_blocking_s"] / worst["none_total_s"],
-        "B2_lost_over_sync": worst["b2_lost_per_save_s"] / worst["none_total_s"],
-        "B3_ckpt_over_raw_throughput": worst["raw_write_s"] / worst["none_total_s"],
-        # B4: from the manager's construction to the end of the first resumed step, over the bare DCP
-        # resume (get_state_dict + dcp.load + set_state_dict) plus the first step, both in a fresh launch
-        # (process start, rendezvous and model build are the launcher's and the same on both sides).
-        "B4_resume_over_load_plus_step": rworst["resume_s"] / rworst["bare_s"],
-    }
-    row["resume_breakdown_s"] = {k: round(v, 3) for k, v in resume[0]["resume_breakdown"].items()}
-    print(f"checkpoint {nbytes / 1e6:.1f} MB on {a.ranks} ranks; resume breakdown (rank 0) {row['resume_breakdown_s']}")
-    print(f"B2 lost per save / sync save = {row['B2_lost_over_sync']:.3f}  (goal <= 0.01)  "
-          f"[{worst['b2_lost_per_save_s']:.4f} s lost per save over {a.b2_steps} steps "
-          f"(plain block {worst['b2_plain_block_s']:.3f} s; from totals {worst['b2_lost_total_s']:.4f} s) "
-          f"vs sync save {worst['none_total_s']:.3f} s; save() itself blocked {worst['thread_blocking_s']:.4f} s]")
-    print(f"B3 ckpt / raw write tput     = {row['B3_ckpt_over_raw_throughput']:.3f}  (goal >= 0.8)  "
-          f"[{row['ckpt_write_GBps']:.3f} vs {row['raw_write_GBps']:.3f} GB/s]")
-    print(f"B4 resume / (load + 1 step)  = {row['B4_resume_over_load_plus_step']:.3f}  (goal <= 1.5)  "
-          f"[{rworst['resume_s']:.3f} s vs {rworst['bare_load_s']:.3f} + {rworst['bare_first_step_s']:.3f} s "
-          f"(steady step {rworst['steady_step_s']:.3f} s, warm bare load {rworst['warm_bare_load_s']:.3f} s); "
-          f"launch to first step {rworst['resume_to_first_step_s']:.3f} s]")
+    row: dict = {"bench": "checkpoint", "only": a.only, "ranks": a.ranks, "threads_per_rank": a.threads,
+                 "cores": cores, "cores_free": max(0, cores - a.ranks * a.threads), "dim": a.dim, "layers": a.layers}
+    worst = {k: max(o[k] for o in save) for k in save[0] if k.endswith("_s") and not isinstance(save[0][k], dict)}
+    row.update({k: round(v, 4) for k, v in worst.items()})
+    if a.only in ("all", "b3"):
+        _b3(row, save, worst)
+    if a.only in ("all", "b2"):
+        _b2(row, worst, a)
+    if a.only == "all":
+        _b4(row, a)
+    shutil.rmtree(a.dir, ignore_errors=True)
     line = json.dumps(row)
     print(line)
     if a.out:
         with open(a.out, "a") as f:
             f.write(line + "\n")
     return 0
+
+
+def _b3(row: dict, save: list[dict], worst: dict) -> None:
+    nbytes = row["bytes"] = save[0]["bytes"]
+    row["bytes_per_rank_max"] = max(o["mine"] for o in save)
+    row["ckpt_write_GBps"] = nbytes / worst["none_total_s"] / 1e9
+    row["raw_write_GBps"] = nbytes / worst["raw_write_s"] / 1e9
+    row["B3_ckpt_over_raw_throughput"] = worst["raw_write_s"] / worst["none_total_s"]
+    # Per rank, per save: the sync save's time by phase; fixed = what does not grow with the bytes.
+    phases = [dict(o["phases_s"], total=o["none_total_s"]) for o in save]
+    for ph in phases:
+        ph["serialise+write"] = ph["write"] - ph["crc32"] - ph["fsync"]
+        ph["fixed"] = ph["plan"] + ph["finish"] + ph["commit"]
+        ph["other"] = ph["total"] - ph["plan"] - ph["write"] - ph["finish"] - ph["commit"]
+    row["phases_ms"] = [{k: round(1e3 * v, 1) for k, v in ph.items()} for ph in phases]
+    row["fixed_ms"] = round(1e3 * max(ph["fixed"] for ph in phases), 1)
+    print(f"checkpoint {nbytes / 1e6:.1f} MB on {row['ranks']} ranks ({row['bytes_per_rank_max'] / 1e6:.1f} MB "
+          f"per rank at most); {row['cores']} cores, {row['threads_per_rank']} torch threads per rank")
+    print(f"B3 ckpt / raw write tput     = {row['B3_ckpt_over_raw_throughput']:.3f}  (goal >= 0.8)  "
+          f"[{row['ckpt_write_GBps']:.3f} vs {row['raw_write_GBps']:.3f} GB/s; sync save {worst['none_total_s']:.3f} s "
+          f"vs raw write+fsync {worst['raw_write_s']:.3f} s]")
+    print(f"   fixed cost per save {row['fixed_ms']:.1f} ms (planning + DCP finish + commit, the slowest rank)")
+    keys = ("plan", "serialise+write", "crc32", "fsync", "finish", "commit", "other", "total")
+    for r, ph in enumerate(row["phases_ms"]):
+        print(f"   rank {r} ms per save: " + ", ".join(f"{k} {ph[k]:.1f}" for k in keys))
+
+
+def _b2(row: dict, worst: dict, a: argparse.Namespace) -> None:
+    sync = worst["none_total_s"]
+    row["B2_lost_over_sync"] = worst["b2_lost_per_save_s"] / sync
+    label = (f"{row['cores_free']} core(s) free beside the ranks" if row["cores_free"] else "every core busy") + (
+        f": {row['ranks']} rank(s) x {row['threads_per_rank']} torch thread(s) on {row['cores']} cores")
+    row["b2_label"] = label
+    print(f"B2 lost per save / sync save = {row['B2_lost_over_sync']:.3f}  (goal <= 0.01)  [{label}; "
+          f"{worst['b2_lost_per_save_s']:.4f} s lost per save over {a.b2_steps} steps "
+          f"(plain block {worst['b2_plain_block_s']:.3f} s; from totals {worst['b2_lost_total_s']:.4f} s) "
+          f"vs sync save {sync:.3f} s" + (f"; save() itself blocked {worst['thread_blocking_s']:.4f} s]"
+                                          if "thread_blocking_s" in worst else "]"))
+
+
+def _b4(row: dict, a: argparse.Namespace) -> None:
+    a.phase, a.resume_step = "bare", a.saves
+    bare = _launch(a)
+    a.phase = "resume"
+    resume = _launch(a)
+    rworst = {k: max(o[k] for o in grp) for grp in (resume, bare) for k in grp[0] if k.endswith("_s")}
+    row.update({k: round(v, 4) for k, v in rworst.items()})
+    # B4: from the manager's construction to the end of the first resumed step, over the bare DCP
+    # resume (get_state_dict + dcp.load + set_state_dict) plus the first step, both in a fresh launch
+    # (process start, rendezvous and model build are the launcher's and the same on both sides).
+    row["B4_resume_over_load_plus_step"] = rworst["resume_s"] / rworst["bare_s"]
+    row["blocking_over_sync"] = row["thread_blocking_s"] / row["none_total_s"]
+    row["resume_breakdown_s"] = {k: round(v, 3) for k, v in resume[0]["resume_breakdown"].items()}
+    print(f"B4 resume / (load + 1 step)  = {row['B4_resume_over_load_plus_step']:.3f}  (goal <= 1.5)  "
+          f"[{rworst['resume_s']:.3f} s vs {rworst['bare_load_s']:.3f} + {rworst['bare_first_step_s']:.3f} s "
+          f"(steady step {rworst['steady_step_s']:.3f} s, warm bare load {rworst['warm_bare_load_s']:.3f} s); "
+          f"launch to first step {rworst['resume_to_first_step_s']:.3f} s; rank 0 {row['resume_breakdown_s']}]")
 
 
 if __name__ == "__main__":
