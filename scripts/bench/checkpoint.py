@@ -202,7 +202,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
         out["warm_bare_load_s"] = time.perf_counter() - t0
         ck.close()
         return out
-    for _ in range(2):
+    for _ in range(1 if a.only == "b3" else 2):  # B3 alone: one step makes the optimizer state, the saves need no more
         _step(model, opt, a.dim)
     out.update(_saves(model, opt, a, root, rank, world))  # the sync save: B3's numerator, B2's denominator
     if a.only in ("all", "b2"):
@@ -231,7 +231,8 @@ def _saves(model, opt, a: argparse.Namespace, root: Path, rank: int, world: int)
         ck.load_latest(model_parts=[model], optimizers=[opt])
         blocking, total = [], []
         for i in range(1, a.saves + 1):
-            _step(model, opt, a.dim)
+            if a.only != "b3":
+                _step(model, opt, a.dim)
             if world > 1:
                 dist.barrier()
             _PROFILE["on"] = mode == "none"
