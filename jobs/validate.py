@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
-from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers
+from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers, cp_shape_error
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
@@ -107,16 +107,9 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError(f"mesh.cp_impl={mesh.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
     if dims.cp == 1:
         return
-    if t.seq_len % (2 * dims.cp):
-        raise ValueError(
-            f"train.seq_len({t.seq_len}) % (2 * mesh.cp({dims.cp})) = {t.seq_len % (2 * dims.cp)} != 0: context "
-            "parallel cuts each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp"
-        )
-    if dims.tp > 1 and mesh.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
-        raise ValueError(
-            f"train.seq_len({t.seq_len}) / mesh.cp({dims.cp}) = {t.seq_len // dims.cp} is not divisible by "
-            f"mesh.tp({dims.tp}) with mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false"
-        )
+    error = cp_shape_error(seq_len=t.seq_len, cp=dims.cp, tp=dims.tp, sequence_parallel=mesh.sequence_parallel)
+    if error:
+        raise ValueError(error)
     if t.compile:
         raise ValueError(f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
                          "compiled (untested); set train.compile=false or mesh.cp=1")

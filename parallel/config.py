@@ -10,6 +10,19 @@ AC_MODES = ("none", "selective", "full")  # train.activation_checkpointing
 CP_IMPLS = ("allgather", "ring")  # mesh.cp_impl (parallel/cp.py)
 
 
+
+def cp_shape_error(*, seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why a sequence of `seq_len` cannot be cut for context parallel (parallel/cp.py: 2*cp equal zig-zag chunks
+    per sample, Llama 3 §3.3.2; sequence parallel inside a cp rank's share), naming the fix; None when it can.
+    One rule for the trainer's validation and the planner."""
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"train.seq_len({seq_len}) % (2 * mesh.cp({cp})) = {seq_len % (2 * cp)} != 0: context parallel cuts "
+                "each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp")
+    if cp > 1 and tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        return (f"train.seq_len({seq_len}) / mesh.cp({cp}) = {seq_len // cp} is not divisible by mesh.tp({tp}) with "
+                "mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false")
+    return None
+
 def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
     """The global layer indices among `layers` whose block is checkpointed under `mode` (torch-free:
     the planner and validation use it without importing torch; `parallel.ac` applies it). Selective

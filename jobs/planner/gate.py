@@ -32,6 +32,7 @@ from jobs.planner import steptime as S
 from jobs.planner.checks import (INTERVAL_LOWER_BOUND, Check, analytic_checks, goodput_text, readiness,
                                  restart_text)
 from jobs.telemetry.flops import mfu_text
+from parallel.config import cp_shape_error
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -66,16 +67,9 @@ def validate_for_planning(cfg: JobConfig):
     dp_shard = ParallelDims.from_config(mesh, world_size=world, world_size_expr=cfg.world_size_expr,
                                         training=False).dp_shard
     if mesh.cp > 1:
-        if t.seq_len % (2 * mesh.cp):
-            raise ValueError(
-                f"train.seq_len({t.seq_len}) % (2 * mesh.cp({mesh.cp})) != 0: causal context parallelism splits the "
-                "sequence into 2*cp load-balanced chunks (Llama 3 §3.3.2)"
-            )
-        if mesh.tp > 1 and mesh.sequence_parallel and (t.seq_len // mesh.cp) % mesh.tp:
-            raise ValueError(
-                f"train.seq_len({t.seq_len}) / mesh.cp({mesh.cp}) = {t.seq_len // mesh.cp} is not divisible by "
-                f"mesh.tp({mesh.tp}) with mesh.sequence_parallel=true"
-            )
+        error = cp_shape_error(seq_len=t.seq_len, cp=mesh.cp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel)
+        if error:
+            raise ValueError(error)
         notes.append(f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
                      "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
                      "sized over dp_shard*cp, as torchtitan")
