@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
-from checkpoint.errors import describe_error
+from checkpoint.errors import CheckpointConfigError, describe_error
 from checkpoint.manifest import ManifestError, check_files, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
 from checkpoint.writer import RecordingWriter
 
@@ -233,7 +233,7 @@ class MemoryTierMixin:
         return nbytes
 
     def check_memory_capacity(self, nbytes: int) -> None:
-        """Raises ValueError on every rank when some node's checkpoint.memory_dir cannot hold COPIES of its
+        """Raises CheckpointConfigError (a ValueError) on every rank when some node's checkpoint.memory_dir cannot hold COPIES of its
         ranks' states (`nbytes`: this rank's); what this run holds there already counts as free."""
         if self.cfg.memory_every_steps <= 0:
             return
@@ -246,7 +246,7 @@ class MemoryTierMixin:
         gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
         why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps)
         if why is not None:
-            raise ValueError(why)
+            raise CheckpointConfigError(why)
 
     def drop_memory(self) -> None:
         """Deletes this rank's RAM copies, and the run's root on this node once it is empty (the run finished or

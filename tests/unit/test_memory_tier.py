@@ -11,6 +11,7 @@ import torch
 
 import checkpoint.memory_tier as memory_mod
 from checkpoint import CheckpointConfig, CheckpointManager
+from checkpoint.errors import CheckpointConfigError
 from checkpoint.memory_tier import capacity_error, complete_steps
 from jobs.failure import ledger
 
@@ -143,7 +144,7 @@ def test_the_capacity_check_refuses_a_memory_dir_too_small_with_the_override(tmp
     monkeypatch.setattr(memory_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     model, opt = _fresh()
     ck = CheckpointManager(tmp_path / "ckpt", cfg=_cfg(tmp_path), run_id="runA")
-    with pytest.raises(ValueError, match=r"checkpoint.memory_every_steps=1.*checkpoint.memory_dir="):
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint.memory_every_steps=1.*checkpoint.memory_dir="):
         ck.load_latest(model_parts=[model], optimizers=[opt])
     ck.close()
     # 8x8+8 + 8x2+2 = 90 fp32 parameters, and AdamW's two moments of each before the first step
