@@ -208,9 +208,9 @@ class MemoryTierMixin:
     def _after_load_memory(self, step: int) -> None:
         """After any load: this rank's RAM steps newer than the loaded one (incomplete, or of an abandoned
         timeline) and leftover temporary folders are deleted; older complete ones stay until the next commit."""
+        self._last_memory_step = step
         if self.cfg.memory_every_steps <= 0 or not self._rank_dir.is_dir():
             return
-        self._last_memory_step = step
         for s, p in step_dirs(self._rank_dir):
             if s > step:
                 shutil.rmtree(p, ignore_errors=True)
