@@ -21,7 +21,7 @@ from checkpoint.manifest import read_manifest, step_dirs
 from jobs.events import read_events
 from jobs.launch.rundir import run_id
 from jobs.status import status_text
-from tests.conftest import REPO, assert_states_bitwise, run_train, wait_for_step
+from tests.conftest import REPO, assert_states_bitwise, wait_for_step
 
 RUN_S = 180  # one 14-step run of 2 ranks: ~15 s on the loaded 2-core box; the bound for each wait below
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(4 * RUN_S)]
@@ -112,27 +112,27 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_a_killed_rank_restarts_from_ram_and_a_corrupted_ram_shard_falls_back_to_the_filesystem_bitwise(
         tmp_path: Path, data_path: str) -> None:
     common = [*COMMON, f"data.path={data_path}"]
-    ref = run_train(common, tmp_path / "ref", timeout=RUN_S)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref, proc = (subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={d}", *common], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) for d in (ref_dir, run_dir))
+    try:  # the uninterrupted reference trains alongside (its own run dir and RAM root)
         _wait_for(run_dir / "checkpoints/step_3/manifest.json", proc)  # the first filesystem checkpoint committed
         root = memory_root("/dev/shm", run_id(run_dir))
         ram1, fs1 = _freeze_then_kill_rank1(run_dir, proc, root, corrupt=False)
         wait_for_step(run_dir, ram1 + 3, proc, timeout=RUN_S)  # the first attempt got at most to ram1 + 1
         ram2, fs2 = _freeze_then_kill_rank1(run_dir, proc, root, corrupt=True)
         out, err = proc.communicate(timeout=RUN_S)
+        ref_err = ref.communicate(timeout=RUN_S)[1]
     finally:
-        if proc.poll() is None:
-            for pid in _rank_pids(run_dir, proc.pid).values():
-                os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.communicate()
+        for p, d in ((proc, run_dir), (ref, ref_dir)):
+            if p.poll() is None:
+                for pid in _rank_pids(d, p.pid).values():
+                    os.kill(pid, signal.SIGKILL)
+                p.kill()
+                p.communicate()
     assert proc.returncode == 0, err[-3000:]
+    assert ref.returncode == 0, ref_err[-3000:]
 
     events = read_events(run_dir / "events.jsonl")
     assert [d["action"] for d in events if d["kind"] == "decision"] == ["restart", "restart"]
@@ -143,9 +143,9 @@ def test_a_killed_rank_restarts_from_ram_and_a_corrupted_ram_shard_falls_back_to
     skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
     assert [(e["step"], e["tier"]) for e in skipped] == [(ram2, "memory")] and "crc32" in skipped[0]["reason"]
     # every step's loss and the final model and optimizer state: bitwise the uninterrupted run's
-    assert _losses(run_dir) == _losses(ref.run_dir)
-    assert_states_bitwise(_final(run_dir, tmp_path), _final(ref.run_dir, tmp_path))
+    assert _losses(run_dir) == _losses(ref_dir)
+    assert_states_bitwise(_final(run_dir, tmp_path), _final(ref_dir, tmp_path))
     # jobs.status names the tier each attempt resumed from; the finished run left nothing in memory
     rows = [ln.split() for ln in status_text(run_dir).splitlines() if " local.0" in ln]
     assert [r[5] for r in rows] == ["-", "ram", "fs"], rows
-    assert not root.exists() and not memory_root("/dev/shm", run_id(ref.run_dir)).exists()
+    assert not root.exists() and not memory_root("/dev/shm", run_id(ref_dir)).exists()
