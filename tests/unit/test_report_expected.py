@@ -10,13 +10,16 @@ from jobs.config import compose
 from jobs.launch.prepare import config_yaml
 
 
-def _run_died_in_start_up(tmp_path: Path, *overrides: str) -> Path:
-    """A run dir whose one attempt died before its first step: its ledger measures no start-up or restart."""
+def _run_died_in_start_up(tmp_path: Path, *overrides: str, first_step_at: float | None = None) -> Path:
+    """A run dir whose one attempt died before its first step (unless `first_step_at`): its ledger then
+    measures no start-up or restart."""
     run = tmp_path / "run"
     run.mkdir(parents=True)
     events = [{"time": 1000.0, "kind": "attempt_start", "rank": 0, "attempt": "local.0", "nodes": ["n1"]},
               {"time": 1030.0, "kind": "attempt_end", "rank": 0, "attempt": "local.0", "cause": "dead_rank",
                "action": "stop", "step": 0}]
+    if first_step_at is not None:
+        events.insert(1, {"time": first_step_at, "kind": "first_step", "rank": 0, "attempt": "local.0", "step": 1})
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (run / "config.yaml").write_text(config_yaml(compose([f"run.dir={run}", *overrides])))
     return run
@@ -44,3 +47,10 @@ def test_no_plan_and_no_checkpoints_say_so(tmp_path: Path, capsys) -> None:
     assert "expected: n/a (--no-plan)" in capsys.readouterr().out
     costs, why = report.plan_costs(_run_died_in_start_up(tmp_path / "b", "checkpoint.enabled=false"))
     assert costs is None and why.startswith("checkpoint.enabled=false")
+
+
+def test_the_restart_cost_comes_from_the_reported_run_dirs_ledger_also_after_a_move(tmp_path: Path) -> None:
+    run = _run_died_in_start_up(tmp_path / "before", first_step_at=1012.5)  # start-up 12.5 s in its ledger
+    moved = run.rename(tmp_path / "after")  # config.yaml still says run.dir=<tmp>/before/run
+    costs, why = report.plan_costs(moved)
+    assert why == "" and costs is not None and costs["restart_s"] == 12.5
