@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-
 from jobs.events import read_events
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
@@ -200,6 +198,8 @@ def phase_table(phases: dict[int, dict[str, float]]) -> str:
     head = "  " + f"{'rank':>{w}} " + " ".join(f"{n:>12}" for n in names)
     cols = {n: [p[n] for p in phases.values() if n in p] for n in names}
     if len(phases) > PHASE_TABLE_RANKS:
+        import numpy as np  # lazy: jobs.status imports this file and never aggregates phases
+
         lines = [f"phases (median ms per step, {len(phases)} ranks aggregated):", head]
         for label, q in (("median", 50), ("p90", 90), ("max", 100)):
             lines.append("  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}"
