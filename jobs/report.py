@@ -36,7 +36,7 @@ def plan_costs(run_dir: Path) -> tuple[dict[str, float] | None, str]:
 
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(run_dir / "config.yaml")))
-        cfg.run.dir = str(run_dir)  # the ledger the planner reads is this one's, also where the run dir was moved or copied
+        cfg.run.dir = str(run_dir)  # the planner reads this run dir's ledger, also after a move or a copy
         plan = build_plan(cfg, measure=False)
         k = plan.checkpoint
         costs = {"interval_s": k["interval_s"], "blocking_s": k["blocking_s"], "mtbf_s": k["mtbf_s"],
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")
-    p.add_argument("--no-plan", action="store_true", help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)")
     args = p.parse_args(argv)
     if not (args.run_dir / "events.jsonl").exists():
         print(f"error: {args.run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)

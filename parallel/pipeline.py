@@ -6,7 +6,7 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: jobs.validate and jobs.plan use the stage arithmetic without torch
+if TYPE_CHECKING:  # annotations only: jobs.validate uses the stage arithmetic on the login node, without torch
     import torch
     from torch import nn
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -127,7 +127,7 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> _PipelineSchedule:
     """Wraps this rank's parts as PipelineStages and builds the schedule (shapes inferred at runtime)."""
-    from torch.distributed import pipelining  # lazy: only pp ranks pay its import (it pulls torch._dynamo)
+    from torch.distributed import pipelining  # lazy: ~1 s of imports that jobs.validate's arithmetic does not need
 
     pstages = [pipelining.PipelineStage(p, s, num_stages, device, group=pp_group) for p, s in zip(parts, stages)]
     cls = getattr(pipelining, _SCHEDULES[schedule])
