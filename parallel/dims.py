@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # annotations only: the login node's jobs.validate checks the degrees without torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 
@@ -112,6 +113,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
         `dp_shard_cp` axis FSDP2 shards over when cp > 1."""
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: ranks only, not the login node
+
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
         if self.cp_enabled:
             mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
@@ -131,6 +134,8 @@ class ParallelDims:
     def build_ep_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The MoE mesh over the same ranks, dp_shard split into (edp, ep): ep = adjacent dp_shard ranks that
         exchange tokens, edp = the ranks holding the same experts (their gradients are reduced over it)."""
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: ranks only, not the login node
+
         shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_AXES)
 
@@ -159,4 +164,6 @@ def stages_per_rank(mesh: MeshConfig) -> int:
 
 
 def device_type() -> str:
+    import torch  # lazy: ranks only, not the login node
+
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -85,6 +85,7 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     rank, within failure.restarts_in_allocation); returns 0, the last attempt's exit code, or RANK_DIED.
     `early`: stop signals the entry point recorded before the ranks existed; they are passed on."""
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
+    import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo, which every rank imports (meta build, FSDP)
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
     restart, n = _attempt_number(events), 0
