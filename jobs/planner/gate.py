@@ -56,10 +56,10 @@ def validate_for_planning(cfg: JobConfig):
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
             f"model {m.name}: MoE/MLA planned analytically (no fake-backend measurement"
-            f"{'; jobs/model.py does not build MLA' if m.attention == 'mla' else ''})"
+            f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/mla.py)' if m.attention == 'mla' else ''})"
         )
     if mesh.cp <= 1 and mesh.ep <= 1:
-        return validate(cfg), notes
+        return validate(cfg, training=False), notes
     from parallel.dims import ParallelDims
 
     world = cfg.world_size
@@ -89,13 +89,13 @@ def validate_for_planning(cfg: JobConfig):
                 f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({mesh.cp}) = {dp_shard * mesh.cp}: "
                 "expert parallelism borrows its ranks from data parallelism"
             )
-        trainable = m.attention == "gqa" and mesh.pp == mesh.dp_replicate == mesh.cp == mesh.tp == 1  # parallel/dims.py
+        trainable = mesh.pp == mesh.dp_replicate == mesh.cp == mesh.tp == 1  # parallel/dims.py (MLA: tp = cp = 1 too)
         notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if trainable else 'not built yet'} "
                      "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
     view = copy.deepcopy(cfg)
     view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
     view.launcher.nodes, view.launcher.tasks_per_node = 1, world // mesh.cp
-    d = validate(view)
+    d = validate(view, training=False)
     dims = replace(d.dims, cp=mesh.cp, ep=mesh.ep, world_size=world)
     return replace(d, dims=dims), notes
 
