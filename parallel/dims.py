@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 
-__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
+__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES", "MOE_MESH_AXES", "fold_moe_mesh"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
 # inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
@@ -18,6 +18,9 @@ __all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
 EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
+# The MoE layers' mesh as planned (Megatron-Core's parallel folding): over the same ranks as the attention
+# mesh, edp * ep = dp_shard * cp and the experts' tensor-parallel degree etp = tp.
+MOE_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,16 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
+    def describe_meshes(self) -> str:
+        """Both meshes over the same ranks: the attention layers' and (with mesh.ep > 1) the MoE layers'."""
+        attention = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        if not self.ep_enabled:
+            return f"{attention} (every layer: mesh.ep=1)"
+        moe = fold_moe_mesh(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp,
+                            tp=self.tp, ep=self.ep)
+        folded = " * ".join(f"{a}{v}" for a, v in moe.items() if v > 1 or a == "edp")
+        return f"attention {attention} | MoE {folded} (folded over the same {self.world_size} ranks)"
+
     def describe(self) -> str:
         out = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
         return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
@@ -138,6 +151,20 @@ class ParallelDims:
     def dp_rank(mesh: DeviceMesh) -> int:
         """This rank's index among the dp = dp_replicate * dp_shard slices of the global batch."""
         return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def fold_moe_mesh(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int) -> dict[str, int]:
+    """The MoE layers' mesh folded over the attention mesh's ranks (MOE_MESH_AXES): per pipeline stage and
+    replica, the dp_shard * cp ranks become edp * ep (ep adjacent ranks exchange tokens, edp hold the same
+    experts) and the experts are tensor-parallel over the attention's tp ranks (etp = tp). Raises ValueError
+    naming mesh.ep, the arithmetic and the degrees that fit."""
+    ranks = dp_shard * cp
+    if ep < 1 or ranks % ep:
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(f"mesh.ep({ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({cp}) = {ranks}: the MoE "
+                         f"mesh folds edp * ep over the attention mesh's data-parallel ranks; set mesh.ep to one of "
+                         f"{', '.join(map(str, fits))}")
+    return {"pp": pp, "dp_replicate": dp_replicate, "edp": ranks // ep, "ep": ep, "etp": tp}
 
 
 def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
