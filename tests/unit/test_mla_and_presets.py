@@ -98,3 +98,9 @@ def test_mla_with_tp_or_cp_is_refused_for_training_and_still_planned(axis: str) 
     with pytest.raises(ValueError, match=rf"mesh\.{axis}\(2\) > 1 with model\.attention=mla"):
         validate(cfg)
     assert build_plan(cfg, measure=False).mesh == f"{axis}2"
+
+
+def test_mla_without_its_head_dims_is_refused_naming_them() -> None:
+    cfg = compose(["model=tiny", "model.attention=mla", "mesh=single", "launcher.tasks_per_node=1"])
+    with pytest.raises(ValueError, match=r"model\.attention=mla needs model\.qk_nope_head_dim\(0\)"):
+        validate(cfg)
