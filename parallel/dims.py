@@ -16,7 +16,7 @@ __all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES", "MOE_MESH_AXES", "fold_m
 # inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
 # K/V exchange runs every layer too). ep splits dp_shard on a second mesh (EP_MESH_AXES below).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
+# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard * cp = edp * ep, ep inner (parallel/ep.py).
 EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 # The MoE layers' mesh as planned (Megatron-Core's parallel folding): over the same ranks as the attention
 # mesh, edp * ep = dp_shard * cp and the experts' tensor-parallel degree etp = tp.
@@ -120,7 +120,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         out = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
-        return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
+        within = "dp_shard*cp" if self.cp_enabled else "dp_shard"
+        return f"{out} (ep{self.ep} within {within})" if self.ep > 1 else out
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
@@ -142,9 +143,11 @@ class ParallelDims:
         return self.ep > 1
 
     def build_ep_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """The MoE mesh over the same ranks, dp_shard split into (edp, ep): ep = adjacent dp_shard ranks that
-        exchange tokens, edp = the ranks holding the same experts (their gradients are reduced over it)."""
-        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        """The MoE mesh over the same ranks, dp_shard * cp split into (edp, ep) (`fold_moe_mesh`; its cp axis is
+        1, folded in): ep = adjacent dp_shard*cp ranks that exchange tokens, edp = the ranks holding the same
+        experts (their gradients are reduced over it). Row-major, so rank (s, c) of dp_shard * cp is
+        (edp, ep) = divmod(s * cp + c, ep): the same ranks as the attention mesh's."""
+        shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, 1, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_AXES)
 
     @staticmethod
@@ -168,14 +171,12 @@ def fold_moe_mesh(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int
 
 
 def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
-    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard, with FSDP; other axes refused."""
-    if dp_shard % mesh.ep:
-        raise ValueError(f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}): expert parallelism borrows its "
-                         "ranks from data parallelism (the ep ranks of a group train on different batch slices)")
-    for axis in ("pp", "dp_replicate", "cp", "tp"):
+    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard * cp, with FSDP; other axes refused."""
+    fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
+    for axis in ("pp", "dp_replicate", "tp"):
         if getattr(mesh, axis) > 1:
             raise ValueError(f"mesh.ep({mesh.ep}) > 1 with mesh.{axis}({getattr(mesh, axis)}) > 1 is not built yet "
-                             f"(expert parallel trains with mesh.dp_shard only); set mesh.{axis}=1 or mesh.ep=1")
+                             f"(expert parallel trains folded over mesh.dp_shard * mesh.cp); set mesh.{axis}=1 or mesh.ep=1")
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:

@@ -85,7 +85,7 @@ def validate_for_planning(cfg: JobConfig):
         if m.n_routed_experts % mesh.ep:
             raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts")
         fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
-        trainable = mesh.pp == mesh.dp_replicate == mesh.cp == mesh.tp == 1  # parallel/dims.py (MLA: tp = cp = 1 too)
+        trainable = mesh.pp == mesh.dp_replicate == mesh.tp == 1 and (mesh.cp == 1 or m.attention == "gqa")  # parallel/dims.py
         notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if trainable else 'not built yet'} "
                      "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
     view = copy.deepcopy(cfg)

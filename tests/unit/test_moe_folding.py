@@ -46,3 +46,13 @@ def test_jobs_plan_prints_both_meshes_of_the_deepseek_v3_job() -> None:
     cfg = compose(["+experiment=deepseek_v3_2048gpu"])
     text = render(build_plan(cfg, measure=False))
     assert "meshes: attention pp16 * dp_shard128 | MoE pp16 * edp2 * ep64 (folded over the same 2048 ranks)" in text
+
+
+def test_jobs_train_folds_ep_over_cp_and_refuses_a_fold_that_does_not_fit() -> None:
+    dims = ParallelDims.from_config(MeshConfig(cp=2, ep=2), world_size=2)
+    assert dims.describe() == "cp2 (ep2 within dp_shard*cp)"
+    assert dims.describe_meshes() == "attention cp2 | MoE edp1 * ep2 (folded over the same 2 ranks)"
+    with pytest.raises(ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(1\) \* mesh\.cp\(2\) = 2: .* one of 1, 2$"):
+        ParallelDims.from_config(MeshConfig(cp=2, ep=4), world_size=2)
+    with pytest.raises(ValueError, match=r"mesh\.ep\(2\) > 1 with mesh\.tp\(2\) > 1 is not built yet"):
+        ParallelDims.from_config(MeshConfig(dp_shard=2, tp=2, ep=2), world_size=4)
