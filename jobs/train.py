@@ -49,8 +49,6 @@ def run(cfg: JobConfig) -> int:
     log.info("run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
              run_dir, cfg.model.name, derived.dims.describe(), cfg.world_size, derived.microbatches,
              derived.tokens_per_step)
-    if derived.dims.ep_enabled:
-        log.info("meshes: %s", derived.dims.describe_meshes())
     from jobs.launch.local import launch
 
     code = launch(cfg, early=_early)
