@@ -145,6 +145,8 @@ class Trainer:
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.moe_layers = moe_layers(self.parts)
         self.moe_group = self._moe_group()  # the router counts' all-reduce (bias balancing)
+        if dims.ep_enabled:  # the MoE layers' mesh folded over the attention layers' ranks, said once at start
+            self.log.info("meshes: %s", dims.describe_meshes())
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim

@@ -47,7 +47,7 @@ class MeshConfig:
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = the ranks left after the other axes
     cp: int = 1  # context-parallel degree: each rank holds 2 of the sequence's 2*cp zig-zag chunks (parallel/cp.py)
     tp: int = 1  # tensor-parallel degree
-    ep: int = 1  # expert-parallel degree: MoE experts sharded over ep ranks within dp_shard (parallel/ep.py)
+    ep: int = 1  # expert-parallel degree: MoE experts sharded over ep ranks within dp_shard * cp (parallel/ep.py)
     pp_schedule: str = "1f1b"  # one of gpipe, 1f1b, interleaved_1f1b, zbv_zero_bubble
     pp_microbatches: int = -1  # microbatches per step per dp rank; -1 = global_batch / (dp * micro_batch)
     pp_stages_per_rank: int = -1  # virtual stages per pp rank; -1 = 1, or 2 for multi-stage schedules
