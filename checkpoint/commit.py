@@ -58,7 +58,7 @@ class CommitMixin:
             self._emit("checkpoint_failed", step=step, error=result["error"], total_s=round(total_s, 4))
             raise CheckpointSaveError(f"checkpoint step_{step} was not committed: {result['error']}")
         blocking = [g[2] for g in gathered if g[2] is not None]
-        self._emit("checkpoint_saved", step=step, path=str(final), bytes=result["bytes"], files=result["files"],
+        self._emit("checkpoint_saved", step=step, tier="filesystem", path=str(final), bytes=result["bytes"], files=result["files"],
                    blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
                    async_mode=self.cfg.async_mode)
         if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in a thread of its own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -17,6 +18,8 @@ class CheckpointConfig:
     on_env_drift: str = "warn"  # warn | refuse | allow, when the environment fingerprint differs on resume
     verify: str = "checksum"  # checksum | size: how load validates shards against the manifest
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
+    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off
+    memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):
@@ -33,5 +36,15 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.lustre_stripe_count({self.lustre_stripe_count}) must be >= 0")
         if self.on_env_drift not in ("warn", "refuse", "allow"):
             raise ValueError(f"checkpoint.on_env_drift={self.on_env_drift!r}: use warn, refuse or allow")
+        if self.memory_every_steps < 0:
+            raise ValueError(f"checkpoint.memory_every_steps({self.memory_every_steps}) must be >= 0 (0 = no RAM tier)")
+        if self.memory_every_steps > 0 and not self.memory_dir:
+            raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
+
+
+def memory_root(memory_dir: str, run_id: str) -> Path:
+    """One run's folder of the RAM tier on a node: `checkpoint.memory_dir/meshjob-<run id>`; the run's identity
+    in the path, so no run ever lists another's copies."""
+    return Path(memory_dir) / f"meshjob-{run_id}"

@@ -6,11 +6,16 @@ import errno
 import shutil
 from pathlib import Path
 
-__all__ = ["CheckpointSaveError", "describe_error"]
+__all__ = ["CheckpointConfigError", "CheckpointSaveError", "describe_error"]
 
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on some rank; the previous committed checkpoint is untouched."""
+
+
+class CheckpointConfigError(ValueError):
+    """A checkpoint setting this allocation cannot honour, found by the ranks at start, alike on every rank (the
+    RAM tier larger than checkpoint.memory_dir's free memory): a config error, no restart cures it."""
 
 
 def describe_error(e: BaseException, folder: Path) -> str:

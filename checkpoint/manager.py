@@ -28,6 +28,7 @@ import platform
 import shutil
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,11 +40,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpoint.commit import CommitMixin
-from checkpoint.config import CheckpointConfig
+from checkpoint.config import CheckpointConfig, memory_root
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
+from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
 from checkpoint.retention import abandon_above, manifest_crc
 from checkpoint.statedict import StateDictMixin
 from checkpoint.writer import RecordingWriter, ThreadStager
@@ -54,7 +56,7 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(CommitMixin, StateDictMixin):
+class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -86,6 +88,7 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         mtbf_s: float | None = None,
         attempt: str = "",
         collective_timeout_s: float | None = None,
+        run_id: str = "",
     ) -> None:
         if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
             raise ValueError(
@@ -100,6 +103,11 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self.mtbf_s = mtbf_s
         self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
+        # The RAM tier (checkpoint/memory_tier.py): node-local copies under a folder named by the run's identity.
+        self.run_id = run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}"
+        self.memory_root = memory_root(cfg.memory_dir, self.run_id)
+        self._last_memory_step = 0
+        self._capacity_checked = False
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
         if self._dist and not (dist.is_available() and dist.is_initialized()):
@@ -158,6 +166,9 @@ class CheckpointManager(CommitMixin, StateDictMixin):
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
+        if not self._capacity_checked:  # the RAM tier's bytes per node against free memory, once per attempt
+            self.check_memory_capacity(self.local_state_bytes())
+            self._capacity_checked = True
         step = self._restore_newest(before_step)
         if before_step is not None and step > 0:
             self._abandon_above(step)
@@ -201,43 +212,53 @@ class CheckpointManager(CommitMixin, StateDictMixin):
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
 
     def _restore_newest(self, before_step: int | None) -> int:
-        """Loads the newest candidate that validates and loads on every rank and returns its step (0
-        when none). Raises once a candidate was partly read and none after it loaded: the bound
-        objects may then hold a mix of checkpoints."""
+        """Loads the newest candidate of any tier that validates and loads on every rank and returns its step
+        (0 when none); at the same step the RAM tier comes first (the cheaper read). Raises once a candidate
+        was partly read and none after it loaded: the bound objects may then hold a mix of checkpoints."""
         t0 = time.perf_counter()
-        steps = [s for s in self._candidate_steps() if before_step is None or s < before_step]
+        steps = [(s, FILESYSTEM) for s in self._candidate_steps()] + [(s, MEMORY) for s in self._memory_candidates()]
+        steps = sorted([c for c in steps if before_step is None or c[0] < before_step],
+                       key=lambda c: (-c[0], c[1] != MEMORY))
         touched = False
-        for step in steps:
-            d = self.folder / f"step_{step}"
-            problems, manifest = self._validate(step, d)
+        for step, tier in steps:
+            if tier == MEMORY:
+                d, problems, manifest = self._validate_memory(step)
+            else:
+                d = self.folder / f"step_{step}"
+                problems, manifest = self._validate(step, d)
             if problems:
-                self._skip(step, d, "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+                self._skip(step, d, "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
+                           tier=tier)
                 continue
-            self._check_drift(step, manifest)
+            if tier == FILESYSTEM:
+                self._check_drift(step, manifest)
             touched = True
-            info, failed = self._load_agreed(d, manifest)
+            info, failed = self._load_agreed(d, manifest, load=self._load_memory if tier == MEMORY else self._load)
             if info is None:
-                self._skip(step, d, f"load failed on {failed}")
+                self._skip(step, d, f"load failed on {failed}", tier=tier)
                 continue
-            self._loaded(step, d, manifest, info, t0)
+            self._loaded(step, d, manifest, info, t0, tier=tier)
+            self._after_load_memory(step)
             return step
         if touched:
             raise RuntimeError(
                 f"every checkpoint under {self.folder} failed to load after one was partly read, so the "
                 "model state is undefined; see checkpoint_skipped in events.jsonl, move the damaged ones aside"
             )
+        self._after_load_memory(0)
         self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
         return 0
 
-    def _loaded(self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float) -> None:
-        """Records a successful load (started at perf_counter `t0`): the save cadence resumes from it,
-        and it is reported."""
+    def _loaded(self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float, *,
+                tier: str = FILESYSTEM) -> None:
+        """Records a successful load (started at perf_counter `t0`) from `tier`: the save cadence resumes from
+        it, and it is reported."""
         self._last_save_step = step
         self._restore_interval(manifest)
         load_s = time.perf_counter() - t0
-        self._emit("checkpoint_loaded", step=step, path=str(d), load_s=round(load_s, 4),
+        self._emit("checkpoint_loaded", step=step, tier=tier, path=str(d), load_s=round(load_s, 4),
                    bytes=manifest["bytes"], saved_world_size=manifest["world_size"], **info)
-        log.info("resumed from %s (%.2f s, resharded=%s)", d, load_s, info["resharded"])
+        log.info("resumed from %s (%s tier, %.2f s, resharded=%s)", d, tier, load_s, info["resharded"])
 
     def due(self, step: int, *, step_time_s: float | None = None) -> bool:
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
@@ -352,10 +373,10 @@ class CheckpointManager(CommitMixin, StateDictMixin):
             raise RuntimeError(f"{listing}; make the folder readable (or fix run.dir) and restart")
         return listing
 
-    def _skip(self, step: int, d: Path, reason: str) -> None:
-        if self.rank == 0:  # the rank that runs retention
+    def _skip(self, step: int, d: Path, reason: str, *, tier: str = FILESYSTEM) -> None:
+        if tier == FILESYSTEM and self.rank == 0:  # the rank that runs the filesystem's retention
             self._damaged.add((step, manifest_crc(d)))
-        self._emit("checkpoint_skipped", step=step, path=str(d), reason=reason)
+        self._emit("checkpoint_skipped", step=step, tier=tier, path=str(d), reason=reason)
         if self.rank == 0:
             log.warning("skipping checkpoint %s: %s", d, reason)
 

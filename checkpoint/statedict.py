@@ -107,13 +107,13 @@ class StateDictMixin:
             sd["rng"] = {rng_key: b""}
         return sd
 
-    def _load_agreed(self, d: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
         # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
         # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
         # afterwards, reached by every rank, decides for all.
         err = info = None
         try:
-            info = self._load(d, manifest)
+            info = (load or self._load)(d, manifest)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = describe_error(e, self.folder)
         failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
@@ -131,6 +131,12 @@ class StateDictMixin:
         with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(d), no_dist=True)
+        return self._apply_loaded(sd, part_keys, resharded=not same_mesh)
+
+    def _apply_loaded(self, sd: dict[str, Any], part_keys: list[list[str]], *, resharded: bool) -> dict[str, Any]:
+        """Puts a state dict read from a checkpoint (of `_state_dict`'s structure) into the bound objects."""
+        b = self._bound
+        assert b is not None
         for part, keys in zip(b["model_parts"], part_keys):
             set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)
         for part, opt in zip(b["model_parts"], b["optimizers"]):
@@ -142,7 +148,7 @@ class StateDictMixin:
         if "train_state" in sd:
             b["train_state"].load_state_dict(pickle.loads(sd["train_state"]))
         rng = restore_rng(pickle.loads(sd["rng"][f"rank{self.rank}"])) if "rng" in sd else []
-        return {"resharded": not same_mesh, "rng_restored": rng}
+        return {"resharded": resharded, "rng_restored": rng}
 
 
 

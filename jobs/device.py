@@ -15,8 +15,10 @@ import os
 import threading
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch is imported where a function needs it (the login node never does)
+    import torch
 
 __all__ = ["DEVICES", "MIXED_PRECISIONS", "visible_gpus", "resolve_device", "resolve_mixed_precision", "backend_for",
            "gpu_index", "rank_device", "export_environ", "set_determinism", "trace_dir", "dump_flight_recorder", "TRACE_PREFIX"]
@@ -36,6 +38,8 @@ _NCCL_DEFAULTS = {
 
 def visible_gpus() -> int:
     """GPUs this process may use (0 on a CPU build of torch); fork-safe where NVML is installed."""
+    import torch  # lazy: called on the ranks' node only; the login node's jobs.validate needs no torch
+
     return torch.cuda.device_count()
 
 
@@ -47,6 +51,8 @@ def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0
         raise ValueError(f"train.device={name!r} is not one of {', '.join(DEVICES)}")
     has_cuda = (visible_gpus() if gpus is None else gpus) > 0
     if name == "auto" and not has_cuda and gpus_per_node > 0:
+        import torch  # lazy: for the message only (see visible_gpus)
+
         build = "a CPU build" if torch.version.cuda is None else f"a CUDA {torch.version.cuda} build"
         raise ValueError(
             f"train.device=auto on a node of cluster={cluster or '?'} (cluster.gpus_per_node={gpus_per_node}) but torch "
@@ -56,6 +62,8 @@ def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0
     if name == "auto":
         return "cuda" if has_cuda else "cpu"
     if name == "cuda" and not has_cuda:
+        import torch  # lazy: for the message only (see visible_gpus)
+
         raise ValueError(
             f"train.device=cuda but torch {torch.__version__} sees no CUDA GPU here; set train.device=cpu "
             "(or auto), or run on a GPU node with a CUDA build of torch (README, On GPUs)"
@@ -89,6 +97,8 @@ def gpu_index(*, local_rank: int, gpus: int) -> int:
 
 def rank_device(device_type: str, *, local_rank: int) -> torch.device:
     """This rank's device; on CUDA it becomes the current device (call before anything touches the GPU)."""
+    import torch  # lazy: a rank's function (see visible_gpus)
+
     if device_type != "cuda":
         return torch.device("cpu")
     index = gpu_index(local_rank=local_rank, gpus=visible_gpus())
@@ -109,6 +119,8 @@ def set_determinism(deterministic: bool, *, device_type: str) -> str:
         return ("train.deterministic=false: CUDA may pick nondeterministic kernels (faster; resume is not bitwise, "
                 "losses after a resume drift in the last bits)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it (or :16:8) to be deterministic
+    import torch  # lazy: a rank's function (see visible_gpus)
+
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     return ("train.deterministic=true: deterministic CUDA kernels (torch.use_deterministic_algorithms; cuBLAS "
@@ -153,6 +165,8 @@ def dump_flight_recorder(directory: Path, *, rank: int, timeout_s: float = 10.0)
     exit); None when nothing was written (a torch without the API, a full disk, a dump that hung).
     Records only with TORCH_FR_BUFFER_SIZE (or the older TORCH_NCCL_TRACE_BUFFER_SIZE, set on CUDA by
     `export_environ`) > 0; otherwise the dump holds no entries."""
+    import torch  # lazy: a rank's function (see visible_gpus)
+
     c10d = getattr(torch._C, "_distributed_c10d", None)
     # _dump_nccl_trace: CUDA builds (NCCL's recorder, with the communicators' state); _dump_fr_trace: the
     # generic recorder every build has (torch >= 2.8; gloo's collectives on CPU).

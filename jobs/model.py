@@ -1,4 +1,4 @@
-"""The Llama-style transformer (RMSNorm, RoPE, grouped-query attention, SwiGLU) and its mesh-independent init.
+"""The Llama-style transformer (RMSNorm, RoPE, grouped-query or latent attention, SwiGLU/MoE) and its mesh-independent init.
 
 The model knows nothing of parallelism: `parallel.parallelize()` shards it from outside, and a
 pipeline stage is this same module with the layers it does not own removed (FQNs kept).
@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jobs.config import ModelConfig
+from jobs.mla import MLA
 from jobs.moe import MoE
 
 __all__ = ["Transformer", "init_weights", "full_init_tensor"]
@@ -73,6 +74,18 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
+def rope_head_dim(cfg: ModelConfig) -> int:
+    """The dims RoPE rotates per head: the whole GQA head, or MLA's decoupled rope part (qk_rope_head_dim)."""
+    return cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.dim // cfg.n_heads
+
+
+def attention_block(cfg: ModelConfig) -> nn.Module:
+    """GQA (model.attention=gqa) or multi-head latent attention (mla, jobs/mla.py)."""
+    if cfg.attention == "mla":
+        return MLA(cfg, rope=apply_rope, norm=RMSNorm)
+    return Attention(cfg)
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -95,7 +108,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = attention_block(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = ffn_block(cfg, layer)
 
@@ -110,9 +123,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.attention != "gqa":  # not a GQA block with 56-dim heads in disguise
-            raise ValueError(f"model.attention={cfg.attention}: jobs/model.py builds GQA attention only; "
-                             "MLA models are planned (jobs.plan), not trained")
+        if cfg.attention not in ("gqa", "mla"):
+            raise ValueError(f"model.attention={cfg.attention!r} is not one of gqa, mla")
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
@@ -120,7 +132,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_positions: torch.Tensor | None = None  # RoPE rows of a cp rank's chunks (parallel.cp.apply_cp)
         self.register_buffer(
-            "rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
+            "rope", rope_table(rope_head_dim(cfg), cfg.max_seq_len, cfg.rope_theta), persistent=False
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -134,7 +146,7 @@ class Transformer(nn.Module):
         """Recomputes the non-persistent RoPE table (on a cp rank, the rows of its chunks' global positions)
         and zeroes the MoE routers' buffers (after `to_empty` from the meta device; a checkpoint load then
         restores the expert biases)."""
-        table = rope_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+        table = rope_table(rope_head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta)
         if self.rope_positions is None:
             with torch.no_grad():
                 self.rope.copy_(table)

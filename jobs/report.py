@@ -24,10 +24,11 @@ from jobs.telemetry.run_report import collect, render_text, write_report
 __all__ = ["main", "plan_costs", "sacct_records"]
 
 
-def plan_costs(run_dir: Path) -> dict[str, float] | None:
+def plan_costs(run_dir: Path) -> tuple[dict[str, float] | None, str]:
     """The costs `jobs.plan` plans for the run's `config.yaml` (checkpoint interval and blocking save,
     job MTBF, restart; a start-up costs what a restart does), as jobs.telemetry.goodput.expected_goodput's
-    keywords but solve_s; None when it cannot be planned, without checkpoints, or with a cost unknown."""
+    keywords but solve_s, and ""; or None and why there is no expected goodput: it cannot be planned, no
+    checkpoints, or the planner's "unknown" (a restart cost it does not know: never a number that looks measured)."""
     from omegaconf import OmegaConf
 
     from jobs.config import JobConfig
@@ -35,16 +36,33 @@ def plan_costs(run_dir: Path) -> dict[str, float] | None:
 
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(run_dir / "config.yaml")))
-        k = build_plan(cfg, measure=False).checkpoint
+        cfg.run.dir = str(run_dir)  # the planner reads this run dir's ledger, also after a move or a copy
+        plan = build_plan(cfg, measure=False)
+        k = plan.checkpoint
         costs = {"interval_s": k["interval_s"], "blocking_s": k["blocking_s"], "mtbf_s": k["mtbf_s"],
                  "restart_s": k["restart_s"], "startup_s": k["restart_s"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"warning: no expected goodput: jobs.plan could not plan {run_dir}/config.yaml: {e}", file=sys.stderr)
-        return None
-    if not cfg.checkpoint.enabled or not all(isinstance(v, (int, float)) for v in costs.values()):
-        print("warning: no expected goodput: checkpoint.enabled=false or a cost jobs.plan does not know", file=sys.stderr)
-        return None
-    return {name: float(v) for name, v in costs.items()}
+        why = f"jobs.plan could not plan {run_dir}/config.yaml: {e}"
+    else:
+        why = _why_no_expected(checkpoints=cfg.checkpoint.enabled, goodput=plan.goodput_expected,
+                               ledger_dir=cfg.run.dir, costs=costs)
+    if why:
+        print(f"warning: no expected goodput: {why}", file=sys.stderr)
+        return None, why
+    return {name: float(v) for name, v in costs.items()}, ""
+
+
+def _why_no_expected(*, checkpoints: bool, goodput: float | None, ledger_dir: str, costs: dict) -> str:
+    """Why a plan gives no expected goodput ("" when it gives one); `ledger_dir`: the run.dir it planned with."""
+    if not checkpoints:
+        return "checkpoint.enabled=false: every failure starts again from step 0"
+    if goodput is None:  # the planner's "unknown" (jobs.planner.checks.GOODPUT_UNKNOWN)
+        return (f"unknown: jobs.plan does not know the restart cost (no attempt in the ledger of run.dir={ledger_dir} "
+                "reached its first step, and plan.restart_overhead_s is not set); set plan.restart_overhead_s or run "
+                "long enough to measure it")
+    if not all(isinstance(v, (int, float)) for v in costs.values()):
+        return "a cost jobs.plan does not know"
+    return ""
 
 
 def sacct_records(run_dir: Path) -> list[dict[str, str]] | None:
@@ -58,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")
-    p.add_argument("--no-plan", action="store_true", help="skip the expected goodput (planning imports torch)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)")
     args = p.parse_args(argv)
     if not (args.run_dir / "events.jsonl").exists():
         print(f"error: {args.run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir),
-                   costs=None if args.no_plan else plan_costs(args.run_dir))
+    costs, why = (None, "--no-plan") if args.no_plan else plan_costs(args.run_dir)
+    data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir), costs=costs, expected_why=why)
     print(render_text(data))
     written = write_report(data, args.out or args.run_dir / "report")
     print("\nwrote " + ", ".join(str(w) for w in written))

@@ -31,6 +31,7 @@ from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
 from jobs.failure.watchdog import Watchdog
 from jobs.launch.env import DistEnv
+from jobs.launch.rundir import run_id
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.moe import moe_layers, update_expert_bias
@@ -144,6 +145,8 @@ class Trainer:
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.moe_layers = moe_layers(self.parts)
         self.moe_group = self._moe_group()  # the router counts' all-reduce (bias balancing)
+        if dims.ep_enabled:  # the MoE layers' mesh folded over the attention layers' ranks, said once at start
+            self.log.info("meshes: %s", dims.describe_meshes())
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
@@ -359,15 +362,19 @@ class Trainer:
                 continue  # a loss spike: rolled back to an earlier checkpoint (st.step is its step now)
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
             self._after_step(st.step, m, step_times)
+            if not stop and self.ckpt.memory_due(st.step):  # the RAM tier (checkpoint/memory_tier.py)
+                self._save(st.step, tier="memory")
             if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
                 self._save(st.step)
             self.telemetry.step_done(st.step, interval_end=self._interval_end(st.step))
             if stop:
                 self._wait_for_saves()  # committed before the job lets go of its nodes
+                self.ckpt.drop_memory()  # the stop step is on the filesystem: the RAM copies go with the nodes
                 self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
                                  action="checkpoint saved; ending the attempt")
                 return "stopped"
         self._wait_for_saves()  # the last save is committed (or its failure raised) before the run counts as done
+        self.ckpt.drop_memory()
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
         self.telemetry.finish(healthy=self.env.rank == 0 and healthy_run(self.events.path),
                               about={"run_dir": self.cfg.run.dir, "steps": st.step})
@@ -415,13 +422,17 @@ class Trainer:
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
             self.heldout.run(self, step)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, *, tier: str = "filesystem") -> None:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
-        # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout.
+        # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout. The RAM tier's save
+        # writes node-local memory and blocks for all of it.
         self._phase("checkpoint_save", limit_s=self.cfg.failure.checkpoint_timeout_s)
         self.state.data = self.data.cursor(self.health.data_step(step))  # the next data step to read, and where
         with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
-            self.ckpt.save(step)
+            if tier == "memory":
+                self.ckpt.save_memory(step)
+            else:
+                self.ckpt.save(step)
         self._phase("train")
 
     def _wait_for_saves(self) -> None:
@@ -476,7 +487,7 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
         emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
         total_steps=cfg.train.steps, mtbf_s=mtbf_s, attempt=env.attempt,
-        collective_timeout_s=cfg.failure.collective_timeout_s,
+        collective_timeout_s=cfg.failure.collective_timeout_s, run_id=run_id(cfg.run.dir),
     )
 
 

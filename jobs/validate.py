@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
-from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers
+from jobs.planner.params import attention_head_dims
+from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers, cp_shape_error
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
 
@@ -28,8 +29,10 @@ class Derived:
     pp_layers_per_stage: tuple[int, ...] = ()  # blocks per pipeline stage (mesh.pp_layers_per_stage or balanced); () without pp
 
 
-def validate(cfg: JobConfig) -> Derived:
-    """Raises ValueError naming the dotted override and the arithmetic; returns the derived quantities."""
+def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
+    """Raises ValueError naming the dotted override and the arithmetic; returns the derived quantities.
+
+    `training=False` (the planner) accepts what is planned but not trained (MLA with mesh.tp > 1)."""
     t, mesh, ln = cfg.train, cfg.mesh, cfg.launcher
     if ln.nodes < 1 or ln.tasks_per_node < 1:
         raise ValueError(
@@ -40,6 +43,8 @@ def validate(cfg: JobConfig) -> Derived:
     _check_model(cfg, dims)
     _check_cp(cfg, dims)
     _check_moe(cfg, dims)
+    if training:
+        _check_mla(cfg, dims)
     spr, num_stages, split = _check_pipeline(cfg, dims)
     microbatches = _check_batch(cfg, dims)
 
@@ -107,16 +112,9 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError(f"mesh.cp_impl={mesh.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
     if dims.cp == 1:
         return
-    if t.seq_len % (2 * dims.cp):
-        raise ValueError(
-            f"train.seq_len({t.seq_len}) % (2 * mesh.cp({dims.cp})) = {t.seq_len % (2 * dims.cp)} != 0: context "
-            "parallel cuts each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp"
-        )
-    if dims.tp > 1 and mesh.sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
-        raise ValueError(
-            f"train.seq_len({t.seq_len}) / mesh.cp({dims.cp}) = {t.seq_len // dims.cp} is not divisible by "
-            f"mesh.tp({dims.tp}) with mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false"
-        )
+    error = cp_shape_error(seq_len=t.seq_len, cp=dims.cp, tp=dims.tp, sequence_parallel=mesh.sequence_parallel)
+    if error:
+        raise ValueError(error)
     if t.compile:
         raise ValueError(f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
                          "compiled (untested); set train.compile=false or mesh.cp=1")
@@ -148,6 +146,20 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
     if dims.tp > 1 and m.attention == "gqa":  # an MLA model is planned only (jobs.plan), tp and all
         raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model (model.n_routed_experts={m.n_routed_experts}): "
                          "tensor parallel of MoE blocks is not built yet; set mesh.tp=1 (the experts shard over mesh.ep)")
+
+
+def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Multi-head latent attention (jobs/mla.py) as trained: its dims set, no tp or cp of it yet."""
+    m = cfg.model
+    if m.attention not in ("gqa", "mla"):
+        raise ValueError(f"model.attention={m.attention!r} is not one of gqa, mla")
+    if m.attention != "mla":
+        return
+    attention_head_dims(m)  # raises naming the MLA dims that are not set
+    for axis in ("tp", "cp"):
+        if getattr(dims, axis) > 1:
+            raise ValueError(f"mesh.{axis}({getattr(dims, axis)}) > 1 with model.attention=mla: {axis} of latent "
+                             f"attention is not built yet (planned only: jobs.plan); set mesh.{axis}=1")
 
 
 def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple[int, ...] | None]:

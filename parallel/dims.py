@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # annotations only: the login node's jobs.validate checks the degrees without torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, MeshConfig
 
-__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES"]
+__all__ = ["ParallelDims", "MESH_AXES", "EP_MESH_AXES", "MOE_MESH_AXES", "fold_moe_mesh"]
 
 # The mesh axes, outermost first. Outer axes cross nodes (pp, then dp_replicate), inner ones stay
 # inside a node (tp last: its collectives run every layer and need the fastest links; cp next, its
 # K/V exchange runs every layer too). ep splits dp_shard on a second mesh (EP_MESH_AXES below).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard = edp * ep, ep inner (parallel/ep.py).
+# The MoE mesh (mesh.ep > 1) over the same ranks: dp_shard * cp = edp * ep, ep inner (parallel/ep.py).
 EP_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
+# The MoE layers' mesh as planned (Megatron-Core's parallel folding): over the same ranks as the attention
+# mesh, edp * ep = dp_shard * cp and the experts' tensor-parallel degree etp = tp.
+MOE_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -105,13 +109,26 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
+    def describe_meshes(self) -> str:
+        """Both meshes over the same ranks: the attention layers' and (with mesh.ep > 1) the MoE layers'."""
+        attention = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
+        if not self.ep_enabled:
+            return f"{attention} (every layer: mesh.ep=1)"
+        moe = fold_moe_mesh(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp,
+                            tp=self.tp, ep=self.ep)
+        folded = " * ".join(f"{a}{v}" for a, v in moe.items() if v > 1 or a == "edp")
+        return f"attention {attention} | MoE {folded} (folded over the same {self.world_size} ranks)"
+
     def describe(self) -> str:
         out = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
-        return f"{out} (ep{self.ep} within dp_shard)" if self.ep > 1 else out
+        within = "dp_shard*cp" if self.cp_enabled else "dp_shard"
+        return f"{out} (ep{self.ep} within {within})" if self.ep > 1 else out
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Builds the world DeviceMesh with every axis named (size-1 axes included), plus the flattened
         `dp_shard_cp` axis FSDP2 shards over when cp > 1."""
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: ranks only, not the login node
+
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
         if self.cp_enabled:
             mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
@@ -129,9 +146,13 @@ class ParallelDims:
         return self.ep > 1
 
     def build_ep_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """The MoE mesh over the same ranks, dp_shard split into (edp, ep): ep = adjacent dp_shard ranks that
-        exchange tokens, edp = the ranks holding the same experts (their gradients are reduced over it)."""
-        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        """The MoE mesh over the same ranks, dp_shard * cp split into (edp, ep) (`fold_moe_mesh`; its cp axis is
+        1, folded in): ep = adjacent dp_shard*cp ranks that exchange tokens, edp = the ranks holding the same
+        experts (their gradients are reduced over it). Row-major, so rank (s, c) of dp_shard * cp is
+        (edp, ep) = divmod(s * cp + c, ep): the same ranks as the attention mesh's."""
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: ranks only, not the login node
+
+        shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, 1, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_AXES)
 
     @staticmethod
@@ -140,15 +161,27 @@ class ParallelDims:
         return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
 
 
+def fold_moe_mesh(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int) -> dict[str, int]:
+    """The MoE layers' mesh folded over the attention mesh's ranks (MOE_MESH_AXES): per pipeline stage and
+    replica, the dp_shard * cp ranks become edp * ep (ep adjacent ranks exchange tokens, edp hold the same
+    experts) and the experts are tensor-parallel over the attention's tp ranks (etp = tp). Raises ValueError
+    naming mesh.ep, the arithmetic and the degrees that fit."""
+    ranks = dp_shard * cp
+    if ep < 1 or ranks % ep:
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(f"mesh.ep({ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({cp}) = {ranks}: the MoE "
+                         f"mesh folds edp * ep over the attention mesh's data-parallel ranks; set mesh.ep to one of "
+                         f"{', '.join(map(str, fits))}")
+    return {"pp": pp, "dp_replicate": dp_replicate, "edp": ranks // ep, "ep": ep, "etp": tp}
+
+
 def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
-    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard, with FSDP; other axes refused."""
-    if dp_shard % mesh.ep:
-        raise ValueError(f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}): expert parallelism borrows its "
-                         "ranks from data parallelism (the ep ranks of a group train on different batch slices)")
-    for axis in ("pp", "dp_replicate", "cp", "tp"):
+    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard * cp, with FSDP; other axes refused."""
+    fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
+    for axis in ("pp", "dp_replicate", "tp"):
         if getattr(mesh, axis) > 1:
             raise ValueError(f"mesh.ep({mesh.ep}) > 1 with mesh.{axis}({getattr(mesh, axis)}) > 1 is not built yet "
-                             f"(expert parallel trains with mesh.dp_shard only); set mesh.{axis}=1 or mesh.ep=1")
+                             f"(expert parallel trains folded over mesh.dp_shard * mesh.cp); set mesh.{axis}=1 or mesh.ep=1")
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:
@@ -159,4 +192,6 @@ def stages_per_rank(mesh: MeshConfig) -> int:
 
 
 def device_type() -> str:
+    import torch  # lazy: ranks only, not the login node
+
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -104,8 +104,9 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshar
                       mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 over the expert-data-parallel axis for every GroupedExperts module (before the blocks are
     wrapped, so the block's FSDP leaves these weights alone). Their gradients are reduced over `edp_mesh`
-    only and divided by the whole data-parallel degree `dp` (each expert's gradient already sums the
-    tokens of the ep ranks it serves), which gives the same mean over the global batch as the dense weights."""
+    only and divided by the whole data-parallel degree `dp` (dp * cp with context parallel: each expert's
+    gradient already sums the tokens of the ep ranks it serves), which gives the same mean over the global
+    batch as the dense weights."""
     for module in model.modules():
         if is_grouped_experts(module):
             fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward,

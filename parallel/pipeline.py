@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+if TYPE_CHECKING:  # annotations only: jobs.validate uses the stage arithmetic on the login node, without torch
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 __all__ = [
     "balanced_layers_per_stage", "check_layers_per_stage", "layer_ranges", "stage_ids", "split_stage", "build_schedule",
 ]
 
+# mesh.pp_schedule -> the torch.distributed.pipelining class
 _SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
 }
 
 
@@ -131,8 +127,10 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> _PipelineSchedule:
     """Wraps this rank's parts as PipelineStages and builds the schedule (shapes inferred at runtime)."""
-    pstages = [PipelineStage(p, s, num_stages, device, group=pp_group) for p, s in zip(parts, stages)]
-    cls = _SCHEDULES[schedule]
+    from torch.distributed import pipelining  # lazy: ~1 s of imports that jobs.validate's arithmetic does not need
+
+    pstages = [pipelining.PipelineStage(p, s, num_stages, device, group=pp_group) for p, s in zip(parts, stages)]
+    cls = getattr(pipelining, _SCHEDULES[schedule])
     if len(pstages) == 1 and schedule in ("gpipe", "1f1b"):
         return cls(pstages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(pstages, n_microbatches=n_microbatches, loss_fn=loss_fn)

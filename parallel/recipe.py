@@ -83,7 +83,7 @@ def parallelize(
         if compile:
             apply_compile(part)
         if ep_mesh is not None:
-            apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp, reshard_after_forward=not dims.pp_enabled,
+            apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
                               mp_policy=fsdp_policy(mixed_precision))
         if dims.fsdp_enabled:
             apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,

@@ -19,10 +19,13 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: the login node prepares the data file (jobs.data) without torch
+    import torch
 
 from jobs.data.cursor import VERSION, Anchor, blend, file_identity, restore_anchor
 
@@ -211,6 +214,8 @@ class BatchSource:
             sel = src == s
             if sel.any():
                 rows[sel] = split.rows(sample[sel])
+        import torch  # lazy: a rank's method (see TYPE_CHECKING above)
+
         t = torch.from_numpy(rows)
         if self.seq_positions is not None:
             return t[:, self.seq_positions], t[:, self.seq_positions + 1]

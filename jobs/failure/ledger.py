@@ -26,6 +26,7 @@ class Attempt:
     start_step: int | None = None  # the step training resumed from
     last_step: int | None = None  # the newest step this attempt trained (metrics of the last event)
     saved_step: int | None = None  # the newest checkpoint this attempt committed
+    resumed_tier: str | None = None  # the checkpoint tier it resumed from: memory | filesystem; None = none loaded
     suspects: list[str] = field(default_factory=list)
 
     @property
@@ -58,6 +59,7 @@ def _apply(a: Attempt, e: dict) -> None:
         a.last_step = max(a.last_step or 0, a.saved_step)
     elif kind == "checkpoint_loaded" and a.start_step is None:
         a.start_step = e.get("step")
+        a.resumed_tier = e.get("tier", "filesystem")  # ledgers from before the RAM tier: the filesystem
     elif kind in ("step", "first_step", "stop_requested", "train_end"):
         a.last_step = _step_or(e, a.last_step)
     elif kind == "failure":
@@ -94,15 +96,18 @@ def render_summary(events: list[dict], *, title: str = "attempts") -> str:
     """The one-screen table of every attempt: when, how long, how it ended, steps gained, suspects."""
     rows = attempts(events)
     lines = [f"{title}: {len(rows)}",
-             f"  {'#':>2}  {'attempt':<14} {'started':<19} {'ran':>8}  {'steps':>11}  {'+ckpt':>5}  "
+             f"  {'#':>2}  {'attempt':<14} {'started':<19} {'ran':>8}  {'from':<4} {'steps':>11}  {'+ckpt':>5}  "
              f"{'ended':<20} {'then':<8} suspects"]
     for i, a in enumerate(rows):
         ran = (a.end or time.time()) - a.start
         steps = f"{a.start_step if a.start_step is not None else '-'}->{a.last_step if a.last_step is not None else '-'}"
         lines.append(f"  {i:>2}  {a.attempt:<14} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.start))} "
-                     f"{_dur(ran):>8}  {steps:>11}  {a.steps_gained:>5}  {a.cause or 'running':<20} "
+                     f"{_dur(ran):>8}  {_TIER_SHORT.get(a.resumed_tier or '', '-'):<4} {steps:>11}  {a.steps_gained:>5}  {a.cause or 'running':<20} "
                      f"{a.action or '-':<8} {', '.join(dict.fromkeys(a.suspects)) or '-'}")
     return "\n".join(lines)
+
+
+_TIER_SHORT = {"memory": "ram", "filesystem": "fs"}  # the summary's `from` column
 
 
 def _dur(s: float) -> str:

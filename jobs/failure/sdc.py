@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from jobs.config import FailureConfig
 from jobs.failure.incident import Incident
+from jobs.failure.spike import check_config  # the SDC keys' checks live there: jobs.validate runs them without torch
 
 __all__ = ["FLIP_VAR", "SdcGuard", "SilentCorruption", "check_config", "parse_flip", "verdict", "replica_odd_ones",
            "replica_groups", "differs"]
@@ -69,15 +70,6 @@ class Flip:
     step: int  # 1-based, as metrics.jsonl numbers steps
     once: bool  # only in the run's first attempt
     bit: int | None = None  # the bit of the element to flip; None: the top exponent bit
-
-
-def check_config(f: FailureConfig) -> None:
-    """Config errors of the SDC keys, naming the override and a value that works."""
-    if f.sdc_rtol < 0:
-        raise ValueError(f"failure.sdc_rtol({f.sdc_rtol}) must be >= 0; e.g. failure.sdc_rtol=1e-3")
-    if f.replica_hash_every < 0:
-        raise ValueError(f"failure.replica_hash_every({f.replica_hash_every}) must be >= 0 (0 = off); "
-                         "e.g. failure.replica_hash_every=100")
 
 
 def parse_flip(text: str) -> Flip | None:

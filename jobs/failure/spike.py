@@ -43,14 +43,14 @@ import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from jobs.config import FailureConfig
 from jobs.events import read_events
 from jobs.failure.incident import Incident, incident_dir
-from jobs.failure.sdc import check_config as check_sdc
+
+if TYPE_CHECKING:  # annotations only: jobs.validate runs check_config on the login node without torch
+    import torch
 
 __all__ = ["Spike", "LossDiverged", "TrainingHealth", "observe", "suspicious", "data_step", "skip_entries", "parse_corrupt",
            "check_config", "CORRUPT_VAR", "DIVERGED_CLASSES"]
@@ -84,7 +84,11 @@ class LossDiverged(FloatingPointError):
 def check_config(f: FailureConfig) -> None:
     """Config errors of the spike keys and of the SDC re-run that precedes a rollback (jobs/failure/sdc.py),
     naming the override and a value that works."""
-    check_sdc(f)
+    if f.sdc_rtol < 0:
+        raise ValueError(f"failure.sdc_rtol({f.sdc_rtol}) must be >= 0; e.g. failure.sdc_rtol=1e-3")
+    if f.replica_hash_every < 0:
+        raise ValueError(f"failure.replica_hash_every({f.replica_hash_every}) must be >= 0 (0 = off); "
+                         "e.g. failure.replica_hash_every=100")
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
     if f.spike_mad_k < 0:
@@ -209,6 +213,8 @@ class TrainingHealth:
     def fetch(self, data: Any, step: int, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's batch for `step`, read at its data step (`data.batch(data_step)`); the test knob
         CORRUPT_VAR replaces a data step's targets by noise (a spike) or NaNs the parameters (non-finite)."""
+        import torch  # lazy: a rank's method; this module's check_config runs on the login node (jobs.validate)
+
         d = self.data_step(step)
         inputs, targets = data.batch(d)
         kind = self.corrupt.get(d)

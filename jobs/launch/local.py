@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -28,6 +29,7 @@ from jobs.failure.policy import read_decision
 from jobs.failure.respond import AttemptContext, on_failure, open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
+from jobs.launch.rundir import memory_root
 from jobs.log import get_logger
 
 __all__ = ["launch", "free_port"]
@@ -83,6 +85,7 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     rank, within failure.restarts_in_allocation); returns 0, the last attempt's exit code, or RANK_DIED.
     `early`: stop signals the entry point recorded before the ranks existed; they are passed on."""
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
+    import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo, which every rank imports (meta build, FSDP)
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
     restart, n = _attempt_number(events), 0
@@ -91,10 +94,18 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
         code, attempt = _launch_once(cfg, events, restart=restart, restart_in_allocation=n, early=early)
         d = read_decision(cfg.run.dir, attempt, wait_s=0)
         if d is None or d["action"] != "restart":
+            _drop_memory_tier(cfg)
             return code
         get_logger().warning("attempt %s: restarting the ranks (restart %d of failure.restarts_in_allocation(%d))",
                              attempt, n + 1, cfg.failure.restarts_in_allocation)
         n, early = n + 1, None
+
+
+def _drop_memory_tier(cfg: JobConfig) -> None:
+    """No restart follows: the run's RAM checkpoint tier on this machine is deleted (its ranks delete their own
+    copies when they finish or stop; this covers ranks that died). Best effort."""
+    if cfg.checkpoint.memory_every_steps > 0:
+        shutil.rmtree(memory_root(cfg), ignore_errors=True)
 
 
 def _launch_once(cfg: JobConfig, events: EventLog, *, restart: int, restart_in_allocation: int,

@@ -18,6 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from checkpoint.errors import CheckpointConfigError
 from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.data import DataChanged
@@ -109,7 +110,8 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         claim(cfg.run.dir, env.attempt)
         events.emit("failure", cls=e.cls, error=str(e), suspects=[])
         return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
-    except DataChanged as e:  # jobs/data/cursor.py: a data file changed since the checkpoint; alike on every rank
+    except (DataChanged, CheckpointConfigError) as e:  # a data file changed since the checkpoint (jobs/data/cursor.py),
+        # or the RAM checkpoint tier does not fit (checkpoint/memory_tier.py): alike on every rank, no restart cures it
         log.error("config error: %s", e)
         watchdog.stop()
         health.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -30,12 +31,13 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from checkpoint.config import memory_root as checkpoint_memory_root
 from jobs.config import JobConfig, config_hash
 from jobs.failure.heartbeat import read_beats, process_state
 from jobs.launch.slurm_state import ACTIVE_STATES, job_state
 
 __all__ = ["OWNER_FILE", "RESUMABLE", "NOT_RESUMABLE", "flat_config", "config_changes", "read_owner",
-           "check_run_dir", "claim_run_dir", "record_job"]
+           "check_run_dir", "claim_run_dir", "record_job", "run_id", "memory_root"]
 
 OWNER_FILE = "owner.json"
 
@@ -98,6 +100,19 @@ def read_owner(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         raise RuntimeError(f"{path} is unreadable ({e}): it records which run owns {path.parent}; "
                            "restore it, or move the directory aside") from None
+
+
+def run_id(run_dir: str | os.PathLike[str]) -> str:
+    """The run's identity, the same for every attempt, requeue and resume of it and different for another run
+    (even in a directory of the same name): the directory's real path and its first start (`owner.json`)."""
+    first = (read_owner(run_dir) or {}).get("first") or {}
+    key = json.dumps([os.path.realpath(run_dir), first.get("host"), first.get("pid"), first.get("time")])
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def memory_root(cfg: JobConfig) -> Path:
+    """This run's folder of the RAM checkpoint tier on this node: `checkpoint.memory_dir/meshjob-<run id>`."""
+    return checkpoint_memory_root(cfg.checkpoint.memory_dir, run_id(cfg.run.dir))
 
 
 def _pid_start(pid: int) -> int | None:

@@ -423,6 +423,8 @@ def _tps(cfg: JobConfig) -> list[int]:
 
 
 def _run_ranks(cfg: JobConfig) -> list[dict]:
+    import torch.distributed.pipelining  # noqa: F401 - torch (and _dynamo) once in the parent, not in every forked rank
+
     ctx = mp.get_context("fork")
     q, n, port = ctx.Queue(), cfg.launcher.tasks_per_node, _free_port()
     procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q)) for r in range(n)]

@@ -178,7 +178,10 @@ def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: 
     2412.19437, §2.1.2 "Node-Limited Routing" and §3.2.2: tokens go by IB once to each target node, to
     the GPU with the same in-node index, then by NVLink to the GPUs hosting their experts) a token
     crosses IB to at most min(k, M, nodes) nodes, (nodes-1)/nodes of them remote, and its k copies
-    travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`."""
+    travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`.
+    jobs.train's dispatch (parallel/ep.py) sends every copy straight to its expert's rank, without that
+    per-node deduplication: the same bytes when k <= M (tiny_moe, Mixtral; measured equal on ep2 by
+    tests/multiproc/test_moe_plan_vs_measured.py), more when k > M (DeepSeek-V3's 8 > 4 needs DeepEP's dispatch)."""
     token = compute_bytes * s * micro_batch * m.dim
     dt, k = _dtype_name(compute_bytes), m.experts_per_token
     g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
@@ -186,12 +189,12 @@ def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: 
     if m.moe_max_nodes <= 0 or nvlink_domain <= 0 or nodes <= 1:
         return [CommItem("all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
     across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
-    return [
-        CommItem("all_to_all", "ep", f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
-                 int(n * across * token), ep),
-        CommItem("all_to_all", "ep_intra", f"{dt} routed tokens forwarded to experts in the node", n,
-                 int(n * k * _ring(g) * token), g),
-    ]
+    items = [CommItem("all_to_all", "ep", f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
+                      int(n * across * token), ep)]
+    if g > 1:  # one ep rank per node (g = 1) forwards nothing inside it
+        items.append(CommItem("all_to_all", "ep_intra", f"{dt} routed tokens forwarded to experts in the node", n,
+                              int(n * k * _ring(g) * token), g))
+    return items
 
 
 def axis_spans_nodes(axis: str, shape: dict[str, int], *, nvlink_domain: int) -> bool:

@@ -37,7 +37,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def ledger_costs(run_dir: str | Path) -> tuple[Cost | None, Cost | None]:
     """(blocking save, restart) measured by the run itself: the median `blocking_s` of its
-    `checkpoint_saved` events; the mean time from a failed attempt's end to the next first step
+    filesystem-tier `checkpoint_saved` events; the mean time from a failed attempt's end to the next first step
     (jobs.telemetry.goodput's MTTR), else the median start-up (attempt start to its first step)."""
     from jobs.telemetry.goodput import measure_goodput
 
@@ -45,7 +45,8 @@ def ledger_costs(run_dir: str | Path) -> tuple[Cost | None, Cost | None]:
     events = read_events(path)
     if not events:
         return None, None
-    saves = [float(e["blocking_s"]) for e in events if e.get("kind") == "checkpoint_saved" and "blocking_s" in e]
+    saves = [float(e["blocking_s"]) for e in events if e.get("kind") == "checkpoint_saved" and "blocking_s" in e
+             and e.get("tier", "filesystem") == "filesystem"]  # the RAM tier's saves cost another interval's
     save = Cost(statistics.median(saves), f"median blocking_s of {len(saves)} saves in {path}") if saves else None
     g = measure_goodput(events, _metrics(Path(run_dir)), now=max(e["time"] for e in events))
     if g.mttr_s is not None:

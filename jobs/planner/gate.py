@@ -32,6 +32,7 @@ from jobs.planner import steptime as S
 from jobs.planner.checks import (INTERVAL_LOWER_BOUND, Check, analytic_checks, goodput_text, readiness,
                                  restart_text)
 from jobs.telemetry.flops import mfu_text
+from parallel.config import cp_shape_error
 
 __all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
 
@@ -56,26 +57,19 @@ def validate_for_planning(cfg: JobConfig):
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
             f"model {m.name}: MoE/MLA planned analytically (no fake-backend measurement"
-            f"{'; jobs/model.py does not build MLA' if m.attention == 'mla' else ''})"
+            f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/mla.py)' if m.attention == 'mla' else ''})"
         )
     if mesh.cp <= 1 and mesh.ep <= 1:
-        return validate(cfg), notes
-    from parallel.dims import ParallelDims
+        return validate(cfg, training=False), notes
+    from parallel.dims import ParallelDims, fold_moe_mesh
 
     world = cfg.world_size
     dp_shard = ParallelDims.from_config(mesh, world_size=world, world_size_expr=cfg.world_size_expr,
                                         training=False).dp_shard
     if mesh.cp > 1:
-        if t.seq_len % (2 * mesh.cp):
-            raise ValueError(
-                f"train.seq_len({t.seq_len}) % (2 * mesh.cp({mesh.cp})) != 0: causal context parallelism splits the "
-                "sequence into 2*cp load-balanced chunks (Llama 3 §3.3.2)"
-            )
-        if mesh.tp > 1 and mesh.sequence_parallel and (t.seq_len // mesh.cp) % mesh.tp:
-            raise ValueError(
-                f"train.seq_len({t.seq_len}) / mesh.cp({mesh.cp}) = {t.seq_len // mesh.cp} is not divisible by "
-                f"mesh.tp({mesh.tp}) with mesh.sequence_parallel=true"
-            )
+        error = cp_shape_error(seq_len=t.seq_len, cp=mesh.cp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel)
+        if error:
+            raise ValueError(error)
         notes.append(f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
                      "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
                      "sized over dp_shard*cp, as torchtitan")
@@ -84,18 +78,14 @@ def validate_for_planning(cfg: JobConfig):
             raise ValueError(f"mesh.ep({mesh.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense model has no experts to shard")
         if m.n_routed_experts % mesh.ep:
             raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts")
-        if (dp_shard * mesh.cp) % mesh.ep:
-            raise ValueError(
-                f"mesh.ep({mesh.ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({mesh.cp}) = {dp_shard * mesh.cp}: "
-                "expert parallelism borrows its ranks from data parallelism"
-            )
-        trainable = m.attention == "gqa" and mesh.pp == mesh.dp_replicate == mesh.cp == mesh.tp == 1  # parallel/dims.py
+        fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
+        trainable = mesh.pp == mesh.dp_replicate == mesh.tp == 1 and (mesh.cp == 1 or m.attention == "gqa")  # parallel/dims.py
         notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if trainable else 'not built yet'} "
                      "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
     view = copy.deepcopy(cfg)
     view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
     view.launcher.nodes, view.launcher.tasks_per_node = 1, world // mesh.cp
-    d = validate(view)
+    d = validate(view, training=False)
     dims = replace(d.dims, cp=mesh.cp, ep=mesh.ep, world_size=world)
     return replace(d, dims=dims), notes
 
@@ -289,6 +279,7 @@ class Plan:
     measured: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     axes: list[dict] = field(default_factory=list)  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
+    meshes: str = ""  # the attention layers' mesh and the MoE layers' folded over the same ranks (ParallelDims.describe_meshes)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -548,6 +539,7 @@ def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
         measured=[asdict(r) for r in x.measured],
         seconds=time.perf_counter() - t0,
         axes=x.axes,
+        meshes=dims.describe_meshes(),
     )
 
 
@@ -602,6 +594,7 @@ def render(plan: Plan) -> str:
     L = []
     L.append(f"plan: {plan.mesh} on {plan.world_size} ranks | params {plan.params_total / 1e9:.2f} B total, "
              f"{plan.params_active / 1e9:.2f} B active | planned in {plan.seconds:.1f} s")
+    L.append(f"  meshes: {plan.meshes}")
     for n in plan.notes:
         L.append(f"  note: {n}")
     L.append("")

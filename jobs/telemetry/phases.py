@@ -27,8 +27,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: jobs.status reads the ledger through run_report, which imports this file
+    import numpy as np
 
 __all__ = ["PHASES", "PhaseTimer", "Descheduled", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
            "in_step_order", "META", "committed_rows"]
@@ -244,6 +246,8 @@ class PhaseTimer:
 
     def take_interval(self) -> np.ndarray:
         """Median seconds per step of each phase (`clock`) over the steps since the last call (NaN when none)."""
+        import numpy as np  # lazy: a rank's method (see TYPE_CHECKING above)
+
         self._read_events()
         rows, self.interval = self.interval, []
         return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
@@ -293,6 +297,8 @@ def _append(f, cols: dict[str, list]) -> None:
     """Appends equal-length columns (`cpu` is 2-D: rows x phases); a dataset this attempt does not
     write (a phase of another mesh) is padded with NaN, and a new one starts with NaN for the rows before
     it. `step` goes last (`committed_rows`): a reader during the flush sees datasets of different lengths."""
+    import numpy as np  # lazy: a rank's flush (see TYPE_CHECKING above)
+
     have = {name: f[name] for name in f}  # each dataset looked up once (h5py's lookups are the cost)
     old = have["step"].shape[0] if "step" in have else 0
     n = len(cols["step"])

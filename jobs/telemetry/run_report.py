@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-
 from jobs.events import read_events
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
@@ -55,14 +53,16 @@ class RunData:
     running: bool  # the newest attempt has no end yet
     sacct: bool  # queue wait came from sacct
     evals: list[dict] = field(default_factory=list)  # metrics.jsonl's {"record": "eval"} lines (held-out loss)
+    expected_why: str = ""  # why there is no expected goodput (jobs.report.plan_costs: the planner's reason)
 
 
 def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
-            expected: float | None = None, costs: dict[str, float] | None = None) -> RunData:
+            expected: float | None = None, costs: dict[str, float] | None = None,
+            expected_why: str = "") -> RunData:
     """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
     Slurm records (JobID, State, Submit, Start, End), None when sacct is not available. `expected`:
     the expected goodput, else computed from `costs` (expected_goodput's keywords but solve_s) for
-    the productive time measured."""
+    the productive time measured; `expected_why`: why there is none, shown in its place."""
     now = time.time() if now is None else now
     events = read_events(run_dir / "events.jsonl")
     rows_all = read_events(run_dir / "metrics.jsonl")
@@ -76,7 +76,7 @@ def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict
         g.expected = expected_goodput(solve_s=g.seconds["productive"], **costs)
     return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
                    running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
-                   sacct=sacct_records is not None, evals=evals)
+                   sacct=sacct_records is not None, evals=evals, expected_why=expected_why)
 
 
 def dead_attempts(run_dir: Path, rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float,
@@ -164,14 +164,14 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
     return dict(sorted(out.items()))
 
 
-def goodput_table(g: Goodput, *, sacct: bool) -> str:
+def goodput_table(g: Goodput, *, sacct: bool, expected_why: str = "") -> str:
     """The headline (productive / allocated, the queue apart), the breakdown of the wall time by kind,
-    then expected goodput, MTBF and MTTR."""
+    then expected goodput (or `expected_why` there is none), MTBF and MTTR."""
     lines = [f"goodput: {g.goodput:.4f} measured (productive {g.seconds['productive']:.1f} s / allocated "
              f"{g.allocated_s:.1f} s; queue {g.seconds['queue_wait']:.1f} s apart"
              + ("" if sacct else ": sacct not available") + f"; {g.wall_goodput:.4f} of the wall time)"
              + (f", {g.expected:.4f} expected (jobs.plan's costs, start-up and restarts included)"
-                if g.expected is not None else ", expected: n/a (jobs.plan could not plan config.yaml)"),
+                if g.expected is not None else f", expected: n/a ({expected_why or 'not planned'})"),
              f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
              ]
     for k in KINDS:
@@ -198,6 +198,8 @@ def phase_table(phases: dict[int, dict[str, float]]) -> str:
     head = "  " + f"{'rank':>{w}} " + " ".join(f"{n:>12}" for n in names)
     cols = {n: [p[n] for p in phases.values() if n in p] for n in names}
     if len(phases) > PHASE_TABLE_RANKS:
+        import numpy as np  # lazy: jobs.status imports this file and never aggregates phases
+
         lines = [f"phases (median ms per step, {len(phases)} ranks aggregated):", head]
         for label, q in (("median", 50), ("p90", 90), ("max", 100)):
             lines.append("  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}"
@@ -228,7 +230,7 @@ def render_text(d: RunData) -> str:
             + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
                f"{d.evals[-1]['step']}" if d.evals else ""))
     parts = [head + _throughput(last), render_summary(d.events), _causes(d.attempts),
-             goodput_table(d.goodput, sacct=d.sacct)]
+             goodput_table(d.goodput, sacct=d.sacct, expected_why=d.expected_why)]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
     parts.append(straggler_table(d.events))
     parts.append(health_table(d.events))

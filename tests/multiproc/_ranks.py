@@ -18,6 +18,7 @@ from typing import Any
 
 import torch  # imported here, in the parent, so each forked rank skips the ~1 s import (notes item 14)
 import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo: lazy in parallel/, needed by every rank
 
 __all__ = ["run_ranks", "RanksResult", "free_port"]
 

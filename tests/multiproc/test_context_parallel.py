@@ -113,7 +113,7 @@ def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_p
     from tests.multiproc.test_parity import COMMON, STEPS, _reference
 
     world, mesh = TRAIN_MESHES[name]
-    ref = _reference([], data_path, tmp_path_factory)
+    ref, _ = _reference([], data_path, tmp_path_factory)  # (training losses, held-out losses)
     run = run_train([*COMMON, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"],
                     tmp_path_factory.mktemp(name))
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""Expert parallelism trains like one process: tiny_moe's loss and every gradient on ep2 / ep4 / ep2 x edp2 equal the
-single-process forward/backward of the same global batch, with exactly two token all-to-alls per MoE layer each way."""
+"""Expert parallelism trains like one process: tiny_moe's loss and every gradient on ep2 / ep4 / ep2 x edp2 / ep2 folded
+over cp2 (the two ranks hold different chunks of the same sequences) equal the single-process forward/backward of the
+same global batch, with exactly two token all-to-alls per MoE layer each way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jobs.config import compose
 from jobs.model import Transformer, init_weights
 from jobs.trainer import cross_entropy
 from parallel.config import MeshConfig
+from parallel.cp import zigzag_positions
 from parallel.dims import ParallelDims
 from parallel.recipe import parallelize
 from tests.multiproc._ranks import run_ranks
@@ -42,15 +44,16 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _ep_rank(rank: int, world: int, *, ep: int) -> dict:
-    """This rank's share of one forward/backward under (dp_shard=world, ep); returns the loss, the full grads and
-    the all_to_all_single calls counted by phase and kind (token rows vs the int64 count exchange)."""
-    dims = ParallelDims.from_config(MeshConfig(dp_shard=world, ep=ep), world_size=world)
+def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1) -> dict:
+    """This rank's share of one forward/backward under (dp_shard=world/cp, cp, ep); returns the loss, the full grads
+    and the all_to_all_single calls counted by phase and kind (token rows vs the int64 count exchange)."""
+    dims = ParallelDims.from_config(MeshConfig(dp_shard=world // cp, cp=cp, ep=ep), world_size=world)
     mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(_model_cfg())
     (model,), _ = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                              sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh)
+                              sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh, cp_impl="allgather",
+                              seq_len=SEQ)
     model.to_empty(device="cpu")
     init_weights(model, seed=0)
     calls: Counter = Counter()
@@ -64,8 +67,10 @@ def _ep_rank(rank: int, world: int, *, ep: int) -> dict:
     dist.all_to_all_single = counting
     try:
         x, y = _batch()
-        local = GLOBAL_BATCH // world
-        loss = cross_entropy(model(x[rank * local:(rank + 1) * local]), y[rank * local:(rank + 1) * local])
+        local, dp_rank = GLOBAL_BATCH // dims.dp, dims.dp_rank(mesh)
+        pos = zigzag_positions(SEQ, cp=cp, cp_rank=mesh["cp"].get_local_rank()) if cp > 1 else torch.arange(SEQ)
+        rows = slice(dp_rank * local, (dp_rank + 1) * local)
+        loss = cross_entropy(model(x[rows][:, pos]), y[rows][:, pos])
         phase[0] = "backward"
         loss.backward()
     finally:
@@ -76,10 +81,11 @@ def _ep_rank(rank: int, world: int, *, ep: int) -> dict:
     return {"loss": float(total) / world, "grads": grads, "calls": dict(calls)}
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2)], ids=["ep2", "ep4", "ep2_edp2"])
-def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int) -> None:
+@pytest.mark.parametrize("world,ep,cp", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (2, 2, 2)],
+                         ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2"])
+def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int, cp: int) -> None:
     ref_loss, ref_grads = _reference()
-    out = run_ranks(_ep_rank, world, ep=ep, timeout=240).results
+    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, timeout=240).results
     moe_layers = sum(1 for i in range(_model_cfg().n_layers) if i >= _model_cfg().n_dense_layers)
     for rank, r in out.items():
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
