@@ -19,6 +19,7 @@ from pathlib import Path
 from jobs.config import JobConfig
 from jobs.planner import arith as P
 from jobs.planner.gate import GiB, Plan, build_plan
+from jobs.validate import validate
 
 __all__ = ["Shape", "Candidate", "SearchResult", "predicted", "shapes", "search", "render_search", "write_top_k"]
 
@@ -48,9 +49,13 @@ class Shape:
                 f"mb{self.micro_batch} ac={self.ac}")
 
     def trainable(self, cfg: JobConfig) -> bool:
-        """Whether `python -m jobs.train` builds this shape (cp, ep, MoE and MLA are planned only)."""
-        m = cfg.model
-        return self.cp == 1 and cfg.mesh.ep == 1 and m.n_routed_experts == 0 and m.attention == "gqa"
+        """Whether `python -m jobs.train` builds this shape: the trainer's own validation accepts it (one rule
+        for both: ep only folded over dp_shard * cp, MLA without tp or cp, ...)."""
+        try:
+            validate(self.apply(cfg), training=True)
+        except ValueError:
+            return False
+        return True
 
     def overrides(self) -> list[str]:
         """Hydra overrides that set this shape on any config of the same model and world size."""
@@ -75,6 +80,7 @@ class Candidate:
     shape: Shape
     numbers: dict[str, float]  # predicted(): step_s, tokens_per_s, mfu, peak_bytes, bubble, goodput, in_flight
     own: bool = False  # the composed config's own shape
+    trainable: bool = False  # Shape.trainable, asked once per search
 
 
 @dataclass
@@ -259,7 +265,9 @@ def search(cfg: JobConfig) -> SearchResult:
     calls += 1
     if own is not None:
         ranked = [c for c in ranked if c.shape != own.shape] + [own]
-    ranked.sort(key=lambda c: (not c.shape.trainable(cfg), -c.numbers["tokens_per_s"]))  # what jobs.train builds first
+    for c in ranked:
+        c.trainable = c.shape.trainable(cfg)
+    ranked.sort(key=lambda c: (not c.trainable, -c.numbers["tokens_per_s"]))  # what jobs.train builds first
     return SearchResult(ranked, rejected, len(space), calls, time.perf_counter() - t0, cfg.world_size, own_why)
 
 
@@ -296,17 +304,17 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     shown = [(i, c) for i, c in enumerate(r.ranked) if i < rows or c.own]
     for i, c in shown:
         n = c.numbers
-        label = c.shape.label() + ("" if c.shape.trainable(cfg) else " ~")
+        label = c.shape.label() + ("" if c.trainable else " ~")
         L.append(f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
                  f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {_goodput_cell(n['goodput'])}"
                  f"  {n['in_flight']:9.0f}")
     own = r.own_rank()
-    built = [c for c in r.ranked if c.shape.trainable(cfg)]
+    built = [c for c in r.ranked if c.trainable]
     among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")
     L.append(f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else
              f"  this config is not ranked: {r.own_why}")
     L.append("  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer; "
-             "~: planned only (cp > 1, MoE, MLA are not built for training)")
+             "~: planned only (the trainer's validation refuses the shape: e.g. ep beside pp or tp, MLA with tp or cp)")
     L.append("")
     L.append(f"rejected: {sum(len(v) for v in r.rejected.values())} shapes")
     for key, items in sorted(r.rejected.items(), key=lambda kv: -len(kv[1])):
@@ -323,9 +331,9 @@ def write_top_k(r: SearchResult, cfg: JobConfig, *, k: int, out: str) -> list[st
     root = Path(out).resolve()
     (root / "search").mkdir(parents=True, exist_ok=True)
     lines, names = [], []
-    runnable = [c for c in r.ranked if c.shape.trainable(cfg)]
+    runnable = [c for c in r.ranked if c.trainable]
     if len(runnable) < len(r.ranked[:k]) or runnable[:k] != r.ranked[:k]:
-        lines.append(f"# the top {k} that jobs.train builds (planned-only shapes, cp > 1 / MoE / MLA, skipped)")
+        lines.append(f"# the top {k} that jobs.train builds (planned-only shapes skipped)")
     if not runnable:
         return lines + ["# none: jobs.train builds none of the ranked shapes"]
     for i, c in enumerate(runnable[:k], start=1):

@@ -1,0 +1,35 @@
+"""The search's "trainable" mark is the trainer's own validation: a shape jobs.train would refuse is planned only,
+and one it builds (cp, MoE with ep folded over dp_shard * cp) is not marked planned-only by a stale list."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.config import compose
+from jobs.planner.search import render_search, search
+
+MOE = ["model=tiny_moe", "mesh.ep=2", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
+       "train.global_batch=8", "checkpoint.interval=auto"]
+
+
+@pytest.fixture(scope="module")
+def moe():
+    cfg = compose(MOE)
+    return cfg, search(cfg)
+
+
+def test_an_moe_search_marks_trainable_exactly_the_shapes_the_trainer_builds(moe):
+    cfg, r = moe
+    # parallel/dims.py builds ep only folded over dp_shard * cp: beside pp, tp or dp_replicate it is refused
+    expected = {c.shape: c.shape.pp == c.shape.tp == c.shape.dp_replicate == 1 for c in r.ranked}
+    assert {c.shape: c.trainable for c in r.ranked} == expected
+    assert any(expected.values()) and not all(expected.values())  # both kinds are in the ranking
+    assert any(c.trainable and c.shape.cp > 1 for c in r.ranked)  # cp is built (the old list said planned only)
+    built = [c.trainable for c in r.ranked]
+    assert built == sorted(built, reverse=True)  # what jobs.train builds first
+
+
+def test_the_table_marks_only_the_refused_shapes_planned_only(moe):
+    cfg, r = moe
+    rows = render_search(r, cfg, rows=len(r.ranked)).splitlines()[3:3 + len(r.ranked)]
+    assert [row[6:54].rstrip().endswith("~") for row in rows] == [not c.trainable for c in r.ranked]  # the label column
