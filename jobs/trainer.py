@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from jobs.launch.rundir import run_id
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.moe import moe_layers, update_expert_bias
-from jobs.data import SAMPLE_LOG_VAR, BatchSource, sources_of
+from jobs.data import BatchSource, sources_of
 from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
@@ -167,7 +166,6 @@ class Trainer:
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
             dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
-            sample_log=os.environ.get(SAMPLE_LOG_VAR) if env.rank == 0 else None,
         )
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
                                    seq_positions=positions)

@@ -15,7 +15,6 @@ consumed count through epoch-wise permutations keyed by (seed, epoch[, stream]).
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,10 +28,9 @@ if TYPE_CHECKING:  # annotations only: the login node prepares the data file (jo
 
 from jobs.data.cursor import VERSION, Anchor, blend, file_identity, restore_anchor
 
-__all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS", "SAMPLE_LOG_VAR"]
+__all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS"]
 
 SPLITS = ("tokens", "heldout")  # dataset names: the training split and the held-out split
-SAMPLE_LOG_VAR = "MESHJOB_TEST_SAMPLE_LOG"  # tests only: rank 0 appends each training batch's global samples here
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,18 +123,18 @@ class BatchSource:
     (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set.
     Reads from the start until `restore` puts it at a checkpoint's cursor; `cursor` is what to save.
     `seq_positions` (context parallel): only the inputs at those positions of a sample, and their targets.
-    `sample_log` (tests): a file that gets one JSON line per batch with its global (source, sample) pairs."""
+    `indices` names a data step's global samples."""
 
     def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
                  seq_len: int, dp_rank: int, dp: int, split: str = "tokens",
-                 seq_positions: torch.Tensor | None = None, sample_log: str | None = None) -> None:
+                 seq_positions: torch.Tensor | None = None) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
         self.paths = [Path(p) for p, _ in sources]
         self.weights = [float(w) for _, w in sources]
         self.seed, self.global_batch, self.seq_len, self.split = seed, global_batch, seq_len, split
-        self.dp_rank, self.dp, self.sample_log = dp_rank, dp, sample_log
+        self.dp_rank, self.dp = dp_rank, dp
         self.seq_positions = seq_positions
         self._splits: list[_Split] | None = None
         zeros = [0] * len(self.paths)
@@ -194,7 +192,8 @@ class BatchSource:
                          f"{self.anchor.data_step} reads on from global sample {self.anchor.position}, the first unread")
         return notes
 
-    def batch(self, data_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def indices(self, data_step: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The global samples of a data step: (its global position, source of each, sample within its source)."""
         splits = self._open()
         start = self._position(data_step)
         consumed = self._consumed_at(start)
@@ -202,10 +201,11 @@ class BatchSource:
                            sizes=[s.num_samples for s in splits], weights=self.weights)
         self._at = (start + self.global_batch,
                     [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))])
-        if self.sample_log:
-            with open(self.sample_log, "a") as f:
-                f.write(json.dumps({"data_step": data_step, "position": start, "source": src.tolist(),
-                                    "sample": sample.tolist()}) + "\n")
+        return start, src, sample
+
+    def batch(self, data_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        splits = self._open()
+        _, src, sample = self.indices(data_step)
         local = self.global_batch // self.dp
         mine = slice(self.dp_rank * local, (self.dp_rank + 1) * local)
         src, sample = src[mine], sample[mine]

@@ -70,11 +70,14 @@ def two_files(tmp_path) -> list[tuple[str, float]]:
 
 
 def _read(mix, log, steps, *, global_batch: int, saved: dict | None = None, **kw) -> BatchSource:
-    src = BatchSource(mix, seed=7, global_batch=global_batch, seq_len=8, dp_rank=0, dp=1, sample_log=str(log))
+    src = BatchSource(mix, seed=7, global_batch=global_batch, seq_len=8, dp_rank=0, dp=1)
     if saved is not None:
         src.restore(saved, **kw)
-    for d in steps:
-        src.batch(d)
+    with open(log, "a") as f:
+        for d in steps:
+            start, source, sample = src.indices(d)
+            f.write(json.dumps({"data_step": d, "position": start, "source": source.tolist(),
+                                "sample": sample.tolist()}) + "\n")
     return src
 
 
