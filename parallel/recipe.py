@@ -60,34 +60,50 @@ def parallelize(
     expert-data-parallel axis before the blocks are wrapped (parallel/ep.py).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
-    if dims.pp > 1:
-        num_stages = dims.pp * stages_per_rank
-        stages = stage_ids(mesh["pp"].get_local_rank(), dims.pp, stages_per_rank, pp_schedule)
-        ranges = layer_ranges(len(model.layers), num_stages, layers_per_stage=pp_layers_per_stage)
-        parts = [split_stage(model, s, ranges) for s in stages]
-    else:
-        stages, parts = [0], [model]
+    stages, parts = _pipeline_parts(model, dims=dims, mesh=mesh, stages_per_rank=stages_per_rank,
+                                    pp_schedule=pp_schedule, pp_layers_per_stage=pp_layers_per_stage)
     rank_layers = [int(k) for part in parts for k in part.layers.keys()]  # selective AC counts over all of them
     for part in parts:
-        has_experts = any(is_grouped_experts(m) for m in part.modules())
-        if dims.tp_enabled and has_experts:
-            raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model: tensor parallel of MoE blocks is not built "
-                             "yet; set mesh.tp=1 (the experts shard over mesh.ep)")
-        if dims.cp_enabled:
-            apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
-        if dims.tp_enabled:
-            apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        apply_ac(part, mode=activation_checkpointing, every=ac_every, rank_layers=rank_layers)
-        if ep_mesh is not None:
-            apply_ep(part, ep_mesh["ep"])
-        if compile:
-            apply_compile(part)
-        if ep_mesh is not None:
-            apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
-                              mp_policy=fsdp_policy(mixed_precision))
-        if dims.fsdp_enabled:
-            apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
-                       mp_policy=fsdp_policy(mixed_precision))
-        elif mixed_precision == "bf16":
-            apply_autocast(part, device_type=mesh.device_type)
+        _shard_part(part, dims=dims, mesh=mesh, ep_mesh=ep_mesh, rank_layers=rank_layers, cp_impl=cp_impl,
+                    seq_len=seq_len, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                    activation_checkpointing=activation_checkpointing, ac_every=ac_every, compile=compile,
+                    fsdp_per_block=fsdp_per_block, mixed_precision=mixed_precision)
     return parts, stages
+
+
+def _pipeline_parts(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, stages_per_rank: int,
+                    pp_schedule: str, pp_layers_per_stage) -> tuple[list[int], list[nn.Module]]:
+    """(stage ids, parts) this rank holds: its pipeline stages split off `model`, or the whole model without pp."""
+    if dims.pp == 1:
+        return [0], [model]
+    num_stages = dims.pp * stages_per_rank
+    stages = stage_ids(mesh["pp"].get_local_rank(), dims.pp, stages_per_rank, pp_schedule)
+    ranges = layer_ranges(len(model.layers), num_stages, layers_per_stage=pp_layers_per_stage)
+    return stages, [split_stage(model, s, ranges) for s in stages]
+
+
+def _shard_part(part: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, ep_mesh: DeviceMesh | None,
+                rank_layers: list[int], cp_impl: str, seq_len: int, sequence_parallel: bool, loss_parallel: bool,
+                activation_checkpointing: str, ac_every: int, compile: bool, fsdp_per_block: bool,
+                mixed_precision: str) -> None:
+    """Steps 1b-5 of `parallelize` on one part, in that order."""
+    if dims.tp_enabled and any(is_grouped_experts(m) for m in part.modules()):
+        raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model: tensor parallel of MoE blocks is not built "
+                         "yet; set mesh.tp=1 (the experts shard over mesh.ep)")
+    if dims.cp_enabled:
+        apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
+    if dims.tp_enabled:
+        apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_ac(part, mode=activation_checkpointing, every=ac_every, rank_layers=rank_layers)
+    if ep_mesh is not None:
+        apply_ep(part, ep_mesh["ep"])
+    if compile:
+        apply_compile(part)
+    if ep_mesh is not None:
+        apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
+                          mp_policy=fsdp_policy(mixed_precision))
+    if dims.fsdp_enabled:
+        apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
+                   mp_policy=fsdp_policy(mixed_precision))
+    elif mixed_precision == "bf16":
+        apply_autocast(part, device_type=mesh.device_type)
