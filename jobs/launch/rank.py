@@ -69,6 +69,20 @@ def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.dev
     return device
 
 
+def _alike_on_every_rank(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, events: EventLog, guards: tuple, *,
+                         cls: str, error: BaseException, fallback: int) -> int:
+    """An error every rank meets alike (the same all-reduced losses, the same files): rank 0 records the failure
+    and decides, the others wait for its decision (`fallback` if none comes)."""
+    for guard in guards:
+        guard.stop()
+    if env.rank != 0:
+        d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+        return int(d["exit_code"]) if d else fallback
+    claim(cfg.run.dir, env.attempt)
+    events.emit("failure", cls=cls, error=str(error), suspects=[])
+    return conclude(ctx, cause=cls, step=guards[0].beat.step)
+
+
 def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises).
     `stop` was installed at process start, before anything else could take time."""
@@ -102,25 +116,13 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         outcome = trainer.fit()
     except LossDiverged as e:  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
         log.error("%s", e)
-        watchdog.stop()
-        health.stop()
-        if env.rank != 0:  # every rank saw the same all-reduced losses; rank 0 records and decides
-            d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
-            return int(d["exit_code"]) if d else exitcodes.DIVERGED
-        claim(cfg.run.dir, env.attempt)
-        events.emit("failure", cls=e.cls, error=str(e), suspects=[])
-        return conclude(ctx, cause=e.cls, step=watchdog.beat.step)
+        return _alike_on_every_rank(cfg, env, ctx, events, (watchdog, health), cls=e.cls, error=e,
+                                    fallback=exitcodes.DIVERGED)
     except (DataChanged, CheckpointConfigError) as e:  # a data file changed since the checkpoint (jobs/data/cursor.py),
         # or the RAM checkpoint tier does not fit (checkpoint/memory_tier.py): alike on every rank, no restart cures it
         log.error("config error: %s", e)
-        watchdog.stop()
-        health.stop()
-        if env.rank != 0:
-            d = read_decision(cfg.run.dir, env.attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
-            return int(d["exit_code"]) if d else exitcodes.CONFIG_ERROR
-        claim(cfg.run.dir, env.attempt)
-        events.emit("failure", cls="config_error", error=str(e), suspects=[])
-        return conclude(ctx, cause="config_error", step=watchdog.beat.step)
+        return _alike_on_every_rank(cfg, env, ctx, events, (watchdog, health), cls="config_error", error=e,
+                                    fallback=exitcodes.CONFIG_ERROR)
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
         log.error("%s during %s: %s", type(e).__name__, during, e,
                   exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
