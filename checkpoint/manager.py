@@ -103,11 +103,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         self.mtbf_s = mtbf_s
         self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
-        # The RAM tier (checkpoint/memory_tier.py): node-local copies under a folder named by the run's identity.
-        self.run_id = run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}"
-        self.memory_root = memory_root(cfg.memory_dir, self.run_id)
-        self._last_memory_step = 0
-        self._capacity_checked = False
+        self._init_memory_tier(run_id)
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
         if self._dist and not (dist.is_available() and dist.is_initialized()):
@@ -122,6 +118,25 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
+        self._init_interval_state()
+        # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
+        # and the auto interval must come out the same on every rank.
+        self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
+        # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
+        # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
+        self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
+        hosts = self._all_gather(platform.node(), self._ctl_pg)
+        self.fingerprint = env_fingerprint(hosts=hosts)
+
+    def _init_memory_tier(self, run_id: str) -> None:
+        """The RAM tier (checkpoint/memory_tier.py): node-local copies under a folder named by the run's identity."""
+        self.run_id = run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}"
+        self.memory_root = memory_root(self.cfg.memory_dir, self.run_id)
+        self._last_memory_step = 0
+        self._capacity_checked = False
+
+    def _init_interval_state(self) -> None:
+        """What the saves learn as they go: the state dict's bindings and the save cost behind the interval."""
         self._hooks: list[Any] = []
         self._bound: dict[str, Any] | None = None
         self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
@@ -134,14 +149,6 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         self._plain_times: list[float] = []
         self._interval_steps: int | None = None  # auto mode: the current interval in steps
         self.last_plan: dict[str, Any] | None = None
-        # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
-        # and the auto interval must come out the same on every rank.
-        self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
-        # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
-        # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
-        self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
-        hosts = self._all_gather(platform.node(), self._ctl_pg)
-        self.fingerprint = env_fingerprint(hosts=hosts)
 
     # ------------------------------------------------------------------ public API
 
