@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from jobs.launch.slurm_state import ACTIVE_STATES, job_state
+
 REPO = Path(__file__).resolve().parents[2]
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
          "REQUEUED"}  # a REQUEUED record is final; the attempt after it has its own record
@@ -42,6 +44,15 @@ def wait_final(job_id: str, *, count: int = 1, timeout: float = 360) -> list[dic
             return recs
         time.sleep(1)
     raise AssertionError(f"job {job_id} not finished after {timeout} s: {recs}")
+
+
+def wait_ended(job_id: str, *, timeout: float = 120) -> None:
+    """Polls the controller until the job is in none of Slurm's active states: sacct may record CANCELLED while
+    scontrol still shows COMPLETING (the epilog and the ranks' teardown), and the product counts that as live."""
+    deadline = time.monotonic() + timeout
+    while (state := job_state(job_id).state) in ACTIVE_STATES:
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
+        time.sleep(1)
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:

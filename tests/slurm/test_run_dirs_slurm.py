@@ -12,7 +12,7 @@ import pytest
 
 from jobs.events import read_events
 from jobs.launch.rundir import read_owner
-from tests.slurm.slurm_helpers import cli, submitted_job_id, wait_final
+from tests.slurm.slurm_helpers import cli, submitted_job_id, wait_ended, wait_final
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -65,6 +65,7 @@ def test_second_job_pointed_at_a_live_run_dir_with_another_mesh_is_refused_on_th
     assert [p.name for p in (run_root / "slurm").iterdir() if not p.name.startswith(".")] == [first]
     assert read_owner(run_root)["last"]["job_id"] == first
     wait_final(first, timeout=120)
+    wait_ended(first)  # sacct's CANCELLED comes while scontrol may still show COMPLETING: that is still live
     # The first job has ended: a start that changes what the run is, is still refused, naming the keys.
     third = cli("jobs.train", *dp2, "optim.lr=0.001")
     assert third.returncode == 2, third.stdout + third.stderr
