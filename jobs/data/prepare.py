@@ -20,7 +20,10 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import h5py
@@ -38,12 +41,15 @@ _BATCH_CHARS = 1 << 20  # characters tokenized per encode_batch call, at most (p
 _FLUSH_TOKENS = 1 << 20  # tokens buffered before an append to the file
 _CHUNK = 1 << 16  # HDF5 chunk of the token streams
 _MANIFEST_CHUNK = 1 << 12  # HDF5 chunk of the manifest (bytes)
+_AHEAD = 2  # batches read and queued for encoding ahead of the one being stored (overlap)
 _STREAMS = ("tokens", "heldout")  # the token streams: training documents, held-out documents
 
 
-def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], None] | None = None) -> dict:
+def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], None] | None = None,
+                 overlap: bool = True) -> dict:
     """Tokenizes cfg.inputs into cfg.path (appending to an existing file); returns the manifest.
-    ValueError (InputError for a malformed file) before anything is written."""
+    ValueError (InputError for a malformed file) before anything is written. `overlap=False`: reading and
+    encoding take turns in one thread (the serial baseline of scripts/bench/prepare_parallel.py; same bytes)."""
     say = progress or (lambda msg: print(f"prepare_data: {msg}", file=sys.stderr, flush=True))
     out = Path(cfg.path)
     inputs = _check_inputs(cfg)
@@ -61,7 +67,7 @@ def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], 
     tok = _tokenizer(cfg, given=given, out=out, old=old, new=[p for p, _ in new], vocab_size=vocab_size, say=say)
     origin = old["tokenizer"] if old else (cfg.tokenizer or f"byte-level BPE trained on the inputs (model.vocab_size={vocab_size})")
     return _write(out, tok, new=new, old=old, heldout_fraction=cfg.heldout_fraction, doc_per=cfg.doc_per,
-                  origin=origin, say=say)
+                  origin=origin, overlap=overlap, say=say)
 
 
 def _check_inputs(cfg: DataConfig) -> list[Path]:
@@ -172,21 +178,28 @@ def _token_dtype(vocab: int) -> type:
 
 
 def _write(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict | None, heldout_fraction: float, doc_per: str,
-           origin: str, say: Callable[[str], None]) -> dict:
+           origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, say=say)
+    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap,
+              say=say)
     manifest = _append(out, tok, **kw) if old is not None else _create(out, tok, **kw)
     added = sum(c["tokens"] + c["heldout_tokens"] for c in manifest["files"][len(old["files"]) if old else 0:])
     secs = time.perf_counter() - t0
     say(f"wrote {out}: {manifest['documents']} documents, {manifest['tokens']} training and "
         f"{manifest['heldout_tokens']} held-out tokens, vocabulary {manifest['vocab_size']}; "
-        f"{added} tokens added in {secs:.1f} s ({added / max(secs, 1e-9):,.0f} tokens/s, tokenizing and writing)")
+        f"{added} tokens added in {secs:.1f} s ({added / max(secs, 1e-9):,.0f} tokens/s, tokenizing and writing; "
+        f"{_cores()} core(s) to encode{', overlapped with reading' if overlap else ''})")
     return manifest
 
 
+def _cores() -> int:
+    """The cores this process may use (Slurm's, taskset's), which the `tokenizers` batch encode spreads over."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _create(out: Path, tok, *, new: list[tuple[Path, dict]], old: None, heldout_fraction: float, doc_per: str,
-            origin: str, say: Callable[[str], None]) -> dict:
+            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
     """A new file, written to a temporary name renamed at the end: an error leaves nothing behind."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
@@ -196,7 +209,7 @@ def _create(out: Path, tok, *, new: list[tuple[Path, dict]], old: None, heldout_
             streams = {name: f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,),
                                               track_times=False) for name in _STREAMS}
             files = [{**meta, **_append_file(path, tok, streams, eos=eos, fraction=heldout_fraction, doc_per=doc_per,
-                                             say=say)} for path, meta in new]
+                                             overlap=overlap, say=say)} for path, meta in new]
             manifest = _manifest(files, tok, eos=eos, heldout_fraction=heldout_fraction, origin=origin)
             _put_manifest(f, manifest)
             _put_bytes(f, "tokenizer_json", tok.to_str().encode())
@@ -210,12 +223,13 @@ def _create(out: Path, tok, *, new: list[tuple[Path, dict]], old: None, heldout_
 
 
 def _append(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_fraction: float, doc_per: str,
-            origin: str, say: Callable[[str], None]) -> dict:
+            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
     """Appends in place (the streams grow, nothing is rewritten), unless the file cannot grow where it is: its
     streams have a fixed size (made before appends were in place), or another process holds it open (HDF5's file
-    lock: a run reading it keeps reading the file it opened; or this process has it open to read). Then to a resizable
-    copy renamed over it."""
-    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, say=say)
+    lock: a run reading it keeps reading the file it opened; or this process has it open to read). Then to a
+    resizable copy renamed over it."""
+    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap,
+              say=say)
     try:
         f = h5py.File(out, "a")
     except OSError as e:  # BlockingIOError: another process has it open; or this one has, read-only
@@ -242,7 +256,7 @@ def _append(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_
 
 
 def _extend(f: h5py.File, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_fraction: float, doc_per: str,
-            origin: str, say: Callable[[str], None]) -> dict:
+            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
     """The append proper, in this order: the streams grow and their data reach the disk, then the manifest is
     replaced (the commit). An error on the way cuts the streams back and puts the old manifest back; a process
     killed before the commit leaves streams longer than the manifest says, which the next append cuts back (and
@@ -253,7 +267,7 @@ def _extend(f: h5py.File, tok, *, new: list[tuple[Path, dict]], old: dict, heldo
         streams = {name: f[name] for name in _STREAMS}
         files = old["files"] + [
             {**meta, **_append_file(path, tok, streams, eos=int(old["eos_id"]), fraction=heldout_fraction,
-                                    doc_per=doc_per, say=say)} for path, meta in new]
+                                    doc_per=doc_per, overlap=overlap, say=say)} for path, meta in new]
         _sync(f)  # the data first
         manifest = _manifest(files, tok, eos=int(old["eos_id"]), heldout_fraction=heldout_fraction, origin=origin)
         _put_manifest(f, manifest)
@@ -276,7 +290,8 @@ def _cut_to_manifest(f: h5py.File, old: dict, say: Callable[[str], None]) -> dic
             raise ValueError(f"{f.filename}: its {name} stream holds {have} tokens, fewer than the {n} its manifest "
                              "counts: the file is damaged; prepare the corpus again into a new data.path")
         if have > n:
-            say(f"{f.filename}: {have - n} {name} tokens past its manifest (an append stopped before its commit): cut off")
+            say(f"{f.filename}: {have - n} {name} tokens past its manifest (an append stopped before its commit): "
+                "cut off")
             f[name].resize((n,))
     return want
 
@@ -305,44 +320,71 @@ def _copy_resizable(src: Path, dst: Path) -> None:
 _COUNT = {False: ("tokens", "documents"), True: ("heldout_tokens", "heldout_documents")}  # held out -> counters
 
 
-def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, doc_per: str,
+def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, doc_per: str, overlap: bool,
                  say: Callable[[str], None]) -> dict:
     """Tokenizes one file's pieces into the two streams (a document's split is chosen by its first piece, so a
     long document's pieces never straddle it); returns its counts."""
     bufs: dict[str, list[np.ndarray]] = {"tokens": [], "heldout": []}
     counts = {"documents": 0, "heldout_documents": 0, "tokens": 0, "heldout_tokens": 0}
-    batch: list[tuple[str, bool]] = []
-    doc = {"starts": True, "held": False}
-
-    def encode() -> None:
-        for (text, ends), enc in zip(batch, tok.encode_batch([t for t, _ in batch], add_special_tokens=False)):
-            if doc["starts"]:
-                doc["held"] = _is_heldout(text, fraction)
-            name = "heldout" if doc["held"] else "tokens"
-            ids = np.asarray(enc.ids + [eos] if ends else enc.ids, dtype=streams[name].dtype)
-            bufs[name].append(ids)
-            tokens, documents = _COUNT[doc["held"]]
-            counts[tokens] += len(ids)
-            counts[documents] += ends
-            doc["starts"] = ends
-        batch.clear()
-        if sum(len(b) for bs in bufs.values() for b in bs) >= _FLUSH_TOKENS:
-            _flush(streams, bufs)
-            say(f"{path}: {counts['documents'] + counts['heldout_documents']} documents, "
-                f"{counts['tokens'] + counts['heldout_tokens']} tokens")
-
-    chars = 0
-    for piece in pieces(path, doc_per=doc_per):
-        batch.append(piece)
-        chars += len(piece[0])
-        if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
-            encode()
-            chars = 0
-    encode()
+    starts, held = True, False
+    with closing(_encoded(tok, _batches(path, doc_per), overlap=overlap)) as encoded:  # an error stops the thread
+        for batch, encodings in encoded:
+            for (text, ends), enc in zip(batch, encodings):
+                if starts:
+                    held = _is_heldout(text, fraction)
+                name = "heldout" if held else "tokens"
+                ids = np.asarray(enc.ids + [eos] if ends else enc.ids, dtype=streams[name].dtype)
+                bufs[name].append(ids)
+                tokens, documents = _COUNT[held]
+                counts[tokens] += len(ids)
+                counts[documents] += ends
+                starts = ends
+            if sum(len(b) for bs in bufs.values() for b in bs) >= _FLUSH_TOKENS:
+                _flush(streams, bufs)
+                say(f"{path}: {counts['documents'] + counts['heldout_documents']} documents, "
+                    f"{counts['tokens'] + counts['heldout_tokens']} tokens")
     _flush(streams, bufs)
     say(f"{path}: {counts['documents']} + {counts['heldout_documents']} held-out documents, "
         f"{counts['tokens'] + counts['heldout_tokens']} tokens")
     return counts
+
+
+def _batches(path: Path, doc_per: str) -> Iterator[list[tuple[str, bool]]]:
+    """One file's pieces in batches of at most _BATCH_DOCS pieces and about _BATCH_CHARS characters."""
+    batch, chars = [], 0
+    for piece in pieces(path, doc_per=doc_per):
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(tok, batches: Iterator[list[tuple[str, bool]]], *, overlap: bool) -> Iterator[tuple[list, list]]:
+    """(batch, its encodings), in the order of `batches`. `overlap`: the encoding runs in a thread (the `tokenizers`
+    batch encode releases the GIL and uses every core the process may use) while this one reads the next batches
+    and the caller stores the previous ones; at most _AHEAD batches in flight (bounded memory). The same output
+    either way: the same batches, encoded alike, taken in order."""
+    def encode(batch: list[tuple[str, bool]]) -> tuple[list, list]:
+        return batch, tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
+
+    if not overlap:
+        yield from map(encode, batches)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+        ahead: deque[Future] = deque()
+        try:
+            for batch in batches:
+                ahead.append(pool.submit(encode, batch))
+                if len(ahead) > _AHEAD:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+        finally:  # an error (a malformed line, a failed write): what is queued is not encoded for nothing
+            for future in ahead:
+                future.cancel()
 
 
 def _flush(streams: dict, bufs: dict[str, list[np.ndarray]]) -> None:

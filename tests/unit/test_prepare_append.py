@@ -63,8 +63,11 @@ def _chunks(path) -> dict[str, list[tuple[int, bytes]]]:
 
 def _kept(old: dict, new: dict) -> bool:
     """Every old chunk where it was, its bytes unchanged (the last one, partly filled, only grew)."""
-    return all(len(old[n]) >= 2 and new[n][:len(old[n]) - 1] == old[n][:-1] and new[n][len(old[n]) - 1][0] == old[n][-1][0]
-               and new[n][len(old[n]) - 1][1].startswith(old[n][-1][1]) for n in _STREAMS)
+    def kept(o: list, n: list) -> bool:
+        last = n[len(o) - 1]
+        return len(o) >= 2 and n[:len(o) - 1] == o[:-1] and last[0] == o[-1][0] and last[1].startswith(o[-1][1])
+
+    return all(kept(old[name], new[name]) for name in _STREAMS)
 
 
 def _written() -> int:
@@ -190,3 +193,24 @@ def test_a_file_open_elsewhere_is_appended_to_a_copy_and_the_reader_keeps_its_fi
     assert int(kept) == n  # the reader read on from the file it opened
     _prepare([a, b], tmp_path / "whole.h5", tokenizer=tok)
     assert _same(out, tmp_path / "whole.h5")
+
+
+def test_overlapped_tokenization_writes_the_same_bytes_as_the_serial_path(tmp_path, corpus, monkeypatch) -> None:
+    a, b, c, tok = corpus
+    monkeypatch.setattr(prepare, "_BATCH_DOCS", 7)  # many batches in flight, and several flushes per file
+    monkeypatch.setattr(prepare, "_FLUSH_TOKENS", 500)
+    for overlap in (False, True):
+        cfg = DataConfig(name="tokenized", path=str(tmp_path / f"{overlap}.h5"), inputs=[str(a), str(b)],
+                         heldout_fraction=0.2, tokenizer=str(tok))
+        prepare_data(cfg, vocab_size=384, progress=lambda _: None, overlap=overlap)
+        cfg.inputs.append(str(c))  # and an append
+        prepare_data(cfg, vocab_size=384, progress=lambda _: None, overlap=overlap)
+    assert (tmp_path / "False.h5").read_bytes() == (tmp_path / "True.h5").read_bytes()
+    eos, m = read_manifest(tok)["eos_id"], read_manifest(tmp_path / "True.h5")
+    texts = [t for t, _ in prepare.pieces(c, doc_per="paragraph")]  # c's documents, each one piece
+    encoded = prepare.read_tokenizer(tok).encode_batch(texts, add_special_tokens=False)  # the plain batch encode
+    with h5py.File(tmp_path / "True.h5") as f:
+        for name, held in (("tokens", False), ("heldout", True)):
+            key = "heldout_tokens" if held else "tokens"
+            want = [i for t, e in zip(texts, encoded) if prepare._is_heldout(t, 0.2) == held for i in e.ids + [eos]]
+            assert f[name][m[key] - m["files"][2][key]:].tolist() == want  # the ids c was appended as
