@@ -46,6 +46,9 @@ def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int, eval_sa
     if cfg.name == "synthetic":
         if cfg.sources:
             raise ValueError("data.sources mixes tokenized files: use it with data=tokenized")
+        if cfg.sample_overlap:
+            raise ValueError("data.sample_overlap=true cuts a tokenized stream into overlapping samples; the synthetic "
+                             "file's rows are separate samples: drop it, or use data=tokenized")
         return _ensure_synthetic(cfg, vocab_size=vocab_size, sample_len=sample_len)
     for path, weight in sources_of(cfg):
         if weight <= 0:
