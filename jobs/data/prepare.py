@@ -275,7 +275,8 @@ def _extend(f: h5py.File, tok, *, new: list[tuple[Path, dict]], old: dict, heldo
     except BaseException:
         for name, n in committed.items():
             f[name].resize((n,))
-        _put_bytes(f, "manifest", before.tobytes(), resizable=True)
+        if not np.array_equal(f["manifest"][:], before):
+            _put_bytes(f, "manifest", before.tobytes(), resizable=True)
         raise
     return manifest
 
