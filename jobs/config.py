@@ -72,6 +72,7 @@ class DataConfig:
     tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
     doc_per: str = "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
     accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
+    sample_overlap: bool = False  # tokenized: consecutive samples share one token (sample i starts at token i * train.seq_len), so every transition is a target; false: non-overlapping samples of train.seq_len + 1
 
 
 @dataclass

@@ -166,6 +166,7 @@ class Trainer:
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
             dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
+            sample_overlap=cfg.data.sample_overlap,
         )
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
                                    seq_positions=positions)
