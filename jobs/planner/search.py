@@ -7,6 +7,8 @@ cheap rule says so (divisibility, batch arithmetic, a lower bound on memory), an
 Activation checkpointing is not a free axis: a shape takes the cheapest mode that fits (none, then
 selective, then full), since the others only add recomputation. Every number the ranking uses is read
 from a `Plan` by `predicted()`, so the step-time model behind it can change without touching the rest.
+A shape is trainable when the trainer's own validation accepts it; `plan.search_trainable_only` (default true:
+the ranking is advice to submit) ranks only those and lists the others as one rejection, `false` ranks them after.
 """
 
 from __future__ import annotations
