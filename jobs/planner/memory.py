@@ -275,9 +275,9 @@ def rank_memory(
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
     in_flight = layers_in_flight(pp=pp, microbatches=microbatches, layers_on_rank=sum(len(st.layers) for st in stages),
                                  stages_per_rank=stages_per_rank, schedule=schedule, pp_rank=pp_rank)
-    tokens = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+    mb_shape = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
     act = functools.partial(_stage_activation_bytes, m, stages, in_flight=in_flight, ep=ep, ac_every=ac_every,
-                            sequence_parallel=sequence_parallel, **tokens)
+                            sequence_parallel=sequence_parallel, **mb_shape)
     return RankMemory(
         params_elems=params_elems,
         params_bytes=params_elems * PARAM_BYTES,
@@ -286,11 +286,11 @@ def rank_memory(
         unsharded_bytes=_fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
                                           compute_bytes=compute_bytes),
         activation_bytes=act(activation_checkpointing=activation_checkpointing),
-        logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **tokens),
+        logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **mb_shape),
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
         p2p_bytes=pp_recv_bytes(m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel,
-                                **tokens),
+                                **mb_shape),
         autocast_bytes=autocast_copy_bytes(m, stages, in_flight=in_flight, tp=tp, ep=ep, ac_every=ac_every,
                                            activation_checkpointing=activation_checkpointing) if autocast else 0,
     )
