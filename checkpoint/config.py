@@ -20,6 +20,7 @@ class CheckpointConfig:
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
     memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off
     memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
+    memory_replicas: int | None = None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):
@@ -40,11 +41,14 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.memory_every_steps({self.memory_every_steps}) must be >= 0 (0 = no RAM tier)")
         if self.memory_every_steps > 0 and not self.memory_dir:
             raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
+        if self.memory_replicas is not None and self.memory_replicas not in (0, 1):
+            raise ValueError(f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
+                             "has more than one node): one partner copy, on the next node, is what is built")
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
 
 
 def memory_root(memory_dir: str, run_id: str) -> Path:
-    """One run's folder of the RAM tier on a node: `checkpoint.memory_dir/meshjob-<run id>`; the run's identity
-    in the path, so no run ever lists another's copies."""
+    """One run's folder of the RAM tier: `checkpoint.memory_dir/meshjob-<run id>`, holding one folder per node
+    (named by CheckpointManager's `node`); the run's identity in the path, so no run ever lists another's copies."""
     return Path(memory_dir) / f"meshjob-{run_id}"
