@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoint.errors import CheckpointConfigError
+
 
 @dataclass
 class CheckpointConfig:
@@ -52,3 +54,18 @@ def memory_root(memory_dir: str, run_id: str) -> Path:
     """One run's folder of the RAM tier: `checkpoint.memory_dir/meshjob-<run id>`, holding one folder per node
     (named by CheckpointManager's `node`); the run's identity in the path, so no run ever lists another's copies."""
     return Path(memory_dir) / f"meshjob-{run_id}"
+
+
+def replicas_for(memory_replicas: int | None, *, nodes: int, memory_every_steps: int) -> int:
+    """The partner copies this job keeps of each rank's RAM shard: checkpoint.memory_replicas, or (null) 1 when
+    the RAM tier is on and the job has more than one node. Raises CheckpointConfigError (a ValueError) naming the
+    override when a partner copy is asked for on one node (there is no other node to hold it)."""
+    if memory_every_steps <= 0:
+        return 0
+    if memory_replicas is None:
+        return 1 if nodes > 1 else 0
+    if memory_replicas > 0 and nodes < 2:
+        raise CheckpointConfigError(
+            f"checkpoint.memory_replicas={memory_replicas} copies each rank's RAM shard to a rank on another node, "
+            f"but the job has {nodes} node: set checkpoint.memory_replicas=0 (or null) or launcher.nodes >= 2")
+    return memory_replicas

@@ -15,27 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoint.config import replicas_for
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest
 
 __all__ = ["PARTNER", "replicas_for", "partner_ranks", "plan_memory_load", "pack_folder", "commit_folder", "exchange"]
 
 PARTNER = "memory_partner"  # the `tier` of a checkpoint_loaded record when some rank read its partner's copy
-
-
-def replicas_for(memory_replicas: int | None, *, nodes: int, memory_every_steps: int) -> int:
-    """The partner copies this job keeps of each rank's RAM shard: checkpoint.memory_replicas, or (null) 1 when
-    the RAM tier is on and the job has more than one node. Raises CheckpointConfigError (a ValueError) naming the
-    override when a partner copy is asked for on one node (there is no other node to hold it)."""
-    if memory_every_steps <= 0:
-        return 0
-    if memory_replicas is None:
-        return 1 if nodes > 1 else 0
-    if memory_replicas > 0 and nodes < 2:
-        raise CheckpointConfigError(
-            f"checkpoint.memory_replicas={memory_replicas} copies each rank's RAM shard to a rank on another node, "
-            f"but the job has {nodes} node: set checkpoint.memory_replicas=0 (or null) or launcher.nodes >= 2")
-    return memory_replicas
 
 
 def partner_ranks(nodes: list[str]) -> list[int]:

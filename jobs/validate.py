@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from checkpoint.partner import replicas_for
+from checkpoint.config import replicas_for
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from jobs.planner.params import attention_head_dims
