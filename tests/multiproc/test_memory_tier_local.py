@@ -46,10 +46,14 @@ def _rank_pids(run_dir: Path, launcher: int) -> dict[int, int]:
 
 
 def _complete_ram_step(root: Path) -> int | None:
-    """The newest step both ranks hold committed in the RAM tier from the same save (what a restart would load)."""
+    """The newest step both ranks hold committed in the RAM tier from the same save (what a restart would load),
+    when no RAM save is under way (one committed step per rank, no temporary folder: the saves are asynchronous,
+    and a moment between a save's commit and the deletion of the older step would leave a second RAM candidate)."""
     held = []
     for r in (0, 1):
         steps = {}
+        if any((root / f"rank_{r}").glob("*.tmp")) or len(step_dirs(root / f"rank_{r}")) != 1:
+            return None
         for s, d in step_dirs(root / f"rank_{r}"):
             try:
                 steps[s] = read_manifest(d, step=s)["attempt"]
