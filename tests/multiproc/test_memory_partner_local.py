@@ -22,16 +22,20 @@ from checkpoint.manifest import read_manifest, step_dirs
 from jobs.events import read_events
 from jobs.launch.rundir import run_id
 from jobs.status import status_text
+from jobs.telemetry.phases import SLOW_PHASE_VAR
 from tests.conftest import REPO, assert_states_bitwise
 from tests.multiproc.test_memory_tier_local import RUN_S, _losses, _rank_pids, _wait_for
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(4 * RUN_S)]
 
-STEPS = 10
+STEPS = 8
 # no filesystem checkpoint before the last step: what the restart resumes from can only be the RAM tier
 COMMON = [f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.memory_every_steps=2",
           "mesh=single", "launcher.nodes=2", "launcher.tasks_per_node=2", "mesh.dp_shard=4"]
 HOST = os.uname().nodename
+# The faulted run's steps take at least 0.25 s on any machine (a sleep after the data phase, which changes no
+# number): the ranks are between two RAM saves (every 2 steps) long enough for the poll below to catch them there.
+FLOOR = {SLOW_PHASE_VAR: "all:data:+0.25"}
 
 
 def _places(root: Path) -> dict[str, Path]:
@@ -78,7 +82,7 @@ def _lose_node0(run_dir: Path, proc: subprocess.Popen, root: Path) -> int:
                 break
             for pid in pids.values():
                 os.kill(pid, signal.SIGCONT)
-        time.sleep(0.2)
+        time.sleep(0.05)
     shutil.rmtree(root / f"{HOST}.node0")
     for r in (0, 1):
         os.kill(pids[r], signal.SIGKILL)
@@ -99,7 +103,8 @@ def test_a_lost_node_s_shards_come_from_their_partner_copies_at_the_newest_ram_s
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref, proc = (subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={d}", *common], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) for d in (ref_dir, run_dir))
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **extra})
+                 for d, extra in ((ref_dir, {}), (run_dir, FLOOR)))
     try:  # the uninterrupted reference trains alongside (its own run dir and RAM root)
         _wait_for(run_dir / "metrics.jsonl", proc)
         root = memory_root("/dev/shm", run_id(run_dir))
