@@ -18,7 +18,8 @@ class CheckpointConfig:
     on_env_drift: str = "warn"  # warn | refuse | allow, when the environment fingerprint differs on resume
     verify: str = "checksum"  # checksum | size: how load validates shards against the manifest
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
-    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off
+    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off (memory_interval=steps)
+    memory_interval: str = "steps"  # RAM tier: "steps" = every `memory_every_steps`; "auto" = on, Young/Daly from its save cost and the process failures (checkpoint/tiers.py)
     memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
 
     def __post_init__(self) -> None:
@@ -38,10 +39,17 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.on_env_drift={self.on_env_drift!r}: use warn, refuse or allow")
         if self.memory_every_steps < 0:
             raise ValueError(f"checkpoint.memory_every_steps({self.memory_every_steps}) must be >= 0 (0 = no RAM tier)")
-        if self.memory_every_steps > 0 and not self.memory_dir:
+        if self.memory_interval not in ("steps", "auto"):
+            raise ValueError(f"checkpoint.memory_interval={self.memory_interval!r}: use steps or auto")
+        if self.memory_on and not self.memory_dir:
             raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
+
+    @property
+    def memory_on(self) -> bool:
+        """Whether the RAM tier saves at all: memory_interval=auto, or a fixed memory_every_steps > 0."""
+        return self.memory_interval == "auto" or self.memory_every_steps > 0
 
 
 def memory_root(memory_dir: str, run_id: str) -> Path:

@@ -101,10 +101,14 @@ class MemoryTierMixin:
         return self.memory_root / f"rank_{self.rank}"
 
     def memory_due(self, step: int) -> bool:
-        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, never the
-        last step (the filesystem tier always saves that one). Identical on all ranks."""
-        n = self.cfg.memory_every_steps
-        if not self.cfg.enabled or n <= 0 or step % n or step <= self._last_memory_step:
+        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
+        own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
+        never the last step (the filesystem tier always saves that one). Identical on all ranks."""
+        n = self.memory_interval_steps()
+        if not self.cfg.enabled or n <= 0 or step <= self._last_memory_step:
+            return False
+        fixed = self.cfg.memory_interval == "steps"
+        if (step % n) if fixed else (step - self._last_memory_step < n):
             return False
         return self.total_steps is None or step < self.total_steps
 
@@ -130,6 +134,7 @@ class MemoryTierMixin:
                 log.warning("RAM checkpoint of step %d not committed (training goes on): %s", step, errors[0])
             return
         self._retire_memory(keep=step)
+        self._retune_memory(step, max(g[2] for g in gathered))  # memory_interval=auto: the tier's interval from this cost
         self._emit("checkpoint_saved", step=step, tier=MEMORY, path=str(self.memory_root),
                    bytes=sum(g[1] for g in gathered), blocking_s=round(max(g[2] for g in gathered), 4),
                    total_s=round(time.perf_counter() - t0, 4))
@@ -170,7 +175,7 @@ class MemoryTierMixin:
 
     def _memory_candidates(self) -> list[int]:
         """The steps complete in the RAM tier (every rank holds one from the same save), newest first; agreed."""
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return []
         mine: dict[int, str] = {}
         try:
@@ -209,7 +214,7 @@ class MemoryTierMixin:
         """After any load: this rank's RAM steps newer than the loaded one (incomplete, or of an abandoned
         timeline) and leftover temporary folders are deleted; older complete ones stay until the next commit."""
         self._last_memory_step = step
-        if self.cfg.memory_every_steps <= 0 or not self._rank_dir.is_dir():
+        if not self.cfg.memory_on or not self._rank_dir.is_dir():
             return
         for s, p in step_dirs(self._rank_dir):
             if s > step:
@@ -235,7 +240,7 @@ class MemoryTierMixin:
     def check_memory_capacity(self, nbytes: int) -> None:
         """Raises CheckpointConfigError (a ValueError) on every rank when some node's checkpoint.memory_dir cannot hold COPIES of its
         ranks' states (`nbytes`: this rank's); what this run holds there already counts as free."""
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return
         try:
             self.memory_root.mkdir(parents=True, exist_ok=True)
@@ -251,7 +256,7 @@ class MemoryTierMixin:
     def drop_memory(self) -> None:
         """Deletes this rank's RAM copies, and the run's root on this node once it is empty (the run finished or
         stopped with its state on the filesystem tier). Best effort: a failure is only logged."""
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return
         shutil.rmtree(self._rank_dir, ignore_errors=True)
         try:
