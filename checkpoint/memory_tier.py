@@ -70,9 +70,11 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
     return sorted((s for s in common if len({r[s] for r in per_rank}) == 1), reverse=True)
 
 
-def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int) -> str | None:
+def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
+                   auto: bool = False) -> str | None:
     """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
-    memory_dir there); a node needs COPIES x the sum of its ranks' states."""
+    memory_dir there); a node needs COPIES x the sum of its ranks' states. `auto`: the tier is on through
+    checkpoint.memory_interval=auto (the message names that override)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     ranks: dict[str, int] = {}
@@ -84,11 +86,12 @@ def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, eve
     if not short:
         return None
     n = short[0]
-    return (f"checkpoint.memory_every_steps={every}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
+    on, off = (("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
+               if auto else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0"))
+    return (f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
             f"({COPIES} copies x {ranks[n]} ranks' state) but checkpoint.memory_dir={memory_dir} has "
             f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
-            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, or set "
-            "checkpoint.memory_every_steps=0")
+            + f"; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, or set {off}")
 
 
 class MemoryTierMixin:
@@ -249,7 +252,8 @@ class MemoryTierMixin:
             avail = -1
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
         gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
-        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps)
+        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
+                             auto=self.cfg.memory_interval == "auto")
         if why is not None:
             raise CheckpointConfigError(why)
 

@@ -13,6 +13,7 @@ import torch
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
 from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
                               tier_shares, tiers_on)
+from checkpoint.memory_tier import capacity_error
 from jobs.plan import main
 
 
@@ -71,23 +72,27 @@ def test_the_manager_sets_the_ram_interval_from_its_measured_save_by_the_same_ru
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     events: list[tuple[str, dict]] = []
     cfg = CheckpointConfig(memory_interval="auto", memory_dir=str(tmp_path / "shm"), async_mode="none")
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=200.0, total_steps=1000, run_id="tiers",
+    # A short MTBF (2 s, half of it process failures) keeps the interval a few dozen 0.05 s steps whatever a save
+    # costs on this machine: Daly's interval is at most the MTBF of the failures covered (4 s = 80 steps).
+    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=2.0, total_steps=10_000, run_id="tiers",
                            tier_shares={MEMORY: 0.5, FILESYSTEM: 0.5}, emit=lambda k, **f: events.append((k, f)))
     ck.load_latest(model_parts=[model], optimizers=[opt])
     assert ck.memory_interval_steps() == 1  # nothing measured yet: the next step saves, to measure
     saved = []
-    for step in range(1, 60):
+    for step in range(1, 1000):
         if ck.memory_due(step):
             ck.save_memory(step)
             saved.append(step)
         ck.due(step, step_time_s=0.05)
+        if len(saved) == 4:
+            break
     last = [f for k, f in events if k == "checkpoint_interval" and f["tier"] == MEMORY][-1]
-    # The process failures' MTBF is 200 s / 0.5 = 400 s; the interval is Daly's for the save cost measured.
-    assert last["mtbf_s"] == pytest.approx(400.0)
-    want = interval_steps(tier_interval_s(save_s=last["delta_s"], mtbf_s=400.0), 0.05)
+    # The process failures' MTBF is 2 s / 0.5 = 4 s; the interval is Daly's for the save cost measured.
+    assert last["mtbf_s"] == pytest.approx(4.0)
+    want = interval_steps(tier_interval_s(save_s=last["delta_s"], mtbf_s=4.0), 0.05)
     assert last["interval_steps"] == want == ck.memory_interval_steps() and want > 1
     set_at = {f["step"]: f["interval_steps"] for k, f in events if k == "checkpoint_interval" and f["tier"] == MEMORY}
-    assert len(saved) >= 3 and all(b - a == set_at[a] for a, b in zip(saved, saved[1:]))  # each save sets the next gap
+    assert len(saved) == 4 and all(b - a == set_at[a] for a, b in zip(saved, saved[1:]))  # each save sets the next gap
     ck.close()
 
 
@@ -109,3 +114,24 @@ def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) ->
     assert float(m[2]) == pytest.approx(tiers["filesystem_only_goodput"], abs=1e-4)
     assert tiers["goodput"] == pytest.approx(rows[MEMORY]["goodput"] * rows[FILESYSTEM]["goodput"])
     assert tiers["goodput"] > tiers["filesystem_only_goodput"]
+
+
+def test_a_ram_tier_on_through_auto_that_does_not_fit_names_the_auto_override() -> None:
+    why = capacity_error([("n1", 3 << 30, 4 << 30)], memory_dir="/dev/shm", every=0, auto=True)
+    assert why.startswith("checkpoint.memory_interval=auto: the RAM tier needs 6144.0 MiB on node n1")
+    assert why.endswith("or set checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
+
+
+def test_the_filesystem_tiers_auto_interval_counts_only_the_failures_it_is_read_after(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cfg = CheckpointConfig(interval="auto", async_mode="none", memory_interval="auto", memory_dir=str(tmp_path / "shm"))
+    shares = tier_shares(process_share=0.6, node_share=0.3, memory=True, partner=False)  # filesystem: 0.4
+    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=3600.0, total_steps=100, run_id="fs", tier_shares=shares)
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    ck.due(1, step_time_s=0.01)
+    ck.save(1)
+    assert ck.last_plan["mtbf_s"] == pytest.approx(3600.0 / 0.4)
+    assert ck.last_plan["interval_s"] == pytest.approx(tier_interval_s(save_s=ck.last_plan["delta_s"], mtbf_s=9000.0))
+    ck.close()
