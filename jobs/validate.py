@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from checkpoint.tiers import failure_split
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from jobs.planner.params import attention_head_dims
@@ -302,6 +303,7 @@ def _check_failure(cfg: JobConfig) -> None:
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
     _check_health(f)
     check_spike(f)
+    failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
 
 
 def _check_metrics(cfg: JobConfig) -> None:

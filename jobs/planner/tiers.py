@@ -8,7 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tiers_on
+from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s, tier_mtbf_s,
+                              tier_shares, tiers_on)
 from jobs.config import JobConfig
 from jobs.events import read_events
 
@@ -24,6 +25,12 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
     costs, sources, known = {FILESYSTEM: (ckpt["blocking_s"], ckpt["restart_s"])}, {}, ckpt["restart_known"]
     sources[FILESYSTEM] = f"save: {ckpt['blocking_source']}; restart: {ckpt['restart_source']}"
     intervals = {FILESYSTEM: ckpt["interval_s"]} if ck.interval == "steps" else {}
+    if ck.interval == "auto" and ck.async_mode != "none":  # as the single-tier plan: no sooner than a write ends
+        share = tier_shares(process_share=f.process_share, node_share=f.node_share, memory=memory,
+                            partner=partner)[FILESYSTEM]
+        tau = tier_interval_s(save_s=ckpt["blocking_s"], mtbf_s=tier_mtbf_s(mtbf_s=ckpt["mtbf_s"], share=share))
+        if tau is not None:
+            intervals[FILESYSTEM] = max(tau, ckpt["write_s"])
     if memory:
         costs[MEMORY], sources[MEMORY], k = _memory_costs(cfg, bytes_per_rank=ckpt["bytes_per_rank"])
         known = known and k

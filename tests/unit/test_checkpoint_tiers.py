@@ -14,7 +14,9 @@ from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan
 from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
                               tier_shares, tiers_on)
 from checkpoint.memory_tier import capacity_error
+from jobs.config import compose
 from jobs.plan import main
+from jobs.validate import validate
 
 
 def test_each_tier_interval_is_daly_for_its_own_save_cost_and_the_failures_it_covers() -> None:
@@ -63,7 +65,7 @@ def test_partner_copies_cover_node_failures_only_with_a_hot_spare() -> None:
     assert shares == pytest.approx({MEMORY: 0.15, PARTNER: 0.77, FILESYSTEM: 0.08})
     assert tier_shares(process_share=0.15, node_share=0.77, memory=False, partner=False)[FILESYSTEM] == 1.0
     with pytest.raises(ValueError, match=r"failure.process_share\(0.5\) \+ failure.node_share\(0.7\) > 1"):
-        tier_shares(process_share=0.5, node_share=0.7, memory=True, partner=False)
+        validate(compose(["failure.process_share=0.5", "failure.node_share=0.7"]), training=False)  # before submit
 
 
 def test_the_manager_sets_the_ram_interval_from_its_measured_save_by_the_same_rule(tmp_path) -> None:
