@@ -20,7 +20,8 @@ class CheckpointConfig:
     on_env_drift: str = "warn"  # warn | refuse | allow, when the environment fingerprint differs on resume
     verify: str = "checksum"  # checksum | size: how load validates shards against the manifest
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
-    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off
+    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off (memory_interval=steps)
+    memory_interval: str = "steps"  # RAM tier: "steps" = every `memory_every_steps`; "auto" = on, Young/Daly from its save cost and the process failures (checkpoint/tiers.py)
     memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
     memory_replicas: int | None = None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
 
@@ -41,13 +42,20 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.on_env_drift={self.on_env_drift!r}: use warn, refuse or allow")
         if self.memory_every_steps < 0:
             raise ValueError(f"checkpoint.memory_every_steps({self.memory_every_steps}) must be >= 0 (0 = no RAM tier)")
-        if self.memory_every_steps > 0 and not self.memory_dir:
+        if self.memory_interval not in ("steps", "auto"):
+            raise ValueError(f"checkpoint.memory_interval={self.memory_interval!r}: use steps or auto")
+        if self.memory_on and not self.memory_dir:
             raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
         if self.memory_replicas is not None and self.memory_replicas not in (0, 1):
             raise ValueError(f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
                              "has more than one node): one partner copy, on the next node, is what is built")
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
+
+    @property
+    def memory_on(self) -> bool:
+        """Whether the RAM tier saves at all: memory_interval=auto, or a fixed memory_every_steps > 0."""
+        return self.memory_interval == "auto" or self.memory_every_steps > 0
 
 
 def memory_root(memory_dir: str, run_id: str) -> Path:
@@ -56,11 +64,11 @@ def memory_root(memory_dir: str, run_id: str) -> Path:
     return Path(memory_dir) / f"meshjob-{run_id}"
 
 
-def replicas_for(memory_replicas: int | None, *, nodes: int, memory_every_steps: int) -> int:
+def replicas_for(memory_replicas: int | None, *, nodes: int, memory_on: bool) -> int:
     """The partner copies this job keeps of each rank's RAM shard: checkpoint.memory_replicas, or (null) 1 when
     the RAM tier is on and the job has more than one node. Raises CheckpointConfigError (a ValueError) naming the
     override when a partner copy is asked for on one node (there is no other node to hold it)."""
-    if memory_every_steps <= 0:
+    if not memory_on:
         return 0
     if memory_replicas is None:
         return 1 if nodes > 1 else 0

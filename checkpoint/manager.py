@@ -47,6 +47,7 @@ from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
 from checkpoint.retention import abandon_above, manifest_crc
+from checkpoint.tiers import tier_interval_s, tier_mtbf_s
 from checkpoint.statedict import StateDictMixin
 from checkpoint.writer import RecordingWriter, ThreadStager
 
@@ -90,12 +91,18 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         collective_timeout_s: float | None = None,
         run_id: str = "",
         node: str = "",
+        tier_shares: dict[str, float] | None = None,
     ) -> None:
-        if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
-            raise ValueError(
-                f"checkpoint.interval=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
-                "or failure.mtbf_node_hours, or use checkpoint.interval=steps checkpoint.every_steps=N"
-            )
+        for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
+            if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
+                raise ValueError(
+                    f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
+                    f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
+                )
+        # {tier: share of all failures it is read after} (checkpoint/tiers.py, from failure.process_share/node_share):
+        # each tier's auto interval comes from its own save cost and the MTBF of those failures. None: the filesystem
+        # tier covers every failure (the single-tier interval).
+        self.tier_shares = dict(tier_shares or {FILESYSTEM: 1.0})
         self.folder = Path(folder)
         self.cfg = cfg
         self.rank = rank
@@ -213,7 +220,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
             self._stager.reset()
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
-        if self.cfg.memory_every_steps > 0:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
+        if self.cfg.memory_on:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
             self._hooks += [opt.register_step_pre_hook(lambda *_: self._wait_memory_staged()) for opt in optimizers]
 
     def _restore_newest(self, before_step: int | None) -> int:
@@ -458,11 +465,12 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         if step_time <= 0:
             self._interval_steps = 1
             return
-        plan = plan_interval(delta=max(self._delta_s, 1e-6), mtbf=self.mtbf_s, restart=self.cfg.restart_s)
+        plan = plan_interval(delta=max(self._delta_s, 1e-6), mtbf=self._tier_mtbf(FILESYSTEM) or self.mtbf_s,
+                             restart=self.cfg.restart_s)
         self._interval_steps = interval_steps(plan.interval_s, step_time)
         self.last_plan = dict(plan.as_dict(), interval_steps=self._interval_steps, step_time_s=step_time)
-        self._emit("checkpoint_interval", step=step, **{k: round(v, 6) if isinstance(v, float) else v
-                                                         for k, v in self.last_plan.items()})
+        self._emit("checkpoint_interval", step=step, tier=FILESYSTEM, **{k: round(v, 6) if isinstance(v, float) else v
+                                                                         for k, v in self.last_plan.items()})
         if self.rank == 0:
             log.info(
                 "checkpoint interval %d steps (Daly %.1f s, Young %.1f s; δ=%.3f s, MTBF=%.0f s, step %.3f s): "
@@ -470,6 +478,40 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
                 self._interval_steps, plan.interval_s, plan.young_s, plan.delta_s, plan.mtbf_s, step_time,
                 100 * plan.checkpoint_overhead, plan.expected_lost_work_s,
             )
+
+    def _tier_mtbf(self, tier: str) -> float | None:
+        """The mean time between the failures `tier` is read after (checkpoint.tiers.tier_mtbf_s); None: none."""
+        assert self.mtbf_s is not None
+        return tier_mtbf_s(mtbf_s=self.mtbf_s, share=self.tier_shares.get(tier, 0.0))
+
+    def memory_interval_steps(self) -> int:
+        """The RAM tier's interval in steps: checkpoint.memory_every_steps (0 = off), or with memory_interval=auto
+        the tier's own Daly optimum once a RAM save was measured (1 before: the next step saves, to measure)."""
+        if not self.cfg.memory_on:
+            return 0
+        if self.cfg.memory_interval == "steps":
+            return self.cfg.memory_every_steps
+        return 1 if self._memory_interval_steps is None else self._memory_interval_steps
+
+    def _retune_memory(self, step: int, cost_s: float) -> None:
+        """memory_interval=auto: the RAM tier's interval from its measured save cost (agreed: every rank's slowest)
+        and the MTBF of the process failures it covers (checkpoint.tiers.tier_interval_s); 0 = it covers none."""
+        if self.cfg.memory_interval != "auto":
+            return
+        vals = torch.tensor([cost_s, self._step_time() or 0.0], dtype=torch.float64)
+        if self._dist:
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        cost, step_time = float(vals[0]), float(vals[1])
+        mtbf = self._tier_mtbf(MEMORY)
+        tau = tier_interval_s(save_s=cost, mtbf_s=mtbf)
+        self._memory_interval_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
+        self._emit("checkpoint_interval", step=step, tier=MEMORY, interval_s=None if tau is None else round(tau, 6),
+                   interval_steps=self._memory_interval_steps, delta_s=round(cost, 6), mtbf_s=mtbf,
+                   share=self.tier_shares.get(MEMORY, 0.0), step_time_s=round(step_time, 6))
+        if self.rank == 0:
+            log.info("RAM tier interval %d steps (Daly %s s; δ=%.4f s, process-failure MTBF %s s, step %.3f s)",
+                     self._memory_interval_steps, "-" if tau is None else f"{tau:.1f}", cost,
+                     "-" if mtbf is None else f"{mtbf:.0f}", step_time)
 
     # ------------------------------------------------------------------ plumbing
 

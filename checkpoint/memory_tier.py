@@ -86,10 +86,11 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
 
 
 def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
-                   partners: list[int] | None = None) -> str | None:
+                   partners: list[int] | None = None, auto: bool = False) -> str | None:
     """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
     memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
-    whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies)."""
+    whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
+    is on through checkpoint.memory_interval=auto (the message names that override)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     ranks: dict[str, int] = {}
@@ -107,12 +108,13 @@ def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, eve
         return None
     n = short[0]
     what = f"{ranks[n]} ranks' state" + (f" + {held[n]} partner copies" if held.get(n) else "")
-    return (f"checkpoint.memory_every_steps={every}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
+    on, off = (("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
+               if auto else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0"))
+    return (f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
             f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
             f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
             + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
-            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "")
-            + "or set checkpoint.memory_every_steps=0")
+            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "") + f"or set {off}")
 
 
 class MemoryTierMixin:
@@ -127,6 +129,8 @@ class MemoryTierMixin:
         self.memory_root = memory_root(self.cfg.memory_dir, run_id) / self.node
         self._last_memory_step = 0
         self._capacity_checked = False
+        self._memory_interval_steps: int | None = None  # memory_interval=auto: the current interval (None: not measured)
+        self._memory_cost: tuple[int, float] | None = None  # (step, agreed cost) of the last committed RAM save
         self._mem_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
         self._mem_pending: Future | None = None
         self._mem_staged: threading.Event | None = None  # set once the save in flight has copied its tensors
@@ -138,11 +142,10 @@ class MemoryTierMixin:
     def _init_partners(self) -> None:
         """Collective: the nodes of all ranks -> the partner ring (checkpoint.memory_replicas), and the tier's own
         gloo group for its background commit. Raises CheckpointConfigError alike on every rank."""
-        if not self.cfg.enabled or self.cfg.memory_every_steps <= 0:
+        if not self.cfg.enabled or not self.cfg.memory_on:
             return
         nodes = self._all_gather(self.node, self._ctl_pg)
-        self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)),
-                                      memory_every_steps=self.cfg.memory_every_steps)
+        self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)), memory_on=self.cfg.memory_on)
         self._partners = partner_ranks(nodes) if self._replicas else list(range(self.world_size))
         self._sources = [self._partners.index(r) for r in range(self.world_size)]
         self._mem_pg = dist.new_group(backend="gloo") if self._dist else None
@@ -157,10 +160,17 @@ class MemoryTierMixin:
         return self.memory_root / f"partner_of_rank_{self._sources[self.rank]}"
 
     def memory_due(self, step: int) -> bool:
-        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, never the
-        last step (the filesystem tier always saves that one). Identical on all ranks."""
-        n = self.cfg.memory_every_steps
-        if not self.cfg.enabled or n <= 0 or step % n or step <= self._last_memory_step:
+        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
+        own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
+        never the last step (the filesystem tier always saves that one). Identical on all ranks."""
+        if self.cfg.memory_interval == "auto" and self._memory_interval_steps is None:
+            self.wait_memory()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
+            self._settle_memory_interval()
+        n = self.memory_interval_steps()
+        if not self.cfg.enabled or n <= 0 or step <= self._last_memory_step:
+            return False
+        fixed = self.cfg.memory_interval == "steps"
+        if (step % n) if fixed else (step - self._last_memory_step < n):
             return False
         return self.total_steps is None or step < self.total_steps
 
@@ -173,14 +183,24 @@ class MemoryTierMixin:
             raise RuntimeError("CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait_memory()
+        self._settle_memory_interval()
         self._last_memory_step = step
         tree = _local_tree(self._state_dict())
         if self.cfg.async_mode == "none":
             self._memory_job(step, tree, t0, None, None)
+            self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
             return
         self._mem_staged = threading.Event()
         self._mem_pending = self._mem_pool.submit(self._memory_job, step, tree, t0, time.perf_counter() - t0,
                                                   self._mem_staged)
+
+    def _settle_memory_interval(self) -> None:
+        """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
+        only right after wait_memory (so at the same step on every rank: `_retune_memory` is a collective, and the
+        background save may finish at different moments on different ranks)."""
+        cost, self._memory_cost = self._memory_cost, None
+        if cost is not None:
+            self._retune_memory(*cost)
 
     def wait_memory(self) -> None:
         """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
@@ -222,6 +242,7 @@ class MemoryTierMixin:
                 log.warning("RAM checkpoint of step %d not committed (training goes on): %s", step, errors[0])
             return
         self._retire_memory(keep=step)
+        self._memory_cost = (step, max(g[3] for g in gathered))  # agreed; memory_interval=auto applies it (main thread)
         self._emit("checkpoint_saved", step=step, tier=MEMORY, path=str(self.memory_root.parent),
                    bytes=sum(g[2] for g in gathered), replicas=self._replicas,
                    blocking_s=round(max(g[3] for g in gathered), 4), total_s=round(time.perf_counter() - t0, 4))
@@ -299,7 +320,7 @@ class MemoryTierMixin:
         """The steps complete in the RAM tier (every rank has a copy, its own or its partner's, from the same
         save), newest first; agreed. Remembers which copies each step has (`self._memory_plan`)."""
         self._memory_plan = {}
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return []
         mine: dict[int, str] = {}
         held: dict[int, str] = {}
@@ -377,7 +398,7 @@ class MemoryTierMixin:
         timeline) and leftover temporary folders are deleted, own and held partner copies; older complete ones
         stay until the next commit."""
         self._last_memory_step = step
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return
         for d in (self._rank_dir, *([self._held_dir] if self._replicas else [])):
             for s, p in step_dirs(d):
@@ -405,7 +426,7 @@ class MemoryTierMixin:
         """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
         hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
         holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return
         try:
             self.memory_root.mkdir(parents=True, exist_ok=True)
@@ -416,7 +437,8 @@ class MemoryTierMixin:
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
         gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
         why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
-                             partners=self._partners if self._replicas else None)
+                             partners=self._partners if self._replicas else None,
+                             auto=self.cfg.memory_interval == "auto")
         if why is not None:
             raise CheckpointConfigError(why)
 
@@ -424,7 +446,7 @@ class MemoryTierMixin:
         """Deletes this rank's RAM copies (own and held partner copies, once the save in flight is over), and the
         node's and the run's folders once empty (the run finished or stopped with its state on the filesystem
         tier). Best effort: a failure is only logged."""
-        if self.cfg.memory_every_steps <= 0:
+        if not self.cfg.memory_on:
             return
         try:
             self.wait_memory()

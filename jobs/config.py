@@ -171,6 +171,8 @@ class ClusterConfig:
 class FailureConfig:
     mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
     mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
+    process_share: float = 0.15  # assumed share of failures that kill/hang a rank on a node that answers (RAM tier); conf/failure/default.yaml cites it
+    node_share: float = 0.77  # assumed share that lose one node (partner tier); the rest (1 - both) loses the allocation (filesystem)
     max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
     restarts_in_allocation: int = 3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
     node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
@@ -218,6 +220,7 @@ class PlanConfig:
     fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
     usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
     restart_overhead_s: float | None = None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
+    restart_in_allocation_s: float | None = None  # user assumption: a restart inside the allocation (new srun step, rendezvous, build) besides reading RAM; None = unknown
     save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
+from checkpoint.tiers import tier_shares, tiers_on
 from jobs.config import JobConfig, OptimConfig, config_hash
 from jobs.device import rank_device
 from jobs.events import EventLog, read_events
@@ -490,7 +491,16 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         # the RAM tier's node: Slurm's node name; the local launcher runs launcher.nodes simulated nodes on one
         # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)
         node=env.hostname if env.job_id is not None else f"{env.hostname}.node{env.node_rank}",
+        tier_shares=_tier_shares(cfg),
     )
+
+
+def _tier_shares(cfg: JobConfig) -> dict[str, float]:
+    """{checkpoint tier: share of all failures it is read after} (checkpoint/tiers.py), the same rule as jobs.plan's."""
+    memory, partner = tiers_on(cfg.checkpoint, spare_nodes=getattr(cfg.launcher, "spare_nodes", 0),
+                               nodes=cfg.launcher.nodes)
+    return tier_shares(process_share=cfg.failure.process_share, node_share=cfg.failure.node_share,
+                       memory=memory, partner=partner)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

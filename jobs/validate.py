@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from checkpoint.config import replicas_for
+from checkpoint.tiers import failure_split
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from jobs.planner.params import attention_head_dims
@@ -60,7 +61,7 @@ def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
     _check_failure(cfg)
     _check_metrics(cfg)
     # the RAM tier's partner copies need another node (checkpoint/partner.py; the ranks check the real nodes again)
-    replicas_for(cfg.checkpoint.memory_replicas, nodes=ln.nodes, memory_every_steps=cfg.checkpoint.memory_every_steps)
+    replicas_for(cfg.checkpoint.memory_replicas, nodes=ln.nodes, memory_on=cfg.checkpoint.memory_on)
     _check_compile(cfg, dims)
     return Derived(
         dims=dims,
@@ -305,6 +306,7 @@ def _check_failure(cfg: JobConfig) -> None:
                          f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
     _check_health(f)
     check_spike(f)
+    failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
 
 
 def _check_metrics(cfg: JobConfig) -> None:

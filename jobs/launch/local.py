@@ -104,7 +104,7 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
 def _drop_memory_tier(cfg: JobConfig) -> None:
     """No restart follows: the run's RAM checkpoint tier on this machine is deleted (its ranks delete their own
     copies when they finish or stop; this covers ranks that died). Best effort."""
-    if cfg.checkpoint.memory_every_steps > 0:
+    if cfg.checkpoint.memory_on:
         shutil.rmtree(memory_root(cfg), ignore_errors=True)
 
 

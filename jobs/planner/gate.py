@@ -280,6 +280,7 @@ class Plan:
     seconds: float = 0.0
     axes: list[dict] = field(default_factory=list)  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
     meshes: str = ""  # the attention layers' mesh and the MoE layers' folded over the same ranks (ParallelDims.describe_meshes)
+    tiers: dict = field(default_factory=dict)  # the checkpoint tiers side by side and their combined goodput (jobs/planner/tiers.py)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -310,6 +311,7 @@ class _Draft:
     checkpoint: dict = field(default_factory=dict)
     goodput: float | None = 0.0
     goodput_upper: float = 0.0  # the goodput with an unknown restart counted as its load only: an upper bound
+    tiers: dict = field(default_factory=dict)
     axes: list[dict] = field(default_factory=list)
 
     @property
@@ -492,6 +494,14 @@ def _goodput(x: _Draft) -> None:
         x.goodput = None
 
 
+def _tiers(x: _Draft) -> None:
+    """Each checkpoint tier's interval and goodput factor, and the combination against the filesystem tier alone."""
+    from jobs.planner.tiers import tier_section
+
+    if x.cfg.checkpoint.enabled:
+        x.tiers = tier_section(x.cfg, ckpt=x.checkpoint, step_s=x.step_s)
+
+
 def _activation_summary(x: _Draft) -> dict[str, object]:
     cfg, dims, m, t = x.cfg, x.d.dims, x.cfg.model, x.cfg.train
     peak_pp, peak_mem, _ = x.peak
@@ -541,6 +551,7 @@ def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
         seconds=time.perf_counter() - t0,
         axes=x.axes,
         meshes=dims.describe_meshes(),
+        tiers=x.tiers,
     )
 
 
@@ -554,7 +565,7 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     x = _Draft(cfg=cfg, d=d, notes=notes)
     _shapes(x)
     _fake_backend(x, measure)
-    for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput):
+    for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput, _tiers):
         step(x)
     in_flight = _activation_summary(x)["layers_in_flight"]
     x.checks = analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper,
@@ -604,6 +615,10 @@ def render(plan: Plan) -> str:
     L += _comm_lines(plan)
     L.append("")
     L += _checkpoint_lines(plan)
+    if plan.tiers:
+        from jobs.planner.tiers import tier_lines
+
+        L += tier_lines(plan.tiers)
     L.append("")
     L.append("readiness")
     for r in plan.readiness:

@@ -31,12 +31,12 @@ def test_partner_copies_need_another_node_and_the_same_ranks_per_node_and_say_th
         partner_ranks(["a", "a"])
     with pytest.raises(CheckpointConfigError, match=r"different numbers of ranks \(a: 2, b: 1\)"):
         partner_ranks(["a", "a", "b"])
-    assert replicas_for(None, nodes=1, memory_every_steps=5) == 0  # null: on when there is another node
-    assert replicas_for(None, nodes=2, memory_every_steps=5) == 1
-    assert replicas_for(1, nodes=1, memory_every_steps=0) == 0  # no RAM tier, no copies
-    assert replicas_for(0, nodes=4, memory_every_steps=5) == 0
+    assert replicas_for(None, nodes=1, memory_on=True) == 0  # null: on when there is another node
+    assert replicas_for(None, nodes=2, memory_on=True) == 1
+    assert replicas_for(1, nodes=1, memory_on=False) == 0  # no RAM tier, no copies
+    assert replicas_for(0, nodes=4, memory_on=True) == 0
     with pytest.raises(CheckpointConfigError, match=r"checkpoint.memory_replicas=1 .* 1 node.*launcher.nodes >= 2"):
-        replicas_for(1, nodes=1, memory_every_steps=5)
+        replicas_for(1, nodes=1, memory_on=True)
     with pytest.raises(ValueError, match=r"checkpoint.memory_replicas\(2\) must be 0, 1 or null"):
         CheckpointConfig(memory_replicas=2)
     # the login node refuses it before submitting, naming the override

@@ -1,0 +1,160 @@
+"""One interval per checkpoint tier: which failures each tier is read after, its Young/Daly interval from its own save
+cost and those failures' rate, and the expected goodput of the tiers together against the filesystem tier alone.
+
+The multi-level scheme is LLNL's SCR (Moody, Bronevetsky, Mohror, de Supinski, "Design, Modeling, and Evaluation of
+a Scalable Multi-level Checkpointing System", SC10): cheap levels saved often cover the common failures, the parallel
+filesystem saved rarely covers the rest. A failure is recovered from the cheapest tier that survives it:
+
+    failure class   what is lost                               tier read after it   (when that tier is off)
+    process         a rank died or hung; its node answers      memory (RAM)         -> filesystem
+    node            a node is dead or quarantined              partner (needs a     -> filesystem (requeue)
+                                                               hot spare to run on)
+    job             the allocation (several nodes, a switch)   filesystem
+
+SCR searches its Markov model numerically for the best intervals; this module uses the first-order closed form instead:
+each tier's interval is Daly's optimum (checkpoint.interval.daly_interval) for its own save cost δ_k and the MTBF of the
+failures it covers, M_k = M_job / share_k, and the tiers' expected goodputs multiply (their wastes add, to first order:
+each failure class costs its tier's restart and half its interval, each tier's saves cost δ_k / (τ_k + δ_k)). A lower
+tier's saves are not counted as recovery points for a higher tier's failures (a fresher filesystem step only helps):
+the combination's goodput is a lower bound in that respect. With one tier the formula is Daly's for the job MTBF, the
+single-tier figure `jobs.plan` has always printed. The planner (jobs/planner/tiers.py) and the CheckpointManager call
+the same functions here, so the interval planned is the interval used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from checkpoint.interval import daly_interval, expected_wall_time
+
+__all__ = [
+    "MEMORY",
+    "PARTNER",
+    "FILESYSTEM",
+    "TIERS",
+    "FAILURE_CLASSES",
+    "failure_split",
+    "tiers_on",
+    "covering_tier",
+    "tier_shares",
+    "tier_mtbf_s",
+    "tier_interval_s",
+    "tier_goodput",
+    "TierPlan",
+    "plan_tiers",
+    "combined_goodput",
+]
+
+MEMORY, PARTNER, FILESYSTEM = "memory", "partner", "filesystem"
+TIERS = (MEMORY, PARTNER, FILESYSTEM)  # cheapest first
+FAILURE_CLASSES = ("process", "node", "job")
+
+
+def failure_split(*, process_share: float, node_share: float) -> dict[str, float]:
+    """{failure class: its share of all failures}; the job share is what is left. ValueError naming the override."""
+    for key, v in (("failure.process_share", process_share), ("failure.node_share", node_share)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{key}({v}) must be in [0, 1]: the share of all failures of that class")
+    if process_share + node_share > 1.0 + 1e-9:
+        raise ValueError(f"failure.process_share({process_share}) + failure.node_share({node_share}) > 1: the rest "
+                         "is the job share (whole-allocation losses); lower one of them")
+    return {"process": process_share, "node": node_share, "job": max(0.0, 1.0 - process_share - node_share)}
+
+
+def tiers_on(ckpt: object, *, spare_nodes: int, nodes: int) -> tuple[bool, bool]:
+    """(RAM tier on, partner copies cover node failures) for a CheckpointConfig: partner copies
+    (checkpoint.memory_replicas > 0, a RAM-tier feature) are only read after a node failure when a hot spare
+    (launcher.spare_nodes > 0) lets the run go on inside its allocation; without one the run is requeued and reads
+    the filesystem tier. memory_replicas null: one copy when the job has more than one node (replicas_for)."""
+    memory = bool(getattr(ckpt, "memory_on", False))
+    replicas = getattr(ckpt, "memory_replicas", 0)
+    replicas = (1 if nodes > 1 else 0) if replicas is None else replicas
+    return memory, memory and replicas > 0 and spare_nodes > 0
+
+
+def covering_tier(failure: str, *, memory: bool, partner: bool) -> str:
+    """The cheapest tier that survives `failure` (a class of FAILURE_CLASSES) among those on. A partner copy is
+    another node's RAM: it survives a process failure too, but the rank's own RAM copy is cheaper to read."""
+    if failure == "process" and memory:
+        return MEMORY
+    if failure in ("process", "node") and partner:
+        return PARTNER
+    return FILESYSTEM
+
+
+def tier_shares(*, process_share: float, node_share: float, memory: bool, partner: bool) -> dict[str, float]:
+    """{tier: the share of all failures it is read after}, over TIERS (a tier off, or covering none, has 0)."""
+    out = dict.fromkeys(TIERS, 0.0)
+    for failure, share in failure_split(process_share=process_share, node_share=node_share).items():
+        out[covering_tier(failure, memory=memory, partner=partner and memory)] += share
+    return out
+
+
+def tier_mtbf_s(*, mtbf_s: float, share: float) -> float | None:
+    """The mean time between the failures a tier covers: the job MTBF / its share; None when it covers none."""
+    return mtbf_s / share if share > 0 else None
+
+
+def tier_interval_s(*, save_s: float, mtbf_s: float | None) -> float | None:
+    """The tier's interval (compute seconds between its saves): Daly's optimum for its save cost and the MTBF of the
+    failures it covers; None when it covers none (it never needs to save)."""
+    if mtbf_s is None:
+        return None
+    return daly_interval(max(save_s, 1e-9), mtbf_s)
+
+
+def tier_goodput(*, interval_s: float | None, save_s: float, mtbf_s: float | None, restart_s: float) -> float:
+    """The tier's factor of the expected goodput: Daly's T_s / T_w for its saves and the failures it covers; with no
+    failure covered only its saves cost (1 when it does not save)."""
+    if interval_s is None:
+        return 1.0
+    if mtbf_s is None:
+        return interval_s / (interval_s + save_s)
+    return 1.0 / expected_wall_time(1.0, tau=interval_s, delta=max(save_s, 1e-9), mtbf=mtbf_s, restart=restart_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TierPlan:
+    tier: str
+    failures: tuple[str, ...]  # the failure classes it is read after
+    share: float  # their share of all failures
+    mtbf_s: float | None  # mean time between them (None: none)
+    save_s: float  # what one save costs training (blocking plus what it takes from overlapped steps)
+    interval_s: float | None  # compute seconds between its saves (None: it never saves)
+    restart_s: float  # failure to training again from this tier
+    goodput: float  # its factor of the combined expected goodput
+    source: str = ""  # where save_s and restart_s came from
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def plan_tiers(*, mtbf_s: float, process_share: float, node_share: float, costs: dict[str, tuple[float, float]],
+               intervals: dict[str, float] | None = None, sources: dict[str, str] | None = None) -> list[TierPlan]:
+    """One TierPlan per tier that is on (`costs`: {tier: (save_s, restart_s)}; the filesystem tier is always on).
+    `intervals` fixes a tier's interval (seconds, e.g. every_steps x step time); otherwise it is the tier's optimum."""
+    if FILESYSTEM not in costs:
+        raise ValueError("the filesystem tier is always on: give its (save_s, restart_s)")
+    memory, partner = MEMORY in costs, PARTNER in costs
+    shares = tier_shares(process_share=process_share, node_share=node_share, memory=memory, partner=partner)
+    split = failure_split(process_share=process_share, node_share=node_share)
+    out = []
+    for tier in TIERS:
+        if tier not in costs:
+            continue
+        save_s, restart_s = costs[tier]
+        m = tier_mtbf_s(mtbf_s=mtbf_s, share=shares[tier])
+        tau = (intervals or {}).get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)
+        failures = tuple(f for f in FAILURE_CLASSES if split[f] > 0
+                         and covering_tier(f, memory=memory, partner=partner) == tier)
+        out.append(TierPlan(tier=tier, failures=failures, share=shares[tier], mtbf_s=m, save_s=save_s,
+                            interval_s=tau, restart_s=restart_s,
+                            goodput=tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=m, restart_s=restart_s),
+                            source=(sources or {}).get(tier, "")))
+    return out
+
+
+def combined_goodput(plans: list[TierPlan]) -> float:
+    """The expected goodput of the tiers together: the product of their factors (see the module docstring)."""
+    return math.prod(p.goodput for p in plans)
