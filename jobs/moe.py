@@ -86,8 +86,8 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: tor
     padding dropped again. Padding rows are zeros and never reach the output or the gradients.
     """
     n_exp, cap = len(counts), max(counts, default=0)
-    if cap == 0:
-        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (w1.sum() + w2.sum() + w3.sum())  # keeps the weights in the graph
+    if cap == 0:  # no rows: x and the weights stay in the graph, so every ep rank runs the same backward all-to-alls
+        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (x.sum() + w1.sum() + w2.sum() + w3.sum())
     counts_t = torch.tensor(counts, device=x.device)
     expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), counts_t)
     starts = torch.cumsum(counts_t, 0) - counts_t
