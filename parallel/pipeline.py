@@ -169,6 +169,7 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
+        with torch.no_grad():  # only the changed ones: an unchanged buffer (RoPE's table) may be saved for backward
             for b, value in saved:
-                b.copy_(value)
+                if not torch.equal(b, value):
+                    b.copy_(value)
