@@ -283,9 +283,8 @@ class Trainer:
 
     def _moe_group(self):
         """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
-        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model.
-        With pp every rank builds the stage groups (a collective), also one whose stage has only dense blocks."""
-        if self.cfg.model.n_routed_experts <= 0 or self.env.world_size == 1:
+        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model."""
+        if not self.moe_layers or self.env.world_size == 1:
             return None
         if not self.derived.dims.pp_enabled:
             return dist.group.WORLD
