@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoint.errors import CheckpointConfigError
+
 
 @dataclass
 class CheckpointConfig:
@@ -20,6 +22,7 @@ class CheckpointConfig:
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
     memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off
     memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
+    memory_replicas: int | None = None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):
@@ -40,11 +43,29 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.memory_every_steps({self.memory_every_steps}) must be >= 0 (0 = no RAM tier)")
         if self.memory_every_steps > 0 and not self.memory_dir:
             raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
+        if self.memory_replicas is not None and self.memory_replicas not in (0, 1):
+            raise ValueError(f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
+                             "has more than one node): one partner copy, on the next node, is what is built")
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
 
 
 def memory_root(memory_dir: str, run_id: str) -> Path:
-    """One run's folder of the RAM tier on a node: `checkpoint.memory_dir/meshjob-<run id>`; the run's identity
-    in the path, so no run ever lists another's copies."""
+    """One run's folder of the RAM tier: `checkpoint.memory_dir/meshjob-<run id>`, holding one folder per node
+    (named by CheckpointManager's `node`); the run's identity in the path, so no run ever lists another's copies."""
     return Path(memory_dir) / f"meshjob-{run_id}"
+
+
+def replicas_for(memory_replicas: int | None, *, nodes: int, memory_every_steps: int) -> int:
+    """The partner copies this job keeps of each rank's RAM shard: checkpoint.memory_replicas, or (null) 1 when
+    the RAM tier is on and the job has more than one node. Raises CheckpointConfigError (a ValueError) naming the
+    override when a partner copy is asked for on one node (there is no other node to hold it)."""
+    if memory_every_steps <= 0:
+        return 0
+    if memory_replicas is None:
+        return 1 if nodes > 1 else 0
+    if memory_replicas > 0 and nodes < 2:
+        raise CheckpointConfigError(
+            f"checkpoint.memory_replicas={memory_replicas} copies each rank's RAM shard to a rank on another node, "
+            f"but the job has {nodes} node: set checkpoint.memory_replicas=0 (or null) or launcher.nodes >= 2")
+    return memory_replicas

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpoint.commit import CommitMixin
-from checkpoint.config import CheckpointConfig, memory_root
+from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.interval import interval_steps, plan_interval
@@ -89,6 +89,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         attempt: str = "",
         collective_timeout_s: float | None = None,
         run_id: str = "",
+        node: str = "",
     ) -> None:
         if cfg.interval == "auto" and (mtbf_s is None or mtbf_s <= 0):
             raise ValueError(
@@ -103,7 +104,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         self.mtbf_s = mtbf_s
         self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
-        self._init_memory_tier(run_id)
+        self._init_memory_tier(run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}", node)
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
         if self._dist and not (dist.is_available() and dist.is_initialized()):
@@ -127,13 +128,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
         hosts = self._all_gather(platform.node(), self._ctl_pg)
         self.fingerprint = env_fingerprint(hosts=hosts)
-
-    def _init_memory_tier(self, run_id: str) -> None:
-        """The RAM tier (checkpoint/memory_tier.py): node-local copies under a folder named by the run's identity."""
-        self.run_id = run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}"
-        self.memory_root = memory_root(self.cfg.memory_dir, self.run_id)
-        self._last_memory_step = 0
-        self._capacity_checked = False
+        self._init_partners()  # the RAM tier's partner ring and group (checkpoint/memory_tier.py)
 
     def _init_interval_state(self) -> None:
         """What the saves learn as they go: the state dict's bindings and the save cost behind the interval."""
@@ -203,6 +198,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         # A save in flight is committed (or its failure raised) and a retention pass is over before the
         # folder is listed: a later load (a rollback) must neither delete that save's tmp nor race a deletion.
         self.wait()
+        self.wait_memory()
         if self._retaining is not None:
             self._retaining.result()
         self._bound = {
@@ -217,19 +213,22 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
             self._stager.reset()
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
+        if self.cfg.memory_every_steps > 0:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
+            self._hooks += [opt.register_step_pre_hook(lambda *_: self._wait_memory_staged()) for opt in optimizers]
 
     def _restore_newest(self, before_step: int | None) -> int:
         """Loads the newest candidate of any tier that validates and loads on every rank and returns its step
-        (0 when none); at the same step the RAM tier comes first (the cheaper read). Raises once a candidate
+        (0 when none); at the same step the RAM tier comes first (the cheaper read; own copies, or partner copies
+        where a rank's own is missing or damaged). Raises once a candidate
         was partly read and none after it loaded: the bound objects may then hold a mix of checkpoints."""
         t0 = time.perf_counter()
         steps = [(s, FILESYSTEM) for s in self._candidate_steps()] + [(s, MEMORY) for s in self._memory_candidates()]
         steps = sorted([c for c in steps if before_step is None or c[0] < before_step],
-                       key=lambda c: (-c[0], c[1] != MEMORY))
+                       key=lambda c: (-c[0], c[1] != MEMORY))  # a RAM candidate's tier may turn PARTNER below
         touched = False
         for step, tier in steps:
             if tier == MEMORY:
-                d, problems, manifest = self._validate_memory(step)
+                d, problems, manifest, tier = self._validate_memory(step)
             else:
                 d = self.folder / f"step_{step}"
                 problems, manifest = self._validate(step, d)
@@ -240,7 +239,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
             if tier == FILESYSTEM:
                 self._check_drift(step, manifest)
             touched = True
-            info, failed = self._load_agreed(d, manifest, load=self._load_memory if tier == MEMORY else self._load)
+            info, failed = self._load_agreed(d, manifest, load=self._load if tier == FILESYSTEM else self._load_memory)
             if info is None:
                 self._skip(step, d, f"load failed on {failed}", tier=tier)
                 continue
@@ -335,6 +334,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin):
         try:
             self.wait()
         finally:
+            self._close_memory()
             self._pool.shutdown(wait=True)
             self._retain_pool.shutdown(wait=True)
             self._unhook()

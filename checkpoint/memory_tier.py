@@ -1,24 +1,32 @@
 """The RAM checkpoint tier: every `checkpoint.memory_every_steps` each rank writes its own state to node-local
-memory, committed like the filesystem tier, and a restart inside the allocation reads it back when every rank
-holds the same step (CheckpointManager's memory half).
+memory, committed like the filesystem tier, and copies it to a partner rank on another node; a restart inside the
+allocation reads it back when every rank holds the same step (CheckpointManager's memory half).
 
-Layout under the run's root, `checkpoint.memory_dir/meshjob-<run id>/` (one per node, see config.memory_root):
-    rank_<r>/step_<N>.<attempt>.tmp/   a save in progress
-    rank_<r>/step_<N>/                 committed by one rename: DCP files of rank r's local shards
-                                       (`__0_0.distcp`, `.metadata`) and `manifest.json`, written last
+Layout, one folder per node (`self.memory_root` = `checkpoint.memory_dir/meshjob-<run id>/<node>/`, config.memory_root):
+    rank_<r>/step_<N>.<attempt>.tmp/            a save in progress
+    rank_<r>/step_<N>/                          committed by one rename: DCP files of rank r's local shards
+                                                (`__0_0.distcp`, `.metadata`) and `manifest.json`, written last
+    partner_of_rank_<s>/step_<N>/               rank s's committed folder of step N, copied here (another node)
+                                                by rank s's partner, committed by its own rename, manifest last
 Each rank's folder is self-contained: it is written with no_dist from the rank's local tensors (DTensors as
 their local shards, nothing deduplicated across ranks), so rank r reloads it on the same mesh with nothing from
-another rank or node, and it is the unit a partner copy would send to another node's root unchanged.
+another rank or node, and it is the unit a partner copy sends to another node unchanged.
 
-The commit, per save: rank r writes and fsyncs its files (crc32 taken as they are written) -> its manifest
-(step, rank, world size, mesh, run id, the saving attempt, sizes and crc32) -> rename to step_<N> -> every rank
-reports its outcome (one all_gather); only when all committed does each rank delete its older steps, so two
-copies are held at most and some common step always survives a kill at any point. A failed RAM save removes
-that step everywhere and training goes on (the filesystem tier is untouched): it is a cache, not the record.
+A save (async unless checkpoint.async_mode=none): the caller builds the state dict and hands it to a thread, which
+first copies its tensors into CPU staging buffers (the next optimizer step waits for that copy in a step pre-hook,
+as for the filesystem tier), then writes and fsyncs rank r's files (crc32 taken as written) -> its manifest (step,
+rank, world size, mesh, run id, the saving attempt, sizes and crc32) -> rename to step_<N>; with
+checkpoint.memory_replicas=1 every rank then sends its committed folder to its partner (the same local rank on the
+next node, `partner.partner_ranks`) and commits the one it receives; then every rank reports both outcomes (one
+all_gather, on a gloo group of the tier's own). Only when all committed does each rank delete its older steps
+(own and partner copies), so two copies of each are held at most and some common step always survives a kill at
+any point. A failed RAM save removes that step everywhere and training goes on: it is a cache, not the record.
 
-Load: every rank lists the steps whose manifest names this run, its rank, world size and mesh; a step counts
-only when every rank holds it from the same save (`complete_steps`); its files are checked in full by each rank
-and the outcome agreed; the manager weighs it against the filesystem's newest (`CheckpointManager._restore_newest`).
+Load: every rank lists its own committed steps and the partner copies it holds whose manifest names this run,
+the rank, world size and mesh; a step counts only when every rank has a copy of it (its own, or its partner's)
+from the same save (`partner.plan_memory_load`). Each rank checks its own copy in full; a rank whose copy is
+missing or damaged gets its partner's, sent back over the ctl group and committed into its own folder first
+(`tier: memory_partner`); the manager weighs the step against the filesystem's newest (`_restore_newest`).
 """
 
 from __future__ import annotations
@@ -26,25 +34,32 @@ from __future__ import annotations
 import logging
 import platform
 import shutil
+import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from checkpoint.config import memory_root
 from checkpoint.errors import CheckpointConfigError, describe_error
 from checkpoint.manifest import ManifestError, check_files, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
+from checkpoint.partner import PARTNER, commit_folder, exchange, pack_folder, partner_ranks, plan_memory_load, replicas_for
 from checkpoint.writer import RecordingWriter
 
-__all__ = ["MEMORY", "FILESYSTEM", "MemoryTierMixin", "complete_steps", "capacity_error", "local_steps"]
+__all__ = ["MEMORY", "PARTNER", "FILESYSTEM", "MemoryTierMixin", "complete_steps", "capacity_error", "local_steps"]
 
 log = logging.getLogger("meshjob.checkpoint")
 MEMORY, FILESYSTEM = "memory", "filesystem"  # the `tier` of checkpoint_saved / checkpoint_loaded records
 COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
+# DCP warns on every no_dist save/load that it assumes one process: that is what the tier does, on any thread
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def local_steps(rank_dir: Path, *, run_id: str, rank: int, world_size: int, mesh: Any) -> dict[int, str]:
@@ -70,25 +85,34 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
     return sorted((s for s in common if len({r[s] for r in per_rank}) == 1), reverse=True)
 
 
-def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int) -> str | None:
+def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
+                   partners: list[int] | None = None) -> str | None:
     """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
-    memory_dir there); a node needs COPIES x the sum of its ranks' states."""
+    memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
+    whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies)."""
     need: dict[str, int] = {}
     free: dict[str, int] = {}
     ranks: dict[str, int] = {}
+    held: dict[str, int] = {}
     for node, nbytes, avail in per_rank:
         need[node] = need.get(node, 0) + COPIES * nbytes
         free[node] = max(free.get(node, 0), avail)
         ranks[node] = ranks.get(node, 0) + 1
+    for r, p in enumerate(partners or []):
+        node = per_rank[p][0]
+        need[node] += COPIES * per_rank[r][1]
+        held[node] = held.get(node, 0) + 1
     short = [n for n in sorted(need) if need[n] > free[n]]
     if not short:
         return None
     n = short[0]
+    what = f"{ranks[n]} ranks' state" + (f" + {held[n]} partner copies" if held.get(n) else "")
     return (f"checkpoint.memory_every_steps={every}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
-            f"({COPIES} copies x {ranks[n]} ranks' state) but checkpoint.memory_dir={memory_dir} has "
+            f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
             f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
-            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, or set "
-            "checkpoint.memory_every_steps=0")
+            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
+            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "")
+            + "or set checkpoint.memory_every_steps=0")
 
 
 class MemoryTierMixin:
@@ -96,9 +120,41 @@ class MemoryTierMixin:
     `self.world_size`, `self.attempt`, `self.manifest_extra`, `self._ctl_pg`, `self._emit`, `self._all_gather`,
     `self._state_dict`, `self._apply_loaded`)."""
 
+    def _init_memory_tier(self, run_id: str, node: str) -> None:
+        """The RAM tier's folder on this node (the run's identity and the node in its path); no collective."""
+        self.run_id = run_id
+        self.node = node or platform.node()
+        self.memory_root = memory_root(self.cfg.memory_dir, run_id) / self.node
+        self._last_memory_step = 0
+        self._capacity_checked = False
+        self._mem_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
+        self._mem_pending: Future | None = None
+        self._mem_staged: threading.Event | None = None  # set once the save in flight has copied its tensors
+        self._mem_buffers: dict[str, torch.Tensor] = {}  # CPU staging buffers, reused by every later save
+        self._memory_plan: dict[int, tuple[list[bool], list[bool]]] = {}
+        self._partner_used: list[int] = []
+        self._replicas, self._partners, self._sources, self._mem_pg = 0, [], [], None
+
+    def _init_partners(self) -> None:
+        """Collective: the nodes of all ranks -> the partner ring (checkpoint.memory_replicas), and the tier's own
+        gloo group for its background commit. Raises CheckpointConfigError alike on every rank."""
+        if not self.cfg.enabled or self.cfg.memory_every_steps <= 0:
+            return
+        nodes = self._all_gather(self.node, self._ctl_pg)
+        self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)),
+                                      memory_every_steps=self.cfg.memory_every_steps)
+        self._partners = partner_ranks(nodes) if self._replicas else list(range(self.world_size))
+        self._sources = [self._partners.index(r) for r in range(self.world_size)]
+        self._mem_pg = dist.new_group(backend="gloo") if self._dist else None
+
     @property
     def _rank_dir(self) -> Path:
         return self.memory_root / f"rank_{self.rank}"
+
+    @property
+    def _held_dir(self) -> Path:
+        """The partner copies this rank holds: those of the rank whose partner it is."""
+        return self.memory_root / f"partner_of_rank_{self._sources[self.rank]}"
 
     def memory_due(self, step: int) -> bool:
         """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, never the
@@ -109,32 +165,82 @@ class MemoryTierMixin:
         return self.total_steps is None or step < self.total_steps
 
     def save_memory(self, step: int) -> None:
-        """Writes this rank's state of `step` to the RAM tier and agrees on the commit with every rank; blocks
-        for the whole save (a memory copy). A failure is recorded (`checkpoint_failed`, tier memory) and the
-        step removed on every rank; training goes on."""
+        """Saves this rank's state of `step` to the RAM tier (and its partner copy). Blocks only to build the
+        state dict and hand it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next
+        optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
+        the step removed on every rank; training goes on."""
         if self._bound is None:
             raise RuntimeError("CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
+        self.wait_memory()
         self._last_memory_step = step
+        tree = _local_tree(self._state_dict())
+        if self.cfg.async_mode == "none":
+            self._memory_job(step, tree, t0, None, None)
+            return
+        self._mem_staged = threading.Event()
+        self._mem_pending = self._mem_pool.submit(self._memory_job, step, tree, t0, time.perf_counter() - t0,
+                                                  self._mem_staged)
+
+    def wait_memory(self) -> None:
+        """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
+        pending, self._mem_pending = self._mem_pending, None
+        if pending is not None:
+            pending.result()
+
+    def _wait_memory_staged(self) -> None:
+        """An optimizer step pre-hook: the RAM save in flight has copied the tensors this step changes."""
+        staged = self._mem_staged
+        if staged is not None:
+            staged.wait()
+
+    def _memory_job(self, step: int, tree: dict[str, Any], t0: float, blocking: float | None,
+                    staged: threading.Event | None) -> None:
+        """One RAM save: stage, write and commit this rank's folder, exchange partner copies, agree, retire."""
         err, nbytes = None, 0
         try:
-            nbytes = self._write_memory(step)
+            if staged is not None:
+                try:
+                    tree = self._stage(tree)
+                finally:
+                    staged.set()
+            nbytes = self._write_memory(step, tree)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = describe_error(e, self.memory_root)
-        gathered = self._all_gather((err, nbytes, time.perf_counter() - t0), self._ctl_pg)
-        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
-        if errors:
-            shutil.rmtree(self._rank_dir / f"step_{step}", ignore_errors=True)  # never a step some rank lacks
+        perr = self._copy_to_partner(step, sent=err is None) if self._replicas else None
+        if blocking is None:
+            blocking = time.perf_counter() - t0
+        gathered = self._all_gather((err, perr, nbytes, blocking), self._mem_pg)
+        errors = [f"rank {r}: {e}" for r, (e, _, _, _) in enumerate(gathered) if e]
+        errors += [f"rank {r}: partner copy: {p}" for r, (_, p, _, _) in enumerate(gathered) if p]
+        if errors:  # never a step some rank lacks
+            shutil.rmtree(self._rank_dir / f"step_{step}", ignore_errors=True)
+            if self._replicas:
+                shutil.rmtree(self._held_dir / f"step_{step}", ignore_errors=True)
             self._emit("checkpoint_failed", step=step, tier=MEMORY, error="; ".join(errors)[:2000])
             if self.rank == 0:
                 log.warning("RAM checkpoint of step %d not committed (training goes on): %s", step, errors[0])
             return
         self._retire_memory(keep=step)
-        self._emit("checkpoint_saved", step=step, tier=MEMORY, path=str(self.memory_root),
-                   bytes=sum(g[1] for g in gathered), blocking_s=round(max(g[2] for g in gathered), 4),
-                   total_s=round(time.perf_counter() - t0, 4))
+        self._emit("checkpoint_saved", step=step, tier=MEMORY, path=str(self.memory_root.parent),
+                   bytes=sum(g[2] for g in gathered), replicas=self._replicas,
+                   blocking_s=round(max(g[3] for g in gathered), 4), total_s=round(time.perf_counter() - t0, 4))
 
-    def _write_memory(self, step: int) -> int:
+    def _stage(self, tree: Any, path: str = "") -> Any:
+        """`tree` with every tensor copied into this rank's CPU staging buffer of its place (made on first use)."""
+        if isinstance(tree, dict):
+            return {k: self._stage(v, f"{path}/{k}") for k, v in tree.items()}
+        if not isinstance(tree, torch.Tensor):
+            return tree
+        buf = self._mem_buffers.get(path)
+        if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
+            buf = self._mem_buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, device="cpu",
+                                                        pin_memory=tree.is_cuda)
+        with torch.no_grad():
+            buf.copy_(tree)
+        return buf
+
+    def _write_memory(self, step: int, tree: dict[str, Any]) -> int:
         """Writes and commits this rank's step folder (see the module docstring); returns its bytes."""
         d = self._rank_dir
         tmp, final = d / f"step_{step}.{self.attempt}.tmp", d / f"step_{step}"
@@ -142,9 +248,8 @@ class MemoryTierMixin:
             shutil.rmtree(tmp)
         d.mkdir(parents=True, exist_ok=True)
         writer = RecordingWriter(tmp, thread_count=1)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(_local_tree(self._state_dict()), storage_writer=writer, no_dist=True)
+        with torch.no_grad():
+            dcp.save(tree, storage_writer=writer, no_dist=True)
         files = dict(writer.records)
         for p in sorted(tmp.iterdir()):
             if p.name not in files:
@@ -152,7 +257,7 @@ class MemoryTierMixin:
         nbytes = sum(f["size"] for f in files.values())
         write_manifest(tmp, {"step": step, "time": time.time(), "tier": MEMORY, "run_id": self.run_id,
                              "rank": self.rank, "world_size": self.world_size, "attempt": self.attempt,
-                             "mesh": self.manifest_extra.get("mesh"), "node": platform.node(),
+                             "mesh": self.manifest_extra.get("mesh"), "node": self.node,
                              "files": files, "bytes": nbytes})
         if final.exists():  # this rank's copy of the same step from an earlier attempt: the new save replaces it
             shutil.rmtree(final)
@@ -160,39 +265,101 @@ class MemoryTierMixin:
         fsync_dir(d)
         return nbytes
 
+    def _copy_to_partner(self, step: int, *, sent: bool) -> str | None:
+        """Sends this rank's committed folder of `step` to its partner and commits the one its source sends
+        (point-to-point on the tier's group; every rank takes part, with nothing to send after a failed write).
+        Returns what went wrong here, or None."""
+        payload, err = None, None
+        if sent:
+            try:
+                payload = pack_folder(self._rank_dir / f"step_{step}")
+            except OSError as e:
+                err = describe_error(e, self.memory_root)
+        src = self._sources[self.rank]
+        got = exchange(payload, send_to=self._partners[self.rank], recv_from=src, pg=self._mem_pg)
+        if got is None:
+            return err or f"rank {src} sent no copy of step {step}"
+        try:
+            commit_folder(got, tmp=self._held_dir / f"step_{step}.{self.attempt}.tmp",
+                          final=self._held_dir / f"step_{step}", step=step)
+        except Exception as e:  # noqa: BLE001 - agreed on by the caller
+            return describe_error(e, self.memory_root)
+        return err
+
     def _retire_memory(self, *, keep: int) -> None:
-        """Deletes this rank's RAM steps other than `keep` and any leftover temporary folder."""
-        if not self._rank_dir.is_dir():
-            return
-        for p in self._rank_dir.iterdir():
-            if p.name != f"step_{keep}":
-                shutil.rmtree(p, ignore_errors=True)
+        """Deletes this rank's RAM steps (own and held partner copies) other than `keep`, and leftover temporary
+        folders."""
+        for d in (self._rank_dir, *([self._held_dir] if self._replicas else [])):
+            if d.is_dir():
+                for p in d.iterdir():
+                    if p.name != f"step_{keep}":
+                        shutil.rmtree(p, ignore_errors=True)
 
     def _memory_candidates(self) -> list[int]:
-        """The steps complete in the RAM tier (every rank holds one from the same save), newest first; agreed."""
+        """The steps complete in the RAM tier (every rank has a copy, its own or its partner's, from the same
+        save), newest first; agreed. Remembers which copies each step has (`self._memory_plan`)."""
+        self._memory_plan = {}
         if self.cfg.memory_every_steps <= 0:
             return []
         mine: dict[int, str] = {}
+        held: dict[int, str] = {}
+        ids = {"run_id": self.run_id, "world_size": self.world_size, "mesh": self.manifest_extra.get("mesh")}
         try:
-            mine = local_steps(self._rank_dir, run_id=self.run_id, rank=self.rank, world_size=self.world_size,
-                               mesh=self.manifest_extra.get("mesh"))
+            mine = local_steps(self._rank_dir, rank=self.rank, **ids)
+            if self._replicas:
+                held = local_steps(self._held_dir, rank=self._sources[self.rank], **ids)
         except OSError as e:
-            log.warning("RAM tier %s unreadable on rank %d: %s", self._rank_dir, self.rank, e)
-        return complete_steps(self._all_gather(mine, self._ctl_pg))
+            log.warning("RAM tier %s unreadable on rank %d: %s", self.memory_root, self.rank, e)
+        gathered = self._all_gather((mine, self._sources[self.rank] if self._replicas else -1, held), self._ctl_pg)
+        held_of: list[dict[int, str]] = [{} for _ in range(self.world_size)]
+        for _, src, h in gathered:
+            if src >= 0:
+                held_of[src] = h
+        plan = plan_memory_load([g[0] for g in gathered], held_of)
+        self._memory_plan = {s: (has_own, has_held) for s, has_own, has_held in plan}
+        return [s for s, _, _ in plan]
 
-    def _validate_memory(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None]:
-        """This rank's folder of `step`, the problems every rank found in its own (agreed), its manifest."""
-        d, manifest = self._rank_dir / f"step_{step}", None
-        try:
-            manifest = read_manifest(d, step=step)
-            problems = [f"rank {self.rank}: {p}" for p in check_files(
-                d, manifest["files"], sorted(manifest["files"]), checksum=self.cfg.verify == "checksum")]
-        except ManifestError as e:
-            problems = [f"rank {self.rank}: {e}"]
-        except Exception as e:  # noqa: BLE001 - agreed on below like any problem
-            problems = [f"rank {self.rank}: {describe_error(e, self.memory_root)}"]
-        problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
-        return d, problems, (manifest if not problems else None)
+    def _validate_memory(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None, str]:
+        """This rank's folder of `step`, the problems found (agreed), its manifest, and the tier: every rank
+        checks its own copy; the ranks whose copy is missing or damaged get their partner's first (PARTNER)."""
+        has_own, has_held = self._memory_plan[step]
+        d = self._rank_dir / f"step_{step}"
+        mine, manifest = _check_copy(d, step, rank=self.rank, checksum=self.cfg.verify == "checksum") if has_own[
+            self.rank] else ([f"rank {self.rank}: no copy of its own"], None)
+        per_rank = self._all_gather(mine, self._ctl_pg)
+        need = [bool(p) for p in per_rank]
+        lost = sorted({p for r, ps in enumerate(per_rank) if not has_held[r] for p in ps})
+        self._partner_used = []
+        if lost or not any(need):
+            return d, lost, (manifest if not lost else None), MEMORY
+        problems, got = self._restore_from_partner(step, need)
+        self._partner_used = [r for r, n in enumerate(need) if n]
+        return d, problems, (None if problems else got or manifest), PARTNER
+
+    def _restore_from_partner(self, step: int, need: list[bool]) -> tuple[list[str], dict[str, Any] | None]:
+        """Every rank in `need` gets its partner's copy of `step` (checked by the holder, sent on the ctl group,
+        committed into its own folder as the RAM tier commits); returns the problems (agreed) and the manifest."""
+        r, src, partner = self.rank, self._sources[self.rank], self._partners[self.rank]
+        payload, mine, manifest = None, [], None
+        if need[src]:  # this rank holds the copy of a rank that needs it
+            hd = self._held_dir / f"step_{step}"
+            problems, _ = _check_copy(hd, step, rank=src, checksum=self.cfg.verify == "checksum")
+            mine += [f"rank {r}: the partner copy of rank {src}: {p}" for p in problems]
+            try:
+                payload = None if problems else pack_folder(hd)
+            except OSError as e:
+                mine.append(f"rank {r}: the partner copy of rank {src}: {describe_error(e, self.memory_root)}")
+        got = exchange(payload, send_to=src if need[src] else None, recv_from=partner if need[r] else None,
+                       pg=self._ctl_pg)
+        if need[r]:
+            try:
+                if got is None:
+                    raise ValueError(f"rank {partner} sent no copy")
+                manifest = commit_folder(got, tmp=self._rank_dir / f"step_{step}.{self.attempt}.tmp",
+                                         final=self._rank_dir / f"step_{step}", step=step)
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                mine.append(f"rank {r}: its partner's copy: {describe_error(e, self.memory_root)}")
+        return sorted({p for ps in self._all_gather(mine, self._ctl_pg) for p in ps}), manifest
 
     def _load_memory(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
@@ -200,22 +367,24 @@ class MemoryTierMixin:
         part_keys: list[list[str]] = []
         sd = self._state_dict(md_keys, part_keys)
         local = _local_tree(sd)  # DTensors as their local shards: views of the same storage, loaded in place
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with torch.no_grad():
             dcp.load(local, checkpoint_id=str(d), no_dist=True)
-        return self._apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
+        info = self._apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
+        return {**info, "partner_ranks": self._partner_used} if self._partner_used else info
 
     def _after_load_memory(self, step: int) -> None:
         """After any load: this rank's RAM steps newer than the loaded one (incomplete, or of an abandoned
-        timeline) and leftover temporary folders are deleted; older complete ones stay until the next commit."""
+        timeline) and leftover temporary folders are deleted, own and held partner copies; older complete ones
+        stay until the next commit."""
         self._last_memory_step = step
-        if self.cfg.memory_every_steps <= 0 or not self._rank_dir.is_dir():
+        if self.cfg.memory_every_steps <= 0:
             return
-        for s, p in step_dirs(self._rank_dir):
-            if s > step:
+        for d in (self._rank_dir, *([self._held_dir] if self._replicas else [])):
+            for s, p in step_dirs(d):
+                if s > step:
+                    shutil.rmtree(p, ignore_errors=True)
+            for p in d.glob("step_*.tmp") if d.is_dir() else []:
                 shutil.rmtree(p, ignore_errors=True)
-        for p in self._rank_dir.glob("step_*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
 
     def local_state_bytes(self) -> int:
         """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
@@ -233,31 +402,67 @@ class MemoryTierMixin:
         return nbytes
 
     def check_memory_capacity(self, nbytes: int) -> None:
-        """Raises CheckpointConfigError (a ValueError) on every rank when some node's checkpoint.memory_dir cannot hold COPIES of its
-        ranks' states (`nbytes`: this rank's); what this run holds there already counts as free."""
+        """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
+        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
+        holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
         if self.cfg.memory_every_steps <= 0:
             return
         try:
             self.memory_root.mkdir(parents=True, exist_ok=True)
-            avail = shutil.disk_usage(self.memory_root).free + _tree_bytes(self._rank_dir)
+            mine = _tree_bytes(self._rank_dir) + (_tree_bytes(self._held_dir) if self._replicas else 0)
+            avail = shutil.disk_usage(self.memory_root).free + mine
         except OSError as e:
             avail = -1
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
         gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
-        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps)
+        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
+                             partners=self._partners if self._replicas else None)
         if why is not None:
             raise CheckpointConfigError(why)
 
     def drop_memory(self) -> None:
-        """Deletes this rank's RAM copies, and the run's root on this node once it is empty (the run finished or
-        stopped with its state on the filesystem tier). Best effort: a failure is only logged."""
+        """Deletes this rank's RAM copies (own and held partner copies, once the save in flight is over), and the
+        node's and the run's folders once empty (the run finished or stopped with its state on the filesystem
+        tier). Best effort: a failure is only logged."""
         if self.cfg.memory_every_steps <= 0:
             return
-        shutil.rmtree(self._rank_dir, ignore_errors=True)
         try:
-            self.memory_root.rmdir()
-        except OSError:
-            pass  # another rank of this node still has its folder there, or it is gone already
+            self.wait_memory()
+        except Exception as e:  # noqa: BLE001 - the copies go anyway
+            log.warning("RAM save in flight failed on rank %d: %s", self.rank, e)
+        shutil.rmtree(self._rank_dir, ignore_errors=True)
+        if self._replicas:
+            shutil.rmtree(self._held_dir, ignore_errors=True)
+        for d in (self.memory_root, self.memory_root.parent):
+            try:
+                d.rmdir()
+            except OSError:
+                pass  # another rank of this node still has its folder there, or it is gone already
+
+    def _close_memory(self) -> None:
+        """Waits for the RAM save in flight, then releases the tier's thread, staging buffers and group."""
+        try:
+            self.wait_memory()
+        finally:
+            self._mem_pool.shutdown(wait=True)
+            self._mem_buffers = {}
+            if self._mem_pg is not None and dist.is_initialized():
+                dist.destroy_process_group(self._mem_pg)
+            self._mem_pg = None
+
+
+def _check_copy(d: Path, step: int, *, rank: int, checksum: bool) -> tuple[list[str], dict[str, Any] | None]:
+    """The problems of one committed copy (`d`, of rank `rank`'s state) against its manifest, and the manifest."""
+    try:
+        manifest = read_manifest(d, step=step)
+        if manifest.get("rank") != rank:
+            return [f"{d.name} holds rank {manifest.get('rank')}'s state, not rank {rank}'s"], None
+        problems = check_files(d, manifest["files"], sorted(manifest["files"]), checksum=checksum)
+    except ManifestError as e:
+        return [f"rank {rank}: {e}"], None
+    except Exception as e:  # noqa: BLE001 - agreed on by the caller like any problem
+        return [f"rank {rank}: {describe_error(e, d)}"], None
+    return [f"rank {rank}: {p}" for p in problems], (manifest if not problems else None)
 
 
 def _local_tree(obj: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,16 +56,25 @@ class RecordingWriter(FileSystemWriter):
             return super().write_data(plan, planner)
 
 
+_crc32_lock = threading.Lock()
+_crc32_users: list[bool] = []  # the setting before the first of the writers now inside, one entry per writer
+
+
 @contextlib.contextmanager
 def zip_crc32_off() -> Iterator[None]:
-    """torch.save skips the zip records' crc32 (the manifest has one per file); restored after. The
+    """torch.save skips the zip records' crc32 (the manifest has one per file); restored after the last
+    writer inside leaves (the filesystem and RAM tiers write on threads of their own, possibly at once). The
     switch is process-wide: a torch.save on another thread meanwhile also goes without it."""
-    prev = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+    with _crc32_lock:
+        _crc32_users.append(_crc32_users[0] if _crc32_users else torch.serialization.get_crc32_options())
+        torch.serialization.set_crc32_options(False)
     try:
         yield
     finally:
-        torch.serialization.set_crc32_options(prev)
+        with _crc32_lock:
+            prev = _crc32_users.pop()
+            if not _crc32_users:
+                torch.serialization.set_crc32_options(prev)
 
 
 class _RecordingFileSystem(FileSystem):

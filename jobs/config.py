@@ -72,6 +72,7 @@ class DataConfig:
     tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
     doc_per: str = "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
     accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
+    sample_overlap: bool = False  # tokenized: consecutive samples share one token (sample i starts at token i * train.seq_len), so every transition is a target; false: non-overlapping samples of train.seq_len + 1
 
 
 @dataclass
@@ -220,6 +221,7 @@ class PlanConfig:
     save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
+    search_trainable_only: bool = True  # plan.search: rank only shapes jobs.train builds (its validation accepts); false = also the planned-only ones, marked ~
     search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
     search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
     search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)

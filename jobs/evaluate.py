@@ -47,7 +47,8 @@ class HeldoutEval:
         self.loss_fn = loss_fn
         self.every, self.n_batches, self.steps = t.eval_every, t.eval_batches, t.steps
         self.data = BatchSource(sources_of(cfg.data), seed=t.seed, global_batch=t.global_batch, seq_len=t.seq_len,
-                                dp_rank=dp_rank, dp=dp, split="heldout", seq_positions=seq_positions)
+                                dp_rank=dp_rank, dp=dp, split="heldout", seq_positions=seq_positions,
+                                sample_overlap=cfg.data.sample_overlap)
 
     def due(self, step: int) -> bool:
         return eval_due(step, every=self.every, steps=self.steps)

@@ -166,6 +166,7 @@ class Trainer:
         self.data = BatchSource(
             sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
             dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
+            sample_overlap=cfg.data.sample_overlap,
         )
         self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
                                    seq_positions=positions)
@@ -423,7 +424,7 @@ class Trainer:
     def _save(self, step: int, *, tier: str = "filesystem") -> None:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
         # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout. The RAM tier's save
-        # writes node-local memory and blocks for all of it.
+        # hands its state to a thread of its own (checkpoint/memory_tier.py), like an async filesystem save.
         self._phase("checkpoint_save", limit_s=self.cfg.failure.checkpoint_timeout_s)
         self.state.data = self.data.cursor(self.health.data_step(step))  # the next data step to read, and where
         with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
@@ -486,6 +487,9 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
         total_steps=cfg.train.steps, mtbf_s=mtbf_s, attempt=env.attempt,
         collective_timeout_s=cfg.failure.collective_timeout_s, run_id=run_id(cfg.run.dir),
+        # the RAM tier's node: Slurm's node name; the local launcher runs launcher.nodes simulated nodes on one
+        # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)
+        node=env.hostname if env.job_id is not None else f"{env.hostname}.node{env.node_rank}",
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from checkpoint.config import replicas_for
 from jobs.config import FailureConfig, JobConfig
 from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
 from jobs.planner.params import attention_head_dims
@@ -58,6 +59,8 @@ def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
         raise ValueError(f"train.mixed_precision={t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
     _check_failure(cfg)
     _check_metrics(cfg)
+    # the RAM tier's partner copies need another node (checkpoint/partner.py; the ranks check the real nodes again)
+    replicas_for(cfg.checkpoint.memory_replicas, nodes=ln.nodes, memory_every_steps=cfg.checkpoint.memory_every_steps)
     _check_compile(cfg, dims)
     return Derived(
         dims=dims,

@@ -46,6 +46,9 @@ def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int, eval_sa
     if cfg.name == "synthetic":
         if cfg.sources:
             raise ValueError("data.sources mixes tokenized files: use it with data=tokenized")
+        if cfg.sample_overlap:
+            raise ValueError("data.sample_overlap=true cuts a tokenized stream into overlapping samples; the synthetic "
+                             "file's rows are separate samples: drop it, or use data=tokenized")
         return _ensure_synthetic(cfg, vocab_size=vocab_size, sample_len=sample_len)
     for path, weight in sources_of(cfg):
         if weight <= 0:
@@ -86,6 +89,11 @@ def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int, eval_sampl
         kind, fmt, vocab = f.attrs.get("kind", ""), int(f.attrs.get("format", -1)), int(f.attrs.get("vocab_size", -1))
         tokens = f["tokens"].shape[0] if "tokens" in f else 0
         heldout = f["heldout"].shape[0] if "heldout" in f else 0
+        counted = json.loads(f["manifest"][:].tobytes()) if "manifest" in f else {}
+    if (tokens, heldout) != (counted.get("tokens", tokens), counted.get("heldout_tokens", heldout)):
+        raise ValueError(f"{path} holds {tokens} training and {heldout} held-out tokens but its manifest counts "
+                         f"{counted['tokens']} and {counted['heldout_tokens']}: an append to it stopped before its "
+                         "commit; run the same python -m jobs.prepare_data again (it cuts the stream back and appends)")
     if kind != "tokenized" or fmt != FORMAT_VERSION:
         raise ValueError(f"{path} is not a format-{FORMAT_VERSION} tokenized file (kind={kind!r}, format={fmt}); "
                          "make it with python -m jobs.prepare_data, or use data=synthetic for the generated language")

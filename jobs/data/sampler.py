@@ -3,8 +3,11 @@
 Two layouts of a split (`tokens` for training, `heldout` for evaluation) are read:
 - rows (2-D, the synthetic file): a sample is the first `seq_len + 1` tokens of one row;
 - a stream (1-D, a tokenized corpus): documents concatenated, each ended by EOS, and cut into
-  consecutive non-overlapping samples of `seq_len + 1` tokens (packing; a document may span two
-  samples, the tail shorter than one sample is not used).
+  consecutive samples of `seq_len + 1` tokens (packing; a document may span two samples, the tail
+  shorter than one sample is not used): non-overlapping by default, so the transition from one sample's
+  last token to the next one's first is never a target; with `sample_overlap` (data.sample_overlap)
+  sample `i` starts at token `i * seq_len`, consecutive samples share one token and every transition
+  of the stream is a target exactly once (Megatron's and nanoGPT's layout).
 
 Data step `d` reads global samples `position + (d - data_step) * global_batch` onward, from the cursor's
 anchor (jobs/data/cursor.py: zero for a fresh run, a checkpoint's cursor on resume). A mixture blends its
@@ -26,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: the login node prepares the data file (jobs.data) without torch
     import torch
 
-from jobs.data.cursor import VERSION, Anchor, blend, file_identity, restore_anchor
+from jobs.data.cursor import VERSION, Anchor, DataChanged, blend, file_identity, restore_anchor
 
 __all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS"]
 
@@ -98,14 +101,16 @@ def _counts_before(weights: tuple[float, ...], position: int) -> list[int]:
 
 
 class _Split:
-    """One file's split as samples of `sample_len` tokens (rows, or a packed stream)."""
+    """One file's split as samples of `sample_len` tokens (rows, or a packed stream; `overlap`: a stream's
+    consecutive samples share one token)."""
 
-    def __init__(self, path: Path, split: str, sample_len: int) -> None:
+    def __init__(self, path: Path, split: str, sample_len: int, *, overlap: bool = False) -> None:
         self.file = h5py.File(path, "r")
         if split not in self.file:
             raise ValueError(f"{path} has no {split!r} dataset; re-create it (python -m jobs.prepare_data)")
         self.ds, self.sample_len = self.file[split], sample_len
-        n = self.ds.shape[0] if self.ds.ndim == 2 else self.ds.shape[0] // sample_len
+        self.stride = sample_len - 1 if overlap else sample_len  # tokens from one sample's start to the next's
+        n = self.ds.shape[0] if self.ds.ndim == 2 else (self.ds.shape[0] - sample_len) // self.stride + 1
         if n < 1:
             raise ValueError(f"{path}:{split} holds fewer than {sample_len} tokens (one sample of train.seq_len + 1)")
         self.num_samples = n
@@ -114,8 +119,25 @@ class _Split:
         if self.ds.ndim == 2:
             uniq, inverse = np.unique(idx, return_inverse=True)  # h5py reads need strictly increasing indices
             return self.ds[uniq, : self.sample_len][inverse]
-        L = self.sample_len
-        return np.stack([self.ds[i * L:(i + 1) * L] for i in idx]) if len(idx) else np.empty((0, L), np.int32)
+        L, S = self.sample_len, self.stride
+        return np.stack([self.ds[i * S:i * S + L] for i in idx]) if len(idx) else np.empty((0, L), np.int32)
+
+
+def _layout_change(saved: dict | None, *, overlap: bool, accept: bool) -> list[str]:
+    """A checkpoint's cursor read with another data.sample_overlap numbers the samples differently (another count,
+    another permutation): refused like a changed file (DataChanged) unless `accept`; the note when accepted."""
+    was = bool((saved or {}).get("sample_overlap", False))  # absent: saved before the key, without overlap
+    if not saved or was == overlap:
+        return []
+    if not accept:
+        now, then = str(overlap).lower(), str(was).lower()
+        raise DataChanged(f"data.sample_overlap={now}, but the checkpoint of data step {saved['data_step']} was saved "
+                          f"with data.sample_overlap={then}: the samples are cut differently, so the consumed counts "
+                          f"point elsewhere. Resume with data.sample_overlap={then}, or with "
+                          "data.accept_changed_files=true to go on knowingly (each file from its consumed count, over "
+                          "the new samples)")
+    return [f"data.sample_overlap changed ({str(was).lower()} -> {str(overlap).lower()}), accepted "
+            "(data.accept_changed_files=true): each file goes on from its consumed count over the new samples"]
 
 
 class BatchSource:
@@ -123,11 +145,12 @@ class BatchSource:
     (`path`) or a mixture (`path` a list of (path, weight)); `split="heldout"` reads the held-out set.
     Reads from the start until `restore` puts it at a checkpoint's cursor; `cursor` is what to save.
     `seq_positions` (context parallel): only the inputs at those positions of a sample, and their targets.
-    `indices` names a data step's global samples."""
+    `indices` names a data step's global samples. `sample_overlap` (data.sample_overlap): a stream's consecutive
+    samples share one token."""
 
     def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
                  seq_len: int, dp_rank: int, dp: int, split: str = "tokens",
-                 seq_positions: torch.Tensor | None = None) -> None:
+                 seq_positions: torch.Tensor | None = None, sample_overlap: bool = False) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -135,7 +158,7 @@ class BatchSource:
         self.weights = [float(w) for _, w in sources]
         self.seed, self.global_batch, self.seq_len, self.split = seed, global_batch, seq_len, split
         self.dp_rank, self.dp = dp_rank, dp
-        self.seq_positions = seq_positions
+        self.seq_positions, self.sample_overlap = seq_positions, sample_overlap
         self._splits: list[_Split] | None = None
         zeros = [0] * len(self.paths)
         self.anchor = Anchor(0, 0, list(zeros), list(zeros))
@@ -144,7 +167,7 @@ class BatchSource:
 
     def _open(self) -> list[_Split]:
         if self._splits is None:
-            self._splits = [_Split(p, self.split, self.seq_len + 1) for p in self.paths]
+            self._splits = [_Split(p, self.split, self.seq_len + 1, overlap=self.sample_overlap) for p in self.paths]
         return self._splits
 
     def _position(self, data_step: int) -> int:
@@ -171,7 +194,7 @@ class BatchSource:
         return {"version": VERSION, "data_step": data_step, "position": position,
                 "consumed": self._consumed_at(position), "base": list(self.anchor.base),
                 "global_batch": self.global_batch, "weights": list(self.weights),
-                "files": self._identities()}
+                "files": self._identities(), "sample_overlap": self.sample_overlap}
 
     def _identities(self) -> list[dict]:
         if self._files is None:
@@ -183,6 +206,7 @@ class BatchSource:
         cursor, which is then the step). DataChanged (a ValueError) when a data file changed, unless
         `accept_changed_files`. Returns the changes it went on over, in words (a changed train.global_batch,
         an accepted file change, new weights)."""
+        layout = _layout_change(saved, overlap=self.sample_overlap, accept=accept_changed_files)
         self.anchor, notes = restore_anchor(saved, files=self._identities(), weights=self.weights,
                                             accept_changed_files=accept_changed_files, data_step=step,
                                             global_batch=self.global_batch)
@@ -190,7 +214,7 @@ class BatchSource:
         if saved and int(saved["global_batch"]) != self.global_batch:
             notes.insert(0, f"train.global_batch changed ({saved['global_batch']} -> {self.global_batch}): data step "
                          f"{self.anchor.data_step} reads on from global sample {self.anchor.position}, the first unread")
-        return notes
+        return notes + layout
 
     def indices(self, data_step: int) -> tuple[int, np.ndarray, np.ndarray]:
         """The global samples of a data step: (its global position, source of each, sample within its source)."""

@@ -18,19 +18,39 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from jobs.launch.env import DistEnv
+from jobs.launch.env import DistEnv, attempt_name
 
-__all__ = ["rendezvous", "port_file"]
+__all__ = ["rendezvous", "port_file", "agreed_torchrun_restart"]
 
 
 def port_file(run_dir: str | os.PathLike[str], attempt: str) -> Path:
     return Path(run_dir) / "rendezvous" / f"{attempt}.json"
 
 
+def _under_agent_store(env: DistEnv) -> bool:
+    return bool(env.master_port) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def agreed_torchrun_restart(env: DistEnv, *, timeout_s: float) -> DistEnv:
+    """Under torchrun, the DistEnv with `restart_in_allocation` every rank of this worker group agrees on.
+    TORCHELASTIC_RESTART_COUNT is each agent's own: the agent of a node whose rank failed counts the restart,
+    the agent that restarts its healthy ranks because another node left the round (a membership change)
+    does not, so ranks of one group could name different attempts and wait in different PrefixStores
+    until the watchdog requeued the job (seen in CI). Each rank counts its own starts in the agents'
+    store, which outlives the ranks' restarts; torchrun starts every rank again on every restart, so the
+    n-th start of each rank belongs to the same group. Other launchers: `env` unchanged."""
+    if not _under_agent_store(env):
+        return env
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    starts = store.add(f"meshjob/{attempt_name(env.job_id, env.restart_count)}/starts/rank{env.rank}", 1)
+    return replace(env, restart_in_allocation=starts - 1)
+
+
 def rendezvous(env: DistEnv, *, run_dir: str, timeout_s: float, backend: str = "gloo") -> DistEnv:
     """Joins the world group; returns the DistEnv with the port actually used. RuntimeError on timeout."""
     timeout = timedelta(seconds=timeout_s)
-    if env.master_port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if _under_agent_store(env):
         # Under torchrun the agents' store outlives a restart of the ranks and env:// writes no prefix
         # per restart: the restarted ranks read the dead ranks' gloo addresses ("Connection refused",
         # seen on the torchrun-style script's first restart). A prefix per attempt keeps them apart.

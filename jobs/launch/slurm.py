@@ -81,7 +81,9 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
     environ = rank_environ(cfg)
     os.environ.clear()
     os.environ.update(environ)  # before init_process_group: NCCL/torch read these at init
-    env = DistEnv.from_environ(environ)
+    from jobs.launch.rendezvous import agreed_torchrun_restart
+
+    env = agreed_torchrun_restart(DistEnv.from_environ(environ), timeout_s=cfg.failure.init_timeout_s)
     print(f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
           f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
     from jobs.launch.rank import attempt_context, run_rank

@@ -58,48 +58,52 @@ def comm_per_step(
     nvlink_domain: int = 0,
     compute_bytes: int = COMPUTE_BYTES,
 ) -> list[CommItem]:
-    """Collectives per optimizer step for the rank holding `stages`, by axis.
-
-    FSDP (counts from CommDebugMode, notes torch-2.13-cpu.md §9): with a pipeline the stage stays
-    gathered (reshard_after_forward=False), so one all-gather per fully_shard unit per step; without
-    one, each microbatch gathers every block for forward and again for backward and the root once.
-    Gradients reduce-scatter once per unit per step (the pipeline schedule and the trainer sync on
-    the last microbatch only). A unit without parameters of its own (the root of a middle stage)
-    issues nothing. HSDP adds an all-reduce of the shard over dp_replicate.
-    TP (notes §3): with SP, per block and microbatch 2 all-gathers + 2 reduce-scatters forward (again
-    when recomputing) and the mirror image backward, plus one of each for the embedding and for the
-    head; without SP, 2 all-reduces forward and one per column-parallel linear (5) backward.
-    PP: one activation send forward and one gradient send backward per microbatch per stage boundary.
-    CP: all-gather based, as Llama 3 (`_cp_items`). EP: dispatch and combine all-to-all per MoE block
-    per microbatch, per forward and backward, node-limited when `model.moe_max_nodes` is set
-    (`_ep_items`; `nvlink_domain`: GPUs per node, 0 = unknown: every copy on the ep axis).
+    """Collectives per optimizer step for the rank holding `stages`, by axis, one helper per concern: FSDP's
+    gathers and reductions (`_fsdp_items`), tensor parallel's activation collectives (`_tp_items`), the pipeline's
+    sends (`_pp_item`), context parallel's K/V exchange (`_cp_items`) and the MoE all-to-alls (`_moe_items`).
     Parameters are gathered and activations sent in the compute dtype: `compute_bytes` 2 (bf16), 4 (fp32).
     """
     blocks = [i for st in stages for i in st.layers]
-    first, last = any(st.first for st in stages), any(st.last for st in stages)
-    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
-    s = seq_len // cp
-    act = compute_bytes * s * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    act = compute_bytes * (seq_len // cp) * micro_batch * m.dim  # one microbatch's hidden states on a tp group
     dt = _dtype_name(compute_bytes)
     recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
-    n_re, moe_re = len(recomputed), sum(1 for i in recomputed if i in moe)
     items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches,
                         compute_bytes=compute_bytes)
     if tp > 1:
-        items += _tp_items(blocks=len(blocks), recomputed=n_re, microbatches=microbatches, ends=int(first) + int(last),
+        ends = int(any(st.first for st in stages)) + int(any(st.last for st in stages))
+        items += _tp_items(blocks=len(blocks), recomputed=len(recomputed), microbatches=microbatches, ends=ends,
                            act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt)
     if pp > 1:
-        sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
-        per = act // tp if sequence_parallel and tp > 1 else act
-        items.append(CommItem("send_recv", "pp", f"{dt} activations fwd + grads bwd", sends, sends * per, pp))
+        items.append(_pp_item(stages, pp=pp, microbatches=microbatches,
+                              per=act // tp if sequence_parallel and tp > 1 else act, dt=dt))
     if cp > 1:
-        items += _cp_items(m, blocks=len(blocks), recomputed=n_re, microbatches=microbatches, s=s,
-                           micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
-    if ep > 1 and moe:
-        n = 2 * microbatches * (2 * len(moe) + moe_re)  # dispatch + combine, per forward and backward
-        items += _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
-                           compute_bytes=compute_bytes)
+        items += _cp_items(m, blocks=len(blocks), recomputed=len(recomputed), microbatches=microbatches,
+                           s=seq_len // cp, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+    if ep > 1:
+        items += _moe_items(m, blocks, recomputed=recomputed, microbatches=microbatches, s=seq_len // cp,
+                            micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
+                            compute_bytes=compute_bytes)
     return items
+
+
+def _pp_item(stages: list[StageShape], *, pp: int, microbatches: int, per: int, dt: str) -> CommItem:
+    """The pipeline's sends: one activation send forward and one gradient send backward per microbatch per stage
+    boundary of the rank's stages (`per` bytes each: one microbatch's hidden states, sequence-sharded with SP)."""
+    sends = microbatches * (sum(not st.last for st in stages) + sum(not st.first for st in stages))
+    return CommItem("send_recv", "pp", f"{dt} activations fwd + grads bwd", sends, sends * per, pp)
+
+
+def _moe_items(m: ModelConfig, blocks: list[int], *, recomputed: list[int], microbatches: int, s: int,
+               micro_batch: int, tp: int, ep: int, nvlink_domain: int, compute_bytes: int) -> list[CommItem]:
+    """Expert parallel's dispatch and combine all-to-all per MoE block per microbatch, per forward and backward
+    (and per recomputed forward), node-limited when `model.moe_max_nodes` is set (`_ep_items`; `nvlink_domain`:
+    GPUs per node, 0 = unknown: every copy on the ep axis)."""
+    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+    if not moe:
+        return []
+    n = 2 * microbatches * (2 * len(moe) + sum(1 for i in recomputed if i in moe))  # dispatch + combine
+    return _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
+                     compute_bytes=compute_bytes)
 
 
 def _dtype_name(compute_bytes: int) -> str:
@@ -109,7 +113,13 @@ def _dtype_name(compute_bytes: int) -> str:
 def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
                 microbatches: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
     """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
-    their own dp degree), and HSDP's all-reduce of the shard over dp_replicate (see `comm_per_step`)."""
+    their own dp degree), and HSDP's all-reduce of the shard over dp_replicate.
+
+    Counts from CommDebugMode (notes torch-2.13-cpu.md §9): with a pipeline the stage stays gathered
+    (reshard_after_forward=False), so one all-gather per fully_shard unit per step; without one, each
+    microbatch gathers every block for forward and again for backward and the root once. Gradients
+    reduce-scatter once per unit per step (the pipeline schedule and the trainer sync on the last microbatch
+    only). A unit without parameters of its own (the root of a middle stage) issues nothing."""
     items: list[CommItem] = []
     pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
@@ -143,7 +153,10 @@ def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replica
 
 def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
               sequence_parallel: bool, dt: str = "bf16") -> list[CommItem]:
-    """Tensor parallel's activation collectives (see `comm_per_step`); `ends`: embedding and/or head held."""
+    """Tensor parallel's activation collectives (notes §3): with SP, per block and microbatch 2 all-gathers +
+    2 reduce-scatters forward (again when recomputing) and the mirror image backward, plus one of each for the
+    embedding and for the head (`ends`: how many of the two the rank holds); without SP, 2 all-reduces forward
+    and one per column-parallel linear (5) backward."""
     per_block = microbatches * blocks
     if sequence_parallel:
         n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches

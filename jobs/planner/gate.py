@@ -370,7 +370,8 @@ def _memory(x: _Draft) -> None:
             cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
             schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
             activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
-            params_elems=measured_max.get(pp_rank), autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2, **x.common,
+            params_elems=measured_max.get(pp_rank), autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2,
+            compute_bytes=H.compute_bytes(x.cfg), **x.common,
         )
         x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:

@@ -271,50 +271,53 @@ def rank_memory(
     one measured on the real sharded model (the fake-backend path). `pp_rank` sets how many
     microbatches are in flight (`layers_in_flight`); `compute_bytes` is 2 for bf16 compute, 4 for fp32.
     `autocast`: bf16 through torch.autocast, not FSDP's policy (a mesh without FSDP: dp_replicate · dp_shard = 1)."""
-    blocks_on_rank = [i for st in stages for i in st.layers]
     if params_elems is None:
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
-    unsharded = _fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
-                                  compute_bytes=compute_bytes)
-    in_flight = layers_in_flight(
-        pp=pp, microbatches=microbatches, layers_on_rank=len(blocks_on_rank), stages_per_rank=stages_per_rank,
-        schedule=schedule, pp_rank=pp_rank,
-    )
-    saved = functools.partial(
-        activation_bytes, m, blocks_on_rank, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
-        cp=cp, ep=ep, sequence_parallel=sequence_parallel, ac_every=ac_every, compute_bytes=compute_bytes,
-    )
-    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
-                     compute_bytes=compute_bytes)
-
-    def act(*, activation_checkpointing: str) -> int:
-        """Saved activations less the checkpointed inputs that are pipeline receive buffers (in `p2p_bytes`)."""
-        shared = _received_and_checkpointed(stages, mode=activation_checkpointing, every=ac_every, rank_layers=blocks_on_rank)
-        return saved(activation_checkpointing=activation_checkpointing) - int(
-            shared * hop * in_flight / max(len(blocks_on_rank), 1))
-
-    p2p = pp_recv_bytes(m, stages, tp=tp, pp=pp, cp=cp, microbatches=microbatches, seq_len=seq_len,
-                     micro_batch=micro_batch, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
-    loss = (
-        logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
-                     loss_parallel=loss_parallel, compute_bytes=compute_bytes)
-        if any(st.last for st in stages)
-        else 0
-    )
+    in_flight = layers_in_flight(pp=pp, microbatches=microbatches, layers_on_rank=sum(len(st.layers) for st in stages),
+                                 stages_per_rank=stages_per_rank, schedule=schedule, pp_rank=pp_rank)
+    mb_shape = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+    act = functools.partial(_stage_activation_bytes, m, stages, in_flight=in_flight, ep=ep, ac_every=ac_every,
+                            sequence_parallel=sequence_parallel, **mb_shape)
     return RankMemory(
         params_elems=params_elems,
         params_bytes=params_elems * PARAM_BYTES,
         grads_bytes=params_elems * GRAD_BYTES,
         optimizer_bytes=params_elems * OPTIM_BYTES,
-        unsharded_bytes=unsharded,
+        unsharded_bytes=_fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
+                                          compute_bytes=compute_bytes),
         activation_bytes=act(activation_checkpointing=activation_checkpointing),
-        logits_bytes=loss,
+        logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **mb_shape),
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
-        p2p_bytes=p2p,
+        p2p_bytes=pp_recv_bytes(m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel,
+                                **mb_shape),
         autocast_bytes=autocast_copy_bytes(m, stages, in_flight=in_flight, tp=tp, ep=ep, ac_every=ac_every,
                                            activation_checkpointing=activation_checkpointing) if autocast else 0,
     )
+
+
+def _stage_activation_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, activation_checkpointing: str,
+                            ac_every: int, seq_len: int, micro_batch: int, tp: int, cp: int, ep: int,
+                            sequence_parallel: bool, compute_bytes: int) -> int:
+    """Saved activations of the rank holding `stages` (`activation_bytes`) less the checkpointed block inputs
+    that are pipeline receive buffers: those are held in `p2p_bytes` (`pp_recv_bytes`)."""
+    layers = [i for st in stages for i in st.layers]
+    saved = activation_bytes(m, layers, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
+                             ep=ep, sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
+                             ac_every=ac_every, compute_bytes=compute_bytes)
+    shared = _received_and_checkpointed(stages, mode=activation_checkpointing, every=ac_every, rank_layers=layers)
+    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
+                     compute_bytes=compute_bytes)
+    return saved - int(shared * hop * in_flight / max(len(layers), 1))
+
+
+def _loss_bytes(m: ModelConfig, stages: list[StageShape], *, loss_parallel: bool, seq_len: int, micro_batch: int,
+                tp: int, cp: int, compute_bytes: int) -> int:
+    """The loss transient (`logits_bytes`) on the rank that holds the last stage; 0 elsewhere."""
+    if not any(st.last for st in stages):
+        return 0
+    return logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
+                        loss_parallel=loss_parallel, compute_bytes=compute_bytes)
 
 
 def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, tp: int, ep: int = 1,

@@ -7,6 +7,8 @@ cheap rule says so (divisibility, batch arithmetic, a lower bound on memory), an
 Activation checkpointing is not a free axis: a shape takes the cheapest mode that fits (none, then
 selective, then full), since the others only add recomputation. Every number the ranking uses is read
 from a `Plan` by `predicted()`, so the step-time model behind it can change without touching the rest.
+A shape is trainable when the trainer's own validation accepts it; `plan.search_trainable_only` (default true:
+the ranking is advice to submit) ranks only those and lists the others as one rejection, `false` ranks them after.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jobs.planner import arith as P
 from jobs.planner.gate import GiB, Plan, build_plan
 from jobs.validate import validate
 
-__all__ = ["Shape", "Candidate", "SearchResult", "predicted", "shapes", "search", "render_search", "write_top_k"]
+__all__ = ["Shape", "Candidate", "SearchResult", "PLANNED_ONLY", "predicted", "shapes", "search", "render_search", "write_top_k"]
 
 AC_ORDER = ("none", "selective", "full")  # cheapest first: the first that fits wins
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -51,11 +53,15 @@ class Shape:
     def trainable(self, cfg: JobConfig) -> bool:
         """Whether `python -m jobs.train` builds this shape: the trainer's own validation accepts it (one rule
         for both: ep only folded over dp_shard * cp, MLA without tp or cp, ...)."""
+        return self.refusal(cfg) is None
+
+    def refusal(self, cfg: JobConfig) -> str | None:
+        """Why `python -m jobs.train` refuses this shape (its validation's message); None when it builds it."""
         try:
             validate(self.apply(cfg), training=True)
-        except ValueError:
-            return False
-        return True
+        except ValueError as e:
+            return str(e)
+        return None
 
     def overrides(self) -> list[str]:
         """Hydra overrides that set this shape on any config of the same model and world size."""
@@ -92,6 +98,7 @@ class SearchResult:
     seconds: float
     world_size: int
     own_why: str = ""  # why the composed config itself is not ranked, when it is not
+    trainable_only: bool = False  # plan.search_trainable_only: the planned-only shapes are under `rejected`
 
     def own_rank(self) -> int | None:
         return next((i + 1 for i, c in enumerate(self.ranked) if c.own), None)
@@ -265,10 +272,31 @@ def search(cfg: JobConfig) -> SearchResult:
     calls += 1
     if own is not None:
         ranked = [c for c in ranked if c.shape != own.shape] + [own]
-    for c in ranked:
-        c.trainable = c.shape.trainable(cfg)
+    ranked, own_why = _mark_trainable(cfg, ranked, rejected, own_why)
     ranked.sort(key=lambda c: (not c.trainable, -c.numbers["tokens_per_s"]))  # what jobs.train builds first
-    return SearchResult(ranked, rejected, len(space), calls, time.perf_counter() - t0, cfg.world_size, own_why)
+    return SearchResult(ranked, rejected, len(space), calls, time.perf_counter() - t0, cfg.world_size, own_why,
+                        trainable_only=cfg.plan.search_trainable_only)
+
+
+PLANNED_ONLY = "planned only: jobs.train refuses the shape"  # the rejection group of plan.search_trainable_only
+
+
+def _mark_trainable(cfg: JobConfig, ranked: list[Candidate], rejected: dict,
+                    own_why: str) -> tuple[list[Candidate], str]:
+    """Marks each candidate with the trainer's own validation; with plan.search_trainable_only the refused ones
+    move to the rejections (one group, each with the trainer's message), the composed config's too."""
+    kept = []
+    for c in ranked:
+        why = c.shape.refusal(cfg)
+        c.trainable = why is None
+        if c.trainable or not cfg.plan.search_trainable_only:
+            kept.append(c)
+            continue
+        rejected.setdefault(PLANNED_ONLY, []).append((c.shape.label(), f"{PLANNED_ONLY}: {why}"))
+        if c.own:
+            own_why = (f"{PLANNED_ONLY} (plan.search_trainable_only=true; =false ranks it among the planned-only "
+                       f"shapes): {why}")
+    return kept, own_why
 
 
 def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
@@ -295,10 +323,12 @@ def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
 
 def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     """The ranked table (first `rows`), the config's own rank, and the rejections grouped by reason."""
+    which = ("only the shapes jobs.train builds (plan.search_trainable_only=true; =false adds the planned-only ones)"
+             if r.trainable_only else "the shapes jobs.train builds first")
     L = [f"search: {r.enumerated} shapes for {r.world_size} ranks, {r.planned} planned (analytic, no fake backend), "
-         f"{len(r.ranked)} feasible, in {r.seconds:.1f} s",
+         f"{len(r.ranked)} feasible{' and trainable' if r.trainable_only else ''}, in {r.seconds:.1f} s",
          "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails), "
-         "the shapes jobs.train builds first; in flight: layer-microbatches of activations held at the peak (torch's "
+         f"{which}; in flight: layer-microbatches of activations held at the peak (torch's "
          "schedule warm-up), which chose the AC",
          "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput  in flight"]
     shown = [(i, c) for i, c in enumerate(r.ranked) if i < rows or c.own]
@@ -313,8 +343,10 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")
     L.append(f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else
              f"  this config is not ranked: {r.own_why}")
-    L.append("  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer; "
-             "~: planned only (the trainer's validation refuses the shape: e.g. ep beside pp or tp, MLA with tp or cp)")
+    L.append("  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer" + (
+        f"; planned-only shapes (the trainer's validation refuses them) are rejected as \"{PLANNED_ONLY}\""
+        if r.trainable_only else
+        "; ~: planned only (the trainer's validation refuses the shape: e.g. ep beside pp or tp, MLA with tp or cp)"))
     L.append("")
     L.append(f"rejected: {sum(len(v) for v in r.rejected.values())} shapes")
     for key, items in sorted(r.rejected.items(), key=lambda kv: -len(kv[1])):

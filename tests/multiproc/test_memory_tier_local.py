@@ -46,10 +46,14 @@ def _rank_pids(run_dir: Path, launcher: int) -> dict[int, int]:
 
 
 def _complete_ram_step(root: Path) -> int | None:
-    """The newest step both ranks hold committed in the RAM tier from the same save (what a restart would load)."""
+    """The newest step both ranks hold committed in the RAM tier from the same save (what a restart would load),
+    when no RAM save is under way (one committed step per rank, no temporary folder: the saves are asynchronous,
+    and a moment between a save's commit and the deletion of the older step would leave a second RAM candidate)."""
     held = []
     for r in (0, 1):
         steps = {}
+        if any((root / f"rank_{r}").glob("*.tmp")) or len(step_dirs(root / f"rank_{r}")) != 1:
+            return None
         for s, d in step_dirs(root / f"rank_{r}"):
             try:
                 steps[s] = read_manifest(d, step=s)["attempt"]
@@ -118,7 +122,7 @@ def test_a_killed_rank_restarts_from_ram_and_a_corrupted_ram_shard_falls_back_to
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}) for d in (ref_dir, run_dir))
     try:  # the uninterrupted reference trains alongside (its own run dir and RAM root)
         _wait_for(run_dir / "checkpoints/step_3/manifest.json", proc)  # the first filesystem checkpoint committed
-        root = memory_root("/dev/shm", run_id(run_dir))
+        root = memory_root("/dev/shm", run_id(run_dir)) / f"{os.uname().nodename}.node0"  # the one (simulated) node
         ram1, fs1 = _freeze_then_kill_rank1(run_dir, proc, root, corrupt=False)
         wait_for_step(run_dir, ram1 + 3, proc, timeout=RUN_S)  # the first attempt got at most to ram1 + 1
         ram2, fs2 = _freeze_then_kill_rank1(run_dir, proc, root, corrupt=True)
@@ -148,4 +152,4 @@ def test_a_killed_rank_restarts_from_ram_and_a_corrupted_ram_shard_falls_back_to
     # jobs.status names the tier each attempt resumed from; the finished run left nothing in memory
     rows = [ln.split() for ln in status_text(run_dir).splitlines() if " local.0" in ln]
     assert [r[5] for r in rows] == ["-", "ram", "fs"], rows
-    assert not root.exists() and not memory_root("/dev/shm", run_id(ref_dir)).exists()
+    assert not root.parent.exists() and not memory_root("/dev/shm", run_id(ref_dir)).exists()

@@ -4,8 +4,9 @@ is named a straggler on CPU (issue 22, item 9).
 A stopped process uses no CPU, so its CPU time per phase does not change and a CPU-time clock never saw it;
 its peers wait for it asleep in gloo. The `work` clock (CPU time plus the time stopped, which
 jobs/telemetry/phases.py's Descheduled watcher reads from outside the rank) sees the stop where the rank was working. Here the test stops rank 1
-for STOP_S out of every STOP_S + RUN_S for the whole run (a third of its wall time; measured ratio 1.99 in backward),
-2 ranks with FSDP, windows of 20 steps, named after K=2 slow windows past the warm-up one (a CPU-time clock named
+for STOP_S out of every STOP_S + RUN_S for the whole run (half its wall time: at a third, measured ratio 1.99 in
+backward, one CI run under heavy load found no slow window pair), 2 ranks with FSDP, windows of 20 steps, named after
+K=2 slow windows in a row among the 3 past the warm-up one (a CPU-time clock named
 nobody in the same run: checked by judging CPU time alone, 2026-12-05). That healthy runs
 name nobody on the same clock is tests/multiproc/test_stragglers_healthy.py's and test_stragglers.py's.
 """
@@ -27,8 +28,8 @@ from tests.conftest import REPO
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-STEPS, LOG_EVERY, K = 60, 20, 2  # 3 windows: 1 warm-up, 2 judged
-STOP_S, RUN_S = 0.03, 0.06
+STEPS, LOG_EVERY, K = 80, 20, 2  # 4 windows: 1 warm-up, 3 judged
+STOP_S, RUN_S = 0.05, 0.05
 
 
 def _pid(run_dir: Path, rank: int, proc: subprocess.Popen) -> int:
@@ -43,7 +44,7 @@ def _pid(run_dir: Path, rank: int, proc: subprocess.Popen) -> int:
     raise AssertionError(f"no heartbeat {beat} in 180 s")
 
 
-def test_a_rank_stopped_a_third_of_the_time_from_outside_is_named_on_cpu(tmp_path: Path, data_path: str) -> None:
+def test_a_rank_stopped_half_the_time_from_outside_is_named_on_cpu(tmp_path: Path, data_path: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", f"train.steps={STEPS}", "mesh=single",

@@ -9,7 +9,7 @@ from jobs.config import compose
 from jobs.planner.search import render_search, search
 
 MOE = ["model=tiny_moe", "mesh.ep=2", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
-       "train.global_batch=8", "checkpoint.interval=auto"]
+       "train.global_batch=8", "checkpoint.interval=auto", "plan.search_trainable_only=false"]  # the full list
 
 
 @pytest.fixture(scope="module")
