@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jobs.config import ModelConfig
+from jobs.ffn import FeedForward
 from jobs.mla import MLA
 from jobs.moe import MoE
 
@@ -84,17 +85,6 @@ def attention_block(cfg: ModelConfig) -> nn.Module:
     if cfg.attention == "mla":
         return MLA(cfg, rope=apply_rope, norm=RMSNorm)
     return Attention(cfg)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def ffn_block(cfg: ModelConfig, layer: int) -> nn.Module:

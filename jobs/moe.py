@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from jobs.config import ModelConfig
+from jobs.ffn import FeedForward
 
 __all__ = ["MoE", "Router", "GroupedExperts", "grouped_swiglu", "moe_layers", "update_expert_bias", "SCORE_FUNCS"]
 
@@ -85,8 +86,8 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: tor
     padding dropped again. Padding rows are zeros and never reach the output or the gradients.
     """
     n_exp, cap = len(counts), max(counts, default=0)
-    if cap == 0:
-        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (w1.sum() + w2.sum() + w3.sum())  # keeps the weights in the graph
+    if cap == 0:  # no rows: x and the weights stay in the graph, so every ep rank runs the same backward all-to-alls
+        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (x.sum() + w1.sum() + w2.sum() + w3.sum())
     counts_t = torch.tensor(counts, device=x.device)
     expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), counts_t)
     starts = torch.cumsum(counts_t, 0) - counts_t
@@ -116,19 +117,6 @@ class GroupedExperts(nn.Module):
         return grouped_swiglu(x, counts, w1, w2, w3)
 
 
-class _SharedExperts(nn.Module):
-    """The always-active experts as one SwiGLU of n_shared_experts · moe_ffn_dim hidden units."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class _AddAuxLoss(torch.autograd.Function):
     """Returns x unchanged; its backward also sends gradient 1 into `aux` (so the balance loss trains the
     router without changing the loss the trainer computes and logs; DeepSeek-V2's AddAuxiliaryLoss)."""
@@ -152,7 +140,7 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_ffn_dim)
         hidden = cfg.n_shared_experts * cfg.moe_ffn_dim
-        self.shared = _SharedExperts(cfg.dim, hidden) if hidden > 0 else None
+        self.shared = FeedForward(cfg.dim, hidden) if hidden > 0 else None  # the always-active experts as one SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape

@@ -103,16 +103,16 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshard_after_forward: bool,
                       mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 over the expert-data-parallel axis for every GroupedExperts module (before the blocks are
-    wrapped, so the block's FSDP leaves these weights alone). Their gradients are reduced over `edp_mesh`
-    only and divided by the whole data-parallel degree `dp` (dp * cp with context parallel: each expert's
-    gradient already sums the tokens of the ep ranks it serves), which gives the same mean over the global
-    batch as the dense weights."""
+    wrapped, so the block's FSDP leaves these weights alone); HSDP when `edp_mesh` is 2-D (dp_replicate, edp).
+    Their gradients are reduced over `edp_mesh` only and divided by the whole data-parallel degree `dp` (dp * cp
+    with context parallel: each expert's gradient already sums the tokens of the ep ranks it serves), which gives
+    the same mean over the global batch as the dense weights."""
     for module in model.modules():
         if is_grouped_experts(module):
             fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=mp_policy or MixedPrecisionPolicy())
             module.set_gradient_divide_factor(float(dp))
-            # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank: torch 2.13's FSDP then divides its
-            # local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).
-            if edp_mesh.size() > 1:
+            # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank (also under HSDP): torch 2.13's FSDP then
+            # divides its local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).
+            if edp_mesh.size(-1) > 1:
                 module.set_force_sum_reduction_for_comms(True)

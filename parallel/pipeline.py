@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: jobs.validate uses the stage arithmetic on the login node, without torch
@@ -126,11 +128,48 @@ def build_schedule(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> _PipelineSchedule:
-    """Wraps this rank's parts as PipelineStages and builds the schedule (shapes inferred at runtime)."""
+    """Wraps this rank's parts as PipelineStages and builds the schedule (shapes inferred at runtime, `_stage_class`)."""
     from torch.distributed import pipelining  # lazy: ~1 s of imports that jobs.validate's arithmetic does not need
 
-    pstages = [pipelining.PipelineStage(p, s, num_stages, device, group=pp_group) for p, s in zip(parts, stages)]
+    pstages = [_stage_class()(p, s, num_stages, device, group=pp_group) for p, s in zip(parts, stages)]
     cls = getattr(pipelining, _SCHEDULES[schedule])
     if len(pstages) == 1 and schedule in ("gpipe", "1f1b"):
         return cls(pstages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(pstages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+@functools.cache
+def _stage_class() -> type:
+    """torch's PipelineStage, except that its shape inference leaves the stage's buffers as they were.
+
+    torch 2.13 infers the activation shapes between stages at the first step (and again after each switch
+    between `schedule.eval` and training) by one real forward and backward: of the first microbatch on the
+    first stage, of uninitialised tensors on the others. A buffer a forward counts into (the MoE routers'
+    `tokens_per_expert`, which steer the bias balancing) would count that extra pass too, so every buffer is
+    saved before the inference and put back after it."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def _prepare_forward_infra(self, *args, **kwargs):
+            with _buffers_kept(self.submod):
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            with _buffers_kept(self.submod):
+                return super()._prepare_backward_infra(*args, **kwargs)
+
+    return _Stage
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    import torch  # lazy: the login node's stage arithmetic does not need it
+
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # only the changed ones: an unchanged buffer (RoPE's table) may be saved for backward
+            for b, value in saved:
+                if not torch.equal(b, value):
+                    b.copy_(value)

@@ -99,8 +99,9 @@ def _shard_part(part: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, ep_mes
         apply_ep(part, ep_mesh["ep"])
     if compile:
         apply_compile(part)
-    if ep_mesh is not None:
-        apply_expert_fsdp(part, ep_mesh["edp"], dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
+    if ep_mesh is not None:  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)
+        edp_mesh = ep_mesh[("dp_replicate", "edp")] if dims.hsdp_enabled else ep_mesh["edp"]
+        apply_expert_fsdp(part, edp_mesh, dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
                           mp_policy=fsdp_policy(mixed_precision))
     if dims.fsdp_enabled:
         apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,

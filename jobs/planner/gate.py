@@ -79,8 +79,8 @@ def validate_for_planning(cfg: JobConfig):
         if m.n_routed_experts % mesh.ep:
             raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts")
         fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
-        trainable = mesh.pp == mesh.dp_replicate == mesh.tp == 1 and (mesh.cp == 1 or m.attention == "gqa")  # parallel/dims.py
-        notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if trainable else 'not built yet'} "
+        why = _refused_by_training(cfg)
+        notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if not why else 'refused: ' + why} "
                      "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
     view = copy.deepcopy(cfg)
     view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
@@ -88,6 +88,17 @@ def validate_for_planning(cfg: JobConfig):
     d = validate(view, training=False)
     dims = replace(d.dims, cp=mesh.cp, ep=mesh.ep, world_size=world)
     return replace(d, dims=dims), notes
+
+
+def _refused_by_training(cfg: JobConfig) -> str:
+    """Why `jobs.train` refuses this config ('' when it trains it): the trainer's own validation, one rule."""
+    from jobs.validate import validate
+
+    try:
+        validate(cfg)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 # --------------------------------------------------------------------------------------------- roles

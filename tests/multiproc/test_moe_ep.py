@@ -1,6 +1,6 @@
 """Expert parallelism trains like one process: tiny_moe's loss and every gradient on ep2 / ep4 / ep2 x edp2 / ep2 folded
-over cp2 (the two ranks hold different chunks of the same sequences) equal the single-process forward/backward of the
-same global batch, with exactly two token all-to-alls per MoE layer each way."""
+over cp2 (the two ranks hold different chunks of the same sequences) / ep2 beside dp_replicate2 (HSDP) equal the
+single-process forward/backward of the same global batch, with exactly two token all-to-alls per MoE layer each way."""
 
 from __future__ import annotations
 
@@ -44,10 +44,12 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1) -> dict:
-    """This rank's share of one forward/backward under (dp_shard=world/cp, cp, ep); returns the loss, the full grads
-    and the all_to_all_single calls counted by phase and kind (token rows vs the int64 count exchange)."""
-    dims = ParallelDims.from_config(MeshConfig(dp_shard=world // cp, cp=cp, ep=ep), world_size=world)
+def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int = 1) -> dict:
+    """This rank's share of one forward/backward under (dp_replicate, dp_shard=world/cp/dp_replicate, cp, ep); returns
+    the loss, the full grads and the all_to_all_single calls counted by phase and kind (token rows vs the int64 count
+    exchange)."""
+    dims = ParallelDims.from_config(MeshConfig(dp_replicate=dp_replicate, dp_shard=world // cp // dp_replicate, cp=cp,
+                                               ep=ep), world_size=world)
     mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(_model_cfg())
@@ -81,11 +83,12 @@ def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1) -> dict:
     return {"loss": float(total) / world, "grads": grads, "calls": dict(calls)}
 
 
-@pytest.mark.parametrize("world,ep,cp", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (2, 2, 2)],
-                         ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2"])
-def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int, cp: int) -> None:
+@pytest.mark.parametrize("world,ep,cp,dp_replicate", [(2, 2, 1, 1), (4, 4, 1, 1), (4, 2, 1, 1), (2, 2, 2, 1), (4, 2, 1, 2)],
+                         ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2", "ep2_hsdp_dp_replicate2"])
+def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int, cp: int,
+                                                                              dp_replicate: int) -> None:
     ref_loss, ref_grads = _reference()
-    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, timeout=240).results
+    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, dp_replicate=dp_replicate, timeout=240).results
     moe_layers = sum(1 for i in range(_model_cfg().n_layers) if i >= _model_cfg().n_dense_layers)
     for rank, r in out.items():
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)

@@ -69,7 +69,7 @@ def test_cp_and_ep_are_planned_not_refused_and_say_so():
     assert any("cp16: context parallel (mesh.cp_impl=allgather) is trained by parallel/cp.py" in n for n in plan.notes)
     assert any(c["axis"] == "cp" and c["collective"] == "all_gather" for c in plan.comm)  # Llama 3 §3.3.2
     plan = build_plan(compose(["+experiment=deepseek_v3_2048gpu"]), measure=False)
-    assert any("ep64: planned analytically, training not built yet" in n for n in plan.notes)
+    assert any("ep64: planned analytically, training built (parallel/ep.py)" in n for n in plan.notes)  # pp16 * ep64
     assert any(c["axis"] == "ep" and c["collective"] == "all_to_all" for c in plan.comm)
     assert plan.params_total == 671_026_404_352
 
