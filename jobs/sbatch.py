@@ -109,8 +109,8 @@ def _resource_lines(*, style: str, job_name: str, nodes: int, tasks_per_node: in
         _line(f"#SBATCH --job-name={_q(job_name)}"),
         _line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node")
         if not spare_nodes else
-        _line(f"#SBATCH --nodes={nodes + spare_nodes}", f"EDIT: launcher.nodes({nodes}) run the ranks + launcher.spare_nodes"
-              f"({spare_nodes}) idle"),
+        _line(f"#SBATCH --nodes={nodes + spare_nodes}",
+              f"EDIT: launcher.nodes({nodes}) run the ranks + launcher.spare_nodes({spare_nodes}) idle"),
         *([_line("#SBATCH --no-kill", "a failed node leaves the job; a spare takes its place (srun --nodelist)")]
           if spare_nodes else []),
         _line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",

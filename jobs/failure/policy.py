@@ -120,10 +120,11 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
             and fruitless < cfg.max_attempts_without_progress):
         why = _no_restart(restart, cfg)
         if why is None:
-            swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in (swap(restart.bad_nodes, restart.spares)
-                                                                                   or {}).items())
+            pairs = swap(restart.bad_nodes, restart.spares) or {}
+            swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in pairs.items())
             return Decision("restart", f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
-                            f"({cfg.restarts_in_allocation}) inside the allocation{swapped}", exitcodes.REQUEUE, **facts)
+                            f"({cfg.restarts_in_allocation}) inside the allocation{swapped}", exitcodes.REQUEUE,
+                            **facts)
         cause = f"{cause} ({why})"
     if used >= cfg.max_requeues:
         return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",

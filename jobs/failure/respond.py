@@ -86,7 +86,7 @@ def _conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: In
                restart=restart, suspect_nodes=suspects)
     excluded = _quarantine(ctx, d, incident, restart)
     ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
-    swapped = swap(restart.bad_nodes, restart.spares) if d.action == "restart" and restart and restart.bad_nodes else None
+    swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
     if swapped:  # the supervisor's next placement leaves the quarantined nodes out and takes these spares
         ctx.events.emit("spare_swap", swapped=swapped, excluded=excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
