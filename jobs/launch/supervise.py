@@ -182,9 +182,10 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: lis
     cl, ln = cfg.cluster, cfg.launcher
     args = ["srun", "--job-name=meshjob-ranks", "--kill-on-bad-exit=0", "--unbuffered", "--open-mode=append", f"--output={logs[0]}",
             f"--error={logs[1]}"]
-    if step_nodes is not None:
+    if step_nodes is not None:  # --overlap: the step of a lost node lingers in Slurm 22.05 (RUNNING, its CPUs on
+        # the surviving nodes held) after the node left the job; without it the spare's step waits for it forever
         args += [f"--nodes={ln.nodes}", f"--ntasks={cfg.world_size}", f"--ntasks-per-node={ln.tasks_per_node}",
-                 f"--nodelist={','.join(step_nodes)}"]
+                 f"--nodelist={','.join(step_nodes)}", "--overlap"]
     if cl.container_image:
         args.append(f"--container-image={cl.container_image}")
     if cl.container_mounts:

@@ -148,7 +148,7 @@ def test_the_supervisor_runs_the_ranks_on_launcher_nodes_and_restarts_them_on_th
             signal.signal(s, h)
     steps = [json.loads((slurm / "steps" / str(i)).read_text()) for i in range(2)]
     for argv, nodelist in zip(steps, ("node1,node2", "node1,node3")):
-        assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--nodelist={nodelist}"} <= set(argv), argv
+        assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--nodelist={nodelist}", "--overlap"} <= set(argv), argv
     starts = read_events(run / "events.jsonl", "attempt_start")
     assert [(e["attempt"], e["step_nodes"], e["spares"]) for e in starts] == [
         ("9.0", ["node1", "node2"], ["node3"]), ("9.0.1", ["node1", "node3"], [])]
