@@ -116,6 +116,7 @@ class RunConfig:
 class LauncherConfig:
     name: str = "local"  # local | slurm
     nodes: int = 1  # nodes in the job
+    spare_nodes: int = 0  # slurm: idle nodes allocated besides `nodes`; one takes a failed node's place in the allocation
     tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
     master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)

@@ -58,14 +58,18 @@ def render(
     container_mounts: str | None = None,
     description: str = "",
     restarts_in_allocation: int = 3,
+    spare_nodes: int = 0,
 ) -> str:
     """The sbatch script text; `setup` lines are shell by definition and go in verbatim, every other value quoted."""
     if style not in STYLES:
         raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
+    if spare_nodes and style != "srun":
+        raise ValueError(f"launcher.spare_nodes({spare_nodes}) with --style {style}: only the srun style's supervisor "
+                         "swaps a spare in for a failed node; use --style srun, or set launcher.spare_nodes=0")
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
     header = _resource_lines(style=style, job_name=job_name, nodes=nodes, tasks_per_node=tasks_per_node,
                              cpus_per_task=cpus_per_task, gpus_per_node=gpus_per_node,
-                             mem_per_node_gb=mem_per_node_gb, time_min=time_min)
+                             mem_per_node_gb=mem_per_node_gb, time_min=time_min, spare_nodes=spare_nodes)
     header += _placement_lines(partition=partition, account=account, qos=qos, constraint=constraint, exclude=exclude)
     header += _requeue_lines(run_dir=run_dir, signal_delay_s=signal_delay_s)
     env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
@@ -96,14 +100,19 @@ def _line(directive: str, comment: str = "") -> str:
 
 
 def _resource_lines(*, style: str, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
-                    gpus_per_node: int, mem_per_node_gb: int | None, time_min: int) -> list[str]:
+                    gpus_per_node: int, mem_per_node_gb: int | None, time_min: int, spare_nodes: int = 0) -> list[str]:
     """#SBATCH lines for what the job asks for: srun runs one task per rank, torchrun one agent per
-    node holding all of the node's cores."""
+    node holding all of the node's cores; with spare nodes, those too, and --no-kill."""
     srun_style = style == "srun"
     per_task_cpus = cpus_per_task if srun_style else cpus_per_task * tasks_per_node
     header = [
         _line(f"#SBATCH --job-name={_q(job_name)}"),
-        _line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node"),
+        _line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node")
+        if not spare_nodes else
+        _line(f"#SBATCH --nodes={nodes + spare_nodes}",
+              f"EDIT: launcher.nodes({nodes}) run the ranks + launcher.spare_nodes({spare_nodes}) idle"),
+        *([_line("#SBATCH --no-kill", "a failed node leaves the job; a spare takes its place (srun --nodelist)")]
+          if spare_nodes else []),
         _line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
               "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
               else "one torchrun agent per node; it starts the ranks"),
@@ -160,7 +169,7 @@ def render_for(cfg: JobConfig, *, overrides: Sequence[str], style: str = "srun",
         overrides=passed, gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account,
         qos=cl.qos, constraint=cl.constraint, exclude=cl.exclude, mem_per_node_gb=cl.mem_per_node_gb,
         setup=cl.setup, env=cl.env, container_image=cl.container_image, container_mounts=cl.container_mounts,
-        restarts_in_allocation=cfg.failure.restarts_in_allocation,
+        restarts_in_allocation=cfg.failure.restarts_in_allocation, spare_nodes=ln.spare_nodes,
         description=(f"model={cfg.model.name}, mesh pp{mesh.pp}*dp_replicate{mesh.dp_replicate}*"
                      f"dp_shard{mesh.dp_shard}*tp{mesh.tp}, {cfg.world_size} ranks, cluster={cl.name}"),
     )
@@ -189,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.CONFIG_ERROR
     # Pin run.dir: `${now:...}` would otherwise resolve differently on every rank.
     run_dir = str(Path(cfg.run.dir).resolve())
-    text = render_for(cfg, overrides=overrides, style=args.style)
+    try:
+        text = render_for(cfg, overrides=overrides, style=args.style)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     if args.output:
         (Path(run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output dirs
         Path(args.output).write_text(text)

@@ -38,6 +38,8 @@ def status_text(run_dir: Path) -> str:
     if decisions:
         d = decisions[-1]
         lines.append(f"last decision: {d.get('action')} ({d.get('reason')}); exit code {d.get('exit_code')}")
+    lines += [f"spare swap after attempt {e.get('attempt')}: " + ", ".join(f"{bad} -> {spare}" for bad, spare in
+              (e.get("swapped") or {}).items()) for e in events if e.get("kind") == "spare_swap"]
     incidents = sorted((run_dir / "incidents").glob("*/incident.json"), key=lambda p: p.stat().st_mtime)
     if incidents:
         inc = json.loads(incidents[-1].read_text())

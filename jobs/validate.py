@@ -40,6 +40,9 @@ def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
         raise ValueError(
             f"launcher.nodes({ln.nodes}) and launcher.tasks_per_node({ln.tasks_per_node}) must be >= 1"
         )
+    if ln.spare_nodes < 0 or ln.spare_nodes and ln.name != "slurm":
+        raise ValueError(f"launcher.spare_nodes({ln.spare_nodes}) must be >= 0, and 0 unless launcher=slurm (spare nodes "
+                         f"are held in a Slurm allocation): set launcher.spare_nodes=0")
     dims = ParallelDims.from_config(mesh, world_size=cfg.world_size, world_size_expr=cfg.world_size_expr)
 
     _check_model(cfg, dims)

@@ -22,6 +22,7 @@ from jobs.config import FailureConfig
 from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
 from jobs.failure.ledger import attempts, attempts_without_progress
 from jobs.failure.quarantine import QUARANTINE_CLASSES
+from jobs.failure.spares import swap
 from jobs.launch.slurm_state import job_state
 
 __all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s",
@@ -37,6 +38,13 @@ class Restart:
     supervised: bool  # a supervisor will start the ranks again (jobs.launch.supervise, the local launcher)
     used: int  # restarts inside this allocation so far
     bad_nodes: list[str]  # suspects' nodes that do not answer, or were named by an earlier incident of the run
+    # the allocation's idle spare nodes (jobs.failure.spares); None when the job has none (launcher.spare_nodes=0)
+    spares: list[str] | None = None
+
+    @property
+    def swappable(self) -> bool:
+        """Bad nodes that the spares left can all replace: a restart inside the allocation without them."""
+        return bool(self.bad_nodes) and swap(self.bad_nodes, self.spares) is not None
 
 
 @dataclass
@@ -90,7 +98,9 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
     becomes the cause `supervisor_died`, requeued within the budget). `suspect_nodes`: the incident's
     suspects' nodes; when the breaker trips on a node-pointing incident (`QUARANTINE_CLASSES`) whose
     node was a suspect of an earlier attempt of the same fruitless run, the job is requeued without it
-    instead (a device that hangs passes the node probe, and restarts on it count toward the breaker)."""
+    instead (a device that hangs passes the node probe, and restarts on it count toward the breaker).
+    Bad nodes (`restart.bad_nodes`) that the allocation's spares can replace restart inside it, any
+    node-pointing class included (an unhealthy GPU, SDC); without enough spares they are requeued without."""
     if cause == "supervisor_died" or slurm == "supervisor_died" and (cause.startswith("SIG") or cause == "stop_signal"):
         cause = "supervisor_died"  # nobody will start the ranks again: only a requeue brings the job back
     used = requeues_used(events, restart_count=restart_count)
@@ -106,11 +116,15 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
                 "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
     cls = cause
-    if restart is not None and restart.supervised and cause in RESTART_CLASSES and fruitless < cfg.max_attempts_without_progress:
+    if (restart is not None and restart.supervised and (cause in RESTART_CLASSES or restart.swappable)
+            and fruitless < cfg.max_attempts_without_progress):
         why = _no_restart(restart, cfg)
         if why is None:
+            pairs = swap(restart.bad_nodes, restart.spares) or {}
+            swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in pairs.items())
             return Decision("restart", f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
-                            f"({cfg.restarts_in_allocation}) inside the allocation", exitcodes.REQUEUE, **facts)
+                            f"({cfg.restarts_in_allocation}) inside the allocation{swapped}", exitcodes.REQUEUE,
+                            **facts)
         cause = f"{cause} ({why})"
     if used >= cfg.max_requeues:
         return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
@@ -148,8 +162,9 @@ def decision_wait_s(cfg: FailureConfig) -> float:
 
 def _no_restart(restart: Restart, cfg: FailureConfig) -> str | None:
     """Why this failure goes back to the queue instead of restarting in place (None: restart)."""
-    if restart.bad_nodes:
-        return f"suspect node {', '.join(restart.bad_nodes)}: requeue without it"
+    if restart.bad_nodes and not restart.swappable:
+        left = "" if restart.spares is None else f", no spare node left to replace it ({len(restart.spares)} idle)"
+        return f"suspect node {', '.join(restart.bad_nodes)}: requeue without it{left}"
     if restart.used >= cfg.restarts_in_allocation:
         return f"failure.restarts_in_allocation({cfg.restarts_in_allocation}) spent"
     return None

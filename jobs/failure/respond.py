@@ -24,6 +24,7 @@ from jobs.failure.policy import (Decision, Restart, claim, claimant, decide, dec
                                  requeue_job, slurm_intent)
 from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined,
                                      requeue_excluding, usable_nodes)
+from jobs.failure.spares import spares_of, swap
 from jobs.log import get_logger
 
 __all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider",
@@ -80,11 +81,14 @@ def _conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: In
     slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
-    restart = _restart(ctx, suspects, slurm) if cause in RESTART_CLASSES else None
+    restart = _restart(ctx, suspects, slurm, cause=cause)
     d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
                restart=restart, suspect_nodes=suspects)
     excluded = _quarantine(ctx, d, incident, restart)
     ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
+    swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
+    if swapped:  # the supervisor's next placement leaves the quarantined nodes out and takes these spares
+        ctx.events.emit("spare_swap", swapped=swapped, excluded=excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
     try:
         if d.action == "requeue" and ctx.job_id:
@@ -115,27 +119,36 @@ def _publish(ctx: AttemptContext, d: Decision) -> None:
         get_logger().error("decision of attempt %s not published (%s): %s", ctx.attempt, e, json.dumps(asdict(d)))
 
 
-def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None) -> Restart | None:
+def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cause: str) -> Restart | None:
     """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed only
-    when a restart is possible at all)."""
+    when a restart is possible at all), and the allocation's idle spares (`jobs.failure.spares`). A
+    node-pointing class that a restart does not cure (an unhealthy GPU, SDC) restarts only with its suspects'
+    nodes swapped for spares; None when it cannot."""
+    spares = spares_of(read_events(ctx.events.path), ctx.attempt)
+    if cause not in RESTART_CLASSES:
+        bad = list(dict.fromkeys(suspects))
+        ok = cause in QUARANTINE_CLASSES and ctx.supervised and slurm is None and swap(bad, spares) and bad
+        return Restart(True, ctx.restart_in_allocation, bad, spares) if ok else None
     if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
-        return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [])
+        return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [], spares)
     bad = [n for n in dict.fromkeys(suspects)
            if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)]
-    return Restart(True, ctx.restart_in_allocation, bad)
+    return Restart(True, ctx.restart_in_allocation, bad, spares)
 
 
 def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None) -> list[str]:
     """A requeue after an incident that points at nodes (`QUARANTINE_CLASSES`) puts its suspects' nodes on
     the run's quarantine list, each with its evidence; every requeue excludes the whole list. When that
     leaves too few usable nodes, the decision becomes a stop that says so (not when Slurm cannot say).
+    A restart that swaps spares in for bad nodes quarantines those nodes (whatever the class) and no others.
     Returns the list."""
-    if d.action not in ("requeue", "requeued_by_slurm") or not ctx.job_id:
+    swapping = d.action == "restart" and restart is not None and bool(restart.bad_nodes)
+    if d.action not in ("requeue", "requeued_by_slurm") and not swapping or not ctx.job_id:
         return []
-    if incident is not None and incident.cls in QUARANTINE_CLASSES:
+    if incident is not None and (incident.cls in QUARANTINE_CLASSES or swapping):
         evidence = _evidence(incident, restart, probe_timeout_s=ctx.cfg.node_probe_timeout_s)
-        add_to_quarantine(ctx.run_dir, list(evidence), reason=f"suspect of a {incident.cls} incident",
-                          incident=ctx.attempt, evidence=evidence)
+        add_to_quarantine(ctx.run_dir, restart.bad_nodes if swapping else list(evidence),
+                          reason=f"suspect of a {incident.cls} incident", incident=ctx.attempt, evidence=evidence)
     excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
     if excluded and d.action == "requeue":
         usable = usable_nodes(ctx.partition, set(excluded))
@@ -157,7 +170,7 @@ def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: f
         if s.get("node"):
             entry = out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})
             entry["suspects"].append(s)
-    for node in restart.bad_nodes if restart else []:
+    for node in restart.bad_nodes if restart and incident.cls in RESTART_CLASSES else []:
         if node in out:
             out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s({probe_timeout_s})"
     return out

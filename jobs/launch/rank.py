@@ -49,7 +49,7 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
                           job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events,
                           supervised=supervised(),
                           restart_in_allocation=env.restart_in_allocation, partition=cfg.cluster.partition,
-                          nodes_needed=cfg.launcher.nodes)
+                          nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes)
 
 
 def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.device:

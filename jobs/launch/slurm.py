@@ -249,17 +249,18 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     ln, cl = cfg.launcher, cfg.cluster
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.failure.max_requeues)
     # The batch step runs the supervisor (use_srun=False); it starts the ranks with srun itself
-    # (jobs.launch.supervise: --kill-on-bad-exit=0, the container flags).
+    # (jobs.launch.supervise: --kill-on-bad-exit=0, the container flags; with spares, on launcher.nodes of them).
     params: dict[str, Any] = dict(
         job_name=job_name,
-        nodes=ln.nodes,
+        nodes=ln.nodes + ln.spare_nodes,
         ntasks_per_node=ln.tasks_per_node,
         cpus_per_task=cl.cpus_per_task,
         time=cl.time_min,
         signal_delay_s=ln.signal_delay_s,
         use_srun=False,
         setup=[*cl.setup, *(f"export {k}={shlex.quote(str(v))}" for k, v in cl.env.items())],
-        additional_parameters={"requeue": True},
+        # --no-kill with spares: a failed node leaves the allocation instead of ending it (jobs.failure.spares)
+        additional_parameters={"requeue": True, **({"no_kill": True} if ln.spare_nodes else {})},
         array_parallelism=ln.array_parallelism or 256,
     )
     # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.

@@ -44,6 +44,7 @@ from jobs.failure.quarantine import quarantined, requeue_excluding
 from jobs.failure.respond import (AttemptContext, conclude, decide_for_lost_decider, decide_for_silent_attempt,
                                   open_attempt)
 from jobs.failure.signals import parse_signals
+from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
@@ -104,21 +105,25 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     stopping: list[int] = []
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, lambda signum, _f: stopping.append(signum))
-    off = _off_quarantine(cfg, job_id=job_id, restart=restart, nodes=nodes)
-    if off is not None:
-        return off
     path = rank_config_path(cfg.run.dir, job_id, restart)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(cfg))
     n = 0
     while True:
+        # Before every attempt: a spare may have replaced a node since (jobs.failure.spares).
+        off = _off_quarantine(cfg, job_id=job_id, restart=restart, nodes=nodes, n=n)
+        if off is not None:
+            return off
         attempt = attempt_name(job_id, restart, n)
         events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
         ctx = AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size, job_id=job_id,
                              restart_count=restart, cfg=cfg.failure, events=events, supervised=True,
-                             restart_in_allocation=n, partition=cfg.cluster.partition, nodes_needed=cfg.launcher.nodes)
-        open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n)
-        cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs])
+                             restart_in_allocation=n, partition=cfg.cluster.partition,
+                             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes)
+        placed = _placement(cfg, nodes)
+        open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
+        cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
+                    step_nodes=placed.get("step_nodes"))
         code, gone = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
                                no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
         # A claimed attempt without a decision: its decider died deciding; a rank gone and nobody claimed: the
@@ -132,19 +137,29 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
         n += 1
 
 
-def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[str]) -> int | None:
+def _placement(cfg: JobConfig, nodes: list[str]) -> dict[str, list[str]]:
+    """With spares (launcher.spare_nodes): the attempt's `step_nodes` (the allocation's first launcher.nodes
+    nodes off quarantine) and its idle `spares`, for its `attempt_start` and srun; {} without spares."""
+    if not cfg.launcher.spare_nodes:
+        return {}
+    step_nodes, spares = place(nodes, excluded={e["node"] for e in quarantined(cfg.run.dir)}, nodes=cfg.launcher.nodes)
+    return {"step_nodes": step_nodes, "spares": spares}
+
+
+def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[str], n: int = 0) -> int | None:
     """An allocation that holds a quarantined node (the exclusion of an earlier requeue did not take, or a later
     submission of the same run dir) is requeued without them before any rank starts, within
     failure.max_requeues like every requeue (Slurm handing out the node again must not requeue the job
     forever): a `decision` of cause `quarantined_node` in the ledger, and the exit code; None when no
-    quarantined node is in the allocation."""
+    quarantined node is in the allocation, or when its other nodes still hold launcher.nodes (spares: the
+    ranks run on those, `_placement`)."""
     listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
     bad = sorted(set(nodes) & set(listed))
-    if not bad:
+    if not bad or cfg.launcher.spare_nodes and len(set(nodes) - set(bad)) >= cfg.launcher.nodes:
         return None
     f, log = cfg.failure, get_logger()
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart,
-                      attempt=attempt_name(job_id, restart))
+                      attempt=attempt_name(job_id, restart, n))
     used = requeues_used(read_events(events.path), restart_count=restart)
     facts = dict(cause="quarantined_node", requeues_used=used, max_requeues=f.max_requeues, excluded=listed)
     what = f"allocation includes quarantined node(s) {', '.join(bad)} ({cfg.run.dir}/quarantine.json)"
@@ -162,10 +177,15 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     return exitcodes.REQUEUE
 
 
-def _srun(cfg: JobConfig, config_path: Path, logs: list[str]) -> list[str]:
-    cl = cfg.cluster
+def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: list[str] | None = None) -> list[str]:
+    """The ranks' srun step; `step_nodes` (with spares): exactly these nodes of the allocation, the others idle."""
+    cl, ln = cfg.cluster, cfg.launcher
     args = ["srun", "--job-name=meshjob-ranks", "--kill-on-bad-exit=0", "--unbuffered", "--open-mode=append", f"--output={logs[0]}",
             f"--error={logs[1]}"]
+    if step_nodes is not None:  # --overlap: the step of a lost node lingers in Slurm 22.05 (RUNNING, its CPUs on
+        # the surviving nodes held) after the node left the job; without it the spare's step waits for it forever
+        args += [f"--nodes={ln.nodes}", f"--ntasks={cfg.world_size}", f"--ntasks-per-node={ln.tasks_per_node}",
+                 f"--nodelist={','.join(step_nodes)}", "--overlap"]
     if cl.container_image:
         args.append(f"--container-image={cl.container_image}")
     if cl.container_mounts:

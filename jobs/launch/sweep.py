@@ -56,7 +56,8 @@ def _feasibility(cfg: JobConfig) -> str | None:
 def _resources(cfg: JobConfig) -> tuple:
     """Points that share these can share one array job (an array has one sbatch header)."""
     ln = cfg.launcher
-    return (ln.nodes, ln.tasks_per_node, ln.signal_delay_s, ln.array_parallelism, cfg.failure.max_requeues,
+    return (ln.nodes, ln.spare_nodes, ln.tasks_per_node, ln.signal_delay_s, ln.array_parallelism,
+            cfg.failure.max_requeues,
             json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True))
 
 

@@ -33,6 +33,7 @@ CASES = {
     "h100_ib-srun.sbatch": (H100, "srun"),
     "h100_ib-torchrun.sbatch": (H100, "torchrun"),
     "local-srun.sbatch": (LOCAL, "srun"),
+    "local-srun-spares.sbatch": ([*LOCAL, "launcher.spare_nodes=1"], "srun"),  # + 1 idle node, --no-kill
 }
 
 
