@@ -17,6 +17,7 @@ from jobs import exitcodes
 from jobs.launch import local as local_launcher
 from tests.conftest import REPO, run_train, wait_for_step
 from tests.multiproc._ranks import run_ranks
+from tests.multiproc._references import DP2_RUN, DP2_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -122,11 +123,10 @@ def test_two_jobs_on_one_host_rendezvous_on_published_ports_without_colliding(tm
 
 @pytest.mark.slow
 def test_usr2_to_the_launcher_saves_requeues_and_the_rerun_matches_an_uninterrupted_run(
-        tmp_path: Path, data_path: str) -> None:
-    steps = 30  # USR2 comes after step 1, the stop a few steps later; the rest is the resumed run to compare
-    common = [f"train.steps={steps}", f"data.path={data_path}", *TWO_RANKS]
-    ref = run_train(common, tmp_path / "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+        tmp_path: Path, data_path: str, shared_run) -> None:
+    steps = DP2_STEPS  # USR2 comes after step 1, the stop a few steps later; the rest is the resumed run to compare
+    common = [*DP2_RUN, f"data.path={data_path}"]  # two ranks; the uninterrupted run is shared
+    ref = shared_run(common)
 
     run_dir = tmp_path / "run"
     proc = _start(run_dir, common)

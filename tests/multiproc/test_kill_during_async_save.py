@@ -19,13 +19,13 @@ import torch
 from checkpoint.convert import convert
 from jobs.events import read_events
 from tests.conftest import REPO, assert_states_bitwise, run_train
+from tests.multiproc._references import DP2_RUN, DP2_STEPS
 
 RUN_S = 180  # one 24-step run of 2 ranks: ~25 s on the loaded 2-core box
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(3 * RUN_S + 60)]
 
-STEPS = 24
-RUN = ["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2", f"train.steps={STEPS}",
-       "checkpoint.every_steps=4", "checkpoint.async_mode=thread"]
+STEPS = DP2_STEPS
+RUN = DP2_RUN  # two ranks, 24 steps, a thread-async save every 4 steps; its uninterrupted run is shared
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -69,10 +69,9 @@ def _stop_during_a_write(p: subprocess.Popen, ckpts: Path) -> int:
 
 
 def test_a_trainer_killed_during_its_async_checkpoint_write_resumes_from_the_previous_save_bitwise(
-        tmp_path, data_path) -> None:
-    ref_dir, run_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"
-    ref = run_train([*RUN, f"data.path={data_path}"], ref_dir, timeout=RUN_S)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+        tmp_path, data_path, shared_run) -> None:
+    ref_dir = shared_run([*RUN, f"data.path={data_path}"], timeout=RUN_S).run_dir
+    run_dir = tmp_path / "killed" / "run"
     p = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *RUN, f"data.path={data_path}"],
                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from jobs import exitcodes
 from tests.conftest import REPO, run_train, wait_for_step
+from tests.multiproc._references import DP2_RUN, DP2_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -26,17 +27,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupted_one(tmp_path: Path,
-                                                                                      data_path: str) -> None:
-    common = ["train.steps=40", f"data.path={data_path}", "checkpoint.every_steps=10", "mesh=single",
-              "mesh.dp_shard=2", "launcher.tasks_per_node=2"]
-    ref = run_train(common, tmp_path / "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupted_one(tmp_path: Path, data_path: str,
+                                                                                      shared_run) -> None:
+    common = [*DP2_RUN, f"data.path={data_path}"]  # saves every 4 steps; the uninterrupted run is shared
+    ref = shared_run(common)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_step(run_dir, 15, proc, timeout=240)
+        wait_for_step(run_dir, 10, proc, timeout=240)  # step 8's save has begun, so step 4's is committed
         os.kill(json.loads((run_dir / "heartbeats/local.0/rank1.json").read_text())["pid"], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
@@ -48,8 +47,8 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupte
     assert [(e["attempt"], e["cause"]) for e in events if e["kind"] == "attempt_end"] == [
         ("local.0", "dead_rank"), ("local.0.1", "completed")]
     (loaded,) = [e for e in events if e["kind"] == "checkpoint_loaded"]
-    assert loaded["attempt"] == "local.0.1" and 10 <= loaded["step"] < 40
-    assert _losses(run_dir) == _losses(tmp_path / "ref")  # every step's loss, bitwise
+    assert loaded["attempt"] == "local.0.1" and 4 <= loaded["step"] < DP2_STEPS
+    assert _losses(run_dir) == _losses(ref.run_dir)  # every step's loss, bitwise
 
 
 def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
@@ -108,20 +107,21 @@ def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_7
     assert failures and failures[0]["cls"] == "non_finite_loss"
 
 
-def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_path: Path, data_path: str) -> None:
+def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_path: Path, data_path: str,
+                                                                           shared_run) -> None:
     # USR2 is what Slurm sends before a time limit or on preemption. Every rank only sets a flag; the
-    # ranks agree in the step's all-reduce, save that step, and exit 75 (REQUEUE).
-    common = ["train.steps=12", f"data.path={data_path}", "mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=2",
-              "launcher.tasks_per_node=4"]
-    ref = run_train(common, tmp_path / "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    # ranks agree in the step's one world all-reduce (Trainer.reduce_totals, the same on every mesh), save
+    # that step, and exit 75 (REQUEUE). The signal goes to rank 1 only: rank 0 stops because it agreed.
+    # (A bitwise jobs.train resume on a pp * tp mesh is tests/multiproc/test_resume_e2e.py's.)
+    common = [*DP2_RUN, f"data.path={data_path}"]
+    ref = shared_run(common)
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(run_dir, 3, proc, timeout=240)
-        os.kill(_children(proc.pid)[1], signal.SIGUSR2)  # one rank is enough: the flag is agreed on
+        os.kill(_children(proc.pid)[1], signal.SIGUSR2)  # rank 1 (forked in rank order)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -129,14 +129,16 @@ def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_
     assert proc.returncode == exitcodes.REQUEUE, err[-3000:]
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     stops = [e for e in events if e["kind"] == "stop_requested"]
-    assert len(stops) == 4 and len({e["step"] for e in stops}) == 1  # all ranks, the same step
+    assert sorted(e["rank"] for e in stops) == [0, 1] and len({e["step"] for e in stops}) == 1  # the same step
     assert [(e["rank"], e["signal"]) for e in stops if e["signal"]] == [(1, "SIGUSR2")]
     stop_step = stops[0]["step"]
-    assert 3 <= stop_step < 12
+    assert 3 <= stop_step < DP2_STEPS
     assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
 
     rerun = run_train(common, run_dir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    reloaded = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in reloaded if e["kind"] == "checkpoint_loaded"] == [stop_step]  # the stop's save
     losses = {m["step"]: m["loss"] for m in rerun.metrics()}  # the last line of a step wins
-    assert sorted(losses) == list(range(1, 13))
-    assert [losses[s] for s in range(1, 13)] == ref.losses()  # bitwise: same mesh, RNG restored
+    assert sorted(losses) == list(range(1, DP2_STEPS + 1))
+    assert [losses[s] for s in range(1, DP2_STEPS + 1)] == ref.losses()  # bitwise: same mesh, RNG restored

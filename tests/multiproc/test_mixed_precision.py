@@ -15,10 +15,11 @@ from parallel.dims import ParallelDims
 from parallel.recipe import parallelize
 from tests.conftest import run_train
 from tests.multiproc._ranks import run_ranks
+from tests.multiproc._references import DEFAULT_RUN, DEFAULT_STEPS
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 20
+STEPS = DEFAULT_STEPS  # 20
 # Measured on the 2-core CI box (2026-12-03), default mesh, 20 steps, same data and seed: the largest
 # per-step |loss(bf16) - loss(fp32)| was 1.95e-3 (relative 4.2e-4; losses 6.10 -> 4.51). The bound
 # leaves 5x margin; the floor proves bf16 really ran (fp32 on another mesh differs by < 1e-5 relative).
@@ -63,18 +64,19 @@ def test_fsdp_policy_computes_in_bf16_and_keeps_shards_grads_and_adamw_state_fp3
         assert int(got["n_state"][0]) == 2 * sum(1 for _ in Transformer(cfg).parameters())  # exp_avg, exp_avg_sq
 
 
-def _losses(mixed_precision: str, data_path: str, run_dir) -> list[float]:
-    run = run_train([f"train.steps={STEPS}", "checkpoint.enabled=false", f"data.path={data_path}",
-                     f"train.mixed_precision={mixed_precision}"], run_dir)
+def _losses(run, mixed_precision: str) -> list[float]:
+    """The run's losses, once its train_start event shows the precision it trained in."""
     assert run.returncode == 0, run.stderr[-3000:]
-    start = next(json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if '"train_start"' in l)
+    start = next(json.loads(l) for l in (run.run_dir / "events.jsonl").read_text().splitlines() if '"train_start"' in l)
     assert (start["mixed_precision"], start["device"]) == (mixed_precision, "cpu")
     return run.losses()
 
 
-def test_bf16_trains_the_default_mesh_within_tolerance_of_fp32(data_path: str, tmp_path) -> None:
-    fp32 = _losses("fp32", data_path, tmp_path / "fp32")
-    bf16 = _losses("bf16", data_path, tmp_path / "bf16")
+def test_bf16_trains_the_default_mesh_within_tolerance_of_fp32(data_path: str, tmp_path, shared_run) -> None:
+    # fp32: the default run (train.mixed_precision=auto, which is fp32 on CPU), shared with test_parity
+    fp32 = _losses(shared_run([*DEFAULT_RUN, f"data.path={data_path}"]), "fp32")
+    bf16 = _losses(run_train([*DEFAULT_RUN, f"data.path={data_path}", "train.mixed_precision=bf16"], tmp_path / "bf16"),
+                   "bf16")
     assert len(bf16) == len(fp32) == STEPS
     gaps = [abs(a - b) for a, b in zip(bf16, fp32)]
     for step, gap in enumerate(gaps, start=1):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import run_train
+from tests.multiproc._references import DEFAULT_RUN, DEFAULT_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,13 +52,17 @@ def _reference(model: list[str], data_path: str, tmp_path_factory) -> tuple[list
     return _refs[key]
 
 
-@pytest.mark.parametrize("name", list(MESHES))
-def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path_factory) -> None:
+def mesh_run(name: str, data_path: str) -> list[str]:
+    """The overrides of MESHES[name]'s run (a shared run: tests/multiproc/test_activation_checkpointing.py's
+    reference is the pp2_dp_shard2_tp2 one)."""
     world, mesh, model = MESHES[name]
-    ref, ref_evals = _reference(model, data_path, tmp_path_factory)
-    run = run_train([*COMMON, *model, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"],
-                    tmp_path_factory.mktemp(name))
-    assert run.returncode == 0, run.stderr[-3000:]
+    return [*COMMON, *model, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"]
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path_factory, shared_run) -> None:
+    ref, ref_evals = _reference(MESHES[name][2], data_path, tmp_path_factory)
+    run = shared_run(mesh_run(name, data_path))
     got = run.losses()
     assert len(got) == len(ref) == STEPS
     for step, (a, b) in enumerate(zip(got, ref), start=1):
@@ -69,13 +74,13 @@ def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path
     assert evals[0] != evals[1]  # each evaluation sees the model as trained so far
 
 
-def test_default_run_learns_and_writes_its_run_dir(data_path: str, tmp_path) -> None:
-    run = run_train(["train.steps=30", f"data.path={data_path}", "checkpoint.enabled=false"], tmp_path / "run")
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_default_run_learns_and_writes_its_run_dir(data_path: str, shared_run) -> None:
+    # The default mesh at DEFAULT_STEPS (20): also test_mixed_precision's fp32 run, trained once per session.
+    run = shared_run([*DEFAULT_RUN, f"data.path={data_path}"])
     m = run.metrics()
-    assert [r["step"] for r in m] == list(range(1, 31))
+    assert [r["step"] for r in m] == list(range(1, DEFAULT_STEPS + 1))
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eta_s"} <= set(m[0])
     first, last = sum(r["loss"] for r in m[:3]) / 3, sum(r["loss"] for r in m[-3:]) / 3
     assert last < first - 1.0, (first, last)  # the loss visibly falls
-    assert (tmp_path / "run" / "config.yaml").read_text().count("pp_schedule: 1f1b") == 1
-    assert "step 30/30 | loss" in run.stdout
+    assert (run.run_dir / "config.yaml").read_text().count("pp_schedule: 1f1b") == 1
+    assert f"step {DEFAULT_STEPS}/{DEFAULT_STEPS} | loss" in run.stdout
