@@ -13,7 +13,8 @@ import sys
 from jobs import exitcodes
 from jobs.cli import main_for
 from jobs.config import JobConfig
-from jobs.planner.gate import build_plan, render
+from jobs.planner.gate import build_plan
+from jobs.planner.render import render
 
 __all__ = ["main", "run"]
 

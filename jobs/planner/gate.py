@@ -6,7 +6,8 @@ activation memory with and without activation checkpointing, the communication p
 collective and mesh axis, the pipeline bubble, the checkpoint size, write time, Young/Daly interval
 and expected goodput, and a six-question readiness table. `plan.json=true` prints one JSON object.
 Nothing is written anywhere (run.dir is never created). The checks and the readiness table are
-`jobs.planner.checks`; the arithmetic is `jobs.planner.arith` (memory, comm, params) and `steptime`.
+`jobs.planner.checks`; the arithmetic is `jobs.planner.arith` (memory, comm, params) and `steptime`; the
+measurement over the fake process group is `jobs.planner.measure`, the text tables `jobs.planner.render`.
 
 Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each failure names the knob);
 2 the config is invalid (the ValueError of `jobs.validate`, or a composition error).
@@ -20,7 +21,6 @@ and MLA models are planned analytically only (jobs/model.py builds MoE blocks, j
 from __future__ import annotations
 
 import copy
-import gc
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -28,16 +28,12 @@ from jobs.config import JobConfig
 from jobs.planner import arith as P
 from jobs.planner import costs as C
 from jobs.planner import hardware as H
+from jobs.planner import measure as M
 from jobs.planner import steptime as S
-from jobs.planner.checks import (INTERVAL_LOWER_BOUND, Check, analytic_checks, goodput_text, readiness,
-                                 restart_text)
-from jobs.telemetry.flops import mfu_text
+from jobs.planner.checks import Check, analytic_checks, readiness
 from parallel.config import cp_shape_error
 
-__all__ = ["Check", "Plan", "check", "build_plan", "render", "validate_for_planning"]
-
-GiB = 2**30
-
+__all__ = ["Check", "Plan", "check", "build_plan", "validate_for_planning"]
 
 # ------------------------------------------------------------------------------------- validation
 
@@ -101,170 +97,6 @@ def _refused_by_training(cfg: JobConfig) -> str:
     return ""
 
 
-# --------------------------------------------------------------------------------------------- roles
-
-
-def _stage_shapes(cfg: JobConfig, d) -> dict[int, list[P.StageShape]]:
-    """The stages every pp rank holds, from the real split (parallel.pipeline)."""
-    from parallel.pipeline import layer_ranges, stage_ids
-
-    dims = d.dims
-    if dims.pp <= 1:
-        return {0: [P.StageShape(tuple(range(cfg.model.n_layers)), True, True)]}
-    ranges = layer_ranges(cfg.model.n_layers, d.num_stages, layers_per_stage=d.pp_layers_per_stage)
-    out = {}
-    for r in range(dims.pp):
-        out[r] = [
-            P.StageShape(tuple(ranges[s]), s == 0, s == d.num_stages - 1)
-            for s in stage_ids(r, dims.pp, d.stages_per_rank, cfg.mesh.pp_schedule)
-        ]
-    return out
-
-
-def _roles(shapes: dict[int, list[P.StageShape]]) -> dict[int, str]:
-    """One pp rank per distinct role (what its stages hold), with a name for it."""
-    seen: dict[tuple, int] = {}
-    for r, stages in shapes.items():
-        key = tuple((len(s.layers), s.first, s.last) for s in stages)
-        seen.setdefault(key, r)
-    names = {}
-    for key, r in seen.items():
-        stages = shapes[r]
-        extra = "".join([", embedding" if any(x.first for x in stages) else "",
-                         ", head" if any(x.last for x in stages) else ""])
-        names[r] = f"pp{r} [{sum(len(x.layers) for x in stages)} layers{extra}]"
-    return names
-
-
-# -------------------------------------------------------------------------------------- measurement
-
-
-def _measurement_mesh(dims):
-    """The world mesh with its size-1 axes left out: the same row-major rank layout and the same
-    groups on every axis parallelize() uses (an axis of size 1 is never sharded over), but without
-    the world_size one-rank groups per size-1 axis that the fake backend would otherwise create one
-    by one (about 2 x 16,384 `new_group` calls at 16K ranks)."""
-    from parallel.dims import MESH_AXES
-    from torch.distributed.device_mesh import init_device_mesh
-
-    axes = [(a, n) for a, n in zip(MESH_AXES, dims.shape) if n > 1] or [("dp_shard", 1)]
-    return init_device_mesh("cpu", tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))
-
-
-def _dim0_sizes(m, stages: list[P.StageShape], *, tp: int) -> list[int]:
-    """Dim-0 sizes of a stage's parameters after tensor parallelism: FSDP2 shards dim 0, so these
-    decide whether the last dp_shard ranks get smaller (uneven) shards."""
-    hd = m.dim // m.n_heads
-    out = []
-    if any(s.layers for s in stages):
-        out += [m.n_heads * hd // tp, m.n_kv_heads * hd // tp, m.dim, m.ffn_dim // tp]
-    if any(s.first or s.last for s in stages):
-        out.append(m.vocab_size // tp)
-    return out
-
-
-@dataclass
-class Measured:
-    rank: int
-    role: str
-    coords: dict[str, int]
-    params_elems: int
-    params_bytes: int
-    analytic_elems: int
-    seconds: float
-
-
-def _measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Measured], list[str], float]:
-    """Real `parallelize()` on a meta-device model over the fake backend, one rank at a time.
-
-    Samples, for each pipeline role, the first and the last dp_shard coordinate (FSDP's uneven
-    shards fall on the last ones). With cp > 1 the mesh folds cp into dp_shard (FSDP over
-    dp_shard*cp, which is how context parallel shards parameters); cp does not change shard sizes
-    otherwise. Returns (measurements, notes, seconds).
-    """
-    import torch
-
-    from jobs.model import Transformer
-
-    t0 = time.perf_counter()
-    dims = d.dims
-    mdims = replace(dims, dp_shard=dims.dp_shard * dims.cp, cp=1, ep=1)
-    fsdp = mdims.dp_shard
-    samples = _samples(cfg, mdims, roles, shapes)
-    base = None
-    if dims.pp > 1:
-        with torch.device("meta"):
-            base = Transformer(cfg.model)
-    out = []
-    for rank, role, coords in samples:
-        t1 = time.perf_counter()
-        elems, nbytes = _measure_rank(cfg, d, mdims, rank, base)
-        analytic = P.shard_elems(cfg.model, shapes[coords["pp"]], tp=dims.tp, fsdp=fsdp)
-        out.append(Measured(rank, role, coords, elems, nbytes, analytic, time.perf_counter() - t1))
-    notes = []
-    if dims.cp > 1:
-        notes.append(f"fake backend: cp folded into dp_shard ({dims.dp_shard}*{dims.cp} = {fsdp}) for the measurement")
-    return out, notes, time.perf_counter() - t0
-
-
-def _samples(cfg: JobConfig, mdims, roles: dict[int, str], shapes) -> list[tuple[int, str, dict[str, int]]]:
-    """(rank, role, coords) to measure: dp_shard 0 of each pipeline role, and the last dp_shard too
-    when a dim-0 size does not divide by the FSDP degree (only there do shards come out smaller)."""
-    fsdp = mdims.dp_shard
-    shape = mdims.shape  # (pp, dp_replicate, dp_shard, cp, tp)
-    samples = []
-    for pp_rank, role in roles.items():
-        uneven = any(n % fsdp for n in _dim0_sizes(cfg.model, shapes[pp_rank], tp=mdims.tp))
-        for s in sorted({0, fsdp - 1}) if uneven else [0]:
-            rank = ((pp_rank * shape[1] + 0) * shape[2] + s) * shape[3] * shape[4]
-            samples.append((rank, role, {"pp": pp_rank, "dp_replicate": 0, "dp_shard": s, "tp": 0}))
-    return samples
-
-
-def _measure_rank(cfg: JobConfig, d, mdims, rank: int, base) -> tuple[int, int]:
-    """(elements, bytes) of the parameters `rank` holds after the real `parallelize()`, in its own
-    fake process group (torn down afterwards). Parallelizes `base` when given (pp > 1), else a fresh
-    meta-device model."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from jobs.model import Transformer
-    from parallel.recipe import parallelize
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=mdims.world_size, store=FakeStore())
-    try:
-        mesh = _measurement_mesh(mdims)
-        if base is None:
-            with torch.device("meta"):
-                model = Transformer(cfg.model)
-        else:
-            model = base
-        parts, _ = parallelize(
-            model,
-            dims=mdims,
-            mesh=mesh,
-            stages_per_rank=d.stages_per_rank,
-            pp_schedule=cfg.mesh.pp_schedule,
-            sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel,
-            pp_layers_per_stage=d.pp_layers_per_stage,
-        )
-        elems = nbytes = 0
-        for part in parts:
-            for p in part.parameters():
-                local = p.to_local() if isinstance(p, DTensor) else p
-                elems += local.numel()
-                nbytes += local.numel() * local.element_size()
-    finally:
-        dist.destroy_process_group()
-        gc.collect()
-    return elems, nbytes
-
-
 # ---------------------------------------------------------------------------------------------- plan
 
 
@@ -311,7 +143,7 @@ class _Draft:
     pcount: P.ParamCount | None = None
     shapes: dict[int, list[P.StageShape]] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
-    measured: list[Measured] = field(default_factory=list)
+    measured: list[M.Measured] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     role_rows: list[dict] = field(default_factory=list)
     peak: tuple = ()  # (pp rank, RankMemory, role) of the rank with the highest peak
@@ -339,8 +171,8 @@ def _shapes(x: _Draft) -> None:
                     micro_batch=t.micro_batch, cp=dims.cp, ep=dims.ep,
                     sequence_parallel=x.cfg.mesh.sequence_parallel and dims.tp > 1)
     x.pcount = P.count_params(x.cfg.model)
-    x.shapes = _stage_shapes(x.cfg, x.d)
-    x.roles = _roles(x.shapes)
+    x.shapes = M.stage_shapes(x.cfg, x.d)
+    x.roles = M.roles(x.shapes)
 
 
 def _fake_backend(x: _Draft, measure: bool | None) -> None:
@@ -350,7 +182,7 @@ def _fake_backend(x: _Draft, measure: bool | None) -> None:
     if not do or m.n_routed_experts > 0 or m.attention == "mla":
         return
     try:
-        x.measured, mnotes, secs = _measure(x.cfg, x.d, x.roles, x.shapes)
+        x.measured, mnotes, secs = M.measure(x.cfg, x.d, x.roles, x.shapes)
         x.notes += mnotes
         x.notes.append(f"fake backend: real parallelize() on {len(x.measured)} sampled ranks of "
                        f"{x.d.dims.world_size} in {secs:.1f} s")
@@ -603,111 +435,3 @@ def check(cfg: JobConfig) -> list[Check]:
         return build_plan(cfg, measure=False).checks
     except ValueError as e:
         return [Check("config", False, str(e))]
-
-
-# -------------------------------------------------------------------------------------------- output
-
-
-def _gib(b: float) -> str:
-    return f"{b / GiB:.2f} GiB"
-
-
-def render(plan: Plan) -> str:
-    """The plan as text tables."""
-    L = []
-    L.append(f"plan: {plan.mesh} on {plan.world_size} ranks | params {plan.params_total / 1e9:.2f} B total, "
-             f"{plan.params_active / 1e9:.2f} B active | planned in {plan.seconds:.1f} s")
-    L.append(f"  meshes: {plan.meshes}")
-    for n in plan.notes:
-        L.append(f"  note: {n}")
-    L.append("")
-    L += _memory_lines(plan)
-    L.append("")
-    L += _comm_lines(plan)
-    L.append("")
-    L += _checkpoint_lines(plan)
-    if plan.tiers:
-        from jobs.planner.tiers import tier_lines
-
-        L += tier_lines(plan.tiers)
-    L.append("")
-    L.append("readiness")
-    for r in plan.readiness:
-        L.append(f"  [{r['status']:7s}] {r['question']:32s} {r['answer']}")
-    L.append("")
-    L.append("checks")
-    for c in plan.checks:
-        L.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.name:20s} {c.why}")
-    return "\n".join(L)
-
-
-def _memory_lines(plan: Plan) -> list[str]:
-    """The memory table: per role, the fake-backend samples, and the activations of the peak role."""
-    L = []
-    L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  pp_recv  logits    peak")
-    for r in plan.roles:
-        tag = "*" if r["measured"] else " "
-        L.append(f"  {r['role'][:27]:27s}{tag}" + "".join(
-            f"{r[k] / GiB:8.2f}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                           "activation_bytes", "p2p_bytes", "logits_bytes", "peak_bytes")))
-    L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
-             f"for params+grads+optim")
-    if plan.per_rank.get("autocast_bytes"):
-        L.append(f"  peak includes {_gib(plan.per_rank['autocast_bytes'])} of bf16 weight copies autocast keeps for backward "
-                 "(no FSDP on this mesh: one per microbatch in flight)")
-    if plan.measured:
-        L.append("  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds")
-        for r in plan.measured:
-            c = r["coords"]
-            L.append(f"    {r['role'][:28]:28s} {r['rank']:6d}   pp{c['pp']} dp_shard{c['dp_shard']:<6d}           "
-                     f"{r['params_elems'] / 1e6:10.2f} M {r['analytic_elems'] / 1e6:10.2f} M  {r['seconds']:6.2f}")
-    a = plan.activation
-    L.append(f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
-             f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
-             f"train.activation_checkpointing={a['activation_checkpointing']}")
-    return L
-
-
-def _comm_lines(plan: Plan) -> list[str]:
-    """The communication table of the peak role, the bubble, the axes' link scopes and the predicted step."""
-    L = []
-    L.append(f"communication per step ({plan.peak_role})")
-    L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
-    for c in plan.comm:
-        secs = f"{c['seconds']:9.4g} {c['exposed_s']:9.4g}" if c["seconds"] is not None else "        -         -"
-        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.3g} GiB  {c['link']:9s} {secs}  {c['what']}")
-    sources = sorted({c["source"] for c in plan.comm if c.get("source")})
-    for src in sources:
-        L.append(f"  link figures: {src}")
-    L.append(f"  pipeline bubble: {plan.bubble_fraction:.1%}")
-    if plan.axes:
-        L.append("  axes (ranks one group spans -> link): " + "; ".join(
-            f"{a['axis']}{a['size']} ours {a['ours_span']} -> {a['ours_scope']}, Llama 3 order {a['llama3_span']} -> "
-            f"{a['llama3_scope']}" for a in plan.axes))
-    s = plan.step
-    if "step_s" in s:
-        L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
-                 f"memory-bound ops {s['memory_bound_s']:.3g} s + interference {s['interference_s']:.3g} s + "
-                 f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
-                 f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
-                 + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
-        L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
-        if s.get("memory_bound_s") or s.get("interference_s"):
-            L.append(f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
-                     f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})")
-    return L
-
-
-def _checkpoint_lines(plan: Plan) -> list[str]:
-    """The checkpoint lines: size, write and blocking time, interval, restart and expected goodput, with sources."""
-    k = plan.checkpoint
-    return [
-        f"checkpoint: {k['bytes_per_rank'] / 1e9:.2f} GB per rank, {k['bytes_total'] / 1e12:.3f} TB total; write "
-        f"{k['write_s']:.1f} s, blocking {k['blocking_s']:.3f} s; job MTBF {k['mtbf_s'] / 3600:.2f} h -> Daly "
-        f"{k['daly_interval_s']:.0f} s (Young {k['young_interval_s']:.0f} s); interval used {k['interval_s']:.0f} s"
-        + (f" = {k['interval_steps']} steps" if k["interval_steps"] else "")
-        + ("" if k["save_known"] else f" ({INTERVAL_LOWER_BOUND})")
-        + f"; restart {restart_text(k)}; expected goodput {goodput_text(plan.goodput_expected)}",
-        f"  blocking save from: {k['blocking_source']}",
-        f"  restart from: {k['restart_source']}",
-    ]

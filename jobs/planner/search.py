@@ -20,7 +20,8 @@ from pathlib import Path
 
 from jobs.config import JobConfig
 from jobs.planner import arith as P
-from jobs.planner.gate import GiB, Plan, build_plan
+from jobs.planner.gate import Plan, build_plan
+from jobs.planner.render import GiB
 from jobs.validate import validate
 
 __all__ = ["Shape", "Candidate", "SearchResult", "PLANNED_ONLY", "predicted", "shapes", "search", "render_search", "write_top_k"]

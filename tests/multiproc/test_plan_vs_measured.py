@@ -33,7 +33,7 @@ from jobs.data import ensure_dataset
 from jobs.events import EventLog
 from jobs.launch.env import DistEnv
 from jobs.planner import arith as P
-from jobs.planner.gate import _stage_shapes
+from jobs.planner.measure import stage_shapes
 from jobs.telemetry import LiveBytes, live_tensors
 from jobs.trainer import Trainer
 from jobs.validate import validate
@@ -105,7 +105,7 @@ def _planned(overrides: list[str], pp_rank: int) -> P.RankMemory:
     d = validate(cfg)
     dims, t = d.dims, cfg.train
     return P.rank_memory(
-        cfg.model, _stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
+        cfg.model, stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
         microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
         seq_len=t.seq_len, micro_batch=t.micro_batch, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
         loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,

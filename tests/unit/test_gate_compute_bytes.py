@@ -9,7 +9,8 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner import arith as P
-from jobs.planner.gate import _stage_shapes, build_plan
+from jobs.planner.gate import build_plan
+from jobs.planner.measure import stage_shapes
 from jobs.validate import validate
 
 # the multiproc test's cases: the tiny model, fp32 on CPU, sequences of 128 so activations dominate
@@ -25,7 +26,7 @@ def _planned(cfg, pp_rank: int, compute_bytes: int) -> P.RankMemory:
     """tests/multiproc/test_plan_vs_measured.py's `_planned`, which it checks against the measured bytes."""
     d, t, dims = validate(cfg), cfg.train, validate(cfg).dims
     return P.rank_memory(
-        cfg.model, _stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
+        cfg.model, stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
         microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
         seq_len=t.seq_len, micro_batch=t.micro_batch, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
         loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,

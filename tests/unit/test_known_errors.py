@@ -6,7 +6,8 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner import arith as P
-from jobs.planner.gate import _stage_shapes, build_plan, validate_for_planning
+from jobs.planner.gate import build_plan, validate_for_planning
+from jobs.planner.measure import stage_shapes
 from jobs.telemetry import model_flops_per_token
 
 LLAMA3_405B = ["llama3_405b_8k_8192gpu", "llama3_405b_8k_16384gpu", "llama3_405b_131k_16384gpu"]
@@ -21,7 +22,7 @@ def test_llama3_405b_first_chunk_holds_only_the_embedding_with_v8(preset):
     cfg = compose([f"+experiment={preset}"])
     d, _ = validate_for_planning(cfg)
     assert d.stages_per_rank == 8 and d.num_stages == 128
-    shapes = _stage_shapes(cfg, d)
+    shapes = stage_shapes(cfg, d)
     first, last = shapes[0][0], shapes[15][-1]
     assert first.first and first.layers == () and last.last and last.layers == ()
     assert all(len(s.layers) == 1 for r in range(16) for s in shapes[r] if s is not first and s is not last)

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from jobs.config import compose
-from jobs.planner.gate import build_plan, render
+from jobs.planner.gate import build_plan
+from jobs.planner.render import render
 from parallel.config import MeshConfig
 from parallel.dims import ParallelDims, fold_moe_mesh
 

@@ -13,7 +13,8 @@ from jobs import exitcodes
 from jobs.config import compose
 from jobs.plan import main
 from jobs.planner import arith as P
-from jobs.planner.gate import Check, _stage_shapes, build_plan, check, validate_for_planning
+from jobs.planner.gate import Check, build_plan, check, validate_for_planning
+from jobs.planner.measure import stage_shapes
 
 from tests.conftest import REPO
 
@@ -213,7 +214,7 @@ def test_deepseek_v3_last_stage_is_planned_with_the_2_layer_microbatches_it_hold
     # first 16 x 3 = 48.
     cfg = compose(["+experiment=deepseek_v3_2048gpu"])
     d, _ = validate_for_planning(cfg)
-    shapes = _stage_shapes(cfg, d)
+    shapes = stage_shapes(cfg, d)
     assert d.microbatches == 120 and [len(shapes[r][0].layers) for r in (0, 12, 13, 15)] == [3, 4, 4, 2]
     flight = {r: P.layers_in_flight(pp=16, microbatches=d.microbatches, layers_on_rank=len(shapes[r][0].layers),
                                     stages_per_rank=1, schedule="1f1b", pp_rank=r) for r in (0, 1, 15)}

@@ -8,7 +8,9 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner import arith as P
-from jobs.planner.gate import _stage_shapes, build_plan, render, validate_for_planning
+from jobs.planner.gate import build_plan, validate_for_planning
+from jobs.planner.measure import stage_shapes
+from jobs.planner.render import render
 
 
 def test_every_expert_parallel_row_is_exposed_including_the_in_node_leg():
@@ -63,7 +65,7 @@ def test_selective_ac_checkpoints_half_of_every_pipeline_rank_not_all_of_one():
     # Llama 3 405B at 8K, interleaved 1-layer chunks: pp rank r holds layers r, r+16, ... (one parity); by the
     # global layer index rank 0 recomputed none and rank 1 all. Chosen per rank, each recomputes half.
     cfg = compose(["+experiment=llama3_405b_8k_16384gpu", "train.activation_checkpointing=selective"])
-    shapes = _stage_shapes(cfg, validate_for_planning(cfg)[0])
+    shapes = stage_shapes(cfg, validate_for_planning(cfg)[0])
     for stages in shapes.values():
         layers = [i for st in stages for i in st.layers]
         assert len(P.checkpointed_layers(layers, mode="selective", every=2)) == len(layers) // 2
