@@ -48,16 +48,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from checkpoint.config import memory_root
-from checkpoint.errors import CheckpointConfigError, describe_error
+from checkpoint.errors import describe_error
 from checkpoint.manifest import ManifestError, check_files, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
 from checkpoint.partner import PARTNER, commit_folder, exchange, pack_folder, partner_ranks, plan_memory_load, replicas_for
+from checkpoint.tiers import FILESYSTEM, MEMORY  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
 
-__all__ = ["MEMORY", "PARTNER", "FILESYSTEM", "MemoryTierMixin", "complete_steps", "capacity_error", "local_steps"]
+__all__ = ["MEMORY", "PARTNER", "FILESYSTEM", "MemoryTierMixin", "complete_steps", "local_steps"]
 
 log = logging.getLogger("meshjob.checkpoint")
-MEMORY, FILESYSTEM = "memory", "filesystem"  # the `tier` of checkpoint_saved / checkpoint_loaded records
-COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
 # DCP warns on every no_dist save/load that it assumes one process: that is what the tier does, on any thread
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -83,38 +82,6 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
         return []
     common = set(per_rank[0]).intersection(*per_rank[1:])
     return sorted((s for s in common if len({r[s] for r in per_rank}) == 1), reverse=True)
-
-
-def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
-                   partners: list[int] | None = None, auto: bool = False) -> str | None:
-    """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
-    memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
-    whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
-    is on through checkpoint.memory_interval=auto (the message names that override)."""
-    need: dict[str, int] = {}
-    free: dict[str, int] = {}
-    ranks: dict[str, int] = {}
-    held: dict[str, int] = {}
-    for node, nbytes, avail in per_rank:
-        need[node] = need.get(node, 0) + COPIES * nbytes
-        free[node] = max(free.get(node, 0), avail)
-        ranks[node] = ranks.get(node, 0) + 1
-    for r, p in enumerate(partners or []):
-        node = per_rank[p][0]
-        need[node] += COPIES * per_rank[r][1]
-        held[node] = held.get(node, 0) + 1
-    short = [n for n in sorted(need) if need[n] > free[n]]
-    if not short:
-        return None
-    n = short[0]
-    what = f"{ranks[n]} ranks' state" + (f" + {held[n]} partner copies" if held.get(n) else "")
-    on, off = (("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
-               if auto else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0"))
-    return (f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
-            f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
-            f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
-            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
-            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "") + f"or set {off}")
 
 
 class MemoryTierMixin:
@@ -407,41 +374,6 @@ class MemoryTierMixin:
             for p in d.glob("step_*.tmp") if d.is_dir() else []:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def local_state_bytes(self) -> int:
-        """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
-        local shards of parameters and buffers, and the optimizer state; before the first step (no optimizer
-        state yet) estimated as two moments per trainable parameter (AdamW, its dtype)."""
-        b = self._bound
-        assert b is not None
-        size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
-        nbytes = sum(size(t) for part in b["model_parts"] for t in (*part.parameters(), *part.buffers()))
-        for opt in b["optimizers"]:
-            if opt.state:
-                nbytes += sum(size(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-            else:
-                nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
-        return nbytes
-
-    def check_memory_capacity(self, nbytes: int) -> None:
-        """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
-        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
-        holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
-        if not self.cfg.memory_on:
-            return
-        try:
-            self.memory_root.mkdir(parents=True, exist_ok=True)
-            mine = _tree_bytes(self._rank_dir) + (_tree_bytes(self._held_dir) if self._replicas else 0)
-            avail = shutil.disk_usage(self.memory_root).free + mine
-        except OSError as e:
-            avail = -1
-            log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
-        gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
-        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
-                             partners=self._partners if self._replicas else None,
-                             auto=self.cfg.memory_interval == "auto")
-        if why is not None:
-            raise CheckpointConfigError(why)
-
     def drop_memory(self) -> None:
         """Deletes this rank's RAM copies (own and held partner copies, once the save in flight is over), and the
         node's and the run's folders once empty (the run finished or stopped with its state on the filesystem
@@ -502,11 +434,3 @@ def _keep_dtensors(sd: Any, loaded: Any) -> Any:
     if isinstance(sd, dict):
         return {k: _keep_dtensors(v, loaded[k]) for k, v in sd.items()}
     return sd if isinstance(sd, torch.Tensor) else loaded
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0

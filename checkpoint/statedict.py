@@ -61,9 +61,9 @@ class StateDictMixin:
         assert b is not None
         sig: list[Any] = []
         for part in b["model_parts"]:
-            sig += [(id(t), _local(t).data_ptr()) for t in itertools.chain(part.parameters(), part.buffers())]
+            sig += [(id(t), local_tensor(t).data_ptr()) for t in itertools.chain(part.parameters(), part.buffers())]
         for opt in b["optimizers"]:
-            sig += [(id(t), _local(t).data_ptr()) for st in opt.state.values() for t in st.values()
+            sig += [(id(t), local_tensor(t).data_ptr()) for st in opt.state.values() for t in st.values()
                     if isinstance(t, torch.Tensor)]
         return tuple(sig)
 
@@ -172,10 +172,6 @@ def _param_group_refs(optim_sd: dict[str, Any], optimizers: Sequence[torch.optim
     return refs
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t

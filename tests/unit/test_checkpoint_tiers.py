@@ -13,7 +13,7 @@ import torch
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
 from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
                               tier_shares, tiers_on)
-from checkpoint.memory_tier import capacity_error
+from checkpoint.memory_capacity import capacity_error
 from jobs.config import compose
 from jobs.plan import main
 from jobs.validate import validate

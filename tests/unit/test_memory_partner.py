@@ -12,7 +12,7 @@ import torch
 import checkpoint.memory_tier as memory_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
-from checkpoint.memory_tier import capacity_error
+from checkpoint.memory_capacity import capacity_error
 from checkpoint.partner import commit_folder, pack_folder, partner_ranks, plan_memory_load, replicas_for
 from jobs.config import compose
 from jobs.validate import validate

@@ -12,7 +12,8 @@ import torch
 import checkpoint.memory_tier as memory_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
-from checkpoint.memory_tier import capacity_error, complete_steps
+from checkpoint.memory_capacity import capacity_error
+from checkpoint.memory_tier import complete_steps
 from jobs.failure import ledger
 
 

@@ -1,0 +1,96 @@
+"""The RAM tier's bound (issue 24, item 5): how many bytes a rank's state takes there and whether every host's
+`checkpoint.memory_dir` holds them, checked before the first step (a config error naming the override when not)."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from checkpoint.errors import CheckpointConfigError
+from checkpoint.statedict import local_tensor
+
+log = logging.getLogger("meshjob.checkpoint")
+
+__all__ = ["COPIES", "MemoryCapacityMixin", "capacity_error"]
+
+COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
+
+
+def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
+                   partners: list[int] | None = None, auto: bool = False) -> str | None:
+    """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
+    memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
+    whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
+    is on through checkpoint.memory_interval=auto (the message names that override)."""
+    need: dict[str, int] = {}
+    free: dict[str, int] = {}
+    ranks: dict[str, int] = {}
+    held: dict[str, int] = {}
+    for node, nbytes, avail in per_rank:
+        need[node] = need.get(node, 0) + COPIES * nbytes
+        free[node] = max(free.get(node, 0), avail)
+        ranks[node] = ranks.get(node, 0) + 1
+    for r, p in enumerate(partners or []):
+        node = per_rank[p][0]
+        need[node] += COPIES * per_rank[r][1]
+        held[node] = held.get(node, 0) + 1
+    short = [n for n in sorted(need) if need[n] > free[n]]
+    if not short:
+        return None
+    n = short[0]
+    what = f"{ranks[n]} ranks' state" + (f" + {held[n]} partner copies" if held.get(n) else "")
+    on, off = (("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
+               if auto else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0"))
+    return (f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
+            f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
+            f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
+            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
+            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "") + f"or set {off}")
+
+
+class MemoryCapacityMixin:
+    """CheckpointManager's capacity check of the RAM tier (`self._bound`, `self.cfg`, `self.memory_root`,
+    `self._rank_dir`, `self._held_dir`, `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
+
+    def local_state_bytes(self) -> int:
+        """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
+        local shards of parameters and buffers, and the optimizer state; before the first step (no optimizer
+        state yet) estimated as two moments per trainable parameter (AdamW, its dtype)."""
+        b = self._bound
+        assert b is not None
+        size = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
+        nbytes = sum(size(t) for part in b["model_parts"] for t in (*part.parameters(), *part.buffers()))
+        for opt in b["optimizers"]:
+            if opt.state:
+                nbytes += sum(size(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            else:
+                nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
+        return nbytes
+
+    def check_memory_capacity(self, nbytes: int) -> None:
+        """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
+        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
+        holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
+        if not self.cfg.memory_on:
+            return
+        try:
+            self.memory_root.mkdir(parents=True, exist_ok=True)
+            mine = _tree_bytes(self._rank_dir) + (_tree_bytes(self._held_dir) if self._replicas else 0)
+            avail = shutil.disk_usage(self.memory_root).free + mine
+        except OSError as e:
+            avail = -1
+            log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
+        gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
+        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
+                             partners=self._partners if self._replicas else None,
+                             auto=self.cfg.memory_interval == "auto")
+        if why is not None:
+            raise CheckpointConfigError(why)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
