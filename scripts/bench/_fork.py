@@ -1,13 +1,20 @@
-"""The benchmarks' bare launcher: fork one process per rank, and kill the rest when one fails."""
+"""The benchmarks' bare launchers: fork one process per rank, and kill the rest when one fails; or gather what
+each rank returns."""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
+import pickle
 import signal
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 
 def run_forked_ranks(world_size: int, rank_main: Callable[[int], int | None]) -> list[int]:
@@ -43,3 +50,47 @@ def run_forked_ranks(world_size: int, rank_main: Callable[[int], int | None]) ->
         if code:
             failed.append(code)
     return failed
+
+
+def gather_forked_ranks(world_size: int, rank_result: Callable[[int, float], Any], *, timeout_s: float,
+                        teardown: bool = True) -> list[Any]:
+    """`rank_result(rank, started)` (`started`: the child's time.time() as it began) in a forked process per
+    rank, after the env:// variables of a local world and, with peers, gloo's default group (`timeout_s`);
+    returns the results in rank order, and raises a rank's failure here (a RuntimeError with its traceback).
+    `teardown=False`: a rank ends without destroying its group, as after kill -9 (nothing of it cleaned up)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_gather_child, args=(q, rank, world_size, port, rank_result, timeout_s, teardown))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    out = [pickle.loads(got[r]) for r in range(world_size)]
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+def _gather_child(q, rank: int, world: int, port: int, rank_result, timeout_s: float, teardown: bool) -> None:
+    import torch.distributed as dist
+
+    started = time.time()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        q.put((rank, pickle.dumps(rank_result(rank, started))))
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+        q.put((rank, pickle.dumps(RuntimeError(traceback.format_exc()))))
+    finally:
+        if teardown and dist.is_initialized():
+            dist.destroy_process_group()
+        q.close()
+        q.join_thread()
+        os._exit(0)

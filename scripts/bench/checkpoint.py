@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import pickle
 import shutil
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -49,6 +45,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import checkpoint.commit as commit_mod  # noqa: E402
 import checkpoint.writer as writer_mod  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
+from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 
 # Where a synchronous save's time goes, per rank: wrappers around the writer, the crc32, fsync and the commit
 # (this process only; the manager is unchanged). Seconds, summed over the saves made while `_PROFILE["on"]`.
@@ -290,44 +287,15 @@ def _raw_write(a: argparse.Namespace, root: Path, rank: int, world: int) -> floa
     return raw
 
 
-def _child(q, rank, world, port, a, t_launch):
-    a.t_child_start = time.time()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(a.threads)
-    try:
-        if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-        q.put((rank, pickle.dumps(_rank(rank, world, a, t_launch))))
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        q.put((rank, pickle.dumps(RuntimeError(traceback.format_exc()))))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        q.close()
-        q.join_thread()
-        os._exit(0)
-
-
 def _launch(a: argparse.Namespace) -> list[dict]:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t_launch = time.time()
-    procs = [ctx.Process(target=_child, args=(q, r, a.ranks, port, a, t_launch)) for r in range(a.ranks)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    out = [pickle.loads(got[r]) for r in range(a.ranks)]
-    for o in out:
-        if isinstance(o, BaseException):
-            raise o
-    return out
+
+    def rank_result(rank: int, started: float) -> dict:
+        a.t_child_start = started
+        torch.set_num_threads(a.threads)
+        return _rank(rank, a.ranks, a, t_launch)
+
+    return gather_forked_ranks(a.ranks, rank_result, timeout_s=600)
 
 
 def main() -> int:
