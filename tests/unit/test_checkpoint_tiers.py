@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
+from checkpoint import tiers
 from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
                               tier_shares, tiers_on)
 from checkpoint.memory_capacity import capacity_error
@@ -56,8 +57,11 @@ def test_cheap_ram_saves_and_many_process_failures_beat_the_filesystem_tier_alon
     assert {r.tier: r for r in both}[FILESYSTEM].interval_s > alone[0].interval_s * 1.5
 
 
-def test_partner_copies_cover_node_failures_only_with_a_hot_spare() -> None:
+def test_partner_copies_cover_node_failures_only_with_a_hot_spare_whose_ranks_read_them(monkeypatch) -> None:
     ck = SimpleNamespace(memory_on=True, memory_replicas=1)
+    # Today a spare swap's ranks read the filesystem tier (README "Hot spares"): no plan credits the partner tier.
+    assert tiers_on(ck, spare_nodes=1, nodes=2) == (True, False)
+    monkeypatch.setattr(tiers, "PARTNER_READ_AFTER_SWAP", True)  # the rule once the swap reads partners' copies
     assert tiers_on(ck, spare_nodes=0, nodes=2) == (True, False)  # no spare: a lost node means a requeue (filesystem)
     assert tiers_on(ck, spare_nodes=1, nodes=2) == (True, True)
     assert tiers_on(SimpleNamespace(memory_on=False, memory_replicas=1), spare_nodes=1, nodes=2) == (False, False)
