@@ -9,7 +9,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "read_manifest", "check_files",
+__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "write_synced", "read_manifest", "check_files",
            "check_step_dir"]
 
 MANIFEST = "manifest.json"
@@ -84,7 +84,13 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
     body = dict(manifest, format=FORMAT)
     body["manifest_crc32"] = _self_crc(body)
     data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
-    fd = os.open(step_dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    write_synced(step_dir / MANIFEST, data)
+    fsync_dir(step_dir)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` (created or truncated) and fsyncs the file; the caller fsyncs its folder."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -92,7 +98,6 @@ def write_manifest(step_dir: Path, manifest: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(step_dir)
 
 
 def read_manifest(step_dir: Path, *, step: int | None = None) -> dict[str, Any]:

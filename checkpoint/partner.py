@@ -5,7 +5,6 @@ state a restart reads (checkpoint/memory_tier.py uses these)."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import zlib
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from checkpoint.config import replicas_for
 from checkpoint.errors import CheckpointConfigError
-from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest
+from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 
 __all__ = ["PARTNER", "replicas_for", "partner_ranks", "plan_memory_load", "pack_folder", "commit_folder", "exchange"]
 
@@ -88,7 +87,7 @@ def commit_folder(payload: bytes, *, tmp: Path, final: Path, step: int) -> dict[
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     for name in [*sorted(n for n in files if n != MANIFEST), MANIFEST]:  # the manifest last
-        _write_synced(tmp / name, files[name])
+        write_synced(tmp / name, files[name])
     fsync_dir(tmp)
     read_manifest(tmp, step=step)  # its own crc: the bytes written are the ones the sender committed
     if final.exists():
@@ -120,14 +119,3 @@ def exchange(payload: bytes | None, *, send_to: int | None, recv_from: int | Non
 def _wait(reqs: list[Any]) -> None:
     for q in reqs:
         q.wait()
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
