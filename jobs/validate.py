@@ -150,9 +150,9 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
                          f"model.moe_max_nodes({m.moe_max_nodes}) of model.moe_groups({groups}) groups")
     if m.moe_ffn_dim <= 0:
         raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) must be > 0 with model.n_routed_experts > 0")
-    if dims.tp > 1 and m.attention == "gqa":  # an MLA model is planned only (jobs.plan), tp and all
-        raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model (model.n_routed_experts={m.n_routed_experts}): "
-                         "tensor parallel of MoE blocks is not built yet; set mesh.tp=1 (the experts shard over mesh.ep)")
+    if m.moe_ffn_dim % dims.tp:  # the routed and shared experts' hidden dim is split over tp (etp = tp, parallel/tp.py)
+        raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) % mesh.tp({dims.tp}) != 0: the experts' hidden dim is "
+                         "split over the tp ranks (etp = tp); pick mesh.tp dividing model.moe_ffn_dim")
 
 
 def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:

@@ -176,11 +176,9 @@ def fold_moe_mesh(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int
 
 
 def _check_ep(mesh: MeshConfig, *, dp_shard: int) -> None:
-    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard * cp, with FSDP/HSDP and pp; tp refused."""
+    """Expert parallelism as built (parallel/ep.py): ep folded into dp_shard * cp, with FSDP/HSDP, pp and tp (the
+    experts tensor-parallel over the attention's tp ranks, etp = tp: there is no separate key)."""
     fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
-    if mesh.tp > 1:
-        raise ValueError(f"mesh.ep({mesh.ep}) > 1 with mesh.tp({mesh.tp}) > 1 is not built yet "
-                         f"(expert parallel trains folded over mesh.dp_shard * mesh.cp); set mesh.tp=1 or mesh.ep=1")
 
 
 def stages_per_rank(mesh: MeshConfig) -> int:

@@ -8,8 +8,11 @@ over the ep axis of the MoE mesh, and wraps the experts' forward with two hooks:
   combine (post-hook): the expert outputs go back to where their tokens came from (all_to_all_single).
 Both token all-to-alls are `_AllToAll` (autograd: each one's backward is the reverse all-to-all), so a
 MoE layer costs exactly two token all-to-alls per microbatch forward and two backward, plus the count
-exchange in forward. `apply_expert_fsdp` then shards the experts over the expert-data-parallel axis
-(`edp` = dp_shard / ep) only, so their gradients are reduced among the ranks holding the same experts.
+exchange in forward. Under tensor parallel (parallel/tp.py splits each expert's hidden dim over tp) the
+experts are sharded over the 2-D (ep, tp) mesh: each tp rank dispatches within its own ep group (the ranks of
+its tp index) and tp's all-reduces stay outside the two all-to-alls. `apply_expert_fsdp` then shards the
+experts over the expert-data-parallel axis (`edp` = dp_shard / ep) only, so their gradients are reduced among
+the ranks holding the same experts.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "is_grouped_experts"]
 
@@ -83,9 +86,11 @@ class _Dispatcher:
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shards every GroupedExperts module's weights over `ep_mesh` (1-D, the ep axis) by whole experts and
-    puts the dispatch/combine all-to-alls around its forward. Runs on the meta-device model."""
-    ep = ep_mesh.size()
+    """Shards every GroupedExperts module's weights over `ep_mesh` by whole experts (dim 0) and puts the
+    dispatch/combine all-to-alls around its forward. `ep_mesh` is the ep axis, or (ep, tp) after tensor parallel
+    (whose hidden-dim split, a 1-D DTensor on the tp axis, is kept on the second axis). Runs on the meta-device
+    model. Dispatch runs after, combine before any hooks already there (tp's), so the all-to-alls are innermost."""
+    ep = ep_mesh.size(0)
     for module in model.modules():
         if not is_grouped_experts(module):
             continue
@@ -93,11 +98,14 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             if param.shape[0] % ep:
                 raise ValueError(f"model.n_routed_experts({param.shape[0]}) % mesh.ep({ep}) != 0: "
                                  "each ep rank needs whole experts")
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            tp_placements = list(param.placements) if isinstance(param, DTensor) else []
+            assert len(tp_placements) == ep_mesh.ndim - 1, (name, tp_placements, ep_mesh)
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device) if tp_placements else param.data
+            sharded = distribute_tensor(full, ep_mesh, [Shard(0), *tp_placements], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        hooks = _Dispatcher(ep_mesh.get_group(), ep)
+        hooks = _Dispatcher(ep_mesh.get_group(0), ep)
         module.register_forward_pre_hook(hooks.dispatch)
-        module.register_forward_hook(hooks.combine)
+        module.register_forward_hook(hooks.combine, prepend=True)
 
 
 def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshard_after_forward: bool,

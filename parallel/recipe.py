@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.ac import apply_ac
 from parallel.dims import ParallelDims
-from parallel.ep import apply_ep, apply_expert_fsdp, is_grouped_experts
+from parallel.ep import apply_ep, apply_expert_fsdp
 from parallel.fsdp import apply_fsdp
 from parallel.compile import apply_compile
 from parallel.cp import apply_cp
@@ -55,9 +55,10 @@ def parallelize(
          FSDP before TP fails (`Cannot distribute a DTensor ... to a different device mesh`).
          `mixed_precision=bf16` rides on it as FSDP2's MixedPrecisionPolicy; parts FSDP does not wrap
          (dp = 1) get bf16 autocast around their forward instead (parallel/precision.py).
-    With mesh.ep > 1 (`ep_mesh`, ParallelDims.build_ep_mesh), expert parallelism comes after TP (its
-    place in the order; the two do not combine yet) and the routed experts get their own FSDP over the
-    expert-data-parallel axis before the blocks are wrapped (parallel/ep.py).
+    With mesh.ep > 1 (`ep_mesh`, ParallelDims.build_ep_mesh), expert parallelism comes after TP (which splits
+    each routed expert's hidden dim over tp, etp = tp: EP then shards whole experts over ep on the MoE mesh's
+    (ep, tp) axes) and the routed experts get their own FSDP over the expert-data-parallel axis before the
+    blocks are wrapped (parallel/ep.py).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
     stages, parts = _pipeline_parts(model, dims=dims, mesh=mesh, stages_per_rank=stages_per_rank,
@@ -87,16 +88,13 @@ def _shard_part(part: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, ep_mes
                 activation_checkpointing: str, ac_every: int, compile: bool, fsdp_per_block: bool,
                 mixed_precision: str) -> None:
     """Steps 1b-5 of `parallelize` on one part, in that order."""
-    if dims.tp_enabled and any(is_grouped_experts(m) for m in part.modules()):
-        raise ValueError(f"mesh.tp({dims.tp}) > 1 with an MoE model: tensor parallel of MoE blocks is not built "
-                         "yet; set mesh.tp=1 (the experts shard over mesh.ep)")
     if dims.cp_enabled:
         apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
     if dims.tp_enabled:
         apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     apply_ac(part, mode=activation_checkpointing, every=ac_every, rank_layers=rank_layers)
     if ep_mesh is not None:
-        apply_ep(part, ep_mesh["ep"])
+        apply_ep(part, ep_mesh[("ep", "tp")] if dims.tp_enabled else ep_mesh["ep"])
     if compile:
         apply_compile(part)
     if ep_mesh is not None:  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)

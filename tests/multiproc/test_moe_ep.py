@@ -1,6 +1,8 @@
 """Expert parallelism trains like one process: tiny_moe's loss and every gradient on ep2 / ep4 / ep2 x edp2 / ep2 folded
-over cp2 (the two ranks hold different chunks of the same sequences) / ep2 beside dp_replicate2 (HSDP) equal the
-single-process forward/backward of the same global batch, with exactly two token all-to-alls per MoE layer each way."""
+over cp2 (the two ranks hold different chunks of the same sequences) / ep2 beside dp_replicate2 (HSDP), and with the
+experts tensor-parallel (etp = tp: tp2 alone, and dp_shard2 * tp2 with ep2 folded, sequence parallel on), equal the
+single-process forward/backward of the same global batch, and so do the router biases after one update; exactly two
+token all-to-alls per MoE layer each way, and under tp two all-reduces each way (plus sequence parallel's all-gather)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.moe import moe_layers, update_expert_bias
 from jobs.trainer import cross_entropy
 from parallel.config import MeshConfig
 from parallel.cp import zigzag_positions
 from parallel.dims import ParallelDims
-from parallel.recipe import parallelize
+from tests.multiproc._moe import GroupCollectives, batch, biases, full_grads, parallel_model, reference
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -30,34 +31,22 @@ def _model_cfg():
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    toks = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return toks[:, :-1], toks[:, 1:]
+    return batch(seed=7, global_batch=GLOBAL_BATCH, seq=SEQ)
 
 
-def _reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = Transformer(_model_cfg())
-    init_weights(model, seed=0)
-    x, y = _batch()
-    loss = cross_entropy(model(x), y)
-    loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int = 1) -> dict:
-    """This rank's share of one forward/backward under (dp_replicate, dp_shard=world/cp/dp_replicate, cp, ep); returns
-    the loss, the full grads and the all_to_all_single calls counted by phase and kind (token rows vs the int64 count
-    exchange)."""
-    dims = ParallelDims.from_config(MeshConfig(dp_replicate=dp_replicate, dp_shard=world // cp // dp_replicate, cp=cp,
-                                               ep=ep), world_size=world)
-    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(_model_cfg())
-    (model,), _ = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                              sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh, cp_impl="allgather",
-                              seq_len=SEQ)
-    model.to_empty(device="cpu")
-    init_weights(model, seed=0)
+def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int = 1, tp: int = 1,
+             sequence_parallel: bool = False) -> dict:
+    """This rank's share of one forward/backward under (dp_replicate, dp_shard=world/cp/tp/dp_replicate, cp, tp, ep) and
+    the bias update over the world; returns the loss, the full grads, the biases, the all_to_all_single calls counted by
+    phase and kind (token rows vs the int64 count exchange) and the MoE blocks' collectives on the tp axis."""
+    cfg = _model_cfg()
+    dims = ParallelDims.from_config(MeshConfig(dp_replicate=dp_replicate, dp_shard=world // cp // tp // dp_replicate,
+                                               cp=cp, tp=tp, ep=ep), world_size=world)
+    mesh = dims.build_mesh("cpu")
+    (model,), _ = parallel_model(cfg, dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu") if ep > 1 else None,
+                                 seq=SEQ, cp_impl="allgather", sequence_parallel=sequence_parallel)
+    tp_calls = GroupCollectives(mesh["tp"].get_group().group_name)
+    tp_calls.watch([model])
     calls: Counter = Counter()
     phase = ["forward"]
     real = dist.all_to_all_single
@@ -72,30 +61,50 @@ def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int =
         local, dp_rank = GLOBAL_BATCH // dims.dp, dims.dp_rank(mesh)
         pos = zigzag_positions(SEQ, cp=cp, cp_rank=mesh["cp"].get_local_rank()) if cp > 1 else torch.arange(SEQ)
         rows = slice(dp_rank * local, (dp_rank + 1) * local)
-        loss = cross_entropy(model(x[rows][:, pos]), y[rows][:, pos])
-        phase[0] = "backward"
-        loss.backward()
+        with tp_calls:
+            loss = cross_entropy(model(x[rows][:, pos]), y[rows][:, pos])
+            phase[0] = "backward"
+            loss.backward()
     finally:
         dist.all_to_all_single = real
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
-    return {"loss": float(total) / world, "grads": grads, "calls": dict(calls)}
+    update_expert_bias(moe_layers([model]), rate=cfg.moe_bias_rate, group=dist.group.WORLD)  # the trainer's group
+    return {"loss": float(total) / world, "grads": full_grads([model]), "biases": biases([model]),
+            "calls": dict(calls), "tp_calls": dict(tp_calls.calls)}
 
 
-@pytest.mark.parametrize("world,ep,cp,dp_replicate", [(2, 2, 1, 1), (4, 4, 1, 1), (4, 2, 1, 1), (2, 2, 2, 1), (4, 2, 1, 2)],
-                         ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2", "ep2_hsdp_dp_replicate2"])
+@pytest.mark.parametrize("world,ep,cp,dp_replicate,tp,sp", [
+    (2, 2, 1, 1, 1, False), (4, 4, 1, 1, 1, False), (4, 2, 1, 1, 1, False), (2, 2, 2, 1, 1, False),
+    (4, 2, 1, 2, 1, False), (2, 1, 1, 1, 2, False), (4, 2, 1, 1, 2, True)],
+    ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2", "ep2_hsdp_dp_replicate2", "tp2",
+         "dp_shard2_tp2_sp_ep2_folded"])
 def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int, cp: int,
-                                                                              dp_replicate: int) -> None:
-    ref_loss, ref_grads = _reference()
-    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, dp_replicate=dp_replicate, timeout=240).results
-    moe_layers = sum(1 for i in range(_model_cfg().n_layers) if i >= _model_cfg().n_dense_layers)
+                                                                              dp_replicate: int, tp: int,
+                                                                              sp: bool) -> None:
+    cfg = _model_cfg()
+    ref_loss, ref_grads, ref_biases = reference(cfg, *_batch())
+    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, dp_replicate=dp_replicate, tp=tp, sequence_parallel=sp,
+                    timeout=240).results
+    moe_layers_n = cfg.n_layers - cfg.n_dense_layers
     for rank, r in out.items():
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
-        assert r["grads"].keys() == ref_grads.keys()
+        assert r["grads"].keys() == ref_grads.keys() and r["biases"].keys() == ref_biases.keys()
         for name, g in r["grads"].items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"rank {rank} grad {name}")
+            # Bitwise equal on every rank: a replicated weight (the router's) whose gradient differed between
+            # tp ranks would drift apart silently, each rank stepping its own copy.
+            torch.testing.assert_close(g, out[0]["grads"][name], rtol=0, atol=0, msg=f"rank {rank} vs 0: {name}")
+        for name, b in r["biases"].items():
+            torch.testing.assert_close(b, ref_biases[name], rtol=0, atol=0, msg=f"rank {rank} bias {name}")
         # Per MoE layer and microbatch: dispatch + combine forward, their reverses backward, one count exchange.
-        assert r["calls"] == {"forward_tokens": 2 * moe_layers, "forward_counts": moe_layers,
-                              "backward_tokens": 2 * moe_layers}, r["calls"]
+        a2a = {"forward_tokens": 2 * moe_layers_n, "forward_counts": moe_layers_n, "backward_tokens": 2 * moe_layers_n}
+        assert r["calls"] == (a2a if ep > 1 else {}), r["calls"]
+        # Under tp: the routed rows' partial outputs summed before the gates and the shared experts' row-parallel
+        # output (forward), the rows' and the shared experts' input gradients (backward); sequence parallel adds
+        # the all-gather of the block's input (forward) and of its output's gradient (backward).
+        tp_expected = {f"{phase}_{kind}": n * moe_layers_n for phase in ("forward", "backward")
+                       for kind, n in (("all_reduce", 2), ("all_gather", int(sp))) if n}
+        assert r["tp_calls"] == (tp_expected if tp > 1 else {}), r["tp_calls"]
     assert any(n.endswith("experts.w1") for n in ref_grads)
+    assert any(b.abs().sum() > 0 for b in ref_biases.values())  # the update moved the biases

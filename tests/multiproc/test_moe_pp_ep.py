@@ -19,16 +19,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
 from jobs.moe import moe_layers, update_expert_bias
 from jobs.trainer import Trainer, cross_entropy
 from parallel.config import MeshConfig
 from parallel.dims import ParallelDims
 from parallel.pipeline import build_schedule
-from parallel.recipe import parallelize
+from tests.multiproc._moe import batch, biases, full_grads, parallel_model, reference
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -42,40 +40,16 @@ def _model_cfg():
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    toks = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return toks[:, :-1], toks[:, 1:]
-
-
-def _biases(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    return {n: b.clone() for part in parts for n, b in part.named_buffers() if n.endswith("expert_bias")}
-
-
-def _reference() -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    cfg = _model_cfg()
-    model = Transformer(cfg)
-    init_weights(model, seed=0)
-    x, y = _batch()
-    loss = cross_entropy(model(x), y)
-    loss.backward()
-    update_expert_bias(moe_layers([model]), rate=cfg.moe_bias_rate)
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}, _biases([model])
+    return batch(seed=11, global_batch=GLOBAL_BATCH, seq=SEQ)
 
 
 def _pp_ep_rank(rank: int, world: int) -> dict:
     """One 1F1B step of this rank's stage on its dp slice, then the bias update over the stage's ranks."""
     cfg = _model_cfg()
     dims = ParallelDims.from_config(MeshConfig(pp=2, dp_shard=2, ep=2), world_size=world)
-    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    parts, stages = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                                sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh, seq_len=SEQ,
-                                pp_layers_per_stage=SPLIT)
-    for part in parts:
-        part.to_empty(device="cpu")
-        init_weights(part, seed=0)
-        part.train()
+    mesh = dims.build_mesh("cpu")
+    parts, stages = parallel_model(cfg, dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu"), seq=SEQ,
+                                   pp_layers_per_stage=SPLIT)
     schedule = build_schedule(parts, stages, num_stages=2, schedule="1f1b", n_microbatches=MICROBATCHES,
                               pp_group=mesh.get_group("pp"), device=torch.device("cpu"), loss_fn=cross_entropy)
     x, y = _batch()
@@ -88,14 +62,12 @@ def _pp_ep_rank(rank: int, world: int) -> dict:
     trainer = SimpleNamespace(cfg=SimpleNamespace(model=cfg), env=SimpleNamespace(world_size=world),
                               derived=SimpleNamespace(dims=dims), mesh=mesh, moe_layers=moe_layers(parts))
     update_expert_bias(trainer.moe_layers, rate=cfg.moe_bias_rate, group=Trainer._moe_group(trainer))
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-             for part in parts for n, p in part.named_parameters()}
     loss = float(torch.stack(losses).mean()) if last else None
-    return {"loss": loss, "grads": grads, "biases": _biases(parts)}
+    return {"loss": loss, "grads": full_grads(parts), "biases": biases(parts)}
 
 
 def test_pp2_with_ep2_trains_the_deepseek_v3_shaped_model_like_one_process() -> None:
-    ref_loss, ref_grads, ref_biases = _reference()
+    ref_loss, ref_grads, ref_biases = reference(_model_cfg(), *_batch())
     out = run_ranks(_pp_ep_rank, 4, timeout=120).results
     # Ranks 2, 3 hold the last stage, one dp slice each: the global loss is their mean.
     assert (out[2]["loss"] + out[3]["loss"]) / 2 == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
@@ -121,26 +93,11 @@ def _skew(model: torch.nn.Module) -> None:
             m.router.expert_bias[:2] = 1.0
 
 
-def _skewed_reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = Transformer(_model_cfg())
-    init_weights(model, seed=0)
-    _skew(model)
-    x, y = _batch()
-    loss = cross_entropy(model(x), y)
-    loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _skewed_ep_rank(rank: int, world: int) -> dict:
     """One forward/backward on ep2 (dp_shard2) with the skewed router; the token rows each dispatch brought here."""
     dims = ParallelDims.from_config(MeshConfig(dp_shard=2, ep=2), world_size=world)
-    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(_model_cfg())
-    (model,), _ = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                              sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh, seq_len=SEQ)
-    model.to_empty(device="cpu")
-    init_weights(model, seed=0)
+    mesh = dims.build_mesh("cpu")
+    (model,), _ = parallel_model(_model_cfg(), dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu"), seq=SEQ)
     _skew(model)
     received: list[int] = []
     real = dist.all_to_all_single
@@ -163,12 +120,11 @@ def _skewed_ep_rank(rank: int, world: int) -> dict:
         dist.all_to_all_single = real
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
-    return {"loss": float(total) / world, "grads": grads, "dispatched_here": received[::2]}
+    return {"loss": float(total) / world, "grads": full_grads([model]), "dispatched_here": received[::2]}
 
 
 def test_an_ep_rank_whose_experts_get_no_tokens_runs_the_backward_with_its_peer() -> None:
-    ref_loss, ref_grads = _skewed_reference()
+    ref_loss, ref_grads, _ = reference(_model_cfg(), *_batch(), prepare=_skew)
     out = run_ranks(_skewed_ep_rank, 2, timeout=120).results
     moe_blocks = _model_cfg().n_layers - _model_cfg().n_dense_layers
     assert out[1]["dispatched_here"] == [0] * moe_blocks  # rank 1's experts got no rows in any MoE block

@@ -79,7 +79,7 @@ def test_dp_shard_minus_one_takes_the_remaining_ranks() -> None:
         (["mesh.tp=8", "mesh.pp=1", "mesh.dp_shard=1", "model.n_heads=4", "model.n_kv_heads=4"],
          "model.n_heads(4) % mesh.tp(8)"),
         (["mesh.cp=2", "mesh.dp_shard=1", "train.seq_len=30"], "train.seq_len(30) % (2 * mesh.cp(2)) = 2 != 0"),
-        (["mesh.ep=2"], "mesh.ep(2) > 1 with mesh.tp(2) > 1 is not built yet"),
+        (["mesh.ep=2"], "mesh.ep(2) > 1 but model.n_routed_experts(0) = 0: a dense model has no experts"),
         (["train.global_batch=6"], "train.global_batch(6) is not a multiple of dp(2) * train.micro_batch(2) = 4"),
         (["mesh.pp_microbatches=4"], "set mesh.pp_microbatches=2"),
         (["mesh.pp=8", "mesh.dp_shard=1", "mesh.tp=1", "train.global_batch=16"],

@@ -1,6 +1,7 @@
 """MoE parallel folding: the MoE layers' mesh (pp, dp_replicate, edp, ep, etp) covers the attention mesh's ranks
-exactly, a degree that does not fold is refused naming mesh.ep and the degrees that do, and jobs.plan and the run's
-first log lines print both meshes."""
+exactly, a degree that does not fold is refused naming mesh.ep and the degrees that do, ep with tp validates (the
+experts tensor-parallel over the attention's tp ranks, etp = tp), and jobs.plan and the run's first log lines print
+both meshes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from jobs.config import compose
 from jobs.planner.gate import build_plan
 from jobs.planner.render import render
+from jobs.validate import validate
 from parallel.config import MeshConfig
 from parallel.dims import ParallelDims, fold_moe_mesh
 
@@ -55,5 +57,13 @@ def test_jobs_train_folds_ep_over_cp_and_refuses_a_fold_that_does_not_fit() -> N
     assert dims.describe_meshes() == "attention cp2 | MoE edp1 * ep2 (folded over the same 2 ranks)"
     with pytest.raises(ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(1\) \* mesh\.cp\(2\) = 2: .* one of 1, 2$"):
         ParallelDims.from_config(MeshConfig(cp=2, ep=4), world_size=2)
-    with pytest.raises(ValueError, match=r"mesh\.ep\(2\) > 1 with mesh\.tp\(2\) > 1 is not built yet"):
-        ParallelDims.from_config(MeshConfig(dp_shard=2, tp=2, ep=2), world_size=4)
+
+
+def test_ep_with_tp_validates_and_jobs_plan_prints_the_experts_tp_axis() -> None:
+    over = ["model=tiny_moe", "mesh=single", "mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2", "launcher.tasks_per_node=4"]
+    d = validate(compose(over))
+    assert (d.dims.dp_shard, d.dims.tp, d.dims.ep) == (2, 2, 2)
+    text = render(build_plan(compose(over), measure=False))
+    assert "meshes: attention dp_shard2 * tp2 | MoE edp1 * ep2 * etp2 (folded over the same 4 ranks)" in text
+    assert "ep2: planned analytically, training built (parallel/ep.py)" in text
+    validate(compose(["model=tiny_moe", "mesh=single", "mesh.tp=2", "launcher.tasks_per_node=2"]))  # tp alone

@@ -1,5 +1,5 @@
 """Expert parallelism beside pipeline parallelism, in one process: the trainer's validation accepts pp * ep (and
-dp_replicate * ep; tp * ep stays refused), the planner's ep note is that same validation's verdict, and an ep rank
+dp_replicate * ep; MLA with tp stays refused), the planner's ep note is that same validation's verdict, and an ep rank
 whose experts get no rows keeps the dispatched rows in its autograd graph (so it runs the dispatch all-to-all's
 backward like its peers)."""
 
@@ -38,10 +38,11 @@ def test_the_planners_ep_note_is_the_trainers_validation() -> None:
     cfg = compose(["model=tiny_mla_moe", "mesh=single", "mesh.tp=2", "mesh.dp_shard=2", "mesh.ep=2",
                    "launcher.tasks_per_node=4"])  # planned (MLA with tp: jobs.plan), not trained
     _, notes = validate_for_planning(cfg)
-    assert any("training refused: mesh.ep(2) > 1 with mesh.tp(2) > 1 is not built yet" in n for n in notes), notes
+    assert any("training refused: mesh.tp(2) > 1 with model.attention=mla: tp of latent attention is not built yet"
+               in n for n in notes), notes
 
 
-def test_ep_validates_beside_dp_replicate_and_tp_is_still_refused() -> None:
+def test_ep_validates_beside_dp_replicate() -> None:
     d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.ep=2",
                           "launcher.tasks_per_node=4"]))
     assert (d.dims.dp_replicate, d.dims.dp_shard, d.dims.ep) == (2, 2, 2)

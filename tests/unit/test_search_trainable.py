@@ -20,11 +20,10 @@ def moe():
 
 def test_an_moe_search_marks_trainable_exactly_the_shapes_the_trainer_builds(moe):
     cfg, r = moe
-    # parallel/dims.py builds ep folded over dp_shard * cp, beside pp and dp_replicate; beside tp it is refused
-    expected = {c.shape: c.shape.tp == 1 for c in r.ranked}
-    assert {c.shape: c.trainable for c in r.ranked} == expected
-    # pp and dp_replicate beside ep are built now (the search proposes no tp for this MoE model)
+    # parallel/dims.py builds ep folded over dp_shard * cp, beside pp, dp_replicate and tp (etp = tp): every shape
+    assert {c.shape: c.trainable for c in r.ranked} == {c.shape: True for c in r.ranked}
     assert any(c.shape.pp > 1 for c in r.ranked) and any(c.shape.dp_replicate > 1 for c in r.ranked)
+    assert any(c.shape.tp > 1 for c in r.ranked)
     assert any(c.trainable and c.shape.cp > 1 for c in r.ranked)  # cp is built (the old list said planned only)
     built = [c.trainable for c in r.ranked]
     assert built == sorted(built, reverse=True)  # what jobs.train builds first

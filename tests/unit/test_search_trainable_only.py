@@ -9,9 +9,9 @@ import pytest
 from jobs.config import PlanConfig, compose
 from jobs.planner.search import PLANNED_ONLY, render_search, search
 
-# tiny_mla_moe with ep 2 on an H100 node: ep beside tp, and MLA with tp or cp, are refused by the trainer (ep beside
-# pp and dp_replicate is built), so both kinds are feasible. The composed config itself (ep beside tp2, on pp2) is
-# one that the planner plans and jobs.train refuses.
+# tiny_mla_moe with ep 2 on an H100 node: MLA with tp or cp is refused by the trainer (ep beside pp, dp_replicate
+# and tp is built), so both kinds are feasible. The composed config itself (MLA with tp2, on pp2) is one that the
+# planner plans and jobs.train refuses.
 MOE = ["model=tiny_mla_moe", "mesh.ep=2", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
        "train.global_batch=8", "checkpoint.interval=auto", "mesh.tp=2", "mesh.pp=2", "mesh.dp_shard=2",
        "train.micro_batch=1"]
@@ -40,7 +40,7 @@ def test_the_filtered_ranking_is_the_full_rankings_trainable_shapes_in_the_same_
     moved = only.rejected[PLANNED_ONLY]
     assert sorted(label for label, _ in moved) == sorted(c.shape.label() for c in refused)
     label, why = next((lab, w) for lab, w in moved if lab.startswith("tp2 "))
-    assert why.startswith(PLANNED_ONLY + ": ") and "mesh.ep" in why
+    assert why.startswith(PLANNED_ONLY + ": ") and "model.attention=mla" in why
     count = lambda r: len(r.ranked) + sum(len(v) for v in r.rejected.values())  # noqa: E731
     assert count(only) == count(full)
 
