@@ -91,16 +91,21 @@ def plan_step(nodes: list[str], held: Listing, step: int, *,
     node (its own save first, then a partner copy held there: read in place) before one on another node (sent);
     among the saves (attempts) that every rank can get, the one with the most ranks reading on their own node.
     `exclude`: (node, folder) copies found damaged. The same answer on every rank."""
-    order = list(dict.fromkeys(nodes))
+    pos = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    by_rank: dict[int, list[tuple[str, str, str]]] = {}  # rank -> (node, folder, attempt) of its copies of `step`
+    for n in pos:
+        for f, c in sorted(held.get(n, {}).items()):
+            q = folder_rank(f)
+            if q is not None and step in c and (n, f) not in exclude:
+                by_rank.setdefault(q, []).append((n, f, c[step]))
     best: tuple[int, MemoryLoad] | None = None
-    for att in sorted({a for n in order for c in held.get(n, {}).values() for s, a in c.items() if s == step}):
+    for att in sorted({a for cs in by_rank.values() for _, _, a in cs}):
         srcs = []
         for r, node in enumerate(nodes):
-            mine = [(n, f) for n in order for f, c in sorted(held.get(n, {}).items())
-                    if folder_rank(f) == r and c.get(step) == att and (n, f) not in exclude]
+            mine = [(n, f) for n, f, a in by_rank.get(r, []) if a == att]
             if not mine:
                 break
-            srcs.append(min(mine, key=lambda c, r=r, node=node: (c[0] != node, c[1] != f"rank_{r}", order.index(c[0]))))
+            srcs.append(min(mine, key=lambda c, r=r, node=node: (c[0] != node, c[1] != f"rank_{r}", pos[c[0]])))
         else:
             local = sum(n == nodes[r] for r, (n, _) in enumerate(srcs))
             if best is None or local > best[0]:
