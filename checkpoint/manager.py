@@ -45,6 +45,7 @@ from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
 from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
 from checkpoint.memory_capacity import MemoryCapacityMixin
+from checkpoint.memory_restore import MemoryRestoreMixin
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
 from checkpoint.retention import abandon_above, manifest_crc
 from checkpoint.statedict import StateDictMixin
@@ -56,7 +57,8 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryCapacityMixin, IntervalMixin):
+class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin,
+                        IntervalMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):

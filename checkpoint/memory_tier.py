@@ -22,11 +22,17 @@ all_gather, on a gloo group of the tier's own). Only when all committed does eac
 (own and partner copies), so two copies of each are held at most and some common step always survives a kill at
 any point. A failed RAM save removes that step everywhere and training goes on: it is a cache, not the record.
 
-Load: every rank lists its own committed steps and the partner copies it holds whose manifest names this run,
-the rank, world size and mesh; a step counts only when every rank has a copy of it (its own, or its partner's)
-from the same save (`partner.plan_memory_load`). Each rank checks its own copy in full; a rank whose copy is
-missing or damaged gets its partner's, sent back over the ctl group and committed into its own folder first
-(`tier: memory_partner`); the manager weighs the step against the filesystem's newest (`_restore_newest`).
+Load: the lowest rank of each node lists the node's committed copies, own saves (`rank_<q>`) and partner copies
+(`partner_of_rank_<q>`) of any rank q, whose manifest names this run, rank q, the world size and mesh; one
+all_gather. Where each rank's copy is held does not depend on where the ranks run now: after a spare swap the
+replaced ranks land on a node with no copy, the ring is recomputed over the new nodes, and ranks may move. A step
+counts only when every rank can get a copy of its state from one and the same save (`partner.plan_memory_load`):
+a copy on its own node is read in place (its own save first); else one rank of the holding node sends it (point
+to point on the tier's group), checked by the holder and by the receiver, which commits it into its own folder
+first (`tier: partner` when any rank read anything but its own save on its own node). A copy that fails its check
+is left out and the step planned again; the manager weighs the step against the filesystem's newest
+(`_restore_newest`). Copies in folders no rank of the node uses any more stay until the tier commits a step in the
+new places (`_stale_dirs`). The load's side is checkpoint/memory_restore.py.
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.config import memory_root
 from checkpoint.errors import describe_error
-from checkpoint.manifest import ManifestError, check_files, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
-from checkpoint.partner import PARTNER, commit_folder, exchange, pack_folder, partner_ranks, plan_memory_load, replicas_for
-from checkpoint.tiers import FILESYSTEM, MEMORY  # the `tier` of checkpoint_saved / checkpoint_loaded records
+from checkpoint.manifest import ManifestError, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
+from checkpoint.partner import (MemoryLoad, commit_folder, exchange, folder_rank, pack_folder, partner_ranks,
+                                replicas_for)
+from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
 
 __all__ = ["MEMORY", "PARTNER", "FILESYSTEM", "MemoryTierMixin", "complete_steps", "local_steps"]
@@ -102,8 +109,10 @@ class MemoryTierMixin:
         self._mem_pending: Future | None = None
         self._mem_staged: threading.Event | None = None  # set once the save in flight has copied its tensors
         self._mem_buffers: dict[str, torch.Tensor] = {}  # CPU staging buffers, reused by every later save
-        self._memory_plan: dict[int, tuple[list[bool], list[bool]]] = {}
+        self._memory_plan: dict[int, MemoryLoad] = {}
+        self._held: dict[str, dict[str, dict[int, str]]] = {}  # every node's committed copies, as listed at load
         self._partner_used: list[int] = []
+        self._nodes = [self.node]  # every rank's node (_init_partners)
         self._replicas, self._partners, self._sources, self._mem_pg = 0, [], [], None
 
     def _init_partners(self) -> None:
@@ -111,7 +120,7 @@ class MemoryTierMixin:
         gloo group for its background commit. Raises CheckpointConfigError alike on every rank."""
         if not self.cfg.enabled or not self.cfg.memory_on:
             return
-        nodes = self._all_gather(self.node, self._ctl_pg)
+        self._nodes = nodes = self._all_gather(self.node, self._ctl_pg)
         self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)), memory_on=self.cfg.memory_on)
         self._partners = partner_ranks(nodes) if self._replicas else list(range(self.world_size))
         self._sources = [self._partners.index(r) for r in range(self.world_size)]
@@ -125,6 +134,22 @@ class MemoryTierMixin:
     def _held_dir(self) -> Path:
         """The partner copies this rank holds: those of the rank whose partner it is."""
         return self.memory_root / f"partner_of_rank_{self._sources[self.rank]}"
+
+    @property
+    def _speaker(self) -> bool:
+        """Whether this rank lists and tidies its node's folder for the node: the node's lowest rank."""
+        return self._nodes.index(self.node) == self.rank
+
+    def _stale_dirs(self) -> list[Path]:
+        """On the node's speaker: the node's folders that no rank there saves into or holds partner copies in now
+        (copies from before the ranks were placed as they are: a spare swap); [] on the other ranks."""
+        if not self._speaker or not self.memory_root.is_dir():
+            return []
+        here = [r for r, n in enumerate(self._nodes) if n == self.node]
+        used = {f"rank_{r}" for r in here}
+        if self._replicas:
+            used |= {f"partner_of_rank_{self._sources[r]}" for r in here}
+        return [p for p in sorted(self.memory_root.iterdir()) if folder_rank(p.name) is not None and p.name not in used]
 
     def memory_due(self, step: int) -> bool:
         """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
@@ -276,78 +301,15 @@ class MemoryTierMixin:
 
     def _retire_memory(self, *, keep: int) -> None:
         """Deletes this rank's RAM steps (own and held partner copies) other than `keep`, and leftover temporary
-        folders."""
+        folders; the node's speaker also the folders no rank of the node uses now (every rank's copy of `keep` is
+        committed where the ranks are placed now)."""
         for d in (self._rank_dir, *([self._held_dir] if self._replicas else [])):
             if d.is_dir():
                 for p in d.iterdir():
                     if p.name != f"step_{keep}":
                         shutil.rmtree(p, ignore_errors=True)
-
-    def _memory_candidates(self) -> list[int]:
-        """The steps complete in the RAM tier (every rank has a copy, its own or its partner's, from the same
-        save), newest first; agreed. Remembers which copies each step has (`self._memory_plan`)."""
-        self._memory_plan = {}
-        if not self.cfg.memory_on:
-            return []
-        mine: dict[int, str] = {}
-        held: dict[int, str] = {}
-        ids = {"run_id": self.run_id, "world_size": self.world_size, "mesh": self.manifest_extra.get("mesh")}
-        try:
-            mine = local_steps(self._rank_dir, rank=self.rank, **ids)
-            if self._replicas:
-                held = local_steps(self._held_dir, rank=self._sources[self.rank], **ids)
-        except OSError as e:
-            log.warning("RAM tier %s unreadable on rank %d: %s", self.memory_root, self.rank, e)
-        gathered = self._all_gather((mine, self._sources[self.rank] if self._replicas else -1, held), self._ctl_pg)
-        held_of: list[dict[int, str]] = [{} for _ in range(self.world_size)]
-        for _, src, h in gathered:
-            if src >= 0:
-                held_of[src] = h
-        plan = plan_memory_load([g[0] for g in gathered], held_of)
-        self._memory_plan = {s: (has_own, has_held) for s, has_own, has_held in plan}
-        return [s for s, _, _ in plan]
-
-    def _validate_memory(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None, str]:
-        """This rank's folder of `step`, the problems found (agreed), its manifest, and the tier: every rank
-        checks its own copy; the ranks whose copy is missing or damaged get their partner's first (PARTNER)."""
-        has_own, has_held = self._memory_plan[step]
-        d = self._rank_dir / f"step_{step}"
-        mine, manifest = _check_copy(d, step, rank=self.rank, checksum=self.cfg.verify == "checksum") if has_own[
-            self.rank] else ([f"rank {self.rank}: no copy of its own"], None)
-        per_rank = self._all_gather(mine, self._ctl_pg)
-        need = [bool(p) for p in per_rank]
-        lost = sorted({p for r, ps in enumerate(per_rank) if not has_held[r] for p in ps})
-        self._partner_used = []
-        if lost or not any(need):
-            return d, lost, (manifest if not lost else None), MEMORY
-        problems, got = self._restore_from_partner(step, need)
-        self._partner_used = [r for r, n in enumerate(need) if n]
-        return d, problems, (None if problems else got or manifest), PARTNER
-
-    def _restore_from_partner(self, step: int, need: list[bool]) -> tuple[list[str], dict[str, Any] | None]:
-        """Every rank in `need` gets its partner's copy of `step` (checked by the holder, sent on the ctl group,
-        committed into its own folder as the RAM tier commits); returns the problems (agreed) and the manifest."""
-        r, src, partner = self.rank, self._sources[self.rank], self._partners[self.rank]
-        payload, mine, manifest = None, [], None
-        if need[src]:  # this rank holds the copy of a rank that needs it
-            hd = self._held_dir / f"step_{step}"
-            problems, _ = _check_copy(hd, step, rank=src, checksum=self.cfg.verify == "checksum")
-            mine += [f"rank {r}: the partner copy of rank {src}: {p}" for p in problems]
-            try:
-                payload = None if problems else pack_folder(hd)
-            except OSError as e:
-                mine.append(f"rank {r}: the partner copy of rank {src}: {describe_error(e, self.memory_root)}")
-        got = exchange(payload, send_to=src if need[src] else None, recv_from=partner if need[r] else None,
-                       pg=self._ctl_pg)
-        if need[r]:
-            try:
-                if got is None:
-                    raise ValueError(f"rank {partner} sent no copy")
-                manifest = commit_folder(got, tmp=self._rank_dir / f"step_{step}.{self.attempt}.tmp",
-                                         final=self._rank_dir / f"step_{step}", step=step)
-            except Exception as e:  # noqa: BLE001 - agreed on below
-                mine.append(f"rank {r}: its partner's copy: {describe_error(e, self.memory_root)}")
-        return sorted({p for ps in self._all_gather(mine, self._ctl_pg) for p in ps}), manifest
+        for d in self._stale_dirs():
+            shutil.rmtree(d, ignore_errors=True)
 
     def _load_memory(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
@@ -362,12 +324,12 @@ class MemoryTierMixin:
 
     def _after_load_memory(self, step: int) -> None:
         """After any load: this rank's RAM steps newer than the loaded one (incomplete, or of an abandoned
-        timeline) and leftover temporary folders are deleted, own and held partner copies; older complete ones
-        stay until the next commit."""
+        timeline) and leftover temporary folders are deleted, own and held partner copies (and on the node's
+        speaker, those in the node's folders no rank uses now); older complete ones stay until the next commit."""
         self._last_memory_step = step
         if not self.cfg.memory_on:
             return
-        for d in (self._rank_dir, *([self._held_dir] if self._replicas else [])):
+        for d in (self._rank_dir, *([self._held_dir] if self._replicas else []), *self._stale_dirs()):
             for s, p in step_dirs(d):
                 if s > step:
                     shutil.rmtree(p, ignore_errors=True)
@@ -387,6 +349,8 @@ class MemoryTierMixin:
         shutil.rmtree(self._rank_dir, ignore_errors=True)
         if self._replicas:
             shutil.rmtree(self._held_dir, ignore_errors=True)
+        for d in self._stale_dirs():
+            shutil.rmtree(d, ignore_errors=True)
         for d in (self.memory_root, self.memory_root.parent):
             try:
                 d.rmdir()
@@ -403,20 +367,6 @@ class MemoryTierMixin:
             if self._mem_pg is not None and dist.is_initialized():
                 dist.destroy_process_group(self._mem_pg)
             self._mem_pg = None
-
-
-def _check_copy(d: Path, step: int, *, rank: int, checksum: bool) -> tuple[list[str], dict[str, Any] | None]:
-    """The problems of one committed copy (`d`, of rank `rank`'s state) against its manifest, and the manifest."""
-    try:
-        manifest = read_manifest(d, step=step)
-        if manifest.get("rank") != rank:
-            return [f"{d.name} holds rank {manifest.get('rank')}'s state, not rank {rank}'s"], None
-        problems = check_files(d, manifest["files"], sorted(manifest["files"]), checksum=checksum)
-    except ManifestError as e:
-        return [f"rank {rank}: {e}"], None
-    except Exception as e:  # noqa: BLE001 - agreed on by the caller like any problem
-        return [f"rank {rank}: {describe_error(e, d)}"], None
-    return [f"rank {rank}: {p}" for p in problems], (manifest if not problems else None)
 
 
 def _local_tree(obj: Any) -> Any:

@@ -1,13 +1,16 @@
 """Partner copies of the RAM tier: the ring over nodes that names each rank's partner, a committed step folder
 sent between two ranks (gloo point-to-point) and committed again on the other side, and which copy of each rank's
-state a restart reads (checkpoint/memory_tier.py uses these)."""
+state a restart reads, wherever it is held, and who sends it (checkpoint/memory_tier.py uses these)."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,8 @@ from checkpoint.config import replicas_for
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 
-__all__ = ["PARTNER", "replicas_for", "partner_ranks", "plan_memory_load", "pack_folder", "commit_folder", "exchange"]
-
-PARTNER = "memory_partner"  # the `tier` of a checkpoint_loaded record when some rank read its partner's copy
+__all__ = ["replicas_for", "partner_ranks", "folder_rank", "MemoryLoad", "plan_memory_load", "plan_step", "transfers",
+           "pack_folder", "commit_folder", "exchange"]
 
 
 def partner_ranks(nodes: list[str]) -> list[int]:
@@ -47,21 +49,81 @@ def partner_ranks(nodes: list[str]) -> list[int]:
     return out
 
 
-def plan_memory_load(own: list[dict[int, str]], held: list[dict[int, str]]) -> list[tuple[int, list[bool], list[bool]]]:
-    """The RAM steps a restart can load, newest first: (step, which ranks hold their own copy of it, which ranks'
-    partners hold a copy of it). `own[r]`/`held[r]`: {step: saving attempt} of rank r's own copies / of the copies
-    of rank r's state its partner holds. A step counts when every rank has one copy of it from one and the same
-    save (the attempt that saved the step on most ranks' own copies wins), never a mix of steps or of saves."""
+_FOLDER = re.compile(r"^(?:rank|partner_of_rank)_(\d+)$")
+
+
+def folder_rank(name: str) -> int | None:
+    """The rank whose state a node's folder of the RAM tier holds: `rank_<q>` (q's own saves) or
+    `partner_of_rank_<q>` (the copies of q's saves held there); None for any other name."""
+    m = _FOLDER.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLoad:
+    """How a restart reads one RAM step: the save it comes from (its attempt) and, for every rank r, the copy it
+    reads, `sources[r]` = (node, folder under that node's folder of the tier)."""
+    step: int
+    attempt: str
+    sources: tuple[tuple[str, str], ...]
+
+    def copied(self, nodes: list[str]) -> list[int]:
+        """The ranks that read anything but their own save on their own node (a partner copy, or another node's)."""
+        return [r for r, src in enumerate(self.sources) if src != (nodes[r], f"rank_{r}")]
+
+
+Listing = dict[str, dict[str, dict[int, str]]]  # {node: {folder: {step: the attempt that saved it}}}
+
+
+def plan_memory_load(nodes: list[str], held: Listing) -> list[MemoryLoad]:
+    """The RAM steps a restart can load, newest first (`nodes[r]`: rank r's node now; `held`: every node's committed
+    copies, by folder). Only the nodes in `nodes` count: a copy held only on a node that is gone is no copy. A step
+    counts when every rank can get a copy of its own state from one and the same save (never a mix of steps or of
+    saves), from wherever it is held (plan_step)."""
+    live = {n: held.get(n, {}) for n in dict.fromkeys(nodes)}
+    steps = sorted({s for fs in live.values() for c in fs.values() for s in c}, reverse=True)
+    return [p for p in (plan_step(nodes, live, s) for s in steps) if p is not None]
+
+
+def plan_step(nodes: list[str], held: Listing, step: int, *,
+              exclude: frozenset[tuple[str, str]] = frozenset()) -> MemoryLoad | None:
+    """Where every rank reads its copy of `step` (None when some rank has none): for each rank, a copy on its own
+    node (its own save first, then a partner copy held there: read in place) before one on another node (sent);
+    among the saves (attempts) that every rank can get, the one with the most ranks reading on their own node.
+    `exclude`: (node, folder) copies found damaged. The same answer on every rank."""
+    pos = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    by_rank: dict[int, list[tuple[str, str, str]]] = {}  # rank -> (node, folder, attempt) of its copies of `step`
+    for n in pos:
+        for f, c in sorted(held.get(n, {}).items()):
+            q = folder_rank(f)
+            if q is not None and step in c and (n, f) not in exclude:
+                by_rank.setdefault(q, []).append((n, f, c[step]))
+    best: tuple[int, MemoryLoad] | None = None
+    for att in sorted({a for cs in by_rank.values() for _, _, a in cs}):
+        srcs = []
+        for r, node in enumerate(nodes):
+            mine = [(n, f) for n, f, a in by_rank.get(r, []) if a == att]
+            if not mine:
+                break
+            srcs.append(min(mine, key=lambda c, r=r, node=node: (c[0] != node, c[1] != f"rank_{r}", pos[c[0]])))
+        else:
+            local = sum(n == nodes[r] for r, (n, _) in enumerate(srcs))
+            if best is None or local > best[0]:
+                best = (local, MemoryLoad(step=step, attempt=att, sources=tuple(srcs)))
+    return best[1] if best else None
+
+
+def transfers(nodes: list[str], sources: Sequence[tuple[str, str]]) -> list[tuple[int, int, int]]:
+    """(round, sender, receiver) for every rank whose copy is on another node: one rank of the holding node sends it,
+    the node's copies dealt over its ranks in turn, one copy per sender per round (one payload in memory at a time)."""
+    ranks_on = {n: [r for r, m in enumerate(nodes) if m == n] for n in dict.fromkeys(nodes)}
+    dealt = dict.fromkeys(ranks_on, 0)
     out = []
-    for step in sorted(set().union(*own, *held), reverse=True):
-        best: tuple[list[bool], list[bool]] | None = None
-        for att in sorted({d[step] for d in (*own, *held) if step in d}):
-            has_own = [o.get(step) == att for o in own]
-            has_held = [h.get(step) == att for h in held]
-            if all(a or b for a, b in zip(has_own, has_held)) and (best is None or sum(has_own) > sum(best[0])):
-                best = (has_own, has_held)
-        if best is not None:
-            out.append((step, *best))
+    for r, (n, _) in enumerate(sources):
+        if n != nodes[r]:
+            k, group = dealt[n], ranks_on[n]
+            dealt[n] += 1
+            out.append((k // len(group), group[k % len(group)], r))
     return out
 
 

@@ -46,7 +46,7 @@ __all__ = [
     "combined_goodput",
 ]
 
-MEMORY, PARTNER, FILESYSTEM = "memory", "partner", "filesystem"
+MEMORY, PARTNER, FILESYSTEM = "memory", "partner", "filesystem"  # one name each: the plan's rows, the ledger's `tier`
 TIERS = (MEMORY, PARTNER, FILESYSTEM)  # cheapest first
 FAILURE_CLASSES = ("process", "node", "job")
 
@@ -62,22 +62,16 @@ def failure_split(*, process_share: float, node_share: float) -> dict[str, float
     return {"process": process_share, "node": node_share, "job": max(0.0, 1.0 - process_share - node_share)}
 
 
-# Whether the ranks a hot spare replaces read their partners' RAM copies. Not yet: the swap re-places the ranks and
-# the partner ring is recomputed over the new nodes, so they read the filesystem tier (README "Hot spares"); until
-# it is built, no plan or interval credits the partner tier with node failures the run does not serve from it.
-PARTNER_READ_AFTER_SWAP = False
-
-
 def tiers_on(ckpt: object, *, spare_nodes: int, nodes: int) -> tuple[bool, bool]:
     """(RAM tier on, partner copies cover node failures) for a CheckpointConfig: partner copies
     (checkpoint.memory_replicas > 0, a RAM-tier feature) are only read after a node failure when a hot spare
-    (launcher.spare_nodes > 0) lets the run go on inside its allocation, and the replaced ranks read them
-    (PARTNER_READ_AFTER_SWAP); otherwise the run reads the filesystem tier. memory_replicas null: one copy when the
-    job has more than one node (replicas_for)."""
+    (launcher.spare_nodes > 0) lets the run go on inside its allocation, where the replaced ranks read them from the
+    nodes that hold them (checkpoint/memory_tier.py); without one the run is requeued and reads the filesystem tier.
+    memory_replicas null: one copy when the job has more than one node (replicas_for)."""
     memory = bool(getattr(ckpt, "memory_on", False))
     replicas = getattr(ckpt, "memory_replicas", 0)
     replicas = (1 if nodes > 1 else 0) if replicas is None else replicas
-    return memory, PARTNER_READ_AFTER_SWAP and memory and replicas > 0 and spare_nodes > 0
+    return memory, memory and replicas > 0 and spare_nodes > 0
 
 
 def covering_tier(failure: str, *, memory: bool, partner: bool) -> str:

@@ -26,7 +26,7 @@ class Attempt:
     start_step: int | None = None  # the step training resumed from
     last_step: int | None = None  # the newest step this attempt trained (metrics of the last event)
     saved_step: int | None = None  # the newest checkpoint this attempt committed
-    resumed_tier: str | None = None  # the checkpoint tier it resumed from: memory | memory_partner | filesystem; None = none loaded
+    resumed_tier: str | None = None  # the checkpoint tier it resumed from: memory | partner | filesystem; None = none loaded
     suspects: list[str] = field(default_factory=list)
 
     @property
@@ -107,7 +107,8 @@ def render_summary(events: list[dict], *, title: str = "attempts") -> str:
     return "\n".join(lines)
 
 
-_TIER_SHORT = {"memory": "ram", "memory_partner": "peer", "filesystem": "fs"}  # the summary's `from` column
+# the summary's `from` column (`memory_partner`: the partner tier's name in ledgers written before it had one name)
+_TIER_SHORT = {"memory": "ram", "partner": "peer", "memory_partner": "peer", "filesystem": "fs"}
 
 
 def _dur(s: float) -> str:

@@ -1,21 +1,30 @@
-"""Hot spares on the local cluster (3 nodes): a 2-node job holding one spare loses a node, taken down from outside, and
-goes on inside the same allocation on the other node and the spare, bitwise equal to the uninterrupted run."""
+"""Hot spares on the local cluster (3 nodes): a 2-node job holding one spare, keeping a RAM copy of every step with a
+partner copy on the other node, loses a node, taken down from outside with its RAM folder; it goes on inside the same
+allocation on the other node and the spare, the replaced rank reading its state from the copy the surviving node
+holds (newer than the filesystem's newest), bitwise equal to the uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.chaos.chaos_helpers import (STEP_S, assert_bitwise_equal_to_reference, bound_s, bring_nodes_back, events,
                                        rank_pid, status, submit, take_node_down, wait_for_step, wait_job_done)
+from checkpoint.config import memory_root
+from jobs.launch.rundir import run_id
 from tests.slurm.slurm_helpers import scontrol_job
 
 SWAP_DONE_S = 600  # Slurm declares the node down SlurmdTimeout (30 s) after its last answer; the rest is training
+FS_EVERY = 25  # chaos_helpers.BASE: checkpoint.every_steps
+# A RAM save of every step (checkpoint.memory_every_steps=1), each rank's copied to the other node.
+RAM = ["checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=1"]
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
               pytest.mark.timeout(bound_s(STEP_S, SWAP_DONE_S, 300))]  # 300: scripts/slurm/start bringing node2 back
@@ -29,6 +38,26 @@ def _step_daemon(pid: int) -> int:
     return ppid
 
 
+def _freeze_between_filesystem_saves(run_root: Path, pid: int) -> int:
+    """SIGSTOPs rank 0 (`pid`) at a moment when the newest RAM step the ledger says committed, R, is 3 to 20 steps
+    past a filesystem save (else lets it run a little and tries again); returns R. Stopped, rank 0 commits nothing
+    and trains at most to step R + 2 (the RAM save of R + 1 in flight), so no filesystem save of a step above
+    R - 3 can exist, now or later (one in flight may still commit, of an older step)."""
+    deadline = time.monotonic() + STEP_S
+    while True:
+        assert time.monotonic() < deadline, "rank 0 was never caught between two filesystem saves"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            ram = [e["step"] for e in events(run_root, "checkpoint_saved") if e["tier"] == "memory"]
+        except BaseException:
+            os.kill(pid, signal.SIGCONT)
+            raise
+        if ram and ram[-1] > FS_EVERY and 3 <= ram[-1] % FS_EVERY <= 20:
+            return ram[-1]
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+
+
 def _ranks_steps(job: str) -> list[tuple[str, str]]:
     """(step id, NodeList) of the job's rank steps, as sacct records them."""
     out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True,
@@ -38,15 +67,21 @@ def _ranks_steps(job: str) -> list[tuple[str, str]]:
 
 def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_and_finishes_bitwise(
         run_root: Path, reference, tmp_path) -> None:
-    job = submit(run_root, "launcher.spare_nodes=1")
+    job = submit(run_root, "launcher.spare_nodes=1", *RAM)
     wait_for_step(run_root, 30)  # past the save at step 25
     (start,) = [e for e in events(run_root, "attempt_start") if e["attempt"] == f"{job}.0"]
     assert (start["step_nodes"], start["spares"]) == (["node1", "node2"], ["node3"]), start
-    rank1 = rank_pid(run_root, f"{job}.0", 1)
+    rank0, rank1 = rank_pid(run_root, f"{job}.0", 0), rank_pid(run_root, f"{job}.0", 1)
+    ram_root = memory_root("/dev/shm", run_id(run_root))  # the 3 nodes share this host's /dev/shm: a folder each
     try:
         stepd = _step_daemon(rank1)
-        take_node_down("node2", [rank1])
-        os.kill(stepd, signal.SIGKILL)
+        frozen_at = _freeze_between_filesystem_saves(run_root, rank0)
+        try:
+            take_node_down("node2", [rank1])
+            os.kill(stepd, signal.SIGKILL)
+            shutil.rmtree(ram_root / "node2")  # its RAM goes with it
+        finally:
+            os.kill(rank0, signal.SIGCONT)
         recs = wait_job_done(job, timeout=SWAP_DONE_S)
     finally:
         bring_nodes_back()
@@ -63,8 +98,20 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
     (after,) = [e for e in events(run_root, "attempt_start") if e["attempt"] == f"{job}.0.1"]
     assert (after["step_nodes"], after["spares"]) == (["node1", "node3"], []), after
     assert [n for _, n in _ranks_steps(job)] == ["node[1-2]", "node[1,3]"], _ranks_steps(job)
-    # The replaced rank has no RAM copy on the spare (and this run keeps none): the filesystem tier serves the restart.
-    loaded = [e for e in events(run_root, "checkpoint_loaded") if e["attempt"] == f"{job}.0.1"]
-    assert {e["tier"] for e in loaded} == {"filesystem"} and loaded[0]["step"] >= 25, loaded
-    assert f"spare swap after attempt {job}.0: node2 -> node3" in status(run_root)
+    # The replaced rank 1 has no copy on the spare: it reads the copy of its state that node1 holds (sent by rank 0),
+    # rank 0 its own, at the newest RAM step the ranks agreed on (or the one after it, when both its copies on node1
+    # committed before the kill cut its agreement short), newer than every filesystem step committed before the load
+    # (an async filesystem save may commit after the freeze: the ledger says which existed).
+    ledger = events(run_root)
+    [(i, load)] = [(i, e) for i, e in enumerate(ledger) if e["kind"] == "checkpoint_loaded" and e["attempt"] == f"{job}.0.1"]
+    saved = {t: [e["step"] for e in ledger[:i] if e["kind"] == "checkpoint_saved" and e["tier"] == t]
+             for t in ("memory", "filesystem")}
+    assert (load["tier"], load.get("partner_ranks")) == ("partner", [1]), load
+    assert load["step"] in (max(saved["memory"]), max(saved["memory"]) + 1), (load, saved["memory"][-3:])
+    assert load["step"] >= frozen_at > max(saved["filesystem"], default=0) + 2, (frozen_at, saved["filesystem"])
+    out = status(run_root)
+    assert f"spare swap after attempt {job}.0: node2 -> node3" in out
+    resumed = {f[1]: f[5] for f in map(str.split, out.splitlines()) if len(f) > 5 and f[1] in (f"{job}.0", f"{job}.0.1")}
+    assert resumed == {f"{job}.0": "-", f"{job}.0.1": "peer"}, out  # the `from` column: where each attempt resumed
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+    assert not ram_root.exists()  # the finished run's copies are gone, on the spare and the surviving node alike

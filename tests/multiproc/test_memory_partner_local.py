@@ -125,7 +125,7 @@ def test_a_lost_node_s_shards_come_from_their_partner_copies_at_the_newest_ram_s
     assert [d["action"] for d in events if d["kind"] == "decision"] == ["restart"]
     # the restart: the newest RAM step, ranks 0 and 1 from the copies their partners (ranks 2, 3) held
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
-    assert [(e["step"], e["tier"], e.get("partner_ranks")) for e in loaded] == [(lost_at, "memory_partner", [0, 1])]
+    assert [(e["step"], e["tier"], e.get("partner_ranks")) for e in loaded] == [(lost_at, "partner", [0, 1])]
     assert 2 <= lost_at < STEPS
     saved = [e for e in events if e["kind"] == "checkpoint_saved" and e["tier"] == "memory"]
     assert saved and all(e["replicas"] == 1 for e in saved)

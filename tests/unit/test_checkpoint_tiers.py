@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
-from checkpoint import tiers
 from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
                               tier_shares, tiers_on)
 from checkpoint.memory_capacity import capacity_error
@@ -57,11 +56,8 @@ def test_cheap_ram_saves_and_many_process_failures_beat_the_filesystem_tier_alon
     assert {r.tier: r for r in both}[FILESYSTEM].interval_s > alone[0].interval_s * 1.5
 
 
-def test_partner_copies_cover_node_failures_only_with_a_hot_spare_whose_ranks_read_them(monkeypatch) -> None:
+def test_partner_copies_cover_node_failures_only_with_a_hot_spare() -> None:
     ck = SimpleNamespace(memory_on=True, memory_replicas=1)
-    # Today a spare swap's ranks read the filesystem tier (README "Hot spares"): no plan credits the partner tier.
-    assert tiers_on(ck, spare_nodes=1, nodes=2) == (True, False)
-    monkeypatch.setattr(tiers, "PARTNER_READ_AFTER_SWAP", True)  # the rule once the swap reads partners' copies
     assert tiers_on(ck, spare_nodes=0, nodes=2) == (True, False)  # no spare: a lost node means a requeue (filesystem)
     assert tiers_on(ck, spare_nodes=1, nodes=2) == (True, True)
     assert tiers_on(SimpleNamespace(memory_on=False, memory_replicas=1), spare_nodes=1, nodes=2) == (False, False)
@@ -123,6 +119,21 @@ def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) ->
     assert float(m[2]) == pytest.approx(tiers["filesystem_only_goodput"], abs=1e-4)
     assert tiers["goodput"] == pytest.approx(rows[MEMORY]["goodput"] * rows[FILESYSTEM]["goodput"])
     assert tiers["goodput"] > tiers["filesystem_only_goodput"]
+
+
+def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys) -> None:
+    # A spare's ranks read the lost node's state from the nodes that hold its copies (checkpoint/memory_tier.py), so
+    # node failures are the partner tier's and the filesystem tier is read after job losses only.
+    args = ["+experiment=llama3_8b", "plan.fake_backend=false", "plan.save_fixed_s=5", "plan.restart_overhead_s=300",
+            "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5", "launcher=slurm",
+            "checkpoint.memory_replicas=1", "plan.json=true"]
+    assert main([*args, "launcher.spare_nodes=1"]) in (0, 1)
+    rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
+    assert {t: r["failures"] for t, r in rows.items()} == {MEMORY: ["process"], PARTNER: ["node"], FILESYSTEM: ["job"]}
+    assert rows[FILESYSTEM]["share"] == pytest.approx(0.1)
+    assert main([*args, "launcher.spare_nodes=0"]) in (0, 1)  # no spare: a lost node is a requeue (filesystem)
+    rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
+    assert set(rows) == {MEMORY, FILESYSTEM} and rows[FILESYSTEM]["failures"] == ["node", "job"]
 
 
 def test_a_ram_tier_on_through_auto_that_does_not_fit_names_the_auto_override() -> None:
