@@ -1,0 +1,145 @@
+"""The RAM checkpoint tier on the local cluster: a rank of a Slurm job killed with `kill -9` comes back, inside the
+same allocation, from node-local memory at a step newer than the filesystem's newest; a corrupted RAM shard sends
+the next restart to the filesystem tier; the run ends bitwise equal to an uninterrupted one and leaves no RAM copy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoint.config import memory_root
+from checkpoint.manifest import read_manifest, step_dirs
+from jobs.launch.rundir import run_id
+from jobs.status import status_text
+from tests.chaos.chaos_helpers import (DONE_S, STEP_S, assert_bitwise_equal_to_reference, bound_s, events, rank_pid,
+                                       submit, wait_job_done)
+from tests.slurm.slurm_helpers import scontrol_job
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
+              pytest.mark.timeout(bound_s(STEP_S, STEP_S, STEP_S, STEP_S, DONE_S))]
+
+FS_EVERY = 5  # the filesystem tier's interval; the RAM tier saves every step (its own copy only: no partner)
+RAM = [f"checkpoint.every_steps={FS_EVERY}", "checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=0"]
+
+
+def _ram_step(root: Path, attempt: str) -> int | None:
+    """The step both ranks hold committed in the RAM tier from one save of `attempt` (what a restart would load),
+    when no RAM save is under way on either (one committed step per rank, no temporary folder: the saves are
+    asynchronous, and between a save's commit and the deletion of the older step there are two candidates)."""
+    steps = set()
+    for r in (0, 1):
+        dirs = list(root.glob(f"*/rank_{r}"))  # <node>/rank_<r>: one node folder per Slurm node
+        if len(dirs) != 1 or any(dirs[0].glob("*.tmp")) or len(held := step_dirs(dirs[0])) != 1:
+            return None
+        ((s, d),) = held
+        try:
+            if read_manifest(d, step=s)["attempt"] != attempt:
+                return None
+        except Exception:  # noqa: BLE001 - a folder without its manifest is no commit
+            return None
+        steps.add(s)
+    return steps.pop() if len(steps) == 1 else None
+
+
+def _newest_fs_step(run_dir: Path) -> int:
+    return max((s for s, d in step_dirs(run_dir / "checkpoints") if (d / "manifest.json").exists()), default=0)
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise AssertionError(f"rank pid {pid} gone before RAM held a step newer than the filesystem's") from None
+
+
+def _freeze_then_kill_rank1(run_dir: Path, attempt: str, *, corrupt: bool) -> tuple[int, int]:
+    """Stops both ranks of `attempt` (SIGSTOP) at a moment when RAM holds a complete step R of theirs that no
+    filesystem save can reach or pass, whatever commits after the freeze (else lets them run a little and tries
+    again); optionally flips a byte of rank 0's shard of R; then SIGKILLs rank 1 and lets rank 0 go on. Returns
+    (R, the newest committed filesystem step seen at the freeze).
+    At the freeze at most the save of step R + 1 is under way (a save waits for the one in flight), and the RAM
+    save of a step comes before its filesystem save: with R and R + 1 both off the filesystem's interval, any
+    filesystem save that commits later is of a step < R, so the restart's newest candidate is R in RAM."""
+    pids = [rank_pid(run_dir, attempt, r) for r in (0, 1)]
+    root = memory_root("/dev/shm", run_id(run_dir))
+    deadline = time.monotonic() + STEP_S
+    while True:
+        assert time.monotonic() < deadline, f"RAM never held a step of {attempt} newer than the filesystem's"
+        _signal(pids, signal.SIGSTOP)
+        ram, fs = _ram_step(root, attempt), _newest_fs_step(run_dir)
+        if ram is not None and ram % FS_EVERY not in (0, FS_EVERY - 1) and ram > fs:
+            break
+        _signal(pids, signal.SIGCONT)
+        time.sleep(0.05)
+    if corrupt:
+        (shard,) = root.glob(f"*/rank_0/step_{ram}/*.distcp")
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+        shard.write_bytes(bytes(data))
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[0], signal.SIGCONT)
+    return ram, fs
+
+
+def _wait_for(what: str, ready, *, timeout: float = STEP_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _loaded_by(run_dir: Path, attempt: str) -> list[dict]:
+    return [e for e in events(run_dir, "checkpoint_loaded") if e["attempt"] == attempt]
+
+
+def _newest_fs_commit_before(ledger: list[dict], *, loaded_index: int) -> int:
+    """The newest filesystem step whose `checkpoint_saved` precedes the `loaded_index`-th `checkpoint_loaded` (an
+    async filesystem save under way at a freeze may commit after it: rank 1 had written its shard)."""
+    newest, loads = 0, 0
+    for e in ledger:
+        if e["kind"] == "checkpoint_loaded":
+            if loads == loaded_index:
+                return newest
+            loads += 1
+        elif e["kind"] == "checkpoint_saved" and e.get("tier") == "filesystem":
+            newest = max(newest, e["step"])
+    raise AssertionError(f"fewer than {loaded_index + 1} checkpoint_loaded events")
+
+
+def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_shard_from_the_filesystem_bitwise(
+        run_root: Path, reference, tmp_path) -> None:
+    job = submit(run_root, *RAM)
+    first, second, third = f"{job}.0", f"{job}.0.1", f"{job}.0.2"
+    _wait_for(f"filesystem checkpoint of step {FS_EVERY}",
+              (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists)
+    ram1, fs1 = _freeze_then_kill_rank1(run_root, first, corrupt=False)
+    _wait_for(f"load by attempt {second}", lambda: _loaded_by(run_root, second))
+    ram2, fs2 = _freeze_then_kill_rank1(run_root, second, corrupt=True)  # a RAM step saved by the restarted ranks
+    recs = wait_job_done(job)
+    # one allocation from start to end: restarted twice inside it, never requeued
+    assert [r["State"].split()[0] for r in recs] == ["COMPLETED"], recs
+    assert scontrol_job(job)["Restarts"] == "0"
+    decisions = [(d["attempt"], d["action"], d["reason"].split(":")[0]) for d in events(run_root, "decision")]
+    assert decisions == [(first, "restart", "dead_rank"), (second, "restart", "dead_rank")], decisions
+
+    ledger = events(run_root)
+    loaded = [(e["attempt"], e["step"], e["tier"]) for e in ledger if e["kind"] == "checkpoint_loaded"]
+    # the first restart: RAM, newer than anything the filesystem had committed before that load
+    fs_before1 = _newest_fs_commit_before(ledger, loaded_index=0)
+    assert FS_EVERY <= fs1 <= fs_before1 < ram1 and loaded[0] == (second, ram1, "memory"), (fs1, fs_before1, loaded)
+    # the second: the damaged RAM step skipped for its checksum, the newest filesystem commit before the load read
+    fs_before2 = _newest_fs_commit_before(ledger, loaded_index=1)
+    assert fs2 <= fs_before2 < ram2 and loaded[1:] == [(third, fs_before2, "filesystem")], (fs2, fs_before2, loaded)
+    skipped = [e for e in ledger if e["kind"] == "checkpoint_skipped"]
+    assert [(e["attempt"], e["step"], e["tier"]) for e in skipped] == [(third, ram2, "memory")], skipped
+    assert "crc32" in skipped[0]["reason"], skipped
+    # jobs.status names the tier each attempt resumed from; the finished run left nothing in memory
+    rows = [r for r in map(str.split, status_text(run_root).splitlines()) if r and r[0].isdigit()]  # the attempts table
+    assert [(r[1], r[5]) for r in rows] == [(first, "-"), (second, "ram"), (third, "fs")], rows
+    assert not memory_root("/dev/shm", run_id(run_root)).exists()
+    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
