@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from tests.slurm.slurm_helpers import scontrol_job
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
               pytest.mark.timeout(bound_s(STEP_S, STEP_S, STEP_S, STEP_S, DONE_S))]
 
+# 30 steps and a reference of its own (made once per session): a RAM save every step makes a step ~3 x slower, and on
+# the loaded 2-core box this case took 141 s at the other chaos cases' 100 steps, 115 s at 30 with the reference run.
+STEPS = 30
 FS_EVERY = 5  # the filesystem tier's interval; the RAM tier saves every step (its own copy only: no partner)
 RAM = [f"checkpoint.every_steps={FS_EVERY}", "checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=0"]
 
@@ -45,10 +49,6 @@ def _ram_step(root: Path, attempt: str) -> int | None:
     return steps.pop() if len(steps) == 1 else None
 
 
-def _newest_fs_step(run_dir: Path) -> int:
-    return max((s for s, d in step_dirs(run_dir / "checkpoints") if (d / "manifest.json").exists()), default=0)
-
-
 def _signal(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         try:
@@ -58,22 +58,25 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
 
 
 def _freeze_then_kill_rank1(run_dir: Path, attempt: str, *, corrupt: bool) -> tuple[int, int]:
-    """Stops both ranks of `attempt` (SIGSTOP) at a moment when RAM holds a complete step R of theirs that no
-    filesystem save can reach or pass, whatever commits after the freeze (else lets them run a little and tries
-    again); optionally flips a byte of rank 0's shard of R; then SIGKILLs rank 1 and lets rank 0 go on. Returns
-    (R, the newest committed filesystem step seen at the freeze).
-    At the freeze at most the save of step R + 1 is under way (a save waits for the one in flight), and the RAM
-    save of a step comes before its filesystem save: with R and R + 1 both off the filesystem's interval, any
-    filesystem save that commits later is of a step < R, so the restart's newest candidate is R in RAM."""
+    """Stops both ranks of `attempt` (SIGSTOP) at a moment when RAM holds a complete step R of theirs and no
+    filesystem save can commit after the freeze (else lets them run a little and tries again); optionally flips a
+    byte of rank 0's shard of R; then SIGKILLs rank 1 and lets rank 0 go on. Returns (R, F): F the newest filesystem
+    step then, the one every filesystem save up to R wrote.
+    At the freeze the ranks have issued the saves up to step R + 1 at most (a RAM save waits for the one in flight,
+    and a step's RAM save comes before its filesystem save); with R and R + 1 off the filesystem's interval and the
+    save of F, the last one at or before R, recorded (`checkpoint_saved` comes after the commit), none is in flight:
+    nothing on the filesystem is newer than F, before the restart's load or after it, and F < R."""
     pids = [rank_pid(run_dir, attempt, r) for r in (0, 1)]
     root = memory_root("/dev/shm", run_id(run_dir))
     deadline = time.monotonic() + STEP_S
     while True:
-        assert time.monotonic() < deadline, f"RAM never held a step of {attempt} newer than the filesystem's"
+        assert time.monotonic() < deadline, f"RAM never held a step of {attempt} with no filesystem save in flight"
         _signal(pids, signal.SIGSTOP)
-        ram, fs = _ram_step(root, attempt), _newest_fs_step(run_dir)
-        if ram is not None and ram % FS_EVERY not in (0, FS_EVERY - 1) and ram > fs:
-            break
+        ram = _ram_step(root, attempt)
+        if ram is not None and ram % FS_EVERY not in (0, FS_EVERY - 1):
+            fs = ram - ram % FS_EVERY
+            if any(e["step"] == fs and e["tier"] == "filesystem" for e in events(run_dir, "checkpoint_saved")):
+                break
         _signal(pids, signal.SIGCONT)
         time.sleep(0.05)
     if corrupt:
@@ -98,8 +101,7 @@ def _loaded_by(run_dir: Path, attempt: str) -> list[dict]:
 
 
 def _newest_fs_commit_before(ledger: list[dict], *, loaded_index: int) -> int:
-    """The newest filesystem step whose `checkpoint_saved` precedes the `loaded_index`-th `checkpoint_loaded` (an
-    async filesystem save under way at a freeze may commit after it: rank 1 had written its shard)."""
+    """The newest filesystem step whose `checkpoint_saved` precedes the `loaded_index`-th `checkpoint_loaded`."""
     newest, loads = 0, 0
     for e in ledger:
         if e["kind"] == "checkpoint_loaded":
@@ -112,15 +114,19 @@ def _newest_fs_commit_before(ledger: list[dict], *, loaded_index: int) -> int:
 
 
 def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_shard_from_the_filesystem_bitwise(
-        run_root: Path, reference, tmp_path) -> None:
-    job = submit(run_root, *RAM)
+        run_root: Path, chaos_references, tmp_path) -> None:
+    reference = chaos_references(STEPS)
+    job = submit(run_root, *RAM, steps=STEPS)
     first, second, third = f"{job}.0", f"{job}.0.1", f"{job}.0.2"
-    _wait_for(f"filesystem checkpoint of step {FS_EVERY}",
-              (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists)
-    ram1, fs1 = _freeze_then_kill_rank1(run_root, first, corrupt=False)
-    _wait_for(f"load by attempt {second}", lambda: _loaded_by(run_root, second))
-    ram2, fs2 = _freeze_then_kill_rank1(run_root, second, corrupt=True)  # a RAM step saved by the restarted ranks
-    recs = wait_job_done(job)
+    try:
+        _wait_for(f"filesystem checkpoint of step {FS_EVERY}",
+                  (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists)
+        ram1, fs1 = _freeze_then_kill_rank1(run_root, first, corrupt=False)
+        _wait_for(f"load by attempt {second}", lambda: _loaded_by(run_root, second))
+        ram2, fs2 = _freeze_then_kill_rank1(run_root, second, corrupt=True)  # a RAM step the restarted ranks saved
+        recs = wait_job_done(job)
+    finally:  # a no-op once the job is done; on a failure above, no job (maybe with stopped ranks) stays behind
+        subprocess.run(["scancel", job], capture_output=True)
     # one allocation from start to end: restarted twice inside it, never requeued
     assert [r["State"].split()[0] for r in recs] == ["COMPLETED"], recs
     assert scontrol_job(job)["Restarts"] == "0"
@@ -130,11 +136,11 @@ def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_s
     ledger = events(run_root)
     loaded = [(e["attempt"], e["step"], e["tier"]) for e in ledger if e["kind"] == "checkpoint_loaded"]
     # the first restart: RAM, newer than anything the filesystem had committed before that load
-    fs_before1 = _newest_fs_commit_before(ledger, loaded_index=0)
-    assert FS_EVERY <= fs1 <= fs_before1 < ram1 and loaded[0] == (second, ram1, "memory"), (fs1, fs_before1, loaded)
+    assert FS_EVERY <= fs1 == _newest_fs_commit_before(ledger, loaded_index=0) < ram1, (fs1, ram1, loaded)
+    assert loaded[0] == (second, ram1, "memory"), loaded
     # the second: the damaged RAM step skipped for its checksum, the newest filesystem commit before the load read
-    fs_before2 = _newest_fs_commit_before(ledger, loaded_index=1)
-    assert fs2 <= fs_before2 < ram2 and loaded[1:] == [(third, fs_before2, "filesystem")], (fs2, fs_before2, loaded)
+    assert fs2 == _newest_fs_commit_before(ledger, loaded_index=1) < ram2, (fs2, ram2, loaded)
+    assert loaded[1:] == [(third, fs2, "filesystem")], loaded
     skipped = [e for e in ledger if e["kind"] == "checkpoint_skipped"]
     assert [(e["attempt"], e["step"], e["tier"]) for e in skipped] == [(third, ram2, "memory")], skipped
     assert "crc32" in skipped[0]["reason"], skipped
