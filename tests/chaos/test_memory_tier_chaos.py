@@ -96,8 +96,12 @@ def _wait_for(what: str, ready, *, timeout: float = STEP_S) -> None:
         time.sleep(0.1)
 
 
-def _loaded_by(run_dir: Path, attempt: str) -> list[dict]:
-    return [e for e in events(run_dir, "checkpoint_loaded") if e["attempt"] == attempt]
+def _restarted_and_loaded(run_dir: Path, attempt: str) -> bool:
+    """Whether `attempt` has loaded its checkpoint; fails at once when the job was not restarted inside its
+    allocation (a requeue: another allocation, whose ranks can find no RAM copy of theirs on a new node)."""
+    other = [d for d in events(run_dir, "decision") if d["action"] != "restart"]
+    assert not other, f"not restarted inside the allocation: {other}"
+    return any(e["attempt"] == attempt for e in events(run_dir, "checkpoint_loaded"))
 
 
 def _newest_fs_commit_before(ledger: list[dict], *, loaded_index: int) -> int:
@@ -122,7 +126,7 @@ def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_s
         _wait_for(f"filesystem checkpoint of step {FS_EVERY}",
                   (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists)
         ram1, fs1 = _freeze_then_kill_rank1(run_root, first, corrupt=False)
-        _wait_for(f"load by attempt {second}", lambda: _loaded_by(run_root, second))
+        _wait_for(f"load by attempt {second}", lambda: _restarted_and_loaded(run_root, second))
         ram2, fs2 = _freeze_then_kill_rank1(run_root, second, corrupt=True)  # a RAM step the restarted ranks saved
         recs = wait_job_done(job)
     finally:  # a no-op once the job is done; on a failure above, no job (maybe with stopped ranks) stays behind
