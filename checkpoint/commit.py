@@ -52,15 +52,16 @@ class CommitMixin:
         result: dict[str, Any] | None = None
         if self.rank == 0:
             result = self._commit_rank0(step, tmp, final, gathered)
+            if result["ok"]:  # on disk: recorded before the outcome goes out, which fails if a peer died meanwhile
+                total_s, blocking = time.perf_counter() - t0, [g[2] for g in gathered if g[2] is not None]
+                self._emit("checkpoint_saved", step=step, tier="filesystem", path=str(final), bytes=result["bytes"],
+                           files=result["files"], blocking_s=round(max(blocking) if blocking else total_s, 4),
+                           total_s=round(total_s, 4), async_mode=self.cfg.async_mode)
         result = self._bcast(result, self._io_pg)
-        total_s = time.perf_counter() - t0
         if not result["ok"]:
+            total_s = time.perf_counter() - t0
             self._emit("checkpoint_failed", step=step, error=result["error"], total_s=round(total_s, 4))
             raise CheckpointSaveError(f"checkpoint step_{step} was not committed: {result['error']}")
-        blocking = [g[2] for g in gathered if g[2] is not None]
-        self._emit("checkpoint_saved", step=step, tier="filesystem", path=str(final), bytes=result["bytes"], files=result["files"],
-                   blocking_s=round(max(blocking) if blocking else total_s, 4), total_s=round(total_s, 4),
-                   async_mode=self.cfg.async_mode)
         if self.rank == 0:  # deleting old checkpoints is no part of this one's commit: in a thread of its own
             self._retaining = self._retain_pool.submit(self._retain_logged, step)
 

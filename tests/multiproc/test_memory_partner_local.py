@@ -5,6 +5,7 @@ uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,8 +25,8 @@ from jobs.launch.rundir import run_id
 from jobs.status import status_text
 from jobs.telemetry.phases import SLOW_PHASE_VAR
 from tests.conftest import REPO, assert_states_bitwise
-from tests.multiproc.test_memory_tier_local import RUN_S, _losses, _rank_pids, _wait_for
 
+RUN_S = 180  # the bound of each wait below (this case took 46 s on the loaded 2-core box, its reference alongside)
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(4 * RUN_S)]
 
 STEPS = 8
@@ -36,6 +37,32 @@ HOST = os.uname().nodename
 # The faulted run's steps take at least 0.25 s on any machine (a sleep after the data phase, which changes no
 # number): the ranks are between two RAM saves (every 2 steps) long enough for the poll below to catch them there.
 FLOOR = {SLOW_PHASE_VAR: "all:data:+0.25"}
+
+
+def _rank_pids(run_dir: Path, launcher: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's live ranks (its children, named by their heartbeat files)."""
+    children = {int(p) for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()}
+    out = {}
+    for beat in run_dir.glob("heartbeats/*/rank*.json"):
+        try:
+            pid = json.loads(beat.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if pid in children:
+            out[int(beat.stem.removeprefix("rank"))] = pid
+    return out
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + RUN_S
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {path} after {RUN_S} s"
+        time.sleep(0.05)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_events(run_dir / "metrics.jsonl") if "loss" in m}  # the last line wins
 
 
 def _places(root: Path) -> dict[str, Path]:
