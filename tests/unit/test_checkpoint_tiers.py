@@ -199,7 +199,7 @@ def test_the_managers_ram_interval_with_partner_copies_is_the_plans(tmp_path) ->
         if ck.memory_due(step):
             ck.save_memory(step)
         ck.due(step, step_time_s=0.05)
-        if sum(k == "checkpoint_interval" for k, _ in events) >= 2:
+        if sum(k == "checkpoint_interval" and f["tier"] == MEMORY for k, f in events) >= 2:
             break
     last = [f for k, f in events if k == "checkpoint_interval" and f["tier"] == MEMORY][-1]
     assert last["mtbf_s"] == pytest.approx(4.0 / 0.8) and last["share"] == pytest.approx(0.8)
