@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.interval import interval_steps, plan_interval
-from checkpoint.tiers import FILESYSTEM, MEMORY, tier_interval_s, tier_mtbf_s
+from checkpoint.tiers import FILESYSTEM, MEMORY, cadence_share, memory_interval_s, tier_mtbf_s
 
 log = logging.getLogger("meshjob.checkpoint")
 
@@ -105,21 +105,24 @@ class IntervalMixin:
         return 1 if self._memory_interval_steps is None else self._memory_interval_steps
 
     def _retune_memory(self, step: int, cost_s: float) -> None:
-        """memory_interval=auto: the RAM tier's interval from its measured save cost (agreed: every rank's slowest)
-        and the MTBF of the process failures it covers (checkpoint.tiers.tier_interval_s); 0 = it covers none."""
+        """memory_interval=auto: the RAM saves' interval from their measured cost (agreed: every rank's slowest; it
+        includes the partner copy the save sends) and the MTBF of the failures read from RAM or from a partner copy
+        (checkpoint.tiers.memory_interval_s, as jobs.plan's); 0 = they cover none."""
         if self.cfg.memory_interval != "auto":
             return
         vals = torch.tensor([cost_s, self._step_time() or 0.0], dtype=torch.float64)
         if self._dist:
             dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self._ctl_pg)
         cost, step_time = float(vals[0]), float(vals[1])
-        mtbf = self._tier_mtbf(MEMORY)
-        tau = tier_interval_s(save_s=cost, mtbf_s=mtbf)
+        assert self.mtbf_s is not None
+        share = cadence_share(self.tier_shares)
+        mtbf = tier_mtbf_s(mtbf_s=self.mtbf_s, share=share)
+        tau = memory_interval_s(mtbf_s=self.mtbf_s, shares=self.tier_shares, save_s=cost)
         self._memory_interval_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
         self._emit("checkpoint_interval", step=step, tier=MEMORY, interval_s=None if tau is None else round(tau, 6),
                    interval_steps=self._memory_interval_steps, delta_s=round(cost, 6), mtbf_s=mtbf,
-                   share=self.tier_shares.get(MEMORY, 0.0), step_time_s=round(step_time, 6))
+                   share=share, step_time_s=round(step_time, 6))
         if self.rank == 0:
-            log.info("RAM tier interval %d steps (Daly %s s; δ=%.4f s, process-failure MTBF %s s, step %.3f s)",
-                     self._memory_interval_steps, "-" if tau is None else f"{tau:.1f}", cost,
-                     "-" if mtbf is None else f"{mtbf:.0f}", step_time)
+            log.info("RAM tier interval %d steps, partner copies included (Daly %s s; δ=%.4f s, MTBF of the failures "
+                     "read from RAM or a partner %s s, step %.3f s)", self._memory_interval_steps,
+                     "-" if tau is None else f"{tau:.1f}", cost, "-" if mtbf is None else f"{mtbf:.0f}", step_time)

@@ -19,6 +19,11 @@ tier's saves are not counted as recovery points for a higher tier's failures (a 
 the combination's goodput is a lower bound in that respect. With one tier the formula is Daly's for the job MTBF, the
 single-tier figure `jobs.plan` has always printed. The planner (jobs/planner/tiers.py) and the CheckpointManager call
 the same functions here, so the interval planned is the interval used.
+
+Partner copies are not saved on their own: every RAM save also sends its partner copy (checkpoint/memory_tier.py). So
+the RAM and partner tiers are one cadence (memory_interval_s): Daly's optimum for the save that makes both (RAM save +
+partner copy) and the MTBF of every failure read from either (process + node when a spare lets partners be read);
+its goodput factor is counted once, in the memory row, with each failure class's restart weighted by its share.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = [
     "tier_shares",
     "tier_mtbf_s",
     "tier_interval_s",
+    "cadence_share",
+    "memory_interval_s",
     "tier_goodput",
     "TierPlan",
     "plan_tiers",
@@ -105,6 +112,19 @@ def tier_interval_s(*, save_s: float, mtbf_s: float | None) -> float | None:
     return daly_interval(max(save_s, 1e-9), mtbf_s)
 
 
+def cadence_share(shares: dict[str, float]) -> float:
+    """The share of all failures read from a copy the RAM saves make: the RAM tier's plus the partner tier's (partner
+    copies ride on every RAM save, so both tiers save at one interval)."""
+    return shares.get(MEMORY, 0.0) + shares.get(PARTNER, 0.0)
+
+
+def memory_interval_s(*, mtbf_s: float, shares: dict[str, float], save_s: float) -> float | None:
+    """The RAM saves' interval, partner copies included: Daly's optimum for `save_s` (one RAM save with its partner
+    copy, when the tier makes one) and the MTBF of the failures read from either tier; None when they cover none.
+    The CheckpointManager (checkpoint/cadence.py) and plan_tiers both call this."""
+    return tier_interval_s(save_s=save_s, mtbf_s=tier_mtbf_s(mtbf_s=mtbf_s, share=cadence_share(shares)))
+
+
 def tier_goodput(*, interval_s: float | None, save_s: float, mtbf_s: float | None, restart_s: float) -> float:
     """The tier's factor of the expected goodput: Daly's T_s / T_w for its saves and the failures it covers; with no
     failure covered only its saves cost (1 when it does not save)."""
@@ -126,6 +146,7 @@ class TierPlan:
     restart_s: float  # failure to training again from this tier
     goodput: float  # its factor of the combined expected goodput
     source: str = ""  # where save_s and restart_s came from
+    rides_on: str = ""  # the tier whose saves carry this one's (partner: memory); its interval and goodput are there
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -134,26 +155,48 @@ class TierPlan:
 def plan_tiers(*, mtbf_s: float, process_share: float, node_share: float, costs: dict[str, tuple[float, float]],
                intervals: dict[str, float] | None = None, sources: dict[str, str] | None = None) -> list[TierPlan]:
     """One TierPlan per tier that is on (`costs`: {tier: (save_s, restart_s)}; the filesystem tier is always on).
-    `intervals` fixes a tier's interval (seconds, e.g. every_steps x step time); otherwise it is the tier's optimum."""
+    `intervals` fixes a tier's interval (seconds, e.g. every_steps x step time); otherwise it is the tier's optimum.
+    The partner tier rides on the RAM tier (rides_on): the memory row carries the cadence's interval and goodput."""
     if FILESYSTEM not in costs:
         raise ValueError("the filesystem tier is always on: give its (save_s, restart_s)")
+    if PARTNER in costs and MEMORY not in costs:
+        raise ValueError("partner copies ride on RAM saves: give the memory tier's (save_s, restart_s) too")
     memory, partner = MEMORY in costs, PARTNER in costs
     shares = tier_shares(process_share=process_share, node_share=node_share, memory=memory, partner=partner)
     split = failure_split(process_share=process_share, node_share=node_share)
+    fixed = intervals or {}
     out = []
     for tier in TIERS:
         if tier not in costs:
             continue
         save_s, restart_s = costs[tier]
         m = tier_mtbf_s(mtbf_s=mtbf_s, share=shares[tier])
-        tau = (intervals or {}).get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)
         failures = tuple(f for f in FAILURE_CLASSES if split[f] > 0
                          and covering_tier(f, memory=memory, partner=partner) == tier)
+        if tier == FILESYSTEM:
+            tau = fixed.get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)
+            goodput = tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=m, restart_s=restart_s)
+        else:
+            tau, goodput = _memory_cadence(mtbf_s=mtbf_s, shares=shares, costs=costs, interval_s=fixed.get(MEMORY))
+            goodput = 1.0 if tier == PARTNER else goodput  # counted once, in the memory row
         out.append(TierPlan(tier=tier, failures=failures, share=shares[tier], mtbf_s=m, save_s=save_s,
-                            interval_s=tau, restart_s=restart_s,
-                            goodput=tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=m, restart_s=restart_s),
-                            source=(sources or {}).get(tier, "")))
+                            interval_s=tau, restart_s=restart_s, goodput=goodput,
+                            source=(sources or {}).get(tier, ""), rides_on=MEMORY if tier == PARTNER else ""))
     return out
+
+
+def _memory_cadence(*, mtbf_s: float, shares: dict[str, float], costs: dict[str, tuple[float, float]],
+                    interval_s: float | None) -> tuple[float | None, float]:
+    """(interval, goodput factor) of the RAM saves and the partner copies they carry: one save (both costs), the
+    failures read from either (their MTBF), each class's restart weighted by its share (no failure counted twice)."""
+    tiers = [t for t in (MEMORY, PARTNER) if t in costs]
+    save_s = sum(costs[t][0] for t in tiers)
+    share = cadence_share(shares)
+    tau = interval_s or memory_interval_s(mtbf_s=mtbf_s, shares=shares, save_s=save_s)
+    if share <= 0:
+        return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=None, restart_s=0.0)
+    restart_s = sum(shares[t] * costs[t][1] for t in tiers) / share
+    return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=mtbf_s / share, restart_s=restart_s)
 
 
 def combined_goodput(plans: list[TierPlan]) -> float:

@@ -38,7 +38,9 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
         if ck.memory_interval == "steps" and step_s:
             intervals[MEMORY] = ck.memory_every_steps * step_s
     if partner:
-        costs[PARTNER], sources[PARTNER], k = _partner_costs(cfg, bytes_per_rank=ckpt["bytes_per_rank"])
+        measured = _ledger_saves(cfg.run.dir, tier=MEMORY, copies=True)  # RAM saves that paid for their copies
+        costs[PARTNER], sources[PARTNER], k = _partner_costs(cfg, bytes_per_rank=ckpt["bytes_per_rank"],
+                                                             measured=measured)
         known = known and k
     kw = dict(mtbf_s=ckpt["mtbf_s"], process_share=f.process_share, node_share=f.node_share)
     rows = plan_tiers(costs=costs, intervals=intervals, sources=sources, **kw)
@@ -64,13 +66,18 @@ def _memory_costs(cfg: JobConfig, *, bytes_per_rank: float) -> tuple[tuple[float
     return (save_s, restart_s), f"save: {src}; restart: {rsrc}", known
 
 
-def _partner_costs(cfg: JobConfig, *, bytes_per_rank: float) -> tuple[tuple[float, float], str, bool]:
+def _partner_costs(cfg: JobConfig, *, bytes_per_rank: float,
+                   measured: list[float]) -> tuple[tuple[float, float], str, bool]:
     """((save_s, restart_s), source, restart known) of the partner copies: the state sent to (read back from) another
-    node at cluster.inter_node_bw_GBps (host_copy_GBps when the profile has no network figure)."""
+    node at cluster.inter_node_bw_GBps (host_copy_GBps when the profile has no network figure). The copy rides on the
+    RAM save: when the ledger's RAM saves (`measured`) sent copies their cost has it, so the copy adds 0 here."""
     cl = cfg.cluster
     bw, key = (cl.inter_node_bw_GBps, "inter_node_bw_GBps") if cl.inter_node_bw_GBps > 0 else (cl.host_copy_GBps, "host_copy_GBps")
     move_s = bytes_per_rank / (bw * 1e9)
     restart_s, rsrc, known = _in_allocation(cfg, read_s=move_s, what=f"read from the partner at cluster.{key}")
+    if measured:
+        src = f"save: in the {len(measured)} RAM saves measured (they sent the copies); restart: {rsrc}"
+        return (0.0, restart_s), src, known
     return (move_s, restart_s), f"save: state per rank / cluster.{key}({bw:g}); restart: {rsrc}", known
 
 
@@ -83,10 +90,12 @@ def _in_allocation(cfg: JobConfig, *, read_s: float, what: str) -> tuple[float, 
     return read_s + extra, f"{what} + plan.restart_in_allocation_s={extra:g} (user assumption)", True
 
 
-def _ledger_saves(run_dir: str, *, tier: str) -> list[float]:
+def _ledger_saves(run_dir: str, *, tier: str, copies: bool = False) -> list[float]:
+    """blocking_s of the run's saves of `tier` (copies: only RAM saves that sent partner copies)."""
     events = read_events(Path(run_dir) / "events.jsonl")
     return [float(e["blocking_s"]) for e in events
-            if e.get("kind") == "checkpoint_saved" and e.get("tier") == tier and "blocking_s" in e]
+            if e.get("kind") == "checkpoint_saved" and e.get("tier") == tier and "blocking_s" in e
+            and (not copies or e.get("replicas", 0) > 0)]
 
 
 def tier_lines(section: dict) -> list[str]:
@@ -101,11 +110,33 @@ def tier_lines(section: dict) -> list[str]:
         mtbf = f"{r['mtbf_s'] / 3600:8.2f}" if r["mtbf_s"] else "       -"
         tau = f"{r['interval_s']:12.1f}" if r["interval_s"] else "           -"
         steps = s["interval_steps"].get(r["tier"])
-        L.append(f"  {r['tier']:12s} {r['save_s']:8.3f}  {covers:34s} {mtbf} {tau} {steps if steps else '-':>8}"
-                 f" {r['restart_s']:10.1f}  {r['goodput']:.4f}")
+        tau_steps, goodput = f"{tau} {steps if steps else '-':>8}", f"{r['goodput']:.4f}"
+        if r.get("rides_on"):  # one cadence: its interval and goodput factor are the other tier's row
+            tau_steps, goodput = f"{'= ' + r['rides_on'] + ' interval':>21}", f"in {r['rides_on']}"
+        L.append(f"  {r['tier']:12s} {r['save_s']:8.3f}  {covers:34s} {mtbf} {tau_steps}"
+                 f" {r['restart_s']:10.1f}  {goodput}")
+    L += _cadence_lines(s["tiers"])
     bound = "" if s["restart_known"] else " (upper bounds: a restart cost is unknown, see below)"
     L.append(f"  combined expected goodput {s['goodput']:.4f} vs filesystem tier alone {s['filesystem_only_goodput']:.4f}"
              f" ({100 * (s['goodput'] - s['filesystem_only_goodput']):+.2f} points){bound}")
     for r in s["tiers"]:
         L.append(f"  {r['tier']}: {r['source']}")
     return L
+
+
+def _cadence_lines(rows: list[dict]) -> list[str]:
+    """The note under the table when partner copies ride on the RAM saves: what their one interval is made of."""
+    by = {r["tier"]: r for r in rows}
+    riders = [r for r in rows if r.get("rides_on")]
+    if not riders:
+        return []
+    base = by[riders[0]["rides_on"]]
+    group = [base, *riders]
+    save = sum(r["save_s"] for r in group)
+    rate = sum(1.0 / r["mtbf_s"] for r in group if r["mtbf_s"])
+    mtbf = f"{1.0 / rate / 3600:.2f} h" if rate else "- (none)"
+    parts = " + ".join(f"{r['tier']} {r['save_s']:.3f}" for r in group)
+    return [f"  {', '.join(r['tier'] for r in riders)} copies ride on every {base['tier']} save: one interval, Daly for"
+            f" save {save:.3f} s ({parts})",
+            f"    and the failures read from either (MTBF {mtbf}); one goodput factor, in the {base['tier']} row"
+            " (restarts weighted by share)"]

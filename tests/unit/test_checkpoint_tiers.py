@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
-from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s,
-                              tier_shares, tiers_on)
+from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, memory_interval_s, plan_tiers,
+                              tier_interval_s, tier_shares, tiers_on)
 from checkpoint.memory_capacity import capacity_error
 from jobs.config import compose
 from jobs.plan import main
@@ -155,3 +155,88 @@ def test_the_filesystem_tiers_auto_interval_counts_only_the_failures_it_is_read_
     assert ck.last_plan["mtbf_s"] == pytest.approx(3600.0 / 0.4)
     assert ck.last_plan["interval_s"] == pytest.approx(tier_interval_s(save_s=ck.last_plan["delta_s"], mtbf_s=9000.0))
     ck.close()
+
+
+def test_partner_copies_ride_on_the_ram_interval_from_both_costs_and_both_failure_classes() -> None:
+    # Every RAM save also sends the partner copy, so the two tiers are one cadence. Job MTBF 10,000 s; 60% process,
+    # 30% node, 10% job failures; RAM save 2 s (restart 20 s), partner copy 6 s (restart 40 s), filesystem 30 s (300 s).
+    # Without a spare node failures are requeues: RAM alone, d = 2 s, M = 10,000 / 0.6: 256.867 s (first test above).
+    # With a spare, by hand (Daly 2006 eq. 37): d = 2 + 6 = 8 s, M = 10,000 / (0.6 + 0.3) = 11,111.1 s:
+    #   sqrt(2 d M) = sqrt(177,777.8) = 421.637; x = d / (2M) = 3.6e-4; 421.637 x (1 + 0.0063246 + 0.00004) - 8 = 416.32
+    #   filesystem: d = 30 s, M = 10,000 / 0.1 = 100,000 s: sqrt(6e6) = 2449.49 x 1.0040992 - 30 = 2429.53 s
+    kw = dict(mtbf_s=10_000.0, process_share=0.6, node_share=0.3)
+    no_spare = tier_shares(process_share=0.6, node_share=0.3, memory=True, partner=False)
+    spare = tier_shares(process_share=0.6, node_share=0.3, memory=True, partner=True)
+    assert memory_interval_s(mtbf_s=10_000.0, shares=no_spare, save_s=2.0) == pytest.approx(256.867, abs=1e-3)
+    assert memory_interval_s(mtbf_s=10_000.0, shares=spare, save_s=8.0) == pytest.approx(416.32, abs=1e-2)
+    rows = {r.tier: r for r in plan_tiers(costs={MEMORY: (2.0, 20.0), PARTNER: (6.0, 40.0), FILESYSTEM: (30.0, 300.0)},
+                                          **kw)}
+    assert rows[MEMORY].interval_s == rows[PARTNER].interval_s == pytest.approx(416.32, abs=1e-2)
+    assert rows[PARTNER].rides_on == MEMORY and rows[MEMORY].rides_on == ""
+    assert rows[FILESYSTEM].interval_s == pytest.approx(2429.53, abs=1e-2)
+    # One goodput factor for the cadence (Daly 2006 eq. 20, T_s / T_w = tau / (M e^{R/M} (e^{(tau+d)/M} - 1))), each
+    # failure class once: M = 11,111.1 s, restart weighted by share R = (0.6 x 20 + 0.3 x 40) / 0.9 = 26.667 s:
+    #   e^{R/M} = 1.0024029; e^{(416.32 + 8)/M} - 1 = 0.0389276; 416.32 / (11,111.1 x 1.0024029 x 0.0389276) = 0.96022
+    assert rows[MEMORY].goodput == pytest.approx(0.96022, abs=1e-5) and rows[PARTNER].goodput == 1.0
+    assert combined_goodput(list(rows.values())) == pytest.approx(0.96022 * rows[FILESYSTEM].goodput, rel=1e-5)
+    with pytest.raises(ValueError, match="partner copies ride on RAM saves"):
+        plan_tiers(costs={PARTNER: (6.0, 40.0), FILESYSTEM: (30.0, 300.0)}, **kw)
+
+
+def test_the_managers_ram_interval_with_partner_copies_is_the_plans(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    events: list[tuple[str, dict]] = []
+    cfg = CheckpointConfig(memory_interval="auto", memory_dir=str(tmp_path / "shm"), async_mode="none")
+    # A hot spare and partner copies: process (30%) and node (50%) failures are both read from the RAM saves' copies.
+    # A short MTBF (4 s) keeps the interval a few dozen 0.05 s steps whatever a save costs on this machine.
+    shares = tier_shares(process_share=0.3, node_share=0.5, memory=True, partner=True)
+    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=4.0, total_steps=10_000, run_id="ride",
+                           tier_shares=shares, emit=lambda k, **f: events.append((k, f)))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    for step in range(1, 1000):
+        if ck.memory_due(step):
+            ck.save_memory(step)
+        ck.due(step, step_time_s=0.05)
+        if sum(k == "checkpoint_interval" and f["tier"] == MEMORY for k, f in events) >= 2:
+            break
+    last = [f for k, f in events if k == "checkpoint_interval" and f["tier"] == MEMORY][-1]
+    assert last["mtbf_s"] == pytest.approx(4.0 / 0.8) and last["share"] == pytest.approx(0.8)
+    # The plan, given the save the manager measured (it includes the copy the save sent: the copy adds 0).
+    rows = {r.tier: r for r in plan_tiers(mtbf_s=4.0, process_share=0.3, node_share=0.5,
+                                          costs={MEMORY: (last["delta_s"], 1.0), PARTNER: (0.0, 1.0),
+                                                 FILESYSTEM: (1.0, 10.0)})}
+    assert rows[MEMORY].interval_s == rows[PARTNER].interval_s == pytest.approx(last["interval_s"], abs=1e-5)
+    assert last["interval_steps"] == interval_steps(rows[MEMORY].interval_s, 0.05) == ck.memory_interval_steps() > 1
+    ck.close()
+
+
+def test_plan_prints_the_partner_row_riding_on_the_ram_interval(capsys, tmp_path) -> None:
+    args = ["+experiment=llama3_8b", "plan.fake_backend=false", "plan.save_fixed_s=5", "plan.restart_overhead_s=300",
+            "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5", "launcher=slurm",
+            "checkpoint.memory_replicas=1", "launcher.spare_nodes=1", f"run.dir={tmp_path}"]
+    assert main([*args, "plan.json=true"]) in (0, 1)
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    rows = {r["tier"]: r for r in tiers["tiers"]}
+    mem, par, fs = rows[MEMORY], rows[PARTNER], rows[FILESYSTEM]
+    assert par["rides_on"] == MEMORY and par["interval_s"] == mem["interval_s"] and par["goodput"] == 1.0
+    assert mem["interval_s"] == pytest.approx(memory_interval_s(mtbf_s=mem["mtbf_s"] * 0.4, save_s=mem["save_s"] +
+                                                                par["save_s"], shares={MEMORY: 0.4, PARTNER: 0.5}))
+    assert tiers["goodput"] == pytest.approx(mem["goodput"] * fs["goodput"])  # the partner's factor is in memory's
+    assert main(args) in (0, 1)
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"  {PARTNER} ") and "%)" in ln)
+    assert "= memory interval" in line and line.endswith("in memory") and f"{par['interval_s']:.1f}" not in line
+    both = f"save {mem['save_s'] + par['save_s']:.3f} s (memory {mem['save_s']:.3f} + partner {par['save_s']:.3f})"
+    assert both in out
+    # RAM saves in the ledger that sent partner copies already paid for them: the copy adds no save cost of its own.
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(
+        {"kind": "checkpoint_saved", "time": 1000.0 + s, "tier": MEMORY, "step": s, "blocking_s": 0.25,
+         "replicas": 1}) + "\n"
+        for s in (1, 2, 3)))
+    assert main([*args, "plan.json=true"]) in (0, 1)
+    rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
+    assert rows[MEMORY]["save_s"] == 0.25 and rows[PARTNER]["save_s"] == 0.0
+    assert rows[MEMORY]["interval_s"] == pytest.approx(memory_interval_s(
+        mtbf_s=rows[MEMORY]["mtbf_s"] * 0.4, save_s=0.25, shares={MEMORY: 0.4, PARTNER: 0.5}))
