@@ -40,22 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
-
-
-def _model(dim: int, layers: int, world: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
-    if world > 1:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        for lin in model:
-            fully_shard(lin, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+from _models import mlp_stack  # noqa: E402
 
 
 def _step(model, opt, dim: int, seed: int) -> float:
@@ -129,7 +117,7 @@ def _restart(a: argparse.Namespace, rank: int, world: int, t_launch: float, *, m
     """A fresh launch after the failure: build, load the newest checkpoint (RAM when `memory` and it is there), one
     training step; seconds from the launch to the end of that step, the tier read and the step's loss."""
     events: list = []
-    model, opt = _model(a.dim, a.layers, world)
+    model, opt = mlp_stack(a.dim, a.layers, world)
     ck = _manager(a, rank, world, memory=memory, events=events)
     t_load = time.time()
     step = ck.load_latest(model_parts=[model], optimizers=[opt])
@@ -144,7 +132,7 @@ def _restart(a: argparse.Namespace, rank: int, world: int, t_launch: float, *, m
 
 def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict:
     if a.phase == "train":
-        model, opt = _model(a.dim, a.layers, world)
+        model, opt = mlp_stack(a.dim, a.layers, world)
         _step(model, opt, a.dim, seed=0)  # the optimizer state exists: the saves hold all of it
         out = {"sync_lost_s": _sync_lost(model, opt, a, rank, world)}
         out.update(_b12(model, opt, a, rank, world))
