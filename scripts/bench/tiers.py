@@ -2,6 +2,7 @@
 
     python scripts/bench/tiers.py [--ranks 2] [--dim 4096] [--layers 10] [--out bench.jsonl]   # ~1 GB state per rank
     python scripts/bench/tiers.py --ranks 1 --dim 4096 --layers 5                              # the same per rank, one rank
+    python scripts/bench/tiers.py --ranks 1 --dim 4096 --layers 5 --threads 1                  # a core left to the savers
 
 Every rank holds an FSDP2 shard of an MLP stack trained by AdamW (state = 3x params: --dim 4096 --layers 10 on 2 ranks
 is 1.0 GB per rank). One CheckpointManager per rank with the RAM tier on (checkpoint.memory_dir under /dev/shm) and
@@ -10,7 +11,8 @@ both tiers in the default async_mode=thread, verify=checksum, as a run gets them
 B12, in the first launch: rounds of three blocks of --b12-steps training steps each (the order rotates by round): a
 plain one, one that begins with a RAM save (`save_memory`: the step waits for its staging copy, the write runs on the
 tier's thread) and one that begins with a filesystem save (`save`); both saving blocks end once their save is
-committed (`wait_memory` / `wait`), so a write the steps did not hide counts. Lost per save = the median over rounds of
+committed (`wait_memory` / `wait`), so a write the steps did not hide counts; one untimed round first (a tier's
+first save allocates its staging buffers, once per run). Lost per save = the median over rounds of
 (saving block - plain block of the same round); B12 = lost per RAM save / lost per filesystem save (goal <= 0.1). Each
 block's save call, steps and final wait are kept apart; a synchronous filesystem save (async_mode=none) is timed too.
 
@@ -111,6 +113,9 @@ def _b12(model, opt, a: argparse.Namespace, rank: int, world: int) -> dict:
     ck.load_latest(model_parts=[model], optimizers=[opt])
     blocks: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     step = 0
+    for arm in ARMS:  # warm-up, not timed: the first save of each tier allocates its staging buffers
+        step += 1
+        _block(ck, model, opt, a, arm, step)
     for r in range(a.b12_rounds):
         for arm in ARMS[r % 3:] + ARMS[:r % 3]:
             _barrier(world)
@@ -259,8 +264,9 @@ def main() -> int:
 
 
 def _run(a: argparse.Namespace, cores: int) -> dict:
-    row: dict = {"bench": "tiers", "ranks": a.ranks, "threads_per_rank": a.threads, "cores": cores, "dim": a.dim,
-                 "layers": a.layers, "time": time.time(), "loadavg_start": os.getloadavg()}
+    row: dict = {"bench": "tiers", "ranks": a.ranks, "threads_per_rank": a.threads, "cores": cores,
+                 "cores_free": max(0, cores - a.ranks * a.threads), "dim": a.dim, "layers": a.layers,
+                 "time": time.time(), "loadavg_start": os.getloadavg()}
     a.phase = "train"
     train = _launch(a)
     row["bytes_per_rank_max"] = max(o["bytes"] for o in train)
@@ -324,7 +330,8 @@ def _b12_row(row: dict, train: list[dict], a: argparse.Namespace) -> None:
     print(f"B12 lost per save, RAM / filesystem = {row['B12_ram_over_fs_lost']:.3f}  (goal <= 0.1)  "
           f"[medians of {a.b12_rounds}: {lost['memory']:.3f} s vs {lost['filesystem']:.3f} s (both async, each block "
           f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); a synchronous "
-          f"filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync {lost['memory'] / row['fs_sync_save_s']:.3f}]")
+          f"filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync {lost['memory'] / row['fs_sync_save_s']:.3f}; "
+          f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]")
     for arm in ARMS:
         med = {k: statistics.median(b[k] for b in rank0[arm]) for k in ("call", "wait")}
         first = statistics.median(b["steps"][0] for b in rank0[arm])
