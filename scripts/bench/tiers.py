@@ -28,8 +28,8 @@ this node's cache (this VM's virtual disk may still be cached by its host). Ever
 (the tiers hold the same state). B11 = median RAM restart / median filesystem restart (goal <= 0.2). Each launch's
 seconds are split: rank start, model build, manager init, load_latest (listing both tiers' steps, checksum: manifest and
 crc32 of every file, DCP load: state dict build + dcp.load, apply: set_state_dict) and the first step. Ranks are forked
-from this process (torch and AdamW's lazy imports already done): process start is nearly free here, so the ratio is the load's and the first
-step's; a real restart adds the same start-up, imports and rendezvous to both sides.
+from this process (torch and AdamW's lazy imports already done): process start is nearly free here, so the ratio is the
+load's and the first step's; a real restart adds the same start-up, imports and rendezvous to both sides.
 Prints the ratios and appends one JSON line.
 """
 
@@ -304,7 +304,8 @@ def _b11(row: dict, ram: list[list[dict]], fs: list[list[dict]]) -> None:
     med = {k: {p: statistics.median(x[p] for x in row[k]) for p in row[k][0]} for k in ("b11_ram", "b11_fs")}
     row["ram_restart_s"], row["fs_restart_s"] = med["b11_ram"]["to_first_step_s"], med["b11_fs"]["to_first_step_s"]
     row["B11_ram_over_fs_restart"] = row["ram_restart_s"] / row["fs_restart_s"]
-    row["b11_rounds_ratio"] = [r["to_first_step_s"] / f["to_first_step_s"] for r, f in zip(row["b11_ram"], row["b11_fs"])]
+    row["b11_rounds_ratio"] = [r["to_first_step_s"] / f["to_first_step_s"]
+                               for r, f in zip(row["b11_ram"], row["b11_fs"])]
     print(f"state {row['bytes_per_rank_max'] / 1e9:.2f} GB per rank on {row['ranks']} ranks; {row['cores']} cores, "
           f"{row['threads_per_rank']} torch threads per rank; load average {row['loadavg_start'][0]:.1f} at the start, "
           f"{row['loadavg_end'][0]:.1f} at the end")
