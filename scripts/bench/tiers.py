@@ -121,6 +121,8 @@ def _b12(model, opt, a: argparse.Namespace, rank: int, world: int) -> dict:
             _barrier(world)
             step += 1
             blocks[arm].append(_block(ck, model, opt, a, arm, step))
+            if rank == 0:
+                print(f"  B12 round {r} {arm:10} block {blocks[arm][-1]['total']:.2f} s", flush=True)
     step += 1  # B11's step S: committed in both tiers
     ck.save(step)
     ck.wait()
@@ -237,7 +239,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores / --ranks)")
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=10)
-    ap.add_argument("--saves", type=int, default=2, help="synchronous filesystem saves timed for reference")
+    ap.add_argument("--saves", type=int, default=2, help="synchronous filesystem saves timed for reference (0: none)")
     ap.add_argument("--b12-rounds", type=int, default=3, help="B12: rounds of a plain, a RAM and a filesystem block")
     ap.add_argument("--b12-steps", type=int, default=6, help="B12: training steps per block")
     ap.add_argument("--b11-rounds", type=int, default=3, help="B11: rounds of a RAM and a filesystem restart")
@@ -271,6 +273,10 @@ def _run(a: argparse.Namespace, cores: int) -> dict:
     a.phase = "train"
     train = _launch(a)
     row["bytes_per_rank_max"] = max(o["bytes"] for o in train)
+    print(f"state {row['bytes_per_rank_max'] / 1e9:.2f} GB per rank on {row['ranks']} ranks; {row['cores']} cores, "
+          f"{row['threads_per_rank']} torch threads per rank; load average {row['loadavg_start'][0]:.1f} at the start",
+          flush=True)
+    _b12_row(row, train, a)
     restarts: dict[str, list[list[dict]]] = {"memory": [], "fs": []}
     cached = []
     for r in range(a.b11_rounds):
@@ -279,6 +285,7 @@ def _run(a: argparse.Namespace, cores: int) -> dict:
                 cached.append(_evict(Path(a.dir) / "fs"))  # before the launch: not timed
             a.phase = tier
             restarts[tier].append(_launch(a))
+            print(f"  B11 round {r} {tier:6} restart: {_launch_summary(restarts[tier][-1])}", flush=True)
     row["loadavg_end"] = os.getloadavg()
     ram, fs = restarts["memory"], restarts["fs"]
     # the ledger's checkpoint_loaded comes from rank 0 (the manager emits on rank 0 only)
@@ -288,7 +295,6 @@ def _run(a: argparse.Namespace, cores: int) -> dict:
     assert len({o["loss"] for o in everyone}) == 1, "the RAM and the filesystem tier restored different states"
     row["fs_cached_bytes_after_evict"] = cached
     _b11(row, ram, fs)
-    _b12_row(row, train, a)
     return row
 
 
@@ -306,9 +312,7 @@ def _b11(row: dict, ram: list[list[dict]], fs: list[list[dict]]) -> None:
     row["B11_ram_over_fs_restart"] = row["ram_restart_s"] / row["fs_restart_s"]
     row["b11_rounds_ratio"] = [r["to_first_step_s"] / f["to_first_step_s"]
                                for r, f in zip(row["b11_ram"], row["b11_fs"])]
-    print(f"state {row['bytes_per_rank_max'] / 1e9:.2f} GB per rank on {row['ranks']} ranks; {row['cores']} cores, "
-          f"{row['threads_per_rank']} torch threads per rank; load average {row['loadavg_start'][0]:.1f} at the start, "
-          f"{row['loadavg_end'][0]:.1f} at the end")
+    print(f"load average {row['loadavg_end'][0]:.1f} at the end")
     print(f"B11 failure->first step, RAM / filesystem = {row['B11_ram_over_fs_restart']:.3f}  (goal <= 0.2)  "
           f"[medians of {len(ram)}: {row['ram_restart_s']:.2f} s vs {row['fs_restart_s']:.2f} s (page cache evicted, "
           f"bytes still cached: {row['fs_cached_bytes_after_evict']}); per round "
@@ -327,19 +331,21 @@ def _b12_row(row: dict, train: list[dict], a: argparse.Namespace) -> None:
     row.update(ram_lost_per_save_s=lost["memory"], fs_lost_per_save_s=lost["filesystem"],
                ram_lost_each_s=lost_each["memory"], fs_lost_each_s=lost_each["filesystem"],
                plain_block_s=statistics.median(total["plain"]), b12_blocks_rank0=rank0,
-               fs_sync_save_s=statistics.median(max(o["sync_lost_s"][i] for o in train) for i in range(a.saves)))
+               fs_sync_save_s=statistics.median(max(o["sync_lost_s"][i] for o in train) for i in range(a.saves))
+               if a.saves else None)
     row["B12_ram_over_fs_lost"] = lost["memory"] / lost["filesystem"] if lost["filesystem"] > 0 else float("inf")
     print(f"B12 lost per save, RAM / filesystem = {row['B12_ram_over_fs_lost']:.3f}  (goal <= 0.1)  "
           f"[medians of {a.b12_rounds}: {lost['memory']:.3f} s vs {lost['filesystem']:.3f} s (both async, each block "
-          f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); a synchronous "
-          f"filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync {lost['memory'] / row['fs_sync_save_s']:.3f}; "
-          f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]")
+          f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); "
+          + (f"a synchronous filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync "
+             f"{lost['memory'] / row['fs_sync_save_s']:.3f}; " if a.saves else "")
+          + f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]", flush=True)
     for arm in ARMS:
         med = {k: statistics.median(b[k] for b in rank0[arm]) for k in ("call", "wait")}
         first = statistics.median(b["steps"][0] for b in rank0[arm])
         rest = statistics.median(s for b in rank0[arm] for s in b["steps"][1:]) if a.b12_steps > 1 else 0.0
         print(f"   rank 0 {arm:10} median s: save call {med['call']:.3f}, first step {first:.3f}, "
-              f"later steps {rest:.3f} each, wait for the commit {med['wait']:.3f}")
+              f"later steps {rest:.3f} each, wait for the commit {med['wait']:.3f}", flush=True)
 
 
 if __name__ == "__main__":
