@@ -15,6 +15,8 @@ committed (`wait_memory` / `wait`), so a write the steps did not hide counts; on
 first save allocates its staging buffers, once per run). Lost per save = the median over rounds of
 (saving block - plain block of the same round); B12 = lost per RAM save / lost per filesystem save (goal <= 0.1). Each
 block's save call, steps and final wait are kept apart; a synchronous filesystem save (async_mode=none) is timed too.
+Beside the wall clock, the CPU seconds a save adds to its block (the rank's process, all its threads): what it takes
+from the steps when every core is busy, and not moved by other processes' load as block times are on a shared box.
 
 B11: the first launch ends with step S in both tiers and its ranks die (os._exit, no cleanup, like kill -9). Then, in
 the same run, --b11-rounds rounds of two fresh launches of the same ranks (RAM first in even rounds, filesystem first
@@ -87,7 +89,7 @@ def _barrier(world: int) -> None:
 
 def _block(ck, model, opt, a: argparse.Namespace, arm: str, step: int) -> dict:
     """One B12 block: the save of `arm` (none for plain), --b12-steps steps, the wait for that save's commit."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if arm == "memory":
         ck.save_memory(step)
     elif arm == "filesystem":
@@ -104,7 +106,7 @@ def _block(ck, model, opt, a: argparse.Namespace, arm: str, step: int) -> dict:
     elif arm == "filesystem":
         ck.wait()
     t3 = time.perf_counter()
-    return {"total": t3 - t0, "call": t1 - t0, "steps": steps, "wait": t3 - t2}
+    return {"total": t3 - t0, "call": t1 - t0, "steps": steps, "wait": t3 - t2, "cpu": time.process_time() - cpu0}
 
 
 def _b12(model, opt, a: argparse.Namespace, rank: int, world: int) -> dict:
@@ -334,12 +336,20 @@ def _b12_row(row: dict, train: list[dict], a: argparse.Namespace) -> None:
                fs_sync_save_s=statistics.median(max(o["sync_lost_s"][i] for o in train) for i in range(a.saves))
                if a.saves else None)
     row["B12_ram_over_fs_lost"] = lost["memory"] / lost["filesystem"] if lost["filesystem"] > 0 else float("inf")
+    # the CPU seconds a save adds to its block (all the rank's threads): what it takes from the steps when every core
+    # is busy, and unlike wall-clock blocks not moved by other processes' load
+    cpu = {arm: statistics.median(s["cpu"] - p["cpu"] for s, p in zip(rank0[arm], rank0["plain"]))
+           for arm in ("memory", "filesystem")}
+    row.update(ram_cpu_per_save_s=cpu["memory"], fs_cpu_per_save_s=cpu["filesystem"],
+               B12_cpu_ram_over_fs=cpu["memory"] / cpu["filesystem"] if cpu["filesystem"] > 0 else float("inf"))
     print(f"B12 lost per save, RAM / filesystem = {row['B12_ram_over_fs_lost']:.3f}  (goal <= 0.1)  "
           f"[medians of {a.b12_rounds}: {lost['memory']:.3f} s vs {lost['filesystem']:.3f} s (both async, each block "
           f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); "
           + (f"a synchronous filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync "
              f"{lost['memory'] / row['fs_sync_save_s']:.3f}; " if a.saves else "")
           + f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]", flush=True)
+    print(f"   CPU seconds a save adds to its block (rank 0, medians), RAM / filesystem = "
+          f"{row['B12_cpu_ram_over_fs']:.3f}  [{cpu['memory']:.3f} s vs {cpu['filesystem']:.3f} s]", flush=True)
     for arm in ARMS:
         med = {k: statistics.median(b[k] for b in rank0[arm]) for k in ("call", "wait")}
         first = statistics.median(b["steps"][0] for b in rank0[arm])
