@@ -39,13 +39,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import checkpoint.commit as commit_mod  # noqa: E402
 import checkpoint.writer as writer_mod  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
+from _models import mlp_stack  # noqa: E402
 
 # Where a synchronous save's time goes, per rank: wrappers around the writer, the crc32, fsync and the commit
 # (this process only; the manager is unchanged). Seconds, summed over the saves made while `_PROFILE["on"]`.
@@ -104,17 +103,6 @@ def _install_profile() -> None:
     dcp.save = save
 
 
-def _model(dim: int, layers: int, world: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
-    if world > 1:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        for lin in model:
-            fully_shard(lin, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
 def _step(model, opt, dim: int) -> float:
     t0 = time.perf_counter()
     x = torch.randn(16, dim)
@@ -158,7 +146,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
     t_start = a.t_child_start
     root = Path(a.dir)
     out: dict = {}
-    model, opt = _model(a.dim, a.layers, world)
+    model, opt = mlp_stack(a.dim, a.layers, world)
     if a.phase == "bare":
         # B4 baseline, in a fresh launch like the resume: the documented bare DCP resume (get_state_dict,
         # dcp.load, set_state_dict; notes section 6) of the same checkpoint, then the first step.

@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
-import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from jobs.config import ModelConfig  # noqa: E402
-from jobs.launch.local import free_port  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
-from jobs.trainer import cross_entropy  # noqa: E402
 from parallel.cp import apply_cp  # noqa: E402
-from _fork import run_forked_ranks  # noqa: E402
+from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 IMPLS = ("allgather", "ring")
 
@@ -49,54 +42,25 @@ def _model(cp_mesh, *, impl: str, seq: int) -> Transformer:
     return model
 
 
-def _step(model: Transformer, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One forward+backward after a barrier; the slowest rank's seconds."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    cross_entropy(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
-    dt = torch.tensor(time.perf_counter() - t0)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
-
-
-def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.cp, timeout=timedelta(seconds=300))
+def rank_body(rank: int, args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (args.cp,), mesh_dim_names=("cp",))
     models = {impl: _model(mesh["cp"], impl=impl, seq=args.seq) for impl in IMPLS}
     toks = torch.randint(0, 256, (1, args.seq + 1), generator=torch.Generator().manual_seed(0))
     pos = models["ring"].rope_positions
-    x, y = toks[:, pos], toks[:, pos + 1]
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    for impl in IMPLS:
-        for _ in range(args.warmup):
-            _step(models[impl], x, y)
-    for r in range(args.rounds):
-        for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):  # ABBA: drift in machine load hits both alike
-            times[impl] += [_step(models[impl], x, y) for _ in range(args.block)]
+    med, steps = abba_medians(models, toks[:, pos], toks[:, pos + 1], args)
     if rank == 0:
-        med = {impl: statistics.median(ts) for impl, ts in times.items()}
         ratio = med["ring"] / med["allgather"]
         print(f"cp{args.cp} seq {args.seq}: allgather {med['allgather'] * 1e3:.1f} ms/step, ring {med['ring'] * 1e3:.1f} "
-              f"ms/step (medians of {len(times['ring'])}); ring / allgather = {ratio:.3f}")
+              f"ms/step (medians of {steps}); ring / allgather = {ratio:.3f}")
         print(json.dumps({"bench": "cp", "cp": args.cp, "seq_len": args.seq, "allgather_s": med["allgather"],
-                          "ring_s": med["ring"], "ratio_ring_over_allgather": ratio, "steps": len(times["ring"])}))
-    dist.destroy_process_group()
+                          "ring_s": med["ring"], "ratio_ring_over_allgather": ratio, "steps": steps}))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--block", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    args = p.parse_args()
-    port = free_port()
-    failed = run_forked_ranks(args.cp, lambda rank: rank_main(rank, args, port))
-    return 1 if failed else 0
+    return abba_main(p, world=lambda args: args.cp, body=rank_body)
 
 
 if __name__ == "__main__":

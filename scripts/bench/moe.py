@@ -15,26 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
-import torch.distributed as dist  # noqa: E402
 
 from jobs.config import compose  # noqa: E402
-from jobs.launch.local import free_port  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
-from jobs.trainer import cross_entropy  # noqa: E402
 from parallel.config import MeshConfig  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402
-from _fork import run_forked_ranks  # noqa: E402
+from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 
 def _model(*, ranks: int, ep: int, seq: int) -> torch.nn.Module:
@@ -50,43 +43,19 @@ def _model(*, ranks: int, ep: int, seq: int) -> torch.nn.Module:
     return model
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One forward+backward (FSDP's gradient reduction included) after a barrier; the slowest rank's seconds."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    cross_entropy(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
-    dt = torch.tensor(time.perf_counter() - t0)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
-
-
-def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks, timeout=timedelta(seconds=300))
+def rank_body(rank: int, args: argparse.Namespace) -> None:
     names = ("ep1", f"ep{args.ep}")
     models = {"ep1": _model(ranks=args.ranks, ep=1, seq=args.seq),
               names[1]: _model(ranks=args.ranks, ep=args.ep, seq=args.seq)}
     toks = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(rank))
-    x, y = toks[:, :-1], toks[:, 1:]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for n in names:
-        for _ in range(args.warmup):
-            _step(models[n], x, y)
-    for r in range(args.rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):  # ABBA: drift in machine load hits both alike
-            times[n] += [_step(models[n], x, y) for _ in range(args.block)]
+    med, steps = abba_medians(models, toks[:, :-1], toks[:, 1:], args)
     if rank == 0:
-        med = {n: statistics.median(ts) for n, ts in times.items()}
         ratio = med[names[1]] / med["ep1"]
         print(f"tiny_moe on {args.ranks} ranks, batch {args.batch} x {args.seq} per rank: ep1 {med['ep1'] * 1e3:.1f} "
-              f"ms/step, {names[1]} {med[names[1]] * 1e3:.1f} ms/step (medians of {len(times['ep1'])}); "
+              f"ms/step, {names[1]} {med[names[1]] * 1e3:.1f} ms/step (medians of {steps}); "
               f"{names[1]} / ep1 = {ratio:.3f}")
         print(json.dumps({"bench": "moe", "ranks": args.ranks, "ep": args.ep, "batch": args.batch, "seq_len": args.seq,
-                          "ep1_s": med["ep1"], "ep_s": med[names[1]], "ratio_ep_over_ep1": ratio,
-                          "steps": len(times["ep1"])}))
-    dist.destroy_process_group()
+                          "ep1_s": med["ep1"], "ep_s": med[names[1]], "ratio_ep_over_ep1": ratio, "steps": steps}))
 
 
 def main() -> int:
@@ -95,13 +64,7 @@ def main() -> int:
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--block", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    args = p.parse_args()
-    port = free_port()
-    failed = run_forked_ranks(args.ranks, lambda rank: rank_main(rank, args, port))
-    return 1 if failed else 0
+    return abba_main(p, world=lambda args: args.ranks, body=rank_body)
 
 
 if __name__ == "__main__":
