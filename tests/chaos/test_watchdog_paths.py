@@ -40,6 +40,8 @@ def test_a_sigstopped_rank_is_named_from_its_missed_heartbeats_in_seconds(run_ro
     assert [(s["rank"], s["node"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, "node2", pid, "stopped")]
     # about (missed_beats + 1) heartbeats = 4 s, against 20 s for the hang timeout
     assert inc["time"] - t_stop < 0.5 * HANG_TIMEOUT_S, inc["time"] - t_stop
+    # the waiting rank dumped every thread's stack (its main thread in the collective, its watchdog)
+    assert (run_root / f"incidents/{job}.0/stacks-rank0.txt").read_text().count("Thread") >= 2
     assert _states(recs) == ["COMPLETED"], recs  # the step was killed and the ranks restarted inside the job
     assert [e["action"] for e in events(run_root, "decision")] == ["restart"]
     assert losses(run_root).keys() == set(range(1, STEPS + 1))
