@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -218,7 +219,8 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
                             "mesh=single", "launcher.tasks_per_node=4", "mesh.dp_shard=4",
                             f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5",
                             # the hang timeout's path: the peers' fast check of missed heartbeats is off
-                            "failure.missed_beats=1000", "failure.restarts_in_allocation=0"])
+                            "failure.missed_beats=1000", "failure.restarts_in_allocation=0",
+                            "+cluster.env.TORCH_FR_BUFFER_SIZE=64"])  # gloo records too when the recorder has a buffer
     victim = None
     try:
         wait_for_step(run_dir, 2, proc)
@@ -239,6 +241,14 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
         time.sleep(1.0)
         stacks = sorted(p.name for p in (run_dir / "incidents/local.0").glob("stacks-rank*.txt"))
         assert stacks == ["stacks-rank0.txt", "stacks-rank2.txt", "stacks-rank3.txt"]
+        # ... and, before the incident, the reporter wrote its flight recorder (the hang path's dump, issue 25 item 6;
+        # once a run of its own). The other waiting ranks may be stopped by the launcher in the middle of theirs.
+        traces = run_dir / "nccl_traces" / "local.0"
+        assert (traces / f"nccl_trace_rank_{inc['reported_by']}").exists(), sorted(p.name for p in traces.iterdir())
+        assert not list(traces.glob("nccl_trace_rank_1*"))  # the stopped rank could not
+        entries = pickle.loads((traces / f"nccl_trace_rank_{inc['reported_by']}").read_bytes())["entries"]
+        assert entries and all(e["profiling_name"].startswith("gloo:") for e in entries)
+        assert entries[-1]["state"] != "completed"  # the collective it waits in when the watchdog fires
         events = _events(run_dir)
         assert [(e["cls"], e["suspects"][0]["pid"]) for e in events if e["kind"] == "failure"] == [("hung_rank", victim)]
         assert [(e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [("hung_rank", "requeue")]
