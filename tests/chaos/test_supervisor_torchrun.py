@@ -54,44 +54,52 @@ def _sbatch(run_dir: Path, style: str, *extra: str) -> str:
                           cwd="/tmp").stdout.strip()
 
 
-@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
-def test_a_killed_supervisor_is_outlived_by_its_guard_the_ranks_save_requeue_and_finish_bitwise(
-        run_root: Path, reference, tmp_path) -> None:
-    # Before the guard, the batch script ended with the supervisor (137), Slurm ended the job, the ranks
-    # read their SIGTERM as a scancel: FAILED, nothing requeued.
-    job = submit(run_root)
-    wait_for_step(run_root, 40)
-    supervisor, guard = _supervisor_and_guard(run_root)
-    os.kill(supervisor, signal.SIGKILL)
-    recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
-    assert scontrol_job(job)["Restarts"] == "1"
-    (died,) = [e for e in events(run_root, "failure") if e["cls"] == "supervisor_died"]
-    assert died["attempt"] == f"{job}.0" and f"pid {supervisor}) was killed by SIGKILL" in died["summary"], died
-    # The guard stopped the ranks as a preemption does: they saved the next step, their decider requeued.
-    assert [(e["attempt"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", "requeue")]
-    assert {e["signal"] for e in events(run_root, "stop_requested")} == {"SIGUSR2"}
-    (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
-    assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+def _wait_for_progress(run_dir: Path, attempt: str, *, timeout: float = STEP_S) -> None:
+    """Until `attempt` has committed a checkpoint past the step it loaded (the ledger's checkpoint_saved)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loaded = [e["step"] for e in events(run_dir, "checkpoint_loaded") if e["attempt"] == attempt]
+        if loaded and any(e["attempt"] == attempt and e["step"] > loaded[0] for e in events(run_dir, "checkpoint_saved")):
+            return
+        assert time.monotonic() < deadline, f"{attempt} committed no new checkpoint within {timeout} s"
+        time.sleep(0.2)
 
 
-@pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
-def test_a_batch_step_killed_whole_is_told_from_scancel_by_the_ranks_and_requeued_bitwise(
+@pytest.mark.timeout(bound_s(STEP_S, STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
+def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_finishes_bitwise(
         run_root: Path, reference, tmp_path) -> None:
-    # The guard and the supervisor both SIGKILLed (the OOM killer's worst case): the batch script ends, Slurm
-    # SIGTERMs the ranks. Their decider asks Slurm: COMPLETING with reason NonZeroExitCode, not a scancel.
+    # One job, two faults, each in its own run (once a job each: the same requeue and finish, ~15 s of CI less).
+    # 1. The supervisor SIGKILLed: before the guard, the batch script ended with it (137), Slurm ended the job,
+    #    the ranks read their SIGTERM as a scancel: FAILED, nothing requeued.
+    # 2. In the requeued run, the guard and the supervisor both SIGKILLed (the OOM killer's worst case): the batch
+    #    script ends, Slurm SIGTERMs the ranks. Their decider asks Slurm: COMPLETING with reason NonZeroExitCode,
+    #    not a scancel. It comes after that run committed a new step, so the no-progress breaker cannot stop
+    #    the job.
     job = submit(run_root)
     wait_for_step(run_root, 40)
-    supervisor, guard = _supervisor_and_guard(run_root)
-    os.kill(guard, signal.SIGKILL)
+    supervisor, _ = _supervisor_and_guard(run_root)
     os.kill(supervisor, signal.SIGKILL)
+    _wait_for_progress(run_root, f"{job}.1")
+    supervisor1, guard1 = _supervisor_and_guard(run_root)
+    assert supervisor1 != supervisor
+    os.kill(guard1, signal.SIGKILL)
+    os.kill(supervisor1, signal.SIGKILL)
     recs = wait_job_done(job)
-    assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
-    assert scontrol_job(job)["Restarts"] == "1"
-    (d,) = events(run_root, "decision")
-    assert (d["attempt"], d["cause"], d["action"]) == (f"{job}.0", "SIGTERM", "requeue"), d
-    assert d["reason"].startswith("supervisor_died: requeue 1 of failure.max_requeues"), d
+    assert _states(recs) == ["REQUEUED", "REQUEUED", "COMPLETED"], recs
+    assert scontrol_job(job)["Restarts"] == "2"
+    (died,) = [e for e in events(run_root, "failure") if e["cls"] == "supervisor_died" and e["attempt"] == f"{job}.0"]
+    assert f"pid {supervisor}) was killed by SIGKILL" in died["summary"], died
+    # 1: the guard stopped the ranks as a preemption does: they saved the next step, their decider requeued.
+    d0, d1 = events(run_root, "decision")
+    assert (d0["attempt"], d0["action"]) == (f"{job}.0", "requeue"), d0
+    stops = [e for e in events(run_root, "stop_requested") if e["attempt"] == f"{job}.0"]
+    assert {e["signal"] for e in stops} == {"SIGUSR2"}
+    (stop,) = {e["step"] for e in stops}
+    loaded = [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")]
+    assert loaded[0] == (stop, f"{job}.1") and [a for _, a in loaded] == [f"{job}.1", f"{job}.2"], loaded
+    # 2: told from a scancel, requeued within the budget
+    assert (d1["attempt"], d1["cause"], d1["action"]) == (f"{job}.1", "SIGTERM", "requeue"), d1
+    assert d1["reason"].startswith("supervisor_died: requeue 2 of failure.max_requeues"), d1
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
