@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,45 +123,69 @@ def test_two_jobs_on_one_host_rendezvous_on_published_ports_without_colliding(tm
 # ---------------------------------------------------------------------------------------- stop signals
 
 
-@pytest.mark.slow
-def test_usr2_to_the_launcher_saves_requeues_and_the_rerun_matches_an_uninterrupted_run(
-        tmp_path: Path, data_path: str, shared_run) -> None:
-    steps = DP2_STEPS  # USR2 comes after step 1, the stop a few steps later; the rest is the resumed run to compare
-    common = [*DP2_RUN, f"data.path={data_path}"]  # two ranks; the uninterrupted run is shared
-    ref = shared_run(common)
-
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, common)
+def _stopped(run_dir: Path, proc: subprocess.Popen, *, step: int, pid: Callable[[], int]) -> None:
+    """USR2 to `pid()` once the run has logged `step`; the run must end with exit 75 (REQUEUE)."""
     try:
-        wait_for_step(run_dir, 1, proc)
-        os.kill(proc.pid, signal.SIGUSR2)  # the launcher only; it forwards to every rank
+        wait_for_step(run_dir, step, proc)
+        os.kill(pid(), signal.SIGUSR2)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == exitcodes.REQUEUE == 75, err[-3000:]
+
+
+@pytest.mark.slow
+def test_usr2_to_one_rank_then_to_the_launcher_saves_requeues_and_the_reruns_match_an_uninterrupted_run(
+        tmp_path: Path, data_path: str, shared_run) -> None:
+    # USR2 is what Slurm sends before a time limit or on preemption. Every rank only sets a flag; the ranks
+    # agree in the step's one world all-reduce (Trainer.reduce_totals, the same on every mesh), save that step
+    # and exit 75. First to rank 1 only (rank 0 stops because it agreed), then, in the rerun, to the launcher
+    # (it forwards to every rank); the third run finishes. (Once two tests, each with its own rerun; a bitwise
+    # jobs.train resume on a pp * tp mesh is tests/multiproc/test_resume_e2e.py's.)
+    steps = DP2_STEPS
+    common = [*DP2_RUN, f"data.path={data_path}"]  # two ranks; the uninterrupted run is shared
+    ref = shared_run(common)
+    run_dir = tmp_path / "run"
+
+    _stopped(run_dir, _start(run_dir, common), step=3, pid=lambda: _rank_pid(run_dir, 1))
+    stops = [e for e in _events(run_dir) if e["kind"] == "stop_requested"]
+    assert sorted(e["rank"] for e in stops) == [0, 1] and len({e["step"] for e in stops}) == 1  # the same step
+    assert [(e["rank"], e["signal"]) for e in stops if e["signal"]] == [(1, "SIGUSR2")]
+    first = stops[0]["step"]
+    assert 3 <= first < steps
+    assert (run_dir / f"checkpoints/step_{first}/manifest.json").exists()
+
+    rerun = _start(run_dir, common)
+    _stopped(run_dir, rerun, step=first + 1, pid=lambda: rerun.pid)  # the launcher only
     events = _events(run_dir)
-    stops = [e for e in events if e["kind"] == "stop_requested"]
+    stops = [e for e in events if e["kind"] == "stop_requested" and e["attempt"] == "local.1"]
     assert sorted(e["rank"] for e in stops) == [0, 1]
     stop_step = stops[0]["step"]
     assert {(e["step"], e["signal"], e["action"]) for e in stops} == {
         (stop_step, "SIGUSR2", "checkpoint saved; ending the attempt")}
-    assert 1 <= stop_step < steps
+    assert first < stop_step < steps
     assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
+    # rank 0 decides a stop: the first time it saw no signal of its own, only the agreement
     decisions = [e for e in events if e["kind"] == "decision"]
-    assert [(d["action"], d["cause"], d["exit_code"]) for d in decisions] == [("requeue", "SIGUSR2", 75)]
+    assert [(d["action"], d["cause"], d["exit_code"]) for d in decisions] == [
+        ("requeue", "stop_signal", 75), ("requeue", "SIGUSR2", 75)]
     ends = [e for e in events if e["kind"] == "attempt_end"]
     assert [(e["attempt"], e["cause"], e["action"], e["step"]) for e in ends] == [
-        ("local.0", "SIGUSR2", "requeue", stop_step)]
+        ("local.0", "stop_signal", "requeue", first), ("local.1", "SIGUSR2", "requeue", stop_step)]
 
-    rerun = run_train(common, run_dir)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    starts = [e for e in _events(run_dir) if e["kind"] == "train_start" and e["attempt"] == "local.1"]
-    assert [e["step"] for e in starts] == [stop_step, stop_step]
-    resumed = {m["step"]: m["loss"] for m in rerun.metrics() if m["restart"] == 1}
+    final = run_train(common, run_dir)
+    assert final.returncode == 0, final.stderr[-3000:]
+    events = _events(run_dir)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [first, stop_step]  # the stops' saves
+    starts = {a: [e["step"] for e in events if e["kind"] == "train_start" and e["attempt"] == a]
+              for a in ("local.1", "local.2")}
+    assert starts == {"local.1": [first, first], "local.2": [stop_step, stop_step]}
+    resumed = {m["step"]: m["loss"] for m in final.metrics() if m["restart"] == 2}
     assert sorted(resumed) == list(range(stop_step + 1, steps + 1))
-    reference = {m["step"]: m["loss"] for m in ref.metrics()}
-    assert [resumed[s] for s in sorted(resumed)] == [reference[s] for s in sorted(resumed)]  # bitwise
+    losses = {m["step"]: m["loss"] for m in final.metrics()}  # the last line of a step wins
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert [losses[s] for s in range(1, steps + 1)] == ref.losses()  # bitwise: same mesh, RNG restored
 
 
 def _catches(pid: int, sig: int) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs import exitcodes
-from tests.conftest import REPO, run_train, wait_for_step
+from tests.conftest import REPO, wait_for_step
 from tests.multiproc._references import DP2_RUN, DP2_STEPS
 
 pytestmark = pytest.mark.multiproc
@@ -105,40 +105,3 @@ def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_7
     failures = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()
                 if json.loads(l)["kind"] == "failure"]
     assert failures and failures[0]["cls"] == "non_finite_loss"
-
-
-def test_usr2_saves_at_the_next_step_boundary_and_the_rerun_resumes_exactly(tmp_path: Path, data_path: str,
-                                                                           shared_run) -> None:
-    # USR2 is what Slurm sends before a time limit or on preemption. Every rank only sets a flag; the
-    # ranks agree in the step's one world all-reduce (Trainer.reduce_totals, the same on every mesh), save
-    # that step, and exit 75 (REQUEUE). The signal goes to rank 1 only: rank 0 stops because it agreed.
-    # (A bitwise jobs.train resume on a pp * tp mesh is tests/multiproc/test_resume_e2e.py's.)
-    common = [*DP2_RUN, f"data.path={data_path}"]
-    ref = shared_run(common)
-
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(run_dir, 3, proc, timeout=240)
-        os.kill(_children(proc.pid)[1], signal.SIGUSR2)  # rank 1 (forked in rank order)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == exitcodes.REQUEUE, err[-3000:]
-    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
-    stops = [e for e in events if e["kind"] == "stop_requested"]
-    assert sorted(e["rank"] for e in stops) == [0, 1] and len({e["step"] for e in stops}) == 1  # the same step
-    assert [(e["rank"], e["signal"]) for e in stops if e["signal"]] == [(1, "SIGUSR2")]
-    stop_step = stops[0]["step"]
-    assert 3 <= stop_step < DP2_STEPS
-    assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
-
-    rerun = run_train(common, run_dir)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    reloaded = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in reloaded if e["kind"] == "checkpoint_loaded"] == [stop_step]  # the stop's save
-    losses = {m["step"]: m["loss"] for m in rerun.metrics()}  # the last line of a step wins
-    assert sorted(losses) == list(range(1, DP2_STEPS + 1))
-    assert [losses[s] for s in range(1, DP2_STEPS + 1)] == ref.losses()  # bitwise: same mesh, RNG restored
