@@ -257,7 +257,10 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
             time.sleep(0.1)
         named_after_s = time.monotonic() - stopped_at
         assert inc_path.exists(), f"no incident {named_after_s:.1f} s after the SIGSTOP"
-        assert hang_s <= named_after_s <= 1.1 * hang_s + 2, named_after_s
+        # The watchdog counts from the last completed step, which comes before the SIGSTOP by up to a step (named
+        # 7.96 s after it once, under load 15): the lower bound only rules out the fast paths (missed beats fire
+        # within ~3 s at these settings), not that slack.
+        assert 0.75 * hang_s <= named_after_s <= 1.1 * hang_s + 2, named_after_s
         inc = json.loads(inc_path.read_text())
         assert inc["cls"] == "hung_rank"
         assert [(s["rank"], s["pid"], s["state"]) for s in inc["suspects"]] == [(1, victim, "stopped")]
