@@ -59,8 +59,9 @@ def comm_per_step(
     compute_bytes: int = COMPUTE_BYTES,
 ) -> list[CommItem]:
     """Collectives per optimizer step for the rank holding `stages`, by axis, one helper per concern: FSDP's
-    gathers and reductions (`_fsdp_items`), tensor parallel's activation collectives (`_tp_items`), the pipeline's
-    sends (`_pp_item`), context parallel's K/V exchange (`_cp_items`) and the MoE all-to-alls (`_moe_items`).
+    gathers and reductions (`_fsdp_items`), tensor parallel's activation collectives (`_tp_items`; an MoE block's
+    FFN half `_moe_tp_items`), the pipeline's sends (`_pp_item`), context parallel's K/V exchange (`_cp_items`) and
+    the MoE all-to-alls (`_moe_items`).
     Parameters are gathered and activations sent in the compute dtype: `compute_bytes` 2 (bf16), 4 (fp32).
     """
     blocks = [i for st in stages for i in st.layers]
@@ -71,8 +72,15 @@ def comm_per_step(
                         compute_bytes=compute_bytes)
     if tp > 1:
         ends = int(any(st.first for st in stages)) + int(any(st.last for st in stages))
+        moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+        moe_rec = sum(1 for i in recomputed if i in moe)
         items += _tp_items(blocks=len(blocks), recomputed=len(recomputed), microbatches=microbatches, ends=ends,
-                           act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt)
+                           act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt, moe_blocks=len(moe),
+                           moe_recomputed=moe_rec)
+        if moe:
+            items += _moe_tp_items(blocks=len(moe), recomputed=moe_rec, microbatches=microbatches, act=act, tp=tp,
+                                   top_k=m.experts_per_token, shared=m.n_shared_experts * m.moe_ffn_dim > 0,
+                                   sequence_parallel=sequence_parallel, dt=dt)
     if pp > 1:
         items.append(_pp_item(stages, pp=pp, microbatches=microbatches,
                               per=act // tp if sequence_parallel and tp > 1 else act, dt=dt))
@@ -152,19 +160,43 @@ def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replica
 
 
 def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
-              sequence_parallel: bool, dt: str = "bf16") -> list[CommItem]:
+              sequence_parallel: bool, dt: str = "bf16", moe_blocks: int = 0, moe_recomputed: int = 0) -> list[CommItem]:
     """Tensor parallel's activation collectives (notes §3): with SP, per block and microbatch 2 all-gathers +
     2 reduce-scatters forward (again when recomputing) and the mirror image backward, plus one of each for the
     embedding and for the head (`ends`: how many of the two the rank holds); without SP, 2 all-reduces forward
-    and one per column-parallel linear (5) backward."""
-    per_block = microbatches * blocks
+    and one per column-parallel linear (5) backward. Of the `moe_blocks` (`moe_recomputed` of them recomputed)
+    only the attention half counts here (SP: 1 + 1 each way; else 1 forward, 3 backward); their FFN half is
+    `_moe_tp_items`."""
+    mb, dense, dense_rec = microbatches, blocks - moe_blocks, recomputed - moe_recomputed
     if sequence_parallel:
-        n = 4 * per_block + 2 * microbatches * recomputed + ends * microbatches
+        n = 4 * mb * dense + 2 * mb * dense_rec + 2 * mb * moe_blocks + mb * moe_recomputed + ends * mb
         b = int(n * _ring(tp) * act)
         return [CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
                 CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp)]
-    n = 7 * per_block + 2 * microbatches * recomputed + ends * microbatches
+    n = 7 * mb * dense + 2 * mb * dense_rec + 4 * mb * moe_blocks + mb * moe_recomputed + ends * mb
     return [CommItem("all_reduce", "tp", f"{dt} activations", n, int(n * 2 * _ring(tp) * act), tp)]
+
+
+def _moe_tp_items(*, blocks: int, recomputed: int, microbatches: int, act: int, tp: int, top_k: int, shared: bool,
+                  sequence_parallel: bool, dt: str) -> list[CommItem]:
+    """The FFN half of `blocks` MoE blocks under tp (etp = tp), as parallel/tp.py builds it (`_moe_plan`,
+    `_shard_routed_experts`) and tests/multiproc/test_moe_ep.py counts it, per block and microbatch: forward the
+    routed rows' partial outputs all-reduced before the gates (top_k x `act`: one row per token and chosen
+    expert) and the shared experts' row-parallel output (`act`; none without shared experts); backward the rows'
+    gradient (top_k x `act`) and the shared experts' input gradient (`act`); with SP one all-gather each way
+    (the block's input forward, its output's gradient backward, `act`). No reduce-scatter: the tokens are whole
+    on every tp rank. A recomputed block repeats its forward."""
+    fwd = microbatches * (blocks + recomputed)  # forward passes (recomputed ones again)
+    calls = fwd + microbatches * blocks  # + backward
+    items = [CommItem("all_reduce", "tp", f"{dt} MoE routed rows ({top_k} per token)", calls,
+                      int(calls * 2 * _ring(tp) * top_k * act), tp)]
+    if shared:
+        items.append(CommItem("all_reduce", "tp", f"{dt} MoE shared experts' activations", calls,
+                              int(calls * 2 * _ring(tp) * act), tp))
+    if sequence_parallel:
+        items.append(CommItem("all_gather", "tp", f"{dt} MoE block input / output grad (SP)", calls,
+                              int(calls * _ring(tp) * act), tp))
+    return items
 
 
 def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,

@@ -1,0 +1,93 @@
+"""The planner prices an MoE block's tensor-parallel traffic as parallel/tp.py builds it and the real run counts it."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from jobs.config import CONF_DIR, ModelConfig
+from jobs.planner import arith as P
+
+MB, SEQ, MICRO, CB = 3, 16, 2, 4  # microbatches, seq_len, micro_batch, compute bytes (fp32)
+
+
+def _model(name: str) -> ModelConfig:
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")))
+
+
+def _tp(m: ModelConfig, stages: list, *, sp: bool, ac: str = "none", tp: int = 2) -> list:
+    items = P.comm_per_step(m, stages, pp=2, dp_replicate=1, fsdp=1, tp=tp, cp=1, ep=1, microbatches=MB,
+                            seq_len=SEQ, micro_batch=MICRO, sequence_parallel=sp, activation_checkpointing=ac,
+                            compute_bytes=CB)
+    return [it for it in items if it.axis == "tp"]
+
+
+def _counts(items: list, *, moe: bool) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for it in items:
+        if ("MoE" in it.what) == moe:
+            out[it.collective] = out.get(it.collective, 0) + it.count
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_moe_blocks_tp_counts_per_phase_equal_what_the_real_run_counts(sp: bool) -> None:
+    # tests/multiproc/test_moe_ep.py asserts per MoE block and microbatch, tp2: forward 2 all-reduces (+ SP 1
+    # all-gather), backward the same. The forward is what recomputing every block adds.
+    m = _model("tiny_moe")
+    stage = [P.StageShape((1, 2, 3), False, False)]  # the 3 MoE blocks, no embedding or head
+    plain, recomputed = _counts(_tp(m, stage, sp=sp), moe=True), _counts(_tp(m, stage, sp=sp, ac="full"), moe=True)
+    forward = {k: recomputed[k] - plain[k] for k in plain}
+    backward = {k: plain[k] - forward[k] for k in plain}
+    per_phase = {"all_reduce": 2 * 3 * MB, **({"all_gather": 3 * MB} if sp else {})}
+    assert forward == per_phase and backward == per_phase, (forward, backward)
+    # The attention half stays as in a dense block: SP 1 all-gather + 1 reduce-scatter each way, else 1 all-reduce
+    # forward and 3 (wq, wk, wv) backward; nothing else (no reduce-scatter for the MoE half).
+    attention = {"all_gather": 2 * 3 * MB, "reduce_scatter": 2 * 3 * MB} if sp else {"all_reduce": 4 * 3 * MB}
+    assert _counts(_tp(m, stage, sp=sp), moe=False) == attention
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_moe_blocks_tp_bytes_equal_the_hand_computed_sizes(sp: bool) -> None:
+    m = _model("tiny_moe")
+    assert (m.dim, m.experts_per_token, m.n_shared_experts) == (64, 2, 1)
+    act = CB * SEQ * MICRO * 64  # one microbatch's hidden states: 8192 bytes
+    calls = 2 * 3 * MB  # forward + backward, 3 MoE blocks
+    got = {it.what: (it.collective, it.count, it.bytes) for it in _tp(m, [P.StageShape((1, 2, 3), False, False)], sp=sp)
+           if "MoE" in it.what}
+    # An all-reduce moves 2 (n-1)/n of its buffer (tp2: 1x), an all-gather (n-1)/n (tp2: 0.5x).
+    want = {"fp32 MoE routed rows (2 per token)": ("all_reduce", calls, calls * 2 * act),  # top_k x act
+            "fp32 MoE shared experts' activations": ("all_reduce", calls, calls * act)}
+    if sp:
+        want["fp32 MoE block input / output grad (SP)"] = ("all_gather", calls, calls * act // 2)
+    assert got == want
+
+
+def test_no_shared_experts_no_shared_all_reduce() -> None:
+    m = _model("tiny_moe")
+    m.n_shared_experts = 0
+    moe = _counts(_tp(m, [P.StageShape((1, 2, 3), False, False)], sp=False), moe=True)
+    assert moe == {"all_reduce": 2 * 3 * MB}  # the routed rows' only
+
+
+@pytest.mark.parametrize("sp,ac,count,nbytes", [
+    (False, "none", 678, 4265607168), (False, "full", 870, 5473566720),
+    (True, "none", 390, 1226833920), (True, "full", 582, 1830813696)])
+def test_dense_tp_items_unchanged(sp: bool, ac: str, count: int, nbytes: int) -> None:
+    # llama3_8b, one stage of all 32 blocks with the embedding and the head, tp4, 3 microbatches of 2 x 256, bf16:
+    # the values comm_per_step gave before MoE blocks were priced apart.
+    m = _model("llama3_8b")
+    items = P.comm_per_step(m, [P.StageShape(tuple(range(32)), True, True)], pp=2, dp_replicate=1, fsdp=2, tp=4,
+                            cp=1, ep=1, microbatches=3, seq_len=256, micro_batch=2, sequence_parallel=sp,
+                            activation_checkpointing=ac)
+    tp = [(it.collective, it.count, it.bytes) for it in items if it.axis == "tp"]
+    kinds = ["all_gather", "reduce_scatter"] if sp else ["all_reduce"]
+    assert tp == [(k, count, nbytes) for k in kinds]
+
+
+def test_tiny_moe_dense_block_priced_as_before() -> None:
+    # Block 0 of tiny_moe is dense (n_dense_layers 1): with the embedding, 7 all-reduces per microbatch + 1.
+    m = _model("tiny_moe")
+    tp = _tp(m, [P.StageShape((0,), True, False)], sp=False)
+    act = CB * SEQ * MICRO * 64
+    assert [(it.collective, it.count, it.bytes) for it in tp] == [("all_reduce", 8 * MB, 8 * MB * act)]
