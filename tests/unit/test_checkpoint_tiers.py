@@ -71,17 +71,24 @@ def test_partner_copies_cover_node_failures_only_with_a_hot_spare() -> None:
         validate(compose(["failure.process_share=0.5", "failure.node_share=0.7"]), training=False)  # before submit
 
 
-def test_the_manager_sets_the_ram_interval_from_its_measured_save_by_the_same_rule(tmp_path) -> None:
+def _ram_manager(tmp_path, *, mtbf_s: float, run_id: str,
+                 tier_shares: dict) -> tuple[CheckpointManager, list[tuple[str, dict]]]:
+    """A loaded manager of a tiny model with the RAM tier's interval on auto, and the list its events go to."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     events: list[tuple[str, dict]] = []
     cfg = CheckpointConfig(memory_interval="auto", memory_dir=str(tmp_path / "shm"), async_mode="none")
+    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=mtbf_s, total_steps=10_000, run_id=run_id,
+                           tier_shares=tier_shares, emit=lambda k, **f: events.append((k, f)))
+    ck.load_latest(model_parts=[model], optimizers=[opt])
+    return ck, events
+
+
+def test_the_manager_sets_the_ram_interval_from_its_measured_save_by_the_same_rule(tmp_path) -> None:
     # A short MTBF (2 s, half of it process failures) keeps the interval a few dozen 0.05 s steps whatever a save
     # costs on this machine: Daly's interval is at most the MTBF of the failures covered (4 s = 80 steps).
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=2.0, total_steps=10_000, run_id="tiers",
-                           tier_shares={MEMORY: 0.5, FILESYSTEM: 0.5}, emit=lambda k, **f: events.append((k, f)))
-    ck.load_latest(model_parts=[model], optimizers=[opt])
+    ck, events = _ram_manager(tmp_path, mtbf_s=2.0, run_id="tiers", tier_shares={MEMORY: 0.5, FILESYSTEM: 0.5})
     assert ck.memory_interval_steps() == 1  # nothing measured yet: the next step saves, to measure
     saved = []
     for step in range(1, 1000):
@@ -184,17 +191,10 @@ def test_partner_copies_ride_on_the_ram_interval_from_both_costs_and_both_failur
 
 
 def test_the_managers_ram_interval_with_partner_copies_is_the_plans(tmp_path) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    events: list[tuple[str, dict]] = []
-    cfg = CheckpointConfig(memory_interval="auto", memory_dir=str(tmp_path / "shm"), async_mode="none")
     # A hot spare and partner copies: process (30%) and node (50%) failures are both read from the RAM saves' copies.
     # A short MTBF (4 s) keeps the interval a few dozen 0.05 s steps whatever a save costs on this machine.
     shares = tier_shares(process_share=0.3, node_share=0.5, memory=True, partner=True)
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=4.0, total_steps=10_000, run_id="ride",
-                           tier_shares=shares, emit=lambda k, **f: events.append((k, f)))
-    ck.load_latest(model_parts=[model], optimizers=[opt])
+    ck, events = _ram_manager(tmp_path, mtbf_s=4.0, run_id="ride", tier_shares=shares)
     for step in range(1, 1000):
         if ck.memory_due(step):
             ck.save_memory(step)
