@@ -42,9 +42,8 @@ META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not p
 # (burn CPU, as a slower chip would compute longer) for (factor - 1) x the phase's measured CPU time at
 # the end of that phase, so the phase costs factor x as much. "<rank|all>:<phase>:+<seconds>" instead
 # stalls the phase for a fixed time (sleeps, as a descheduled host would): a floor on the step time that
-# does not depend on the machine's speed. A fourth field "<...>:<restart>" limits either form to the job's
-# run with that restart count (Slurm's SLURM_RESTART_COUNT; 0 = before any requeue). CPU ranks only. Read
-# once when the timer is built; never set it in a real run.
+# does not depend on the machine's speed. CPU ranks only. Read once when the timer is built; never set it
+# in a real run.
 SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
 
 
@@ -125,19 +124,16 @@ class SlowPhase:
     stall_s: float = 0.0  # the "+<seconds>" form: a fixed sleep at the end of the phase
 
 
-def slow_phase_from_env(rank: int, environ: dict[str, str] | None = None, *,
-                        restart_count: int = 0) -> SlowPhase | None:
-    """The MESHJOB_TEST_SLOW_PHASE slowdown that applies to `rank` in the job's run `restart_count`, or None."""
+def slow_phase_from_env(rank: int, environ: dict[str, str] | None = None) -> SlowPhase | None:
+    """The MESHJOB_TEST_SLOW_PHASE slowdown that applies to `rank`, or None."""
     spec = (os.environ if environ is None else environ).get(SLOW_PHASE_VAR, "")
     if not spec:
         return None
-    who, phase, factor, *only = spec.split(":")
+    who, phase, factor = spec.split(":")
     if phase not in PHASES:
         raise ValueError(f"{SLOW_PHASE_VAR}={spec!r}: phase {phase!r} is not one of {', '.join(PHASES)}")
-    if len(only) > 1:
-        raise ValueError(f"{SLOW_PHASE_VAR}={spec!r}: want <rank|all>:<phase>:<factor|+seconds>[:<restart>]")
     target = None if who == "all" else int(who)
-    if target not in (None, rank) or (only and int(only[0]) != restart_count):
+    if target not in (None, rank):
         return None
     if factor.startswith("+"):
         return SlowPhase(target, phase, 1.0, float(factor[1:]))

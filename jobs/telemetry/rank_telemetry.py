@@ -41,7 +41,7 @@ def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: 
     `pp_rank`: this rank's pipeline stage coordinate (the relative check compares within a stage)."""
     f, on = cfg.failure, cfg.metrics.phase_timing
     timer = PhaseTimer(cfg.run.dir, rank=env.rank, attempt=env.attempt, pp=pp, device_type=device.type,
-                       enabled=on, slow=slow_phase_from_env(env.rank, restart_count=env.restart_count))
+                       enabled=on, slow=slow_phase_from_env(env.rank))
     path = baseline_path(cfg, mesh=mesh, device=device.type, mixed_precision=mixed_precision)
     where = [(env.hostname, pp_rank)] * env.world_size
     if on and env.world_size > 1:  # once per attempt: each rank's node (for the events) and pipeline stage

@@ -24,7 +24,7 @@ from tests.slurm.slurm_helpers import cli, scontrol_job
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
               pytest.mark.timeout(bound_s(STEP_S, DONE_S))]
 NODE_DOWN_DONE_S, LONG_DONE_S = 600, 900
-STALL_S = 1.0  # the time-limit case's fixed stall per step of its first run (seconds)
+STALL_S = 1.0  # the time-limit case's fixed stall per step (seconds)
 
 
 def _states(recs: list[dict]) -> list[str]:
@@ -94,14 +94,12 @@ def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_
     # A 2-minute limit with USR2 60 s before it: Slurm checks limits coarsely and sends the warning
     # 60-90 s into each attempt (late enough for a start-up slowed by load: with the warning 30 s in, three
     # attempts in a row were warned before their first step and the no-progress breaker stopped the job).
-    # The first run must outlast that on any machine, so each of its steps stalls a fixed STALL_S in its
-    # optimizer phase (the test seam's "+<seconds>" form; a sleep, which changes no number): STEPS x STALL_S =
-    # 100 s of steps alone. Before, 300 plain steps outlasted the warning on this box and finished inside one
-    # attempt on CI's faster one (COMPLETED, never REQUEUED). The stall ends with that run (the seam's ":0",
-    # Slurm's restart count): the requeued run trains the rest at full speed (it paid the stall too, ~40 s). Each
-    # attempt but the last is ended by the warning, saved and requeued (the budget is raised for that; it does
-    # not change the numerics).
-    monkeypatch.setenv(SLOW_PHASE_VAR, f"all:optimizer:+{STALL_S}:0")  # sbatch passes the environment to the job
+    # The run must outlast that on any machine, so every step stalls a fixed STALL_S in its optimizer phase
+    # (the test seam's "+<seconds>" form; a sleep, which changes no number): STEPS x STALL_S = 100 s of steps
+    # alone. Before, 300 plain steps outlasted the warning on this box and finished inside one attempt on CI's
+    # faster one (COMPLETED, never REQUEUED). Each attempt but the last is ended by the warning, saved and
+    # requeued (the budget is raised for that; it does not change the numerics).
+    monkeypatch.setenv(SLOW_PHASE_VAR, f"all:optimizer:+{STALL_S}")  # sbatch passes the environment to the job
     job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=60", "failure.max_requeues=20",
                  "failure.max_attempts_without_progress=3")
     recs = wait_job_done(job, timeout=LONG_DONE_S)
