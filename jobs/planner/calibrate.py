@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
 import tempfile
@@ -368,11 +369,13 @@ def _free_port() -> int:
 
 def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> None:
     """One calibration rank: the model's rate at every tp shard (all ranks at once), then each collective."""
+    import faulthandler
     import warnings
 
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank killed by a fault prints where (the parent names the signal)
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor / reduce_scatter_tensor
     try:
         cuda = cfg.cluster.gpus_per_node > 0 and torch.cuda.is_available()
@@ -406,10 +409,24 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         out["pp_step_s"] = _pp_action_seconds(cfg, rank=rank, pair=pair, device=device, seconds=secs / 2, sync=sync)
         out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
                              for tp in tps if tp > 1}
-        dist.destroy_process_group()
         q.put((rank, out))
     except BaseException as e:  # reported to the parent, which fails the calibration
         q.put((rank, f"{type(e).__name__}: {e}"))
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """Close the group only when every rank is done measuring (a barrier), and never fail a rank
+    that has already reported: its figures are in the parent's queue, and a peer that failed is
+    reported by that peer."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 def _tps(cfg: JobConfig) -> list[int]:
@@ -444,9 +461,20 @@ def _run_ranks(cfg: JobConfig) -> list[dict]:
         if p.exitcode is None:
             p.kill()
     bad = {r: v for r, v in results.items() if isinstance(v, str)}
-    if bad or len(results) < n:
-        raise RuntimeError(f"calibration ranks failed: {bad or f'{len(results)} of {n} reported'}")
+    bad.update({r: _silent_exit(p.exitcode) for r, p in enumerate(procs) if r not in results})
+    if bad:
+        raise RuntimeError(f"calibration ranks failed: {dict(sorted(bad.items()))}")
     return [results[r] for r in range(n)]
+
+
+def _silent_exit(code: int | None) -> str:
+    """What a rank that reported nothing did: the rank that failed first when the others only name
+    a closed connection (a signal: SIGSEGV, SIGABRT from a gloo enforce, SIGKILL from the OOM killer)."""
+    if code is None:
+        return "no report within the calibration's 600 s (killed)"
+    if code < 0:
+        return f"exited by {signal.Signals(-code).name} without a report (a fault prints its traceback on the rank stderr)"
+    return f"exited with code {code} without a report"
 
 
 def _host_copy_GBps(seconds: float) -> float:

@@ -4,10 +4,12 @@ that the planner then predicts with."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from jobs.config import CONF_DIR, compose
+from jobs.planner import calibrate
 from jobs.planner.calibrate import _fit, sent_bytes, write_profile
 from jobs.planner.gate import build_plan
 from jobs.planner.hardware import OPS, hops
@@ -47,3 +49,19 @@ def test_a_written_profile_composes_and_the_planner_predicts_with_it():
         assert s["compute_s"] * 0.002e12 == pytest.approx(s["model_tflop_per_rank"] * 1e12, rel=0.15)
     finally:
         out.unlink(missing_ok=True)
+
+
+def _one_rank_aborts(rank: int, n: int, port: int, cfg, tps: list[int], q) -> None:  # pragma: no cover - forked
+    if rank == 1:  # a gloo enforce or a segfault: the rank dies by a signal and reports nothing
+        os.kill(os.getpid(), signal.SIGKILL)
+    q.put((rank, "RuntimeError: Connection closed by peer"))  # what its peers then report
+
+
+def test_a_calibration_rank_killed_by_a_signal_is_named_with_the_signal(monkeypatch):
+    # CI, stop 31: ranks 0, 2 and 3 reported "Connection closed by peer" and the error did not say
+    # that rank 1 had died first, or how.
+    monkeypatch.setattr(calibrate, "_rank", _one_rank_aborts)
+    with pytest.raises(RuntimeError) as err:
+        calibrate._run_ranks(compose(["launcher.tasks_per_node=4"]))
+    assert "1: 'exited by SIGKILL without a report (a fault prints" in str(err.value)
+    assert str(err.value).count("Connection closed by peer") == 3
