@@ -18,8 +18,8 @@ from tests.conftest import assert_states_bitwise, run_train
 from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 
 # 100 steps: the faults land at step ~40 (past the save at 25) and, for the sbatch case, again at 60; the
-# rest is what the job trains after its recovery. (The time-limit case stalls its steps instead of running
-# longer: Slurm's warning comes 30-60 s into an attempt, so the run must outlast one on any machine.)
+# rest is what the job trains after its recovery. (The time-limit case holds its first attempt's ranks back
+# instead of running longer: Slurm's warning comes up to 60 s into an attempt, which it must outlast on any machine.)
 STEPS = 100
 # Bounds of the waits (seconds): each fires with its own message, and a test's pytest-timeout marker
 # (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
