@@ -133,12 +133,12 @@ def _hold_back_until_stopped(run_root: Path, attempt: str, *, step_s: float = HO
             step = max([step, *(r.get("step", 0) for r in next(metrics) if r.get("attempt") == attempt)])
             end = next((e["kind"] for e in next(ledger) if e.get("attempt") == attempt
                         and e["kind"] in ("stop_requested", "attempt_end")), None)
+            end = end or (None if _signal(pids, 0) else "a rank exited")
             now = time.monotonic()
             first = now if first is None and step >= 1 else first
             hold = end is None and first is not None and step > (now - first) / step_s
             if hold != stopped:
-                if not _signal(pids, signal.SIGSTOP if hold else signal.SIGCONT):
-                    end = "a rank exited"
+                _signal(pids, signal.SIGSTOP if hold else signal.SIGCONT)  # a rank gone: the next check ends it
                 if stopped:
                     done["longest_stop_s"] = max(done["longest_stop_s"], round(now - since, 3))
                 done["stops"] += hold
@@ -172,8 +172,8 @@ def _appended_lines(path: Path) -> Iterator[list[dict]]:
         yield [json.loads(line) for line in lines if line]
 
 
-def _signal(pids: list[int], sig: signal.Signals) -> bool:
-    """`sig` to every pid; False if one of them is gone."""
+def _signal(pids: list[int], sig: int) -> bool:
+    """`sig` to every pid (0: none, only whether it is there); False if one of them is gone."""
     alive = True
     for pid in pids:
         try:
