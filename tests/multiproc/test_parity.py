@@ -20,8 +20,12 @@ STEPS = 8
 COMMON = [f"train.steps={STEPS}", "checkpoint.enabled=false", "train.eval_every=4", "train.eval_batches=2"]
 EVAL_STEPS = [4, 8]
 
+# The default mesh's run also saves at steps 4 and 8 (a save changes no number): tests/multiproc/test_resume_e2e.py
+# resumes from its step_4 and compares with it, instead of training a reference of its own.
+SAVES = ["checkpoint.enabled=true", "checkpoint.every_steps=4"]
+
 MESHES = {
-    "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], []),
+    "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *SAVES], []),
     "dp_replicate2_dp_shard2": (4, ["mesh.pp=1", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.tp=1"], []),
     "tp4": (4, ["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], []),
     "pp4_interleaved_1f1b": (4, ["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp_schedule=interleaved_1f1b"],
@@ -53,8 +57,8 @@ def _reference(model: list[str], data_path: str, tmp_path_factory) -> tuple[list
 
 
 def mesh_run(name: str, data_path: str) -> list[str]:
-    """The overrides of MESHES[name]'s run (a shared run: tests/multiproc/test_activation_checkpointing.py's
-    reference is the pp2_dp_shard2_tp2 one)."""
+    """The overrides of MESHES[name]'s run (a shared run: the pp2_dp_shard2_tp2 one is also the reference of
+    tests/multiproc/test_activation_checkpointing.py and test_resume_e2e.py)."""
     world, mesh, model = MESHES[name]
     return [*COMMON, *model, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"]
 
