@@ -67,11 +67,19 @@ def test_a_failure_path_that_cannot_write_still_exits_75_and_the_launcher_ends_t
                                 "failure.restarts_in_allocation=0"])
         try:
             wait_for_step(run_dir, 2, proc)
+            reporter = _beat(run_dir, 0)["pid"]
             victim.append(_beat(run_dir, 1)["pid"])
             os.kill(victim[0], signal.SIGSTOP)
             stopped_at = time.monotonic()
             # rank 0 notices in seconds, cannot write stacks, claim or decision (EROFS) and exits 75
-            # anyway; the launcher then stops the stopped rank (SIGTERM, SIGKILL after its grace).
+            # anyway; the launcher reaps it and stops the stopped rank (SIGTERM, SIGKILL after its 10 s grace).
+            # Once rank 0 is reaped, rank 1 may run again (SIGCONT), so that the launcher's SIGTERM ends it
+            # without waiting out the grace (a rank that stays stopped until the SIGKILL is
+            # tests/multiproc/test_failure_local.py's SIGSTOP case); the exit code is rank 0's either way.
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{reporter}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(victim[0], signal.SIGCONT)
             out, err = proc.communicate(timeout=90)
             took = time.monotonic() - stopped_at
         finally:
