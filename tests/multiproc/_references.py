@@ -15,10 +15,9 @@ DP2_STEPS = 24
 DP2_RUN = ["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2", f"train.steps={DP2_STEPS}",
            "checkpoint.every_steps=4", "checkpoint.async_mode=thread"]
 
-# The default mesh (pp2 * dp_shard2 * tp2, 8 ranks, train.mixed_precision=auto: fp32 on CPU), 20 steps, no
-# checkpoint: test_parity's "the default run learns" and test_mixed_precision's fp32 side.
-DEFAULT_STEPS = 20
-DEFAULT_RUN = [f"train.steps={DEFAULT_STEPS}", "checkpoint.enabled=false"]
+# The default mesh (pp2 * dp_shard2 * tp2, 8 ranks, train.mixed_precision=auto: fp32 on CPU), 8 steps, saves at 4
+# and 8, a held-out evaluation at 4 and 8: tests/multiproc/test_parity.py's MESHES["pp2_dp_shard2_tp2"] (mesh_run),
+# the reference of test_parity, test_activation_checkpointing, test_mixed_precision and test_resume_e2e.
 
 # One process, 6 steps, no checkpoint: test_compile's eager run and the reference of test_pp_split's cases.
 SINGLE_STEPS = 6

@@ -15,6 +15,7 @@ from parallel.cp import apply_cp, ring_blocks
 from parallel.tp import apply_tp
 from tests.conftest import run_train
 from tests.multiproc._ranks import run_ranks
+from tests.multiproc.test_parity import COMMON, SAVES, STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -100,59 +101,62 @@ def test_cp2_with_tp2_equals_the_single_process_run(impl: str) -> None:
 
 
 TRAIN_MESHES = {  # name: (world, overrides); the reference is test_parity's single-process run (same steps)
-    # FSDP over dp_shard*cp, the loader's zig-zag tokens, the loss mean over cp ranks
-    "cp2_dp_shard2_ring": (4, ["mesh.pp=1", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=2", "mesh.cp_impl=ring"]),
+    # FSDP over dp_shard*cp, the loader's zig-zag tokens, the loss mean over cp ranks; it also saves at steps 4 and
+    # 8 (test_parity.SAVES: a save changes no number), and the resume test below restarts from its step_4
+    "cp2_dp_shard2_ring": (4, ["mesh.pp=1", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=2", "mesh.cp_impl=ring", *SAVES]),
     # a pipeline stage per pp rank, each attending across cp (~30 s on 2 cores)
     "pp2_cp2_allgather": (4, ["mesh.pp=2", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=1", "mesh.cp_impl=allgather"]),
 }
 
 
+def _cp_run(name: str, data_path: str) -> list[str]:
+    """The overrides of TRAIN_MESHES[name]'s run (a shared run: the resume test reads the ring one)."""
+    world, mesh = TRAIN_MESHES[name]
+    return [*COMMON, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"]
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("pp") else [])
                                   for n in TRAIN_MESHES])
-def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_path: str, tmp_path_factory) -> None:
-    from tests.multiproc.test_parity import COMMON, STEPS, _reference
+def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_path: str, tmp_path_factory,
+                                                               shared_run) -> None:
+    from tests.multiproc.test_parity import _reference  # (this module has a _reference of its own)
 
-    world, mesh = TRAIN_MESHES[name]
     ref, _ = _reference([], data_path, tmp_path_factory)  # (training losses, held-out losses)
-    run = run_train([*COMMON, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"],
-                    tmp_path_factory.mktemp(name))
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = shared_run(_cp_run(name, data_path))
     got = run.losses()
     assert len(got) == len(ref) == STEPS
     for step, (a, b) in enumerate(zip(got, ref), start=1):
         assert a == pytest.approx(b, rel=1e-5), f"step {step}: {name} loss {a} vs single-process {b}"
 
 
-CP_RESUME = ["train.steps=6", "checkpoint.every_steps=3"]
-CP2_DP_SHARD2 = ["mesh.pp=1", "mesh.tp=1", "mesh.cp=2", "mesh.dp_shard=2", "mesh.cp_impl=ring", "launcher.tasks_per_node=4"]
-
-
 @pytest.mark.slow
-def test_a_cp_run_resumes_bitwise_and_reshards_onto_one_process(data_path: str, tmp_path) -> None:
-    """Step 3's checkpoint of a cp2*dp_shard2 run, resumed on the same mesh (bitwise: losses and final state)
-    and on one process (cp 2 -> 1: within fp32 tolerance)."""
+def test_a_cp_run_resumes_bitwise_and_reshards_onto_one_process(data_path: str, tmp_path, shared_run) -> None:
+    """Step 4's checkpoint of the shared cp2*dp_shard2 ring run above (8 steps, saves at 4 and 8), resumed on the
+    same mesh (bitwise: losses and final state) and on one process (cp 2 -> 1: within fp32 tolerance)."""
     import shutil
 
     from checkpoint.convert import convert
     from jobs.events import read_events
     from tests.conftest import assert_states_bitwise
 
-    ref = run_train([*CP_RESUME, *CP2_DP_SHARD2, f"data.path={data_path}"], tmp_path / "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = shared_run(_cp_run("cp2_dp_shard2_ring", data_path))  # read-only: its step_4 is copied out
+    saved = 4
+    world, same = TRAIN_MESHES["cp2_dp_shard2_ring"]
     final = {}
-    for name, mesh in (("same", CP2_DP_SHARD2), ("single", ["mesh=single", "launcher.tasks_per_node=1"])):
+    for name, mesh in (("same", [*same, f"launcher.tasks_per_node={world}"]),
+                       ("single", ["mesh=single", "launcher.tasks_per_node=1"])):
         run_dir = tmp_path / name
-        shutil.copytree(tmp_path / "ref/checkpoints/step_3", run_dir / "checkpoints/step_3")
-        r = run_train([*CP_RESUME, *mesh, f"data.path={data_path}"], run_dir)
+        shutil.copytree(ref.run_dir / f"checkpoints/step_{saved}", run_dir / f"checkpoints/step_{saved}")
+        r = run_train([*COMMON, *SAVES, *mesh, f"data.path={data_path}"], run_dir)  # (`same` names SAVES twice)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert [e["step"] for e in read_events(run_dir / "events.jsonl", "checkpoint_loaded")] == [3]
-        assert len(r.losses()) == 3, r.losses()  # steps 4..6
-        for step, (a, b) in enumerate(zip(r.losses(), ref.losses()[3:]), start=4):
+        assert [e["step"] for e in read_events(run_dir / "events.jsonl", "checkpoint_loaded")] == [saved]
+        assert len(r.losses()) == STEPS - saved, r.losses()  # steps 5..8
+        for step, (a, b) in enumerate(zip(r.losses(), ref.losses()[saved:]), start=saved + 1):
             if name == "same":
                 assert a == b, (step, a, b)
             else:
                 assert a == pytest.approx(b, rel=1e-5), (step, a, b)
-        convert(run_dir / "checkpoints/step_6", tmp_path / f"{name}.pt")
+        convert(run_dir / f"checkpoints/step_{STEPS}", tmp_path / f"{name}.pt")
         final[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-    convert(tmp_path / "ref/checkpoints/step_6", tmp_path / "ref.pt")
+    convert(ref.run_dir / f"checkpoints/step_{STEPS}", tmp_path / "ref.pt")
     assert_states_bitwise(final["same"], torch.load(tmp_path / "ref.pt", weights_only=False))

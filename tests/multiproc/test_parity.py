@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.conftest import run_train
-from tests.multiproc._references import DEFAULT_RUN, DEFAULT_STEPS
 
 pytestmark = pytest.mark.multiproc
 
@@ -20,8 +19,12 @@ STEPS = 8
 COMMON = [f"train.steps={STEPS}", "checkpoint.enabled=false", "train.eval_every=4", "train.eval_batches=2"]
 EVAL_STEPS = [4, 8]
 
+# The default mesh's run also saves at steps 4 and 8 (a save changes no number): tests/multiproc/test_resume_e2e.py
+# resumes from its step_4 and compares with it, instead of training a reference of its own.
+SAVES = ["checkpoint.enabled=true", "checkpoint.every_steps=4"]
+
 MESHES = {
-    "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], []),
+    "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *SAVES], []),
     "dp_replicate2_dp_shard2": (4, ["mesh.pp=1", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.tp=1"], []),
     "tp4": (4, ["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], []),
     "pp4_interleaved_1f1b": (4, ["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp_schedule=interleaved_1f1b"],
@@ -53,8 +56,8 @@ def _reference(model: list[str], data_path: str, tmp_path_factory) -> tuple[list
 
 
 def mesh_run(name: str, data_path: str) -> list[str]:
-    """The overrides of MESHES[name]'s run (a shared run: tests/multiproc/test_activation_checkpointing.py's
-    reference is the pp2_dp_shard2_tp2 one)."""
+    """The overrides of MESHES[name]'s run (a shared run: the pp2_dp_shard2_tp2 one is also the reference of
+    tests/multiproc/test_activation_checkpointing.py, test_mixed_precision.py and test_resume_e2e.py)."""
     world, mesh, model = MESHES[name]
     return [*COMMON, *model, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"]
 
@@ -75,12 +78,14 @@ def test_losses_equal_the_single_process_run(name: str, data_path: str, tmp_path
 
 
 def test_default_run_learns_and_writes_its_run_dir(data_path: str, shared_run) -> None:
-    # The default mesh at DEFAULT_STEPS (20): also test_mixed_precision's fp32 run, trained once per session.
-    run = shared_run([*DEFAULT_RUN, f"data.path={data_path}"])
+    # The default mesh (pp2 * dp_shard2 * tp2): MESHES' shared run, which test_losses_equal_the_single_process_run,
+    # test_activation_checkpointing, test_mixed_precision (its fp32 side) and test_resume_e2e read too. (Until
+    # 2026-12-05 a 20-step run of its own, shared with test_mixed_precision only: the loss fell 6.10 -> 4.51.)
+    run = shared_run(mesh_run("pp2_dp_shard2_tp2", data_path))
     m = run.metrics()
-    assert [r["step"] for r in m] == list(range(1, DEFAULT_STEPS + 1))
+    assert [r["step"] for r in m] == list(range(1, STEPS + 1))
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "eta_s"} <= set(m[0])
     first, last = sum(r["loss"] for r in m[:3]) / 3, sum(r["loss"] for r in m[-3:]) / 3
-    assert last < first - 1.0, (first, last)  # the loss visibly falls
+    assert last < first - 0.3, (first, last)  # the loss visibly falls (5.99 -> 5.49 in 8 steps, 2026-12-05)
     assert (run.run_dir / "config.yaml").read_text().count("pp_schedule: 1f1b") == 1
-    assert f"step {DEFAULT_STEPS}/{DEFAULT_STEPS} | loss" in run.stdout
+    assert f"step {STEPS}/{STEPS} | loss" in run.stdout

@@ -67,11 +67,19 @@ def test_a_failure_path_that_cannot_write_still_exits_75_and_the_launcher_ends_t
                                 "failure.restarts_in_allocation=0"])
         try:
             wait_for_step(run_dir, 2, proc)
+            reporter = _beat(run_dir, 0)["pid"]
             victim.append(_beat(run_dir, 1)["pid"])
             os.kill(victim[0], signal.SIGSTOP)
             stopped_at = time.monotonic()
             # rank 0 notices in seconds, cannot write stacks, claim or decision (EROFS) and exits 75
-            # anyway; the launcher then stops the stopped rank (SIGTERM, SIGKILL after its grace).
+            # anyway; the launcher reaps it and stops the stopped rank (SIGTERM, SIGKILL after its 10 s grace).
+            # Once rank 0 is reaped, rank 1 may run again (SIGCONT), so that the launcher's SIGTERM ends it
+            # without waiting out the grace (a rank that stays stopped until the SIGKILL is
+            # tests/multiproc/test_failure_local.py's SIGSTOP case); the exit code is rank 0's either way.
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{reporter}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(victim[0], signal.SIGCONT)
             out, err = proc.communicate(timeout=90)
             took = time.monotonic() - stopped_at
         finally:
@@ -102,6 +110,7 @@ def test_usr2_while_a_peer_holds_up_the_start_ends_the_attempt_promptly_and_requ
         os.kill(victim[0], signal.SIGSTOP)  # rank 0 now waits for it in rendezvous, build or load
         time.sleep(2.0)
         assert _beat(run_dir, 0)["phase"] in ("rendezvous", "build", "load")
+        reporter = _beat(run_dir, 0)["pid"]
         os.kill(proc.pid, signal.SIGUSR2)  # the launcher forwards it to both ranks
         sent_at = time.monotonic()
         decision = run_dir / "incidents/local.0/decision.json"
@@ -110,6 +119,13 @@ def test_usr2_while_a_peer_holds_up_the_start_ends_the_attempt_promptly_and_requ
         decided_after_s = time.monotonic() - sent_at
         assert decision.exists(), "no decision 30 s after USR2 (the start-up wait is failure.init_timeout_s, 300 s)"
         assert decided_after_s < 10, decided_after_s
+        # Once the launcher has reaped rank 0 (exit 75) it stops the stopped rank 1: SIGTERM, then SIGKILL after a
+        # 10 s grace (tests/multiproc/test_failure_local.py's SIGSTOP case waits that out); here the test kills it
+        # at once, which changes neither the decision nor the ledger (a SIGKILLed rank writes nothing).
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{reporter}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(victim[0], signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
         _finish(proc, victim)
