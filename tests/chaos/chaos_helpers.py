@@ -14,6 +14,7 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
+from jobs.failure.policy import read_decision
 from tests.conftest import assert_states_bitwise, run_train
 from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 
@@ -147,6 +148,15 @@ def take_node_down(node: str, rank_pids: list[int]) -> None:
     os.kill(int((SLURM_RUN / f"slurmd-{node}.pid").read_text().strip()), signal.SIGKILL)
     for pid in rank_pids:
         os.kill(pid, signal.SIGKILL)
+
+
+def declare_down_after_decision(run_dir: Path, attempt: str, node: str, *, timeout: float = STEP_S) -> None:
+    """Once `attempt` has published its decision (after its probe found the lost `node` silent, after its requeue
+    if it requeued), `node` is set DOWN with scontrol: what Slurm does by itself SlurmdTimeout (30 s on the test
+    cluster) after the node's last answer, through the same controller path (the node leaves its jobs, their steps
+    on it end), here without waiting that timeout out in full. The job's own handling of the loss is over by then."""
+    assert read_decision(run_dir, attempt, wait_s=timeout) is not None, f"{attempt}: no decision within {timeout} s"
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=chaos: taken down"], check=True)
 
 
 def bring_nodes_back() -> None:

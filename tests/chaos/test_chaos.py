@@ -15,8 +15,8 @@ import pytest
 
 from jobs.telemetry.phases import SLOW_PHASE_VAR
 from tests.chaos.chaos_helpers import (DONE_S, STEP_S, assert_bitwise_equal_to_reference, bound_s,
-                                       bring_nodes_back, common, events, rank_pid, status, submit,
-                                       take_node_down, wait_for_step, wait_job_done)
+                                       bring_nodes_back, common, declare_down_after_decision, events, rank_pid,
+                                       status, submit, take_node_down, wait_for_step, wait_job_done)
 from tests.slurm.slurm_helpers import cli, scontrol_job
 
 # Each test's own waits (wait_for_step, wait_job_done, and its first use of the shared reference run) are
@@ -68,6 +68,7 @@ def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finish
     wait_for_step(run_root, 40)
     try:
         take_node_down("node2", [rank_pid(run_root, f"{job}.0", 1)])
+        declare_down_after_decision(run_root, f"{job}.0", "node2")  # not SlurmdTimeout later: the job waits on it
         recs = wait_job_done(job, timeout=NODE_DOWN_DONE_S)
     finally:
         bring_nodes_back()

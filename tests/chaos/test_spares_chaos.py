@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (STEP_S, assert_bitwise_equal_to_reference, bound_s, bring_nodes_back, events,
-                                       rank_pid, status, submit, take_node_down, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (STEP_S, assert_bitwise_equal_to_reference, bound_s, bring_nodes_back,
+                                       declare_down_after_decision, events, rank_pid, status, submit, take_node_down,
+                                       wait_for_step, wait_job_done)
 from checkpoint.config import memory_root
 from jobs.launch.rundir import run_id
 from tests.slurm.slurm_helpers import scontrol_job
 
-SWAP_DONE_S = 600  # Slurm declares the node down SlurmdTimeout (30 s) after its last answer; the rest is training
+SWAP_DONE_S = 600  # the test sets the node DOWN once the job decided (Slurm: SlurmdTimeout later); the rest is training
 FS_EVERY = 25  # chaos_helpers.BASE: checkpoint.every_steps
 # A RAM save of every step (checkpoint.memory_every_steps=1), each rank's copied to the other node.
 RAM = ["checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=1"]
@@ -82,6 +83,7 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
             shutil.rmtree(ram_root / "node2")  # its RAM goes with it
         finally:
             os.kill(rank0, signal.SIGCONT)
+        declare_down_after_decision(run_root, f"{job}.0", "node2")  # Slurm's own, SlurmdTimeout later, ends step 0
         recs = wait_job_done(job, timeout=SWAP_DONE_S)
     finally:
         bring_nodes_back()
