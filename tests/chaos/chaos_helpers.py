@@ -22,6 +22,12 @@ from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 # rest is what the job trains after its recovery. (The time-limit case stalls its steps instead of running
 # longer: Slurm's warning comes 30-60 s into an attempt, so the run must outlast one on any machine.)
 STEPS = 100
+# The cases whose fault is a kill, a requeue or a stop that acts at once run 60 steps: the fault at step 30 (past the
+# save at 25, 30 steps before the end), then 30-35 steps trained after the recovery, against their own reference
+# (made once per session). The rest stay at STEPS: a preemption waits for the scheduler, the sbatch and supervisor
+# cases need a second fault after the first recovery, the time-limit case stalls every step.
+SHORT_STEPS = 60
+SHORT_FAULT_STEP = 30
 # Bounds of the waits (seconds): each fires with its own message, and a test's pytest-timeout marker
 # (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
 REFERENCE_S, STEP_S, DONE_S = 300, 180, 360
@@ -150,13 +156,27 @@ def take_node_down(node: str, rank_pids: list[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def declare_down_after_decision(run_dir: Path, attempt: str, node: str, *, timeout: float = STEP_S) -> None:
+def declare_down_after_decision(run_dir: Path, attempt: str, node: str, *, survivors: list[int],
+                                timeout: float = STEP_S) -> None:
     """Once `attempt` has published its decision (after its probe found the lost `node` silent, after its requeue
-    if it requeued), `node` is set DOWN with scontrol: what Slurm does by itself SlurmdTimeout (30 s on the test
-    cluster) after the node's last answer, through the same controller path (the node leaves its jobs, their steps
-    on it end), here without waiting that timeout out in full. The job's own handling of the loss is over by then."""
+    if it requeued) and its surviving ranks (pids `survivors`) have exited, `node` is set DOWN with scontrol: what
+    Slurm does by itself SlurmdTimeout (30 s on the test cluster) after the node's last answer, through the same
+    controller path (the node leaves its jobs, their steps on it end), here without waiting that timeout out in
+    full. The job's own handling of the loss is over by then, as it is when the timeout expires."""
+    deadline = time.monotonic() + timeout
     assert read_decision(run_dir, attempt, wait_s=timeout) is not None, f"{attempt}: no decision within {timeout} s"
+    while alive := [pid for pid in survivors if _running(pid)]:
+        assert time.monotonic() < deadline, f"{attempt}: rank pid(s) {alive} still running {timeout} s on"
+        time.sleep(0.1)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=chaos: taken down"], check=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def bring_nodes_back() -> None:
