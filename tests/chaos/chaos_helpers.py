@@ -145,6 +145,7 @@ def status(run_dir: Path) -> str:
     return r.stdout
 
 
+SLURMD_TIMEOUT_S = 30  # scripts/slurm: SlurmdTimeout, after which Slurm sets a silent node DOWN itself
 SLURM_RUN = Path(os.environ.get("SLURM_CI_ROOT", "/var/tmp/meshjob-slurm")) / "run"
 
 
@@ -156,19 +157,30 @@ def take_node_down(node: str, rank_pids: list[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def declare_down_after_decision(run_dir: Path, attempt: str, node: str, *, survivors: list[int],
+def declare_down_after_decision(run_dir: Path, attempt: str, node: str, *, job: str, survivors: list[int],
                                 timeout: float = STEP_S) -> None:
     """Once `attempt` has published its decision (after its probe found the lost `node` silent, after its requeue
-    if it requeued) and its surviving ranks (pids `survivors`) have exited, `node` is set DOWN with scontrol: what
-    Slurm does by itself SlurmdTimeout (30 s on the test cluster) after the node's last answer, through the same
-    controller path (the node leaves its jobs, their steps on it end), here without waiting that timeout out in
-    full. The job's own handling of the loss is over by then, as it is when the timeout expires."""
-    deadline = time.monotonic() + timeout
+    if it requeued), its surviving ranks (pids `survivors`) have exited and, if the job is completing, only `node`
+    holds it, `node` is set DOWN with scontrol: what Slurm does by itself SlurmdTimeout (30 s on the test cluster)
+    after the node's last answer, through the same controller path (the node leaves its jobs, their steps on it
+    end), here without waiting that timeout out in full. The job's own handling of the loss is over by then, as it
+    is when the timeout expires (set DOWN while node1 still ran the old batch script, the requeued job started
+    and that script's exit 1 ended it FAILED); what is still running SLURMD_TIMEOUT_S after the decision does not
+    hold it up longer than Slurm would."""
     assert read_decision(run_dir, attempt, wait_s=timeout) is not None, f"{attempt}: no decision within {timeout} s"
-    while alive := [pid for pid in survivors if _running(pid)]:
-        assert time.monotonic() < deadline, f"{attempt}: rank pid(s) {alive} still running {timeout} s on"
+    deadline = time.monotonic() + SLURMD_TIMEOUT_S
+    while not _only_node_left(job, node, survivors) and time.monotonic() < deadline:
         time.sleep(0.1)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=chaos: taken down"], check=True)
+
+
+def _only_node_left(job: str, node: str, survivors: list[int]) -> bool:
+    """No survivor runs, and the job is not completing on any node but `node` (squeue lists only the nodes a
+    completing job still holds)."""
+    if any(_running(pid) for pid in survivors):
+        return False
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %N"], capture_output=True, text=True).stdout.split()
+    return not out or out[0] != "COMPLETING" or out[1:] == [node]
 
 
 def _running(pid: int) -> bool:

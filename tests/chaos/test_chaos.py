@@ -70,7 +70,8 @@ def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finish
     try:
         take_node_down("node2", [rank_pid(run_root, f"{job}.0", 1)])
         # not SlurmdTimeout later: the requeued job waits on it
-        declare_down_after_decision(run_root, f"{job}.0", "node2", survivors=[rank_pid(run_root, f"{job}.0", 0)])
+        declare_down_after_decision(run_root, f"{job}.0", "node2", job=job,
+                                    survivors=[rank_pid(run_root, f"{job}.0", 0)])
         recs = wait_job_done(job, timeout=NODE_DOWN_DONE_S)
     finally:
         bring_nodes_back()

@@ -84,7 +84,7 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
         finally:
             os.kill(rank0, signal.SIGCONT)
         # Slurm's own, SlurmdTimeout later, ends step 0 (the supervisor's SIGKILL leaves it running: node2 is silent)
-        declare_down_after_decision(run_root, f"{job}.0", "node2", survivors=[rank0])
+        declare_down_after_decision(run_root, f"{job}.0", "node2", job=job, survivors=[rank0])
         recs = wait_job_done(job, timeout=SWAP_DONE_S)
     finally:
         bring_nodes_back()
