@@ -21,6 +21,12 @@ from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 # rest is what the job trains after its recovery. (The time-limit case holds its first attempt's ranks back
 # instead of running longer: Slurm's warning comes up to 60 s into an attempt, which it must outlast on any machine.)
 STEPS = 100
+# The cases whose fault is a kill, a requeue or a stop that acts at once run 60 steps: the fault at step 30 (past the
+# save at 25, 30 steps before the end), then 30-35 steps trained after the recovery, against their own reference
+# (made once per session). The rest stay at STEPS: a preemption waits for the scheduler, the sbatch and supervisor
+# cases need a second fault after the first recovery, the time-limit case stalls every step.
+SHORT_STEPS = 60
+SHORT_FAULT_STEP = 30
 # Bounds of the waits (seconds): each fires with its own message, and a test's pytest-timeout marker
 # (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
 REFERENCE_S, STEP_S, DONE_S = 300, 180, 360

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import STEPS, reference_run
+from tests.chaos.chaos_helpers import SHORT_STEPS, STEPS, reference_run
 from tests.slurm.conftest import run_root, slurm_cluster  # noqa: F401 - fixtures
 
 
@@ -31,3 +31,9 @@ def chaos_references(tmp_path_factory) -> Callable[[int], tuple[dict, Path]]:
 def reference(chaos_references) -> tuple[dict, Path]:
     """The STEPS-step reference (see chaos_references)."""
     return chaos_references(STEPS)
+
+
+@pytest.fixture
+def short_reference(chaos_references) -> tuple[dict, Path]:
+    """The SHORT_STEPS-step reference (see chaos_references)."""
+    return chaos_references(SHORT_STEPS)

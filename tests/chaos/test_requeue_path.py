@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (DONE_S, STEP_S, assert_bitwise_equal_to_reference, bound_s, events, losses,
-                                       rank_pid, submit, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (DONE_S, SHORT_FAULT_STEP, SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference,
+                                       bound_s, events, losses, rank_pid, submit, wait_for_step, wait_job_done)
 from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -41,14 +41,14 @@ def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, 
 
 
 @pytest.mark.timeout(bound_s(STEP_S, BACK_S, DONE_S))  # its own waits are the bound
-def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(run_root: Path, reference,
-                                                                                        tmp_path) -> None:
+def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(
+        run_root: Path, short_reference, tmp_path) -> None:
     # Also the chaos tier's USR2 (scancel --signal=USR2, a preemption) and hand-written quarantine cases, once
     # separate jobs with the same fault: the ranks save the stop step, the requeued job resumes there without
     # the quarantined node1 and finishes bitwise equal to the uninterrupted run.
-    job = submit(run_root)
+    job = submit(run_root, steps=SHORT_STEPS)
     try:
-        wait_for_step(run_root, 40)
+        wait_for_step(run_root, SHORT_FAULT_STEP)
         # node99 was a node once (removed from slurm.conf since); node1 is real: Slurm refuses ExcNodeList
         # naming node99, and the old requeuehold -> update -> release left the job held for good on it.
         (run_root / "quarantine.json").write_text(json.dumps([
@@ -66,7 +66,7 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
     (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
     assert {e["signal"] for e in events(run_root, "stop_requested") if e["rank"] == 0} == {"SIGUSR2"}
     assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+    assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
 
 
 def _claimer(path: Path, *, timeout: float = 120) -> dict:

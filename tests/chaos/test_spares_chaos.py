@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (STEP_S, assert_bitwise_equal_to_reference, bound_s, bring_nodes_back, events,
-                                       rank_pid, status, submit, take_node_down, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference, bound_s,
+                                       bring_nodes_back, events, rank_pid, status, submit, take_node_down,
+                                       wait_for_step, wait_job_done)
 from checkpoint.config import memory_root
 from jobs.launch.rundir import run_id
 from tests.slurm.slurm_helpers import scontrol_job
@@ -66,8 +67,8 @@ def _ranks_steps(job: str) -> list[tuple[str, str]]:
 
 
 def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_and_finishes_bitwise(
-        run_root: Path, reference, tmp_path) -> None:
-    job = submit(run_root, "launcher.spare_nodes=1", *RAM)
+        run_root: Path, short_reference, tmp_path) -> None:
+    job = submit(run_root, "launcher.spare_nodes=1", *RAM, steps=SHORT_STEPS)
     wait_for_step(run_root, 30)  # past the save at step 25
     (start,) = [e for e in events(run_root, "attempt_start") if e["attempt"] == f"{job}.0"]
     assert (start["step_nodes"], start["spares"]) == (["node1", "node2"], ["node3"]), start
@@ -113,5 +114,5 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
     assert f"spare swap after attempt {job}.0: node2 -> node3" in out
     resumed = {f[1]: f[5] for f in map(str.split, out.splitlines()) if len(f) > 5 and f[1] in (f"{job}.0", f"{job}.0.1")}
     assert resumed == {f"{job}.0": "-", f"{job}.0.1": "peer"}, out  # the `from` column: where each attempt resumed
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+    assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
     assert not ram_root.exists()  # the finished run's copies are gone, on the spare and the surviving node alike

@@ -19,7 +19,7 @@ from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
-COMMON = chaos_helpers.COMMON  # the chaos tier's job (STEPS steps); every fault here comes at step 40
+COMMON = chaos_helpers.COMMON  # the chaos tier's job (STEPS steps); the killed supervisor comes at step 40
 # `reference`: the session's uninterrupted run of it (tests/chaos/conftest.py)
 
 
@@ -44,11 +44,12 @@ def _supervisor_and_guard(run_dir: Path) -> tuple[int, int]:
     return srun_parent, procs[srun_parent][0]
 
 
-def _sbatch(run_dir: Path, style: str, *extra: str) -> str:
-    """A script rendered by `python -m jobs.sbatch --style STYLE`, submitted with plain sbatch."""
+def _sbatch(run_dir: Path, style: str, *extra: str, steps: int = chaos_helpers.STEPS) -> str:
+    """A script rendered by `python -m jobs.sbatch --style STYLE` (a `steps`-step run), submitted with plain sbatch."""
     script = run_dir / "job.sbatch"
     run_dir.mkdir(parents=True)
-    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *COMMON, *extra, f"run.dir={run_dir}")
+    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *chaos_helpers.common(steps), *extra,
+            f"run.dir={run_dir}")
     assert r.returncode == 0, r.stderr
     return subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
                           cwd="/tmp").stdout.strip()
@@ -105,12 +106,13 @@ def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_
 
 @pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_torchrun_style_under_an_admins_requeue_leaves_sigterm_to_the_ranks_which_save_and_finish_bitwise(
-        run_root: Path, reference, tmp_path) -> None:
+        run_root: Path, short_reference, tmp_path) -> None:
     # torch's agent catches SIGTERM and SIGKILLs its ranks after its shutdown timeout (30 s by default): a save
     # longer than that was cut off. The timeout at 0 here makes that visible in seconds: before the fix no rank
     # saved the stop step and the requeued job resumed from an older checkpoint.
-    job = _sbatch(run_root, "torchrun", "+cluster.env.TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0")
-    wait_for_step(run_root, 40)
+    job = _sbatch(run_root, "torchrun", "+cluster.env.TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0",
+                  steps=chaos_helpers.SHORT_STEPS)
+    wait_for_step(run_root, chaos_helpers.SHORT_FAULT_STEP)
     subprocess.run(["scontrol", "requeue", job], check=True)
     recs = wait_job_done(job)
     assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
@@ -119,7 +121,7 @@ def test_torchrun_style_under_an_admins_requeue_leaves_sigterm_to_the_ranks_whic
     assert [e["step"] for e in events(run_root, "checkpoint_loaded")] == [stop]
     agent_logs = "".join(p.read_text() for p in (run_root / "slurm").glob(f"{job}_r0_node*.err"))
     assert "death signal" not in agent_logs, agent_logs[-2000:]
-    assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
+    assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
 
 
 @pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import STEPS, events, losses, rank_pid, submit, wait_for_step, wait_job_done
+from tests.chaos.chaos_helpers import events, losses, rank_pid, submit, wait_for_step, wait_job_done
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -22,6 +22,10 @@ HANG_TIMEOUT_S = 20.0  # conf/failure/debug.yaml (heartbeat_s 1.0)
 # The two tests below that wait out a whole hang timeout (a save held 1.5 of them; the supervisor's wait for a
 # decision after a rank exited) run with this shorter one: what they prove is relative to it, not to 20 s.
 SHORT_HANG_S = 10.0
+# No reference run here: each case runs only as many steps as its fault needs (saves every 25 steps). A rank stopped
+# at step 30, past the save at 25, leaves 30 steps of margin before the end and 35 steps to retrain (at step 40 of
+# 100 before: 75); the final save is frozen 10 steps before the end, 15 past the save at 25 (as at 90 of 100).
+STEPS, FINAL_STEPS = 60, 50
 
 
 def _states(recs: list[dict]) -> list[str]:
@@ -29,8 +33,8 @@ def _states(recs: list[dict]) -> list[str]:
 
 
 def test_a_sigstopped_rank_is_named_from_its_missed_heartbeats_in_seconds(run_root: Path) -> None:
-    job = submit(run_root, "failure.missed_beats=3")
-    wait_for_step(run_root, 40)
+    job = submit(run_root, "failure.missed_beats=3", steps=STEPS)
+    wait_for_step(run_root, 30)
     pid = rank_pid(run_root, f"{job}.0", 1)
     os.kill(pid, signal.SIGSTOP)  # its sockets stay open: rank 0 sees no connection reset
     t_stop = time.time()
@@ -57,10 +61,10 @@ def test_a_final_save_held_longer_than_the_hang_timeout_completes(run_root: Path
         pytest.skip(f"cannot loop-mount an ext4 image here (needs root and /dev/loop*): {p.stderr.strip()}")
     frozen, held_s = False, 1.5 * SHORT_HANG_S
     try:
-        job = submit(run_root, f"failure.hang_timeout_s={SHORT_HANG_S}")
-        wait_for_step(run_root, STEPS - 10)
+        job = submit(run_root, f"failure.hang_timeout_s={SHORT_HANG_S}", steps=FINAL_STEPS)
+        wait_for_step(run_root, FINAL_STEPS - 10)
         # Every write to the checkpoints now blocks in the kernel (a parallel filesystem that stopped
-        # answering): the final save at step STEPS cannot finish until thawed.
+        # answering): the final save at step FINAL_STEPS cannot finish until thawed.
         subprocess.run(["fsfreeze", "-f", str(ckpts)], check=True, timeout=30)
         frozen = True
         time.sleep(held_s)
@@ -71,10 +75,11 @@ def test_a_final_save_held_longer_than_the_hang_timeout_completes(run_root: Path
         assert phases <= {"checkpoint_save", "checkpoint_wait"}, phases
         assert _states(recs) == ["COMPLETED"], recs
         assert not events(run_root, "failure") and not events(run_root, "decision")
-        final = [e for e in events(run_root, "checkpoint_saved") if e["step"] == STEPS]
+        final = [e for e in events(run_root, "checkpoint_saved") if e["step"] == FINAL_STEPS]
         assert len(final) == 1 and final[0]["total_s"] > SHORT_HANG_S, final
-        assert (ckpts / f"step_{STEPS}/manifest.json").exists() and not (ckpts / f"step_{STEPS}.tmp").exists()
-        assert losses(run_root).keys() == set(range(1, STEPS + 1))
+        assert (ckpts / f"step_{FINAL_STEPS}/manifest.json").exists()
+        assert not (ckpts / f"step_{FINAL_STEPS}.tmp").exists()
+        assert losses(run_root).keys() == set(range(1, FINAL_STEPS + 1))
     finally:
         if frozen:
             subprocess.run(["fsfreeze", "-u", str(ckpts)], check=False, timeout=30)
@@ -91,8 +96,8 @@ def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_decides
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
     job = None
     try:
-        job = submit(run_root, "failure.missed_beats=3", f"failure.hang_timeout_s={SHORT_HANG_S}")
-        wait_for_step(run_root, 40)
+        job = submit(run_root, "failure.missed_beats=3", f"failure.hang_timeout_s={SHORT_HANG_S}", steps=STEPS)
+        wait_for_step(run_root, 30)
         pid = rank_pid(run_root, f"{job}.0", 1)
         os.kill(pid, signal.SIGSTOP)
         # rank 0 names the hang in seconds, cannot write anything of it (EROFS) and exits 75 anyway; no
