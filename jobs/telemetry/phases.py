@@ -40,10 +40,9 @@ META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not p
 
 # TEST-ONLY fault injection (like tests/chaos): "<rank|all>:<phase>:<factor>" makes the phase timer spin
 # (burn CPU, as a slower chip would compute longer) for (factor - 1) x the phase's measured CPU time at
-# the end of that phase, so the phase costs factor x as much. "<rank|all>:<phase>:+<seconds>" instead
-# stalls the phase for a fixed time (sleeps, as a descheduled host would): a floor on the step time that
-# does not depend on the machine's speed. CPU ranks only. Read once when the timer is built; never set it
-# in a real run.
+# the end of that phase, so the phase costs factor x as much: a slow chip, which cannot come from outside
+# (a rank stopped from outside is counted apart as descheduled, see Descheduled). CPU ranks only.
+# Read once when the timer is built; never set it in a real run.
 SLOW_PHASE_VAR = "MESHJOB_TEST_SLOW_PHASE"
 
 
@@ -121,7 +120,6 @@ class SlowPhase:
     rank: int | None  # None = every rank
     phase: str
     factor: float
-    stall_s: float = 0.0  # the "+<seconds>" form: a fixed sleep at the end of the phase
 
 
 def slow_phase_from_env(rank: int, environ: dict[str, str] | None = None) -> SlowPhase | None:
@@ -135,8 +133,6 @@ def slow_phase_from_env(rank: int, environ: dict[str, str] | None = None) -> Slo
     target = None if who == "all" else int(who)
     if target not in (None, rank):
         return None
-    if factor.startswith("+"):
-        return SlowPhase(target, phase, 1.0, float(factor[1:]))
     return SlowPhase(target, phase, float(factor))
 
 
@@ -209,7 +205,6 @@ class PhaseTimer:
             until = time.process_time() + (self.slow.factor - 1.0) * (time.process_time() - c0)
             while time.process_time() < until:
                 pass
-            time.sleep(self.slow.stall_s)
         self._row[name] += time.perf_counter() - t0
         self._cpu[name] += time.process_time() - c0
         self._desched[name] += self._off.seconds - d0
