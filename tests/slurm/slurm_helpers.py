@@ -11,8 +11,10 @@ from pathlib import Path
 from jobs.launch.slurm_state import ACTIVE_STATES, job_state
 
 REPO = Path(__file__).resolve().parents[2]
+# A REQUEUED record is final: the attempt after it has its own record. So is a RESIZING one: the allocation until
+# Slurm took a failed node out of a --no-kill job (with its End); the rest of the job has its own record.
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-         "REQUEUED"}  # a REQUEUED record is final; the attempt after it has its own record
+         "REQUEUED", "RESIZING"}
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
