@@ -8,7 +8,7 @@ nodes, the tiny model, failure=debug) are submitted one after the other: one wit
 quarantine and ExcNodeList included). Once each trains, rank 1 is SIGKILLed from outside; the time
 from the kill to the `first_step` event of the next attempt is the recovery time. Prints the ratio
 (goal <= 0.3) and appends one JSON line. Both paths pay the same detection, checkpoint load and first
-step; the requeue also pays Slurm's requeue hold (cred_expire + 1 s: 11 s here, 121 s by default) and
+step; the requeue also pays Slurm's requeue hold (cred_expire + 1 s: 6 s on the local cluster, 121 s by Slurm's default) and
 the scheduler; on a busy cluster the queue wait comes on top of that, so this ratio is the best case
 for the requeue.
 """

@@ -6,8 +6,9 @@ SLURM_CI_NODES=${SLURM_CI_NODES:-3}                      # emulated nodes node1.
 SLURM_CI_CPUS=${SLURM_CI_CPUS:-4}                        # CPUs per node (more than the machine has: config_overrides)
 SLURM_CI_MEM_MB=${SLURM_CI_MEM_MB:-8000}                 # memory per node
 SLURM_CI_ACCOUNTING=${SLURM_CI_ACCOUNTING:-1}            # 1 = slurmdbd + MariaDB, so that sacct works
-SLURM_CI_CRED_EXPIRE=${SLURM_CI_CRED_EXPIRE:-10}         # credential lifetime; a requeued job is held this + 1 s
+SLURM_CI_CRED_EXPIRE=${SLURM_CI_CRED_EXPIRE:-5}          # credential lifetime (Slurm refuses < 5); a requeued job is held this + 1 s
 SLURM_CI_KILLWAIT=${SLURM_CI_KILLWAIT:-5}                # seconds between SIGTERM and SIGKILL
+SLURM_CI_SLURMD_TIMEOUT=${SLURM_CI_SLURMD_TIMEOUT:-15}   # a node that has not answered this long is set DOWN (pinged every third of it)
 SLURM_CI_GRACETIME=${SLURM_CI_GRACETIME:-30}             # preemption grace time in partition debug
 SLURM_CI_TIMEOUT=${SLURM_CI_TIMEOUT:-60}                 # seconds to wait for any daemon or node
 
