@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference, bound_s,
+from tests.chaos.chaos_helpers import (SHORT_FAULT_STEP, SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference, bound_s,
                                        bring_nodes_back, events, rank_pid, status, submit, take_node_down,
                                        wait_for_step, wait_job_done)
 from checkpoint.config import memory_root
@@ -69,7 +69,7 @@ def _ranks_steps(job: str) -> list[tuple[str, str]]:
 def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_and_finishes_bitwise(
         run_root: Path, short_reference, tmp_path) -> None:
     job = submit(run_root, "launcher.spare_nodes=1", *RAM, steps=SHORT_STEPS)
-    wait_for_step(run_root, 30)  # past the save at step 25
+    wait_for_step(run_root, SHORT_FAULT_STEP)  # past the save at step 25
     (start,) = [e for e in events(run_root, "attempt_start") if e["attempt"] == f"{job}.0"]
     assert (start["step_nodes"], start["spares"]) == (["node1", "node2"], ["node3"]), start
     rank0, rank1 = rank_pid(run_root, f"{job}.0", 0), rank_pid(run_root, f"{job}.0", 1)

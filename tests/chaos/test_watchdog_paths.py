@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import events, losses, rank_pid, submit, wait_for_step, wait_job_done
+from tests.chaos.chaos_helpers import (SHORT_FAULT_STEP, SHORT_STEPS, events, losses, rank_pid, submit, wait_for_step,
+                                       wait_job_done)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -23,9 +24,9 @@ HANG_TIMEOUT_S = 20.0  # conf/failure/debug.yaml (heartbeat_s 1.0)
 # decision after a rank exited) run with this shorter one: what they prove is relative to it, not to 20 s.
 SHORT_HANG_S = 10.0
 # No reference run here: each case runs only as many steps as its fault needs (saves every 25 steps). A rank stopped
-# at step 30, past the save at 25, leaves 30 steps of margin before the end and 35 steps to retrain (at step 40 of
-# 100 before: 75); the final save is frozen 10 steps before the end, 15 past the save at 25 (as at 90 of 100).
-STEPS, FINAL_STEPS = 60, 50
+# at SHORT_FAULT_STEP (30), past the save at 25, leaves 30 steps of margin before the end of SHORT_STEPS (60) and 35
+# steps to retrain; the final save is frozen 10 steps before the end, 15 past the save at 25 (as at 90 of 100).
+FINAL_STEPS = 50
 
 
 def _states(recs: list[dict]) -> list[str]:
@@ -33,8 +34,8 @@ def _states(recs: list[dict]) -> list[str]:
 
 
 def test_a_sigstopped_rank_is_named_from_its_missed_heartbeats_in_seconds(run_root: Path) -> None:
-    job = submit(run_root, "failure.missed_beats=3", steps=STEPS)
-    wait_for_step(run_root, 30)
+    job = submit(run_root, "failure.missed_beats=3", steps=SHORT_STEPS)
+    wait_for_step(run_root, SHORT_FAULT_STEP)
     pid = rank_pid(run_root, f"{job}.0", 1)
     os.kill(pid, signal.SIGSTOP)  # its sockets stay open: rank 0 sees no connection reset
     t_stop = time.time()
@@ -48,7 +49,7 @@ def test_a_sigstopped_rank_is_named_from_its_missed_heartbeats_in_seconds(run_ro
     assert (run_root / f"incidents/{job}.0/stacks-rank0.txt").read_text().count("Thread") >= 2
     assert _states(recs) == ["COMPLETED"], recs  # the step was killed and the ranks restarted inside the job
     assert [e["action"] for e in events(run_root, "decision")] == ["restart"]
-    assert losses(run_root).keys() == set(range(1, STEPS + 1))
+    assert losses(run_root).keys() == set(range(1, SHORT_STEPS + 1))
 
 
 def test_a_final_save_held_longer_than_the_hang_timeout_completes(run_root: Path, tmp_path: Path) -> None:
@@ -96,8 +97,8 @@ def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_decides
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
     job = None
     try:
-        job = submit(run_root, "failure.missed_beats=3", f"failure.hang_timeout_s={SHORT_HANG_S}", steps=STEPS)
-        wait_for_step(run_root, 30)
+        job = submit(run_root, "failure.missed_beats=3", f"failure.hang_timeout_s={SHORT_HANG_S}", steps=SHORT_STEPS)
+        wait_for_step(run_root, SHORT_FAULT_STEP)
         pid = rank_pid(run_root, f"{job}.0", 1)
         os.kill(pid, signal.SIGSTOP)
         # rank 0 names the hang in seconds, cannot write anything of it (EROFS) and exits 75 anyway; no
@@ -110,7 +111,7 @@ def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_decides
         assert failure["cls"] == "dead_rank" and failure["reported_by"] == -1 and failure["suspects"] == [], failure
         assert "task 0: Exited with exit code 75" in failure["summary"], failure
         assert [(e["attempt"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", "restart")]
-        assert losses(run_root).keys() == set(range(1, STEPS + 1))
+        assert losses(run_root).keys() == set(range(1, SHORT_STEPS + 1))
         log = "".join(f.read_text() for f in (run_root / "slurm").rglob("*_log.*"))
         assert "and no decision 10 s later" in log and f"decision of attempt {job}.0 not published" in log
         assert list(incidents.iterdir()) == []
