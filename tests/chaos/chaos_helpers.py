@@ -124,13 +124,15 @@ def wait_job_done(job: str, *, timeout: float = DONE_S) -> list[dict[str, str]]:
 
 def _accounted(job: str, *, wait_s: float = 30) -> list[dict[str, str]]:
     """sacct's records of a job that has left the queue, once accounting shows every one of them final (it lags
-    the queue by about 0.1 s here; this replaced a fixed 2 s sleep per chaos test), or as they are after `wait_s`
-    (the test's own assertions then show them)."""
+    the queue by about 0.1 s here; this replaced a fixed 2 s sleep per chaos test). A record still not final after
+    `wait_s` fails here, naming it: a state missing from FINAL (RESIZING was) would otherwise cost every test that
+    meets it the whole wait, unseen."""
     deadline = time.monotonic() + wait_s
     while True:
         recs = sacct(job)
-        if (recs and all(r["State"].split()[0] in FINAL for r in recs)) or time.monotonic() > deadline:
+        if recs and all(r["State"].split()[0] in FINAL for r in recs):
             return recs
+        assert time.monotonic() < deadline, f"job {job} left the queue, but sacct's records are not final after {wait_s} s: {recs}"
         time.sleep(0.1)
 
 
