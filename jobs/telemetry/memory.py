@@ -12,6 +12,10 @@ While active it holds the cyclic garbage collector off (after one collection on 
 unreachable tensors in reference cycles (left by earlier work, or inherited by a forked rank) are
 counted as live at the start and then "freed" whenever a collection happens to run, which makes
 what a block's forward leaves live come out negative (seen in CI on the tp2 plan-vs-measured case).
+A storage can be freed on any thread (gloo's and autograd's C++ threads drop the last reference to
+collective buffers, and its finalizer runs there), so the count is updated under a lock: unlocked,
+a free that interleaved with an op's allocation lost one of the two updates (a tp2 block's forward
+once measured exactly one 96 KiB activation short).
 Its Python hook on every op costs time, so on CPU only every `sample_every`-th step is tracked
 and a window without a tracked step reports nothing.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -42,14 +47,16 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self._tensors = tensors
         self._sizes: dict[int, int] = {}
+        self._lock = threading.RLock()  # frees arrive on other threads; reentrant: a finalizer may run inside
         self.current = self.peak = 0
 
     def __enter__(self) -> "LiveBytes":
         self._gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()
-        self._sizes.clear()
-        self.current = 0
+        with self._lock:
+            self._sizes.clear()
+            self.current = 0
         for t in self._tensors():
             self._track(t)
         self.peak = self.current
@@ -85,14 +92,16 @@ class LiveBytes(TorchDispatchMode):
 
     def _track_storage(self, st: torch.UntypedStorage) -> None:
         key, size = st._cdata, st.nbytes()
-        if key not in self._sizes:
-            weakref.finalize(st, self._free, key)
-        self.current += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            if key not in self._sizes:
+                weakref.finalize(st, self._free, key)
+            self.current += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+            self.peak = max(self.peak, self.current)
 
     def _free(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
+        with self._lock:
+            self.current -= self._sizes.pop(key, 0)
 
 
 def live_tensors() -> Iterator[torch.Tensor]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 
 import pytest
 import torch
@@ -47,6 +49,39 @@ def test_live_bytes_counts_what_ops_create_until_it_is_freed_or_resized():
     assert now == 400 + 1000
     assert c.numel() == 250
 
+
+
+def test_live_bytes_loses_no_update_when_storages_are_freed_on_another_thread():
+    # gloo's and autograd's C++ threads drop the last reference to collective buffers, so a storage's finalizer
+    # runs there while the main thread counts an op's output. Unlocked, `current -= ...` on one thread and
+    # `current += ...` on the other interleaved and one update was lost: a tp2 block's forward in CI measured
+    # exactly one 96 KiB activation short. Here, with a thread switch forced every microsecond, thousands were.
+    n = 20_000
+    live = LiveBytes()
+    old = [torch.UntypedStorage(8) for _ in range(n)]
+    for st in old:
+        live._track_storage(st)  # what __torch_dispatch__ and the resize_ patch call for every storage
+    new: list = []
+
+    def count_new() -> None:
+        for _ in range(n):
+            new.append(torch.UntypedStorage(8))
+            live._track_storage(new[-1])
+
+    def free_old() -> None:
+        while old:
+            old.pop()  # its finalizer runs on this thread
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=count_new), threading.Thread(target=free_old)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    finally:
+        sys.setswitchinterval(was)
+    del st  # the loop's last storage
+    assert live.current == 8 * n == sum(s.nbytes() for s in new)
 
 def _garbage_cycle(nbytes: int) -> None:
     """An unreachable tensor that only the cyclic garbage collector frees."""
