@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.interval import interval_steps, plan_interval
-from checkpoint.tiers import FILESYSTEM, MEMORY, cadence_share, memory_interval_s, tier_mtbf_s
+from checkpoint.tiers import FILESYSTEM, MEMORY, cadence_share, memory_interval_s, memory_mtbf_s, tier_mtbf_s
 
 log = logging.getLogger("meshjob.checkpoint")
 
@@ -116,7 +116,7 @@ class IntervalMixin:
         cost, step_time = float(vals[0]), float(vals[1])
         assert self.mtbf_s is not None
         share = cadence_share(self.tier_shares)
-        mtbf = tier_mtbf_s(mtbf_s=self.mtbf_s, share=share)
+        mtbf = memory_mtbf_s(mtbf_s=self.mtbf_s, shares=self.tier_shares)
         tau = memory_interval_s(mtbf_s=self.mtbf_s, shares=self.tier_shares, save_s=cost)
         self._memory_interval_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
         self._emit("checkpoint_interval", step=step, tier=MEMORY, interval_s=None if tau is None else round(tau, 6),

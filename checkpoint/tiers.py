@@ -46,6 +46,7 @@ __all__ = [
     "tier_mtbf_s",
     "tier_interval_s",
     "cadence_share",
+    "memory_mtbf_s",
     "memory_interval_s",
     "tier_goodput",
     "TierPlan",
@@ -118,11 +119,17 @@ def cadence_share(shares: dict[str, float]) -> float:
     return shares.get(MEMORY, 0.0) + shares.get(PARTNER, 0.0)
 
 
+def memory_mtbf_s(*, mtbf_s: float, shares: dict[str, float]) -> float | None:
+    """The mean time between the failures read from a copy the RAM saves make (the RAM or the partner tier: one
+    cadence); None when they cover none."""
+    return tier_mtbf_s(mtbf_s=mtbf_s, share=cadence_share(shares))
+
+
 def memory_interval_s(*, mtbf_s: float, shares: dict[str, float], save_s: float) -> float | None:
     """The RAM saves' interval, partner copies included: Daly's optimum for `save_s` (one RAM save with its partner
-    copy, when the tier makes one) and the MTBF of the failures read from either tier; None when they cover none.
+    copy, when the tier makes one) and `memory_mtbf_s`; None when they cover none.
     The CheckpointManager (checkpoint/cadence.py) and plan_tiers both call this."""
-    return tier_interval_s(save_s=save_s, mtbf_s=tier_mtbf_s(mtbf_s=mtbf_s, share=cadence_share(shares)))
+    return tier_interval_s(save_s=save_s, mtbf_s=memory_mtbf_s(mtbf_s=mtbf_s, shares=shares))
 
 
 def tier_goodput(*, interval_s: float | None, save_s: float, mtbf_s: float | None, restart_s: float) -> float:
@@ -196,7 +203,8 @@ def _memory_cadence(*, mtbf_s: float, shares: dict[str, float], costs: dict[str,
     if share <= 0:
         return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=None, restart_s=0.0)
     restart_s = sum(shares[t] * costs[t][1] for t in tiers) / share
-    return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=mtbf_s / share, restart_s=restart_s)
+    return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=memory_mtbf_s(mtbf_s=mtbf_s, shares=shares),
+                             restart_s=restart_s)
 
 
 def combined_goodput(plans: list[TierPlan]) -> float:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, plan_tiers, tier_interval_s, tier_mtbf_s,
-                              tier_shares, tiers_on)
+from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, memory_mtbf_s, plan_tiers, tier_interval_s,
+                              tier_mtbf_s, tier_shares, tiers_on)
 from jobs.config import JobConfig
 from jobs.events import read_events
 
@@ -26,10 +26,10 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
     costs, sources, known = {FILESYSTEM: (ckpt["blocking_s"], ckpt["restart_s"])}, {}, ckpt["restart_known"]
     sources[FILESYSTEM] = f"save: {ckpt['blocking_source']}; restart: {ckpt['restart_source']}"
     intervals = {FILESYSTEM: ckpt["interval_s"]} if ck.interval == "steps" else {}
+    shares = tier_shares(process_share=f.process_share, node_share=f.node_share, memory=memory, partner=partner)
     if ck.interval == "auto" and ck.async_mode != "none":  # as the single-tier plan: no sooner than a write ends
-        share = tier_shares(process_share=f.process_share, node_share=f.node_share, memory=memory,
-                            partner=partner)[FILESYSTEM]
-        tau = tier_interval_s(save_s=ckpt["blocking_s"], mtbf_s=tier_mtbf_s(mtbf_s=ckpt["mtbf_s"], share=share))
+        tau = tier_interval_s(save_s=ckpt["blocking_s"], mtbf_s=tier_mtbf_s(mtbf_s=ckpt["mtbf_s"],
+                                                                             share=shares[FILESYSTEM]))
         if tau is not None:
             intervals[FILESYSTEM] = max(tau, ckpt["write_s"])
     if memory:
@@ -48,6 +48,7 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
     return {"tiers": [r.as_dict() for r in rows], "goodput": combined_goodput(rows),
             "filesystem_only_goodput": combined_goodput(alone), "restart_known": known,
             "process_share": f.process_share, "node_share": f.node_share,
+            "cadence_mtbf_s": memory_mtbf_s(mtbf_s=ckpt["mtbf_s"], shares=shares) if memory else None,
             "interval_steps": {r.tier: max(1, round(r.interval_s / step_s)) if step_s and r.interval_s else None
                                for r in rows}}
 
@@ -115,7 +116,7 @@ def tier_lines(section: dict) -> list[str]:
             tau_steps, goodput = f"{'= ' + r['rides_on'] + ' interval':>21}", f"in {r['rides_on']}"
         L.append(f"  {r['tier']:12s} {r['save_s']:8.3f}  {covers:34s} {mtbf} {tau_steps}"
                  f" {r['restart_s']:10.1f}  {goodput}")
-    L += _cadence_lines(s["tiers"])
+    L += _cadence_lines(s["tiers"], mtbf_s=s["cadence_mtbf_s"])
     bound = "" if s["restart_known"] else " (upper bounds: a restart cost is unknown, see below)"
     L.append(f"  combined expected goodput {s['goodput']:.4f} vs filesystem tier alone {s['filesystem_only_goodput']:.4f}"
              f" ({100 * (s['goodput'] - s['filesystem_only_goodput']):+.2f} points){bound}")
@@ -124,8 +125,9 @@ def tier_lines(section: dict) -> list[str]:
     return L
 
 
-def _cadence_lines(rows: list[dict]) -> list[str]:
-    """The note under the table when partner copies ride on the RAM saves: what their one interval is made of."""
+def _cadence_lines(rows: list[dict], *, mtbf_s: float | None) -> list[str]:
+    """The note under the table when partner copies ride on the RAM saves: what their one interval is made of
+    (`mtbf_s`: the failures read from either, checkpoint.tiers.memory_mtbf_s)."""
     by = {r["tier"]: r for r in rows}
     riders = [r for r in rows if r.get("rides_on")]
     if not riders:
@@ -133,8 +135,7 @@ def _cadence_lines(rows: list[dict]) -> list[str]:
     base = by[riders[0]["rides_on"]]
     group = [base, *riders]
     save = sum(r["save_s"] for r in group)
-    rate = sum(1.0 / r["mtbf_s"] for r in group if r["mtbf_s"])
-    mtbf = f"{1.0 / rate / 3600:.2f} h" if rate else "- (none)"
+    mtbf = f"{mtbf_s / 3600:.2f} h" if mtbf_s else "- (none)"
     parts = " + ".join(f"{r['tier']} {r['save_s']:.3f}" for r in group)
     return [f"  {', '.join(r['tier'] for r in riders)} copies ride on every {base['tier']} save: one interval, Daly for"
             f" save {save:.3f} s ({parts})",

@@ -135,9 +135,15 @@ def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys)
             "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5", "launcher=slurm",
             "checkpoint.memory_replicas=1", "plan.json=true"]
     assert main([*args, "launcher.spare_nodes=1"]) in (0, 1)
-    rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
+    plan = json.loads(capsys.readouterr().out)
+    rows = {r["tier"]: r for r in plan["tiers"]["tiers"]}
     assert {t: r["failures"] for t, r in rows.items()} == {MEMORY: ["process"], PARTNER: ["node"], FILESYSTEM: ["job"]}
     assert rows[FILESYSTEM]["share"] == pytest.approx(0.1)
+    # The RAM saves' one cadence covers both classes: MTBF = job MTBF / (0.4 + 0.5), printed under the table.
+    cadence_h = plan["checkpoint"]["mtbf_s"] / 0.9 / 3600
+    assert plan["tiers"]["cadence_mtbf_s"] / 3600 == pytest.approx(cadence_h)
+    assert main([a for a in args if a != "plan.json=true"] + ["launcher.spare_nodes=1"]) in (0, 1)
+    assert f"read from either (MTBF {cadence_h:.2f} h)" in capsys.readouterr().out
     assert main([*args, "launcher.spare_nodes=0"]) in (0, 1)  # no spare: a lost node is a requeue (filesystem)
     rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
     assert set(rows) == {MEMORY, FILESYSTEM} and rows[FILESYSTEM]["failures"] == ["node", "job"]
