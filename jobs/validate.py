@@ -314,6 +314,7 @@ def _check_failure(cfg: JobConfig) -> None:
 
 def _check_metrics(cfg: JobConfig) -> None:
     """Straggler thresholds that can be met; TensorBoard installed when asked for."""
+    from jobs.telemetry.stragglers import WINDOW_STEPS
     from jobs.telemetry.tensorboard import check_tensorboard
 
     f = cfg.failure
@@ -321,6 +322,10 @@ def _check_metrics(cfg: JobConfig) -> None:
         raise ValueError(f"failure.straggler_ratio({f.straggler_ratio}) must be > 1, failure.straggler_intervals"
                          f"({f.straggler_intervals}) >= 1 and failure.straggler_min_diff_s({f.straggler_min_diff_s}) >= 0; "
                          "e.g. failure.straggler_ratio=1.1 failure.straggler_intervals=3")
+    if not 0 <= cfg.metrics.kernel_every <= WINDOW_STEPS:
+        raise ValueError(f"metrics.kernel_every({cfg.metrics.kernel_every}) must be 0 (GPU straggler checks on CUDA "
+                         f"event time) or 1..{WINDOW_STEPS}: every judged window ({WINDOW_STEPS} steps or more) needs a "
+                         "profiled step; e.g. metrics.kernel_every=10")
     check_tensorboard(cfg.metrics.tensorboard)
 
 

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: jobs.status reads the ledger through run_report, which imports this file
     import numpy as np
 
+    from jobs.telemetry.kernels import KernelSampler
+
 __all__ = ["PHASES", "PhaseTimer", "Descheduled", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
            "in_step_order", "META", "committed_rows"]
 
@@ -165,15 +167,22 @@ class PhaseTimer:
     flushed and judged: by then the stream has long passed those events (the trainer's loss/grad-norm
     all-reduce waits for the stream with `float()` every step), so reading them adds no stall. An
     event pair measures stream time between the two points: the phase's kernels, plus any gap where
-    the stream waited for the host or another stream (an NCCL wait shows up where it happens).
+    the stream waited for the host or another stream (an NCCL wait shows up where it happens). Those
+    rows go to the file. A slow rank's peers wait for it in NCCL, so their event times grow with its
+    excess: with `kernels` (metrics.kernel_every > 0, the default) the straggler checks judge instead
+    one step in every kernel_every by the device time of its compute kernels, NCCL's left out
+    (jobs/telemetry/kernels.py); the profiled step pays the profiler and one device synchronize.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], *, rank: int, attempt: str, pp: bool,
-                 device_type: str = "cpu", enabled: bool = True, slow: SlowPhase | None = None) -> None:
+                 device_type: str = "cpu", enabled: bool = True, slow: SlowPhase | None = None,
+                 kernels: KernelSampler | None = None) -> None:
         self.path = Path(run_dir) / "telemetry" / f"rank{rank}.h5"
         self.attempt, self.enabled, self.slow = attempt, enabled, slow
         self.names = phase_names(pp=pp)
         self.cuda = device_type == "cuda"
+        self._kernels = kernels if self.cuda and enabled else None  # metrics.kernel_every: what stragglers judge
+        self._steps = 0  # steps ended by this timer (the sampler profiles every kernel_every-th, the first included)
         self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
         self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks)
         self._desched: dict[str, float] = dict.fromkeys(self.names, 0.0)  # seconds descheduled (CPU ranks): judged with _cpu
@@ -193,9 +202,13 @@ class PhaseTimer:
         if self.cuda:
             import torch
 
+            k = self._kernels
+            if k is not None and not k.active and self._steps % k.every == 0 and not self._events:
+                k.begin()  # this step's first phase: the step is profiled
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
+            with k.range(name) if k is not None else contextlib.nullcontext():
+                yield
             end.record()
             self._events.append((name, start, end))
             return
@@ -218,18 +231,30 @@ class PhaseTimer:
             self._pending.append((row, self._events))
             self._events = []
         self._rows.append((step, time.time(), row, cpu))
-        self.interval.append(row if self.cuda else [c + self._desched[n] for c, n in zip(cpu, self.names)])
+        if not self.cuda:
+            self.interval.append([c + self._desched[n] for c, n in zip(cpu, self.names)])
+        elif self._kernels is None:
+            self.interval.append(row)
+        elif self._kernels.active:  # a profiled step: its compute kernels' device time
+            self.interval.append(self._kernels.end(self.names))
+        self._steps += 1
         self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
 
     def drop_step(self) -> None:
         """Forgets the open step's row (a step rolled back by the training-health check is not a step)."""
         self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
         self._events = []
+        if self._kernels is not None:
+            self._kernels.cancel()
 
     @property
     def clock(self) -> str:
-        """What the straggler checks compare: CUDA event time, or on a CPU rank `work` (CPU time plus time descheduled)."""
-        return "cuda" if self.cuda else "work"
+        """What the straggler checks compare: on a GPU the compute kernels' device time of the profiled steps
+        (`kernels`, metrics.kernel_every) or CUDA event time (`cuda`, kernel_every=0); on a CPU rank `work` (CPU
+        time plus time descheduled)."""
+        if self.cuda:
+            return "cuda" if self._kernels is None else "kernels"
+        return "work"
 
     def _read_events(self) -> None:
         """Adds the CUDA events' times to their rows (the rows are shared with `interval`)."""

@@ -13,19 +13,21 @@ from jobs.config import JobConfig
 from jobs.events import EventLog, read_events
 from jobs.failure.quarantine import add_to_quarantine
 from jobs.launch.env import DistEnv
+from jobs.telemetry.kernels import KernelSampler
 from jobs.telemetry.phases import PhaseTimer, slow_phase_from_env
 from jobs.telemetry.stragglers import Detection, StepTelemetry, StragglerDetector, baseline_key, read_baseline
 
 __all__ = ["build_step_telemetry", "baseline_path", "healthy_run"]
 
 
-def baseline_path(cfg: JobConfig, *, mesh: str, device: str, mixed_precision: str) -> Path:
-    """`failure.straggler_baseline_root/<model>_<mesh>_<cluster>_<hash>.json`."""
+def baseline_path(cfg: JobConfig, *, mesh: str, device: str, mixed_precision: str, clock: str) -> Path:
+    """`failure.straggler_baseline_root/<model>_<mesh>_<cluster>_<hash>.json`; `clock` (PhaseTimer.clock) is part of
+    the hash: a baseline in CUDA event time is not one in kernel time."""
     t = cfg.train
     shape = {"model": dataclasses.asdict(cfg.model), "global_batch": t.global_batch, "micro_batch": t.micro_batch,
              "seq_len": t.seq_len, "device": device, "mixed_precision": mixed_precision,
              "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
-             "pp_schedule": cfg.mesh.pp_schedule}
+             "pp_schedule": cfg.mesh.pp_schedule, "clock": clock}
     key = baseline_key(model=cfg.model.name, mesh=mesh, cluster=cfg.cluster.name, shape=shape)
     return Path(cfg.failure.straggler_baseline_root) / key
 
@@ -39,10 +41,11 @@ def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: 
                          device: torch.device, mixed_precision: str, pp_rank: int = 0) -> StepTelemetry:
     """Every rank builds one; with metrics.phase_timing=false it times nothing and never communicates.
     `pp_rank`: this rank's pipeline stage coordinate (the relative check compares within a stage)."""
-    f, on = cfg.failure, cfg.metrics.phase_timing
+    f, on, every = cfg.failure, cfg.metrics.phase_timing, cfg.metrics.kernel_every
+    kernels = KernelSampler(every) if device.type == "cuda" and every > 0 else None
     timer = PhaseTimer(cfg.run.dir, rank=env.rank, attempt=env.attempt, pp=pp, device_type=device.type,
-                       enabled=on, slow=slow_phase_from_env(env.rank))
-    path = baseline_path(cfg, mesh=mesh, device=device.type, mixed_precision=mixed_precision)
+                       enabled=on, slow=slow_phase_from_env(env.rank), kernels=kernels)
+    path = baseline_path(cfg, mesh=mesh, device=device.type, mixed_precision=mixed_precision, clock=timer.clock)
     where = [(env.hostname, pp_rank)] * env.world_size
     if on and env.world_size > 1:  # once per attempt: each rank's node (for the events) and pipeline stage
         dist.all_gather_object(where, (env.hostname, pp_rank))

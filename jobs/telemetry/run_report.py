@@ -264,17 +264,17 @@ def health_table(events: list[dict]) -> str:
 
 def straggler_table(events: list[dict]) -> str:
     """The run's `straggler` events: when, which check, phase, ranks and nodes, how much slower than what
-    (ms per step on the detector's clock: CPU time on CPU ranks, CUDA event time on GPUs)."""
+    (ms per step on the detector's clock: work time on CPU ranks, compute kernel or CUDA event time on GPUs)."""
     found = [e for e in events if e.get("kind") == "straggler"]
     if not found:
         return "stragglers: none found"
     lines = [f"stragglers: {len(found)}", f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
-             f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<5}  nodes"]
+             f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<7}  nodes"]
     for e in found:
         ranks = e["ranks"] if isinstance(e.get("ranks"), str) else ",".join(map(str, e.get("ranks", [])))
         lines.append(f"  {e.get('attempt', ''):<12} {e.get('step', 0):>5} {e.get('check', ''):<9} {e.get('phase', ''):<10} "
                      f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
-                     f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<5}  {','.join(e.get('nodes', []))}")
+                     f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<7}  {','.join(e.get('nodes', []))}")
     return "\n".join(lines)
 
 

@@ -16,10 +16,11 @@
 
 Both judge windows of at least WINDOW_STEPS steps (several log intervals when `train.log_every` is
 shorter), on rank 0 only: the other ranks only send their row in the step's all-reduce.
-The times compared are `PhaseTimer.clock`'s: CUDA event time on a GPU; on a CPU rank the wall time of
-the rank's own work, its CPU time plus the time it was descheduled (a rank waiting for its peers in
-gloo sleeps and counts neither; a rank stopped or throttled from outside counts the stop; see
-jobs/telemetry/phases.py). Each detection is a `straggler` event (`check` = relative | absolute); with
+The times compared are `PhaseTimer.clock`'s: on a GPU the device time of the compute kernels of one
+profiled step in every metrics.kernel_every, NCCL's left out (jobs/telemetry/kernels.py; CUDA event time
+with kernel_every=0); on a CPU rank the wall time of the rank's own work, its CPU time plus the time it
+was descheduled (a rank waiting for its peers in gloo sleeps and counts neither; a rank stopped or
+throttled from outside counts the stop; see jobs/telemetry/phases.py). Each detection is a `straggler` event (`check` = relative | absolute); with
 `failure.exclude_stragglers=true` a relative straggler's node goes on the run's quarantine list.
 The first window of an attempt (warm-up) is neither judged nor kept for the baseline.
 """

@@ -446,7 +446,7 @@ def test_exclude_stragglers_puts_the_relative_stragglers_node_on_the_quarantine_
                   master_port=0, hostname="node7")
     st = build_step_telemetry(cfg, env, events=EventLog(tmp_path / "events.jsonl"), pp=False, mesh="single",
                               device=torch.device("cpu"), mixed_precision="fp32")
-    assert st.baseline_path == baseline_path(cfg, mesh="single", device="cpu", mixed_precision="fp32")
+    assert st.baseline_path == baseline_path(cfg, mesh="single", device="cpu", mixed_precision="fp32", clock="work")
     assert st.baseline_path.parent == tmp_path / "baselines"  # ${cluster.run_root}/baselines
     st.on_straggler(["node7"], Detection("relative", "backward", [0], 1.3, 0.13, 0.1))
     (entry,) = quarantined(tmp_path)
