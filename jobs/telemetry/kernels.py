@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.log import get_logger
+
 __all__ = ["PREFIX", "DeviceEvent", "is_comm_kernel", "phase_device_seconds", "from_kineto", "KernelSampler"]
 
 PREFIX = "meshjob.phase."  # the record_function name of a phase's range
@@ -109,6 +111,7 @@ class KernelSampler:
             raise ValueError(f"metrics.kernel_every={every}: profile one step in every N >= 1 (0 turns it off)")
         self.every, self._activities = every, activities
         self._prof: Any = None
+        self._warned = False
         self.comm_s: dict[str, float] = {}  # the last profiled step's NCCL kernel seconds per phase
 
     @property
@@ -116,11 +119,21 @@ class KernelSampler:
         return self._prof is not None
 
     def begin(self) -> None:
+        """Starts profiling the step. A profiler that cannot start (one of the user's is already running) leaves the
+        step unprofiled, with one warning: a window without a profiled step is not judged."""
         from torch.profiler import ProfilerActivity, profile
 
         acts = list(self._activities or (ProfilerActivity.CPU, ProfilerActivity.CUDA))
-        self._prof = profile(activities=acts, record_shapes=False, profile_memory=False, with_stack=False)
-        self._prof.start()
+        prof = profile(activities=acts, record_shapes=False, profile_memory=False, with_stack=False)
+        try:
+            prof.start()
+        except RuntimeError as e:
+            if not self._warned:
+                self._warned = True
+                get_logger().warning("metrics.kernel_every: the profiler did not start (%s); steps it cannot profile "
+                                     "are not judged for stragglers", e)
+            return
+        self._prof = prof
 
     def range(self, name: str) -> contextlib.AbstractContextManager:
         if self._prof is None:

@@ -138,3 +138,22 @@ def test_kernel_every_is_checked_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"metrics.kernel_every\(21\) must be 0 .* or 1..20"):
         validate(compose(["mesh=single", "launcher.tasks_per_node=1", "metrics.kernel_every=21"]))
     validate(compose(["mesh=single", "launcher.tasks_per_node=1", "metrics.kernel_every=0"]))
+
+
+def test_a_profiler_that_cannot_start_leaves_the_step_unprofiled_and_its_window_unjudged(tmp_path: Path, monkeypatch,
+                                                                                         caplog) -> None:
+    import torch.profiler
+
+    def refuse(self):
+        raise RuntimeError("Profiler is already enabled")  # e.g. the user's own torch.profiler around training
+
+    monkeypatch.setattr(torch.profiler.profile, "start", refuse)
+    k = _Kernels(every=1)
+    t = _timer(tmp_path, monkeypatch, k)
+    for step in (1, 2):
+        with t.phase("forward"):
+            pass
+        t.end_step(step)
+    assert not k.active and k.seen == []
+    assert torch.isnan(torch.as_tensor(t.take_interval())).all()  # nothing to judge, rather than event time
+    assert sum("the profiler did not start" in r.message for r in caplog.records) == 1
