@@ -4,7 +4,8 @@ Run first on a machine that never ran meshjob (under two minutes on one GPU), so
 full check shows up before it spends its window: this torch's API gaps, disk write speed, strict determinism
 with bf16 autocast + full activation checkpointing + fused AdamW run twice bitwise, a one-rank
 `cuda:nccl,cpu:gloo` world with the 5-axis mesh, its timeouts read back, FSDP2 in bf16 and a flight-recorder
-dump, then the real trainer saving and resuming bitwise. A check runs as `python scripts/gpu_preflight.py
+dump, the straggler clock (profiled compute kernels, NCCL's apart), then the real trainer saving and resuming
+bitwise. A check runs as `python scripts/gpu_preflight.py
 CHECK --device D --out DIR` and prints one JSON object as its last line; `run_preflight` runs them all.
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 # Model widths of the full check's 1B model on CUDA, two layers (the kernels it runs; fits any GPU); tiny on CPU.
 WIDE = ["model.dim=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=8192", "model.vocab_size=32000"]
-CHECKS = ("torch", "disk", "kernels", "world", "trainer")
+CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "trainer")
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -172,6 +173,21 @@ def check_kernels(device: str, out: Path) -> dict:
     return res
 
 
+def _one_rank_world(device: str) -> None:
+    """A one-rank process group on the trainer's backend for `device` (NCCL + gloo on CUDA), GPU 0."""
+    import torch
+    import torch.distributed as dist
+
+    from jobs.device import backend_for
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 def check_world(device: str, out: Path) -> dict:
     """A one-rank world on the trainer's backend with the 5-axis mesh, float64 and CPU all-reduces, our process
     group timeouts read back, FSDP2 in bf16 forward and backward, and the flight recorder dumped to a file."""
@@ -191,12 +207,7 @@ def check_world(device: str, out: Path) -> dict:
     traces = out / "nccl_traces"
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # gloo records too (on CUDA export_environ sets NCCL's)
     export_environ({}, device_type=device, trace_dir=str(traces))
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    _one_rank_world(device)
     mesh = ParallelDims(1, 1, 1, 1, 1, 1, 1).build_mesh(device)
     x = torch.ones(3, dtype=torch.float64, device=device)
     dist.all_reduce(x)
@@ -224,6 +235,38 @@ def check_world(device: str, out: Path) -> dict:
     dist.destroy_process_group()
     res["ok"] = (x.tolist() == [1.0, 1.0, 1.0] and len(res["mesh"]) == 5 and res.get("nccl_timeout_s", 42.0) == 42.0
                  and res["fsdp_out_dtype"] == "torch.bfloat16" and res["flight_recorder_entries"] > 0)
+    return res
+
+
+def check_stragglers(device: str, out: Path) -> dict:
+    """The GPU straggler clock (jobs/telemetry/kernels.py) on a one-rank world: gemms in `forward`, an all-reduce in
+    `collective`, three profiled steps; compute kernel seconds per phase (NCCL's apart), what reading the trace
+    costs. On CPU the profiler records the ranges and ops but no kernel: it passes when both ranges are found."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity
+
+    from jobs.telemetry.kernels import KernelSampler
+
+    _one_rank_world(device)
+    k = KernelSampler(1, activities=None if device == "cuda" else [ProfilerActivity.CPU])
+    a = torch.randn(2048, 2048, device=device)
+    names, rows, read_s = ["forward", "collective"], [], []
+    for _ in range(3):  # the first start initialises CUPTI
+        k.begin()
+        with k.range("forward"):
+            for _ in range(4):
+                a = (a @ a) / 2048**0.5
+        with k.range("collective"):
+            dist.all_reduce(torch.ones(1 << 22, device=device))
+        t0 = time.perf_counter()
+        rows.append(dict(zip(names, k.end(names))))
+        read_s.append(round(time.perf_counter() - t0, 4))
+    dist.destroy_process_group()
+    res = {"compute_s": rows[-1], "nccl_s": k.comm_s, "phases_seen": list(k.phases_seen),
+           "trace_events": k.trace_events, "stop_and_read_s": read_s}
+    found = res["phases_seen"] == names
+    res["ok"] = found and (device != "cuda" or (rows[-1]["forward"] > 0 and rows[-1]["collective"] == 0))
     return res
 
 

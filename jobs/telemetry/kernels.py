@@ -113,6 +113,7 @@ class KernelSampler:
         self._prof: Any = None
         self._warned = False
         self.comm_s: dict[str, float] = {}  # the last profiled step's NCCL kernel seconds per phase
+        self.trace_events, self.phases_seen = 0, ()  # the last profiled step's trace: its size, its phase ranges
 
     @property
     def active(self) -> bool:
@@ -147,7 +148,9 @@ class KernelSampler:
         step's compute kernel seconds in the order of `names`."""
         prof, self._prof = self._prof, None
         prof.stop()
-        compute, self.comm_s = phase_device_seconds(self._events(prof), names)
+        events = self._events(prof)
+        self.trace_events, self.phases_seen = len(events), tuple(e.name for e in events if e.kind == "range")
+        compute, self.comm_s = phase_device_seconds(events, names)
         return [compute[n] for n in names]
 
     def _events(self, prof: Any) -> list[DeviceEvent]:

@@ -103,10 +103,12 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     p = subprocess.run([sys.executable, "scripts/gpu_check", "--preflight", "--device", "cpu", "--out", str(tmp_path / "w")],
                        cwd=REPO, capture_output=True, text=True, timeout=400, env=ENV)
     lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert [ln.get("check") for ln in lines[:-1]] == ["torch", "disk", "kernels", "world", "trainer"], p.stdout[-3000:]
+    assert [ln.get("check") for ln in lines[:-1]] == ["torch", "disk", "kernels", "world", "stragglers", "trainer"], \
+        p.stdout[-3000:]
     assert p.returncode == 0 and lines[-1]["gpu_check"] == "preflight ok", p.stdout[-3000:] + p.stderr[-2000:]
     checks = {ln["check"]: ln for ln in lines[:-1]}
     assert checks["kernels"]["bitwise"] and checks["trainer"]["bitwise"]
     assert checks["world"]["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
     assert checks["world"]["flight_recorder_entries"] >= 2  # the float64 and the CPU all-reduce
     assert checks["disk"]["write_GBps"] > 0
+    assert checks["stragglers"]["phases_seen"] == ["forward", "collective"]  # CPU: ranges and ops, no kernels
