@@ -12,8 +12,8 @@ While active it holds the cyclic garbage collector off (after one collection on 
 unreachable tensors in reference cycles (left by earlier work, or inherited by a forked rank) are
 counted as live at the start and then "freed" whenever a collection happens to run, which makes
 what a block's forward leaves live come out negative (seen in CI on the tp2 plan-vs-measured case).
-A storage can be freed on any thread (gloo's and autograd's C++ threads drop the last reference to
-collective buffers, and its finalizer runs there), so the count is updated under a lock: unlocked,
+A storage can be freed on any thread (a C++ thread of torch's, gloo's or autograd's, can drop a tensor's
+last reference, and its finalizer then runs there), so the count is updated under a lock: unlocked,
 a free that interleaved with an op's allocation lost one of the two updates (a tp2 block's forward
 once measured exactly one 96 KiB activation short).
 Its Python hook on every op costs time, so on CPU only every `sample_every`-th step is tracked
