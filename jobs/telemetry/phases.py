@@ -169,7 +169,7 @@ class PhaseTimer:
     event pair measures stream time between the two points: the phase's kernels, plus any gap where
     the stream waited for the host or another stream (an NCCL wait shows up where it happens). Those
     rows go to the file. A slow rank's peers wait for it in NCCL, so their event times grow with its
-    excess: with `kernels` (metrics.kernel_every > 0, the default) the straggler checks judge instead
+    excess: with `kernels` (metrics.kernel_every > 0; opt-in until run on a GPU) the straggler checks judge instead
     one step in every kernel_every by the device time of its compute kernels, NCCL's left out
     (jobs/telemetry/kernels.py); the profiled step pays the profiler and one device synchronize.
     """

@@ -111,4 +111,4 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     assert checks["world"]["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
     assert checks["world"]["flight_recorder_entries"] >= 2  # the float64 and the CPU all-reduce
     assert checks["disk"]["write_GBps"] > 0
-    assert checks["stragglers"]["phases_seen"] == ["forward", "collective"]  # CPU: ranges and ops, no kernels
+    assert "no kernels on CPU" in checks["stragglers"]["skipped"]  # the GPU straggler clock: CUDA only
