@@ -30,10 +30,13 @@ from collections.abc import Callable
 from jobs.failure.heartbeat import Beat, beat_path, process_state, read_beat, write_beat
 from jobs.log import get_logger
 
-__all__ = ["Watchdog", "watched_peers", "EARLY_PHASES"]
+__all__ = ["Watchdog", "watched_peers", "EARLY_PHASES", "ENDED"]
 
 # Phases in which a stop signal ends the attempt at once (nothing trained yet, nothing to save).
 EARLY_PHASES = frozenset({"rendezvous", "build", "load"})
+# The phase of a rank's last beat when it ended its attempt cleanly: gone, not dead. A peer still in its own final
+# checkpoint wait once counted three such ranks as dead and restarted a completed attempt (CI, the partner case).
+ENDED = "ended"
 
 
 def watched_peers(rank: int, world_size: int) -> list[int]:
@@ -93,8 +96,14 @@ class Watchdog:
         self._last = time.monotonic()
         self.beat.progress_time = time.time()
 
-    def stop(self) -> None:
+    def stop(self, *, ended: bool = False) -> None:
+        """Stops both threads. `ended`: the rank ended its attempt cleanly; its heartbeat thread writes one last beat
+        saying so (waited for up to two heartbeats), which its watchers never count as stale."""
+        if ended:
+            self.beat.phase = ENDED
         self._done.set()
+        if ended and self._beater.is_alive():
+            self._beater.join(timeout=2 * self.heartbeat_s)
 
     def _write(self) -> None:
         self.beat.time = time.time()
@@ -114,6 +123,8 @@ class Watchdog:
                 self._seen.clear()  # progress: peers are alive; start counting afresh at the next wait
                 self.stale_peers = []
             if self._done.wait(self.heartbeat_s):
+                if self.beat.phase == ENDED:
+                    self._write()
                 return
 
     def _read_peers(self) -> list[int]:
@@ -121,6 +132,8 @@ class Watchdog:
         now, stale = time.monotonic(), []
         for r in self.peers:
             b = read_beat(self.run_dir, self.attempt, r)
+            if b is not None and b.phase == ENDED:
+                continue  # it ended its attempt cleanly
             t = None if b is None else b.time
             seen = self._seen.get(r)
             if seen is None or seen[0] != t:

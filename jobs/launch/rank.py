@@ -128,7 +128,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
                   exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
         # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
         _fail(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None))
-    watchdog.stop()
+    watchdog.stop(ended=outcome in ("done", "stopped"))  # peers still in their final save see it ended, not died
     health.stop()
     if outcome == "done":
         stop.ignore_from_now()

@@ -87,6 +87,27 @@ def test_a_peer_that_keeps_beating_is_never_named_while_this_rank_waits(tmp_path
     assert fired == []
 
 
+def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_its_final_wait(tmp_path: Path) -> None:
+    # CI: three ranks ended a completed attempt and exited while the fourth was still in its final checkpoint wait;
+    # their beats stopped, so it counted them dead and restarted a finished run. A clean end writes a last beat.
+    fired: list[float] = []
+    peer = _wd(tmp_path, [], rank=1).start()
+    peer.progress(8)
+    peer.stop(ended=True)  # its last beat says `ended`; it never beats again
+    last = read_beats(tmp_path, "a")[1]
+    assert last.phase == "ended"
+    last.host, last.pid = "elsewhere", 1  # as seen from another node: gone (this process's pid would look busy)
+    write_beat(beat_path(tmp_path, "a", 1), last)
+    wd = _wd(tmp_path, fired).start()
+    try:
+        wd.progress(8)
+        wd.phase("checkpoint_wait", limit_s=30.0)
+        time.sleep(1.5)  # 15 heartbeats of waiting; the peer's beat is stale by 5x missed_beats
+    finally:
+        wd.stop()
+    assert fired == []
+
+
 def _hung_write(tmp_path: Path, rank: int) -> Path:
     """The temp file of `rank`'s beat as a FIFO nobody reads: opening it blocks, as a write to a hung
     shared filesystem does."""
