@@ -4,8 +4,9 @@ Run first on a machine that never ran meshjob (under two minutes on one GPU), so
 full check shows up before it spends its window: this torch's API gaps, disk write speed, strict determinism
 with bf16 autocast + full activation checkpointing + fused AdamW run twice bitwise, a one-rank
 `cuda:nccl,cpu:gloo` world with the 5-axis mesh, its timeouts read back, FSDP2 in bf16 and a flight-recorder
-dump, the straggler clock (profiled compute kernels, NCCL's apart), then the real trainer saving and resuming
-bitwise. A check runs as `python scripts/gpu_preflight.py
+dump, the straggler clock (profiled compute kernels, NCCL's apart), the achieved rate of Llama 3 405B's matmuls
+and attention as one tp8 rank runs them (against the planner's 0.80 of peak), then the real trainer saving and
+resuming bitwise. A check runs as `python scripts/gpu_preflight.py
 CHECK --device D --out DIR` and prints one JSON object as its last line; `run_preflight` runs them all.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 # Model widths of the full check's 1B model on CUDA, two layers (the kernels it runs; fits any GPU); tiny on CPU.
 WIDE = ["model.dim=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=8192", "model.vocab_size=32000"]
-CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "trainer")
+CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "gemms", "trainer")
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -269,6 +270,84 @@ def check_stragglers(device: str, out: Path) -> dict:
     res = {"compute_s": rows[-1], "nccl_s": k.comm_s, "phases_seen": list(k.phases_seen),
            "trace_events": k.trace_events, "stop_and_read_s": read_s}
     res["ok"] = res["phases_seen"] == names and rows[-1]["forward"] > 0 and rows[-1]["collective"] == 0
+    return res
+
+
+# The question `gemms` answers (README, held-out validation): the planner runs every matmul FLOP at 0.80 of the
+# datasheet peak (one large GEMM's rate) and predicts Llama 3 405B 1.21-1.24x too fast; its tp8 shards
+# (wk/wv n=128, wo k=2048) and causal attention may run slower. Measured here at the paper's shapes (8,192 tokens
+# per microbatch); on CPU the tiny model at tp 2, which checks the mechanics only.
+GEMMS_CASE = {"cuda": ("llama3_405b", 8, 8192, "bf16"), "cpu": ("tiny", 2, 64, "fp32")}
+
+
+def _sig(x: float) -> float:
+    """`x` to 4 significant digits (a CPU's TFLOP/s are small, a GPU's large)."""
+    return float(f"{x:.4g}")
+
+
+def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
+    """Median seconds of fn(*args)'s forward and its backward to every input (autograd.grad: no accumulation)."""
+    import torch
+
+    def call():
+        torch.autograd.grad(fn(*args), args, grad)
+
+    call(), call()
+    sync()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def check_gemms(device: str, out: Path) -> dict:
+    """One tp rank's matmuls of one microbatch (every distinct nn.Linear shape, forward + both gradients, as
+    F.linear runs them) and its causal attention (SDPA, kv heads repeated as jobs/model.py does), each timed
+    alone: achieved TFLOP/s per shape, over the block weighted by FLOPs (attention included, as the planner's one
+    rate times it: the figure for `cluster.matmul_tflops[profile_key]`), and that over the planner's rate."""
+    import torch
+    import torch.nn.functional as F
+
+    from jobs.config import compose
+    from jobs.planner.gemm import linear_counts
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, peak_bf16_tflops
+
+    model, tp, tokens, dtype_name = GEMMS_CASE[device]
+    m = compose([f"model={model}"]).model
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    rows, flops, secs = [], 0.0, 0.0
+    for i, o, count in linear_counts(m, tp=tp):
+        grad = torch.randn(tokens, o, device=device, dtype=dtype)
+        t = _fwd_bwd_seconds(F.linear, (rand(tokens, i), rand(o, i)), grad, sync=sync, seconds=0.3)
+        f = 6.0 * tokens * i * o
+        rows.append({"shape": f"{tokens}x{i}@{i}x{o}", "count": count, "tflops": _sig(f / t / 1e12)})
+        flops, secs = flops + count * f, secs + count * t
+    hd, heads, kv = m.dim // m.n_heads, m.n_heads // tp, m.n_kv_heads // tp
+
+    def attention(q, k, v):
+        k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    qkv = (rand(1, heads, tokens, hd), rand(1, kv, tokens, hd), rand(1, kv, tokens, hd))
+    t_att = _fwd_bwd_seconds(attention, qkv, torch.randn(1, heads, tokens, hd, device=device, dtype=dtype), sync=sync,
+                             seconds=0.3)
+    f_att = 3.0 * tokens * tokens * 2 * heads * hd  # steptime.stage_flops: causal, half of QK^T and PV, x3 for training
+    res = {"model": model, "tp": tp, "tokens": tokens, "dtype": dtype_name, "profile_key": f"{dtype_name}.tp{tp}",
+           "linears": rows,
+           "linear_tflops": _sig(flops / secs / 1e12), "attention_tflops": _sig(f_att / t_att / 1e12),
+           "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12)}
+    if device == "cuda":
+        name = torch.cuda.get_device_properties(0).name
+        peak = peak_bf16_tflops(name)
+        res.update(gpu=name, peak_tflops=peak, planner_tflops=round(MATMUL_EFFICIENCY * peak, 1))
+        if peak:
+            res["block_over_planner"] = round(res["block_tflops"] / res["planner_tflops"], 3)
+    res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0
     return res
 
 

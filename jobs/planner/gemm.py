@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from jobs.config import ModelConfig
 
-__all__ = ["Gemm", "model_gemms", "RateFit", "fit_rate", "fit_gemm_rate", "single_rate", "predict_seconds"]
+__all__ = ["Gemm", "linear_counts", "model_gemms", "RateFit", "fit_rate", "fit_gemm_rate", "single_rate",
+           "predict_seconds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,25 +41,36 @@ class Gemm:
         return f"{self.m}x{self.k}@{self.k}x{self.n}"
 
 
-def _linears(m: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) features of every nn.Linear of the dense GQA model (jobs/model.py), the head included; the
-    embedding is a lookup, not a GEMM."""
+def _linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
+    """(in, out) features of every nn.Linear of the dense GQA model (jobs/model.py), the head included, as one
+    tensor-parallel rank of `tp` holds them (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise (out / tp),
+    wo and w2 row-wise (in / tp). The embedding is a lookup, not a GEMM."""
     if m.attention == "mla" or m.n_routed_experts > 0:
         raise ValueError(f"model={m.name}: GEMM shapes are listed for the dense GQA model only (model.attention=gqa, "
                          "model.n_routed_experts=0)")
     hd = m.dim // m.n_heads
-    block = [(m.dim, m.n_heads * hd), (m.dim, m.n_kv_heads * hd), (m.dim, m.n_kv_heads * hd), (m.n_heads * hd, m.dim),
-             (m.dim, m.ffn_dim), (m.ffn_dim, m.dim), (m.dim, m.ffn_dim)]
-    return block * m.n_layers + [(m.dim, m.vocab_size)]
+    q, kv = m.n_heads * hd, m.n_kv_heads * hd
+    if any(x % tp for x in (q, kv, m.ffn_dim, m.vocab_size)):
+        raise ValueError(f"model={m.name}: tp={tp} does not divide the heads ({m.n_heads}, {m.n_kv_heads} kv), "
+                         f"model.ffn_dim ({m.ffn_dim}) and model.vocab_size ({m.vocab_size})")
+    block = [(m.dim, q // tp), (m.dim, kv // tp), (m.dim, kv // tp), (q // tp, m.dim),
+             (m.dim, m.ffn_dim // tp), (m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp)]
+    return block * m.n_layers + [(m.dim, m.vocab_size // tp)]
 
 
-def model_gemms(m: ModelConfig, *, tokens: int) -> list[Gemm]:
-    """The GEMMs of one microbatch of `tokens` tokens (micro_batch x seq_len) through the unsharded model, forward
-    and backward: per linear (in -> out) the forward (tokens x in) @ (in x out), the input gradient
-    (tokens x out) @ (out x in) and the weight gradient (out x tokens) @ (tokens x in). Equal shapes are merged
-    (`count`). Their FLOPs are 3 x 2 x tokens x the matmul parameters (`steptime.stage_flops` without attention)."""
+def linear_counts(m: ModelConfig, *, tp: int = 1) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the model's distinct nn.Linear shapes on one tp rank, `count` of each in the model."""
+    return [(i, o, n) for (i, o), n in sorted(Counter(_linears(m, tp)).items())]
+
+
+def model_gemms(m: ModelConfig, *, tokens: int, tp: int = 1) -> list[Gemm]:
+    """The GEMMs of one microbatch of `tokens` tokens (micro_batch x seq_len) through the model on one tp rank
+    (tp=1: unsharded), forward and backward: per linear (in -> out) the forward (tokens x in) @ (in x out), the
+    input gradient (tokens x out) @ (out x in) and the weight gradient (out x tokens) @ (tokens x in). Equal shapes
+    are merged (`count`). Their FLOPs are 3 x 2 x tokens x the rank's matmul parameters (`steptime.stage_flops`
+    without attention)."""
     shapes: Counter[tuple[int, int, int]] = Counter()
-    for i, o in _linears(m):
+    for i, o in _linears(m, tp):
         shapes[(tokens, o, i)] += 1  # forward: m=tokens, n=out, k=in
         shapes[(tokens, i, o)] += 1  # input gradient
         shapes[(o, i, tokens)] += 1  # weight gradient

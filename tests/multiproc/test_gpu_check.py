@@ -103,7 +103,8 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     p = subprocess.run([sys.executable, "scripts/gpu_check", "--preflight", "--device", "cpu", "--out", str(tmp_path / "w")],
                        cwd=REPO, capture_output=True, text=True, timeout=400, env=ENV)
     lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert [ln.get("check") for ln in lines[:-1]] == ["torch", "disk", "kernels", "world", "stragglers", "trainer"], \
+    assert [ln.get("check") for ln in lines[:-1]] == ["torch", "disk", "kernels", "world", "stragglers", "gemms",
+                                                   "trainer"], \
         p.stdout[-3000:]
     assert p.returncode == 0 and lines[-1]["gpu_check"] == "preflight ok", p.stdout[-3000:] + p.stderr[-2000:]
     checks = {ln["check"]: ln for ln in lines[:-1]}
@@ -112,3 +113,7 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     assert checks["world"]["flight_recorder_entries"] >= 2  # the float64 and the CPU all-reduce
     assert checks["disk"]["write_GBps"] > 0
     assert "no kernels on CPU" in checks["stragglers"]["skipped"]  # the GPU straggler clock: CUDA only
+    gemms = checks["gemms"]  # on CPU the tiny model at tp 2: the mechanics; on a GPU Llama 3 405B's tp8 shards
+    assert (gemms["model"], gemms["tp"]) == ("tiny", 2) and sum(r["count"] for r in gemms["linears"]) == 7 * 4 + 1
+    rates = [r["tflops"] for r in gemms["linears"]] + [gemms["attention_tflops"]]
+    assert min(rates) > 0 and min(rates) <= gemms["block_tflops"] <= max(rates)  # a FLOP-weighted harmonic mean

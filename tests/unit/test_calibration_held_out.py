@@ -13,7 +13,7 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner import arith as P
-from jobs.planner.gemm import Gemm, fit_gemm_rate, fit_rate, model_gemms, predict_seconds, single_rate
+from jobs.planner.gemm import Gemm, fit_gemm_rate, fit_rate, linear_counts, model_gemms, predict_seconds, single_rate
 from jobs.planner.steptime import stage_flops
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,20 @@ def test_a_models_gemms_are_three_per_linear_and_hold_the_planners_matmul_flops(
     assert next(g.count for g in gemms if (g.m, g.n, g.k) == (tokens, 192, 64)) == 3 * m.n_layers
     with pytest.raises(ValueError, match="dense GQA model only"):
         model_gemms(compose(["model=tiny_moe"]).model, tokens=tokens)
+
+
+
+def test_a_tensor_parallel_ranks_gemms_are_its_shards_and_hold_the_planners_flops_over_tp():
+    # Llama 3 405B on one tp8 rank (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise, wo and w2 row-wise;
+    # what scripts/gpu_preflight.py's `gemms` check times on a GPU
+    m = compose(["model=llama3_405b"]).model
+    assert linear_counts(m, tp=8) == [(2048, 16384, 126), (6656, 16384, 126), (16384, 128, 252), (16384, 2048, 126),
+                                      (16384, 6656, 252), (16384, 16032, 1)]
+    stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
+    _, train, _ = stage_flops(m, stages, tokens=8192, seq_len=0, tp=8, recomputed=[])
+    assert sum(g.count * g.flops for g in model_gemms(m, tokens=8192, tp=8)) == pytest.approx(train, rel=1e-12)
+    with pytest.raises(ValueError, match="tp=3 does not divide"):
+        linear_counts(m, tp=3)
 
 
 def test_the_fit_recovers_a_per_call_cost_and_a_rate_and_never_a_negative_cost():
