@@ -151,6 +151,9 @@ class ClusterConfig:
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
     gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some of them); 0 = not modelled
+    # achieved TFLOP/s of the attention kernel (SDPA's flash backend), forward + backward, in the planner's count
+    # (causal halved, training = 3 x forward); 0 = attention at the matmul rate
+    gpu_attention_tflops: float = 0.0
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)

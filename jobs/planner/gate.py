@@ -280,7 +280,7 @@ def _step_time(x: _Draft) -> None:
     x.step.update(
         step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
         matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
-        hbm_GBps=hw.hbm_GBps, comm_sm_share=hw.comm_sm_share,
+        hbm_GBps=hw.hbm_GBps, comm_sm_share=hw.comm_sm_share, attention_tflops=hw.attention_tflops,
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
         serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["memory_bound_s"] + parts["bubble_s"]
         + sum(r["seconds"] for r in slow.comm),

@@ -16,7 +16,8 @@ from jobs.config import ClusterConfig
 
 __all__ = [
     "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
-    "MATMUL_EFFICIENCY", "NVLINK_EFFICIENCY", "COMM_SMS", "IB_EFFICIENCY", "NCCL_ALPHA_S", "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
+    "MATMUL_EFFICIENCY", "ATTENTION_SOURCE", "NVLINK_EFFICIENCY", "COMM_SMS", "IB_EFFICIENCY", "NCCL_ALPHA_S",
+    "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
 ]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -39,6 +40,9 @@ COMM_SMS = 20
 COMM_SMS_SOURCE = "20 SMs drive IB + NVLink (DeepSeek-V3 report §3.2.2) of cluster.gpu_sms"
 # Memory-bound ops run at cluster.gpu_hbm_GBps, the datasheet's HBM bandwidth (jobs.planner.traffic).
 HBM_SOURCE = "cluster.gpu_hbm_GBps (datasheet HBM bandwidth; memory-bound ops' bytes from jobs.planner.traffic)"
+# Attention runs at cluster.gpu_attention_tflops beside the cited GEMM rate: FlashAttention-2's published rate, the
+# kernel behind SDPA's flash backend (each profile cites it); a calibrated rate holds attention already.
+ATTENTION_SOURCE = "cluster.gpu_attention_tflops (FlashAttention-2's published rate, SDPA's flash backend)"
 # Latency: 46-48 us for all-reduces of 4 B..1 KiB on 2 nodes x 8 GPUs (NVIDIA/nccl#1244, NCCL 2.21, NDR IB).
 # Used for both scopes: no intra-node figure is cited, so the intra-node latency is an upper bound.
 NCCL_ALPHA_S = 46e-6
@@ -115,6 +119,7 @@ class Hardware:
     bubble_why: str = ""
     hbm_GBps: float = 0.0  # the memory-bound ops' rate (GPU datasheet); 0 = not modelled (a calibrated CPU rate holds them)
     comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
+    attention_tflops: float = 0.0  # the attention kernel's rate (planner's count); 0 = attention at matmul_tflops
 
     def link(self, op: str, scope: str) -> Link:
         return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
@@ -160,10 +165,12 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         links[key] = Link(float(v["alpha_s"]), float(v["bus_GBps"]), calibrated, int(v.get("ranks", 0)),
                           float(v.get("alpha_hop_s", 0.0)))
     key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
+    attention = 0.0  # a calibrated rate was timed on the whole model, attention included
     if cl.matmul_tflops.get(key):
         rate, source = cl.matmul_tflops[key], f"cluster.matmul_tflops.{key} {calibrated}"
     elif cl.gpu_bf16_tflops > 0 and dtype == "bf16":
         rate, source = cl.gpu_bf16_tflops * MATMUL_EFFICIENCY, MATMUL_SOURCE
+        attention = cl.gpu_attention_tflops
     else:
         return None
     for op in OPS:  # a scope the calibration could not reach (one node: no inter) borrows the other's figure
@@ -188,6 +195,7 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         pp_action_host_s=cl.pp_action_host_s,
         hbm_GBps=cl.gpu_hbm_GBps if gpu else 0.0,
         comm_sm_share=COMM_SMS / cl.gpu_sms if gpu and cl.gpu_sms > COMM_SMS else 0.0,
+        attention_tflops=attention if gpu else 0.0,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
                     f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),

@@ -103,6 +103,8 @@ def _comm_lines(plan: Plan) -> list[str]:
                  f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
                  + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+        if s.get("attention_tflops"):
+            L.append(f"  attention at {s['attention_tflops']:.4g} TFLOP/s: {H.ATTENTION_SOURCE}")
         if s.get("memory_bound_s") or s.get("interference_s"):
             L.append(f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
                      f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})")

@@ -1,5 +1,6 @@
-"""The predicted step time: compute from FLOPs at the achieved matmul rate, communication from an
-alpha-beta model per collective and mesh axis, with the overlap our recipe really has.
+"""The predicted step time: compute from FLOPs at the achieved matmul rate (attention's at the attention kernel's
+own rate on a GPU profile, `Hardware.attention_tflops`), communication from an alpha-beta model per collective
+and mesh axis, with the overlap our recipe really has.
 
 What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
   - FSDP2 prefetches the next block's all-gather while the current block computes; the first
@@ -46,7 +47,8 @@ from jobs.planner import arith as P
 from jobs.planner import traffic as T
 from jobs.planner.hardware import Hardware, axis_scope
 
-__all__ = ["StepTime", "stage_flops", "predict_rank", "predict_step", "exposed_axis", "memory_bound_s"]
+__all__ = ["StepTime", "stage_flops", "attention_flops", "flops_seconds", "predict_rank", "predict_step", "exposed_axis",
+           "memory_bound_s"]
 
 _EXPOSED_AXES = ("tp", "pp", "cp", "ep")
 
@@ -63,19 +65,35 @@ def stage_flops(m: ModelConfig, stages: list[P.StageShape], *, tokens: float, se
                 recomputed: list[int]) -> tuple[float, float, float]:
     """(forward FLOPs of one microbatch of `tokens` tokens, training FLOPs per microbatch, recompute
     FLOPs per microbatch) of the rank holding `stages`: 2 x active matmul parameters per token (over
-    tp) plus causal attention, 2 * seq_len * width / 2 per token per block; the head on the last stage.
+    tp) plus causal attention (`attention_flops`); the head on the last stage.
     Training = 3 x forward; a recomputed block runs its forward once more."""
     pc = P.count_params(m)
-    width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention == "mla" else 2 * m.dim
+    attention = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
 
     def block(i: int) -> float:
         b = pc.blocks[i]
-        return tokens * (2.0 * (b.active - b.norms) + 2.0 * seq_len * width / 2.0) / tp
+        return tokens * 2.0 * (b.active - b.norms) / tp + attention
 
     fwd = sum(block(i) for st in stages for i in st.layers)
     if any(st.last for st in stages):
         fwd += tokens * 2.0 * pc.output / tp
     return fwd, 3.0 * fwd, sum(block(i) for i in recomputed)
+
+
+def attention_flops(m: ModelConfig, *, tokens: float, seq_len: int, tp: int) -> float:
+    """Forward FLOPs of one block's attention scores and weighted sum for `tokens` tokens over tp: causal,
+    2 * seq_len * width / 2 per token (QK^T and PV, half the positions)."""
+    width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention == "mla" else 2 * m.dim
+    return tokens * 2.0 * seq_len * width / 2.0 / tp
+
+
+def flops_seconds(flops: float, attention: float, hw: Hardware) -> float:
+    """Seconds of `flops`, `attention` of which run in the attention kernel: at its own rate where the profile has
+    one (`Hardware.attention_tflops`), else all at the matmul rate."""
+    rate = hw.matmul_tflops * 1e12
+    if hw.attention_tflops <= 0:
+        return flops / rate
+    return (flops - attention) / rate + attention / (hw.attention_tflops * 1e12)
 
 
 @dataclass
@@ -178,16 +196,19 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     tp, cp, pp = shape.get("tp", 1), shape.get("cp", 1), shape.get("pp", 1)
     tokens = micro_batch * seq_len / cp
     fwd_mb, train_mb, re_mb = stage_flops(m, stages, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed)
-    rate = hw.matmul_tflops * 1e12
-    compute, recompute = microbatches * train_mb / rate, microbatches * re_mb / rate
+    att = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
+    att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
+    compute = microbatches * flops_seconds(train_mb, 3.0 * att_fwd, hw)
+    recompute = microbatches * flops_seconds(re_mb, att_re, hw)
     nm_fwd, nm_re = memory_bound_s(m, stages, hw, tokens=tokens, tp=tp, sequence_parallel=sequence_parallel and tp > 1,
                                    recomputed=recomputed, compute_bytes=compute_bytes)
     memory = microbatches * (3.0 * nm_fwd + nm_re)  # backward moves twice the forward's bytes
     units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
     totals = {"collective": "all_reduce", "axis": "world", "what": "grad norm, loss, stop flag (fp64)", "count": 1,
               "bytes": int(2 * 24 * (world - 1) / max(world, 1)), "group": world}
-    rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_s=fwd_mb / rate + nm_fwd,
-                                        train_s=(train_mb + re_mb) / rate + 3.0 * nm_fwd + nm_re, pp=pp, units=units)
+    rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_s=flops_seconds(fwd_mb, att_fwd, hw) + nm_fwd,
+                                        train_s=(compute + recompute) / max(microbatches, 1) + 3.0 * nm_fwd + nm_re, pp=pp,
+                                        units=units)
     world_scope = "intra" if world <= hw.node_ranks else "inter"
     link = hw.link("all_reduce", world_scope)
     world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
