@@ -285,12 +285,17 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
-    """Median seconds of fn(*args)'s forward and its backward to every input (autograd.grad: no accumulation)."""
+def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float, backward: bool = True) -> float:
+    """Median seconds of fn(*args)'s forward and its backward to every input (autograd.grad: no accumulation);
+    the forward alone with backward=False."""
     import torch
 
     def call():
-        torch.autograd.grad(fn(*args), args, grad)
+        if backward:
+            torch.autograd.grad(fn(*args), args, grad)
+        else:
+            with torch.no_grad():
+                fn(*args)
 
     call(), call()
     sync()
@@ -303,11 +308,24 @@ def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _stream_GBps(device: str, *, sync) -> float:
+    """Bytes an element-wise op moves per second (`y = x * 2` in bf16 on 1 GiB: read + write), the rate the planner's
+    memory-bound ops take from the datasheet (`cluster.gpu_hbm_GBps`); 64 MiB in fp32 on CPU."""
+    import torch
+
+    n = (1 << 29) if device == "cuda" else (1 << 24)
+    x = torch.ones(n, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    t = _fwd_bwd_seconds(lambda a: a * 2, (x,), None, sync=sync, seconds=0.3, backward=False)
+    return 2 * x.numel() * x.element_size() / t / 1e9
+
+
 def check_gemms(device: str, out: Path) -> dict:
     """One tp rank's matmuls of one microbatch (every distinct nn.Linear shape, forward + both gradients, as
     F.linear runs them) and its causal attention (SDPA, kv heads repeated as jobs/model.py does), each timed
     alone: achieved TFLOP/s per shape, over the block weighted by FLOPs (attention included, as the planner's one
-    rate times it: the figure for `cluster.matmul_tflops[profile_key]`), and that over the planner's rate."""
+    rate times it: the figure for `cluster.matmul_tflops[profile_key]`), and that over the planner's rate; attention's
+    own rate in the planner's count (`cluster.gpu_attention_tflops`) and an element-wise op's bytes per second
+    (`cluster.gpu_hbm_GBps`), the planner's three cited device rates, measured."""
     import torch
     import torch.nn.functional as F
 
@@ -338,7 +356,7 @@ def check_gemms(device: str, out: Path) -> dict:
                              seconds=0.3)
     f_att = 3.0 * tokens * tokens * 2 * heads * hd  # steptime.stage_flops: causal, half of QK^T and PV, x3 for training
     res = {"model": model, "tp": tp, "tokens": tokens, "dtype": dtype_name, "profile_key": f"{dtype_name}.tp{tp}",
-           "linears": rows,
+           "stream_GBps": _sig(_stream_GBps(device, sync=sync)), "linears": rows,
            "linear_tflops": _sig(flops / secs / 1e12), "attention_tflops": _sig(f_att / t_att / 1e12),
            "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12)}
     if device == "cuda":
@@ -347,7 +365,7 @@ def check_gemms(device: str, out: Path) -> dict:
         res.update(gpu=name, peak_tflops=peak, planner_tflops=round(MATMUL_EFFICIENCY * peak, 1))
         if peak:
             res["block_over_planner"] = round(res["block_tflops"] / res["planner_tflops"], 3)
-    res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0
+    res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0 and res["stream_GBps"] > 0
     return res
 
 

@@ -117,3 +117,4 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     assert (gemms["model"], gemms["tp"]) == ("tiny", 2) and sum(r["count"] for r in gemms["linears"]) == 7 * 4 + 1
     rates = [r["tflops"] for r in gemms["linears"]] + [gemms["attention_tflops"]]
     assert min(rates) > 0 and min(rates) <= gemms["block_tflops"] <= max(rates)  # a FLOP-weighted harmonic mean
+    assert gemms["stream_GBps"] > 0  # an element-wise op's bytes per second: the memory-bound ops' rate
