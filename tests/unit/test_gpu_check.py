@@ -105,6 +105,10 @@ def test_on_a_gpu_the_planner_predicts_with_a_gpu_profile_and_the_legs_train_wit
     assert pred["cluster"] == "h100_ib" and pred["step_s"] > 0 and pred["tokens_per_s"] > 0 and 0 < pred["mfu"] < 1
     assert gpu_check.predict(base, ac="none")["step_s"] is None  # what the check printed before: n/a
     assert gpu_check.plan_profile({"name": "NVIDIA A100-SXM4-80GB", "mem_gib": 80.0, "peak_bf16_tflops": 312.0})[0] == "cluster=a100_ib"
+    # the profiles' attention rate is FlashAttention-2's on the H100/A100 they cite: another peak keeps it off
+    assert "cluster.gpu_attention_tflops=0" not in gpu_check.plan_profile(facts)
+    b200 = gpu_check.plan_profile({"name": "NVIDIA B200", "mem_gib": 179.0, "peak_bf16_tflops": 2250.0})
+    assert b200[0] == "cluster=h100_ib" and "cluster.gpu_attention_tflops=0" in b200
 
 
 def test_legs_share_the_time_left_and_each_prints_its_json_line_when_it_ends(gpu_check, monkeypatch, capsys) -> None:
