@@ -43,7 +43,6 @@ def test_a_models_gemms_are_three_per_linear_and_hold_the_planners_matmul_flops(
         model_gemms(compose(["model=tiny_moe"]).model, tokens=tokens)
 
 
-
 def test_a_tensor_parallel_ranks_gemms_are_its_shards_and_hold_the_planners_flops_over_tp():
     # Llama 3 405B on one tp8 rank (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise, wo and w2 row-wise;
     # what scripts/gpu_preflight.py's `gemms` check times on a GPU

@@ -7,7 +7,9 @@ import pytest
 from jobs.cli import is_config_error
 from jobs.config import compose
 from jobs.planner import hardware as H
-from jobs.planner.gate import build_plan
+from jobs.planner.gate import build_plan, validate_for_planning
+from jobs.planner.measure import stage_shapes
+from jobs.planner.steptime import attention_flops
 
 
 def test_plan_mfu_is_no_longer_an_input():
@@ -39,24 +41,18 @@ def test_llama3_405b_step_parts_each_follow_their_own_definition():
     assert fsdp["exposed_s"] < fsdp["seconds"]  # FSDP prefetch hides all but the first gather
 
 
-
 @pytest.mark.parametrize("experiment", ["llama3_405b_8k_16384gpu", "llama3_8b"])
 def test_attention_runs_at_flashattention2s_published_rate_and_the_rest_at_the_gemm_rate(experiment):
     # SDPA's flash backend is FlashAttention-2: "up to 335 TFLOPs/s" forward + backward on H100, "up to 230" on A100
     # (Dao 2023, §4), in its count (backward 2.5x forward); ours counts backward as 2x: x 3 / 3.5
-    from jobs.planner.steptime import attention_flops
-
     cfg = compose([f"+experiment={experiment}"])
-    assert cfg.cluster.gpu_attention_tflops == pytest.approx({989.0: 335, 312.0: 230}[cfg.cluster.gpu_bf16_tflops] * 3 / 3.5,
-                                                            abs=0.05)
+    published = {989.0: 335, 312.0: 230}[cfg.cluster.gpu_bf16_tflops]  # H100, A100
+    assert cfg.cluster.gpu_attention_tflops == pytest.approx(published * 3 / 3.5, abs=0.05)
     on, off = (build_plan(compose([f"+experiment={experiment}", *ov]), measure=False).step
                for ov in ([], ["cluster.gpu_attention_tflops=0"]))
     assert off["attention_tflops"] == 0 and on["attention_tflops"] == cfg.cluster.gpu_attention_tflops
     # the difference is exactly the attention FLOPs of every microbatch (forward + backward = 3x) moved from the GEMM
     # rate to the attention rate: every block of the slowest role, at its tokens per microbatch
-    from jobs.planner.gate import validate_for_planning
-    from jobs.planner.measure import stage_shapes
-
     derived = validate_for_planning(cfg)[0]
     pp_rank = next(r["pp_rank"] for r in build_plan(cfg, measure=False).roles if r["role"] == on["slowest_role"])
     blocks = sum(len(st.layers) for st in stage_shapes(cfg, derived)[pp_rank])
