@@ -206,9 +206,9 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
     totals = {"collective": "all_reduce", "axis": "world", "what": "grad norm, loss, stop flag (fp64)", "count": 1,
               "bytes": int(2 * 24 * (world - 1) / max(world, 1)), "group": world}
+    per_mb = (compute + recompute) / max(microbatches, 1)  # one microbatch's forward, backward and recompute
     rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_s=flops_seconds(fwd_mb, att_fwd, hw) + nm_fwd,
-                                        train_s=(compute + recompute) / max(microbatches, 1) + 3.0 * nm_fwd + nm_re, pp=pp,
-                                        units=units)
+                                        train_s=per_mb + 3.0 * nm_fwd + nm_re, pp=pp, units=units)
     world_scope = "intra" if world <= hw.node_ranks else "inter"
     link = hw.link("all_reduce", world_scope)
     world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
