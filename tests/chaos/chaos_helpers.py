@@ -122,15 +122,21 @@ def wait_job_done(job: str, *, timeout: float = DONE_S) -> list[dict[str, str]]:
     raise AssertionError(f"job {job} still queued or running after {timeout} s: {sacct(job)}")
 
 
+# What a job that has left the queue ends in: a REQUEUED, RESIZING or (PreemptMode=REQUEUE, scripts/slurm/start)
+# PREEMPTED record is always followed by the record of the allocation after it. Accounting may write that one later:
+# CI once read [REQUEUED] alone for a job that had completed.
+ENDED = FINAL - {"REQUEUED", "RESIZING", "PREEMPTED"}
+
+
 def _accounted(job: str, *, wait_s: float = 30) -> list[dict[str, str]]:
-    """sacct's records of a job that has left the queue, once accounting shows every one of them final (it lags
-    the queue by about 0.1 s here; this replaced a fixed 2 s sleep per chaos test). A record still not final after
-    `wait_s` fails here, naming it: a state missing from FINAL (RESIZING was) would otherwise cost every test that
-    meets it the whole wait, unseen."""
+    """sacct's records of a job that has left the queue, once accounting shows every one of them final and the last
+    one the job's end (ENDED) (it lags the queue by about 0.1 s here; this replaced a fixed 2 s sleep per chaos
+    test). A record still not final after `wait_s` fails here, naming it: a state missing from FINAL (RESIZING was)
+    would otherwise cost every test that meets it the whole wait, unseen."""
     deadline = time.monotonic() + wait_s
     while True:
         recs = sacct(job)
-        if recs and all(r["State"].split()[0] in FINAL for r in recs):
+        if recs and all(r["State"].split()[0] in FINAL for r in recs) and recs[-1]["State"].split()[0] in ENDED:
             return recs
         assert time.monotonic() < deadline, f"job {job} left the queue, but sacct's records are not final after {wait_s} s: {recs}"
         time.sleep(0.1)

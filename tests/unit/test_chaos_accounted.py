@@ -1,6 +1,6 @@
 """The chaos tier's wait for sacct's records (tests/chaos/chaos_helpers._accounted), on canned sacct answers: a job
-resized by Slurm (a failed node taken out of a --no-kill job, the spare swap) is final at once, and a record that
-never turns final fails the wait, named, instead of costing it silently."""
+resized by Slurm (a failed node taken out of a --no-kill job, the spare swap) is final at once, a requeued job's
+record is not its end, and a record that never turns final fails the wait, named, instead of costing it silently."""
 
 from __future__ import annotations
 
@@ -37,3 +37,10 @@ def test_a_record_that_never_turns_final_fails_the_wait_naming_it(monkeypatch) -
     _sacct_answering(monkeypatch, ["REQUEUED", "SOMETHING_NEW"])
     with pytest.raises(AssertionError, match="not final after 0.3 s.*SOMETHING_NEW"):
         chaos_helpers._accounted("7", wait_s=0.3)
+
+
+def test_a_requeued_record_alone_waits_for_the_allocation_after_it(monkeypatch) -> None:
+    # CI: a requeued job had completed and left the queue, and sacct still showed only its first allocation's
+    # REQUEUED record; the wait returned it and the test read REQUEUED as the job's end
+    _sacct_answering(monkeypatch, ["REQUEUED"], ["REQUEUED"], ["REQUEUED", "COMPLETED"])
+    assert [r["State"] for r in chaos_helpers._accounted("7", wait_s=5)] == ["REQUEUED", "COMPLETED"]
