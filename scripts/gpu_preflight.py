@@ -286,27 +286,14 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float, backward: bool = True) -> float:
-    """Median seconds of fn(*args)'s forward and its backward to every input (autograd.grad: no accumulation);
-    the forward alone with backward=False."""
+def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
+    """Median seconds of fn(*args)'s forward and its backward to every input (autograd.grad: no accumulation),
+    timed as jobs.calibrate times the model."""
     import torch
 
-    def call():
-        if backward:
-            torch.autograd.grad(fn(*args), args, grad)
-        else:
-            with torch.no_grad():
-                fn(*args)
+    from jobs.planner.calibrate import _timed
 
-    call(), call()
-    sync()
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 3:
-        t0 = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return _timed(lambda: torch.autograd.grad(fn(*args), args, grad), seconds=seconds, sync=sync)
 
 
 def _stream_GBps(device: str, *, sync) -> float:
@@ -314,10 +301,11 @@ def _stream_GBps(device: str, *, sync) -> float:
     memory-bound ops take from the datasheet (`cluster.gpu_hbm_GBps`); 64 MiB in fp32 on CPU."""
     import torch
 
+    from jobs.planner.calibrate import _timed
+
     n = (1 << 29) if device == "cuda" else (1 << 24)
     x = torch.ones(n, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    t = _fwd_bwd_seconds(lambda a: a * 2, (x,), None, sync=sync, seconds=0.3, backward=False)
-    return 2 * x.numel() * x.element_size() / t / 1e9
+    return 2 * x.numel() * x.element_size() / _timed(lambda: x * 2, seconds=0.3, sync=sync) / 1e9
 
 
 def check_gemms(device: str, out: Path) -> dict:
@@ -363,8 +351,9 @@ def check_gemms(device: str, out: Path) -> dict:
         if peak:  # the planner's cited GEMM rate for this GPU
             res["planner_linear_tflops"] = round(MATMUL_EFFICIENCY * peak, 1)
             res["linear_over_planner"] = round(res["linear_tflops"] / res["planner_linear_tflops"], 3)
-        if peak == 989.0:  # Hopper SXM (H100, H200, H800): the profiles' FlashAttention-2 figure
-            att = compose(["cluster=h100_ib"]).cluster.gpu_attention_tflops
+        h100 = compose(["cluster=h100_ib"]).cluster
+        if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
+            att = h100.gpu_attention_tflops
             res.update(planner_attention_tflops=att, attention_over_planner=round(res["attention_tflops"] / att, 3))
     res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0 and res["stream_GBps"] > 0
     return res

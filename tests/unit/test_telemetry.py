@@ -53,9 +53,10 @@ def test_live_bytes_counts_what_ops_create_until_it_is_freed_or_resized():
 
 def test_live_bytes_loses_no_update_when_storages_are_freed_on_another_thread():
     # A C++ thread of torch's (gloo's, autograd's) can drop a tensor's last reference, and the storage's finalizer
-    # then runs there (seen in the tp2 case) while the main thread counts an op's output. Unlocked, `current -= ...` on one thread and
-    # `current += ...` on the other interleaved and one update was lost: a tp2 block's forward in CI measured
-    # exactly one 96 KiB activation short. With a thread switch forced every microsecond, ~300 of these 20,000 were.
+    # then runs there (seen in the tp2 case) while the main thread counts an op's output. Unlocked,
+    # `current -= ...` on one thread and `current += ...` on the other interleaved and one update was lost: a tp2
+    # block's forward in CI measured exactly one 96 KiB activation short. With a thread switch forced every
+    # microsecond, ~300 of these 20,000 were.
     n = 20_000
     live = LiveBytes()
     old = [torch.UntypedStorage(8) for _ in range(n)]
