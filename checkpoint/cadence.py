@@ -76,18 +76,29 @@ class IntervalMixin:
         if step_time <= 0:
             self._interval_steps = 1
             return
-        plan = plan_interval(delta=max(self._delta_s, 1e-6), mtbf=self._tier_mtbf(FILESYSTEM) or self.mtbf_s,
-                             restart=self.cfg.restart_s)
+        plan = plan_interval(
+            delta=max(self._delta_s, 1e-6), mtbf=self._tier_mtbf(FILESYSTEM) or self.mtbf_s, restart=self.cfg.restart_s
+        )
         self._interval_steps = interval_steps(plan.interval_s, step_time)
         self.last_plan = dict(plan.as_dict(), interval_steps=self._interval_steps, step_time_s=step_time)
-        self._emit("checkpoint_interval", step=step, tier=FILESYSTEM, **{k: round(v, 6) if isinstance(v, float) else v
-                                                                         for k, v in self.last_plan.items()})
+        self._emit(
+            "checkpoint_interval",
+            step=step,
+            tier=FILESYSTEM,
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in self.last_plan.items()},
+        )
         if self.rank == 0:
             log.info(
                 "checkpoint interval %d steps (Daly %.1f s, Young %.1f s; δ=%.3f s, MTBF=%.0f s, step %.3f s): "
                 "overhead %.2f%%, expected lost work per failure %.1f s",
-                self._interval_steps, plan.interval_s, plan.young_s, plan.delta_s, plan.mtbf_s, step_time,
-                100 * plan.checkpoint_overhead, plan.expected_lost_work_s,
+                self._interval_steps,
+                plan.interval_s,
+                plan.young_s,
+                plan.delta_s,
+                plan.mtbf_s,
+                step_time,
+                100 * plan.checkpoint_overhead,
+                plan.expected_lost_work_s,
             )
 
     def _tier_mtbf(self, tier: str) -> float | None:
@@ -119,10 +130,24 @@ class IntervalMixin:
         mtbf = memory_mtbf_s(mtbf_s=self.mtbf_s, shares=self.tier_shares)
         tau = memory_interval_s(mtbf_s=self.mtbf_s, shares=self.tier_shares, save_s=cost)
         self._memory_interval_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
-        self._emit("checkpoint_interval", step=step, tier=MEMORY, interval_s=None if tau is None else round(tau, 6),
-                   interval_steps=self._memory_interval_steps, delta_s=round(cost, 6), mtbf_s=mtbf,
-                   share=share, step_time_s=round(step_time, 6))
+        self._emit(
+            "checkpoint_interval",
+            step=step,
+            tier=MEMORY,
+            interval_s=None if tau is None else round(tau, 6),
+            interval_steps=self._memory_interval_steps,
+            delta_s=round(cost, 6),
+            mtbf_s=mtbf,
+            share=share,
+            step_time_s=round(step_time, 6),
+        )
         if self.rank == 0:
-            log.info("RAM tier interval %d steps, partner copies included (Daly %s s; δ=%.4f s, MTBF of the failures "
-                     "read from RAM or a partner %s s, step %.3f s)", self._memory_interval_steps,
-                     "-" if tau is None else f"{tau:.1f}", cost, "-" if mtbf is None else f"{mtbf:.0f}", step_time)
+            log.info(
+                "RAM tier interval %d steps, partner copies included (Daly %s s; δ=%.4f s, MTBF of the failures "
+                "read from RAM or a partner %s s, step %.3f s)",
+                self._memory_interval_steps,
+                "-" if tau is None else f"{tau:.1f}",
+                cost,
+                "-" if mtbf is None else f"{mtbf:.0f}",
+                step_time,
+            )

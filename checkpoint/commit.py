@@ -37,8 +37,17 @@ class CommitMixin:
             else:
                 log.warning("checkpoint.lustre_stripe_count=%d but `lfs` is not on PATH; striping left alone", n)
 
-    def _commit(self, step: int, tmp: Path, final: Path, fut: Future | None, err: BaseException | None,
-                t0: float, blocking_s: float | None, writer: RecordingWriter) -> None:
+    def _commit(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        fut: Future | None,
+        err: BaseException | None,
+        t0: float,
+        blocking_s: float | None,
+        writer: RecordingWriter,
+    ) -> None:
         local_err, files = None, {}
         try:
             if err is not None:
@@ -54,9 +63,17 @@ class CommitMixin:
             result = self._commit_rank0(step, tmp, final, gathered)
             if result["ok"]:  # on disk: recorded before the outcome goes out, which fails if a peer died meanwhile
                 total_s, blocking = time.perf_counter() - t0, [g[2] for g in gathered if g[2] is not None]
-                self._emit("checkpoint_saved", step=step, tier="filesystem", path=str(final), bytes=result["bytes"],
-                           files=result["files"], blocking_s=round(max(blocking) if blocking else total_s, 4),
-                           total_s=round(total_s, 4), async_mode=self.cfg.async_mode)
+                self._emit(
+                    "checkpoint_saved",
+                    step=step,
+                    tier="filesystem",
+                    path=str(final),
+                    bytes=result["bytes"],
+                    files=result["files"],
+                    blocking_s=round(max(blocking) if blocking else total_s, 4),
+                    total_s=round(total_s, 4),
+                    async_mode=self.cfg.async_mode,
+                )
         result = self._bcast(result, self._io_pg)
         if not result["ok"]:
             total_s = time.perf_counter() - t0
@@ -79,26 +96,33 @@ class CommitMixin:
                 if ".metadata" not in files:
                     raise RuntimeError(f"DCP wrote no .metadata in {tmp}")
                 nbytes = sum(f["size"] for f in files.values())
-                write_manifest(tmp, {
-                    "step": step,
-                    "time": time.time(),
-                    "world_size": self.world_size,
-                    "files": files,
-                    "bytes": nbytes,
-                    "env": self.fingerprint,
-                    "data_cursor": {"step": step},
-                    "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
-                    "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
-                    "async_mode": self.cfg.async_mode,
-                    **self.manifest_extra,
-                })  # fsyncs the manifest and the folder
+                write_manifest(
+                    tmp,
+                    {
+                        "step": step,
+                        "time": time.time(),
+                        "world_size": self.world_size,
+                        "files": files,
+                        "bytes": nbytes,
+                        "env": self.fingerprint,
+                        "data_cursor": {"step": step},
+                        "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
+                        "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
+                        "async_mode": self.cfg.async_mode,
+                        **self.manifest_extra,
+                    },
+                )  # fsyncs the manifest and the folder
                 if final.exists():
                     aside = final.with_name(f"{final.name}.uncommitted-{self.attempt}")
                     if aside.exists():
                         aside = aside.with_name(f"{aside.name}.{time.time_ns()}")
                     os.rename(final, aside)
-                    self._emit("checkpoint_moved_aside", step=step, path=str(aside),
-                               reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)")
+                    self._emit(
+                        "checkpoint_moved_aside",
+                        step=step,
+                        path=str(aside),
+                        reason="a folder of this step was in the way (uncommitted, or left by a rolled-back timeline)",
+                    )
                 os.rename(tmp, final)  # the commit
                 renamed = True
                 fsync_dir(self.folder)

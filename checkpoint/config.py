@@ -20,10 +20,14 @@ class CheckpointConfig:
     on_env_drift: str = "warn"  # warn | refuse | allow, when the environment fingerprint differs on resume
     verify: str = "checksum"  # checksum | size: how load validates shards against the manifest
     restart_s: float = 120.0  # assumed failure-to-training-again time R, for the interval's goodput estimate
-    memory_every_steps: int = 0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off (memory_interval=steps)
+    memory_every_steps: int = (
+        0  # RAM tier: every N steps each rank's shard to node-local memory; 0 = off (memory_interval=steps)
+    )
     memory_interval: str = "steps"  # RAM tier: "steps" = every `memory_every_steps`; "auto" = on, Young/Daly from its save cost and the process failures (checkpoint/tiers.py)
     memory_dir: str = "/dev/shm"  # RAM tier: node-local (tmpfs) folder; the run's copies go to meshjob-<run id>/ in it
-    memory_replicas: int | None = None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
+    memory_replicas: int | None = (
+        None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
+    )
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):
@@ -47,8 +51,10 @@ class CheckpointConfig:
         if self.memory_on and not self.memory_dir:
             raise ValueError("checkpoint.memory_dir is empty: name a node-local memory folder, e.g. /dev/shm")
         if self.memory_replicas is not None and self.memory_replicas not in (0, 1):
-            raise ValueError(f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
-                             "has more than one node): one partner copy, on the next node, is what is built")
+            raise ValueError(
+                f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
+                "has more than one node): one partner copy, on the next node, is what is built"
+            )
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
 
@@ -75,5 +81,6 @@ def replicas_for(memory_replicas: int | None, *, nodes: int, memory_on: bool) ->
     if memory_replicas > 0 and nodes < 2:
         raise CheckpointConfigError(
             f"checkpoint.memory_replicas={memory_replicas} copies each rank's RAM shard to a rank on another node, "
-            f"but the job has {nodes} node: set checkpoint.memory_replicas=0 (or null) or launcher.nodes >= 2")
+            f"but the job has {nodes} node: set checkpoint.memory_replicas=0 (or null) or launcher.nodes >= 2"
+        )
     return memory_replicas

@@ -21,16 +21,16 @@ class CheckpointConfigError(ValueError):
 def describe_error(e: BaseException, folder: Path) -> str:
     """A one-line cause; a full disk is named as such, with the free space and the fix."""
     text = f"{type(e).__name__}: {e}"
-    enospc = "No space left on device" in text or any(
-        getattr(x, "errno", None) == errno.ENOSPC for x in _chain(e)
-    )
+    enospc = "No space left on device" in text or any(getattr(x, "errno", None) == errno.ENOSPC for x in _chain(e))
     if enospc:
         try:
             free = shutil.disk_usage(folder).free
         except OSError:
             free = -1
-        return (f"no space left on device under {folder} ({free} bytes free); free space or put run.dir on a "
-                "larger filesystem")
+        return (
+            f"no space left on device under {folder} ({free} bytes free); free space or put run.dir on a "
+            "larger filesystem"
+        )
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
     return first[:500]
 

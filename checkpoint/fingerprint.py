@@ -84,9 +84,7 @@ def _nccl_version(torch: Any) -> str | None:
 def _git_state(root: Path) -> dict[str, Any]:
     def git(*args: str) -> str | None:
         try:
-            out = subprocess.run(
-                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
-            )
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return out.stdout if out.returncode == 0 else None

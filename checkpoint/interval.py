@@ -91,7 +91,9 @@ def _check(delta: float, mtbf: float) -> None:
 
 
 # Ledger events that are not failures of the machine: the job was stopped on purpose.
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})  # deliberate stops, bad input
+_NOT_FAILURES = frozenset(
+    {"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"}
+)  # deliberate stops, bad input
 
 
 def job_mtbf_s(
@@ -135,10 +137,13 @@ def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
     if not events:
         return 0, 0.0
     times = [float(e["time"]) for e in events if "time" in e]
-    failures = len({
-        e.get("attempt") or e.get("restart", 0) for e in events
-        if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in _NOT_FAILURES
-    })
+    failures = len(
+        {
+            e.get("attempt") or e.get("restart", 0)
+            for e in events
+            if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in _NOT_FAILURES
+        }
+    )
     return failures, (max(times) - min(times)) if times else 0.0
 
 

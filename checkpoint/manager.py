@@ -57,8 +57,9 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin,
-                        IntervalMixin):
+class CheckpointManager(
+    CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin, IntervalMixin
+):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -157,7 +158,9 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         checkpoints above the step loaded then belong to the abandoned timeline and are moved aside to
         `abandoned/` (`checkpoint_abandoned`), so that neither retention nor a later load counts them."""
         if len(model_parts) != len(optimizers):
-            raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part")
+            raise ValueError(
+                f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part"
+            )
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
@@ -176,17 +179,30 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         if self.rank == 0:
             try:
                 for s, d, aside in abandon_above(self.folder, step=step, attempt=self.attempt):
-                    self._emit("checkpoint_abandoned", step=s, path=str(aside), from_path=str(d), target_step=step,
-                               reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline")
+                    self._emit(
+                        "checkpoint_abandoned",
+                        step=s,
+                        path=str(aside),
+                        from_path=str(d),
+                        target_step=step,
+                        reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline",
+                    )
             except OSError as e:
                 err = describe_error(e, self.folder)
         err = self._bcast(err, self._ctl_pg)
         if err is not None:
-            raise RuntimeError(f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
-                               f"({err}); move {self.folder}/step_N (N > {step}) aside by hand and restart")
+            raise RuntimeError(
+                f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
+                f"({err}); move {self.folder}/step_N (N > {step}) aside by hand and restart"
+            )
 
-    def _bind(self, model_parts: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-              lr_schedulers: Sequence[Any], train_state: Any | None) -> None:
+    def _bind(
+        self,
+        model_parts: Sequence[torch.nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        lr_schedulers: Sequence[Any],
+        train_state: Any | None,
+    ) -> None:
         """Binds the objects later saves write, once any save in flight and any retention pass are over."""
         # A save in flight is committed (or its failure raised) and a retention pass is over before the
         # folder is listed: a later load (a rollback) must neither delete that save's tmp nor race a deletion.
@@ -216,8 +232,9 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         was partly read and none after it loaded: the bound objects may then hold a mix of checkpoints."""
         t0 = time.perf_counter()
         steps = [(s, FILESYSTEM) for s in self._candidate_steps()] + [(s, MEMORY) for s in self._memory_candidates()]
-        steps = sorted([c for c in steps if before_step is None or c[0] < before_step],
-                       key=lambda c: (-c[0], c[1] != MEMORY))  # a RAM candidate's tier may turn PARTNER below
+        steps = sorted(
+            [c for c in steps if before_step is None or c[0] < before_step], key=lambda c: (-c[0], c[1] != MEMORY)
+        )  # a RAM candidate's tier may turn PARTNER below
         touched = False
         for step, tier in steps:
             if tier == MEMORY:
@@ -226,8 +243,12 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
                 d = self.folder / f"step_{step}"
                 problems, manifest = self._validate(step, d)
             if problems:
-                self._skip(step, d, "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
-                           tier=tier)
+                self._skip(
+                    step,
+                    d,
+                    "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
+                    tier=tier,
+                )
                 continue
             if tier == FILESYSTEM:
                 self._check_drift(step, manifest)
@@ -248,15 +269,24 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
         return 0
 
-    def _loaded(self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float, *,
-                tier: str = FILESYSTEM) -> None:
+    def _loaded(
+        self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float, *, tier: str = FILESYSTEM
+    ) -> None:
         """Records a successful load (started at perf_counter `t0`) from `tier`: the save cadence resumes from
         it, and it is reported."""
         self._last_save_step = step
         self._restore_interval(manifest)
         load_s = time.perf_counter() - t0
-        self._emit("checkpoint_loaded", step=step, tier=tier, path=str(d), load_s=round(load_s, 4),
-                   bytes=manifest["bytes"], saved_world_size=manifest["world_size"], **info)
+        self._emit(
+            "checkpoint_loaded",
+            step=step,
+            tier=tier,
+            path=str(d),
+            load_s=round(load_s, 4),
+            bytes=manifest["bytes"],
+            saved_world_size=manifest["world_size"],
+            **info,
+        )
         log.info("resumed from %s (%s tier, %.2f s, resharded=%s)", d, tier, load_s, info["resharded"])
 
     def due(self, step: int, *, step_time_s: float | None = None) -> bool:
@@ -290,8 +320,11 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
                 self._prepare(tmp)
             self._barrier(self._ctl_pg)
         sd = self._save_state_dict()
-        writer = RecordingWriter(tmp, thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
-                                 collective_timeout_s=self.collective_timeout_s)
+        writer = RecordingWriter(
+            tmp,
+            thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
+            collective_timeout_s=self.collective_timeout_s,
+        )
         if self.cfg.async_mode == "none":
             err = None
             try:
@@ -303,12 +336,18 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
             blocking = time.perf_counter() - t0
         else:
             kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(sd, storage_writer=writer, process_group=self._io_pg, async_checkpointer_type=kind,
-                                  async_stager=self._stager)
+            resp = dcp.async_save(
+                sd,
+                storage_writer=writer,
+                process_group=self._io_pg,
+                async_checkpointer_type=kind,
+                async_stager=self._stager,
+            )
             blocking = time.perf_counter() - t0
             self._last_save_step = step
-            self._pending = self._pool.submit(self._commit, step, tmp, final, resp.upload_completion, None, t0,
-                                              blocking, writer)
+            self._pending = self._pool.submit(
+                self._commit, step, tmp, final, resp.upload_completion, None, t0, blocking, writer
+            )
         # The interval's save cost: an async save's blocking part plus what it took from the steps it
         # overlapped, known once the next save begins (the first save: its blocking part only).
         cost = blocking if self._prev_blocking is None else self._prev_blocking + self._excess_s
@@ -351,8 +390,9 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         try:
             manifest = read_manifest(d, step=step)
             names = sorted(manifest["files"])
-            problems = check_files(d, manifest["files"], names[self.rank :: self.world_size],
-                                   checksum=self.cfg.verify == "checksum")
+            problems = check_files(
+                d, manifest["files"], names[self.rank :: self.world_size], checksum=self.cfg.verify == "checksum"
+            )
         except ManifestError as e:
             problems = [str(e)]
         except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
@@ -390,8 +430,13 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
             if p.name.endswith(f".{self.attempt}.tmp") or f".uncommitted-{self.attempt}" in p.name:
                 continue
             shutil.rmtree(p, ignore_errors=True)
-            self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save interrupted by a crash" if tmp
-                       else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)")
+            self._emit(
+                "checkpoint_tmp_removed",
+                path=str(p),
+                reason="uncommitted save interrupted by a crash"
+                if tmp
+                else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)",
+            )
 
     def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
         diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)
@@ -400,8 +445,9 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         if not merged:
             return
         policy = self.cfg.on_env_drift
-        self._emit("checkpoint_env_drift", step=step, policy=policy, diff=merged,
-                   ranks=[r for r, d in enumerate(diffs) if d])
+        self._emit(
+            "checkpoint_env_drift", step=step, policy=policy, diff=merged, ranks=[r for r, d in enumerate(diffs) if d]
+        )
         summary = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(merged.items())[:8])
         if policy == "refuse":
             raise RuntimeError(

@@ -9,8 +9,17 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST", "FORMAT", "step_dirs", "file_record", "write_manifest", "write_synced", "read_manifest", "check_files",
-           "check_step_dir"]
+__all__ = [
+    "MANIFEST",
+    "FORMAT",
+    "step_dirs",
+    "file_record",
+    "write_manifest",
+    "write_synced",
+    "read_manifest",
+    "check_files",
+    "check_step_dir",
+]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -114,7 +123,9 @@ def read_manifest(step_dir: Path, *, step: int | None = None) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{MANIFEST} is not valid JSON ({e}); truncated?") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ManifestError(f"{MANIFEST} has format {body.get('format') if isinstance(body, dict) else '?'}, expected {FORMAT}")
+        raise ManifestError(
+            f"{MANIFEST} has format {body.get('format') if isinstance(body, dict) else '?'}, expected {FORMAT}"
+        )
     if body.get("manifest_crc32") != _self_crc(body):
         raise ManifestError(f"{MANIFEST} checksum mismatch (edited or damaged)")
     if step is not None and body.get("step") != step:

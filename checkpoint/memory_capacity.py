@@ -20,8 +20,14 @@ __all__ = ["COPIES", "MemoryCapacityMixin", "capacity_error"]
 COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
 
 
-def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, every: int,
-                   partners: list[int] | None = None, auto: bool = False) -> str | None:
+def capacity_error(
+    per_rank: list[tuple[str, int, int]],
+    *,
+    memory_dir: str,
+    every: int,
+    partners: list[int] | None = None,
+    auto: bool = False,
+) -> str | None:
     """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
     memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
     whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
@@ -43,13 +49,20 @@ def capacity_error(per_rank: list[tuple[str, int, int]], *, memory_dir: str, eve
         return None
     n = short[0]
     what = f"{ranks[n]} ranks' state" + (f" + {held[n]} partner copies" if held.get(n) else "")
-    on, off = (("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
-               if auto else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0"))
-    return (f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
-            f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
-            f"{free[n] / 2**20:.1f} MiB free there" + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
-            + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
-            + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "") + f"or set {off}")
+    on, off = (
+        ("checkpoint.memory_interval=auto", "checkpoint.memory_interval=steps checkpoint.memory_every_steps=0")
+        if auto
+        else (f"checkpoint.memory_every_steps={every}", "checkpoint.memory_every_steps=0")
+    )
+    return (
+        f"{on}: the RAM tier needs {need[n] / 2**20:.1f} MiB on node {n} "
+        f"({COPIES} copies x ({what})) but checkpoint.memory_dir={memory_dir} has "
+        f"{free[n] / 2**20:.1f} MiB free there"
+        + (f" (also short: {', '.join(short[1:])})" if len(short) > 1 else "")
+        + "; point checkpoint.memory_dir at a larger tmpfs, spread the ranks over more nodes, "
+        + ("set checkpoint.memory_replicas=0 (no partner copies), " if partners else "")
+        + f"or set {off}"
+    )
 
 
 class MemoryCapacityMixin:
@@ -85,9 +98,13 @@ class MemoryCapacityMixin:
             avail = -1
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
         gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
-        why = capacity_error(gathered, memory_dir=self.cfg.memory_dir, every=self.cfg.memory_every_steps,
-                             partners=self._partners if self._replicas else None,
-                             auto=self.cfg.memory_interval == "auto")
+        why = capacity_error(
+            gathered,
+            memory_dir=self.cfg.memory_dir,
+            every=self.cfg.memory_every_steps,
+            partners=self._partners if self._replicas else None,
+            auto=self.cfg.memory_interval == "auto",
+        )
         if why is not None:
             raise CheckpointConfigError(why)
 

@@ -12,8 +12,16 @@ from typing import Any
 from checkpoint.errors import describe_error
 from checkpoint.manifest import ManifestError, check_files, read_manifest
 from checkpoint.memory_tier import local_steps
-from checkpoint.partner import (MemoryLoad, commit_folder, exchange, folder_rank, pack_folder, plan_memory_load,
-                                plan_step, transfers)
+from checkpoint.partner import (
+    MemoryLoad,
+    commit_folder,
+    exchange,
+    folder_rank,
+    pack_folder,
+    plan_memory_load,
+    plan_step,
+    transfers,
+)
 from checkpoint.tiers import MEMORY, PARTNER
 
 __all__ = ["MemoryRestoreMixin"]
@@ -87,8 +95,9 @@ class MemoryRestoreMixin:
             mine = []
             for q, src in enumerate(plan.sources):
                 if senders.get(q, q) == self.rank and src not in checked:
-                    ps, manifests[src] = _check_copy(self.memory_root / src[1] / f"step_{step}", step, rank=q,
-                                                     checksum=self.cfg.verify == "checksum")
+                    ps, manifests[src] = _check_copy(
+                        self.memory_root / src[1] / f"step_{step}", step, rank=q, checksum=self.cfg.verify == "checksum"
+                    )
                     mine.append((src, [f"{src[0]}/{src[1]}: {p}" for p in ps]))
             found = [x for g in self._all_gather(mine, self._ctl_pg) for x in g]
             checked |= {src for src, _ in found}
@@ -127,8 +136,12 @@ class MemoryRestoreMixin:
             try:
                 if got is None:
                     raise ValueError(f"rank {recv_from} sent no copy")
-                manifest = commit_folder(got, tmp=self._rank_dir / f"step_{step}.{self.attempt}.tmp",
-                                         final=self._rank_dir / f"step_{step}", step=step)
+                manifest = commit_folder(
+                    got,
+                    tmp=self._rank_dir / f"step_{step}.{self.attempt}.tmp",
+                    final=self._rank_dir / f"step_{step}",
+                    step=step,
+                )
             except Exception as e:  # noqa: BLE001 - agreed on below
                 mine.append(f"rank {self.rank}: the copy from rank {recv_from}: {describe_error(e, self.memory_root)}")
         return sorted({p for ps in self._all_gather(mine, self._ctl_pg) for p in ps}), manifest

@@ -56,8 +56,15 @@ from torch.distributed.tensor import DTensor
 from checkpoint.config import memory_root
 from checkpoint.errors import describe_error
 from checkpoint.manifest import ManifestError, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
-from checkpoint.partner import (MemoryLoad, commit_folder, exchange, folder_rank, pack_folder, partner_ranks,
-                                replicas_for)
+from checkpoint.partner import (
+    MemoryLoad,
+    commit_folder,
+    exchange,
+    folder_rank,
+    pack_folder,
+    partner_ranks,
+    replicas_for,
+)
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
 
@@ -103,7 +110,9 @@ class MemoryTierMixin:
         self.memory_root = memory_root(self.cfg.memory_dir, run_id) / self.node
         self._last_memory_step = 0
         self._capacity_checked = False
-        self._memory_interval_steps: int | None = None  # memory_interval=auto: the current interval (None: not measured)
+        self._memory_interval_steps: int | None = (
+            None  # memory_interval=auto: the current interval (None: not measured)
+        )
         self._memory_cost: tuple[int, float] | None = None  # (step, agreed cost) of the last committed RAM save
         self._mem_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
         self._mem_pending: Future | None = None
@@ -172,7 +181,9 @@ class MemoryTierMixin:
         optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
         the step removed on every rank; training goes on."""
         if self._bound is None:
-            raise RuntimeError("CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state")
+            raise RuntimeError(
+                "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
+            )
         t0 = time.perf_counter()
         self.wait_memory()
         self._settle_memory_interval()
@@ -183,8 +194,9 @@ class MemoryTierMixin:
             self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
             return
         self._mem_staged = threading.Event()
-        self._mem_pending = self._mem_pool.submit(self._memory_job, step, tree, t0, time.perf_counter() - t0,
-                                                  self._mem_staged)
+        self._mem_pending = self._mem_pool.submit(
+            self._memory_job, step, tree, t0, time.perf_counter() - t0, self._mem_staged
+        )
 
     def _settle_memory_interval(self) -> None:
         """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
@@ -206,8 +218,9 @@ class MemoryTierMixin:
         if staged is not None:
             staged.wait()
 
-    def _memory_job(self, step: int, tree: dict[str, Any], t0: float, blocking: float | None,
-                    staged: threading.Event | None) -> None:
+    def _memory_job(
+        self, step: int, tree: dict[str, Any], t0: float, blocking: float | None, staged: threading.Event | None
+    ) -> None:
         """One RAM save: stage, write and commit this rank's folder, exchange partner copies, agree, retire."""
         err, nbytes = None, 0
         try:
@@ -235,9 +248,16 @@ class MemoryTierMixin:
             return
         self._retire_memory(keep=step)
         self._memory_cost = (step, max(g[3] for g in gathered))  # agreed; memory_interval=auto applies it (main thread)
-        self._emit("checkpoint_saved", step=step, tier=MEMORY, path=str(self.memory_root.parent),
-                   bytes=sum(g[2] for g in gathered), replicas=self._replicas,
-                   blocking_s=round(max(g[3] for g in gathered), 4), total_s=round(time.perf_counter() - t0, 4))
+        self._emit(
+            "checkpoint_saved",
+            step=step,
+            tier=MEMORY,
+            path=str(self.memory_root.parent),
+            bytes=sum(g[2] for g in gathered),
+            replicas=self._replicas,
+            blocking_s=round(max(g[3] for g in gathered), 4),
+            total_s=round(time.perf_counter() - t0, 4),
+        )
 
     def _stage(self, tree: Any, path: str = "") -> Any:
         """`tree` with every tensor copied into this rank's CPU staging buffer of its place (made on first use)."""
@@ -247,8 +267,9 @@ class MemoryTierMixin:
             return tree
         buf = self._mem_buffers.get(path)
         if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
-            buf = self._mem_buffers[path] = torch.empty(tree.shape, dtype=tree.dtype, device="cpu",
-                                                        pin_memory=tree.is_cuda)
+            buf = self._mem_buffers[path] = torch.empty(
+                tree.shape, dtype=tree.dtype, device="cpu", pin_memory=tree.is_cuda
+            )
         with torch.no_grad():
             buf.copy_(tree)
         return buf
@@ -268,10 +289,22 @@ class MemoryTierMixin:
             if p.name not in files:
                 files[p.name] = file_record(p)
         nbytes = sum(f["size"] for f in files.values())
-        write_manifest(tmp, {"step": step, "time": time.time(), "tier": MEMORY, "run_id": self.run_id,
-                             "rank": self.rank, "world_size": self.world_size, "attempt": self.attempt,
-                             "mesh": self.manifest_extra.get("mesh"), "node": self.node,
-                             "files": files, "bytes": nbytes})
+        write_manifest(
+            tmp,
+            {
+                "step": step,
+                "time": time.time(),
+                "tier": MEMORY,
+                "run_id": self.run_id,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "attempt": self.attempt,
+                "mesh": self.manifest_extra.get("mesh"),
+                "node": self.node,
+                "files": files,
+                "bytes": nbytes,
+            },
+        )
         if final.exists():  # this rank's copy of the same step from an earlier attempt: the new save replaces it
             shutil.rmtree(final)
         tmp.rename(final)  # the commit of this rank's share
@@ -293,8 +326,12 @@ class MemoryTierMixin:
         if got is None:
             return err or f"rank {src} sent no copy of step {step}"
         try:
-            commit_folder(got, tmp=self._held_dir / f"step_{step}.{self.attempt}.tmp",
-                          final=self._held_dir / f"step_{step}", step=step)
+            commit_folder(
+                got,
+                tmp=self._held_dir / f"step_{step}.{self.attempt}.tmp",
+                final=self._held_dir / f"step_{step}",
+                step=step,
+            )
         except Exception as e:  # noqa: BLE001 - agreed on by the caller
             return describe_error(e, self.memory_root)
         return err

@@ -21,8 +21,18 @@ from checkpoint.config import replicas_for
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 
-__all__ = ["replicas_for", "partner_ranks", "folder_rank", "MemoryLoad", "plan_memory_load", "plan_step", "transfers",
-           "pack_folder", "commit_folder", "exchange"]
+__all__ = [
+    "replicas_for",
+    "partner_ranks",
+    "folder_rank",
+    "MemoryLoad",
+    "plan_memory_load",
+    "plan_step",
+    "transfers",
+    "pack_folder",
+    "commit_folder",
+    "exchange",
+]
 
 
 def partner_ranks(nodes: list[str]) -> list[int]:
@@ -34,13 +44,15 @@ def partner_ranks(nodes: list[str]) -> list[int]:
     if len(order) < 2:
         raise CheckpointConfigError(
             f"checkpoint.memory_replicas=1: all {len(nodes)} ranks are on one node ({order[0] if order else '-'}), "
-            "so no partner copy can go to another node; set checkpoint.memory_replicas=0 or use launcher.nodes >= 2")
+            "so no partner copy can go to another node; set checkpoint.memory_replicas=0 or use launcher.nodes >= 2"
+        )
     sizes = {n: len(g) for n, g in groups.items()}
     if len(set(sizes.values())) != 1:
         raise CheckpointConfigError(
             f"checkpoint.memory_replicas=1 pairs the same local rank on neighbouring nodes, but the nodes hold "
             f"different numbers of ranks ({', '.join(f'{n}: {k}' for n, k in sizes.items())}); "
-            "set checkpoint.memory_replicas=0 or run the same number of tasks on every node")
+            "set checkpoint.memory_replicas=0 or run the same number of tasks on every node"
+        )
     out = [0] * len(nodes)
     for k, n in enumerate(order):
         nxt = groups[order[(k + 1) % len(order)]]
@@ -63,6 +75,7 @@ def folder_rank(name: str) -> int | None:
 class MemoryLoad:
     """How a restart reads one RAM step: the save it comes from (its attempt) and, for every rank r, the copy it
     reads, `sources[r]` = (node, folder under that node's folder of the tier)."""
+
     step: int
     attempt: str
     sources: tuple[tuple[str, str], ...]
@@ -85,8 +98,9 @@ def plan_memory_load(nodes: list[str], held: Listing) -> list[MemoryLoad]:
     return [p for p in (plan_step(nodes, live, s) for s in steps) if p is not None]
 
 
-def plan_step(nodes: list[str], held: Listing, step: int, *,
-              exclude: frozenset[tuple[str, str]] = frozenset()) -> MemoryLoad | None:
+def plan_step(
+    nodes: list[str], held: Listing, step: int, *, exclude: frozenset[tuple[str, str]] = frozenset()
+) -> MemoryLoad | None:
     """Where every rank reads its copy of `step` (None when some rank has none): for each rank, a copy on its own
     node (its own save first, then a partner copy held there: read in place) before one on another node (sent);
     among the saves (attempts) that every rank can get, the one with the most ranks reading on their own node.
@@ -129,8 +143,9 @@ def transfers(nodes: list[str], sources: Sequence[tuple[str, str]]) -> list[tupl
 
 def pack_folder(d: Path) -> bytes:
     """A committed step folder as one payload: {file name: bytes}, the manifest among them."""
-    return pickle.dumps({p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()},
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(
+        {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}, protocol=pickle.HIGHEST_PROTOCOL
+    )
 
 
 def commit_folder(payload: bytes, *, tmp: Path, final: Path, step: int) -> dict[str, Any]:
@@ -165,8 +180,12 @@ def exchange(payload: bytes | None, *, send_to: int | None, recv_from: int | Non
     A None payload is sent as "nothing" (size -1); returns what was received, None for nothing."""
     size_out = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
     size_in = torch.tensor([-1], dtype=torch.int64)
-    _wait([*([dist.isend(size_out, dst=send_to, group=pg)] if send_to is not None else []),
-           *([dist.irecv(size_in, src=recv_from, group=pg)] if recv_from is not None else [])])
+    _wait(
+        [
+            *([dist.isend(size_out, dst=send_to, group=pg)] if send_to is not None else []),
+            *([dist.irecv(size_in, src=recv_from, group=pg)] if recv_from is not None else []),
+        ]
+    )
     n = int(size_in.item()) if recv_from is not None else -1
     buf = torch.empty(max(n, 0), dtype=torch.uint8)
     reqs = []

@@ -17,8 +17,14 @@ __all__ = ["ABANDONED", "abandon_above", "manifest_crc", "retain"]
 ABANDONED = "abandoned"  # under the checkpoint folder: step_<N>.<attempt>, kept for a human
 
 
-def retain(folder: Path, *, keep: int, emit: Callable[..., Any], newest: int | None = None,
-           damaged: set[tuple[int, str]] | frozenset[tuple[int, str]] = frozenset()) -> None:
+def retain(
+    folder: Path,
+    *,
+    keep: int,
+    emit: Callable[..., Any],
+    newest: int | None = None,
+    damaged: set[tuple[int, str]] | frozenset[tuple[int, str]] = frozenset(),
+) -> None:
     """Deletes the checkpoints past the newest `keep` under `folder`, reading no checkpoint back: the crc32
     recorded at commit from the bytes as they were written is trusted, so a checkpoint counts toward
     checkpoint.keep, newest first, when its manifest and file sizes check out (a stat each), and so does an

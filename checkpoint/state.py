@@ -22,7 +22,9 @@ class TrainState:
     loss_tail: list[float] = field(default_factory=list)  # the last `tail_len` logged losses
     tail_len: int = 100  # how many losses loss_tail keeps
     health: dict[str, Any] = field(default_factory=dict)  # training health (jobs.failure.spike): detector, rollbacks
-    data: dict[str, Any] = field(default_factory=dict)  # the data cursor at `step` (BatchSource.cursor), set at each save
+    data: dict[str, Any] = field(
+        default_factory=dict
+    )  # the data cursor at `step` (BatchSource.cursor), set at each save
 
     def record(self, *, step: int, loss: float, tokens: int) -> None:
         """Marks `step` done, having consumed `tokens` more tokens with loss `loss`."""
@@ -32,8 +34,13 @@ class TrainState:
         del self.loss_tail[: -self.tail_len]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_tail": list(self.loss_tail),
-                "health": copy.deepcopy(self.health), "data": copy.deepcopy(self.data)}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "loss_tail": list(self.loss_tail),
+            "health": copy.deepcopy(self.health),
+            "data": copy.deepcopy(self.data),
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])

@@ -45,8 +45,11 @@ class StateDictMixin:
         _, sd, refs = self._cached
         if refs is None:  # hyperparameters not traceable to a param group: the optimizer part fresh each time
             b = self._bound
-            sd["optim"] = {k: v for part, opt in zip(b["model_parts"], b["optimizers"])
-                           for k, v in get_optimizer_state_dict(part, opt, options=_OPTS).items()}
+            sd["optim"] = {
+                k: v
+                for part, opt in zip(b["model_parts"], b["optimizers"])
+                for k, v in get_optimizer_state_dict(part, opt, options=_OPTS).items()
+            }
         else:
             opts = self._bound["optimizers"]
             for key, oi, gi, name in refs:
@@ -63,8 +66,12 @@ class StateDictMixin:
         for part in b["model_parts"]:
             sig += [(id(t), local_tensor(t).data_ptr()) for t in itertools.chain(part.parameters(), part.buffers())]
         for opt in b["optimizers"]:
-            sig += [(id(t), local_tensor(t).data_ptr()) for st in opt.state.values() for t in st.values()
-                    if isinstance(t, torch.Tensor)]
+            sig += [
+                (id(t), local_tensor(t).data_ptr())
+                for st in opt.state.values()
+                for t in st.values()
+                if isinstance(t, torch.Tensor)
+            ]
         return tuple(sig)
 
     def _small_state(self) -> dict[str, Any]:
@@ -79,8 +86,9 @@ class StateDictMixin:
         out["rng"] = {f"rank{self.rank}": pickle.dumps(capture_rng())}
         return out
 
-    def _state_dict(self, metadata_keys: set[str] | None = None,
-                    part_keys: list[list[str]] | None = None) -> dict[str, Any]:
+    def _state_dict(
+        self, metadata_keys: set[str] | None = None, part_keys: list[list[str]] | None = None
+    ) -> dict[str, Any]:
         b = self._bound
         assert b is not None
         model: dict[str, Any] = {}
@@ -123,7 +131,9 @@ class StateDictMixin:
         b = self._bound
         assert b is not None
         md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
-        same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get("mesh")
+        same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get(
+            "mesh"
+        )
         part_keys: list[list[str]] = []
         sd = self._state_dict(md_keys, part_keys)
         if not same_mesh:
@@ -151,21 +161,26 @@ class StateDictMixin:
         return {"resharded": resharded, "rng_restored": rng}
 
 
-
-def _param_group_refs(optim_sd: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
-                      ) -> list[tuple[str, int, int, str]] | None:
+def _param_group_refs(
+    optim_sd: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[tuple[str, int, int, str]] | None:
     """(key, optimizer, param group, name) of every flattened `param_groups.<fqn>.<name>` entry, traced
     through the state tensors `state.<fqn>.*` that alias the optimizer's own; None when one is not traceable."""
-    owner = {id(t): (oi, gi) for oi, opt in enumerate(optimizers) for gi, g in enumerate(opt.param_groups)
-             for p in g["params"] for t in opt.state.get(p, {}).values()}
+    owner = {
+        id(t): (oi, gi)
+        for oi, opt in enumerate(optimizers)
+        for gi, g in enumerate(opt.param_groups)
+        for p in g["params"]
+        for t in opt.state.get(p, {}).values()
+    }
     fqn_owner = {}
     for key, v in optim_sd.items():
         if key.startswith("state.") and id(v) in owner:
-            fqn_owner[key[len("state."):key.rindex(".")]] = owner[id(v)]
+            fqn_owner[key[len("state.") : key.rindex(".")]] = owner[id(v)]
     refs = []
     for key in optim_sd:
         if key.startswith("param_groups."):
-            fqn, name = key[len("param_groups."):key.rindex(".")], key[key.rindex(".") + 1:]
+            fqn, name = key[len("param_groups.") : key.rindex(".")], key[key.rindex(".") + 1 :]
             if fqn not in fqn_owner:
                 return None
             refs.append((key, *fqn_owner[fqn], name))

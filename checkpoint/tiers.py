@@ -65,8 +65,10 @@ def failure_split(*, process_share: float, node_share: float) -> dict[str, float
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{key}({v}) must be in [0, 1]: the share of all failures of that class")
     if process_share + node_share > 1.0 + 1e-9:
-        raise ValueError(f"failure.process_share({process_share}) + failure.node_share({node_share}) > 1: the rest "
-                         "is the job share (whole-allocation losses); lower one of them")
+        raise ValueError(
+            f"failure.process_share({process_share}) + failure.node_share({node_share}) > 1: the rest "
+            "is the job share (whole-allocation losses); lower one of them"
+        )
     return {"process": process_share, "node": node_share, "job": max(0.0, 1.0 - process_share - node_share)}
 
 
@@ -159,8 +161,15 @@ class TierPlan:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-def plan_tiers(*, mtbf_s: float, process_share: float, node_share: float, costs: dict[str, tuple[float, float]],
-               intervals: dict[str, float] | None = None, sources: dict[str, str] | None = None) -> list[TierPlan]:
+def plan_tiers(
+    *,
+    mtbf_s: float,
+    process_share: float,
+    node_share: float,
+    costs: dict[str, tuple[float, float]],
+    intervals: dict[str, float] | None = None,
+    sources: dict[str, str] | None = None,
+) -> list[TierPlan]:
     """One TierPlan per tier that is on (`costs`: {tier: (save_s, restart_s)}; the filesystem tier is always on).
     `intervals` fixes a tier's interval (seconds, e.g. every_steps x step time); otherwise it is the tier's optimum.
     The partner tier rides on the RAM tier (rides_on): the memory row carries the cadence's interval and goodput."""
@@ -178,22 +187,35 @@ def plan_tiers(*, mtbf_s: float, process_share: float, node_share: float, costs:
             continue
         save_s, restart_s = costs[tier]
         m = tier_mtbf_s(mtbf_s=mtbf_s, share=shares[tier])
-        failures = tuple(f for f in FAILURE_CLASSES if split[f] > 0
-                         and covering_tier(f, memory=memory, partner=partner) == tier)
+        failures = tuple(
+            f for f in FAILURE_CLASSES if split[f] > 0 and covering_tier(f, memory=memory, partner=partner) == tier
+        )
         if tier == FILESYSTEM:
             tau = fixed.get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)
             goodput = tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=m, restart_s=restart_s)
         else:
             tau, goodput = _memory_cadence(mtbf_s=mtbf_s, shares=shares, costs=costs, interval_s=fixed.get(MEMORY))
             goodput = 1.0 if tier == PARTNER else goodput  # counted once, in the memory row
-        out.append(TierPlan(tier=tier, failures=failures, share=shares[tier], mtbf_s=m, save_s=save_s,
-                            interval_s=tau, restart_s=restart_s, goodput=goodput,
-                            source=(sources or {}).get(tier, ""), rides_on=MEMORY if tier == PARTNER else ""))
+        out.append(
+            TierPlan(
+                tier=tier,
+                failures=failures,
+                share=shares[tier],
+                mtbf_s=m,
+                save_s=save_s,
+                interval_s=tau,
+                restart_s=restart_s,
+                goodput=goodput,
+                source=(sources or {}).get(tier, ""),
+                rides_on=MEMORY if tier == PARTNER else "",
+            )
+        )
     return out
 
 
-def _memory_cadence(*, mtbf_s: float, shares: dict[str, float], costs: dict[str, tuple[float, float]],
-                    interval_s: float | None) -> tuple[float | None, float]:
+def _memory_cadence(
+    *, mtbf_s: float, shares: dict[str, float], costs: dict[str, tuple[float, float]], interval_s: float | None
+) -> tuple[float | None, float]:
     """(interval, goodput factor) of the RAM saves and the partner copies they carry: one save (both costs), the
     failures read from either (their MTBF), each class's restart weighted by its share (no failure counted twice)."""
     tiers = [t for t in (MEMORY, PARTNER) if t in costs]
@@ -203,8 +225,9 @@ def _memory_cadence(*, mtbf_s: float, shares: dict[str, float], costs: dict[str,
     if share <= 0:
         return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=None, restart_s=0.0)
     restart_s = sum(shares[t] * costs[t][1] for t in tiers) / share
-    return tau, tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=memory_mtbf_s(mtbf_s=mtbf_s, shares=shares),
-                             restart_s=restart_s)
+    return tau, tier_goodput(
+        interval_s=tau, save_s=save_s, mtbf_s=memory_mtbf_s(mtbf_s=mtbf_s, shares=shares), restart_s=restart_s
+    )
 
 
 def combined_goodput(plans: list[TierPlan]) -> float:

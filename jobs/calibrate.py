@@ -26,14 +26,28 @@ __all__ = ["main", "run"]
 def run(cfg: JobConfig) -> int:
     """Calibrates, writes the profile, returns the exit code."""
     if cfg.launcher.name != "local" or cfg.launcher.nodes != 1:
-        print(f"config error: launcher={cfg.launcher.name} launcher.nodes({cfg.launcher.nodes}): calibration runs "
-              "on local ranks of this machine only; use launcher=local launcher.nodes=1", file=sys.stderr)
+        print(
+            f"config error: launcher={cfg.launcher.name} launcher.nodes({cfg.launcher.nodes}): calibration runs "
+            "on local ranks of this machine only; use launcher=local launcher.nodes=1",
+            file=sys.stderr,
+        )
         return exitcodes.CONFIG_ERROR
     t = cfg.train
-    command = " ".join(shlex.quote(a) for a in (
-        "python", "-m", "jobs.calibrate", f"model={cfg.model.name}", f"cluster={cfg.cluster.name}",
-        f"launcher.tasks_per_node={cfg.launcher.tasks_per_node}", f"train.micro_batch={t.micro_batch}",
-        f"train.seq_len={t.seq_len}", f"train.mixed_precision={t.mixed_precision}", f"calibrate.seconds={cfg.calibrate.seconds}"))
+    command = " ".join(
+        shlex.quote(a)
+        for a in (
+            "python",
+            "-m",
+            "jobs.calibrate",
+            f"model={cfg.model.name}",
+            f"cluster={cfg.cluster.name}",
+            f"launcher.tasks_per_node={cfg.launcher.tasks_per_node}",
+            f"train.micro_batch={t.micro_batch}",
+            f"train.seq_len={t.seq_len}",
+            f"train.mixed_precision={t.mixed_precision}",
+            f"calibrate.seconds={cfg.calibrate.seconds}",
+        )
+    )
     try:
         figures = calibrate(cfg, command=command)
     except RuntimeError as e:

@@ -11,9 +11,30 @@ from jobs.config import CONF_DIR, JobConfig, compose, register_configs, to_job_c
 __all__ = ["HYDRA_FLAGS", "is_config_error", "compose_or_report", "main_for"]
 
 # Arguments that only @hydra.main understands (sweeps, --cfg, --help, ...); plain overrides do not need it.
-HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i",
-               "--resolve", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-               "--config-dir", "-cd", "--shell-completion", "-sc", "--run", "-r")
+HYDRA_FLAGS = (
+    "-m",
+    "--multirun",
+    "--cfg",
+    "-c",
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--resolve",
+    "--package",
+    "-p",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--shell-completion",
+    "-sc",
+    "--run",
+    "-r",
+)
 
 
 def is_config_error(e: BaseException) -> bool:
@@ -50,8 +71,13 @@ def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool, point
     hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_task)()
 
 
-def main_for(run: Callable[[JobConfig], int], argv: Sequence[str] | None = None, *,
-             sweep_continues: bool = False, point_run_dirs: bool = False) -> int:
+def main_for(
+    run: Callable[[JobConfig], int],
+    argv: Sequence[str] | None = None,
+    *,
+    sweep_continues: bool = False,
+    point_run_dirs: bool = False,
+) -> int:
     """A command's main(): plain overrides are composed here (errors exit 2, nothing written); Hydra's
     flags and `-m` sweeps go through @hydra.main. `sweep_continues`: a failing point does not stop a sweep.
     `point_run_dirs`: a local sweep's point <n> runs in `hydra.sweep.dir/<n>` (jobs.launch.sweep.point_run_dirs)."""

@@ -67,10 +67,16 @@ class DataConfig:
     num_samples: int = 4096  # synthetic: samples (rows) generated into the file
     gen_seed: int = 1234  # synthetic: seed of the language (not of training)
     heldout_fraction: float = 0.05  # share of documents (synthetic: of rows) kept out of training for evaluation
-    sources: list[DataSource] = field(default_factory=list)  # tokenized: a weighted mixture of files; empty = data.path alone
+    sources: list[DataSource] = field(
+        default_factory=list
+    )  # tokenized: a weighted mixture of files; empty = data.path alone
     inputs: list[str] = field(default_factory=list)  # jobs.prepare_data: text or JSON-lines files to tokenize
-    tokenizer: str | None = None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
-    doc_per: str = "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
+    tokenizer: str | None = (
+        None  # jobs.prepare_data: a tokenizer.json or a prepared .h5 (its tokenizer); None = train a byte-level BPE of model.vocab_size tokens
+    )
+    doc_per: str = (
+        "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
+    )
     accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
     sample_overlap: bool = False  # tokenized: consecutive samples share one token (sample i starts at token i * train.seq_len), so every transition is a target; false: non-overlapping samples of train.seq_len + 1
 
@@ -97,9 +103,13 @@ class TrainConfig:
     micro_batch: int = 2  # samples per microbatch on one dp rank
     seq_len: int = 32  # tokens per sample
     log_every: int = 1  # log metrics every N steps (and at the last step)
-    activation_checkpointing: str = "none"  # none | selective (every ac_every-th block) | full (every block); trainer and planner
+    activation_checkpointing: str = (
+        "none"  # none | selective (every ac_every-th block) | full (every block); trainer and planner
+    )
     ac_every: int = 2  # selective: checkpoint blocks with (layer + 1) % ac_every == 0
-    deterministic: bool = True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    deterministic: bool = (
+        True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
+    )
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
     mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
@@ -116,7 +126,9 @@ class RunConfig:
 class LauncherConfig:
     name: str = "local"  # local | slurm
     nodes: int = 1  # nodes in the job
-    spare_nodes: int = 0  # slurm: idle nodes allocated besides `nodes`; one takes a failed node's place in the allocation
+    spare_nodes: int = (
+        0  # slurm: idle nodes allocated besides `nodes`; one takes a failed node's place in the allocation
+    )
     tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
     master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
@@ -139,14 +151,18 @@ class ClusterConfig:
     run_root: str = "runs"  # shared (parallel) filesystem root for run dirs; run.dir must be under it
     container_image: str | None = None  # container image for srun (pyxis --container-image), if any
     container_mounts: str | None = None  # pyxis --container-mounts
-    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun (module load, venv)
+    setup: list[str] = field(
+        default_factory=list
+    )  # shell lines run in the batch script before srun (module load, venv)
     exclude: str | None = None  # Slurm nodes never to use (-x), e.g. known-bad hosts
     env: dict[str, str] = field(default_factory=dict)  # exported on every rank before init_process_group
     # Hardware facts for `jobs.plan` (each profile cites its sources).
     gpu_mem_gib: float = 0.0  # memory per GPU
     nvlink_domain: int = 1  # GPUs that share the fast intra-node fabric
     intra_node_bw_GBps: float = 0.0  # per-GPU intra-node (NVLink) bandwidth, GB/s
-    intra_node_bw_achieved: bool = False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
+    intra_node_bw_achieved: bool = (
+        False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
+    )
     inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
@@ -157,12 +173,18 @@ class ClusterConfig:
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)
-    pod_gpus: int = 0  # GPUs under one non-blocking switch tier (a pod); 0 = not modelled (jobs.plan says which axes cross pods)
+    pod_gpus: int = (
+        0  # GPUs under one non-blocking switch tier (a pod); 0 = not modelled (jobs.plan says which axes cross pods)
+    )
     # Measured by `python -m jobs.calibrate` (empty/0 = not measured: the planner falls back to the cited
     # figures above and says so). One name per concept: jobs/planner reads these same keys.
     calibrated: str | None = None  # when and by which command the figures below were measured
-    matmul_tflops: dict[str, float] = field(default_factory=dict)  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
-    collectives: dict[str, dict[str, float]] = field(default_factory=dict)  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
+    matmul_tflops: dict[str, float] = field(
+        default_factory=dict
+    )  # dtype (fp32|bf16) -> achieved TFLOP/s per rank, all ranks of a node busy
+    collectives: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # "<op>.<intra|inter>" -> {alpha_s, bus_GBps}
     optimizer_ns_per_param: float = 0.0  # AdamW step + grad-norm pass per local parameter element, all ranks busy (jobs.calibrate; 0 = not modelled)
     # host time of one FSDP2 unit per microbatch beyond its collectives (hooks, gather/reduce copies), all ranks busy,
     # by the tp degree of its parameters ("tp1", "tp2": DTensor parameters cost FSDP2 4x more on CPU); jobs.calibrate; {} = not modelled
@@ -176,22 +198,32 @@ class FailureConfig:
     mtbf_node_hours: float = 50000.0  # one node's MTBF; conf/failure sets it to ${cluster.node_mtbf_hours}
     mtbf_job_hours: float | None = None  # the whole job's MTBF, overriding mtbf_node_hours / nodes
     process_share: float = 0.15  # assumed share of failures that kill/hang a rank on a node that answers (RAM tier); conf/failure/default.yaml cites it
-    node_share: float = 0.77  # assumed share that lose one node (partner tier); the rest (1 - both) loses the allocation (filesystem)
+    node_share: float = (
+        0.77  # assumed share that lose one node (partner tier); the rest (1 - both) loses the allocation (filesystem)
+    )
     max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
-    restarts_in_allocation: int = 3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
+    restarts_in_allocation: int = (
+        3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
+    )
     node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
     max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
     init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
     collective_timeout_s: float = 300.0  # every process group once the first step has completed
     hang_timeout_s: float = 180.0  # watchdog: no step completes in this long (after the first) = a hang incident
     heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
-    missed_beats: int = 5  # a waiting rank names a peer hung once its heartbeat is this many beats old (no TCP reset needed)
-    checkpoint_timeout_s: float = 1800.0  # watchdog limit of a checkpoint write and of the wait for one (instead of hang_timeout_s)
+    missed_beats: int = (
+        5  # a waiting rank names a peer hung once its heartbeat is this many beats old (no TCP reset needed)
+    )
+    checkpoint_timeout_s: float = (
+        1800.0  # watchdog limit of a checkpoint write and of the wait for one (instead of hang_timeout_s)
+    )
     requeue_signals: list[str] = field(default_factory=lambda: ["SIGUSR2", "SIGTERM"])  # save, then requeue
     signal_margin_s: float = 30.0  # slack the submit-time check adds to one step + one blocking save
     health_every_s: float = 60.0  # GPU health (NVML) of every rank's GPU at start and this often; 0 = at start only
     health_temp_warn_c: float = 85.0  # a GPU this hot without a thermal clock event: a warning event, no incident
-    health_failing_xids: list[int] = field(default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])  # XIDs that fail the GPU (others warn)
+    health_failing_xids: list[int] = field(
+        default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120]
+    )  # XIDs that fail the GPU (others warn)
     spike_factor: float = 1.5  # a spike's loss is above this x the median of the last spike_window losses; 0 = off
     spike_mad_k: float = 8.0  # ... and above that median + this x their median absolute deviation; 0 = ratio only
     spike_window: int = 50  # healthy losses in the running median (the check is armed once it is full)
@@ -202,19 +234,31 @@ class FailureConfig:
     max_rollbacks: int = 3  # rollbacks per rollback_window_steps; one more spike stops the run for good (exit 77)
     rollback_window_steps: int = 10000  # the steps max_rollbacks counts over (before the spike); 0 = the whole run
     straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
-    straggler_intervals: int = 3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler event (K)
-    straggler_min_diff_s: float = 0.005  # and slower by at least this many seconds per step (microsecond phases never count)
-    straggler_baseline_root: str = "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
-    exclude_stragglers: bool = False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+    straggler_intervals: int = (
+        3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler event (K)
+    )
+    straggler_min_diff_s: float = (
+        0.005  # and slower by at least this many seconds per step (microsecond phases never count)
+    )
+    straggler_baseline_root: str = (
+        "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
+    )
+    exclude_stragglers: bool = (
+        False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)
+    )
     sdc_rerun: bool = True  # a suspicious step is re-run from the same state before its optimizer step: values that differ = hardware (`sdc`)
     sdc_rtol: float = 0.0  # relative difference between a rank's two runs of a step that counts as different; 0 = any (train.deterministic)
-    replica_hash_every: int = 0  # mesh.dp_replicate > 1: compare parameter and gradient hashes across replicas every this many steps; 0 = off
+    replica_hash_every: int = (
+        0  # mesh.dp_replicate > 1: compare parameter and gradient hashes across replicas every this many steps; 0 = off
+    )
 
 
 @dataclass
 class MetricsConfig:
     phase_timing: bool = True  # per-rank phase times to RUN_DIR/telemetry/rank<r>.h5 and the straggler checks
-    flush_every_s: float = 5.0  # a rank's phase rows go to its HDF5 file at a log interval at most this often (and at the end)
+    flush_every_s: float = (
+        5.0  # a rank's phase rows go to its HDF5 file at a log interval at most this often (and at the end)
+    )
     kernel_every: int = 0  # on a GPU the straggler checks judge 1 step in N (e.g. 10) by its compute kernels' device time (profiled; NCCL's left out); 0 = CUDA event time of every step (the default until a GPU run validates the profiled clock)
     tensorboard: bool = False  # metrics.jsonl's scalars also to RUN_DIR/tensorboard (rank 0; pip install tensorboard)
 
@@ -223,21 +267,33 @@ class MetricsConfig:
 class PlanConfig:
     json: bool = False  # `python -m jobs.plan`: print one JSON object instead of the tables
     fake_backend: bool = True  # measure per-rank shards with the real parallelize() on a fake process group
-    usable_mem_fraction: float = 0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
-    restart_overhead_s: float | None = None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
-    restart_in_allocation_s: float | None = None  # user assumption: a restart inside the allocation (new srun step, rendezvous, build) besides reading RAM; None = unknown
-    save_fixed_s: float | None = None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
+    usable_mem_fraction: float = (
+        0.9  # share of cluster.gpu_mem_gib a rank may plan to use (context, NCCL, fragmentation)
+    )
+    restart_overhead_s: float | None = (
+        None  # user assumption: failure to first step besides the load; None = run.dir's ledger, else load only
+    )
+    restart_in_allocation_s: float | None = (
+        None  # user assumption: a restart inside the allocation (new srun step, rendezvous, build) besides reading RAM; None = unknown
+    )
+    save_fixed_s: float | None = (
+        None  # user assumption: a save's blocking cost besides moving bytes; None = ledger, else cluster.fs_fsync_s
+    )
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
     search_trainable_only: bool = True  # plan.search: rank only shapes jobs.train builds (its validation accepts); false = also the planned-only ones, marked ~
     search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
-    search_top_k: int = 0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
+    search_top_k: int = (
+        0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them
+    )
     search_out: str = "plan_search"  # plan.search_top_k: directory of the written configs (search/top<i>.yaml)
 
 
 @dataclass
 class CalibrateConfig:
-    out: str | None = None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+    out: str | None = (
+        None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+    )
     seconds: float = 2.0  # seconds spent timing each figure (medians over repeats)
 
 
@@ -263,10 +319,7 @@ class JobConfig:
 
     @property
     def world_size_expr(self) -> str:
-        return (
-            f"launcher.nodes({self.launcher.nodes}) * "
-            f"launcher.tasks_per_node({self.launcher.tasks_per_node})"
-        )
+        return f"launcher.nodes({self.launcher.nodes}) * launcher.tasks_per_node({self.launcher.tasks_per_node})"
 
 
 def config_hash(cfg: JobConfig) -> str:

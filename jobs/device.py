@@ -20,8 +20,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: torch is imported where a function needs it (the login node never does)
     import torch
 
-__all__ = ["DEVICES", "MIXED_PRECISIONS", "visible_gpus", "resolve_device", "resolve_mixed_precision", "backend_for",
-           "gpu_index", "rank_device", "export_environ", "set_determinism", "trace_dir", "dump_flight_recorder", "TRACE_PREFIX"]
+__all__ = [
+    "DEVICES",
+    "MIXED_PRECISIONS",
+    "visible_gpus",
+    "resolve_device",
+    "resolve_mixed_precision",
+    "backend_for",
+    "gpu_index",
+    "rank_device",
+    "export_environ",
+    "set_determinism",
+    "trace_dir",
+    "dump_flight_recorder",
+    "TRACE_PREFIX",
+]
 
 DEVICES = ("auto", "cpu", "cuda")
 MIXED_PRECISIONS = ("auto", "bf16", "fp32")
@@ -44,7 +57,7 @@ def visible_gpus() -> int:
 
 
 def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0, cluster: str = "") -> str:
-    """"cpu" or "cuda" for `train.device`, given `gpus` visible (default: counted here).
+    """ "cpu" or "cuda" for `train.device`, given `gpus` visible (default: counted here).
     ValueError for an unknown name, cuda without a GPU, or auto finding no GPU on a node whose
     profile (`cluster.gpus_per_node`) has GPUs: a CPU build of torch there would train on CPU unnoticed."""
     if name not in DEVICES:
@@ -72,7 +85,7 @@ def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0
 
 
 def resolve_mixed_precision(name: str, *, device_type: str) -> str:
-    """"bf16" or "fp32" for `train.mixed_precision` on `device_type` (auto: bf16 on cuda, fp32 on cpu)."""
+    """ "bf16" or "fp32" for `train.mixed_precision` on `device_type` (auto: bf16 on cuda, fp32 on cpu)."""
     if name not in MIXED_PRECISIONS:
         raise ValueError(f"train.mixed_precision={name!r} is not one of {', '.join(MIXED_PRECISIONS)}")
     if name == "auto":
@@ -90,8 +103,10 @@ def gpu_index(*, local_rank: int, gpus: int) -> int:
     if gpus == 1:
         return 0
     if local_rank >= gpus:
-        raise RuntimeError(f"local rank {local_rank} has no GPU: {gpus} visible; one rank per GPU, "
-                           "set launcher.tasks_per_node to the GPUs per node")
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: {gpus} visible; one rank per GPU, "
+            "set launcher.tasks_per_node to the GPUs per node"
+        )
     return local_rank
 
 
@@ -106,30 +121,41 @@ def rank_device(device_type: str, *, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-
 def set_determinism(deterministic: bool, *, device_type: str) -> str:
     """Deterministic CUDA kernels for `train.deterministic=true` (what bitwise resume on CUDA needs),
     without torch's NaN-fill of every uninitialised tensor (`fill_uninitialized_memory`, which writes
     each torch.empty / FSDP buffer once more and buys nothing here: every buffer is written before it
     is read); returns the line the rank logs at start: what was chosen, what it costs, the knob."""
     if device_type != "cuda":
-        return (f"train.deterministic={str(deterministic).lower()}: CPU ranks over gloo run the same kernels "
-                "in the same order every time; nothing to set, nothing it costs")
+        return (
+            f"train.deterministic={str(deterministic).lower()}: CPU ranks over gloo run the same kernels "
+            "in the same order every time; nothing to set, nothing it costs"
+        )
     if not deterministic:
-        return ("train.deterministic=false: CUDA may pick nondeterministic kernels (faster; resume is not bitwise, "
-                "losses after a resume drift in the last bits)")
+        return (
+            "train.deterministic=false: CUDA may pick nondeterministic kernels (faster; resume is not bitwise, "
+            "losses after a resume drift in the last bits)"
+        )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it (or :16:8) to be deterministic
     import torch  # lazy: a rank's function (see visible_gpus)
 
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
-    return ("train.deterministic=true: deterministic CUDA kernels (torch.use_deterministic_algorithms; cuBLAS "
-            "workspace :4096:8, deterministic attention backward and scatter/index ops) so a resume is bitwise; "
-            "they cost step time (scripts/gpu_check measures how much: its determinism_cost); "
-            "train.deterministic=false turns them off (torchtitan's default)")
+    return (
+        "train.deterministic=true: deterministic CUDA kernels (torch.use_deterministic_algorithms; cuBLAS "
+        "workspace :4096:8, deterministic attention backward and scatter/index ops) so a resume is bitwise; "
+        "they cost step time (scripts/gpu_check measures how much: its determinism_cost); "
+        "train.deterministic=false turns them off (torchtitan's default)"
+    )
 
-def export_environ(cluster_env: Mapping[str, str], *, device_type: str, trace_dir: str | None = None,
-                   environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+
+def export_environ(
+    cluster_env: Mapping[str, str],
+    *,
+    device_type: str,
+    trace_dir: str | None = None,
+    environ: MutableMapping[str, str] | None = None,
+) -> dict[str, str]:
     """Exports `cluster.env` (the profile wins, as in the sbatch script), then the NCCL defaults with
     setdefault on CUDA, the flight-recorder dumps going to `trace_dir/nccl_trace_rank_<r>`; returns
     what was set. Must run before init_process_group (NCCL reads it then)."""

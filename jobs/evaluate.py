@@ -40,15 +40,29 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 class HeldoutEval:
     """This dp rank's held-out batches and the evaluation hook the trainer calls after each step."""
 
-    def __init__(self, cfg: JobConfig, *, dp_rank: int, dp: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 seq_positions: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        dp_rank: int,
+        dp: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        seq_positions: torch.Tensor | None = None,
+    ) -> None:
         t = cfg.train
         self.loss_fn = loss_fn
         self.every, self.n_batches, self.steps = t.eval_every, t.eval_batches, t.steps
-        self.data = BatchSource(sources_of(cfg.data), seed=t.seed, global_batch=t.global_batch, seq_len=t.seq_len,
-                                dp_rank=dp_rank, dp=dp, split="heldout", seq_positions=seq_positions,
-                                sample_overlap=cfg.data.sample_overlap)
+        self.data = BatchSource(
+            sources_of(cfg.data),
+            seed=t.seed,
+            global_batch=t.global_batch,
+            seq_len=t.seq_len,
+            dp_rank=dp_rank,
+            dp=dp,
+            split="heldout",
+            seq_positions=seq_positions,
+            sample_overlap=cfg.data.sample_overlap,
+        )
 
     def due(self, step: int) -> bool:
         return eval_due(step, every=self.every, steps=self.steps)
@@ -68,10 +82,14 @@ class HeldoutEval:
         if trainer.schedule is not None:
             losses: list[torch.Tensor] | None = [] if trainer.has_last else None
             with trainer._loss_ctx():
-                trainer.schedule.eval(*((x,) if trainer.has_first else ()), target=y if trainer.has_last else None,
-                                      losses=losses)
-            return torch.stack([_whole(l) for l in losses]).mean().double() if losses else torch.zeros(
-                (), dtype=torch.float64, device=trainer.device)
+                trainer.schedule.eval(
+                    *((x,) if trainer.has_first else ()), target=y if trainer.has_last else None, losses=losses
+                )
+            return (
+                torch.stack([_whole(l) for l in losses]).mean().double()
+                if losses
+                else torch.zeros((), dtype=torch.float64, device=trainer.device)
+            )
         (model,) = trainer.parts
         n_micro = trainer.derived.microbatches
         total = torch.zeros((), dtype=torch.float64, device=trainer.device)
@@ -86,13 +104,28 @@ class HeldoutEval:
         loss = self.loss(trainer)
         if trainer.env.rank == 0:
             ppl = math.exp(min(loss, 700.0))  # exp overflows a float past ~709
-            record = {"record": RECORD, "step": step, "eval_loss": loss, "eval_ppl": ppl, "eval_batches": self.n_batches,
-                      "eval_time_s": time.perf_counter() - t0, "restart": trainer.env.restart_count,
-                      "attempt": trainer.env.attempt, "time": time.time()}
+            record = {
+                "record": RECORD,
+                "step": step,
+                "eval_loss": loss,
+                "eval_ppl": ppl,
+                "eval_batches": self.n_batches,
+                "eval_time_s": time.perf_counter() - t0,
+                "restart": trainer.env.restart_count,
+                "attempt": trainer.env.attempt,
+                "time": time.time(),
+            }
             with trainer.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            trainer.log.info("step %d/%d | eval_loss %.4f | eval_ppl %.2f | %d held-out batches | %.2f s",
-                             step, self.steps, loss, ppl, self.n_batches, record["eval_time_s"])
+            trainer.log.info(
+                "step %d/%d | eval_loss %.4f | eval_ppl %.2f | %d held-out batches | %.2f s",
+                step,
+                self.steps,
+                loss,
+                ppl,
+                self.n_batches,
+                record["eval_time_s"],
+            )
         return loss
 
     def close(self) -> None:

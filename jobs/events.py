@@ -27,8 +27,14 @@ class EventLog:
         self.attempt = attempt  # `<job id>.<restart>` under Slurm, `local.<n>` locally (jobs.failure.ledger)
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        record = {"time": time.time(), "kind": kind, "rank": self.rank, "restart": self.restart,
-                  "attempt": self.attempt, **fields}
+        record = {
+            "time": time.time(),
+            "kind": kind,
+            "rank": self.rank,
+            "restart": self.restart,
+            "attempt": self.attempt,
+            **fields,
+        }
         line = (json.dumps(record, default=str) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

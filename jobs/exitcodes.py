@@ -6,5 +6,7 @@ CONFIG_ERROR = 2  # the config is invalid; nothing was started, submitted or wri
 ENV_ERROR = 3  # the login node cannot submit: no `sbatch` on PATH, sbatch refused the job, or (launcher.wait) Slurm no longer knows it
 RANK_DIED = 4  # the local launcher saw a rank killed by a signal and stopped the others
 REQUEUE = 75  # stopped on purpose to be requeued (a stop signal, or an incident a restart cures): run again with the same run.dir
-STOPPED = 76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)
+STOPPED = (
+    76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)
+)
 DIVERGED = 77  # stopped for good: the loss diverged past failure.max_rollbacks (or no checkpoint before the spike); do NOT requeue

@@ -121,9 +121,7 @@ class Transformer(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_positions: torch.Tensor | None = None  # RoPE rows of a cp rank's chunks (parallel.cp.apply_cp)
-        self.register_buffer(
-            "rope", rope_table(rope_head_dim(cfg), cfg.max_seq_len, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("rope", rope_table(rope_head_dim(cfg), cfg.max_seq_len, cfg.rope_theta), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -186,4 +184,3 @@ def init_weights(model: Transformer, *, seed: int) -> None:
         else:
             param.copy_(full)
     model.init_buffers()
-

@@ -77,8 +77,9 @@ class Router(nn.Module):
         return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, -1)
 
 
-def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU of tokens grouped by expert: x (sum(counts), dim) holds counts[e] rows for expert e in order.
 
     One batched matmul per weight for all local experts: the groups are padded to the largest one
@@ -150,7 +151,8 @@ class MoE(nn.Module):
         counts = torch.bincount(ids.flatten(), minlength=self.router.n_experts).tolist()
         routed = self.experts(flat.index_select(0, order // self.top_k), counts)
         out = torch.zeros_like(flat, dtype=routed.dtype).index_add_(
-            0, order // self.top_k, routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype))
+            0, order // self.top_k, routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        )
         out = out.to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -26,9 +26,17 @@ def run(cfg: JobConfig) -> int:
     except ValueError as e:  # a config error, or an InputError naming the file and line
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    log.info("%s: %d files, %d documents (%d held out), vocabulary %d: train with data=tokenized data.path=%s "
-             "model.vocab_size=%d", cfg.data.path, len(m["files"]), m["documents"] + m["heldout_documents"],
-             m["heldout_documents"], m["vocab_size"], cfg.data.path, padded_vocab(m["vocab_size"]))
+    log.info(
+        "%s: %d files, %d documents (%d held out), vocabulary %d: train with data=tokenized data.path=%s "
+        "model.vocab_size=%d",
+        cfg.data.path,
+        len(m["files"]),
+        m["documents"] + m["heldout_documents"],
+        m["heldout_documents"],
+        m["vocab_size"],
+        cfg.data.path,
+        padded_vocab(m["vocab_size"]),
+    )
     return exitcodes.OK
 
 

@@ -35,17 +35,25 @@ def plan_costs(run_dir: Path) -> tuple[dict[str, float] | None, str]:
     from jobs.planner.gate import build_plan
 
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(run_dir / "config.yaml")))
+        cfg = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(run_dir / "config.yaml"))
+        )
         cfg.run.dir = str(run_dir)  # the planner reads this run dir's ledger, also after a move or a copy
         plan = build_plan(cfg, measure=False)
         k = plan.checkpoint
-        costs = {"interval_s": k["interval_s"], "blocking_s": k["blocking_s"], "mtbf_s": k["mtbf_s"],
-                 "restart_s": k["restart_s"], "startup_s": k["restart_s"]}
+        costs = {
+            "interval_s": k["interval_s"],
+            "blocking_s": k["blocking_s"],
+            "mtbf_s": k["mtbf_s"],
+            "restart_s": k["restart_s"],
+            "startup_s": k["restart_s"],
+        }
     except (OSError, ValueError, KeyError, TypeError) as e:
         why = f"jobs.plan could not plan {run_dir}/config.yaml: {e}"
     else:
-        why = _why_no_expected(checkpoints=cfg.checkpoint.enabled, goodput=plan.goodput_expected,
-                               ledger_dir=cfg.run.dir, costs=costs)
+        why = _why_no_expected(
+            checkpoints=cfg.checkpoint.enabled, goodput=plan.goodput_expected, ledger_dir=cfg.run.dir, costs=costs
+        )
     if why:
         print(f"warning: no expected goodput: {why}", file=sys.stderr)
         return None, why
@@ -57,9 +65,11 @@ def _why_no_expected(*, checkpoints: bool, goodput: float | None, ledger_dir: st
     if not checkpoints:
         return "checkpoint.enabled=false: every failure starts again from step 0"
     if goodput is None:  # the planner's "unknown" (jobs.planner.checks.GOODPUT_UNKNOWN)
-        return (f"unknown: jobs.plan does not know the restart cost (no attempt in the ledger of run.dir={ledger_dir} "
-                "reached its first step, and plan.restart_overhead_s is not set); set plan.restart_overhead_s or run "
-                "long enough to measure it")
+        return (
+            f"unknown: jobs.plan does not know the restart cost (no attempt in the ledger of run.dir={ledger_dir} "
+            "reached its first step, and plan.restart_overhead_s is not set); set plan.restart_overhead_s or run "
+            "long enough to measure it"
+        )
     if not all(isinstance(v, (int, float)) for v in costs.values()):
         return "a cost jobs.plan does not know"
     return ""
@@ -76,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")
-    p.add_argument("--no-plan", action="store_true",
-                   help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)")
+    p.add_argument(
+        "--no-plan", action="store_true", help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)"
+    )
     args = p.parse_args(argv)
     if not (args.run_dir / "events.jsonl").exists():
         print(f"error: {args.run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)

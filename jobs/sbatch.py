@@ -64,12 +64,22 @@ def render(
     if style not in STYLES:
         raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
     if spare_nodes and style != "srun":
-        raise ValueError(f"launcher.spare_nodes({spare_nodes}) with --style {style}: only the srun style's supervisor "
-                         "swaps a spare in for a failed node; use --style srun, or set launcher.spare_nodes=0")
+        raise ValueError(
+            f"launcher.spare_nodes({spare_nodes}) with --style {style}: only the srun style's supervisor "
+            "swaps a spare in for a failed node; use --style srun, or set launcher.spare_nodes=0"
+        )
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
-    header = _resource_lines(style=style, job_name=job_name, nodes=nodes, tasks_per_node=tasks_per_node,
-                             cpus_per_task=cpus_per_task, gpus_per_node=gpus_per_node,
-                             mem_per_node_gb=mem_per_node_gb, time_min=time_min, spare_nodes=spare_nodes)
+    header = _resource_lines(
+        style=style,
+        job_name=job_name,
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
+        cpus_per_task=cpus_per_task,
+        gpus_per_node=gpus_per_node,
+        mem_per_node_gb=mem_per_node_gb,
+        time_min=time_min,
+        spare_nodes=spare_nodes,
+    )
     header += _placement_lines(partition=partition, account=account, qos=qos, constraint=constraint, exclude=exclude)
     header += _requeue_lines(run_dir=run_dir, signal_delay_s=signal_delay_s)
     env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
@@ -99,8 +109,18 @@ def _line(directive: str, comment: str = "") -> str:
     return f"{directive:<34} # {comment}" if comment else directive
 
 
-def _resource_lines(*, style: str, job_name: str, nodes: int, tasks_per_node: int, cpus_per_task: int,
-                    gpus_per_node: int, mem_per_node_gb: int | None, time_min: int, spare_nodes: int = 0) -> list[str]:
+def _resource_lines(
+    *,
+    style: str,
+    job_name: str,
+    nodes: int,
+    tasks_per_node: int,
+    cpus_per_task: int,
+    gpus_per_node: int,
+    mem_per_node_gb: int | None,
+    time_min: int,
+    spare_nodes: int = 0,
+) -> list[str]:
     """#SBATCH lines for what the job asks for: srun runs one task per rank, torchrun one agent per
     node holding all of the node's cores; with spare nodes, those too, and --no-kill."""
     srun_style = style == "srun"
@@ -108,32 +128,50 @@ def _resource_lines(*, style: str, job_name: str, nodes: int, tasks_per_node: in
     header = [
         _line(f"#SBATCH --job-name={_q(job_name)}"),
         _line(f"#SBATCH --nodes={nodes}", f"EDIT: nodes; world size = nodes * {tasks_per_node} ranks per node")
-        if not spare_nodes else
-        _line(f"#SBATCH --nodes={nodes + spare_nodes}",
-              f"EDIT: launcher.nodes({nodes}) run the ranks + launcher.spare_nodes({spare_nodes}) idle"),
-        *([_line("#SBATCH --no-kill", "a failed node leaves the job; a spare takes its place (srun --nodelist)")]
-          if spare_nodes else []),
-        _line(f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
-              "one Slurm task per GPU/rank (launcher.tasks_per_node)" if srun_style
-              else "one torchrun agent per node; it starts the ranks"),
+        if not spare_nodes
+        else _line(
+            f"#SBATCH --nodes={nodes + spare_nodes}",
+            f"EDIT: launcher.nodes({nodes}) run the ranks + launcher.spare_nodes({spare_nodes}) idle",
+        ),
+        *(
+            [_line("#SBATCH --no-kill", "a failed node leaves the job; a spare takes its place (srun --nodelist)")]
+            if spare_nodes
+            else []
+        ),
+        _line(
+            f"#SBATCH --ntasks-per-node={tasks_per_node if srun_style else 1}",
+            "one Slurm task per GPU/rank (launcher.tasks_per_node)"
+            if srun_style
+            else "one torchrun agent per node; it starts the ranks",
+        ),
     ]
     if gpus_per_node:
         header.append(_line(f"#SBATCH --gpus-per-node={gpus_per_node}", "cluster.gpus_per_node"))
-    header.append(_line(f"#SBATCH --cpus-per-task={per_task_cpus}",
-                        "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks"))
+    header.append(
+        _line(
+            f"#SBATCH --cpus-per-task={per_task_cpus}",
+            "EDIT: cores per rank" if srun_style else "EDIT: cores for the node's ranks",
+        )
+    )
     if mem_per_node_gb:
         header.append(_line(f"#SBATCH --mem={mem_per_node_gb}G", "cluster.mem_per_node_gb"))
     header.append(_line(f"#SBATCH --time={_hhmm(time_min)}", "EDIT: wall-time limit (cluster.time_min)"))
     return header
 
 
-def _placement_lines(*, partition: str | None, account: str | None, qos: str | None, constraint: str | None,
-                     exclude: str | None) -> list[str]:
+def _placement_lines(
+    *, partition: str | None, account: str | None, qos: str | None, constraint: str | None, exclude: str | None
+) -> list[str]:
     """#SBATCH lines for where the job may run; partition and account, when unset, become commented
     CHANGE_ME lines for the sysadmin to fill in."""
     header = []
-    for flag, value in (("partition", partition), ("account", account), ("qos", qos),
-                        ("constraint", constraint), ("exclude", exclude)):
+    for flag, value in (
+        ("partition", partition),
+        ("account", account),
+        ("qos", qos),
+        ("constraint", constraint),
+        ("exclude", exclude),
+    ):
         if value:
             header.append(_line(f"#SBATCH --{flag}={_q(value)}", f"EDIT: cluster.{flag}"))
         elif flag in ("partition", "account"):
@@ -147,38 +185,69 @@ def _requeue_lines(*, run_dir: str, signal_delay_s: int) -> list[str]:
     batch_log = f"{run_dir}/slurm/%j_batch.out"
     return [
         _line("#SBATCH --requeue", "a preempted or requeued job runs again: same job id, same run dir"),
-        _line(f"#SBATCH --signal=USR2@{signal_delay_s}",
-              f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)"),
+        _line(
+            f"#SBATCH --signal=USR2@{signal_delay_s}",
+            f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)",
+        ),
         _line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
         _line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
         _line(f"#SBATCH --error={_q(batch_log)}"),
     ]
 
 
-def render_for(cfg: JobConfig, *, overrides: Sequence[str], style: str = "srun", python: str | None = None,
-               workdir: str | None = None) -> str:
+def render_for(
+    cfg: JobConfig,
+    *,
+    overrides: Sequence[str],
+    style: str = "srun",
+    python: str | None = None,
+    workdir: str | None = None,
+) -> str:
     """`render()` with the parameters taken from the composed config; `overrides` are passed on to every rank."""
     ln, cl = cfg.launcher, cfg.cluster
     run_dir = str(Path(cfg.run.dir).resolve())
     passed = [o for o in overrides if not o.startswith("run.dir=")]
     mesh = cfg.mesh
     return render(
-        style=style, job_name=f"meshjob-{cfg.model.name}", nodes=ln.nodes, tasks_per_node=ln.tasks_per_node,
-        cpus_per_task=cl.cpus_per_task, time_min=cl.time_min, signal_delay_s=ln.signal_delay_s,
-        run_dir=run_dir, workdir=workdir or str(Path.cwd()), python=python or sys.executable,
-        overrides=passed, gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account,
-        qos=cl.qos, constraint=cl.constraint, exclude=cl.exclude, mem_per_node_gb=cl.mem_per_node_gb,
-        setup=cl.setup, env=cl.env, container_image=cl.container_image, container_mounts=cl.container_mounts,
-        restarts_in_allocation=cfg.failure.restarts_in_allocation, spare_nodes=ln.spare_nodes,
-        description=(f"model={cfg.model.name}, mesh pp{mesh.pp}*dp_replicate{mesh.dp_replicate}*"
-                     f"dp_shard{mesh.dp_shard}*tp{mesh.tp}, {cfg.world_size} ranks, cluster={cl.name}"),
+        style=style,
+        job_name=f"meshjob-{cfg.model.name}",
+        nodes=ln.nodes,
+        tasks_per_node=ln.tasks_per_node,
+        cpus_per_task=cl.cpus_per_task,
+        time_min=cl.time_min,
+        signal_delay_s=ln.signal_delay_s,
+        run_dir=run_dir,
+        workdir=workdir or str(Path.cwd()),
+        python=python or sys.executable,
+        overrides=passed,
+        gpus_per_node=cl.gpus_per_node,
+        partition=cl.partition,
+        account=cl.account,
+        qos=cl.qos,
+        constraint=cl.constraint,
+        exclude=cl.exclude,
+        mem_per_node_gb=cl.mem_per_node_gb,
+        setup=cl.setup,
+        env=cl.env,
+        container_image=cl.container_image,
+        container_mounts=cl.container_mounts,
+        restarts_in_allocation=cfg.failure.restarts_in_allocation,
+        spare_nodes=ln.spare_nodes,
+        description=(
+            f"model={cfg.model.name}, mesh pp{mesh.pp}*dp_replicate{mesh.dp_replicate}*"
+            f"dp_shard{mesh.dp_shard}*tp{mesh.tp}, {cfg.world_size} ranks, cluster={cl.name}"
+        ),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.sbatch", description=__doc__.splitlines()[0])
-    parser.add_argument("--style", choices=STYLES, default="srun",
-                        help="srun: one Slurm task per rank (as launcher=slurm); torchrun: one agent per node")
+    parser.add_argument(
+        "--style",
+        choices=STYLES,
+        default="srun",
+        help="srun: one Slurm task per rank (as launcher=slurm); torchrun: one agent per node",
+    )
     parser.add_argument("-o", "--output", help="write the script here (and create RUN_DIR/slurm) instead of stdout")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m jobs.train")
     args = parser.parse_args(argv)

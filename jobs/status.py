@@ -30,16 +30,29 @@ def status_text(run_dir: Path) -> str:
     jobs = list(dict.fromkeys(a.job_id for a in rows if a.job_id))
     records = {job: sacct_attempts(job) for job in jobs}
     metrics = [m for m in read_events(run_dir / "metrics.jsonl") if "step" in m and m.get("record") != "eval"]
-    dead = dead_attempts(run_dir, rows, events, metrics, now=time.time(),
-                         sacct_records=[r for recs in records.values() for r in recs] if jobs else None)
-    lines += [f"attempt {a} is not running although it wrote no end: it died at "
-              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))} ({c.by})" for a, c in dead.items()]
+    dead = dead_attempts(
+        run_dir,
+        rows,
+        events,
+        metrics,
+        now=time.time(),
+        sacct_records=[r for recs in records.values() for r in recs] if jobs else None,
+    )
+    lines += [
+        f"attempt {a} is not running although it wrote no end: it died at "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))} ({c.by})"
+        for a, c in dead.items()
+    ]
     decisions = [e for e in events if e.get("kind") == "decision"]
     if decisions:
         d = decisions[-1]
         lines.append(f"last decision: {d.get('action')} ({d.get('reason')}); exit code {d.get('exit_code')}")
-    lines += [f"spare swap after attempt {e.get('attempt')}: " + ", ".join(f"{bad} -> {spare}" for bad, spare in
-              (e.get("swapped") or {}).items()) for e in events if e.get("kind") == "spare_swap"]
+    lines += [
+        f"spare swap after attempt {e.get('attempt')}: "
+        + ", ".join(f"{bad} -> {spare}" for bad, spare in (e.get("swapped") or {}).items())
+        for e in events
+        if e.get("kind") == "spare_swap"
+    ]
     incidents = sorted((run_dir / "incidents").glob("*/incident.json"), key=lambda p: p.stat().st_mtime)
     if incidents:
         inc = json.loads(incidents[-1].read_text())

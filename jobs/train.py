@@ -46,9 +46,15 @@ def run(cfg: JobConfig) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    log.info("run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
-             run_dir, cfg.model.name, derived.dims.describe(), cfg.world_size, derived.microbatches,
-             derived.tokens_per_step)
+    log.info(
+        "run dir %s | model %s | mesh %s on %d ranks | %d microbatches/step | %d tokens/step",
+        run_dir,
+        cfg.model.name,
+        derived.dims.describe(),
+        cfg.world_size,
+        derived.microbatches,
+        derived.tokens_per_step,
+    )
     from jobs.launch.local import launch
 
     code = launch(cfg, early=_early)

@@ -23,7 +23,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from checkpoint import CheckpointManager, TrainState, failures_in_ledger, job_mtbf_s
 from checkpoint.tiers import tier_shares, tiers_on
 from jobs.config import JobConfig, OptimConfig, config_hash
+from jobs.data import BatchSource, sources_of
 from jobs.device import rank_device
+from jobs.evaluate import HeldoutEval
 from jobs.events import EventLog, read_events
 from jobs.failure.sdc import SdcGuard, replica_groups
 from jobs.failure.signals import StopSignals
@@ -35,8 +37,6 @@ from jobs.launch.rundir import run_id
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
 from jobs.moe import moe_layers, update_expert_bias
-from jobs.data import BatchSource, sources_of
-from jobs.evaluate import HeldoutEval
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
@@ -71,7 +71,9 @@ def adamw_kernel(fused: bool | None, device_type: str) -> dict[str, bool]:
     return {"fused": True} if use_fused else {"foreach": True}
 
 
-def build_optimizers(parts: list[nn.Module], cfg: OptimConfig, *, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    parts: list[nn.Module], cfg: OptimConfig, *, device_type: str = "cpu"
+) -> list[torch.optim.Optimizer]:
     """One AdamW per model part (a rank may hold several pipeline stages); no decay on norm weights."""
     kernel = adamw_kernel(cfg.fused, device_type)
     opts = []
@@ -126,8 +128,16 @@ def _replicate_partial_grads(parts: list[nn.Module]) -> None:
 class Trainer:
     """Builds this rank's share of the job from the config and runs the loop."""
 
-    def __init__(self, cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog,
-                 stop: StopSignals | None = None, watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        derived: Derived,
+        env: DistEnv,
+        *,
+        events: EventLog,
+        stop: StopSignals | None = None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         self.cfg, self.derived, self.env, self.events = cfg, derived, env, events
         self.stop = stop or StopSignals()  # installed at process start by the launcher's rank entry
         self.watchdog = watchdog
@@ -151,29 +161,57 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
         o = cfg.optim
         # Loss spikes: the step -> data step map, rollbacks and their LR scale (jobs/failure/spike.py).
-        self.health = TrainingHealth(cfg.failure, rank=env.rank, run_dir=cfg.run.dir, attempt=env.attempt,
-                                     emit=events.emit, events_path=events.path, vocab_size=cfg.model.vocab_size)
+        self.health = TrainingHealth(
+            cfg.failure,
+            rank=env.rank,
+            run_dir=cfg.run.dir,
+            attempt=env.attempt,
+            emit=events.emit,
+            events_path=events.path,
+            vocab_size=cfg.model.vocab_size,
+        )
         # Silent data corruption: a suspicious step is re-run before its optimizer step (jobs/failure/sdc.py).
-        self.sdc = SdcGuard(cfg.failure, rank=env.rank, world_size=env.world_size, hostname=env.hostname,
-                            attempt=env.attempt, first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
-                            emit=events.emit, groups=replica_groups(self.mesh))
+        self.sdc = SdcGuard(
+            cfg.failure,
+            rank=env.rank,
+            world_size=env.world_size,
+            hostname=env.hostname,
+            attempt=env.attempt,
+            first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
+            emit=events.emit,
+            groups=replica_groups(self.mesh),
+        )
         self.lr_schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
-                s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio)
-                * self.health.lr_scale)
+            torch.optim.lr_scheduler.LambdaLR(
+                opt,
+                lambda s: (
+                    lr_multiplier(
+                        s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio
+                    )
+                    * self.health.lr_scale
+                ),
+            )
             for opt in self.optimizers
         ]
         positions = self.parts[0].rope_positions  # a cp rank reads its zig-zag chunks' tokens only (parallel/cp.py)
         self.data = BatchSource(
-            sources_of(cfg.data), seed=cfg.train.seed, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
-            dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, seq_positions=positions,
+            sources_of(cfg.data),
+            seed=cfg.train.seed,
+            global_batch=cfg.train.global_batch,
+            seq_len=cfg.train.seq_len,
+            dp_rank=dims.dp_rank(self.mesh),
+            dp=dims.dp,
+            seq_positions=positions,
             sample_overlap=cfg.data.sample_overlap,
         )
-        self.heldout = HeldoutEval(cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy,
-                                   seq_positions=positions)
+        self.heldout = HeldoutEval(
+            cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy, seq_positions=positions
+        )
         self.state = TrainState()
         self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
-        self.trained_steps: list[list[float]] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
+        self.trained_steps: list[
+            list[float]
+        ] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
         set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
@@ -185,13 +223,21 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(cfg.model)
         self.parts, self.stages = parallelize(
-            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
-            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+            model,
+            dims=dims,
+            mesh=self.mesh,
+            stages_per_rank=derived.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule,
+            sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+            activation_checkpointing=cfg.train.activation_checkpointing,
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
-            compile=cfg.train.compile, mixed_precision=self.mixed_precision, ep_mesh=self.ep_mesh,
-            cp_impl=cfg.mesh.cp_impl, seq_len=cfg.train.seq_len,
+            compile=cfg.train.compile,
+            mixed_precision=self.mixed_precision,
+            ep_mesh=self.ep_mesh,
+            cp_impl=cfg.mesh.cp_impl,
+            seq_len=cfg.train.seq_len,
         )
         for part in self.parts:
             part.to_empty(device=self.device)
@@ -202,17 +248,29 @@ class Trainer:
         self.schedule = None
         if dims.pp_enabled:
             self.schedule = build_schedule(
-                self.parts, self.stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
-                n_microbatches=derived.microbatches, pp_group=self.pp_group, device=self.device,
+                self.parts,
+                self.stages,
+                num_stages=derived.num_stages,
+                schedule=cfg.mesh.pp_schedule,
+                n_microbatches=derived.microbatches,
+                pp_group=self.pp_group,
+                device=self.device,
                 loss_fn=cross_entropy,
             )
 
     def _build_observers(self, cfg: JobConfig, env: DistEnv, events: EventLog) -> None:
         """Per-rank phase timing and stragglers (jobs/telemetry), and TensorBoard on rank 0 when asked for."""
         dims = self.derived.dims
-        self.telemetry = build_step_telemetry(cfg, env, events=events, pp=dims.pp_enabled, mesh=dims.describe(),
-                                              device=self.device, mixed_precision=self.mixed_precision,
-                                              pp_rank=self.mesh["pp"].get_local_rank() if dims.pp_enabled else 0)
+        self.telemetry = build_step_telemetry(
+            cfg,
+            env,
+            events=events,
+            pp=dims.pp_enabled,
+            mesh=dims.describe(),
+            device=self.device,
+            mixed_precision=self.mixed_precision,
+            pp_rank=self.mesh["pp"].get_local_rank() if dims.pp_enabled else 0,
+        )
         self.timer = self.telemetry.timer  # `with self.timer.phase(name):` around each part of a step
         self.tensorboard = None
         if cfg.metrics.tensorboard and env.rank == 0:
@@ -230,8 +288,9 @@ class Trainer:
             losses: list[torch.Tensor] | None = [] if self.has_last else None
             args = (inputs,) if self.has_first else ()
             with self._loss_ctx(), self.timer.phase("pp_step"):
-                self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
-                                   return_outputs=False)
+                self.schedule.step(
+                    *args, target=targets if self.has_last else None, losses=losses, return_outputs=False
+                )
             if not self.has_last:
                 return torch.zeros((), device=self.device)
             return torch.stack([_whole(l) for l in losses]).mean()
@@ -256,8 +315,13 @@ class Trainer:
         this same step. At a log interval's last step every rank's phase times ride along (stragglers).
         """
         stop = 1.0 if self.stop.received is not None else 0.0
-        totals = torch.stack([stage_grad_sq_norm(self.parts, self.device), local_loss.detach().double().reshape(()),
-                              torch.tensor(stop, dtype=torch.float64, device=self.device)])
+        totals = torch.stack(
+            [
+                stage_grad_sq_norm(self.parts, self.device),
+                local_loss.detach().double().reshape(()),
+                torch.tensor(stop, dtype=torch.float64, device=self.device),
+            ]
+        )
         phases = self.telemetry.outgoing(interval_end=interval_end)
         if phases is not None:
             totals = torch.cat([totals, torch.as_tensor(phases, dtype=torch.float64, device=self.device)])
@@ -296,25 +360,44 @@ class Trainer:
         t0 = time.perf_counter()
         with self.memory.track(step):
             with self.timer.phase("data"):
-                inputs, targets = (t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts))
+                inputs, targets = (
+                    t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts)
+                )
             local_loss = self.forward_backward(inputs, targets)
             if not self.derived.dims.fsdp_enabled:
                 with self.timer.phase("pp_step" if self.schedule is not None else "backward"):
                     _replicate_partial_grads(self.parts)
             self.sdc.inject(step, self.parts)  # tests only: MESHJOB_TEST_FLIP_GRAD (a no-op unless set)
             grad_norm, loss, stop = self.reduce_totals(local_loss, interval_end=self._interval_end(step + 1))
-            self.sdc.check(step=step, suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
-                           local_loss=local_loss, parts=self.parts, recompute=lambda: self._recompute(inputs, targets),
-                           save=self._save_before_step)
+            self.sdc.check(
+                step=step,
+                suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
+                local_loss=local_loss,
+                parts=self.parts,
+                recompute=lambda: self._recompute(inputs, targets),
+                save=self._save_before_step,
+            )
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
                 lr = self.optimizer_step()
         dt = time.perf_counter() - t0
         peak = self.cfg.cluster.gpu_bf16_tflops if self.memory.device.type == "cuda" else None
-        flops = achieved(flops_per_token=self.flops_per_token, tokens_per_step=self.derived.tokens_per_step,
-                         world_size=self.env.world_size, step_time_s=dt, peak_tflops=peak)
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.derived.tokens_per_step / dt, **flops, "stop": stop}
+        flops = achieved(
+            flops_per_token=self.flops_per_token,
+            tokens_per_step=self.derived.tokens_per_step,
+            world_size=self.env.world_size,
+            step_time_s=dt,
+            peak_tflops=peak,
+        )
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": dt,
+            "tokens_per_s": self.derived.tokens_per_step / dt,
+            **flops,
+            "stop": stop,
+        }
 
     def _recompute(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The step's forward and backward again, from the same state on the same batch (sdc re-run)."""
@@ -329,8 +412,12 @@ class Trainer:
         """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
         this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
         self._wait_for_saves()
-        if this_step and self.cfg.checkpoint.enabled and self.state.step > 0 and not (
-                self.ckpt.folder / f"step_{self.state.step}").is_dir():
+        if (
+            this_step
+            and self.cfg.checkpoint.enabled
+            and self.state.step > 0
+            and not (self.ckpt.folder / f"step_{self.state.step}").is_dir()
+        ):
             self._save(self.state.step)
             self._wait_for_saves()
 
@@ -345,10 +432,18 @@ class Trainer:
         self.health.resume(st, load=self._load, schedulers=self.lr_schedulers, agree=self._agree)
         if self.tensorboard is not None:  # after a restart, TensorBoard drops what this attempt trains again
             self.tensorboard.purge_step = st.step + 1
-        self.events.emit("train_start", step=st.step, steps=cfg.steps, mesh=self.derived.dims.describe(),
-                         world_size=self.env.world_size, tokens_per_step=self.derived.tokens_per_step,
-                         microbatches=self.derived.microbatches, pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
-                         device=str(self.device), mixed_precision=self.mixed_precision)
+        self.events.emit(
+            "train_start",
+            step=st.step,
+            steps=cfg.steps,
+            mesh=self.derived.dims.describe(),
+            world_size=self.env.world_size,
+            tokens_per_step=self.derived.tokens_per_step,
+            microbatches=self.derived.microbatches,
+            pp_layers_per_stage=list(self.derived.pp_layers_per_stage),
+            device=str(self.device),
+            mixed_precision=self.mixed_precision,
+        )
         if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
             self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
             return "stopped"
@@ -370,14 +465,17 @@ class Trainer:
             if stop:
                 self._wait_for_saves()  # committed before the job lets go of its nodes
                 self.ckpt.drop_memory()  # the stop step is on the filesystem: the RAM copies go with the nodes
-                self.events.emit("stop_requested", step=st.step, signal=self.stop.name,
-                                 action="checkpoint saved; ending the attempt")
+                self.events.emit(
+                    "stop_requested", step=st.step, signal=self.stop.name, action="checkpoint saved; ending the attempt"
+                )
                 return "stopped"
         self._wait_for_saves()  # the last save is committed (or its failure raised) before the run counts as done
         self.ckpt.drop_memory()
         self.events.emit("train_end", step=st.step, tokens_seen=st.tokens_seen)
-        self.telemetry.finish(healthy=self.env.rank == 0 and healthy_run(self.events.path),
-                              about={"run_dir": self.cfg.run.dir, "steps": st.step})
+        self.telemetry.finish(
+            healthy=self.env.rank == 0 and healthy_run(self.events.path),
+            about={"run_dir": self.cfg.run.dir, "steps": st.step},
+        )
         return "done"
 
     def _interval_end(self, step: int) -> bool:
@@ -387,9 +485,16 @@ class Trainer:
     def _load(self, before_step: int | None = None) -> int:
         """The newest valid checkpoint (of a step < before_step) into the model, optimizers, schedulers and state;
         the sampler goes on from its data cursor (ValueError when a data file changed, data.accept_changed_files)."""
-        step = self.ckpt.load_latest(model_parts=self.parts, optimizers=self.optimizers,
-                                     lr_schedulers=self.lr_schedulers, train_state=self.state, before_step=before_step)
-        for note in self.data.restore(self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files):
+        step = self.ckpt.load_latest(
+            model_parts=self.parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            train_state=self.state,
+            before_step=before_step,
+        )
+        for note in self.data.restore(
+            self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files
+        ):
             if self.env.rank == 0:
                 self.log.warning("resuming at step %d: %s", step, note)
                 self.events.emit("data_cursor_changed", step=step, note=note)
@@ -455,16 +560,30 @@ class Trainer:
             m.update({k: m[k] * scale for k in ("tokens_per_s", "tflops_per_rank", "mfu") if k in m})
         recent = sorted(step_times[-10:])[len(step_times[-10:]) // 2]
         eta = recent * (self.cfg.train.steps - step)
-        record = {"step": step, **m, "eta_s": eta, "restart": self.env.restart_count, "attempt": self.env.attempt,
-                  "time": time.time(), "trained_steps": trained}
+        record = {
+            "step": step,
+            **m,
+            "eta_s": eta,
+            "restart": self.env.restart_count,
+            "attempt": self.env.attempt,
+            "time": time.time(),
+            "trained_steps": trained,
+        }
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.write(record)
         self.log.info(
             "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | %.3f s/step | %s | ETA %s",
-            step, self.cfg.train.steps, m["loss"], m["lr"], m["grad_norm"], m["tokens_per_s"],
-            m["step_time_s"], _fmt_efficiency(m), _fmt_eta(eta),
+            step,
+            self.cfg.train.steps,
+            m["loss"],
+            m["lr"],
+            m["grad_norm"],
+            m["tokens_per_s"],
+            m["step_time_s"],
+            _fmt_efficiency(m),
+            _fmt_eta(eta),
         )
 
     def close(self) -> None:
@@ -481,13 +600,25 @@ class Trainer:
 def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, events: EventLog) -> CheckpointManager:
     """The run's CheckpointManager; the job MTBF for interval=auto also counts the failures in events.jsonl."""
     failures, observed_s = failures_in_ledger(read_events(events.path))
-    mtbf_s = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
-                        nodes=env.nodes, failures_seen=failures, observed_s=observed_s)
+    mtbf_s = job_mtbf_s(
+        mtbf_job_hours=cfg.failure.mtbf_job_hours,
+        mtbf_node_hours=cfg.failure.mtbf_node_hours,
+        nodes=env.nodes,
+        failures_seen=failures,
+        observed_s=observed_s,
+    )
     return CheckpointManager(
-        Path(cfg.run.dir) / "checkpoints", cfg=cfg.checkpoint, rank=env.rank, world_size=env.world_size,
-        emit=events.emit, manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
-        total_steps=cfg.train.steps, mtbf_s=mtbf_s, attempt=env.attempt,
-        collective_timeout_s=cfg.failure.collective_timeout_s, run_id=run_id(cfg.run.dir),
+        Path(cfg.run.dir) / "checkpoints",
+        cfg=cfg.checkpoint,
+        rank=env.rank,
+        world_size=env.world_size,
+        emit=events.emit,
+        manifest_extra={"mesh": derived.dims.describe(), "config_hash": config_hash(cfg)},
+        total_steps=cfg.train.steps,
+        mtbf_s=mtbf_s,
+        attempt=env.attempt,
+        collective_timeout_s=cfg.failure.collective_timeout_s,
+        run_id=run_id(cfg.run.dir),
         # the RAM tier's node: Slurm's node name; the local launcher runs launcher.nodes simulated nodes on one
         # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)
         node=env.hostname if env.job_id is not None else f"{env.hostname}.node{env.node_rank}",
@@ -497,10 +628,12 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
 
 def _tier_shares(cfg: JobConfig) -> dict[str, float]:
     """{checkpoint tier: share of all failures it is read after} (checkpoint/tiers.py), the same rule as jobs.plan's."""
-    memory, partner = tiers_on(cfg.checkpoint, spare_nodes=getattr(cfg.launcher, "spare_nodes", 0),
-                               nodes=cfg.launcher.nodes)
-    return tier_shares(process_share=cfg.failure.process_share, node_share=cfg.failure.node_share,
-                       memory=memory, partner=partner)
+    memory, partner = tiers_on(
+        cfg.checkpoint, spare_nodes=getattr(cfg.launcher, "spare_nodes", 0), nodes=cfg.launcher.nodes
+    )
+    return tier_shares(
+        process_share=cfg.failure.process_share, node_share=cfg.failure.node_share, memory=memory, partner=partner
+    )
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,9 @@ class Derived:
     stages_per_rank: int  # virtual pipeline stages held by each pp rank
     num_stages: int  # pipeline stages in total
     tokens_per_step: int  # global_batch * seq_len
-    pp_layers_per_stage: tuple[int, ...] = ()  # blocks per pipeline stage (mesh.pp_layers_per_stage or balanced); () without pp
+    pp_layers_per_stage: tuple[
+        int, ...
+    ] = ()  # blocks per pipeline stage (mesh.pp_layers_per_stage or balanced); () without pp
 
 
 def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
@@ -37,12 +39,12 @@ def validate(cfg: JobConfig, *, training: bool = True) -> Derived:
     `training=False` (the planner) accepts what is planned but not trained (MLA with mesh.tp > 1)."""
     t, mesh, ln = cfg.train, cfg.mesh, cfg.launcher
     if ln.nodes < 1 or ln.tasks_per_node < 1:
-        raise ValueError(
-            f"launcher.nodes({ln.nodes}) and launcher.tasks_per_node({ln.tasks_per_node}) must be >= 1"
-        )
+        raise ValueError(f"launcher.nodes({ln.nodes}) and launcher.tasks_per_node({ln.tasks_per_node}) must be >= 1")
     if ln.spare_nodes < 0 or ln.spare_nodes and ln.name != "slurm":
-        raise ValueError(f"launcher.spare_nodes({ln.spare_nodes}) must be >= 0, and 0 unless launcher=slurm (spare nodes "
-                         f"are held in a Slurm allocation): set launcher.spare_nodes=0")
+        raise ValueError(
+            f"launcher.spare_nodes({ln.spare_nodes}) must be >= 0, and 0 unless launcher=slurm (spare nodes "
+            f"are held in a Slurm allocation): set launcher.spare_nodes=0"
+        )
     dims = ParallelDims.from_config(mesh, world_size=cfg.world_size, world_size_expr=cfg.world_size_expr)
 
     _check_model(cfg, dims)
@@ -123,8 +125,10 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
     if error:
         raise ValueError(error)
     if t.compile:
-        raise ValueError(f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
-                         "compiled (untested); set train.compile=false or mesh.cp=1")
+        raise ValueError(
+            f"train.compile=true with mesh.cp({dims.cp}) > 1: the cp attention's collectives are not "
+            "compiled (untested); set train.compile=false or mesh.cp=1"
+        )
 
 
 def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -132,27 +136,36 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
     m = cfg.model
     if m.n_routed_experts <= 0:
         if dims.ep > 1:
-            raise ValueError(f"mesh.ep({dims.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense "
-                             "model has no experts to shard; set mesh.ep=1 or pick an MoE model (model=tiny_moe)")
+            raise ValueError(
+                f"mesh.ep({dims.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense "
+                "model has no experts to shard; set mesh.ep=1 or pick an MoE model (model=tiny_moe)"
+            )
         return
     if m.n_routed_experts % dims.ep:
-        raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({dims.ep}) != 0: "
-                         "each ep rank needs whole experts")
+        raise ValueError(
+            f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({dims.ep}) != 0: each ep rank needs whole experts"
+        )
     if m.moe_score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"model.moe_score_func={m.moe_score_func!r} is not one of softmax, sigmoid")
     groups = max(m.moe_groups, 1)
     if m.n_routed_experts % groups:
-        raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % model.moe_groups({groups}) != 0: "
-                         "the node limit counts equal groups of experts")
+        raise ValueError(
+            f"model.n_routed_experts({m.n_routed_experts}) % model.moe_groups({groups}) != 0: "
+            "the node limit counts equal groups of experts"
+        )
     allowed = m.n_routed_experts // groups * (m.moe_max_nodes if 0 < m.moe_max_nodes < groups else groups)
     if not 0 < m.experts_per_token <= allowed:
-        raise ValueError(f"model.experts_per_token({m.experts_per_token}) must be in 1..{allowed}: the experts of "
-                         f"model.moe_max_nodes({m.moe_max_nodes}) of model.moe_groups({groups}) groups")
+        raise ValueError(
+            f"model.experts_per_token({m.experts_per_token}) must be in 1..{allowed}: the experts of "
+            f"model.moe_max_nodes({m.moe_max_nodes}) of model.moe_groups({groups}) groups"
+        )
     if m.moe_ffn_dim <= 0:
         raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) must be > 0 with model.n_routed_experts > 0")
     if m.moe_ffn_dim % dims.tp:  # the routed and shared experts' hidden dim is split over tp (etp = tp, parallel/tp.py)
-        raise ValueError(f"model.moe_ffn_dim({m.moe_ffn_dim}) % mesh.tp({dims.tp}) != 0: the experts' hidden dim is "
-                         "split over the tp ranks (etp = tp); pick mesh.tp dividing model.moe_ffn_dim")
+        raise ValueError(
+            f"model.moe_ffn_dim({m.moe_ffn_dim}) % mesh.tp({dims.tp}) != 0: the experts' hidden dim is "
+            "split over the tp ranks (etp = tp); pick mesh.tp dividing model.moe_ffn_dim"
+        )
 
 
 def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -165,8 +178,10 @@ def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:
     attention_head_dims(m)  # raises naming the MLA dims that are not set
     for axis in ("tp", "cp"):
         if getattr(dims, axis) > 1:
-            raise ValueError(f"mesh.{axis}({getattr(dims, axis)}) > 1 with model.attention=mla: {axis} of latent "
-                             f"attention is not built yet (planned only: jobs.plan); set mesh.{axis}=1")
+            raise ValueError(
+                f"mesh.{axis}({getattr(dims, axis)}) > 1 with model.attention=mla: {axis} of latent "
+                f"attention is not built yet (planned only: jobs.plan); set mesh.{axis}=1"
+            )
 
 
 def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple[int, ...] | None]:
@@ -175,9 +190,7 @@ def _check_pipeline(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int, tuple
     spr = stages_per_rank(mesh)
     multi = mesh.pp_schedule in MULTI_STAGE_SCHEDULES
     if dims.pp > 1 and multi and spr < 2:
-        raise ValueError(
-            f"mesh.pp_schedule={mesh.pp_schedule} needs mesh.pp_stages_per_rank >= 2, got {spr}"
-        )
+        raise ValueError(f"mesh.pp_schedule={mesh.pp_schedule} needs mesh.pp_stages_per_rank >= 2, got {spr}")
     if dims.pp > 1 and not multi and spr != 1:
         raise ValueError(
             f"mesh.pp_schedule={mesh.pp_schedule} runs one stage per rank; mesh.pp_stages_per_rank({spr}) "
@@ -261,12 +274,15 @@ def _check_eval(cfg: JobConfig, dims: ParallelDims) -> None:
     """Held-out evaluation (jobs/evaluate.py): its keys, and a pipeline schedule whose eval() works."""
     t = cfg.train
     if t.eval_every < 0 or t.eval_batches < 1:
-        raise ValueError(f"train.eval_every({t.eval_every}) must be >= 0 (0 = off) and train.eval_batches"
-                         f"({t.eval_batches}) >= 1")
+        raise ValueError(
+            f"train.eval_every({t.eval_every}) must be >= 0 (0 = off) and train.eval_batches({t.eval_batches}) >= 1"
+        )
     if t.eval_every and dims.pp > 1 and cfg.mesh.pp_schedule == "zbv_zero_bubble":
-        raise ValueError("train.eval_every with mesh.pp_schedule=zbv_zero_bubble: torch 2.13's forward-only "
-                         "ScheduleZBVZeroBubble.eval() fails (its action list still sends backward inputs); use "
-                         "gpipe, 1f1b or interleaved_1f1b, or train.eval_every=0")
+        raise ValueError(
+            "train.eval_every with mesh.pp_schedule=zbv_zero_bubble: torch 2.13's forward-only "
+            "ScheduleZBVZeroBubble.eval() fails (its action list still sends backward inputs); use "
+            "gpipe, 1f1b or interleaved_1f1b, or train.eval_every=0"
+        )
 
 
 def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
@@ -286,27 +302,43 @@ def _check_failure(cfg: JobConfig) -> None:
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
-    for name in ("init_timeout_s", "collective_timeout_s", "hang_timeout_s", "heartbeat_s", "node_probe_timeout_s",
-                 "checkpoint_timeout_s"):
+    for name in (
+        "init_timeout_s",
+        "collective_timeout_s",
+        "hang_timeout_s",
+        "heartbeat_s",
+        "node_probe_timeout_s",
+        "checkpoint_timeout_s",
+    ):
         if getattr(f, name) <= 0:
             raise ValueError(f"failure.{name}({getattr(f, name)}) must be > 0")
     if f.hang_timeout_s >= f.collective_timeout_s:
-        raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) >= failure.collective_timeout_s"
-                         f"({f.collective_timeout_s}): a stuck collective would time out before the watchdog names "
-                         f"the hang (with every rank's stack and the suspect); set failure.hang_timeout_s below "
-                         f"failure.collective_timeout_s, e.g. failure.hang_timeout_s={f.collective_timeout_s * 0.6:g}")
+        raise ValueError(
+            f"failure.hang_timeout_s({f.hang_timeout_s}) >= failure.collective_timeout_s"
+            f"({f.collective_timeout_s}): a stuck collective would time out before the watchdog names "
+            f"the hang (with every rank's stack and the suspect); set failure.hang_timeout_s below "
+            f"failure.collective_timeout_s, e.g. failure.hang_timeout_s={f.collective_timeout_s * 0.6:g}"
+        )
     if f.missed_beats < 2:
-        raise ValueError(f"failure.missed_beats({f.missed_beats}) must be >= 2: one late beat of a busy filesystem "
-                         "is no hang; e.g. failure.missed_beats=5")
+        raise ValueError(
+            f"failure.missed_beats({f.missed_beats}) must be >= 2: one late beat of a busy filesystem "
+            "is no hang; e.g. failure.missed_beats=5"
+        )
     if f.hang_timeout_s < 3 * f.heartbeat_s:
-        raise ValueError(f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
-                         "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s")
+        raise ValueError(
+            f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
+            "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s"
+        )
     if f.restarts_in_allocation < 0:
-        raise ValueError(f"failure.restarts_in_allocation({f.restarts_in_allocation}) must be >= 0 "
-                         "(0: every dead or hung rank sends the job back to the queue)")
+        raise ValueError(
+            f"failure.restarts_in_allocation({f.restarts_in_allocation}) must be >= 0 "
+            "(0: every dead or hung rank sends the job back to the queue)"
+        )
     if f.max_requeues < 0 or f.max_attempts_without_progress < 1:
-        raise ValueError(f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
-                         f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1")
+        raise ValueError(
+            f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
+            f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1"
+        )
     _check_health(f)
     check_spike(f)
     failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
@@ -319,28 +351,38 @@ def _check_metrics(cfg: JobConfig) -> None:
 
     f = cfg.failure
     if f.straggler_ratio <= 1.0 or f.straggler_intervals < 1 or f.straggler_min_diff_s < 0:
-        raise ValueError(f"failure.straggler_ratio({f.straggler_ratio}) must be > 1, failure.straggler_intervals"
-                         f"({f.straggler_intervals}) >= 1 and failure.straggler_min_diff_s({f.straggler_min_diff_s}) >= 0; "
-                         "e.g. failure.straggler_ratio=1.1 failure.straggler_intervals=3")
+        raise ValueError(
+            f"failure.straggler_ratio({f.straggler_ratio}) must be > 1, failure.straggler_intervals"
+            f"({f.straggler_intervals}) >= 1 and failure.straggler_min_diff_s({f.straggler_min_diff_s}) >= 0; "
+            "e.g. failure.straggler_ratio=1.1 failure.straggler_intervals=3"
+        )
     if not 0 <= cfg.metrics.kernel_every <= WINDOW_STEPS:
-        raise ValueError(f"metrics.kernel_every({cfg.metrics.kernel_every}) must be 0 (GPU straggler checks on CUDA "
-                         f"event time) or 1..{WINDOW_STEPS}: every judged window ({WINDOW_STEPS} steps or more) needs a "
-                         "profiled step; e.g. metrics.kernel_every=10")
+        raise ValueError(
+            f"metrics.kernel_every({cfg.metrics.kernel_every}) must be 0 (GPU straggler checks on CUDA "
+            f"event time) or 1..{WINDOW_STEPS}: every judged window ({WINDOW_STEPS} steps or more) needs a "
+            "profiled step; e.g. metrics.kernel_every=10"
+        )
     check_tensorboard(cfg.metrics.tensorboard)
 
 
 def _check_health(f: FailureConfig) -> None:
     """GPU health: a period NVML can keep up with, a temperature in range, XIDs that exist."""
     if f.health_every_s < 0 or 0 < f.health_every_s < 1:
-        raise ValueError(f"failure.health_every_s({f.health_every_s}) must be 0 (check at start only) or >= 1: "
-                         "every rank queries NVML each time; set failure.health_every_s=60")
+        raise ValueError(
+            f"failure.health_every_s({f.health_every_s}) must be 0 (check at start only) or >= 1: "
+            "every rank queries NVML each time; set failure.health_every_s=60"
+        )
     if not 0 < f.health_temp_warn_c < 150:
-        raise ValueError(f"failure.health_temp_warn_c({f.health_temp_warn_c}) is not a GPU temperature in C; "
-                         "set failure.health_temp_warn_c=85")
+        raise ValueError(
+            f"failure.health_temp_warn_c({f.health_temp_warn_c}) is not a GPU temperature in C; "
+            "set failure.health_temp_warn_c=85"
+        )
     bad = [x for x in f.health_failing_xids if not isinstance(x, int) or x < 1]
     if bad:
-        raise ValueError(f"failure.health_failing_xids has {bad}: XIDs are positive integers, e.g. "
-                         "failure.health_failing_xids=[48,63,64,74,79,92,94,95,119,120]")
+        raise ValueError(
+            f"failure.health_failing_xids has {bad}: XIDs are positive integers, e.g. "
+            "failure.health_failing_xids=[48,63,64,74,79,92,94,95,119,120]"
+        )
 
 
 def checkpoint_wait_s(*, write_s: float, async_mode: str) -> float:
@@ -356,9 +398,11 @@ def check_checkpoint_timeout(f: FailureConfig, *, write_s: float, async_mode: st
     need = checkpoint_wait_s(write_s=write_s, async_mode=async_mode)
     if f.checkpoint_timeout_s < need:
         n = "" if async_mode == "none" else "2 x "
-        raise ValueError(f"failure.checkpoint_timeout_s({f.checkpoint_timeout_s:g}) < {n}the predicted checkpoint write "
-                         f"({write_s:.0f} s, checkpoint.async_mode={async_mode}) = {need:.0f} s: the watchdog would end "
-                         f"every attempt inside its final save; set failure.checkpoint_timeout_s={int(need * 1.5) + 1}")
+        raise ValueError(
+            f"failure.checkpoint_timeout_s({f.checkpoint_timeout_s:g}) < {n}the predicted checkpoint write "
+            f"({write_s:.0f} s, checkpoint.async_mode={async_mode}) = {need:.0f} s: the watchdog would end "
+            f"every attempt inside its final save; set failure.checkpoint_timeout_s={int(need * 1.5) + 1}"
+        )
 
 
 def stop_path_s(*, step_s: float, blocking_s: float, write_s: float, async_mode: str) -> float:

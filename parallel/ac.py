@@ -23,6 +23,7 @@ from parallel.config import AC_MODES, checkpointed_layers
 
 __all__ = ["AC_MODES", "checkpointed_layers", "apply_ac"]
 
+
 def apply_ac(model: nn.Module, *, mode: str, every: int, rank_layers: list[int] | None = None) -> list[int]:
     """Checkpoints the blocks of `model.layers` (keys are global layer indices) that `mode` selects among
     `rank_layers` (every block this rank holds, all its stages; default: this part's); returns their indices."""

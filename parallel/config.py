@@ -10,18 +10,22 @@ AC_MODES = ("none", "selective", "full")  # train.activation_checkpointing
 CP_IMPLS = ("allgather", "ring")  # mesh.cp_impl (parallel/cp.py)
 
 
-
 def cp_shape_error(*, seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> str | None:
     """Why a sequence of `seq_len` cannot be cut for context parallel (parallel/cp.py: 2*cp equal zig-zag chunks
     per sample, Llama 3 §3.3.2; sequence parallel inside a cp rank's share), naming the fix; None when it can.
     One rule for the trainer's validation and the planner."""
     if cp > 1 and seq_len % (2 * cp):
-        return (f"train.seq_len({seq_len}) % (2 * mesh.cp({cp})) = {seq_len % (2 * cp)} != 0: context parallel cuts "
-                "each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp")
+        return (
+            f"train.seq_len({seq_len}) % (2 * mesh.cp({cp})) = {seq_len % (2 * cp)} != 0: context parallel cuts "
+            "each sample into 2*cp equal zig-zag chunks; change train.seq_len or mesh.cp"
+        )
     if cp > 1 and tp > 1 and sequence_parallel and (seq_len // cp) % tp:
-        return (f"train.seq_len({seq_len}) / mesh.cp({cp}) = {seq_len // cp} is not divisible by mesh.tp({tp}) with "
-                "mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false")
+        return (
+            f"train.seq_len({seq_len}) / mesh.cp({cp}) = {seq_len // cp} is not divisible by mesh.tp({tp}) with "
+            "mesh.sequence_parallel=true; change train.seq_len or set mesh.sequence_parallel=false"
+        )
     return None
+
 
 def checkpointed_layers(layers: list[int], *, mode: str, every: int) -> list[int]:
     """The global layer indices among `layers` whose block is checkpointed under `mode` (torch-free:
@@ -51,7 +55,9 @@ class MeshConfig:
     pp_schedule: str = "1f1b"  # one of gpipe, 1f1b, interleaved_1f1b, zbv_zero_bubble
     pp_microbatches: int = -1  # microbatches per step per dp rank; -1 = global_batch / (dp * micro_batch)
     pp_stages_per_rank: int = -1  # virtual stages per pp rank; -1 = 1, or 2 for multi-stage schedules
-    pp_layers_per_stage: list[int] | None = None  # blocks per stage, in stage order (pp * stages per rank entries); None = balanced by cost
+    pp_layers_per_stage: list[int] | None = (
+        None  # blocks per stage, in stage order (pp * stages per rank entries); None = balanced by cost
+    )
     cp_impl: str = "allgather"  # attention across cp ranks: allgather (K/V all-gathered) or ring (K/V passed around)
     sequence_parallel: bool = True  # shard norms/activations along the sequence dim across tp
     loss_parallel: bool = True  # compute the loss on vocab-sharded logits (no all-gather of logits)

@@ -134,7 +134,7 @@ class _FusedRing(torch.autograd.Function):
     gradient accumulator, which one last hop brings home. q (b, h, 2c, d), k/v (b, kv_heads, 2c, d)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: "ContextParallelAttention") -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: ContextParallelAttention) -> torch.Tensor:
         rep, mine, qs = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp), q.chunk(2, dim=2)
         acc: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {c: None for c in mine}
         kv = torch.stack([k, v])
@@ -168,8 +168,16 @@ class _FusedRing(torch.autograd.Function):
             for qc, kc, kind in blocks:
                 i, j = mine.index(qc), src.index(kc)
                 kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1).contiguous() for t in (kv[0], kv[1]))
-                g = _flash_backward(douts[i].contiguous(), qs[i].contiguous(), kb, vb, outs[i].contiguous(),
-                                    lses[i].contiguous(), 0.0, kind == "causal")
+                g = _flash_backward(
+                    douts[i].contiguous(),
+                    qs[i].contiguous(),
+                    kb,
+                    vb,
+                    outs[i].contiguous(),
+                    lses[i].contiguous(),
+                    0.0,
+                    kind == "causal",
+                )
                 dq[i] += g[0].float()
                 for t, d in ((2, g[1]), (3, g[2])):  # the GQA repeat's gradient: a sum over each group's heads
                     kv[t].chunk(2, dim=2)[j].add_(d.unflatten(1, (-1, rep)).sum(2).to(kv.dtype))
@@ -190,7 +198,9 @@ class ContextParallelAttention:
         ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prv = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
         self.blocks: Counter[str] = Counter()
-        self.fused = True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
+        self.fused = (
+            True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
+        )
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = self._allgather(q, k, v) if self.impl == "allgather" else self._ring(q, k, v)

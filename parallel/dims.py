@@ -45,8 +45,9 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, mesh: MeshConfig, *, world_size: int, world_size_expr: str = "",
-                    training: bool = True) -> "ParallelDims":
+    def from_config(
+        cls, mesh: MeshConfig, *, world_size: int, world_size_expr: str = "", training: bool = True
+    ) -> ParallelDims:
         """Resolves `mesh.dp_shard=-1` and validates; errors name the `mesh.*` override and the arithmetic.
 
         `training=False` (the planner) accepts any mesh.ep."""
@@ -114,8 +115,9 @@ class ParallelDims:
         attention = " * ".join(f"{a}{getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single"
         if not self.ep_enabled:
             return f"{attention} (every layer: mesh.ep=1)"
-        moe = fold_moe_mesh(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp,
-                            tp=self.tp, ep=self.ep)
+        moe = fold_moe_mesh(
+            pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep
+        )
         folded = " * ".join(f"{a}{v}" for a, v in moe.items() if v > 1 or a == "edp")
         return f"attention {attention} | MoE {folded} (folded over the same {self.world_size} ranks)"
 
@@ -169,9 +171,11 @@ def fold_moe_mesh(*, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int
     ranks = dp_shard * cp
     if ep < 1 or ranks % ep:
         fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
-        raise ValueError(f"mesh.ep({ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({cp}) = {ranks}: the MoE "
-                         f"mesh folds edp * ep over the attention mesh's data-parallel ranks; set mesh.ep to one of "
-                         f"{', '.join(map(str, fits))}")
+        raise ValueError(
+            f"mesh.ep({ep}) must divide mesh.dp_shard({dp_shard}) * mesh.cp({cp}) = {ranks}: the MoE "
+            f"mesh folds edp * ep over the attention mesh's data-parallel ranks; set mesh.ep to one of "
+            f"{', '.join(map(str, fits))}"
+        )
     return {"pp": pp, "dp_replicate": dp_replicate, "edp": ranks // ep, "ep": ep, "etp": tp}
 
 

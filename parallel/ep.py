@@ -39,16 +39,18 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=group)
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         gin = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(gin, grad.contiguous(), output_split_sizes=in_splits, input_split_sizes=out_splits,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            gin, grad.contiguous(), output_split_sizes=in_splits, input_split_sizes=out_splits, group=ctx.group
+        )
         return gin, None, None, None
 
 
@@ -96,8 +98,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % ep:
-                raise ValueError(f"model.n_routed_experts({param.shape[0]}) % mesh.ep({ep}) != 0: "
-                                 "each ep rank needs whole experts")
+                raise ValueError(
+                    f"model.n_routed_experts({param.shape[0]}) % mesh.ep({ep}) != 0: each ep rank needs whole experts"
+                )
             tp_placements = list(param.placements) if isinstance(param, DTensor) else []
             assert len(tp_placements) == ep_mesh.ndim - 1, (name, tp_placements, ep_mesh)
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device) if tp_placements else param.data
@@ -108,8 +111,14 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         module.register_forward_hook(hooks.combine, prepend=True)
 
 
-def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshard_after_forward: bool,
-                      mp_policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_expert_fsdp(
+    model: nn.Module,
+    edp_mesh: DeviceMesh,
+    *,
+    dp: int,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
     """FSDP2 over the expert-data-parallel axis for every GroupedExperts module (before the blocks are
     wrapped, so the block's FSDP leaves these weights alone); HSDP when `edp_mesh` is 2-D (dp_replicate, edp).
     Their gradients are reduced over `edp_mesh` only and divided by the whole data-parallel degree `dp` (dp * cp
@@ -117,8 +126,12 @@ def apply_expert_fsdp(model: nn.Module, edp_mesh: DeviceMesh, *, dp: int, reshar
     the same mean over the global batch as the dense weights."""
     for module in model.modules():
         if is_grouped_experts(module):
-            fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=mp_policy or MixedPrecisionPolicy())
+            fully_shard(
+                module,
+                mesh=edp_mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy or MixedPrecisionPolicy(),
+            )
             module.set_gradient_divide_factor(float(dp))
             # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank (also under HSDP): torch 2.13's FSDP then
             # divides its local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).

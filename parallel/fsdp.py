@@ -9,8 +9,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 __all__ = ["apply_fsdp"]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, per_block: bool = True,
-               mp_policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    per_block: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
     """Wraps each block (one all-gather per block per forward) and the root (embeddings, norm, head).
 
     The wrap granularity sets the collective count: per block, each block's parameters are gathered

@@ -14,7 +14,12 @@ if TYPE_CHECKING:  # annotations only: jobs.validate uses the stage arithmetic o
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 __all__ = [
-    "balanced_layers_per_stage", "check_layers_per_stage", "layer_ranges", "stage_ids", "split_stage", "build_schedule",
+    "balanced_layers_per_stage",
+    "check_layers_per_stage",
+    "layer_ranges",
+    "stage_ids",
+    "split_stage",
+    "build_schedule",
 ]
 
 # mesh.pp_schedule -> the torch.distributed.pipelining class
@@ -33,8 +38,9 @@ EMBEDDING_COST = 1
 OUTPUT_COST = 1
 
 
-def balanced_layers_per_stage(n_layers: int, num_stages: int, *, first_cost: int = EMBEDDING_COST,
-                              last_cost: int = OUTPUT_COST) -> list[int]:
+def balanced_layers_per_stage(
+    n_layers: int, num_stages: int, *, first_cost: int = EMBEDDING_COST, last_cost: int = OUTPUT_COST
+) -> list[int]:
     """Blocks per stage that make the costliest stage as cheap as possible, counting the embedding
     as `first_cost` and the output layer as `last_cost` blocks; every stage keeps at least one block
     when there are enough. Ties: a block comes off the first or last stage before a middle one (the
@@ -49,7 +55,9 @@ def balanced_layers_per_stage(n_layers: int, num_stages: int, *, first_cost: int
         cost += 1
     blocks = [max(floor, cost - e) for e in extra]
     for _ in range(sum(blocks) - n_layers):
-        s = max((i for i in range(num_stages) if blocks[i] > floor), key=lambda i: (blocks[i] + extra[i], extra[i] > 0, i))
+        s = max(
+            (i for i in range(num_stages) if blocks[i] > floor), key=lambda i: (blocks[i] + extra[i], extra[i] > 0, i)
+        )
         blocks[s] -= 1
     return blocks
 
@@ -59,8 +67,9 @@ def check_layers_per_stage(layers_per_stage: list[int], *, n_layers: int, pp: in
     given = list(layers_per_stage)
     num_stages = pp * stages_per_rank
     if pp == 1:
-        raise ValueError(f"mesh.pp_layers_per_stage={given} is set but mesh.pp=1 (no pipeline); "
-                         "set mesh.pp_layers_per_stage=null")
+        raise ValueError(
+            f"mesh.pp_layers_per_stage={given} is set but mesh.pp=1 (no pipeline); set mesh.pp_layers_per_stage=null"
+        )
     if len(given) != num_stages:
         raise ValueError(
             f"mesh.pp_layers_per_stage={given} has {len(given)} entries != mesh.pp({pp}) * stages per rank"
@@ -81,7 +90,9 @@ def check_layers_per_stage(layers_per_stage: list[int], *, n_layers: int, pp: in
         )
 
 
-def layer_ranges(n_layers: int, num_stages: int, *, layers_per_stage: list[int] | tuple[int, ...] | None = None) -> list[range]:
+def layer_ranges(
+    n_layers: int, num_stages: int, *, layers_per_stage: list[int] | tuple[int, ...] | None = None
+) -> list[range]:
     """Contiguous block ranges per stage: `layers_per_stage` when given (checked by the caller),
     else the cost-balanced split (`balanced_layers_per_stage`)."""
     counts = list(layers_per_stage) if layers_per_stage else balanced_layers_per_stage(n_layers, num_stages)

@@ -6,11 +6,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.ac import apply_ac
+from parallel.compile import apply_compile
+from parallel.cp import apply_cp
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep, apply_expert_fsdp
 from parallel.fsdp import apply_fsdp
-from parallel.compile import apply_compile
-from parallel.cp import apply_cp
 from parallel.pipeline import layer_ranges, split_stage, stage_ids
 from parallel.precision import apply_autocast, fsdp_policy
 from parallel.tp import apply_tp
@@ -61,19 +61,44 @@ def parallelize(
     blocks are wrapped (parallel/ep.py).
     Model code never changes; every step works on a meta-device model (no memory is touched).
     """
-    stages, parts = _pipeline_parts(model, dims=dims, mesh=mesh, stages_per_rank=stages_per_rank,
-                                    pp_schedule=pp_schedule, pp_layers_per_stage=pp_layers_per_stage)
+    stages, parts = _pipeline_parts(
+        model,
+        dims=dims,
+        mesh=mesh,
+        stages_per_rank=stages_per_rank,
+        pp_schedule=pp_schedule,
+        pp_layers_per_stage=pp_layers_per_stage,
+    )
     rank_layers = [int(k) for part in parts for k in part.layers.keys()]  # selective AC counts over all of them
     for part in parts:
-        _shard_part(part, dims=dims, mesh=mesh, ep_mesh=ep_mesh, rank_layers=rank_layers, cp_impl=cp_impl,
-                    seq_len=seq_len, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                    activation_checkpointing=activation_checkpointing, ac_every=ac_every, compile=compile,
-                    fsdp_per_block=fsdp_per_block, mixed_precision=mixed_precision)
+        _shard_part(
+            part,
+            dims=dims,
+            mesh=mesh,
+            ep_mesh=ep_mesh,
+            rank_layers=rank_layers,
+            cp_impl=cp_impl,
+            seq_len=seq_len,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
+            ac_every=ac_every,
+            compile=compile,
+            fsdp_per_block=fsdp_per_block,
+            mixed_precision=mixed_precision,
+        )
     return parts, stages
 
 
-def _pipeline_parts(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, stages_per_rank: int,
-                    pp_schedule: str, pp_layers_per_stage) -> tuple[list[int], list[nn.Module]]:
+def _pipeline_parts(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    stages_per_rank: int,
+    pp_schedule: str,
+    pp_layers_per_stage,
+) -> tuple[list[int], list[nn.Module]]:
     """(stage ids, parts) this rank holds: its pipeline stages split off `model`, or the whole model without pp."""
     if dims.pp == 1:
         return [0], [model]
@@ -83,10 +108,23 @@ def _pipeline_parts(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, s
     return stages, [split_stage(model, s, ranges) for s in stages]
 
 
-def _shard_part(part: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, ep_mesh: DeviceMesh | None,
-                rank_layers: list[int], cp_impl: str, seq_len: int, sequence_parallel: bool, loss_parallel: bool,
-                activation_checkpointing: str, ac_every: int, compile: bool, fsdp_per_block: bool,
-                mixed_precision: str) -> None:
+def _shard_part(
+    part: nn.Module,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    ep_mesh: DeviceMesh | None,
+    rank_layers: list[int],
+    cp_impl: str,
+    seq_len: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    activation_checkpointing: str,
+    ac_every: int,
+    compile: bool,
+    fsdp_per_block: bool,
+    mixed_precision: str,
+) -> None:
     """Steps 1b-5 of `parallelize` on one part, in that order."""
     if dims.cp_enabled:
         apply_cp(part, mesh["cp"], impl=cp_impl, seq_len=seq_len)
@@ -97,12 +135,24 @@ def _shard_part(part: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, ep_mes
         apply_ep(part, ep_mesh[("ep", "tp")] if dims.tp_enabled else ep_mesh["ep"])
     if compile:
         apply_compile(part)
-    if ep_mesh is not None:  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)
+    if (
+        ep_mesh is not None
+    ):  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)
         edp_mesh = ep_mesh[("dp_replicate", "edp")] if dims.hsdp_enabled else ep_mesh["edp"]
-        apply_expert_fsdp(part, edp_mesh, dp=dims.dp * dims.cp, reshard_after_forward=not dims.pp_enabled,
-                          mp_policy=fsdp_policy(mixed_precision))
+        apply_expert_fsdp(
+            part,
+            edp_mesh,
+            dp=dims.dp * dims.cp,
+            reshard_after_forward=not dims.pp_enabled,
+            mp_policy=fsdp_policy(mixed_precision),
+        )
     if dims.fsdp_enabled:
-        apply_fsdp(part, dims.fsdp_mesh(mesh), reshard_after_forward=not dims.pp_enabled, per_block=fsdp_per_block,
-                   mp_policy=fsdp_policy(mixed_precision))
+        apply_fsdp(
+            part,
+            dims.fsdp_mesh(mesh),
+            reshard_after_forward=not dims.pp_enabled,
+            per_block=fsdp_per_block,
+            mp_policy=fsdp_policy(mixed_precision),
+        )
     elif mixed_precision == "bf16":
         apply_autocast(part, device_type=mesh.device_type)

@@ -95,14 +95,20 @@ def _moe_plan(moe: nn.Module, seq) -> dict[str, object]:
     way; the experts' gradients need no tp collective (each rank's hidden slice is its own).
     """
     plan: dict[str, object] = {
-        "feed_forward": PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                                 use_local_input=True, output_layouts=(Replicate(),),
-                                                 desired_output_layouts=(seq,), use_local_output=True),
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(seq,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        ),
     }
     if getattr(moe, "shared", None) is not None:
         plan |= {
-            "feed_forward.shared": PrepareModuleInput(input_layouts=(Replicate(),),
-                                                      desired_input_layouts=(Replicate(),)),
+            "feed_forward.shared": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            ),
             "feed_forward.shared.w1": ColwiseParallel(),
             "feed_forward.shared.w2": RowwiseParallel(),  # Replicate: added to the routed output of the same tokens
             "feed_forward.shared.w3": ColwiseParallel(),

@@ -101,8 +101,15 @@ def check_torch(device: str, out: Path) -> dict:
     import torch
 
     gaps = torch_api_gaps()
-    res = {"ok": not gaps, "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
-           "python": sys.version.split()[0], "venv": sys.prefix != sys.base_prefix, "gaps": gaps}
+    res = {
+        "ok": not gaps,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
+        "python": sys.version.split()[0],
+        "venv": sys.prefix != sys.base_prefix,
+        "gaps": gaps,
+    }
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         res.update(gpu=p.name, mem_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
@@ -124,8 +131,13 @@ def check_disk(device: str, out: Path) -> dict:
     path.unlink()
     free = shutil.disk_usage(out).free
     gbps = size / secs / 1e9
-    return {"ok": free > 3 * 13.7e9 if device == "cuda" else True, "write_GBps": round(gbps, 3),
-            "free_GB": round(free / 1e9, 1), "est_1b_checkpoint_s": round(13.7 / gbps, 1), "dir": str(out)}
+    return {
+        "ok": free > 3 * 13.7e9 if device == "cuda" else True,
+        "write_GBps": round(gbps, 3),
+        "free_GB": round(free / 1e9, 1),
+        "est_1b_checkpoint_s": round(13.7 / gbps, 1),
+        "dir": str(out),
+    }
 
 
 def check_kernels(device: str, out: Path) -> dict:
@@ -166,9 +178,16 @@ def check_kernels(device: str, out: Path) -> dict:
         secs.append(round(time.perf_counter() - t0, 3))
         runs.append([loss.item(), sum(p.double().sum().item() for p in model.parameters())])
         del model, opt
-    res = {"ok": runs[0] == runs[1], "bitwise": runs[0] == runs[1], "loss": runs[0][0], "param_sums": [r[1] for r in runs],
-           "seconds": secs, "deterministic": torch.are_deterministic_algorithms_enabled(),
-           "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory, "logits_dtype": str(logits.dtype)}
+    res = {
+        "ok": runs[0] == runs[1],
+        "bitwise": runs[0] == runs[1],
+        "loss": runs[0][0],
+        "param_sums": [r[1] for r in runs],
+        "seconds": secs,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+        "logits_dtype": str(logits.dtype),
+    }
     if device == "cuda":
         res["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return res
@@ -234,8 +253,13 @@ def check_world(device: str, out: Path) -> dict:
     res["flight_recorder"] = str(path) if path else None
     res["flight_recorder_entries"] = len(pickle.loads(path.read_bytes()).get("entries", [])) if path else 0
     dist.destroy_process_group()
-    res["ok"] = (x.tolist() == [1.0, 1.0, 1.0] and len(res["mesh"]) == 5 and res.get("nccl_timeout_s", 42.0) == 42.0
-                 and res["fsdp_out_dtype"] == "torch.bfloat16" and res["flight_recorder_entries"] > 0)
+    res["ok"] = (
+        x.tolist() == [1.0, 1.0, 1.0]
+        and len(res["mesh"]) == 5
+        and res.get("nccl_timeout_s", 42.0) == 42.0
+        and res["fsdp_out_dtype"] == "torch.bfloat16"
+        and res["flight_recorder_entries"] > 0
+    )
     return res
 
 
@@ -267,8 +291,13 @@ def check_stragglers(device: str, out: Path) -> dict:
         rows.append(dict(zip(names, k.end(names))))
         read_s.append(round(time.perf_counter() - t0, 4))
     dist.destroy_process_group()
-    res = {"compute_s": rows[-1], "nccl_s": k.comm_s, "phases_seen": list(k.phases_seen),
-           "trace_events": k.trace_events, "stop_and_read_s": read_s}
+    res = {
+        "compute_s": rows[-1],
+        "nccl_s": k.comm_s,
+        "phases_seen": list(k.phases_seen),
+        "trace_events": k.trace_events,
+        "stop_and_read_s": read_s,
+    }
     res["ok"] = res["phases_seen"] == names and rows[-1]["forward"] > 0 and rows[-1]["collective"] == 0
     return res
 
@@ -337,13 +366,26 @@ def check_gemms(device: str, out: Path) -> dict:
     hd, heads = m.dim // m.n_heads, m.n_heads // tp
     # the kernel alone, on k/v already repeated to every head (jobs/model.py's GQA repeat is a memory-bound op)
     qkv = tuple(rand(1, heads, tokens, hd) for _ in range(3))
-    t_att = _fwd_bwd_seconds(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv,
-                             torch.randn(1, heads, tokens, hd, device=device, dtype=dtype), sync=sync, seconds=0.3)
+    t_att = _fwd_bwd_seconds(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        qkv,
+        torch.randn(1, heads, tokens, hd, device=device, dtype=dtype),
+        sync=sync,
+        seconds=0.3,
+    )
     f_att = 3.0 * tokens * tokens * 2 * heads * hd  # steptime.stage_flops: causal, half of QK^T and PV, x3 for training
-    res = {"model": model, "tp": tp, "tokens": tokens, "dtype": dtype_name, "profile_key": f"{dtype_name}.tp{tp}",
-           "stream_GBps": _sig(_stream_GBps(device, sync=sync)), "linears": rows,
-           "linear_tflops": _sig(flops / secs / 1e12), "attention_tflops": _sig(f_att / t_att / 1e12),
-           "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12)}
+    res = {
+        "model": model,
+        "tp": tp,
+        "tokens": tokens,
+        "dtype": dtype_name,
+        "profile_key": f"{dtype_name}.tp{tp}",
+        "stream_GBps": _sig(_stream_GBps(device, sync=sync)),
+        "linears": rows,
+        "linear_tflops": _sig(flops / secs / 1e12),
+        "attention_tflops": _sig(f_att / t_att / 1e12),
+        "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12),
+    }
     if device == "cuda":
         name = torch.cuda.get_device_properties(0).name
         peak = peak_bf16_tflops(name)
@@ -364,12 +406,30 @@ def check_trainer(device: str, out: Path) -> dict:
     resume from 3 must give steps 4..6 the same losses bitwise."""
     overrides, seq = _shape(device, layers=2)
     run = out / "trainer"
-    ov = [*overrides, f"train.seq_len={seq}", "train.global_batch=4", "train.micro_batch=2", "mesh=single",
-          "launcher.tasks_per_node=1", f"train.device={device}", "train.mixed_precision=bf16", "train.steps=6",
-          "checkpoint.every_steps=3", "train.deterministic=true", "train.activation_checkpointing=full",
-          f"data.path={out / 'tokens.h5'}", "data.num_samples=64", "optim.lr=3e-4", "optim.warmup_steps=2",
-          f"run.dir={run}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ov = [
+        *overrides,
+        f"train.seq_len={seq}",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "mesh=single",
+        "launcher.tasks_per_node=1",
+        f"train.device={device}",
+        "train.mixed_precision=bf16",
+        "train.steps=6",
+        "checkpoint.every_steps=3",
+        "train.deterministic=true",
+        "train.activation_checkpointing=full",
+        f"data.path={out / 'tokens.h5'}",
+        "data.num_samples=64",
+        "optim.lr=3e-4",
+        "optim.warmup_steps=2",
+        f"run.dir={run}",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     first: dict = {}
     res: dict = {"runs": []}
     for attempt in range(2):
@@ -393,13 +453,26 @@ def check_trainer(device: str, out: Path) -> dict:
 def run_check(name: str, *, device: str, out: Path, timeout_s: float) -> dict:
     """One check in a fresh interpreter (each owns its CUDA context and its process group)."""
     t0 = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), name, "--device", device, "--out", str(out)],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), name, "--device", device, "--out", str(out)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        res = json.loads(lines[-1]) if p.returncode == 0 and lines else {
-            "ok": False, "rc": p.returncode, "error": (p.stderr or p.stdout)[-1500:]}
+        res = (
+            json.loads(lines[-1])
+            if p.returncode == 0 and lines
+            else {"ok": False, "rc": p.returncode, "error": (p.stderr or p.stdout)[-1500:]}
+        )
     except subprocess.TimeoutExpired:
         res = {"ok": False, "rc": 124, "error": f"timed out after {timeout_s:.0f} s"}
     return {"check": name, **res, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -413,8 +486,11 @@ def run_preflight(*, device: str, out: Path, deadline_s: float) -> list[dict]:
     for i, name in enumerate(CHECKS):
         share = (end - time.monotonic()) / (len(CHECKS) - i) * (2.0 if name == "trainer" else 1.0)
         budget = min(end - time.monotonic(), share)
-        res = ({"check": name, "ok": False, "skipped": f"deadline: {budget:.0f} s left for it"} if budget < 10 else
-               run_check(name, device=device, out=out, timeout_s=budget))
+        res = (
+            {"check": name, "ok": False, "skipped": f"deadline: {budget:.0f} s left for it"}
+            if budget < 10
+            else run_check(name, device=device, out=out, timeout_s=budget)
+        )
         print(json.dumps(res, default=str), flush=True)
         results.append(res)
     return results

@@ -54,7 +54,11 @@ def run_train(overrides: list[str], run_dir: Path, *, timeout: float = 300, env:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     p = subprocess.run(
         [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
     return TrainRun(p.returncode, p.stdout, p.stderr, run_dir)
 
@@ -132,8 +136,9 @@ def pytest_collection_finish(session) -> None:
 
 
 def _count(report) -> None:
-    stats = _tier_stats.setdefault(_tier_of.get(report.nodeid, "unit"),
-                                   {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0})
+    stats = _tier_stats.setdefault(
+        _tier_of.get(report.nodeid, "unit"), {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
+    )
     stats["seconds"] += report.duration
     if report.when == "call" or (report.when == "setup" and not report.passed):
         stats[report.outcome] += 1
@@ -143,5 +148,7 @@ def _count(report) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     for tier, s in sorted(_tier_stats.items()):
-        terminalreporter.write_line(f"tier {tier}: {s['passed']:.0f} passed, {s['failed']:.0f} failed, "
-                                    f"{s['skipped']:.0f} skipped, {s['seconds']:.0f} s")
+        terminalreporter.write_line(
+            f"tier {tier}: {s['passed']:.0f} passed, {s['failed']:.0f} failed, "
+            f"{s['skipped']:.0f} skipped, {s['seconds']:.0f} s"
+        )

@@ -26,8 +26,9 @@ class MeshjobLocalLauncherConf:
     _target_: str = "hydra_plugins.meshjob_local_launcher.MeshjobLocalLauncher"
 
 
-ConfigStore.instance().store(group="hydra/launcher", name="meshjob_local", node=MeshjobLocalLauncherConf,
-                             provider="meshjob")
+ConfigStore.instance().store(
+    group="hydra/launcher", name="meshjob_local", node=MeshjobLocalLauncherConf, provider="meshjob"
+)
 
 
 class MeshjobLocalLauncher(Launcher):
@@ -43,17 +44,30 @@ class MeshjobLocalLauncher(Launcher):
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         trains = getattr(self.task_function, "point_run_dirs", False)
-        cfgs = self._points(job_overrides, initial_job_idx) if trains else [
-            self._point(o, idx=initial_job_idx + i, run_dir=None) for i, o in enumerate(job_overrides)]
+        cfgs = (
+            self._points(job_overrides, initial_job_idx)
+            if trains
+            else [self._point(o, idx=initial_job_idx + i, run_dir=None) for i, o in enumerate(job_overrides)]
+        )
         runs = []
         for cfg in cfgs:
             if trains:  # (jobs.plan -m plan.json=true prints one JSON object per point, nothing else)
-                print(f"sweep point {cfg.hydra.job.num}: {' '.join(cfg.hydra.overrides.task) or '(no overrides)'}"
-                      f" | run dir {cfg.run.dir}", flush=True)
+                print(
+                    f"sweep point {cfg.hydra.job.num}: {' '.join(cfg.hydra.overrides.task) or '(no overrides)'}"
+                    f" | run dir {cfg.run.dir}",
+                    flush=True,
+                )
             # Hydra's output dir: the point's run dir, or "." (hydra.run.dir) for commands that write none;
             # hydra.output_subdir is null, so Hydra writes nothing there
-            runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
-                                job_dir_key="run.dir" if trains else "hydra.run.dir", job_subdir_key=None))
+            runs.append(
+                run_job(
+                    hydra_context=self.hydra_context,
+                    task_function=self.task_function,
+                    config=cfg,
+                    job_dir_key="run.dir" if trains else "hydra.run.dir",
+                    job_subdir_key=None,
+                )
+            )
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 
@@ -68,14 +82,26 @@ class MeshjobLocalLauncher(Launcher):
         for cfg in cfgs:
             j = first.setdefault(cfg.run.dir, cfg.hydra.job.num)
             if j != cfg.hydra.job.num:
-                raise ValueError(f"sweep points {j} and {cfg.hydra.job.num} would both train in run.dir={cfg.run.dir}: "
-                                 "two points never share a run directory; sweep run.dir over distinct values, "
-                                 "or do not sweep it")
+                raise ValueError(
+                    f"sweep points {j} and {cfg.hydra.job.num} would both train in run.dir={cfg.run.dir}: "
+                    "two points never share a run directory; sweep run.dir over distinct values, "
+                    "or do not sweep it"
+                )
         sweep_dir.mkdir(parents=True, exist_ok=True)
         with open(sweep_dir / "sweep.jsonl", "a") as f:
             for o, cfg in zip(job_overrides, cfgs):
-                f.write(json.dumps({"idx": cfg.hydra.job.num, "overrides": list(o), "job_id": None,
-                                    "run_dir": cfg.run.dir, "pruned": None}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "idx": cfg.hydra.job.num,
+                            "overrides": list(o),
+                            "job_id": None,
+                            "run_dir": cfg.run.dir,
+                            "pruned": None,
+                        }
+                    )
+                    + "\n"
+                )
         return cfgs
 
     def _point(self, overrides: Sequence[str], *, idx: int, run_dir: Path | None) -> Any:

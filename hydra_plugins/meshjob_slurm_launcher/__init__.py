@@ -19,8 +19,9 @@ class MeshjobSlurmLauncherConf:
     _target_: str = "hydra_plugins.meshjob_slurm_launcher.MeshjobSlurmLauncher"
 
 
-ConfigStore.instance().store(group="hydra/launcher", name="meshjob_slurm", node=MeshjobSlurmLauncherConf,
-                             provider="meshjob")
+ConfigStore.instance().store(
+    group="hydra/launcher", name="meshjob_slurm", node=MeshjobSlurmLauncherConf, provider="meshjob"
+)
 
 
 class MeshjobSlurmLauncher(Launcher):
@@ -38,11 +39,19 @@ class MeshjobSlurmLauncher(Launcher):
         # hydra.sweep.dir: conf/train.yaml makes it ${run.dir}, resolved once here, or the user's own
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         dirs = point_run_dirs(job_overrides, sweep_dir=sweep_dir, first_idx=initial_job_idx)
-        points = [hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i, run_dir=d)
-                  for i, (o, d) in enumerate(zip(job_overrides, dirs))]
+        points = [
+            hydra_point(self.config, o, loader=loader, idx=initial_job_idx + i, run_dir=d)
+            for i, (o, d) in enumerate(zip(job_overrides, dirs))
+        ]
         if all(p.cfg is None for p in points):
             raise ValueError("no sweep point composes:\n" + "\n".join(f"  {p.idx}: {p.reason}" for p in points))
         launch_sweep(points, sweep_dir=sweep_dir)
-        return [JobReturn(overrides=p.overrides, status=JobStatus.COMPLETED,
-                          _return_value=p.job_id or f"pruned: {p.reason}", task_name="train")
-                for p in points]
+        return [
+            JobReturn(
+                overrides=p.overrides,
+                status=JobStatus.COMPLETED,
+                _return_value=p.job_id or f"pruned: {p.reason}",
+                task_name="train",
+            )
+            for p in points
+        ]

@@ -7,8 +7,17 @@ the global samples and each source's samples consumed before it, and the files' 
 """
 
 from jobs.data.cursor import DataChanged, blend, file_identity
-from jobs.data.sampler import BatchSource, global_batch_indices, mixture_indices
 from jobs.data.files import FORMAT_VERSION, ensure_dataset, sources_of
+from jobs.data.sampler import BatchSource, global_batch_indices, mixture_indices
 
-__all__ = ["BatchSource", "DataChanged", "blend", "file_identity", "ensure_dataset", "global_batch_indices", "mixture_indices", "sources_of",
-           "FORMAT_VERSION"]
+__all__ = [
+    "BatchSource",
+    "DataChanged",
+    "blend",
+    "file_identity",
+    "ensure_dataset",
+    "global_batch_indices",
+    "mixture_indices",
+    "sources_of",
+    "FORMAT_VERSION",
+]

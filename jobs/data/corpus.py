@@ -48,7 +48,7 @@ def _line_parts(path: Path, limit: int) -> Iterator[tuple[int, str, bool]]:
                         ws = part
                         continue
                 ws = "\r" if not eol and part.endswith("\r") else ""  # it may be half of the line's \r\n
-                yield n, part[:len(part) - len(ws)], eol
+                yield n, part[: len(part) - len(ws)], eol
                 told = True
                 if eol:
                     break
@@ -64,7 +64,7 @@ class _Pieces:
     def add(self, text: str) -> Iterator[tuple[str, bool]]:
         self.started = True
         for i in range(0, len(text), self.cap):
-            self.buf.append(text[i:i + self.cap])
+            self.buf.append(text[i : i + self.cap])
             self.size += len(self.buf[-1])
             while self.size > self.cap:
                 s = "".join(self.buf)
@@ -114,9 +114,9 @@ def _jsonl_pieces(path: Path, cap: int) -> Iterator[tuple[str, bool]]:
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: not a JSON line ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict) or "text" not in obj:
-            raise InputError(f"{path}:{n}: no \"text\" field (each line must be an object with a string \"text\")")
+            raise InputError(f'{path}:{n}: no "text" field (each line must be an object with a string "text")')
         if not isinstance(obj["text"], str):
-            raise InputError(f"{path}:{n}: \"text\" is of type {type(obj['text']).__name__}, not a string")
+            raise InputError(f'{path}:{n}: "text" is of type {type(obj["text"]).__name__}, not a string')
         yield from doc.add(obj["text"])
         yield from doc.end()
 

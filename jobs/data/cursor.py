@@ -46,7 +46,9 @@ class Anchor:
     base: list[int] = field(default_factory=list)
 
 
-def blend(*, consumed: Sequence[int], weights: Sequence[float], n: int, base: Sequence[int] | None = None) -> np.ndarray:
+def blend(
+    *, consumed: Sequence[int], weights: Sequence[float], n: int, base: Sequence[int] | None = None
+) -> np.ndarray:
     """The sources of the next `n` samples of a mixture whose sources have consumed `consumed` samples
     (`base`: their counts when these weights took effect; zeros by default). Deterministic, exact shares."""
     if len(weights) == 1:
@@ -102,8 +104,15 @@ def _plain(v: object) -> object:
     return v
 
 
-def restore_anchor(saved: dict | None, *, files: list[dict], weights: list[float], accept_changed_files: bool,
-                   data_step: int = 0, global_batch: int = 0) -> tuple[Anchor, list[str]]:
+def restore_anchor(
+    saved: dict | None,
+    *,
+    files: list[dict],
+    weights: list[float],
+    accept_changed_files: bool,
+    data_step: int = 0,
+    global_batch: int = 0,
+) -> tuple[Anchor, list[str]]:
     """The anchor to go on from, given a checkpoint's cursor and this run's files and weights; and what
     changed, in words. A file whose size or header differs is refused (DataChanged) unless
     `accept_changed_files`. A checkpoint older than the cursor (`saved` empty) of step `data_step`: the
@@ -119,14 +128,18 @@ def restore_anchor(saved: dict | None, *, files: list[dict], weights: list[float
     else:  # sources added or removed: matched by path, a new one starts at 0 consumed
         by_path = {f["path"]: k for k, f in enumerate(old)}
         match = [by_path.get(f["path"]) for f in files]
-    changed = [f"{f['path']} (size {old[k]['size']} -> {f['size']} bytes, header {old[k]['id']} -> {f['id']})"
-               for f, k in zip(files, match) if k is not None and (old[k]["size"], old[k]["id"]) != (f["size"], f["id"])]
+    changed = [
+        f"{f['path']} (size {old[k]['size']} -> {f['size']} bytes, header {old[k]['id']} -> {f['id']})"
+        for f, k in zip(files, match)
+        if k is not None and (old[k]["size"], old[k]["id"]) != (f["size"], f["id"])
+    ]
     if changed and not accept_changed_files:
         raise DataChanged(
             f"the data changed since the checkpoint of data step {saved['data_step']} was saved: {'; '.join(changed)}. "
             "A changed file (appended to, re-prepared, replaced) changes the samples a resumed run reads. Point "
             "data.path/data.sources back at the original files, or resume with data.accept_changed_files=true to go "
-            "on knowingly (each source goes on from its consumed count, over the file as it is now)")
+            "on knowingly (each source goes on from its consumed count, over the file as it is now)"
+        )
     consumed = [int(saved["consumed"][k]) if k is not None else 0 for k in match]
     notes = [f"data file changed, accepted (data.accept_changed_files=true): {c}" for c in changed]
     same_mix = match == list(range(len(old))) and [float(w) for w in saved["weights"]] == [float(w) for w in weights]
@@ -134,6 +147,8 @@ def restore_anchor(saved: dict | None, *, files: list[dict], weights: list[float
         base = [int(b) for b in saved["base"]]
     else:
         base = list(consumed)  # the new weights blend from here on
-        notes.append(f"data mixture changed (weights {saved['weights']} -> {weights}, {len(old)} -> {len(files)} "
-                     "sources): the new shares apply from this sample on")
+        notes.append(
+            f"data mixture changed (weights {saved['weights']} -> {weights}, {len(old)} -> {len(files)} "
+            "sources): the new shares apply from this sample on"
+        )
     return Anchor(int(saved["data_step"]), int(saved["position"]), consumed, base), notes

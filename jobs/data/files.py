@@ -47,8 +47,10 @@ def ensure_dataset(cfg: DataConfig, *, vocab_size: int, sample_len: int, eval_sa
         if cfg.sources:
             raise ValueError("data.sources mixes tokenized files: use it with data=tokenized")
         if cfg.sample_overlap:
-            raise ValueError("data.sample_overlap=true cuts a tokenized stream into overlapping samples; the synthetic "
-                             "file's rows are separate samples: drop it, or use data=tokenized")
+            raise ValueError(
+                "data.sample_overlap=true cuts a tokenized stream into overlapping samples; the synthetic "
+                "file's rows are separate samples: drop it, or use data=tokenized"
+            )
         return _ensure_synthetic(cfg, vocab_size=vocab_size, sample_len=sample_len)
     for path, weight in sources_of(cfg):
         if weight <= 0:
@@ -63,15 +65,24 @@ def _ensure_synthetic(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> P
     want = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "gen_seed": cfg.gen_seed}
     held = heldout_rows(cfg.num_samples, cfg.heldout_fraction)
     if not path.exists():
-        write_synthetic(path, num_samples=cfg.num_samples, sample_len=sample_len, vocab=vocab_size, seed=cfg.gen_seed,
-                        heldout_fraction=cfg.heldout_fraction, attrs={**want, "kind": "synthetic"})
+        write_synthetic(
+            path,
+            num_samples=cfg.num_samples,
+            sample_len=sample_len,
+            vocab=vocab_size,
+            seed=cfg.gen_seed,
+            heldout_fraction=cfg.heldout_fraction,
+            attrs={**want, "kind": "synthetic"},
+        )
         return path
     with h5py.File(path, "r") as f:
         have = {k: int(f.attrs.get(k, -1)) for k in want}
         shape, held_have = f["tokens"].shape, (f["heldout"].shape[0] if "heldout" in f else 0)
     if have["format"] == 1:
-        raise ValueError(f"data.path={cfg.path} is a format-1 synthetic file, without the held-out set that "
-                         "evaluation reads; delete it (it is generated again on first use) or point data.path at a new file")
+        raise ValueError(
+            f"data.path={cfg.path} is a format-1 synthetic file, without the held-out set that "
+            "evaluation reads; delete it (it is generated again on first use) or point data.path at a new file"
+        )
     if have != want or shape[0] < cfg.num_samples or shape[1] < sample_len or held_have < held:
         raise ValueError(
             f"data.path={cfg.path} holds {have} with shape {shape} and {held_have} held-out rows, but this run needs "
@@ -83,30 +94,42 @@ def _ensure_synthetic(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> P
 
 def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int, eval_sample_len: int) -> None:
     if not path.is_file():
-        raise ValueError(f"data.path={path} does not exist; make it with "
-                         f"python -m jobs.prepare_data data.inputs=[FILES] data.path={path}")
+        raise ValueError(
+            f"data.path={path} does not exist; make it with "
+            f"python -m jobs.prepare_data data.inputs=[FILES] data.path={path}"
+        )
     with h5py.File(path, "r") as f:
         kind, fmt, vocab = f.attrs.get("kind", ""), int(f.attrs.get("format", -1)), int(f.attrs.get("vocab_size", -1))
         tokens = f["tokens"].shape[0] if "tokens" in f else 0
         heldout = f["heldout"].shape[0] if "heldout" in f else 0
         counted = json.loads(f["manifest"][:].tobytes()) if "manifest" in f else {}
     if (tokens, heldout) != (counted.get("tokens", tokens), counted.get("heldout_tokens", heldout)):
-        raise ValueError(f"{path} holds {tokens} training and {heldout} held-out tokens but its manifest counts "
-                         f"{counted['tokens']} and {counted['heldout_tokens']}: an append to it stopped before its "
-                         "commit; run the same python -m jobs.prepare_data again (it cuts the stream back and appends)")
+        raise ValueError(
+            f"{path} holds {tokens} training and {heldout} held-out tokens but its manifest counts "
+            f"{counted['tokens']} and {counted['heldout_tokens']}: an append to it stopped before its "
+            "commit; run the same python -m jobs.prepare_data again (it cuts the stream back and appends)"
+        )
     if kind != "tokenized" or fmt != FORMAT_VERSION:
-        raise ValueError(f"{path} is not a format-{FORMAT_VERSION} tokenized file (kind={kind!r}, format={fmt}); "
-                         "make it with python -m jobs.prepare_data, or use data=synthetic for the generated language")
+        raise ValueError(
+            f"{path} is not a format-{FORMAT_VERSION} tokenized file (kind={kind!r}, format={fmt}); "
+            "make it with python -m jobs.prepare_data, or use data=synthetic for the generated language"
+        )
     if vocab > vocab_size:
-        raise ValueError(f"{path} was tokenized with a vocabulary of {vocab} tokens, more than model.vocab_size"
-                         f"({vocab_size}) embeds: set model.vocab_size={padded_vocab(vocab)} (at least {vocab}; "
-                         "a multiple of 64 splits evenly over mesh.tp)")
+        raise ValueError(
+            f"{path} was tokenized with a vocabulary of {vocab} tokens, more than model.vocab_size"
+            f"({vocab_size}) embeds: set model.vocab_size={padded_vocab(vocab)} (at least {vocab}; "
+            "a multiple of 64 splits evenly over mesh.tp)"
+        )
     if tokens < sample_len:
-        raise ValueError(f"{path} holds {tokens} training tokens, fewer than one sample of model.max_seq_len + 1 "
-                         f"= {sample_len}; add documents (python -m jobs.prepare_data appends) or lower model.max_seq_len")
+        raise ValueError(
+            f"{path} holds {tokens} training tokens, fewer than one sample of model.max_seq_len + 1 "
+            f"= {sample_len}; add documents (python -m jobs.prepare_data appends) or lower model.max_seq_len"
+        )
     if heldout < eval_sample_len:
-        raise ValueError(f"{path} holds {heldout} held-out tokens, fewer than one evaluation sample of train.seq_len + 1 "
-                         f"= {eval_sample_len}; prepare it with a larger data.heldout_fraction, or set train.eval_every=0")
+        raise ValueError(
+            f"{path} holds {heldout} held-out tokens, fewer than one evaluation sample of train.seq_len + 1 "
+            f"= {eval_sample_len}; prepare it with a larger data.heldout_fraction, or set train.eval_every=0"
+        )
 
 
 def _check_one_tokenizer(paths: list[str]) -> None:
@@ -119,6 +142,8 @@ def _check_one_tokenizer(paths: list[str]) -> None:
             seen.setdefault((sha, int(f.attrs.get("eos_id", -1))), []).append(path)
     if len(seen) > 1:
         groups = "; ".join(f"{', '.join(p)} (tokenizer {sha[:12]}, eos_id {eos})" for (sha, eos), p in seen.items())
-        raise ValueError(f"data.sources mixes files made with different tokenizers: {groups}. Prepare every file "
-                         f"with one tokenizer, e.g. python -m jobs.prepare_data data.tokenizer={paths[0]} "
-                         "data.inputs=[FILES] data.path=NEW.h5 (the tokenizer of that file is reused)")
+        raise ValueError(
+            f"data.sources mixes files made with different tokenizers: {groups}. Prepare every file "
+            f"with one tokenizer, e.g. python -m jobs.prepare_data data.tokenizer={paths[0]} "
+            "data.inputs=[FILES] data.path=NEW.h5 (the tokenizer of that file is reused)"
+        )

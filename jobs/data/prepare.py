@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from jobs.config import DataConfig
-from jobs.data.corpus import DOC_PER, pieces, file_digest
+from jobs.data.corpus import DOC_PER, file_digest, pieces
 from jobs.data.files import FORMAT_VERSION, tokenizer_sha256
 
 __all__ = ["prepare_data", "read_manifest", "read_tokenizer", "load_tokenizer", "EOS_TOKENS"]
@@ -45,8 +45,9 @@ _AHEAD = 2  # batches read and queued for encoding ahead of the one being stored
 _STREAMS = ("tokens", "heldout")  # the token streams: training documents, held-out documents
 
 
-def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], None] | None = None,
-                 overlap: bool = True) -> dict:
+def prepare_data(
+    cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], None] | None = None, overlap: bool = True
+) -> dict:
     """Tokenizes cfg.inputs into cfg.path (appending to an existing file); returns the manifest.
     ValueError (InputError for a malformed file) before anything is written. `overlap=False`: reading and
     encoding take turns in one thread (the serial baseline of scripts/bench/prepare_parallel.py; same bytes)."""
@@ -65,9 +66,22 @@ def prepare_data(cfg: DataConfig, *, vocab_size: int, progress: Callable[[str], 
         for _ in pieces(path, doc_per=cfg.doc_per):
             pass
     tok = _tokenizer(cfg, given=given, out=out, old=old, new=[p for p, _ in new], vocab_size=vocab_size, say=say)
-    origin = old["tokenizer"] if old else (cfg.tokenizer or f"byte-level BPE trained on the inputs (model.vocab_size={vocab_size})")
-    return _write(out, tok, new=new, old=old, heldout_fraction=cfg.heldout_fraction, doc_per=cfg.doc_per,
-                  origin=origin, overlap=overlap, say=say)
+    origin = (
+        old["tokenizer"]
+        if old
+        else (cfg.tokenizer or f"byte-level BPE trained on the inputs (model.vocab_size={vocab_size})")
+    )
+    return _write(
+        out,
+        tok,
+        new=new,
+        old=old,
+        heldout_fraction=cfg.heldout_fraction,
+        doc_per=cfg.doc_per,
+        origin=origin,
+        overlap=overlap,
+        say=say,
+    )
 
 
 def _check_inputs(cfg: DataConfig) -> list[Path]:
@@ -80,8 +94,10 @@ def _check_inputs(cfg: DataConfig) -> list[Path]:
     if not 0.0 < cfg.heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction({cfg.heldout_fraction}) must be in (0, 1)")
     if cfg.doc_per not in DOC_PER:
-        raise ValueError(f"data.doc_per={cfg.doc_per} is not one of {', '.join(DOC_PER)} (what one document of a "
-                         "plain text file is; JSON lines are always one document per line)")
+        raise ValueError(
+            f"data.doc_per={cfg.doc_per} is not one of {', '.join(DOC_PER)} (what one document of a "
+            "plain text file is; JSON lines are always one document per line)"
+        )
     return paths
 
 
@@ -112,15 +128,19 @@ def load_tokenizer(spec: str):
 
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"data.tokenizer={spec} is not a file: give a tokenizer.json, a token file made by "
-                         "python -m jobs.prepare_data (its tokenizer is reused), or no data.tokenizer (a BPE is "
-                         "trained on the inputs)")
+        raise ValueError(
+            f"data.tokenizer={spec} is not a file: give a tokenizer.json, a token file made by "
+            "python -m jobs.prepare_data (its tokenizer is reused), or no data.tokenizer (a BPE is "
+            "trained on the inputs)"
+        )
     try:
         if h5py.is_hdf5(path):
             with h5py.File(path, "r") as f:
                 if "tokenizer_json" not in f:
-                    raise ValueError(f"data.tokenizer={spec} is an HDF5 file without a tokenizer_json dataset, "
-                                     "not a token file made by python -m jobs.prepare_data")
+                    raise ValueError(
+                        f"data.tokenizer={spec} is an HDF5 file without a tokenizer_json dataset, "
+                        "not a token file made by python -m jobs.prepare_data"
+                    )
                 tok = Tokenizer.from_str(f["tokenizer_json"][:].tobytes().decode())
         else:
             tok = Tokenizer.from_file(str(path))
@@ -128,33 +148,44 @@ def load_tokenizer(spec: str):
         raise
     except Exception as e:  # tokenizers raises a bare Exception; OSError for a file that cannot be opened
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"data.tokenizer={spec} cannot be read as a tokenizer ({why}); give the tokenizer.json "
-                         "of the `tokenizers` library or a token file made by python -m jobs.prepare_data") from None
+        raise ValueError(
+            f"data.tokenizer={spec} cannot be read as a tokenizer ({why}); give the tokenizer.json "
+            "of the `tokenizers` library or a token file made by python -m jobs.prepare_data"
+        ) from None
     _eos_id(tok, given=spec)
     return tok
 
 
-def _tokenizer(cfg: DataConfig, *, given, out: Path, old: dict | None, new: list[Path], vocab_size: int,
-               say: Callable[[str], None]):
+def _tokenizer(
+    cfg: DataConfig, *, given, out: Path, old: dict | None, new: list[Path], vocab_size: int, say: Callable[[str], None]
+):
     """The file's own tokenizer when appending, else data.tokenizer, else a byte-level BPE trained on the inputs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if old is not None:
         mine = read_tokenizer(out)
         if given is not None and tokenizer_sha256(given.to_str()) != tokenizer_sha256(mine.to_str()):
-            raise ValueError(f"data.tokenizer={cfg.tokenizer} is not the tokenizer {out} was made with; "
-                             "append without data.tokenizer, or write a new data.path")
+            raise ValueError(
+                f"data.tokenizer={cfg.tokenizer} is not the tokenizer {out} was made with; "
+                "append without data.tokenizer, or write a new data.path"
+            )
         return mine
     if given is not None:
         return given
     if vocab_size < 257:
-        raise ValueError(f"model.vocab_size({vocab_size}) leaves no room for a byte-level BPE (256 byte tokens + EOS): "
-                         "set model.vocab_size=512 (or more), or give data.tokenizer=tokenizer.json")
+        raise ValueError(
+            f"model.vocab_size({vocab_size}) leaves no room for a byte-level BPE (256 byte tokens + EOS): "
+            "set model.vocab_size=512 (or more), or give data.tokenizer=tokenizer.json"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKENS[0]], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKENS[0]],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     say(f"training a byte-level BPE of model.vocab_size={vocab_size} tokens on {len(new)} file(s)")
     tok.train_from_iterator(_all_texts(new, cfg.doc_per), trainer)
     return tok
@@ -177,19 +208,32 @@ def _token_dtype(vocab: int) -> type:
     return np.uint16 if vocab <= 1 << 16 else np.uint32
 
 
-def _write(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict | None, heldout_fraction: float, doc_per: str,
-           origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
+def _write(
+    out: Path,
+    tok,
+    *,
+    new: list[tuple[Path, dict]],
+    old: dict | None,
+    heldout_fraction: float,
+    doc_per: str,
+    origin: str,
+    overlap: bool,
+    say: Callable[[str], None],
+) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap,
-              say=say)
+    kw = dict(
+        new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap, say=say
+    )
     manifest = _append(out, tok, **kw) if old is not None else _create(out, tok, **kw)
-    added = sum(c["tokens"] + c["heldout_tokens"] for c in manifest["files"][len(old["files"]) if old else 0:])
+    added = sum(c["tokens"] + c["heldout_tokens"] for c in manifest["files"][len(old["files"]) if old else 0 :])
     secs = time.perf_counter() - t0
-    say(f"wrote {out}: {manifest['documents']} documents, {manifest['tokens']} training and "
+    say(
+        f"wrote {out}: {manifest['documents']} documents, {manifest['tokens']} training and "
         f"{manifest['heldout_tokens']} held-out tokens, vocabulary {manifest['vocab_size']}; "
         f"{added} tokens added in {secs:.1f} s ({added / max(secs, 1e-9):,.0f} tokens/s, tokenizing and writing; "
-        f"{_cores()} core(s) to encode{', overlapped with reading' if overlap else ''})")
+        f"{_cores()} core(s) to encode{', overlapped with reading' if overlap else ''})"
+    )
     return manifest
 
 
@@ -198,18 +242,46 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _create(out: Path, tok, *, new: list[tuple[Path, dict]], old: None, heldout_fraction: float, doc_per: str,
-            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
+def _create(
+    out: Path,
+    tok,
+    *,
+    new: list[tuple[Path, dict]],
+    old: None,
+    heldout_fraction: float,
+    doc_per: str,
+    origin: str,
+    overlap: bool,
+    say: Callable[[str], None],
+) -> dict:
     """A new file, written to a temporary name renamed at the end: an error leaves nothing behind."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         with h5py.File(tmp, "w") as f:
             eos = _eos_id(tok, given=origin)
             dtype = _token_dtype(tok.get_vocab_size(with_added_tokens=True))
-            streams = {name: f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,),
-                                              track_times=False) for name in _STREAMS}
-            files = [{**meta, **_append_file(path, tok, streams, eos=eos, fraction=heldout_fraction, doc_per=doc_per,
-                                             overlap=overlap, say=say)} for path, meta in new]
+            streams = {
+                name: f.create_dataset(
+                    name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,), track_times=False
+                )
+                for name in _STREAMS
+            }
+            files = [
+                {
+                    **meta,
+                    **_append_file(
+                        path,
+                        tok,
+                        streams,
+                        eos=eos,
+                        fraction=heldout_fraction,
+                        doc_per=doc_per,
+                        overlap=overlap,
+                        say=say,
+                    ),
+                }
+                for path, meta in new
+            ]
             manifest = _manifest(files, tok, eos=eos, heldout_fraction=heldout_fraction, origin=origin)
             _put_manifest(f, manifest)
             _put_bytes(f, "tokenizer_json", tok.to_str().encode())
@@ -222,27 +294,42 @@ def _create(out: Path, tok, *, new: list[tuple[Path, dict]], old: None, heldout_
     return manifest
 
 
-def _append(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_fraction: float, doc_per: str,
-            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
+def _append(
+    out: Path,
+    tok,
+    *,
+    new: list[tuple[Path, dict]],
+    old: dict,
+    heldout_fraction: float,
+    doc_per: str,
+    origin: str,
+    overlap: bool,
+    say: Callable[[str], None],
+) -> dict:
     """Appends in place (the streams grow, nothing is rewritten), unless the file cannot grow where it is: its
     streams have a fixed size (made before appends were in place), or another process holds it open (HDF5's file
     lock: a run reading it keeps reading the file it opened; or this process has it open to read). Then to a
     resizable copy renamed over it."""
-    kw = dict(new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap,
-              say=say)
+    kw = dict(
+        new=new, old=old, heldout_fraction=heldout_fraction, doc_per=doc_per, origin=origin, overlap=overlap, say=say
+    )
     try:
         f = h5py.File(out, "a")
     except OSError as e:  # BlockingIOError: another process has it open; or this one has, read-only
-        why = (f"it cannot be opened for writing ({str(e).split('(')[-1].rstrip(')')}: a run reading it keeps the "
-               "file it opened)")
+        why = (
+            f"it cannot be opened for writing ({str(e).split('(')[-1].rstrip(')')}: a run reading it keeps the "
+            "file it opened)"
+        )
     else:
         with f:
             fixed = [name for name in _STREAMS if f[name].maxshape != (None,)]
             if not fixed:
                 return _extend(f, tok, **kw)
         why = f"its {' and '.join(fixed)} stream(s) have a fixed size (made before appends extended a file in place)"
-    say(f"{out}: {why}: appending to a resizable copy renamed over it, a one-time rewrite of "
-        f"{out.stat().st_size / 1e6:.1f} MB (later appends extend the file in place)")
+    say(
+        f"{out}: {why}: appending to a resizable copy renamed over it, a one-time rewrite of "
+        f"{out.stat().st_size / 1e6:.1f} MB (later appends extend the file in place)"
+    )
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         _copy_resizable(out, tmp)
@@ -255,8 +342,18 @@ def _append(out: Path, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_
     return manifest
 
 
-def _extend(f: h5py.File, tok, *, new: list[tuple[Path, dict]], old: dict, heldout_fraction: float, doc_per: str,
-            origin: str, overlap: bool, say: Callable[[str], None]) -> dict:
+def _extend(
+    f: h5py.File,
+    tok,
+    *,
+    new: list[tuple[Path, dict]],
+    old: dict,
+    heldout_fraction: float,
+    doc_per: str,
+    origin: str,
+    overlap: bool,
+    say: Callable[[str], None],
+) -> dict:
     """The append proper, in this order: the streams grow and their data reach the disk, then the manifest is
     replaced (the commit). An error on the way cuts the streams back and puts the old manifest back; a process
     killed before the commit leaves streams longer than the manifest says, which the next append cuts back (and
@@ -266,8 +363,21 @@ def _extend(f: h5py.File, tok, *, new: list[tuple[Path, dict]], old: dict, heldo
     try:
         streams = {name: f[name] for name in _STREAMS}
         files = old["files"] + [
-            {**meta, **_append_file(path, tok, streams, eos=int(old["eos_id"]), fraction=heldout_fraction,
-                                    doc_per=doc_per, overlap=overlap, say=say)} for path, meta in new]
+            {
+                **meta,
+                **_append_file(
+                    path,
+                    tok,
+                    streams,
+                    eos=int(old["eos_id"]),
+                    fraction=heldout_fraction,
+                    doc_per=doc_per,
+                    overlap=overlap,
+                    say=say,
+                ),
+            }
+            for path, meta in new
+        ]
         _sync(f)  # the data first
         manifest = _manifest(files, tok, eos=int(old["eos_id"]), heldout_fraction=heldout_fraction, origin=origin)
         _put_manifest(f, manifest)
@@ -288,11 +398,15 @@ def _cut_to_manifest(f: h5py.File, old: dict, say: Callable[[str], None]) -> dic
     for name, n in want.items():
         have = f[name].shape[0]
         if have < n:
-            raise ValueError(f"{f.filename}: its {name} stream holds {have} tokens, fewer than the {n} its manifest "
-                             "counts: the file is damaged; prepare the corpus again into a new data.path")
+            raise ValueError(
+                f"{f.filename}: its {name} stream holds {have} tokens, fewer than the {n} its manifest "
+                "counts: the file is damaged; prepare the corpus again into a new data.path"
+            )
         if have > n:
-            say(f"{f.filename}: {have - n} {name} tokens past its manifest (an append stopped before its commit): "
-                "cut off")
+            say(
+                f"{f.filename}: {have - n} {name} tokens past its manifest (an append stopped before its commit): "
+                "cut off"
+            )
             f[name].resize((n,))
     return want
 
@@ -312,17 +426,27 @@ def _copy_resizable(src: Path, dst: Path) -> None:
                 a.copy(a[name], b, name=name)
                 continue
             ds = a[name]
-            out = b.create_dataset(name, shape=ds.shape, maxshape=(None,), dtype=ds.dtype, chunks=(_CHUNK,),
-                                   track_times=False)
+            out = b.create_dataset(
+                name, shape=ds.shape, maxshape=(None,), dtype=ds.dtype, chunks=(_CHUNK,), track_times=False
+            )
             for i in range(0, ds.shape[0], _FLUSH_TOKENS):
-                out[i:i + _FLUSH_TOKENS] = ds[i:i + _FLUSH_TOKENS]
+                out[i : i + _FLUSH_TOKENS] = ds[i : i + _FLUSH_TOKENS]
 
 
 _COUNT = {False: ("tokens", "documents"), True: ("heldout_tokens", "heldout_documents")}  # held out -> counters
 
 
-def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, doc_per: str, overlap: bool,
-                 say: Callable[[str], None]) -> dict:
+def _append_file(
+    path: Path,
+    tok,
+    streams: dict,
+    *,
+    eos: int,
+    fraction: float,
+    doc_per: str,
+    overlap: bool,
+    say: Callable[[str], None],
+) -> dict:
     """Tokenizes one file's pieces into the two streams (a document's split is chosen by its first piece, so a
     long document's pieces never straddle it); returns its counts."""
     bufs: dict[str, list[np.ndarray]] = {"tokens": [], "heldout": []}
@@ -342,11 +466,15 @@ def _append_file(path: Path, tok, streams: dict, *, eos: int, fraction: float, d
                 starts = ends
             if sum(len(b) for bs in bufs.values() for b in bs) >= _FLUSH_TOKENS:
                 _flush(streams, bufs)
-                say(f"{path}: {counts['documents'] + counts['heldout_documents']} documents, "
-                    f"{counts['tokens'] + counts['heldout_tokens']} tokens")
+                say(
+                    f"{path}: {counts['documents'] + counts['heldout_documents']} documents, "
+                    f"{counts['tokens'] + counts['heldout_tokens']} tokens"
+                )
     _flush(streams, bufs)
-    say(f"{path}: {counts['documents']} + {counts['heldout_documents']} held-out documents, "
-        f"{counts['tokens'] + counts['heldout_tokens']} tokens")
+    say(
+        f"{path}: {counts['documents']} + {counts['heldout_documents']} held-out documents, "
+        f"{counts['tokens'] + counts['heldout_tokens']} tokens"
+    )
     return counts
 
 
@@ -368,6 +496,7 @@ def _encoded(tok, batches: Iterator[list[tuple[str, bool]]], *, overlap: bool) -
     batch encode releases the GIL and uses every core the process may use) while this one reads the next batches
     and the caller stores the previous ones; at most _AHEAD batches in flight (bounded memory). The same output
     either way: the same batches, encoded alike, taken in order."""
+
     def encode(batch: list[tuple[str, bool]]) -> tuple[list, list]:
         return batch, tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
 
@@ -401,10 +530,18 @@ def _flush(streams: dict, bufs: dict[str, list[np.ndarray]]) -> None:
 
 def _manifest(files: list[dict], tok, *, eos: int, heldout_fraction: float, origin: str) -> dict:
     total = {k: sum(f[k] for f in files) for k in ("documents", "heldout_documents", "tokens", "heldout_tokens")}
-    return {"format": FORMAT_VERSION, "kind": "tokenized", "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "tokenizer": origin, "tokenizer_sha256": tokenizer_sha256(tok.to_str()), "eos_id": eos,
-            "eos_token": tok.id_to_token(eos), "heldout_fraction": heldout_fraction, "files": files,
-            **total}
+    return {
+        "format": FORMAT_VERSION,
+        "kind": "tokenized",
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "tokenizer": origin,
+        "tokenizer_sha256": tokenizer_sha256(tok.to_str()),
+        "eos_id": eos,
+        "eos_token": tok.id_to_token(eos),
+        "heldout_fraction": heldout_fraction,
+        "files": files,
+        **total,
+    }
 
 
 def _put_manifest(f: h5py.File, manifest: dict) -> None:

@@ -60,12 +60,14 @@ def global_batch_indices(*, seed: int, step: int, global_batch: int, num_samples
     """Sample indices of step `step`'s global batch of one file read from the start (positions
     step * global_batch onward). A pure function of its arguments (never of the mesh)."""
     start = step * global_batch
-    return epoch_samples(seed=seed, num_samples=num_samples, positions=np.arange(start, start + global_batch),
-                         stream=stream)
+    return epoch_samples(
+        seed=seed, num_samples=num_samples, positions=np.arange(start, start + global_batch), stream=stream
+    )
 
 
-def _mix(*, seed: int, consumed: Sequence[int], base: Sequence[int], n: int, sizes: Sequence[int],
-         weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+def _mix(
+    *, seed: int, consumed: Sequence[int], base: Sequence[int], n: int, sizes: Sequence[int], weights: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample) of the next `n` global samples after the sources consumed `consumed`."""
     src = blend(consumed=consumed, weights=weights, n=n, base=base)
     sample = np.zeros(n, dtype=np.int64)
@@ -73,12 +75,15 @@ def _mix(*, seed: int, consumed: Sequence[int], base: Sequence[int], n: int, siz
         sel = np.flatnonzero(src == s)
         if len(sel):
             pos = consumed[s] + np.arange(len(sel))
-            sample[sel] = epoch_samples(seed=seed, num_samples=size, positions=pos, stream=0 if len(sizes) == 1 else s + 1)
+            sample[sel] = epoch_samples(
+                seed=seed, num_samples=size, positions=pos, stream=0 if len(sizes) == 1 else s + 1
+            )
     return src, sample
 
 
-def mixture_indices(*, seed: int, step: int, global_batch: int, sizes: Sequence[int],
-                    weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+def mixture_indices(
+    *, seed: int, step: int, global_batch: int, sizes: Sequence[int], weights: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample) of every position of step `step`'s global batch of a mixture read from the start
     (exact blending, jobs/data/cursor.py). One source is exactly `global_batch_indices`."""
     before = _counts_before(tuple(float(w) for w in weights), step * global_batch)
@@ -120,7 +125,7 @@ class _Split:
             uniq, inverse = np.unique(idx, return_inverse=True)  # h5py reads need strictly increasing indices
             return self.ds[uniq, : self.sample_len][inverse]
         L, S = self.sample_len, self.stride
-        return np.stack([self.ds[i * S:i * S + L] for i in idx]) if len(idx) else np.empty((0, L), np.int32)
+        return np.stack([self.ds[i * S : i * S + L] for i in idx]) if len(idx) else np.empty((0, L), np.int32)
 
 
 def _layout_change(saved: dict | None, *, overlap: bool, accept: bool) -> list[str]:
@@ -131,13 +136,17 @@ def _layout_change(saved: dict | None, *, overlap: bool, accept: bool) -> list[s
         return []
     if not accept:
         now, then = str(overlap).lower(), str(was).lower()
-        raise DataChanged(f"data.sample_overlap={now}, but the checkpoint of data step {saved['data_step']} was saved "
-                          f"with data.sample_overlap={then}: the samples are cut differently, so the consumed counts "
-                          f"point elsewhere. Resume with data.sample_overlap={then}, or with "
-                          "data.accept_changed_files=true to go on knowingly (each file from its consumed count, over "
-                          "the new samples)")
-    return [f"data.sample_overlap changed ({str(was).lower()} -> {str(overlap).lower()}), accepted "
-            "(data.accept_changed_files=true): each file goes on from its consumed count over the new samples"]
+        raise DataChanged(
+            f"data.sample_overlap={now}, but the checkpoint of data step {saved['data_step']} was saved "
+            f"with data.sample_overlap={then}: the samples are cut differently, so the consumed counts "
+            f"point elsewhere. Resume with data.sample_overlap={then}, or with "
+            "data.accept_changed_files=true to go on knowingly (each file from its consumed count, over "
+            "the new samples)"
+        )
+    return [
+        f"data.sample_overlap changed ({str(was).lower()} -> {str(overlap).lower()}), accepted "
+        "(data.accept_changed_files=true): each file goes on from its consumed count over the new samples"
+    ]
 
 
 class BatchSource:
@@ -148,9 +157,19 @@ class BatchSource:
     `indices` names a data step's global samples. `sample_overlap` (data.sample_overlap): a stream's consecutive
     samples share one token."""
 
-    def __init__(self, path: str | os.PathLike[str] | Sequence[tuple[str, float]], *, seed: int, global_batch: int,
-                 seq_len: int, dp_rank: int, dp: int, split: str = "tokens",
-                 seq_positions: torch.Tensor | None = None, sample_overlap: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Sequence[tuple[str, float]],
+        *,
+        seed: int,
+        global_batch: int,
+        seq_len: int,
+        dp_rank: int,
+        dp: int,
+        split: str = "tokens",
+        seq_positions: torch.Tensor | None = None,
+        sample_overlap: bool = False,
+    ) -> None:
         assert global_batch % dp == 0, (global_batch, dp)
         assert split in SPLITS, split
         sources = [(path, 1.0)] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -173,8 +192,10 @@ class BatchSource:
     def _position(self, data_step: int) -> int:
         a = self.anchor
         if data_step < a.data_step:
-            raise RuntimeError(f"data step {data_step} precedes the cursor's data step {a.data_step} (restored "
-                               "from the checkpoint); the run's data steps only go forward")
+            raise RuntimeError(
+                f"data step {data_step} precedes the cursor's data step {a.data_step} (restored "
+                "from the checkpoint); the run's data steps only go forward"
+            )
         return a.position + (data_step - a.data_step) * self.global_batch
 
     def _consumed_at(self, position: int) -> list[int]:
@@ -191,10 +212,17 @@ class BatchSource:
     def cursor(self, data_step: int) -> dict:
         """The cursor a checkpoint keeps when data step `data_step` is the next to read (TrainState.data)."""
         position = self._position(data_step)
-        return {"version": VERSION, "data_step": data_step, "position": position,
-                "consumed": self._consumed_at(position), "base": list(self.anchor.base),
-                "global_batch": self.global_batch, "weights": list(self.weights),
-                "files": self._identities(), "sample_overlap": self.sample_overlap}
+        return {
+            "version": VERSION,
+            "data_step": data_step,
+            "position": position,
+            "consumed": self._consumed_at(position),
+            "base": list(self.anchor.base),
+            "global_batch": self.global_batch,
+            "weights": list(self.weights),
+            "files": self._identities(),
+            "sample_overlap": self.sample_overlap,
+        }
 
     def _identities(self) -> list[dict]:
         if self._files is None:
@@ -207,13 +235,21 @@ class BatchSource:
         `accept_changed_files`. Returns the changes it went on over, in words (a changed train.global_batch,
         an accepted file change, new weights)."""
         layout = _layout_change(saved, overlap=self.sample_overlap, accept=accept_changed_files)
-        self.anchor, notes = restore_anchor(saved, files=self._identities(), weights=self.weights,
-                                            accept_changed_files=accept_changed_files, data_step=step,
-                                            global_batch=self.global_batch)
+        self.anchor, notes = restore_anchor(
+            saved,
+            files=self._identities(),
+            weights=self.weights,
+            accept_changed_files=accept_changed_files,
+            data_step=step,
+            global_batch=self.global_batch,
+        )
         self._at = (self.anchor.position, list(self.anchor.consumed))
         if saved and int(saved["global_batch"]) != self.global_batch:
-            notes.insert(0, f"train.global_batch changed ({saved['global_batch']} -> {self.global_batch}): data step "
-                         f"{self.anchor.data_step} reads on from global sample {self.anchor.position}, the first unread")
+            notes.insert(
+                0,
+                f"train.global_batch changed ({saved['global_batch']} -> {self.global_batch}): data step "
+                f"{self.anchor.data_step} reads on from global sample {self.anchor.position}, the first unread",
+            )
         return notes + layout
 
     def indices(self, data_step: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -221,10 +257,18 @@ class BatchSource:
         splits = self._open()
         start = self._position(data_step)
         consumed = self._consumed_at(start)
-        src, sample = _mix(seed=self.seed, consumed=consumed, base=self.anchor.base, n=self.global_batch,
-                           sizes=[s.num_samples for s in splits], weights=self.weights)
-        self._at = (start + self.global_batch,
-                    [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))])
+        src, sample = _mix(
+            seed=self.seed,
+            consumed=consumed,
+            base=self.anchor.base,
+            n=self.global_batch,
+            sizes=[s.num_samples for s in splits],
+            weights=self.weights,
+        )
+        self._at = (
+            start + self.global_batch,
+            [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))],
+        )
         return start, src, sample
 
     def batch(self, data_step: int) -> tuple[torch.Tensor, torch.Tensor]:

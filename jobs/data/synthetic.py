@@ -41,18 +41,23 @@ def heldout_rows(num_samples: int, heldout_fraction: float) -> int:
     return max(1, round(num_samples * heldout_fraction))
 
 
-def write_synthetic(path: Path, *, num_samples: int, sample_len: int, vocab: int, seed: int,
-                    heldout_fraction: float, attrs: dict) -> None:
+def write_synthetic(
+    path: Path, *, num_samples: int, sample_len: int, vocab: int, seed: int, heldout_fraction: float, attrs: dict
+) -> None:
     """Writes the training rows (`tokens`) and held-out rows (`heldout`: the same language, other
     samples) to a temporary name and renames it, so a crash never leaves a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     held = heldout_rows(num_samples, heldout_fraction)
     with h5py.File(tmp, "w") as f:
-        f.create_dataset("tokens", data=_generate(num_samples, sample_len, vocab, seed),
-                         chunks=(min(64, num_samples), sample_len))
-        f.create_dataset("heldout", data=_generate(held, sample_len, vocab, seed, stream=_HELDOUT_STREAM),
-                         chunks=(min(64, held), sample_len))
+        f.create_dataset(
+            "tokens", data=_generate(num_samples, sample_len, vocab, seed), chunks=(min(64, num_samples), sample_len)
+        )
+        f.create_dataset(
+            "heldout",
+            data=_generate(held, sample_len, vocab, seed, stream=_HELDOUT_STREAM),
+            chunks=(min(64, held), sample_len),
+        )
         for k, v in attrs.items():
             f.attrs[k] = v
     os.replace(tmp, path)

@@ -17,15 +17,35 @@ from pathlib import Path
 from jobs.failure.heartbeat import Beat, process_state, read_beats
 from jobs.log import get_logger
 
-__all__ = ["Incident", "classify", "classify_settled", "dump_stacks", "write_incident", "error_class",
-           "REQUEUE_CLASSES", "RESTART_CLASSES"]
+__all__ = [
+    "Incident",
+    "classify",
+    "classify_settled",
+    "dump_stacks",
+    "write_incident",
+    "error_class",
+    "REQUEUE_CLASSES",
+    "RESTART_CLASSES",
+]
 
 # Classes whose cure is a fresh start of the job (requeue); the others stop it (a bug or bad input
 # would fail the same way again). An unhealthy GPU (jobs.telemetry.health) is requeued without its node,
 # never restarted inside the allocation (the same GPU again); so is silent data corruption (`sdc`, jobs/failure/sdc.py).
-REQUEUE_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "collective_mismatch",
-                             "rendezvous_failure", "everything_slow", "rank_crashed", "preempted",
-                             "checkpoint_error", "unhealthy_gpu", "sdc"})
+REQUEUE_CLASSES = frozenset(
+    {
+        "dead_rank",
+        "hung_rank",
+        "collective_timeout",
+        "collective_mismatch",
+        "rendezvous_failure",
+        "everything_slow",
+        "rank_crashed",
+        "preempted",
+        "checkpoint_error",
+        "unhealthy_gpu",
+        "sdc",
+    }
+)
 
 # Classes a restart of the ranks inside the same allocation cures when the suspects' nodes still answer.
 RESTART_CLASSES = frozenset({"dead_rank", "hung_rank", "collective_timeout", "rank_crashed"})
@@ -69,21 +89,46 @@ def error_class(e: BaseException | None) -> str | None:
 
 
 def _suspect(b: Beat, state: str, now: float) -> dict:
-    return {"rank": b.rank, "node": b.node, "host": b.host, "pid": b.pid, "state": state, "step": b.step,
-            "phase": b.phase, "beat_age_s": round(now - b.time, 2)}
+    return {
+        "rank": b.rank,
+        "node": b.node,
+        "host": b.host,
+        "pid": b.pid,
+        "state": state,
+        "step": b.step,
+        "phase": b.phase,
+        "beat_age_s": round(now - b.time, 2),
+    }
 
 
-def classify(*, beats: dict[int, Beat], world_size: int, me: int, attempt: str, heartbeat_s: float,
-             error: BaseException | None = None, during: str = "train") -> Incident:
+def classify(
+    *,
+    beats: dict[int, Beat],
+    world_size: int,
+    me: int,
+    attempt: str,
+    heartbeat_s: float,
+    error: BaseException | None = None,
+    during: str = "train",
+) -> Incident:
     """Names the failure from the heartbeats of every rank and the error this rank caught (if any)."""
     now, stale_s = time.time(), 3 * heartbeat_s
     hint = error_class(error)
     missing = [r for r in range(world_size) if r not in beats]
-    ev = {"error": f"{type(error).__name__}: {error}"[:2000] if error else None, "during": during,
-          "beats": {r: {"step": b.step, "phase": b.phase, "age_s": round(now - b.time, 2)} for r, b in beats.items()}}
+    ev = {
+        "error": f"{type(error).__name__}: {error}"[:2000] if error else None,
+        "during": during,
+        "beats": {r: {"step": b.step, "phase": b.phase, "age_s": round(now - b.time, 2)} for r, b in beats.items()},
+    }
     if missing and during == "rendezvous":
-        return Incident("rendezvous_failure", attempt, me, f"ranks {missing} never joined the rendezvous",
-                        [{"rank": r, "state": "never_joined"} for r in missing], ev)
+        return Incident(
+            "rendezvous_failure",
+            attempt,
+            me,
+            f"ranks {missing} never joined the rendezvous",
+            [{"rank": r, "state": "never_joined"} for r in missing],
+            ev,
+        )
     states = {r: process_state(b) for r, b in beats.items() if r != me}
     dead = [r for r, s in states.items() if s == "dead"]
     stale = [r for r, b in beats.items() if r != me and now - b.time > stale_s and r not in dead]
@@ -91,54 +136,125 @@ def classify(*, beats: dict[int, Beat], world_size: int, me: int, attempt: str, 
         dead += [r for r in stale if states[r] == "unknown"]
         stale = [r for r in stale if r not in dead]
     if dead:
-        return Incident("dead_rank", attempt, me, _names("dead", dead, beats),
-                        [_suspect(beats[r], "dead", now) for r in sorted(dead)], ev)
+        return Incident(
+            "dead_rank",
+            attempt,
+            me,
+            _names("dead", dead, beats),
+            [_suspect(beats[r], "dead", now) for r in sorted(dead)],
+            ev,
+        )
     if stale:
-        return Incident("hung_rank", attempt, me, _names("hung (heartbeat stale, process alive or unseen)", stale, beats),
-                        [_suspect(beats[r], states.get(r, "unknown"), now) for r in sorted(stale)], ev)
+        return Incident(
+            "hung_rank",
+            attempt,
+            me,
+            _names("hung (heartbeat stale, process alive or unseen)", stale, beats),
+            [_suspect(beats[r], states.get(r, "unknown"), now) for r in sorted(stale)],
+            ev,
+        )
     return _all_alive(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, now=now)
 
 
-def _all_alive(beats: dict[int, Beat], *, me: int, attempt: str, hint: str | None, error: BaseException | None,
-               ev: dict, now: float) -> Incident:
+def _all_alive(
+    beats: dict[int, Beat],
+    *,
+    me: int,
+    attempt: str,
+    hint: str | None,
+    error: BaseException | None,
+    ev: dict,
+    now: float,
+) -> Incident:
     where = {(b.step, b.phase) for b in beats.values()}
     if len(where) > 1:  # ranks waiting in different places: they cannot be in the same collective
         groups: dict[tuple, list[int]] = {}
         for r, b in beats.items():
             groups.setdefault((b.step, b.phase), []).append(r)
         minority = min(groups.values(), key=len)
-        return Incident("collective_mismatch", attempt, me,
-                        "ranks stopped in different places: " + "; ".join(
-                            f"ranks {sorted(rs)} at step {s} ({p})" for (s, p), rs in sorted(groups.items())),
-                        [_suspect(beats[r], "running", now) for r in sorted(minority)], ev)
+        return Incident(
+            "collective_mismatch",
+            attempt,
+            me,
+            "ranks stopped in different places: "
+            + "; ".join(f"ranks {sorted(rs)} at step {s} ({p})" for (s, p), rs in sorted(groups.items())),
+            [_suspect(beats[r], "running", now) for r in sorted(minority)],
+            ev,
+        )
     if hint == "collective_timeout" or hint == "peer_gone":
-        return Incident("collective_timeout", attempt, me, f"a collective failed ({hint}) with every rank alive "
-                        "and at the same step", [], ev)
+        return Incident(
+            "collective_timeout",
+            attempt,
+            me,
+            f"a collective failed ({hint}) with every rank alive and at the same step",
+            [],
+            ev,
+        )
     if hint in ("out_of_memory", "checkpoint_error"):
-        return Incident(hint, attempt, me, f"rank {me}: {type(error).__name__}: {error}"[:300],
-                        [_suspect(beats[me], hint, now)] if me in beats else [], ev)
+        return Incident(
+            hint,
+            attempt,
+            me,
+            f"rank {me}: {type(error).__name__}: {error}"[:300],
+            [_suspect(beats[me], hint, now)] if me in beats else [],
+            ev,
+        )
     if error is not None:
-        return Incident("rank_crashed", attempt, me, f"rank {me} raised {type(error).__name__}: {error}"[:300],
-                        [_suspect(beats[me], "crashed", now)] if me in beats else [], ev)
+        return Incident(
+            "rank_crashed",
+            attempt,
+            me,
+            f"rank {me} raised {type(error).__name__}: {error}"[:300],
+            [_suspect(beats[me], "crashed", now)] if me in beats else [],
+            ev,
+        )
     if error is None and ev["during"].startswith("checkpoint"):  # the watchdog's checkpoint_timeout_s passed
-        return Incident("checkpoint_error", attempt, me, f"every rank is alive, but the checkpoint write "
-                        f"({ev['during']}) did not finish within failure.checkpoint_timeout_s", [], ev)
-    return Incident("everything_slow", attempt, me, "every rank is alive, heartbeating and at the same step, "
-                    "but none completed it within failure.hang_timeout_s", [], ev)
+        return Incident(
+            "checkpoint_error",
+            attempt,
+            me,
+            f"every rank is alive, but the checkpoint write "
+            f"({ev['during']}) did not finish within failure.checkpoint_timeout_s",
+            [],
+            ev,
+        )
+    return Incident(
+        "everything_slow",
+        attempt,
+        me,
+        "every rank is alive, heartbeating and at the same step, but none completed it within failure.hang_timeout_s",
+        [],
+        ev,
+    )
 
 
 def _names(what: str, ranks: list[int], beats: dict[int, Beat]) -> str:
     return "; ".join(f"rank {r} (node {beats[r].node}, pid {beats[r].pid}) {what}" for r in sorted(ranks))
 
 
-def classify_settled(*, run_dir: str, world_size: int, me: int, attempt: str, heartbeat_s: float,
-                     error: BaseException | None = None, during: str = "train") -> Incident:
+def classify_settled(
+    *,
+    run_dir: str,
+    world_size: int,
+    me: int,
+    attempt: str,
+    heartbeat_s: float,
+    error: BaseException | None = None,
+    during: str = "train",
+) -> Incident:
     """`classify`, waiting up to three heartbeats for a dead or hung peer's beat to go stale (right
     after a peer dies its last beat is still fresh, and on another host its pid cannot be checked)."""
     deadline = time.monotonic() + 3.5 * heartbeat_s
     while True:
-        inc = classify(beats=read_beats(run_dir, attempt), world_size=world_size, me=me, attempt=attempt,
-                       heartbeat_s=heartbeat_s, error=error, during=during)
+        inc = classify(
+            beats=read_beats(run_dir, attempt),
+            world_size=world_size,
+            me=me,
+            attempt=attempt,
+            heartbeat_s=heartbeat_s,
+            error=error,
+            during=during,
+        )
         if inc.cls in ("dead_rank", "hung_rank", "rendezvous_failure") or time.monotonic() > deadline:
             return inc
         time.sleep(heartbeat_s / 2)

@@ -26,7 +26,9 @@ class Attempt:
     start_step: int | None = None  # the step training resumed from
     last_step: int | None = None  # the newest step this attempt trained (metrics of the last event)
     saved_step: int | None = None  # the newest checkpoint this attempt committed
-    resumed_tier: str | None = None  # the checkpoint tier it resumed from: memory | partner | filesystem; None = none loaded
+    resumed_tier: str | None = (
+        None  # the checkpoint tier it resumed from: memory | partner | filesystem; None = none loaded
+    )
     suspects: list[str] = field(default_factory=list)
 
     @property
@@ -63,8 +65,9 @@ def _apply(a: Attempt, e: dict) -> None:
     elif kind in ("step", "first_step", "stop_requested", "train_end"):
         a.last_step = _step_or(e, a.last_step)
     elif kind == "failure":
-        a.suspects += [f"rank {s.get('rank')} ({s.get('node', '?')}, {s.get('state', '?')})"
-                       for s in e.get("suspects", [])]
+        a.suspects += [
+            f"rank {s.get('rank')} ({s.get('node', '?')}, {s.get('state', '?')})" for s in e.get("suspects", [])
+        ]
     elif kind == "attempt_end" and a.end is None:
         a.end, a.cause, a.action = e["time"], e.get("cause"), e.get("action")
         a.last_step = _step_or(e, a.last_step)
@@ -95,15 +98,21 @@ def attempts_without_progress(events: list[dict]) -> int:
 def render_summary(events: list[dict], *, title: str = "attempts") -> str:
     """The one-screen table of every attempt: when, how long, how it ended, steps gained, suspects."""
     rows = attempts(events)
-    lines = [f"{title}: {len(rows)}",
-             f"  {'#':>2}  {'attempt':<14} {'started':<19} {'ran':>8}  {'from':<4} {'steps':>11}  {'+ckpt':>5}  "
-             f"{'ended':<20} {'then':<8} suspects"]
+    lines = [
+        f"{title}: {len(rows)}",
+        f"  {'#':>2}  {'attempt':<14} {'started':<19} {'ran':>8}  {'from':<4} {'steps':>11}  {'+ckpt':>5}  "
+        f"{'ended':<20} {'then':<8} suspects",
+    ]
     for i, a in enumerate(rows):
         ran = (a.end or time.time()) - a.start
-        steps = f"{a.start_step if a.start_step is not None else '-'}->{a.last_step if a.last_step is not None else '-'}"
-        lines.append(f"  {i:>2}  {a.attempt:<14} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.start))} "
-                     f"{_dur(ran):>8}  {_TIER_SHORT.get(a.resumed_tier or '', '-'):<4} {steps:>11}  {a.steps_gained:>5}  {a.cause or 'running':<20} "
-                     f"{a.action or '-':<8} {', '.join(dict.fromkeys(a.suspects)) or '-'}")
+        steps = (
+            f"{a.start_step if a.start_step is not None else '-'}->{a.last_step if a.last_step is not None else '-'}"
+        )
+        lines.append(
+            f"  {i:>2}  {a.attempt:<14} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.start))} "
+            f"{_dur(ran):>8}  {_TIER_SHORT.get(a.resumed_tier or '', '-'):<4} {steps:>11}  {a.steps_gained:>5}  {a.cause or 'running':<20} "
+            f"{a.action or '-':<8} {', '.join(dict.fromkeys(a.suspects)) or '-'}"
+        )
     return "\n".join(lines)
 
 

@@ -25,8 +25,20 @@ from jobs.failure.quarantine import QUARANTINE_CLASSES
 from jobs.failure.spares import swap
 from jobs.launch.slurm_state import job_state
 
-__all__ = ["Decision", "Restart", "decide", "claim", "claimant", "publish", "read_decision", "decision_wait_s",
-           "requeue_job", "requeues_used", "slurm_intent", "suspects_again"]
+__all__ = [
+    "Decision",
+    "Restart",
+    "decide",
+    "claim",
+    "claimant",
+    "publish",
+    "read_decision",
+    "decision_wait_s",
+    "requeue_job",
+    "requeues_used",
+    "slurm_intent",
+    "suspects_again",
+]
 
 _SLURM_CALLS_S = 20.0  # what the decider's Slurm calls (sinfo, requeue, update) take on a healthy controller
 
@@ -87,9 +99,16 @@ def slurm_intent(job_id: str | None, *, restart_count: int) -> str | None:
     return None
 
 
-def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count: int,
-           slurm: str | None = None, restart: Restart | None = None,
-           suspect_nodes: list[str] | None = None) -> Decision:
+def decide(
+    events: list[dict],
+    *,
+    cause: str,
+    cfg: FailureConfig,
+    restart_count: int,
+    slurm: str | None = None,
+    restart: Restart | None = None,
+    suspect_nodes: list[str] | None = None,
+) -> Decision:
     """Restart inside the allocation for a dead or hung rank whose node still answers, within
     failure.restarts_in_allocation; else requeue for a stop signal or a class a fresh start can cure,
     unless the requeue budget or the no-progress breaker says stop; stop at once for anything else
@@ -107,50 +126,88 @@ def decide(events: list[dict], *, cause: str, cfg: FailureConfig, restart_count:
     fruitless = attempts_without_progress(events)
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
     if slurm == "requeued":
-        return Decision("requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts)
+        return Decision(
+            "requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts
+        )
     if slurm == "cancelled":
-        return Decision("none", f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
-                        exitcodes.REQUEUE, **facts)
+        return Decision(
+            "none",
+            f"{cause}: the job is being cancelled (scancel or time limit); not requeued",
+            exitcodes.REQUEUE,
+            **facts,
+        )
     if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause not in ("stop_signal", "supervisor_died"):
-        code = {"config_error": exitcodes.CONFIG_ERROR, "loss_spike": exitcodes.DIVERGED,
-                "non_finite_loss": exitcodes.DIVERGED}.get(cause, exitcodes.FAILED)
+        code = {
+            "config_error": exitcodes.CONFIG_ERROR,
+            "loss_spike": exitcodes.DIVERGED,
+            "non_finite_loss": exitcodes.DIVERGED,
+        }.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
     cls = cause
-    if (restart is not None and restart.supervised and (cause in RESTART_CLASSES or restart.swappable)
-            and fruitless < cfg.max_attempts_without_progress):
+    if (
+        restart is not None
+        and restart.supervised
+        and (cause in RESTART_CLASSES or restart.swappable)
+        and fruitless < cfg.max_attempts_without_progress
+    ):
         why = _no_restart(restart, cfg)
         if why is None:
             pairs = swap(restart.bad_nodes, restart.spares) or {}
             swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in pairs.items())
-            return Decision("restart", f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
-                            f"({cfg.restarts_in_allocation}) inside the allocation{swapped}", exitcodes.REQUEUE,
-                            **facts)
+            return Decision(
+                "restart",
+                f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
+                f"({cfg.restarts_in_allocation}) inside the allocation{swapped}",
+                exitcodes.REQUEUE,
+                **facts,
+            )
         cause = f"{cause} ({why})"
     if used >= cfg.max_requeues:
-        return Decision("stop", f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
-                        exitcodes.STOPPED, **facts)
+        return Decision(
+            "stop",
+            f"requeue budget spent: {used} requeues >= failure.max_requeues({cfg.max_requeues})",
+            exitcodes.STOPPED,
+            **facts,
+        )
     if fruitless >= cfg.max_attempts_without_progress:
         again = suspects_again(events, suspect_nodes or []) if cls in QUARANTINE_CLASSES else []
         if again:
-            return Decision("requeue", f"{cause}: suspect node {', '.join(again)} again after {fruitless} attempts "
-                            f"without a new checkpoint: requeue {used + 1} of failure.max_requeues({cfg.max_requeues}) "
-                            f"without it instead of the stop failure.max_attempts_without_progress"
-                            f"({cfg.max_attempts_without_progress}) calls for", exitcodes.REQUEUE, **facts)
-        return Decision("stop", f"{fruitless} attempts in a row committed no new checkpoint >= "
-                        f"failure.max_attempts_without_progress({cfg.max_attempts_without_progress})",
-                        exitcodes.STOPPED, **facts)
-    return Decision("requeue", f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
-                    exitcodes.REQUEUE, **facts)
+            return Decision(
+                "requeue",
+                f"{cause}: suspect node {', '.join(again)} again after {fruitless} attempts "
+                f"without a new checkpoint: requeue {used + 1} of failure.max_requeues({cfg.max_requeues}) "
+                f"without it instead of the stop failure.max_attempts_without_progress"
+                f"({cfg.max_attempts_without_progress}) calls for",
+                exitcodes.REQUEUE,
+                **facts,
+            )
+        return Decision(
+            "stop",
+            f"{fruitless} attempts in a row committed no new checkpoint >= "
+            f"failure.max_attempts_without_progress({cfg.max_attempts_without_progress})",
+            exitcodes.STOPPED,
+            **facts,
+        )
+    return Decision(
+        "requeue",
+        f"{cause}: requeue {used + 1} of failure.max_requeues({cfg.max_requeues})",
+        exitcodes.REQUEUE,
+        **facts,
+    )
 
 
 def suspects_again(events: list[dict], nodes: list[str]) -> list[str]:
     """Those of `nodes` that a node-pointing incident (`QUARANTINE_CLASSES`) of an earlier attempt of the
     current no-progress streak named as a suspect (the newest attempt, the one being decided, is left out)."""
     every = attempts(events)
-    streak = every[len(every) - attempts_without_progress(events):]
+    streak = every[len(every) - attempts_without_progress(events) :]
     earlier = {a.attempt for a in streak[:-1]}
-    named = {s.get("node") for e in events if e.get("kind") == "failure" and e.get("attempt") in earlier
-             and e.get("cls") in QUARANTINE_CLASSES for s in e.get("suspects") or []}
+    named = {
+        s.get("node")
+        for e in events
+        if e.get("kind") == "failure" and e.get("attempt") in earlier and e.get("cls") in QUARANTINE_CLASSES
+        for s in e.get("suspects") or []
+    }
     return sorted(set(nodes) & named)
 
 

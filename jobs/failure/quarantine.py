@@ -23,16 +23,35 @@ from pathlib import Path
 
 from jobs.log import get_logger
 
-__all__ = ["QUARANTINE_CLASSES", "quarantined", "add_to_quarantine", "node_answers", "known_nodes", "usable_nodes",
-           "requeue_excluding"]
+__all__ = [
+    "QUARANTINE_CLASSES",
+    "quarantined",
+    "add_to_quarantine",
+    "node_answers",
+    "known_nodes",
+    "usable_nodes",
+    "requeue_excluding",
+]
 
 # Incident classes whose suspects' nodes are quarantined when the job is requeued: the ones whose evidence
 # points at a node. `sdc`: silent data corruption (a recomputed step that differs on one rank's node).
 QUARANTINE_CLASSES = frozenset({"dead_rank", "hung_rank", "unhealthy_gpu", "straggler", "sdc"})
 
-_STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_NODELIST",
-              "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_TASKS_PER_NODE",
-              "SLURM_STEP_TASKS_PER_NODE", "SLURM_DISTRIBUTION", "SLURM_SRUN_COMM_PORT")
+_STEP_VARS = (
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_NNODES",
+    "SLURM_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_DISTRIBUTION",
+    "SLURM_SRUN_COMM_PORT",
+)
 
 
 def _path(run_dir: str | os.PathLike[str]) -> Path:
@@ -47,15 +66,29 @@ def quarantined(run_dir: str | os.PathLike[str]) -> list[dict]:
         return []
 
 
-def add_to_quarantine(run_dir: str | os.PathLike[str], nodes: list[str], *, reason: str, incident: str,
-                      evidence: dict[str, dict] | None = None) -> list[dict]:
+def add_to_quarantine(
+    run_dir: str | os.PathLike[str],
+    nodes: list[str],
+    *,
+    reason: str,
+    incident: str,
+    evidence: dict[str, dict] | None = None,
+) -> list[dict]:
     """Adds the nodes not yet on the list (temp file + rename), each with its `evidence[node]` when given;
     returns the whole list."""
     entries = quarantined(run_dir)
     known = {e["node"] for e in entries}
-    entries += [{"node": n, "reason": reason, "incident": incident, "time": time.time(),
-                 **({"evidence": evidence.get(n, {})} if evidence is not None else {})}
-                for n in dict.fromkeys(nodes) if n and n not in known]
+    entries += [
+        {
+            "node": n,
+            "reason": reason,
+            "incident": incident,
+            "time": time.time(),
+            **({"evidence": evidence.get(n, {})} if evidence is not None else {}),
+        }
+        for n in dict.fromkeys(nodes)
+        if n and n not in known
+    ]
     path = _path(run_dir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entries, indent=1, default=str))
@@ -69,8 +102,19 @@ def node_answers(job_id: str, node: str, *, timeout_s: float) -> bool:
     env = {k: v for k, v in os.environ.items() if k not in _STEP_VARS}
     # --mem=0: the ranks' step holds all of the job's memory, and a step asking for any is refused
     # ("Memory required by task is not available") however healthy the node is.
-    cmd = ["srun", f"--jobid={os.environ.get('SLURM_JOB_ID') or job_id}", "--overlap", "--mem=0", "-N1", "-n1", "--job-name=meshjob-probe",
-           f"-w{node}", "--quiet", "--kill-on-bad-exit=1", "true"]
+    cmd = [
+        "srun",
+        f"--jobid={os.environ.get('SLURM_JOB_ID') or job_id}",
+        "--overlap",
+        "--mem=0",
+        "-N1",
+        "-n1",
+        "--job-name=meshjob-probe",
+        f"-w{node}",
+        "--quiet",
+        "--kill-on-bad-exit=1",
+        "true",
+    ]
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -118,8 +162,9 @@ def _scontrol(args: list[str], said: list[str]) -> bool:
     """Runs `scontrol ARGS` ignoring SIGTERM (a requeue SIGTERMs every process of the job, the caller's
     scontrol calls included; the SIGKILL comes KillWait later); appends what it said; True on rc 0."""
     try:
-        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60,
-                             preexec_fn=_ignore_sigterm)
+        out = subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=60, preexec_fn=_ignore_sigterm
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         said.append(f"scontrol {args[0]}: {e}")
         return False

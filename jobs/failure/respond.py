@@ -20,15 +20,37 @@ from jobs.events import EventLog, read_events
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.incident import RESTART_CLASSES, Incident, classify_settled, dump_stacks, incident_dir, write_incident
 from jobs.failure.ledger import render_summary, unfinished
-from jobs.failure.policy import (Decision, Restart, claim, claimant, decide, decision_wait_s, publish, read_decision,
-                                 requeue_job, slurm_intent)
-from jobs.failure.quarantine import (QUARANTINE_CLASSES, add_to_quarantine, node_answers, quarantined,
-                                     requeue_excluding, usable_nodes)
+from jobs.failure.policy import (
+    Decision,
+    Restart,
+    claim,
+    claimant,
+    decide,
+    decision_wait_s,
+    publish,
+    read_decision,
+    requeue_job,
+    slurm_intent,
+)
+from jobs.failure.quarantine import (
+    QUARANTINE_CLASSES,
+    add_to_quarantine,
+    node_answers,
+    quarantined,
+    requeue_excluding,
+    usable_nodes,
+)
 from jobs.failure.spares import spares_of, swap
 from jobs.log import get_logger
 
-__all__ = ["AttemptContext", "on_failure", "conclude", "open_attempt", "decide_for_lost_decider",
-           "decide_for_silent_attempt"]
+__all__ = [
+    "AttemptContext",
+    "on_failure",
+    "conclude",
+    "open_attempt",
+    "decide_for_lost_decider",
+    "decide_for_silent_attempt",
+]
 
 _once = threading.Lock()
 
@@ -55,35 +77,55 @@ def open_attempt(ctx: AttemptContext, **facts) -> None:
     """Records `attempt_start`, first closing earlier attempts whose end nobody wrote (their ranks
     were all killed): each becomes a `failure` of class `lost` and an `attempt_end`."""
     for a in unfinished(read_events(ctx.events.path), current=ctx.attempt):
-        ctx.events.emit("failure", attempt=a.attempt, cls="lost", summary="no rank of this attempt reported "
-                        "how it ended (the job or its nodes were killed)", suspects=[], reported_by_attempt=ctx.attempt)
+        ctx.events.emit(
+            "failure",
+            attempt=a.attempt,
+            cls="lost",
+            summary="no rank of this attempt reported how it ended (the job or its nodes were killed)",
+            suspects=[],
+            reported_by_attempt=ctx.attempt,
+        )
         ctx.events.emit("attempt_end", attempt=a.attempt, cause="lost", action="none", step=a.last_step)
     ctx.events.emit("attempt_start", job_id=ctx.job_id, world_size=ctx.world_size, **facts)
 
 
-def conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None,
-             recorded: bool = False) -> int:
+def conclude(
+    ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None = None, recorded: bool = False
+) -> int:
     """Writes the incident (unless `recorded` already) and the ledger records, decides, requeues before anyone
     tears down, then publishes the decision; returns this process's exit code (the other ranks read it from
     the decision)."""
     return _conclude(ctx, cause=cause, step=step, incident=incident, recorded=recorded).exit_code
 
 
-def _conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None,
-              recorded: bool) -> Decision:
+def _conclude(
+    ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None, recorded: bool
+) -> Decision:
     """`conclude`, returning the decision."""
     if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
-        ctx.events.emit("failure", cls=incident.cls, summary=incident.summary, suspects=incident.suspects,
-                        reported_by=incident.reported_by)
+        ctx.events.emit(
+            "failure",
+            cls=incident.cls,
+            summary=incident.summary,
+            suspects=incident.suspects,
+            reported_by=incident.reported_by,
+        )
     # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
     # back, and one that Slurm already requeues is not requeued twice.
     slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
     restart = _restart(ctx, suspects, slurm, cause=cause)
-    d = decide(read_events(ctx.events.path), cause=cause, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm,
-               restart=restart, suspect_nodes=suspects)
+    d = decide(
+        read_events(ctx.events.path),
+        cause=cause,
+        cfg=ctx.cfg,
+        restart_count=ctx.restart_count,
+        slurm=slurm,
+        restart=restart,
+        suspect_nodes=suspects,
+    )
     excluded = _quarantine(ctx, d, incident, restart)
     ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
     swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
@@ -101,11 +143,11 @@ def _conclude(ctx: AttemptContext, *, cause: str, step: int | None, incident: In
         # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
         _publish(ctx, d)
     log = get_logger()
-    (log.error if d.action == "stop" else log.warning)("attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt,
-                                                          cause, d.action, d.reason, d.exit_code)
+    (log.error if d.action == "stop" else log.warning)(
+        "attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt, cause, d.action, d.reason, d.exit_code
+    )
     if d.action == "stop":
-        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
-              flush=True)
+        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"), flush=True)
     return d
 
 
@@ -131,8 +173,11 @@ def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cau
         return Restart(True, ctx.restart_in_allocation, bad, spares) if ok else None
     if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
         return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [], spares)
-    bad = [n for n in dict.fromkeys(suspects)
-           if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)]
+    bad = [
+        n
+        for n in dict.fromkeys(suspects)
+        if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)
+    ]
     return Restart(True, ctx.restart_in_allocation, bad, spares)
 
 
@@ -147,8 +192,13 @@ def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, res
         return []
     if incident is not None and (incident.cls in QUARANTINE_CLASSES or swapping):
         evidence = _evidence(incident, restart, probe_timeout_s=ctx.cfg.node_probe_timeout_s)
-        add_to_quarantine(ctx.run_dir, restart.bad_nodes if swapping else list(evidence),
-                          reason=f"suspect of a {incident.cls} incident", incident=ctx.attempt, evidence=evidence)
+        add_to_quarantine(
+            ctx.run_dir,
+            restart.bad_nodes if swapping else list(evidence),
+            reason=f"suspect of a {incident.cls} incident",
+            incident=ctx.attempt,
+            evidence=evidence,
+        )
     excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
     if excluded and d.action == "requeue":
         usable = usable_nodes(ctx.partition, set(excluded))
@@ -156,9 +206,11 @@ def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, res
             d.reason += "; sinfo could not say which nodes are usable: requeued without that check"
         elif len(usable) < ctx.nodes_needed:
             d.action, d.exit_code = "stop", exitcodes.STOPPED
-            d.reason = (f"the quarantine ({', '.join(excluded)}; {ctx.run_dir}/quarantine.json) leaves "
-                        f"{len(usable)} usable node(s) in partition {ctx.partition or '(default)'}, the job needs "
-                        f"{ctx.nodes_needed}: check the nodes, then remove them from quarantine.json to requeue")
+            d.reason = (
+                f"the quarantine ({', '.join(excluded)}; {ctx.run_dir}/quarantine.json) leaves "
+                f"{len(usable)} usable node(s) in partition {ctx.partition or '(default)'}, the job needs "
+                f"{ctx.nodes_needed}: check the nodes, then remove them from quarantine.json to requeue"
+            )
     return excluded
 
 
@@ -176,8 +228,14 @@ def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: f
     return out
 
 
-def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, during: str = "train",
-               step: int | None = None, incident: Incident | None = None) -> int:
+def on_failure(
+    ctx: AttemptContext,
+    *,
+    error: BaseException | None = None,
+    during: str = "train",
+    step: int | None = None,
+    incident: Incident | None = None,
+) -> int:
     """The failure path of one process; runs once per process (the watchdog thread and the main
     thread may both arrive here). Returns the exit code this process should end with."""
     with _once:
@@ -187,9 +245,15 @@ def on_failure(ctx: AttemptContext, *, error: BaseException | None = None, durin
             d = read_decision(ctx.run_dir, ctx.attempt, wait_s=decision_wait_s(ctx.cfg))
             return int(d["exit_code"]) if d else exitcodes.REQUEUE
         if incident is None:
-            incident = classify_settled(run_dir=ctx.run_dir, world_size=ctx.world_size, me=ctx.rank,
-                                        attempt=ctx.attempt, heartbeat_s=ctx.cfg.heartbeat_s, error=error,
-                                        during=during)
+            incident = classify_settled(
+                run_dir=ctx.run_dir,
+                world_size=ctx.world_size,
+                me=ctx.rank,
+                attempt=ctx.attempt,
+                heartbeat_s=ctx.cfg.heartbeat_s,
+                error=error,
+                during=during,
+            )
         get_logger().error("incident %s: %s", incident.cls, incident.summary)
         return conclude(ctx, cause=incident.cls, step=step, incident=incident)
 
@@ -210,11 +274,17 @@ def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | No
         incident, recorded = Incident(**{k: v for k, v in fields.items() if k != "stacks"}), True
     except (OSError, ValueError, TypeError):
         incident, recorded = _dead_decider(ctx, who, beats), False
-    get_logger().error("attempt %s: the step ended (exit %d) without the decision that %s claimed; deciding in its "
-                       "place: %s", ctx.attempt, step_code, _who(who), incident.summary)
+    get_logger().error(
+        "attempt %s: the step ended (exit %d) without the decision that %s claimed; deciding in its place: %s",
+        ctx.attempt,
+        step_code,
+        _who(who),
+        incident.summary,
+    )
     step = max((b.step for b in beats.values()), default=None)
-    conclude(ctx, cause=incident.cls, step=step if step is None or step >= 0 else None, incident=incident,
-             recorded=recorded)
+    conclude(
+        ctx, cause=incident.cls, step=step if step is None or step >= 0 else None, incident=incident, recorded=recorded
+    )
     return read_decision(ctx.run_dir, ctx.attempt, wait_s=0)
 
 
@@ -227,10 +297,29 @@ def _who(who: dict) -> str:
 def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
     """A `dead_rank` incident naming the decider (its node from its heartbeat), reported by the supervisor."""
     b = beats.get(who.get("rank"))
-    suspects = [{"rank": b.rank, "node": b.node, "host": b.host, "pid": b.pid, "state": "dead", "step": b.step,
-                 "phase": b.phase}] if b is not None else []
-    return Incident("dead_rank", ctx.attempt, ctx.rank, f"{_who(who)} claimed the decision of attempt {ctx.attempt} "
-                    "and died before publishing it", suspects, {"claim": who})
+    suspects = (
+        [
+            {
+                "rank": b.rank,
+                "node": b.node,
+                "host": b.host,
+                "pid": b.pid,
+                "state": "dead",
+                "step": b.step,
+                "phase": b.phase,
+            }
+        ]
+        if b is not None
+        else []
+    )
+    return Incident(
+        "dead_rank",
+        ctx.attempt,
+        ctx.rank,
+        f"{_who(who)} claimed the decision of attempt {ctx.attempt} and died before publishing it",
+        suspects,
+        {"claim": who},
+    )
 
 
 def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) -> dict | None:
@@ -249,12 +338,23 @@ def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) 
         get_logger().error("attempt %s: cannot claim its decision (%s); deciding without a claim", ctx.attempt, e)
     beats = read_beats(ctx.run_dir, ctx.attempt)
     step = max((b.step for b in beats.values() if b.step >= 0), default=None)
-    incident = Incident("dead_rank", ctx.attempt, ctx.rank, f"{why}, and no rank claimed or published a decision "
-                        "(their failure path could not write?)", [], {"srun": why, "step_exit_code": step_code})
+    incident = Incident(
+        "dead_rank",
+        ctx.attempt,
+        ctx.rank,
+        f"{why}, and no rank claimed or published a decision (their failure path could not write?)",
+        [],
+        {"srun": why, "step_exit_code": step_code},
+    )
     get_logger().error("attempt %s: deciding in the ranks' place: %s", ctx.attempt, incident.summary)
     e = ctx.events
-    d = _conclude(replace(ctx, events=_LedgerOrLog(e.path, rank=e.rank, restart=e.restart, attempt=e.attempt)),
-                  cause=incident.cls, step=step, incident=incident, recorded=False)
+    d = _conclude(
+        replace(ctx, events=_LedgerOrLog(e.path, rank=e.rank, restart=e.restart, attempt=e.attempt)),
+        cause=incident.cls,
+        step=step,
+        incident=incident,
+        recorded=False,
+    )
     return read_decision(ctx.run_dir, ctx.attempt, wait_s=0) or asdict(d)
 
 

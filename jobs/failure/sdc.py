@@ -50,8 +50,17 @@ from jobs.config import FailureConfig
 from jobs.failure.incident import Incident
 from jobs.failure.spike import check_config  # the SDC keys' checks live there: jobs.validate runs them without torch
 
-__all__ = ["FLIP_VAR", "SdcGuard", "SilentCorruption", "check_config", "parse_flip", "verdict", "replica_odd_ones",
-           "replica_groups", "differs"]
+__all__ = [
+    "FLIP_VAR",
+    "SdcGuard",
+    "SilentCorruption",
+    "check_config",
+    "parse_flip",
+    "verdict",
+    "replica_odd_ones",
+    "replica_groups",
+    "differs",
+]
 
 FLIP_VAR = "MESHJOB_TEST_FLIP_GRAD"
 
@@ -76,7 +85,7 @@ def parse_flip(text: str) -> Flip | None:
     """`MESHJOB_TEST_FLIP_GRAD` -> Flip: "1:13", "1:13:once", "1:13:bit23:once"; None when unset."""
     if not text.strip():
         return None
-    rank, step, *opts = [*text.strip().split(":"), ""][:max(2, text.count(":") + 1)]
+    rank, step, *opts = [*text.strip().split(":"), ""][: max(2, text.count(":") + 1)]
     bits = [o for o in opts if o.startswith("bit") and o[3:].isdigit()]
     bad = not (rank.isdigit() and step.isdigit()) or len(bits) > 1 or opts.count("once") > 1
     if bad or any(o != "once" and o not in bits for o in opts):
@@ -159,8 +168,18 @@ def _fingerprint(local_loss: torch.Tensor, parts: list[torch.nn.Module]) -> list
 class SdcGuard:
     """The trainer's side: the test seam, and the re-run of a suspicious step. One per rank, all deciding alike."""
 
-    def __init__(self, cfg: FailureConfig, *, rank: int, world_size: int, hostname: str, attempt: str,
-                 first_attempt: bool, emit: Callable[..., Any], groups: list[list[int]]) -> None:
+    def __init__(
+        self,
+        cfg: FailureConfig,
+        *,
+        rank: int,
+        world_size: int,
+        hostname: str,
+        attempt: str,
+        first_attempt: bool,
+        emit: Callable[..., Any],
+        groups: list[list[int]],
+    ) -> None:
         check_config(cfg)
         self.cfg, self.rank, self.world_size, self.hostname, self.attempt = cfg, rank, world_size, hostname, attempt
         self._emit_fn, self.groups = emit, groups
@@ -169,7 +188,10 @@ class SdcGuard:
         flip = parse_flip(os.environ.get(FLIP_VAR, ""))
         self._flip = flip if flip is not None and flip.rank == rank and (first_attempt or not flip.once) else None
         if cfg.replica_hash_every > 0 and not groups and rank == 0:
-            emit("sdc_config", note=f"failure.replica_hash_every({cfg.replica_hash_every}) needs mesh.dp_replicate > 1: off")
+            emit(
+                "sdc_config",
+                note=f"failure.replica_hash_every({cfg.replica_hash_every}) needs mesh.dp_replicate > 1: off",
+            )
 
     @torch.no_grad()
     def inject(self, step: int, parts: list[torch.nn.Module]) -> None:
@@ -185,8 +207,16 @@ class SdcGuard:
         bit = 8 * g.element_size() - 2 if flip.bit is None else flip.bit  # default: the top exponent bit
         bits ^= 1 << bit  # (float32 bit 30: x * 2**128 for |x| < 2; bit 23, the lowest: x * 2 or x / 2)
 
-    def check(self, *, step: int, suspicious: bool, local_loss: torch.Tensor, parts: list[torch.nn.Module],
-              recompute: Callable[[], torch.Tensor], save: Callable[[bool], None]) -> None:
+    def check(
+        self,
+        *,
+        step: int,
+        suspicious: bool,
+        local_loss: torch.Tensor,
+        parts: list[torch.nn.Module],
+        recompute: Callable[[], torch.Tensor],
+        save: Callable[[bool], None],
+    ) -> None:
         """Before step `step`'s optimizer step: re-runs it when suspicious (or when the replicas' gradients
         disagree); raises SilentCorruption when the values differ, after `save(True)` (the save in flight
         committed, and the pre-step state saved) or, when the parameters diverged earlier, `save(False)`."""
@@ -202,13 +232,32 @@ class SdcGuard:
         differ, named, by = verdict([t[0] for t in table], [t[1] for t in table], rtol=self.cfg.sdc_rtol)
         if not differ and trigger == "replica_hash":  # the replicas disagree, reproducibly: the majority decides
             differ, named, by = odd or [r for g in self._bad for r in g], odd, "gradient hash outside the majority"
-        self._emit("sdc_check", step=step + 1, trigger=trigger, verdict="sdc" if differ else "data", differ=differ,
-                   suspects=named, named_by=by, values={r: t for r, t in enumerate(table)})
+        self._emit(
+            "sdc_check",
+            step=step + 1,
+            trigger=trigger,
+            verdict="sdc" if differ else "data",
+            differ=differ,
+            suspects=named,
+            named_by=by,
+            values={r: t for r, t in enumerate(table)},
+        )
         if differ:
             save(True)
-            raise SilentCorruption(self._incident(step, named, by=by, trigger=trigger, evidence={
-                "first": {r: t[0] for r, t in enumerate(table)}, "rerun": {r: t[1] for r, t in enumerate(table)},
-                "differ": differ, "rtol": self.cfg.sdc_rtol}))
+            raise SilentCorruption(
+                self._incident(
+                    step,
+                    named,
+                    by=by,
+                    trigger=trigger,
+                    evidence={
+                        "first": {r: t[0] for r, t in enumerate(table)},
+                        "rerun": {r: t[1] for r, t in enumerate(table)},
+                        "differ": differ,
+                        "rtol": self.cfg.sdc_rtol,
+                    },
+                )
+            )
 
     def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], save: Callable[[bool], None]) -> bool:
         """Compares the replicas' parameter and gradient hashes: True when the gradients disagree (re-run
@@ -219,14 +268,26 @@ class SdcGuard:
         self._bad, self._odd = replica_odd_ones([t[1] for t in table], self.groups)
         if not (bad_p or self._bad):
             return False
-        self._emit("replica_hash", step=step + 1, params_disagree=bad_p, grads_disagree=self._bad,
-                   hashes={r: t for r, t in enumerate(table)})
+        self._emit(
+            "replica_hash",
+            step=step + 1,
+            params_disagree=bad_p,
+            grads_disagree=self._bad,
+            hashes={r: t for r, t in enumerate(table)},
+        )
         if self._bad:
             return True
         by = "parameter hash outside the replicas' majority" if odd_p else "two replicas disagree: no majority"
         save(False)
-        raise SilentCorruption(self._incident(step, odd_p, by=by, trigger="replica_hash", evidence={
-            "param_hashes": {r: t[0] for r, t in enumerate(table)}, "disagree": bad_p}))
+        raise SilentCorruption(
+            self._incident(
+                step,
+                odd_p,
+                by=by,
+                trigger="replica_hash",
+                evidence={"param_hashes": {r: t[0] for r, t in enumerate(table)}, "disagree": bad_p},
+            )
+        )
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t`, stacked by rank (one all-gather on the default group)."""
@@ -243,10 +304,18 @@ class SdcGuard:
             dist.all_gather_object(hosts, self.hostname)
         suspects = [{"rank": r, "node": hosts[r], "host": hosts[r], "state": "sdc", "step": step + 1} for r in named]
         where = ", ".join(f"rank {r} (node {hosts[r]})" for r in named) or "no rank named"
-        summary = (f"silent data corruption at step {step + 1} ({trigger}): values differ when the step is computed "
-                   f"again from the same state; {where} ({by})")
-        return Incident("sdc", self.attempt, self.rank, summary, suspects,
-                        {"step": step + 1, "trigger": trigger, "named_by": by, **evidence})
+        summary = (
+            f"silent data corruption at step {step + 1} ({trigger}): values differ when the step is computed "
+            f"again from the same state; {where} ({by})"
+        )
+        return Incident(
+            "sdc",
+            self.attempt,
+            self.rank,
+            summary,
+            suspects,
+            {"step": step + 1, "trigger": trigger, "named_by": by, **evidence},
+        )
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.rank == 0:

@@ -24,8 +24,9 @@ def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
         try:
             out.append(signal.Signals[key])
         except KeyError:
-            raise ValueError(f"failure.requeue_signals: {name!r} is not a signal name; use e.g. "
-                             "[SIGUSR2,SIGTERM]") from None
+            raise ValueError(
+                f"failure.requeue_signals: {name!r} is not a signal name; use e.g. [SIGUSR2,SIGTERM]"
+            ) from None
     return out
 
 
@@ -39,7 +40,7 @@ class StopSignals:
         self._installed: set[signal.Signals] = set()
         self._wakeup: int | None = None  # read end of the wakeup pipe
 
-    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True, wakeup: bool = True) -> "StopSignals":
+    def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True, wakeup: bool = True) -> StopSignals:
         """Installs the handlers (main thread only); `wakeup`: also the wakeup pipe that `arrived()` reads."""
         self._installed = {*signals, *([signal.SIGINT] if ctrl_c else [])}
         for sig in self._installed:

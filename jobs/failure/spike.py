@@ -52,8 +52,19 @@ from jobs.failure.incident import Incident, incident_dir
 if TYPE_CHECKING:  # annotations only: jobs.validate runs check_config on the login node without torch
     import torch
 
-__all__ = ["Spike", "LossDiverged", "TrainingHealth", "observe", "suspicious", "data_step", "skip_entries", "parse_corrupt",
-           "check_config", "CORRUPT_VAR", "DIVERGED_CLASSES"]
+__all__ = [
+    "Spike",
+    "LossDiverged",
+    "TrainingHealth",
+    "observe",
+    "suspicious",
+    "data_step",
+    "skip_entries",
+    "parse_corrupt",
+    "check_config",
+    "CORRUPT_VAR",
+    "DIVERGED_CLASSES",
+]
 
 CORRUPT_VAR = "MESHJOB_TEST_CORRUPT_DATA_STEP"  # tests only: "12,nan:20" corrupts data step 12's tokens, NaNs at 20
 DIVERGED_CLASSES = frozenset({"loss_spike", "non_finite_loss"})
@@ -87,20 +98,27 @@ def check_config(f: FailureConfig) -> None:
     if f.sdc_rtol < 0:
         raise ValueError(f"failure.sdc_rtol({f.sdc_rtol}) must be >= 0; e.g. failure.sdc_rtol=1e-3")
     if f.replica_hash_every < 0:
-        raise ValueError(f"failure.replica_hash_every({f.replica_hash_every}) must be >= 0 (0 = off); "
-                         "e.g. failure.replica_hash_every=100")
+        raise ValueError(
+            f"failure.replica_hash_every({f.replica_hash_every}) must be >= 0 (0 = off); "
+            "e.g. failure.replica_hash_every=100"
+        )
     if f.spike_factor != 0 and f.spike_factor <= 1:
         raise ValueError(f"failure.spike_factor({f.spike_factor}) must be 0 (off) or > 1; e.g. failure.spike_factor=3")
     if f.spike_mad_k < 0:
-        raise ValueError(f"failure.spike_mad_k({f.spike_mad_k}) must be >= 0 (0: the ratio alone); "
-                         "e.g. failure.spike_mad_k=8")
+        raise ValueError(
+            f"failure.spike_mad_k({f.spike_mad_k}) must be >= 0 (0: the ratio alone); e.g. failure.spike_mad_k=8"
+        )
     if f.spike_window < 1 or f.spike_patience < 1 or f.spike_skip_steps < 1:
-        raise ValueError(f"failure.spike_window({f.spike_window}), failure.spike_patience({f.spike_patience}) and "
-                         f"failure.spike_skip_steps({f.spike_skip_steps}) must be >= 1")
+        raise ValueError(
+            f"failure.spike_window({f.spike_window}), failure.spike_patience({f.spike_patience}) and "
+            f"failure.spike_skip_steps({f.spike_skip_steps}) must be >= 1"
+        )
     if f.spike_grad_norm < 0 or f.max_rollbacks < 0 or f.rollback_window_steps < 0:
-        raise ValueError(f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off), failure.max_rollbacks"
-                         f"({f.max_rollbacks}) and failure.rollback_window_steps({f.rollback_window_steps}) (0 = the "
-                         "whole run) must be >= 0")
+        raise ValueError(
+            f"failure.spike_grad_norm({f.spike_grad_norm}) (0 = off), failure.max_rollbacks"
+            f"({f.max_rollbacks}) and failure.rollback_window_steps({f.rollback_window_steps}) (0 = the "
+            "whole run) must be >= 0"
+        )
     if not 0 < f.spike_lr_scale <= 1:
         raise ValueError(f"failure.spike_lr_scale({f.spike_lr_scale}) must be in (0, 1]; 1 leaves the LR alone")
 
@@ -126,8 +144,12 @@ def observe(det: dict[str, Any], *, step: int, loss: float, grad_norm: float, cf
     streak.append([step, loss, grad_norm])
     if len(streak) < cfg.spike_patience:
         return None
-    return _spike("loss_spike", streak, median, "; ".join(why) + f" for {len(streak)} step(s) "
-                  f"(failure.spike_patience={cfg.spike_patience})")
+    return _spike(
+        "loss_spike",
+        streak,
+        median,
+        "; ".join(why) + f" for {len(streak)} step(s) (failure.spike_patience={cfg.spike_patience})",
+    )
 
 
 def suspicious(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> bool:
@@ -142,7 +164,9 @@ def suspicious(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: Failu
     return bool(_reasons(det, loss=loss, grad_norm=grad_norm, cfg=cfg)[1])
 
 
-def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig) -> tuple[float | None, list[str]]:
+def _reasons(
+    det: dict[str, Any], *, loss: float, grad_norm: float, cfg: FailureConfig
+) -> tuple[float | None, list[str]]:
     """(the running median or None, why the finite step is suspicious: [] when it is not). Both checks are
     armed once the window holds failure.spike_window healthy steps: early losses fall fast and early grad
     norms run high (at initialisation, during the LR warm-up), and neither is a spike."""
@@ -154,17 +178,26 @@ def _reasons(det: dict[str, Any], *, loss: float, grad_norm: float, cfg: Failure
         mad = statistics.median(abs(x - median) for x in hist)
         bar = max(cfg.spike_factor * median, median + cfg.spike_mad_k * mad)
         if loss > bar:
-            why.append(f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
-                       f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
-                       f"of the last failure.spike_window({cfg.spike_window}) losses)")
+            why.append(
+                f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
+                f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
+                f"of the last failure.spike_window({cfg.spike_window}) losses)"
+            )
     if cfg.spike_grad_norm > 0 and armed and grad_norm > cfg.spike_grad_norm:
         why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
     return median, why
 
 
 def _spike(cls: str, streak: list, median: float | None, reason: str) -> Spike:
-    return Spike(cls, first=streak[0][0], last=streak[-1][0], losses=[s[1] for s in streak],
-                 grad_norms=[s[2] for s in streak], median=median, reason=reason)
+    return Spike(
+        cls,
+        first=streak[0][0],
+        last=streak[-1][0],
+        losses=[s[1] for s in streak],
+        grad_norms=[s[2] for s in streak],
+        median=median,
+        reason=reason,
+    )
 
 
 def skip_entries(records: list[dict]) -> list[tuple[int, int]]:
@@ -197,8 +230,17 @@ class TrainingHealth:
     """The trainer's side of training health: the step -> data step map, the check after each step, the
     rollback, and the resume that repeats every recorded skip. One per rank, all deciding alike."""
 
-    def __init__(self, cfg: FailureConfig, *, rank: int, run_dir: str, attempt: str, emit: Callable[..., Any],
-                 events_path: os.PathLike[str] | str, vocab_size: int) -> None:
+    def __init__(
+        self,
+        cfg: FailureConfig,
+        *,
+        rank: int,
+        run_dir: str,
+        attempt: str,
+        emit: Callable[..., Any],
+        events_path: os.PathLike[str] | str,
+        vocab_size: int,
+    ) -> None:
         check_config(cfg)
         self.cfg, self.rank, self.run_dir, self.attempt = cfg, rank, run_dir, attempt
         self._emit_fn, self.events_path, self.vocab_size = emit, events_path, vocab_size
@@ -246,29 +288,62 @@ class TrainingHealth:
 
     def rollback(self, st: Any, spike: Spike, *, load: Load, schedulers: list[Any]) -> None:
         n, recent = len(self.records) + 1, self._recent(spike)
-        self._emit("loss_spike", cls=spike.cls, step=spike.last + 1, first_step=spike.first + 1,
-                   losses=spike.losses, grad_norms=spike.grad_norms, median=spike.median, reason=spike.reason)
+        self._emit(
+            "loss_spike",
+            cls=spike.cls,
+            step=spike.last + 1,
+            first_step=spike.first + 1,
+            losses=spike.losses,
+            grad_norms=spike.grad_norms,
+            median=spike.median,
+            reason=spike.reason,
+        )
         if recent >= self.cfg.max_rollbacks:
-            raise LossDiverged(spike.cls, self._summary(spike, f"failure.max_rollbacks({self.cfg.max_rollbacks}) "
-                                                        "rollbacks are spent"))
+            raise LossDiverged(
+                spike.cls, self._summary(spike, f"failure.max_rollbacks({self.cfg.max_rollbacks}) rollbacks are spent")
+            )
         target = load(spike.first + 1)
         if target <= 0:
-            raise LossDiverged(spike.cls, self._summary(spike, f"no committed checkpoint before step {spike.first + 1} "
-                                                        "to roll back to (checkpoint.enabled, checkpoint.every_steps, "
-                                                        "checkpoint.keep)"))
+            raise LossDiverged(
+                spike.cls,
+                self._summary(
+                    spike,
+                    f"no committed checkpoint before step {spike.first + 1} "
+                    "to roll back to (checkpoint.enabled, checkpoint.every_steps, "
+                    "checkpoint.keep)",
+                ),
+            )
         w0 = max(target, min(spike.first, spike.last - self.cfg.spike_skip_steps + 1))
         skipped = [self.data_step(i) for i in range(w0, spike.last + 1)]
-        record = {"rollback": n, "cls": spike.cls, "first_step": spike.first + 1, "step": spike.last + 1,
-                  "target_step": target, "from_step": w0, "data_step": max(skipped) + 1,
-                  "skipped_data_steps": skipped, "lr_scale": self.cfg.spike_lr_scale}
+        record = {
+            "rollback": n,
+            "cls": spike.cls,
+            "first_step": spike.first + 1,
+            "step": spike.last + 1,
+            "target_step": target,
+            "from_step": w0,
+            "data_step": max(skipped) + 1,
+            "skipped_data_steps": skipped,
+            "lr_scale": self.cfg.spike_lr_scale,
+        }
         self._apply(st, [*self.records, record], schedulers)
         self._emit("rollback", record=record, max_rollbacks=self.cfg.max_rollbacks, lr_scale_total=self.lr_scale)
         self._incident(spike, record)
         if self.rank == 0:
-            log.warning("%s at step %d (%s): rollback %d (%d of failure.max_rollbacks(%d) in the last failure."
-                        "rollback_window_steps(%d)) to step %d, data steps %s skipped, LR x %g", spike.cls,
-                        spike.last + 1, spike.reason, n, recent + 1, self.cfg.max_rollbacks,
-                        self.cfg.rollback_window_steps, target, _span(skipped), self.lr_scale)
+            log.warning(
+                "%s at step %d (%s): rollback %d (%d of failure.max_rollbacks(%d) in the last failure."
+                "rollback_window_steps(%d)) to step %d, data steps %s skipped, LR x %g",
+                spike.cls,
+                spike.last + 1,
+                spike.reason,
+                n,
+                recent + 1,
+                self.cfg.max_rollbacks,
+                self.cfg.rollback_window_steps,
+                target,
+                _span(skipped),
+                self.lr_scale,
+            )
 
     def _recent(self, spike: Spike) -> int:
         """The rollbacks that count toward failure.max_rollbacks at this spike: those of a spike within the
@@ -289,8 +364,12 @@ class TrainingHealth:
             if not past:
                 break
             got = load(min(past) + 1)
-            self._emit("rollback_replayed", loaded_step=got, reason="the newest checkpoint was saved inside a "
-                       "rolled-back spike window and predates its rollback record")
+            self._emit(
+                "rollback_replayed",
+                loaded_step=got,
+                reason="the newest checkpoint was saved inside a "
+                "rolled-back spike window and predates its rollback record",
+            )
             if got <= 0:
                 raise LossDiverged(records[-1]["cls"], f"rollback target step {min(past)} is gone (retention?)")
         if records:
@@ -313,17 +392,30 @@ class TrainingHealth:
         return [e["record"] for e in read_events(self.events_path, "rollback") if e.get("rank") == 0 and "record" in e]
 
     def _summary(self, spike: Spike, why: str) -> str:
-        done = "; ".join(f"#{r['rollback']} {r['cls']} at step {r['step']} -> step {r['target_step']}, data steps "
-                         f"{_span(r['skipped_data_steps'])} skipped" for r in self.records) or "none"
-        return (f"{spike.cls} at step {spike.last + 1} ({spike.reason}), and {why}; rollbacks so far: {done}. "
-                f"Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks (per "
-                f"failure.rollback_window_steps({self.cfg.rollback_window_steps}) steps; 0 = the whole run)")
+        done = (
+            "; ".join(
+                f"#{r['rollback']} {r['cls']} at step {r['step']} -> step {r['target_step']}, data steps "
+                f"{_span(r['skipped_data_steps'])} skipped"
+                for r in self.records
+            )
+            or "none"
+        )
+        return (
+            f"{spike.cls} at step {spike.last + 1} ({spike.reason}), and {why}; rollbacks so far: {done}. "
+            f"Lower optim.lr, check the data at those steps, or raise failure.max_rollbacks (per "
+            f"failure.rollback_window_steps({self.cfg.rollback_window_steps}) steps; 0 = the whole run)"
+        )
 
     def _incident(self, spike: Spike, record: dict) -> None:
         if self.rank != 0:
             return
-        inc = Incident(spike.cls, self.attempt, self.rank, f"{spike.reason}; rolled back to step {record['target_step']}",
-                       evidence={"spike": asdict(spike), "rollback": record})
+        inc = Incident(
+            spike.cls,
+            self.attempt,
+            self.rank,
+            f"{spike.reason}; rolled back to step {record['target_step']}",
+            evidence={"spike": asdict(spike), "rollback": record},
+        )
         folder = incident_dir(self.run_dir, self.attempt)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".rollback-{record['rollback']}.json.tmp"
@@ -339,4 +431,3 @@ def _span(steps: list[int]) -> str:
     if steps and steps == list(range(steps[0], steps[-1] + 1)):
         return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
     return ",".join(map(str, steps))
-

@@ -49,10 +49,22 @@ def watched_peers(rank: int, world_size: int) -> list[int]:
 
 
 class Watchdog:
-    def __init__(self, *, run_dir: str, attempt: str, rank: int, node: str, heartbeat_s: float,
-                 init_timeout_s: float, hang_timeout_s: float, on_hang: Callable[[float], None],
-                 world_size: int = 1, missed_beats: int = 5, stop_received: Callable[[], bool] | None = None,
-                 on_stop: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run_dir: str,
+        attempt: str,
+        rank: int,
+        node: str,
+        heartbeat_s: float,
+        init_timeout_s: float,
+        hang_timeout_s: float,
+        on_hang: Callable[[float], None],
+        world_size: int = 1,
+        missed_beats: int = 5,
+        stop_received: Callable[[], bool] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
         self.run_dir, self.attempt = run_dir, attempt
         self.path = beat_path(run_dir, attempt, rank)
         self.heartbeat_s, self.hang_timeout_s, self.on_hang = heartbeat_s, hang_timeout_s, on_hang
@@ -61,8 +73,16 @@ class Watchdog:
         self.stop_received, self.on_stop = stop_received, on_stop
         self._base_s = init_timeout_s  # the limit outside phases that have their own
         self.limit_s = init_timeout_s
-        self.beat = Beat(rank=rank, pid=os.getpid(), host=os.uname().nodename, node=node, time=time.time(),
-                         step=-1, phase="rendezvous", progress_time=time.time())
+        self.beat = Beat(
+            rank=rank,
+            pid=os.getpid(),
+            host=os.uname().nodename,
+            node=node,
+            time=time.time(),
+            step=-1,
+            phase="rendezvous",
+            progress_time=time.time(),
+        )
         self._last = time.monotonic()
         self._written = float("-inf")  # the last successful write of this rank's beat (none yet)
         self._seen: dict[int, tuple[float, float]] = {}  # peer -> (its beat's time, when this rank saw it change)
@@ -73,7 +93,7 @@ class Watchdog:
         self.fired_after_s: float | None = None
         self.fired_because: str | None = None
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Starts both threads; returns at once (the first beat is written by the heartbeat thread)."""
         self._beater.start()
         self._thread.start()
@@ -154,7 +174,12 @@ class Watchdog:
 
     def _check(self) -> None:
         idle = time.monotonic() - self._last
-        if self.on_stop is not None and self.stop_received is not None and self.beat.phase in EARLY_PHASES and self.stop_received():
+        if (
+            self.on_stop is not None
+            and self.stop_received is not None
+            and self.beat.phase in EARLY_PHASES
+            and self.stop_received()
+        ):
             self._fire(idle, f"stop signal during {self.beat.phase}: ending the attempt before training")
             self.on_stop()
             return

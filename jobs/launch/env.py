@@ -41,7 +41,7 @@ class DistEnv:
     hostname: str = ""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         """Reads the launcher's contract: Slurm's variables when inside a Slurm step, torch's otherwise."""
         env = os.environ if environ is None else environ
         # Under torchrun inside a Slurm job, SLURM_PROCID/SLURM_NTASKS count torchrun agents (one per
@@ -52,7 +52,7 @@ class DistEnv:
         return cls._from_torch(env)
 
     @classmethod
-    def _from_torch(cls, env: Mapping[str, str]) -> "DistEnv":
+    def _from_torch(cls, env: Mapping[str, str]) -> DistEnv:
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
             raise RuntimeError(
@@ -78,7 +78,7 @@ class DistEnv:
         )
 
     @classmethod
-    def _from_slurm(cls, env: Mapping[str, str]) -> "DistEnv":
+    def _from_slurm(cls, env: Mapping[str, str]) -> DistEnv:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
         hosts = expand_nodelist(nodelist) if nodelist else [os.uname().nodename]
         world = int(env["SLURM_NTASKS"])
@@ -132,9 +132,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     common forms so this works on a login node without Slurm too.
     """
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.split()
     except (OSError, subprocess.TimeoutExpired):

@@ -16,7 +16,6 @@ import socket
 import sys
 import time
 import traceback
-
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,16 +75,18 @@ def _describe(status: int) -> tuple[str, int]:
 def _attempt_number(events: EventLog) -> int:
     """This launch's number among the run's local launches (`local.<n>` in the ledger; its restarts
     are `local.<n>.<k>`)."""
-    return sum(1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local.")
-               and a.attempt.count(".") == 1)
+    return sum(
+        1 for a in attempts(read_events(events.path)) if a.attempt.startswith("local.") and a.attempt.count(".") == 1
+    )
 
 
 def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     """Runs all ranks to completion, starting them again after a "restart" decision (a dead or hung
     rank, within failure.restarts_in_allocation); returns 0, the last attempt's exit code, or RANK_DIED.
     `early`: stop signals the entry point recorded before the ranks existed; they are passed on."""
-    import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
     import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo, which every rank imports (meta build, FSDP)
+
+    import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
     restart, n = _attempt_number(events), 0
@@ -96,8 +97,12 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
         if d is None or d["action"] != "restart":
             _drop_memory_tier(cfg)
             return code
-        get_logger().warning("attempt %s: restarting the ranks (restart %d of failure.restarts_in_allocation(%d))",
-                             attempt, n + 1, cfg.failure.restarts_in_allocation)
+        get_logger().warning(
+            "attempt %s: restarting the ranks (restart %d of failure.restarts_in_allocation(%d))",
+            attempt,
+            n + 1,
+            cfg.failure.restarts_in_allocation,
+        )
         n, early = n + 1, None
 
 
@@ -108,19 +113,39 @@ def _drop_memory_tier(cfg: JobConfig) -> None:
         shutil.rmtree(memory_root(cfg), ignore_errors=True)
 
 
-def _launch_once(cfg: JobConfig, events: EventLog, *, restart: int, restart_in_allocation: int,
-                 early: StopSignals | None) -> tuple[int, str]:
-    envs = [DistEnv(rank=r, local_rank=r % cfg.launcher.tasks_per_node, world_size=cfg.world_size,
-                    local_world_size=cfg.launcher.tasks_per_node, node_rank=r // cfg.launcher.tasks_per_node,
-                    nodes=cfg.launcher.nodes, master_addr="127.0.0.1",
-                    master_port=cfg.launcher.master_port or free_port(), restart_count=restart,
-                    restart_in_allocation=restart_in_allocation, hostname=os.uname().nodename)
-            for r in range(cfg.world_size)]
+def _launch_once(
+    cfg: JobConfig, events: EventLog, *, restart: int, restart_in_allocation: int, early: StopSignals | None
+) -> tuple[int, str]:
+    envs = [
+        DistEnv(
+            rank=r,
+            local_rank=r % cfg.launcher.tasks_per_node,
+            world_size=cfg.world_size,
+            local_world_size=cfg.launcher.tasks_per_node,
+            node_rank=r // cfg.launcher.tasks_per_node,
+            nodes=cfg.launcher.nodes,
+            master_addr="127.0.0.1",
+            master_port=cfg.launcher.master_port or free_port(),
+            restart_count=restart,
+            restart_in_allocation=restart_in_allocation,
+            hostname=os.uname().nodename,
+        )
+        for r in range(cfg.world_size)
+    ]
     envs = [replace(e, master_port=envs[0].master_port) for e in envs]
     events.restart, events.attempt = restart, envs[0].attempt
-    ctx = AttemptContext(run_dir=cfg.run.dir, attempt=envs[0].attempt, rank=-1, world_size=cfg.world_size,
-                         job_id=None, restart_count=restart, cfg=cfg.failure, events=events, supervised=True,
-                         restart_in_allocation=restart_in_allocation)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=envs[0].attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=None,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=events,
+        supervised=True,
+        restart_in_allocation=restart_in_allocation,
+    )
     open_attempt(ctx, nodes=[envs[0].hostname], launcher="local", restart_in_allocation=restart_in_allocation)
     # Signals wait (blocked) until every rank has its handlers and the launcher its forwarder: none is lost.
     signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
@@ -197,9 +222,14 @@ def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
 
 def _dead_rank(ctx: AttemptContext, *, rank: int, pid: int, how: str) -> Incident:
     node = os.uname().nodename
-    return Incident("dead_rank", ctx.attempt, -1, f"rank {rank} (node {node}, pid {pid}) {how}",
-                    [{"rank": rank, "node": node, "host": node, "pid": pid, "state": "dead"}],
-                    {"waitpid": how, "seen_by": "local launcher"})
+    return Incident(
+        "dead_rank",
+        ctx.attempt,
+        -1,
+        f"rank {rank} (node {node}, pid {pid}) {how}",
+        [{"rank": rank, "node": node, "host": node, "pid": pid, "state": "dead"}],
+        {"waitpid": how, "seen_by": "local launcher"},
+    )
 
 
 def _kill(pid: int, sig: int) -> None:

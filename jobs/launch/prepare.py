@@ -24,8 +24,12 @@ def prepare_inputs(cfg: JobConfig) -> None:
     cfg.data.path = str(Path(cfg.data.path).resolve())
     for source in cfg.data.sources:
         source.path = str(Path(source.path).resolve())
-    ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1,
-                   eval_sample_len=cfg.train.seq_len + 1 if cfg.train.eval_every else 0)
+    ensure_dataset(
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        sample_len=cfg.model.max_seq_len + 1,
+        eval_sample_len=cfg.train.seq_len + 1 if cfg.train.eval_every else 0,
+    )
 
 
 def prepare_run(cfg: JobConfig) -> Path:

@@ -22,10 +22,10 @@ from checkpoint.errors import CheckpointConfigError
 from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.data import DataChanged
-from jobs.device import backend_for, export_environ, rank_device, set_determinism, trace_dir, dump_flight_recorder
+from jobs.device import backend_for, dump_flight_recorder, export_environ, rank_device, set_determinism, trace_dir
 from jobs.events import EventLog
-from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.policy import claim, read_decision
+from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
@@ -45,11 +45,20 @@ def supervised() -> bool:
 
 def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int) -> AttemptContext:
     """`supervised`: a supervisor (jobs.launch.supervise, the local launcher) can start the ranks again."""
-    return AttemptContext(run_dir=cfg.run.dir, attempt=env.attempt, rank=rank, world_size=env.world_size,
-                          job_id=env.job_id, restart_count=env.restart_count, cfg=cfg.failure, events=events,
-                          supervised=supervised(),
-                          restart_in_allocation=env.restart_in_allocation, partition=cfg.cluster.partition,
-                          nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes)
+    return AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=env.attempt,
+        rank=rank,
+        world_size=env.world_size,
+        job_id=env.job_id,
+        restart_count=env.restart_count,
+        cfg=cfg.failure,
+        events=events,
+        supervised=supervised(),
+        restart_in_allocation=env.restart_in_allocation,
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+    )
 
 
 def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.device:
@@ -69,8 +78,17 @@ def _setup_torch(cfg: JobConfig, env: DistEnv, *, device_type: str) -> torch.dev
     return device
 
 
-def _alike_on_every_rank(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, events: EventLog, guards: tuple, *,
-                         cls: str, error: BaseException, fallback: int) -> int:
+def _alike_on_every_rank(
+    cfg: JobConfig,
+    env: DistEnv,
+    ctx: AttemptContext,
+    events: EventLog,
+    guards: tuple,
+    *,
+    cls: str,
+    error: BaseException,
+    fallback: int,
+) -> int:
     """An error every rank meets alike (the same all-reduced losses, the same files): rank 0 records the failure
     and decides, the others wait for its decision (`fallback` if none comes)."""
     for guard in guards:
@@ -89,8 +107,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     from jobs.validate import check_device, validate  # the same checks as on the login node, now on every rank
 
     log = setup_logging(env.rank)
-    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count,
-                      attempt=env.attempt)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count, attempt=env.attempt)
     ctx = attempt_context(cfg, env, events, rank=env.rank)
     try:
         derived = validate(cfg)
@@ -102,11 +119,17 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     watchdog, health = _guards(cfg, env, ctx, device, stop=stop)
     trainer, during = None, "rendezvous"
     try:
-        env = rendezvous(env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s,
-                         backend=backend_for(device_type))
+        env = rendezvous(
+            env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s, backend=backend_for(device_type)
+        )
         if env.rank == 0:
-            events.emit("rendezvous", world_size=env.world_size, master=f"{env.master_addr}:{env.master_port}",
-                        nodes=env.nodes, job_id=env.job_id)
+            events.emit(
+                "rendezvous",
+                world_size=env.world_size,
+                master=f"{env.master_addr}:{env.master_port}",
+                nodes=env.nodes,
+                job_id=env.job_id,
+            )
         from jobs.trainer import Trainer
 
         during = "build"
@@ -116,16 +139,23 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         outcome = trainer.fit()
     except LossDiverged as e:  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
         log.error("%s", e)
-        return _alike_on_every_rank(cfg, env, ctx, events, (watchdog, health), cls=e.cls, error=e,
-                                    fallback=exitcodes.DIVERGED)
+        return _alike_on_every_rank(
+            cfg, env, ctx, events, (watchdog, health), cls=e.cls, error=e, fallback=exitcodes.DIVERGED
+        )
     except (DataChanged, CheckpointConfigError) as e:  # a data file changed since the checkpoint (jobs/data/cursor.py),
         # or the RAM checkpoint tier does not fit (checkpoint/memory_tier.py): alike on every rank, no restart cures it
         log.error("config error: %s", e)
-        return _alike_on_every_rank(cfg, env, ctx, events, (watchdog, health), cls="config_error", error=e,
-                                    fallback=exitcodes.CONFIG_ERROR)
+        return _alike_on_every_rank(
+            cfg, env, ctx, events, (watchdog, health), cls="config_error", error=e, fallback=exitcodes.CONFIG_ERROR
+        )
     except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
-        log.error("%s during %s: %s", type(e).__name__, during, e,
-                  exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"))
+        log.error(
+            "%s during %s: %s",
+            type(e).__name__,
+            during,
+            e,
+            exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"),
+        )
         # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
         _fail(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None))
     watchdog.stop(ended=outcome in ("done", "stopped"))  # peers still in their final save see it ended, not died
@@ -142,22 +172,40 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     return code
 
 
-def _guards(cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device, *,
-            stop: StopSignals) -> tuple[Watchdog, GpuHealth]:
+def _guards(
+    cfg: JobConfig, env: DistEnv, ctx: AttemptContext, device: torch.device, *, stop: StopSignals
+) -> tuple[Watchdog, GpuHealth]:
     """The rank's watchdog (heartbeats, hangs) and GPU health checks (now: a failing GPU never joins the
     rendezvous; then every failure.health_every_s), both started; either ends the attempt itself."""
     f = cfg.failure
-    watchdog = Watchdog(run_dir=cfg.run.dir, attempt=env.attempt, rank=env.rank, node=env.hostname,
-                        heartbeat_s=f.heartbeat_s, init_timeout_s=f.init_timeout_s, hang_timeout_s=f.hang_timeout_s,
-                        world_size=env.world_size, missed_beats=f.missed_beats,
-                        on_hang=lambda idle: (dump_flight_recorder(trace_dir(cfg.run.dir, env.attempt), rank=env.rank),
-                                              _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step)),
-                        stop_received=stop.arrived,
-                        on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase))
+    watchdog = Watchdog(
+        run_dir=cfg.run.dir,
+        attempt=env.attempt,
+        rank=env.rank,
+        node=env.hostname,
+        heartbeat_s=f.heartbeat_s,
+        init_timeout_s=f.init_timeout_s,
+        hang_timeout_s=f.hang_timeout_s,
+        world_size=env.world_size,
+        missed_beats=f.missed_beats,
+        on_hang=lambda idle: (
+            dump_flight_recorder(trace_dir(cfg.run.dir, env.attempt), rank=env.rank),
+            _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step),
+        ),
+        stop_received=stop.arrived,
+        on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase),
+    )
     watchdog.start()
-    health = rank_health(device.type, device.index, cfg=f, rank=env.rank, node=env.hostname, attempt=env.attempt,
-                         emit=ctx.events.emit, on_failing=lambda inc: _fail(
-                             ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc)).start()
+    health = rank_health(
+        device.type,
+        device.index,
+        cfg=f,
+        rank=env.rank,
+        node=env.hostname,
+        attempt=env.attempt,
+        emit=ctx.events.emit,
+        on_failing=lambda inc: _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=inc),
+    ).start()
     return watchdog, health
 
 

@@ -41,8 +41,9 @@ def agreed_torchrun_restart(env: DistEnv, *, timeout_s: float) -> DistEnv:
     n-th start of each rank belongs to the same group. Other launchers: `env` unchanged."""
     if not _under_agent_store(env):
         return env
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
     starts = store.add(f"meshjob/{attempt_name(env.job_id, env.restart_count)}/starts/rank{env.rank}", 1)
     return replace(env, restart_in_allocation=starts - 1)
 
@@ -56,13 +57,19 @@ def rendezvous(env: DistEnv, *, run_dir: str, timeout_s: float, backend: str = "
         # seen on the torchrun-style script's first restart). A prefix per attempt keeps them apart.
         os.environ.update(env.torch_environ())
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"meshjob/{env.attempt}", store), rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"meshjob/{env.attempt}", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
         return env
     if env.master_port:
         os.environ.update(env.torch_environ())
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
         return env
     store, env = _published_store(env, port_file(run_dir, env.attempt), timeout)
     os.environ.update(env.torch_environ())
@@ -72,8 +79,9 @@ def rendezvous(env: DistEnv, *, run_dir: str, timeout_s: float, backend: str = "
 
 def _published_store(env: DistEnv, path: Path, timeout: timedelta) -> tuple[dist.Store, DistEnv]:
     if env.rank == 0:
-        store = dist.TCPStore(env.master_addr, 0, env.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            env.master_addr, 0, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps({"host": env.master_addr, "port": store.port, "time": time.time()}))
@@ -82,8 +90,10 @@ def _published_store(env: DistEnv, path: Path, timeout: timedelta) -> tuple[dist
     deadline = time.monotonic() + timeout.total_seconds()
     while not path.exists():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"rendezvous timed out: rank 0 never published {path} within "
-                               f"failure.init_timeout_s({timeout.total_seconds():.0f})")
+            raise RuntimeError(
+                f"rendezvous timed out: rank 0 never published {path} within "
+                f"failure.init_timeout_s({timeout.total_seconds():.0f})"
+            )
         time.sleep(0.1)
     where = json.loads(path.read_text())
     store = dist.TCPStore(where["host"], int(where["port"]), env.world_size, is_master=False, timeout=timeout)

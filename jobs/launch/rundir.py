@@ -33,11 +33,22 @@ from typing import Any
 
 from checkpoint.config import memory_root as checkpoint_memory_root
 from jobs.config import JobConfig, config_hash
-from jobs.failure.heartbeat import read_beats, process_state
+from jobs.failure.heartbeat import process_state, read_beats
 from jobs.launch.slurm_state import ACTIVE_STATES, job_state
 
-__all__ = ["OWNER_FILE", "RESUMABLE", "NOT_RESUMABLE", "flat_config", "config_changes", "read_owner",
-           "check_run_dir", "claim_run_dir", "record_job", "run_id", "memory_root"]
+__all__ = [
+    "OWNER_FILE",
+    "RESUMABLE",
+    "NOT_RESUMABLE",
+    "flat_config",
+    "config_changes",
+    "read_owner",
+    "check_run_dir",
+    "claim_run_dir",
+    "record_job",
+    "run_id",
+    "memory_root",
+]
 
 OWNER_FILE = "owner.json"
 
@@ -47,12 +58,23 @@ OWNER_FILE = "owner.json"
 RESUMABLE = (
     "run.*",  # the directory itself: given relative or absolute, or moved
     "train.steps",  # train longer or shorter
-    "train.log_every", "train.eval_every", "train.eval_batches",  # what is measured, not what is trained
-    "train.micro_batch", "train.activation_checkpointing", "train.ac_every", "train.compile",  # how a batch is computed
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",  # what is measured, not what is trained
+    "train.micro_batch",
+    "train.activation_checkpointing",
+    "train.ac_every",
+    "train.compile",  # how a batch is computed
     "train.global_batch",  # a batch-size ramp: the data cursor goes on at the next unread sample (jobs/data/cursor.py)
     "data.accept_changed_files",  # the override that accepts a changed data file on resume
-    "mesh.*", "launcher.*", "cluster.*",  # where and on which mesh it runs: a resume reshards (DESIGN 3.3)
-    "checkpoint.*", "failure.*", "metrics.*", "plan.*", "calibrate.*",  # how it is saved, guarded and measured
+    "mesh.*",
+    "launcher.*",
+    "cluster.*",  # where and on which mesh it runs: a resume reshards (DESIGN 3.3)
+    "checkpoint.*",
+    "failure.*",
+    "metrics.*",
+    "plan.*",
+    "calibrate.*",  # how it is saved, guarded and measured
 )
 NOT_RESUMABLE = (
     "checkpoint.enabled",  # false would start again from step 0 in a directory that holds the run's checkpoints
@@ -87,8 +109,11 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The keys outside `RESUMABLE` whose values differ, as `key (old -> new)`. A key the first start did
     not record (added to the schema since) is no change."""
-    return [f"{k} ({old[k]!r} -> {new.get(k)!r})" for k in sorted(old)
-            if k in new and old[k] != new[k] and not _resumable(k)]
+    return [
+        f"{k} ({old[k]!r} -> {new.get(k)!r})"
+        for k in sorted(old)
+        if k in new and old[k] != new[k] and not _resumable(k)
+    ]
 
 
 def read_owner(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -98,8 +123,10 @@ def read_owner(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise RuntimeError(f"{path} is unreadable ({e}): it records which run owns {path.parent}; "
-                           "restore it, or move the directory aside") from None
+        raise RuntimeError(
+            f"{path} is unreadable ({e}): it records which run owns {path.parent}; "
+            "restore it, or move the directory aside"
+        ) from None
 
 
 def run_id(run_dir: str | os.PathLike[str]) -> str:
@@ -125,8 +152,14 @@ def _pid_start(pid: int) -> int | None:
 
 def _starter(launcher: str, job_id: str | None) -> dict[str, Any]:
     pid = os.getpid()
-    return {"launcher": launcher, "job_id": job_id, "host": os.uname().nodename, "pid": pid,
-            "pid_start": _pid_start(pid), "time": time.time()}
+    return {
+        "launcher": launcher,
+        "job_id": job_id,
+        "host": os.uname().nodename,
+        "pid": pid,
+        "pid_start": _pid_start(pid),
+        "time": time.time(),
+    }
 
 
 def _who(s: dict[str, Any]) -> str:
@@ -173,8 +206,9 @@ def _live_beats(run_dir: Path, *, fresh_s: float, me: str | None) -> list[str]:
                     ended[job] = state != "UNKNOWN" and state not in ACTIVE_STATES
                 if ended[job]:
                     continue
-            out.append(f"rank {beat.rank} of attempt {folder.name} on {beat.node} (pid {beat.pid}, "
-                       f"heartbeat {age:.0f} s ago)")
+            out.append(
+                f"rank {beat.rank} of attempt {folder.name} on {beat.node} (pid {beat.pid}, heartbeat {age:.0f} s ago)"
+            )
     return out
 
 
@@ -195,17 +229,20 @@ def check_run_dir(cfg: JobConfig, *, job_id: str | None = None) -> None:
     live = _live_users(run_dir, owner, cfg, me=job_id)
     if live:
         shown = "; ".join(live[:3]) + (f"; and {len(live) - 3} more" if len(live) > 3 else "")
-        problems.append(f"run.dir={run_dir} is in use by another live job ({shown}): two jobs never write one run "
-                        f"directory; wait until it ends (python -m jobs.status {run_dir}), stop it, or give this "
-                        "job another run.dir")
+        problems.append(
+            f"run.dir={run_dir} is in use by another live job ({shown}): two jobs never write one run "
+            f"directory; wait until it ends (python -m jobs.status {run_dir}), stop it, or give this "
+            "job another run.dir"
+        )
     changes = config_changes(owner["config"], flat_config(cfg)) if owner else []
     if changes:
         first = owner["first"]
         problems.append(
             f"run.dir={run_dir} holds another run (started by {_who(first)}; {run_dir / OWNER_FILE}): this config "
             f"differs in {', '.join(changes)}; a resume may change only {', '.join(RESUMABLE)} but "
-            f"{', '.join(NOT_RESUMABLE)} (README \"One run per directory\"); set those keys back to resume the run, "
-            "or give this config its own run.dir")
+            f'{", ".join(NOT_RESUMABLE)} (README "One run per directory"); set those keys back to resume the run, '
+            "or give this config its own run.dir"
+        )
     if problems:
         raise ValueError("\n".join(problems))
 

@@ -19,7 +19,8 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
     import signal as _signal
     import sys as _sys
 
-    from jobs.failure.signals import StopSignals as _StopSignals, parse_signals as _parse_signals
+    from jobs.failure.signals import StopSignals as _StopSignals
+    from jobs.failure.signals import parse_signals as _parse_signals
 
     if _sys.argv[1:2] == ["--agent"]:  # torchrun's agent: ignored, as the script's trap left them; its ranks
         for _s in (_signal.SIGUSR2, _signal.SIGTERM):  # inherit that until their own handlers are in place
@@ -31,7 +32,6 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
 import os
 import shlex
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,16 +50,33 @@ from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
 from jobs.launch.slurm_state import job_state, wait_for_job
 
-__all__ = ["submit", "SlurmJob", "make_executor", "check_slurm_config", "login_checks", "require_slurm",
-           "rank_main", "wait_for_job", "job_state"]
+__all__ = [
+    "submit",
+    "SlurmJob",
+    "make_executor",
+    "check_slurm_config",
+    "login_checks",
+    "require_slurm",
+    "rank_main",
+    "wait_for_job",
+    "job_state",
+]
 
 # Variables a submitting shell may carry (a torchrun or local-launcher environment) that must not
 # leak into the job: under Slurm the rendezvous comes from the job itself.
-_INHERITED_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                         "LOCAL_WORLD_SIZE", "GROUP_RANK")
+_INHERITED_RENDEZVOUS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
 
 
 # --- compute node -------------------------------------------------------------------------------
+
 
 def rank_environ(cfg: JobConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a Slurm rank should see: inherited rendezvous variables dropped, the profile's
@@ -84,8 +101,11 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
     from jobs.launch.rendezvous import agreed_torchrun_restart
 
     env = agreed_torchrun_restart(DistEnv.from_environ(environ), timeout_s=cfg.failure.init_timeout_s)
-    print(f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
-          f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}", flush=True)
+    print(
+        f"meshjob: job {env.job_id} restart {env.restart_count} rank {env.rank}/{env.world_size} "
+        f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}",
+        flush=True,
+    )
     from jobs.launch.rank import attempt_context, run_rank
 
     if RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor of ours
@@ -93,11 +113,15 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
         if ended is not None:
             return ended
         if env.rank == 0:
-            events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count,
-                              attempt=env.attempt)
-            open_attempt(attempt_context(cfg, env, events, rank=0), nodes=expand_nodelist(
-                os.environ.get("SLURM_JOB_NODELIST", env.hostname)), launcher="slurm",
-                restart_in_allocation=env.restart_in_allocation)
+            events = EventLog(
+                Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt
+            )
+            open_attempt(
+                attempt_context(cfg, env, events, rank=0),
+                nodes=expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", env.hostname)),
+                launcher="slurm",
+                restart_in_allocation=env.restart_in_allocation,
+            )
     return run_rank(cfg, env, stop=stop)
 
 
@@ -112,8 +136,11 @@ def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
             continue
         if d["action"] == "restart":
             return None
-        print(f"meshjob: attempt {attempt_name(env.job_id, env.restart_count, n)} decided {d['action']} "
-              f"({d['reason']}): not training again", flush=True)
+        print(
+            f"meshjob: attempt {attempt_name(env.job_id, env.restart_count, n)} decided {d['action']} "
+            f"({d['reason']}): not training again",
+            flush=True,
+        )
         return int(d["exit_code"])
     return None
 
@@ -170,6 +197,7 @@ class SlurmJob:
 
 # --- login node ---------------------------------------------------------------------------------
 
+
 def check_slurm_config(cfg: JobConfig) -> None:
     """The Slurm-specific login-node checks (after `jobs.validate.validate`); ValueError names the knob."""
     ln, cl = cfg.launcher, cfg.cluster
@@ -208,16 +236,20 @@ def check_signal_lead(cfg: JobConfig) -> None:
     from jobs.validate import check_checkpoint_timeout, stop_path_s
 
     if cfg.failure.requeue_signals and not cfg.checkpoint.enabled:
-        raise ValueError(f"failure.requeue_signals={list(cfg.failure.requeue_signals)} with checkpoint.enabled=false: "
-                         "every requeue would start again from step 0; set checkpoint.enabled=true, or "
-                         "failure.requeue_signals=[] to let a signal end the job")
+        raise ValueError(
+            f"failure.requeue_signals={list(cfg.failure.requeue_signals)} with checkpoint.enabled=false: "
+            "every requeue would start again from step 0; set checkpoint.enabled=true, or "
+            "failure.requeue_signals=[] to let a signal end the job"
+        )
     if not cfg.failure.requeue_signals or cfg.cluster.gpu_bf16_tflops <= 0:
         return
     plan = build_plan(cfg, measure=False)
     ck, mode = plan.checkpoint, cfg.checkpoint.async_mode
     check_checkpoint_timeout(cfg.failure, write_s=ck.get("write_s", 0.0), async_mode=mode)
     step_s = plan.step.get("step_s_at_mfu", 0.0)
-    save_s = stop_path_s(step_s=0.0, blocking_s=ck.get("blocking_s", 0.0), write_s=ck.get("write_s", 0.0), async_mode=mode)
+    save_s = stop_path_s(
+        step_s=0.0, blocking_s=ck.get("blocking_s", 0.0), write_s=ck.get("write_s", 0.0), async_mode=mode
+    )
     need = step_s + save_s + cfg.failure.signal_margin_s
     if cfg.launcher.signal_delay_s < need:
         raise ValueError(
@@ -225,7 +257,8 @@ def check_signal_lead(cfg: JobConfig) -> None:
             f"of its write after any save in flight ({save_s:.0f} s, checkpoint.async_mode={mode}) + "
             f"failure.signal_margin_s({cfg.failure.signal_margin_s:.0f}) = {need:.0f} s (planner "
             f"estimates for cluster={cfg.cluster.name}): the job would be killed before it saved; set "
-            f"launcher.signal_delay_s={int(need) + 1}")
+            f"launcher.signal_delay_s={int(need) + 1}"
+        )
 
 
 def login_checks(cfg: JobConfig) -> None:
@@ -265,8 +298,7 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     )
     # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
     exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")), *_known_quarantined(cfg.run.dir)]))
-    optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint,
-                    exclude=exclude)
+    optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint, exclude=exclude)
     params.update({k: v for k, v in optional.items() if v})
     if cl.gpus_per_node:
         params["gpus_per_node"] = cl.gpus_per_node
@@ -286,8 +318,11 @@ def _known_quarantined(run_dir: str) -> list[str]:
         return listed
     dropped = [n for n in listed if n not in known]
     if dropped:
-        print(f"warning: quarantined node(s) {', '.join(dropped)} ({run_dir}/quarantine.json) unknown to Slurm: "
-              "not excluded", file=sys.stderr)
+        print(
+            f"warning: quarantined node(s) {', '.join(dropped)} ({run_dir}/quarantine.json) unknown to Slurm: "
+            "not excluded",
+            file=sys.stderr,
+        )
     return [n for n in listed if n in known]
 
 
@@ -318,12 +353,13 @@ def submit(cfg: JobConfig) -> int:
         return exitcodes.ENV_ERROR
     record_job(run_dir, job.job_id)
     out = folder / job.job_id
-    print(f"submitted job {job.job_id}: {cfg.world_size} ranks ({cfg.world_size_expr}), "
-          f"cluster={cfg.cluster.name}")
+    print(f"submitted job {job.job_id}: {cfg.world_size} ranks ({cfg.world_size_expr}), cluster={cfg.cluster.name}")
     print(f"run dir  {run_dir}")
     print(f"logs     {out}/{job.job_id}_<rank>_log.out|err (appended across requeues)")
     print(f"metrics  {run_dir / 'metrics.jsonl'}")
-    print(f"status   python -m jobs.status {run_dir}   (sacct -j {job.job_id} --duplicates -o JobID,State,ExitCode,NodeList)")
+    print(
+        f"status   python -m jobs.status {run_dir}   (sacct -j {job.job_id} --duplicates -o JobID,State,ExitCode,NodeList)"
+    )
     sys.stdout.flush()
     if not cfg.launcher.wait:
         return exitcodes.OK
@@ -366,9 +402,12 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank", "--agent"):
-        print("usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
-              "--agent TORCHRUN_ARGS...  "
-              "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
-              "`python -m jobs.train launcher=slurm`)", file=sys.stderr)
+        print(
+            "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
+            "--agent TORCHRUN_ARGS...  "
+            "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
+            "`python -m jobs.train launcher=slurm`)",
+            file=sys.stderr,
+        )
         sys.exit(exitcodes.CONFIG_ERROR)
     sys.exit(_script_cli(sys.argv[1], sys.argv[2:], _stop))

@@ -12,22 +12,57 @@ from pathlib import Path
 
 from jobs import exitcodes
 
-__all__ = ["JobState", "ACTIVE_STATES", "FINAL_STATES", "SACCT_FIELDS", "parse_scontrol_job", "parse_sacct",
-           "job_state", "sacct_attempts", "exit_code_of", "wait_for_job"]
+__all__ = [
+    "JobState",
+    "ACTIVE_STATES",
+    "FINAL_STATES",
+    "SACCT_FIELDS",
+    "parse_scontrol_job",
+    "parse_sacct",
+    "job_state",
+    "sacct_attempts",
+    "exit_code_of",
+    "wait_for_job",
+]
 
 # States of a job that may still run (Slurm 22.05 `job_state_string`: base states and the flags it shows
 # instead of them). Anything else is an end; `wait_for_job` stops on it even when it is not in FINAL_STATES.
-ACTIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
-    "RESIZING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD", "POWER_UP_NODE",
-    "UPDATE_DB",
-})
+ACTIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESIZING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "SPECIAL_EXIT",
+        "RESV_DEL_HOLD",
+        "POWER_UP_NODE",
+        "UPDATE_DB",
+    }
+)
 # The ends Slurm 22.05 knows. PREEMPTED is final when the partition's PreemptMode is CANCEL (with REQUEUE
 # the job shows COMPLETING/REQUEUED and then PENDING instead, and sacct keeps a PREEMPTED record).
-FINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-    "PREEMPTED", "REVOKED",
-})
+FINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "NODE_FAIL",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "PREEMPTED",
+        "REVOKED",
+    }
+)
 # One record per attempt with `sacct --duplicates -X` (sacct 22.05 has no Restarts field).
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Start", "End", "Elapsed")
 _REQUEUED_STATES = frozenset({"REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
@@ -52,7 +87,7 @@ def parse_scontrol_job(text: str) -> dict[str, str]:
     record = re.split(r"\n(?=JobId=)", text.strip())[0]
     keys = list(_SCONTROL_KEY.finditer(record))
     ends = [m.start() for m in keys[1:]] + [len(record)]
-    return {m[1]: record[m.end():end].strip() for m, end in zip(keys, ends)}
+    return {m[1]: record[m.end() : end].strip() for m, end in zip(keys, ends)}
 
 
 def parse_sacct(text: str, fields: tuple[str, ...] = SACCT_FIELDS) -> list[dict[str, str]]:
@@ -75,8 +110,16 @@ def _exit_pair(value: str) -> tuple[int, int]:
 
 def _from_scontrol(job_id: str, fields: dict[str, str]) -> JobState:
     code, sig = _exit_pair(fields.get("ExitCode", "0:0"))
-    return JobState(job_id, fields["JobState"], code, sig, int(fields.get("Restarts") or 0),
-                    fields.get("NodeList", ""), fields.get("Reason", ""), "scontrol")
+    return JobState(
+        job_id,
+        fields["JobState"],
+        code,
+        sig,
+        int(fields.get("Restarts") or 0),
+        fields.get("NodeList", ""),
+        fields.get("Reason", ""),
+        "scontrol",
+    )
 
 
 def _from_sacct(job_id: str, records: list[dict[str, str]]) -> JobState:
@@ -129,14 +172,20 @@ def _end_message(js: JobState, run_dir: Path) -> str:
     """What the user reads when the wait stops on anything but COMPLETED."""
     jid, logs = js.job_id, run_dir / "slurm" / js.job_id
     if js.state == "UNKNOWN":
-        return (f"job {jid}: neither scontrol nor sacct knows it (gone from the controller after MinJobAge and "
-                f"no accounting?); stopped following it; see {logs}")
+        return (
+            f"job {jid}: neither scontrol nor sacct knows it (gone from the controller after MinJobAge and "
+            f"no accounting?); stopped following it; see {logs}"
+        )
     if js.state == "PREEMPTED":
-        return (f"job {jid} ended PREEMPTED and Slurm did not requeue it (partition PreemptMode=CANCEL?); "
-                f"resubmit with run.dir={run_dir} to resume from its last checkpoint")
+        return (
+            f"job {jid} ended PREEMPTED and Slurm did not requeue it (partition PreemptMode=CANCEL?); "
+            f"resubmit with run.dir={run_dir} to resume from its last checkpoint"
+        )
     if js.state not in FINAL_STATES:
-        return (f"job {jid} is in state {js.state}, which meshjob does not know; stopped following it "
-                f"(check `sacct -j {jid} --duplicates`); see {logs}")
+        return (
+            f"job {jid} is in state {js.state}, which meshjob does not know; stopped following it "
+            f"(check `sacct -j {jid} --duplicates`); see {logs}"
+        )
     return f"job {jid} ended {js.state} with exit code {js.exit_code}:{js.signal}; see {logs}"
 
 
@@ -150,8 +199,9 @@ def _relay_metrics(path: Path, seen: int) -> int:
         except json.JSONDecodeError:
             break  # a line being written; read it next time
         seen += 1
-        print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()),
-              flush=True)
+        print(
+            "  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True
+        )
     return seen
 
 

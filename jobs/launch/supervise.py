@@ -41,8 +41,13 @@ from jobs.config import JobConfig
 from jobs.events import EventLog, read_events
 from jobs.failure.policy import claim, read_decision, requeues_used
 from jobs.failure.quarantine import quarantined, requeue_excluding
-from jobs.failure.respond import (AttemptContext, conclude, decide_for_lost_decider, decide_for_silent_attempt,
-                                  open_attempt)
+from jobs.failure.respond import (
+    AttemptContext,
+    conclude,
+    decide_for_lost_decider,
+    decide_for_silent_attempt,
+    open_attempt,
+)
 from jobs.failure.signals import parse_signals
 from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
@@ -78,8 +83,11 @@ def guarded(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     _, status = os.waitpid(pid, 0)
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) != _CRASHED:
         return os.WEXITSTATUS(status)
-    how = (f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
-           else "raised an exception (traceback above)")
+    how = (
+        f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        if os.WIFSIGNALED(status)
+        else "raised an exception (traceback above)"
+    )
     if stopping:  # the job is being cancelled or requeued anyway: the ranks' decider has it
         get_logger().error("the supervisor (pid %d) %s after %s", pid, how, signal.Signals(stopping[0]).name)
         return exitcodes.REQUEUE
@@ -116,24 +124,50 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             return off
         attempt = attempt_name(job_id, restart, n)
         events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
-        ctx = AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size, job_id=job_id,
-                             restart_count=restart, cfg=cfg.failure, events=events, supervised=True,
-                             restart_in_allocation=n, partition=cfg.cluster.partition,
-                             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes)
+        ctx = AttemptContext(
+            run_dir=cfg.run.dir,
+            attempt=attempt,
+            rank=-1,
+            world_size=cfg.world_size,
+            job_id=job_id,
+            restart_count=restart,
+            cfg=cfg.failure,
+            events=events,
+            supervised=True,
+            restart_in_allocation=n,
+            partition=cfg.cluster.partition,
+            nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        )
         placed = _placement(cfg, nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
-        cmd = _srun(cfg, path, [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
-                    step_nodes=placed.get("step_nodes"))
-        code, gone = _run_step(cmd, {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)}, cfg.run.dir, attempt,
-                               no_decision_s=cfg.failure.hang_timeout_s)  # a decider has long published by then
+        cmd = _srun(
+            cfg,
+            path,
+            [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
+            step_nodes=placed.get("step_nodes"),
+        )
+        code, gone = _run_step(
+            cmd,
+            {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
+            cfg.run.dir,
+            attempt,
+            no_decision_s=cfg.failure.hang_timeout_s,
+        )  # a decider has long published by then
         # A claimed attempt without a decision: its decider died deciding; a rank gone and nobody claimed: the
         # ranks' failure path could not write. Either way, decide in their place.
-        d = (read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=code)
-             or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None))
+        d = (
+            read_decision(cfg.run.dir, attempt, wait_s=0)
+            or decide_for_lost_decider(ctx, step_code=code)
+            or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None)
+        )
         if d is None or d["action"] != "restart" or stopping:
             return code if d is None else int(d["exit_code"])
-        get_logger().warning("attempt %s ended by a restart decision: starting the ranks again (restart %d "
-                             "inside job %s)", attempt, n + 1, job_id)
+        get_logger().warning(
+            "attempt %s ended by a restart decision: starting the ranks again (restart %d inside job %s)",
+            attempt,
+            n + 1,
+            job_id,
+        )
         n += 1
 
 
@@ -158,14 +192,17 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     if not bad or cfg.launcher.spare_nodes and len(set(nodes) - set(bad)) >= cfg.launcher.nodes:
         return None
     f, log = cfg.failure, get_logger()
-    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart,
-                      attempt=attempt_name(job_id, restart, n))
+    events = EventLog(
+        Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt_name(job_id, restart, n)
+    )
     used = requeues_used(read_events(events.path), restart_count=restart)
     facts = dict(cause="quarantined_node", requeues_used=used, max_requeues=f.max_requeues, excluded=listed)
     what = f"allocation includes quarantined node(s) {', '.join(bad)} ({cfg.run.dir}/quarantine.json)"
     if used >= f.max_requeues:
-        reason = (f"{what} and the requeue budget is spent: {used} requeues >= failure.max_requeues({f.max_requeues}); "
-                  "check the nodes and remove them from quarantine.json, or exclude them in cluster.exclude")
+        reason = (
+            f"{what} and the requeue budget is spent: {used} requeues >= failure.max_requeues({f.max_requeues}); "
+            "check the nodes and remove them from quarantine.json, or exclude them in cluster.exclude"
+        )
         events.emit("decision", action="stop", reason=reason, exit_code=exitcodes.STOPPED, **facts)
         log.error("%s: stop", reason)
         return exitcodes.STOPPED
@@ -180,12 +217,24 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
 def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: list[str] | None = None) -> list[str]:
     """The ranks' srun step; `step_nodes` (with spares): exactly these nodes of the allocation, the others idle."""
     cl, ln = cfg.cluster, cfg.launcher
-    args = ["srun", "--job-name=meshjob-ranks", "--kill-on-bad-exit=0", "--unbuffered", "--open-mode=append", f"--output={logs[0]}",
-            f"--error={logs[1]}"]
+    args = [
+        "srun",
+        "--job-name=meshjob-ranks",
+        "--kill-on-bad-exit=0",
+        "--unbuffered",
+        "--open-mode=append",
+        f"--output={logs[0]}",
+        f"--error={logs[1]}",
+    ]
     if step_nodes is not None:  # --overlap: the step of a lost node lingers in Slurm 22.05 (RUNNING, its CPUs on
         # the surviving nodes held) after the node left the job; without it the spare's step waits for it forever
-        args += [f"--nodes={ln.nodes}", f"--ntasks={cfg.world_size}", f"--ntasks-per-node={ln.tasks_per_node}",
-                 f"--nodelist={','.join(step_nodes)}", "--overlap"]
+        args += [
+            f"--nodes={ln.nodes}",
+            f"--ntasks={cfg.world_size}",
+            f"--ntasks-per-node={ln.tasks_per_node}",
+            f"--nodelist={','.join(step_nodes)}",
+            "--overlap",
+        ]
     if cl.container_image:
         args.append(f"--container-image={cl.container_image}")
     if cl.container_mounts:
@@ -193,8 +242,9 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: lis
     return [*args, sys.executable, "-u", "-m", "jobs.launch.slurm", "--rank-config", str(config_path)]
 
 
-def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *,
-              no_decision_s: float) -> tuple[int, str | None]:
+def _run_step(
+    cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float
+) -> tuple[int, str | None]:
     """One srun step: its exit code and srun's line about the first rank that ended (None: none did); killed
     `_GRACE_S` after a published decision if still running, or `no_decision_s` after a rank left without any
     decision (see `_RankExits`)."""
@@ -210,8 +260,12 @@ def _run_step(cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
             decided_at = time.monotonic()
         if decided_at is None and exits.first_at is not None and time.monotonic() - exits.first_at > no_decision_s:
-            get_logger().error("attempt %s: %s, and no decision %.0f s later (the failure path could not write?): "
-                               "ending the step", attempt, exits.first, no_decision_s)
+            get_logger().error(
+                "attempt %s: %s, and no decision %.0f s later (the failure path could not write?): ending the step",
+                attempt,
+                exits.first,
+                no_decision_s,
+            )
             decided_at = float("-inf")  # kill now
         if decided_at is not None and time.monotonic() - decided_at > _GRACE_S:
             _kill_steps()
@@ -248,8 +302,9 @@ class _RankExits:
 
 def _numbered_steps() -> list[str]:
     """The running steps of this job but the batch step: the ranks' srun step and any probe step."""
-    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"], capture_output=True, text=True
+    ).stdout
     return [s for s in out.split() if s.split(".")[-1].isdigit()]
 
 
@@ -269,8 +324,9 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
     signals = parse_signals(cfg.failure.requeue_signals)
     steps = _numbered_steps()
-    summary = (f"the supervisor (pid {pid}) {how} while step(s) {steps or 'none'} ran; "
-               + (f"sending {signals[0].name} to the ranks" if steps and signals else "deciding in its place"))
+    summary = f"the supervisor (pid {pid}) {how} while step(s) {steps or 'none'} ran; " + (
+        f"sending {signals[0].name} to the ranks" if steps and signals else "deciding in its place"
+    )
     get_logger().error("attempt %s: %s", attempt, summary)
     events.emit("failure", cls="supervisor_died", summary=summary, suspects=[], reported_by=-1)
     if steps and signals:
@@ -287,19 +343,30 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     if not claim(cfg.run.dir, attempt):
         d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
         return int(d["exit_code"]) if d else exitcodes.REQUEUE
-    ctx = AttemptContext(run_dir=cfg.run.dir, attempt=attempt, rank=-1, world_size=cfg.world_size, job_id=job_id,
-                         restart_count=restart, cfg=cfg.failure, events=events)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=events,
+    )
     return conclude(ctx, cause="supervisor_died", step=None)
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:
     """The newest attempt of this allocation that the ledger knows, and its restart inside the allocation."""
     base = attempt_name(job_id, restart)
-    starts = [e["attempt"] for e in read_events(Path(run_dir) / "events.jsonl", "attempt_start")
-              if e.get("attempt") == base or str(e.get("attempt", "")).startswith(base + ".")]
+    starts = [
+        e["attempt"]
+        for e in read_events(Path(run_dir) / "events.jsonl", "attempt_start")
+        if e.get("attempt") == base or str(e.get("attempt", "")).startswith(base + ".")
+    ]
     if not starts:
         return base, 0
-    return starts[-1], int(starts[-1][len(base) + 1:] or 0)
+    return starts[-1], int(starts[-1][len(base) + 1 :] or 0)
 
 
 def _wait_for_ranks(cfg: JobConfig, attempt: str) -> None:

@@ -56,9 +56,15 @@ def _feasibility(cfg: JobConfig) -> str | None:
 def _resources(cfg: JobConfig) -> tuple:
     """Points that share these can share one array job (an array has one sbatch header)."""
     ln = cfg.launcher
-    return (ln.nodes, ln.spare_nodes, ln.tasks_per_node, ln.signal_delay_s, ln.array_parallelism,
-            cfg.failure.max_requeues,
-            json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True))
+    return (
+        ln.nodes,
+        ln.spare_nodes,
+        ln.tasks_per_node,
+        ln.signal_delay_s,
+        ln.array_parallelism,
+        cfg.failure.max_requeues,
+        json.dumps(dataclasses.asdict(cfg.cluster), sort_keys=True),
+    )
 
 
 def run_dir_swept(job_overrides: Sequence[Sequence[str]]) -> bool:
@@ -111,8 +117,18 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
     arrays = [_submit_array(group, sweep_dir=sweep_dir) for group in groups.values()]
     with open(sweep_dir / "sweep.jsonl", "a") as f:
         for p in points:
-            f.write(json.dumps({"idx": p.idx, "overrides": p.overrides, "job_id": p.job_id,
-                                "run_dir": p.run_dir, "pruned": p.reason}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "idx": p.idx,
+                        "overrides": p.overrides,
+                        "job_id": p.job_id,
+                        "run_dir": p.run_dir,
+                        "pruned": p.reason,
+                    }
+                )
+                + "\n"
+            )
     print(format_sweep_table(points, arrays=arrays, sweep_dir=sweep_dir), flush=True)
     if not live:
         raise ValueError(f"every one of the {len(points)} sweep points was pruned; nothing was submitted")
@@ -125,8 +141,10 @@ def _prune_shared_run_dirs(points: list[SweepPoint]) -> None:
         if p.reason is None and p.cfg is not None:
             d = str(Path(p.cfg.run.dir).resolve())
             if d in first:
-                p.reason = (f"run.dir={d} is point {first[d]}'s run dir too: two points never share a run "
-                            "directory; sweep run.dir over distinct values, or do not sweep it")
+                p.reason = (
+                    f"run.dir={d} is point {first[d]}'s run dir too: two points never share a run "
+                    "directory; sweep run.dir over distinct values, or do not sweep it"
+                )
             first.setdefault(d, p.idx)
 
 
@@ -163,9 +181,11 @@ def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir
         lines_common = f"\ncommon overrides: {' '.join(o for o in points[0].overrides if o in common)}"
     else:
         lines_common = ""
-    head = (f"sweep: {len(points)} points, {len(points) - len(pruned)} submitted as array job"
-            f"{'s' if len(arrays) > 1 else ''} {', '.join(arrays) or '-'}, {len(pruned)} pruned; "
-            f"table in {sweep_dir / 'sweep.jsonl'}{lines_common}")
+    head = (
+        f"sweep: {len(points)} points, {len(points) - len(pruned)} submitted as array job"
+        f"{'s' if len(arrays) > 1 else ''} {', '.join(arrays) or '-'}, {len(pruned)} pruned; "
+        f"table in {sweep_dir / 'sweep.jsonl'}{lines_common}"
+    )
     lines = [head]
     submitted = [p for p in points if p.reason is None]
     if submitted:
@@ -178,8 +198,9 @@ def format_sweep_table(points: list[SweepPoint], *, arrays: list[str], sweep_dir
     return "\n".join(lines)
 
 
-def hydra_point(config: Any, overrides: Sequence[str], *, loader: Any, idx: int,
-                run_dir: Path | None = None) -> SweepPoint:
+def hydra_point(
+    config: Any, overrides: Sequence[str], *, loader: Any, idx: int, run_dir: Path | None = None
+) -> SweepPoint:
     """Composes one sweep point through Hydra's loader (a composition error prunes the point); `run_dir`
     (from `point_run_dirs`) replaces the run.dir it composes to."""
     from omegaconf import open_dict

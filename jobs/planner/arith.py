@@ -12,15 +12,43 @@ all-gathered parameters), fp32 gradient reduction.
 
 from __future__ import annotations
 
-from jobs.planner.comm import CommItem, _cp_items, _ep_items, _fsdp_items, _ring, _tp_items, axis_spans_nodes, comm_per_step
-from jobs.planner.memory import (RankMemory, StageShape, _block_local, _fsdp_working_set, activation_bytes,
-                                 autocast_copy_bytes,
-                                 bubble_fraction, checkpoint_bytes, checkpointed_layer_bytes, checkpointed_layers,
-                                 heuristic_bytes_per_rank, layer_activation_bytes, layers_in_flight, logits_bytes,
-                                 rank_memory, shard_elems, stage_elems)
-from jobs.planner.params import (COMPUTE_BYTES, GRAD_BYTES, HEURISTIC_BYTES_PER_PARAM, OPTIM_BYTES, PARAM_BYTES,
-                                 REDUCE_BYTES, BlockParams, ParamCount, _attention_params, attention_head_dims,
-                                 block_params, count_params, flops_per_token, kv_bytes_per_token)
+from jobs.planner.comm import (
+    CommItem,
+    axis_spans_nodes,
+    comm_per_step,
+)
+from jobs.planner.memory import (
+    RankMemory,
+    StageShape,
+    activation_bytes,
+    autocast_copy_bytes,
+    bubble_fraction,
+    checkpoint_bytes,
+    checkpointed_layer_bytes,
+    checkpointed_layers,
+    heuristic_bytes_per_rank,
+    layer_activation_bytes,
+    layers_in_flight,
+    logits_bytes,
+    rank_memory,
+    shard_elems,
+    stage_elems,
+)
+from jobs.planner.params import (
+    COMPUTE_BYTES,
+    GRAD_BYTES,
+    HEURISTIC_BYTES_PER_PARAM,
+    OPTIM_BYTES,
+    PARAM_BYTES,
+    REDUCE_BYTES,
+    BlockParams,
+    ParamCount,
+    attention_head_dims,
+    block_params,
+    count_params,
+    flops_per_token,
+    kv_bytes_per_token,
+)
 
 __all__ = [
     "BlockParams",

@@ -22,7 +22,7 @@ import socket
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from jobs.config import JobConfig, ModelConfig
@@ -58,8 +58,9 @@ def _timed(fn, *, seconds: float, sync) -> float:
     return statistics.median(times)
 
 
-def _matmul_rate(m: ModelConfig, *, micro_batch: int, seq_len: int, dtype_name: str, device, seconds: float,
-                 sync) -> float:
+def _matmul_rate(
+    m: ModelConfig, *, micro_batch: int, seq_len: int, dtype_name: str, device, seconds: float, sync
+) -> float:
     """Achieved TFLOP/s of the whole model's forward + backward (unsharded), one microbatch."""
     import torch
     import torch.nn.functional as F
@@ -172,8 +173,9 @@ def _fsdp_extra_s(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sy
     def step(model):
         return lambda: F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
 
-    return _paired_together(step(build(False)), step(build(True)), seconds=seconds, sync=sync, device=device,
-                            min_reps=MIN_REPS_SLOW)
+    return _paired_together(
+        step(build(False)), step(build(True)), seconds=seconds, sync=sync, device=device, min_reps=MIN_REPS_SLOW
+    )
 
 
 def _fsdp_unit_host_s(cfg: JobConfig, *, tp: int, extra_s: float, collectives: dict) -> float:
@@ -190,16 +192,30 @@ def _fsdp_unit_host_s(cfg: JobConfig, *, tp: int, extra_s: float, collectives: d
     m, t, n = cfg.model, cfg.train, cfg.launcher.tasks_per_node
     stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
     hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=n)
-    comm = sum(hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=it.group)
-               for it in P.comm_per_step(m, stages, pp=1, dp_replicate=1, fsdp=n // tp, tp=tp, cp=1, ep=1, microbatches=1,
-                                         seq_len=t.seq_len, micro_batch=t.micro_batch, activation_checkpointing="none",
-                                         sequence_parallel=cfg.mesh.sequence_parallel, compute_bytes=compute_bytes(cfg))
-               if it.axis == "dp_shard")
+    comm = sum(
+        hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=it.group)
+        for it in P.comm_per_step(
+            m,
+            stages,
+            pp=1,
+            dp_replicate=1,
+            fsdp=n // tp,
+            tp=tp,
+            cp=1,
+            ep=1,
+            microbatches=1,
+            seq_len=t.seq_len,
+            micro_batch=t.micro_batch,
+            activation_checkpointing="none",
+            sequence_parallel=cfg.mesh.sequence_parallel,
+            compute_bytes=compute_bytes(cfg),
+        )
+        if it.axis == "dp_shard"
+    )
     return max(0.0, extra_s - comm) / (m.n_layers + 1)
 
 
-def _pp_action_seconds(cfg: JobConfig, *, rank: int, pair, device, seconds: float,
-                       sync) -> tuple[float, float] | None:
+def _pp_action_seconds(cfg: JobConfig, *, rank: int, pair, device, seconds: float, sync) -> tuple[float, float] | None:
     """(seconds of one 1F1B step of a two-stage pipeline whose stages are one small linear layer each,
     seconds of one exchange of a microbatch's activation between the two ranks) on this rank's `pair`
     (ranks 0-1, 2-3, ...; None for an odd last rank, which returns None). The exchange is timed right
@@ -219,12 +235,16 @@ def _pp_action_seconds(cfg: JobConfig, *, rank: int, pair, device, seconds: floa
     x = torch.randn(PP_PROBE_MICROBATCHES * t.micro_batch, t.seq_len, m.dim, device=device)
     step = (lambda: sched.step(x)) if me == 0 else (lambda: sched.step(target=x))
     step_s = _timed_together(step, seconds=seconds, sync=sync, device=device, group=pair)
-    buf, out = torch.ones(t.micro_batch, t.seq_len, m.dim, device=device), torch.empty(t.micro_batch, t.seq_len, m.dim, device=device)
+    buf, out = (
+        torch.ones(t.micro_batch, t.seq_len, m.dim, device=device),
+        torch.empty(t.micro_batch, t.seq_len, m.dim, device=device),
+    )
     peer = dist.get_global_rank(pair, 1 - me)
 
     def exchange():
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer, group=pair),
-                                         dist.P2POp(dist.irecv, out, peer, group=pair)]):
+        for w in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, buf, peer, group=pair), dist.P2POp(dist.irecv, out, peer, group=pair)]
+        ):
             w.wait()
 
     return step_s, _timed_together(exchange, seconds=seconds / 2, sync=sync, device=device, group=pair)
@@ -272,9 +292,22 @@ def _tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> floa
     stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
     hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=tp)
     comm = 0.0
-    for it in P.comm_per_step(m, stages, pp=1, dp_replicate=1, fsdp=1, tp=tp, cp=1, ep=1, microbatches=1,
-                              seq_len=t.seq_len, micro_batch=t.micro_batch, activation_checkpointing="none",
-                              sequence_parallel=cfg.mesh.sequence_parallel, compute_bytes=compute_bytes(cfg)):
+    for it in P.comm_per_step(
+        m,
+        stages,
+        pp=1,
+        dp_replicate=1,
+        fsdp=1,
+        tp=tp,
+        cp=1,
+        ep=1,
+        microbatches=1,
+        seq_len=t.seq_len,
+        micro_batch=t.micro_batch,
+        activation_checkpointing="none",
+        sequence_parallel=cfg.mesh.sequence_parallel,
+        compute_bytes=compute_bytes(cfg),
+    ):
         comm += hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=tp)
     _, train, _ = stage_flops(m, stages, tokens=t.micro_batch * t.seq_len, seq_len=t.seq_len, tp=tp, recomputed=[])
     return train / max(seconds - comm, seconds / 4) / 1e12
@@ -343,7 +376,9 @@ def _fit_op(op: str, ranks: list[dict], n: int) -> dict[str, float]:
         key = f"{op}.{g}"
         if key in ranks[0]["collectives"]:
             rows = [r["collectives"][key] for r in ranks if key in r["collectives"]]
-            fits[g] = _fit([(sent_bytes(op, size, g), max(r[i][1] for r in rows)) for i, (size, _) in enumerate(rows[0])])
+            fits[g] = _fit(
+                [(sent_bytes(op, size, g), max(r[i][1] for r in rows)) for i, (size, _) in enumerate(rows[0])]
+            )
     out = {**fits[n], "ranks": float(n), "alpha_hop_s": 0.0}
     if 2 in fits and hops(op, n) > hops(op, 2):
         out["alpha_hop_s"] = round(max(0.0, (fits[n]["alpha_s"] - fits[2]["alpha_s"]) / (hops(op, n) - hops(op, 2))), 9)
@@ -383,15 +418,23 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         if cuda:
             torch.cuda.set_device(device)
         torch.set_num_threads(cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // n))
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=n)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n
+        )
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         secs, t = cfg.calibrate.seconds, cfg.train
         dtype = compute_dtype(t.mixed_precision, gpus_per_node=cfg.cluster.gpus_per_node)
         out: dict = {"rates": {}, "collectives": {}}
         dist.barrier()
-        out["rates"][1] = _matmul_rate(cfg.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
-                                       dtype_name=dtype, device=device, seconds=secs, sync=sync)
+        out["rates"][1] = _matmul_rate(
+            cfg.model,
+            micro_batch=t.micro_batch,
+            seq_len=t.seq_len,
+            dtype_name=dtype,
+            device=device,
+            seconds=secs,
+            sync=sync,
+        )
         pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]  # every rank creates every group
         pair = pairs[rank // 2] if rank // 2 < len(pairs) else None  # None: the odd rank out
         groups = {n: None}
@@ -403,12 +446,14 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
                     continue
                 out["collectives"][f"{op}.{g}"] = [
                     (size, _collective(op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp))
-                    for size in COLLECTIVE_SIZES]
+                    for size in COLLECTIVE_SIZES
+                ]
         out["optimizer_ns"] = _optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
         out["fsdp_extra_s"] = {tp: _fsdp_extra_s(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync) for tp in tps}
         out["pp_step_s"] = _pp_action_seconds(cfg, rank=rank, pair=pair, device=device, seconds=secs / 2, sync=sync)
-        out["tp_seconds"] = {tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync)
-                             for tp in tps if tp > 1}
+        out["tp_seconds"] = {
+            tp: _tp_seconds(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync) for tp in tps if tp > 1
+        }
         q.put((rank, out))
     except BaseException as e:  # reported to the parent, which fails the calibration
         q.put((rank, f"{type(e).__name__}: {e}"))
@@ -473,7 +518,9 @@ def _silent_exit(code: int | None) -> str:
     if code is None:
         return "no report within the calibration's 600 s (killed)"
     if code < 0:
-        return f"exited by {signal.Signals(-code).name} without a report (a fault prints its traceback on the rank stderr)"
+        return (
+            f"exited by {signal.Signals(-code).name} without a report (a fault prints its traceback on the rank stderr)"
+        )
     return f"exited with code {code} without a report"
 
 
@@ -520,19 +567,31 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
         rates[tp] = _tp_rate(cfg, tp, statistics.median(r["tp_seconds"][tp] for r in ranks), collectives)
     fs_bw, fsync = _fs(cfg.cluster.run_root, cfg.calibrate.seconds)
     pp = [r["pp_step_s"] for r in ranks if r["pp_step_s"] is not None]  # one rank alone has no pipeline probe
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    when = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     matmul = {dtype: round(rates[1], 6), **{f"{dtype}.tp{tp}": round(v, 6) for tp, v in rates.items() if tp > 1}}
     return {
         "calibrated": f"{when} `{command}` ({n} ranks busy on {os.cpu_count()} cores, model {cfg.model.name}, "
-                      f"micro_batch {cfg.train.micro_batch} x seq_len {cfg.train.seq_len})",
+        f"micro_batch {cfg.train.micro_batch} x seq_len {cfg.train.seq_len})",
         "matmul_tflops": matmul,
         "collectives": collectives,
         "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
-        "fsdp_unit_host_s": {f"tp{tp}": round(_fsdp_unit_host_s(cfg, tp=tp, collectives=collectives, extra_s=statistics.median(
-                                 r["fsdp_extra_s"][tp] for r in ranks)), 7) for tp in ranks[0]["fsdp_extra_s"]},
-        "pp_action_host_s": round(_pp_action_host_s(cfg, statistics.median(p[0] for p in pp),
-                                                    statistics.median(p[1] for p in pp), rate_tflops=rates[1]), 7)
-                            if pp else 0.0,
+        "fsdp_unit_host_s": {
+            f"tp{tp}": round(
+                _fsdp_unit_host_s(
+                    cfg, tp=tp, collectives=collectives, extra_s=statistics.median(r["fsdp_extra_s"][tp] for r in ranks)
+                ),
+                7,
+            )
+            for tp in ranks[0]["fsdp_extra_s"]
+        },
+        "pp_action_host_s": round(
+            _pp_action_host_s(
+                cfg, statistics.median(p[0] for p in pp), statistics.median(p[1] for p in pp), rate_tflops=rates[1]
+            ),
+            7,
+        )
+        if pp
+        else 0.0,
         "host_copy_GBps": round(_host_copy_GBps(cfg.calibrate.seconds), 3),
         "fs_write_GBps": round(fs_bw, 3),
         "fs_fsync_s": round(fsync, 6),
@@ -553,7 +612,9 @@ def write_profile(cfg: JobConfig, figures: dict, out: Path, *, conf_dir: Path) -
     if out.parent.resolve() == (conf_dir / "cluster").resolve():
         data["name"] = out.stem
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + "# Measured by python -m jobs.calibrate: calibrated, matmul_tflops, collectives, host_copy_GBps,\n"
-                   "# fs_write_GBps, fs_fsync_s (see `calibrated` for when and how).\n"
-                   + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    out.write_text(
+        header + "# Measured by python -m jobs.calibrate: calibrated, matmul_tflops, collectives, host_copy_GBps,\n"
+        "# fs_write_GBps, fs_fsync_s (see `calibrated` for when and how).\n"
+        + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    )
     return out

@@ -68,29 +68,76 @@ def comm_per_step(
     act = compute_bytes * (seq_len // cp) * micro_batch * m.dim  # one microbatch's hidden states on a tp group
     dt = _dtype_name(compute_bytes)
     recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
-    items = _fsdp_items(m, stages, pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp, ep=ep, microbatches=microbatches,
-                        compute_bytes=compute_bytes)
+    items = _fsdp_items(
+        m,
+        stages,
+        pp=pp,
+        dp_replicate=dp_replicate,
+        fsdp=fsdp,
+        tp=tp,
+        ep=ep,
+        microbatches=microbatches,
+        compute_bytes=compute_bytes,
+    )
     if tp > 1:
         ends = int(any(st.first for st in stages)) + int(any(st.last for st in stages))
         moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
         moe_rec = sum(1 for i in recomputed if i in moe)
-        items += _tp_items(blocks=len(blocks), recomputed=len(recomputed), microbatches=microbatches, ends=ends,
-                           act=act, tp=tp, sequence_parallel=sequence_parallel, dt=dt, moe_blocks=len(moe),
-                           moe_recomputed=moe_rec)
+        items += _tp_items(
+            blocks=len(blocks),
+            recomputed=len(recomputed),
+            microbatches=microbatches,
+            ends=ends,
+            act=act,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            dt=dt,
+            moe_blocks=len(moe),
+            moe_recomputed=moe_rec,
+        )
         if moe:
-            items += _moe_tp_items(blocks=len(moe), recomputed=moe_rec, microbatches=microbatches, act=act, tp=tp,
-                                   top_k=m.experts_per_token, shared=m.n_shared_experts * m.moe_ffn_dim > 0,
-                                   sequence_parallel=sequence_parallel, dt=dt)
+            items += _moe_tp_items(
+                blocks=len(moe),
+                recomputed=moe_rec,
+                microbatches=microbatches,
+                act=act,
+                tp=tp,
+                top_k=m.experts_per_token,
+                shared=m.n_shared_experts * m.moe_ffn_dim > 0,
+                sequence_parallel=sequence_parallel,
+                dt=dt,
+            )
     if pp > 1:
-        items.append(_pp_item(stages, pp=pp, microbatches=microbatches,
-                              per=act // tp if sequence_parallel and tp > 1 else act, dt=dt))
+        items.append(
+            _pp_item(
+                stages, pp=pp, microbatches=microbatches, per=act // tp if sequence_parallel and tp > 1 else act, dt=dt
+            )
+        )
     if cp > 1:
-        items += _cp_items(m, blocks=len(blocks), recomputed=len(recomputed), microbatches=microbatches,
-                           s=seq_len // cp, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+        items += _cp_items(
+            m,
+            blocks=len(blocks),
+            recomputed=len(recomputed),
+            microbatches=microbatches,
+            s=seq_len // cp,
+            micro_batch=micro_batch,
+            tp=tp,
+            cp=cp,
+            compute_bytes=compute_bytes,
+        )
     if ep > 1:
-        items += _moe_items(m, blocks, recomputed=recomputed, microbatches=microbatches, s=seq_len // cp,
-                            micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
-                            compute_bytes=compute_bytes)
+        items += _moe_items(
+            m,
+            blocks,
+            recomputed=recomputed,
+            microbatches=microbatches,
+            s=seq_len // cp,
+            micro_batch=micro_batch,
+            tp=tp,
+            ep=ep,
+            nvlink_domain=nvlink_domain,
+            compute_bytes=compute_bytes,
+        )
     return items
 
 
@@ -101,8 +148,19 @@ def _pp_item(stages: list[StageShape], *, pp: int, microbatches: int, per: int, 
     return CommItem("send_recv", "pp", f"{dt} activations fwd + grads bwd", sends, sends * per, pp)
 
 
-def _moe_items(m: ModelConfig, blocks: list[int], *, recomputed: list[int], microbatches: int, s: int,
-               micro_batch: int, tp: int, ep: int, nvlink_domain: int, compute_bytes: int) -> list[CommItem]:
+def _moe_items(
+    m: ModelConfig,
+    blocks: list[int],
+    *,
+    recomputed: list[int],
+    microbatches: int,
+    s: int,
+    micro_batch: int,
+    tp: int,
+    ep: int,
+    nvlink_domain: int,
+    compute_bytes: int,
+) -> list[CommItem]:
     """Expert parallel's dispatch and combine all-to-all per MoE block per microbatch, per forward and backward
     (and per recomputed forward), node-limited when `model.moe_max_nodes` is set (`_ep_items`; `nvlink_domain`:
     GPUs per node, 0 = unknown: every copy on the ep axis)."""
@@ -110,16 +168,27 @@ def _moe_items(m: ModelConfig, blocks: list[int], *, recomputed: list[int], micr
     if not moe:
         return []
     n = 2 * microbatches * (2 * len(moe) + sum(1 for i in recomputed if i in moe))  # dispatch + combine
-    return _ep_items(m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain,
-                     compute_bytes=compute_bytes)
+    return _ep_items(
+        m, n=n, s=s, micro_batch=micro_batch, tp=tp, ep=ep, nvlink_domain=nvlink_domain, compute_bytes=compute_bytes
+    )
 
 
 def _dtype_name(compute_bytes: int) -> str:
     return {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
 
 
-def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replicate: int, fsdp: int, tp: int, ep: int,
-                microbatches: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+def _fsdp_items(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    pp: int,
+    dp_replicate: int,
+    fsdp: int,
+    tp: int,
+    ep: int,
+    microbatches: int,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> list[CommItem]:
     """FSDP's parameter all-gathers and gradient reduce-scatters (dense over dp_shard·cp, experts over
     their own dp degree), and HSDP's all-reduce of the shard over dp_replicate.
 
@@ -139,28 +208,82 @@ def _fsdp_items(m: ModelConfig, stages: list[StageShape], *, pp: int, dp_replica
     if pp > 1:
         ag_count, ag_elems = len(blocks) + roots, dense
     else:
-        ag_count, ag_elems = microbatches * (2 * len(blocks) + roots), microbatches * (2 * (dense - root_elems) + root_elems)
+        ag_count, ag_elems = (
+            microbatches * (2 * len(blocks) + roots),
+            microbatches * (2 * (dense - root_elems) + root_elems),
+        )
     if fsdp > 1 and dense:
-        items.append(CommItem("all_gather", "dp_shard", f"{_dtype_name(compute_bytes)} parameters", ag_count,
-                              int(_ring(fsdp) * compute_bytes * ag_elems), fsdp))
-        items.append(CommItem("reduce_scatter", "dp_shard", "fp32 gradients", len(blocks) + roots,
-                              int(_ring(fsdp) * REDUCE_BYTES * dense), fsdp))
+        items.append(
+            CommItem(
+                "all_gather",
+                "dp_shard",
+                f"{_dtype_name(compute_bytes)} parameters",
+                ag_count,
+                int(_ring(fsdp) * compute_bytes * ag_elems),
+                fsdp,
+            )
+        )
+        items.append(
+            CommItem(
+                "reduce_scatter",
+                "dp_shard",
+                "fp32 gradients",
+                len(blocks) + roots,
+                int(_ring(fsdp) * REDUCE_BYTES * dense),
+                fsdp,
+            )
+        )
     edp = fsdp // max(ep, 1)  # the experts' own data-parallel degree
     if edp > 1 and experts:
         gathers = 1 if pp > 1 else 2 * microbatches
-        items.append(CommItem("all_gather", "dp_shard/ep", f"{_dtype_name(compute_bytes)} expert parameters",
-                              gathers * moe_blocks, int(gathers * _ring(edp) * compute_bytes * experts), edp))
-        items.append(CommItem("reduce_scatter", "dp_shard/ep", "fp32 expert gradients", moe_blocks,
-                              int(_ring(edp) * REDUCE_BYTES * experts), edp))
+        items.append(
+            CommItem(
+                "all_gather",
+                "dp_shard/ep",
+                f"{_dtype_name(compute_bytes)} expert parameters",
+                gathers * moe_blocks,
+                int(gathers * _ring(edp) * compute_bytes * experts),
+                edp,
+            )
+        )
+        items.append(
+            CommItem(
+                "reduce_scatter",
+                "dp_shard/ep",
+                "fp32 expert gradients",
+                moe_blocks,
+                int(_ring(edp) * REDUCE_BYTES * experts),
+                edp,
+            )
+        )
     if dp_replicate > 1:
         shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
-        items.append(CommItem("all_reduce", "dp_replicate", "fp32 gradient shards", len(blocks) + roots,
-                              int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard), dp_replicate))
+        items.append(
+            CommItem(
+                "all_reduce",
+                "dp_replicate",
+                "fp32 gradient shards",
+                len(blocks) + roots,
+                int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard),
+                dp_replicate,
+            )
+        )
     return items
 
 
-def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act: int, tp: int,
-              sequence_parallel: bool, dt: str = "bf16", moe_blocks: int = 0, moe_recomputed: int = 0) -> list[CommItem]:
+def _tp_items(
+    *,
+    blocks: int,
+    recomputed: int,
+    microbatches: int,
+    ends: int,
+    act: int,
+    tp: int,
+    sequence_parallel: bool,
+    dt: str = "bf16",
+    moe_blocks: int = 0,
+    moe_recomputed: int = 0,
+) -> list[CommItem]:
     """Tensor parallel's activation collectives (notes §3): with SP, per block and microbatch 2 all-gathers +
     2 reduce-scatters forward (again when recomputing) and the mirror image backward, plus one of each for the
     embedding and for the head (`ends`: how many of the two the rank holds); without SP, 2 all-reduces forward
@@ -171,14 +294,26 @@ def _tp_items(*, blocks: int, recomputed: int, microbatches: int, ends: int, act
     if sequence_parallel:
         n = 4 * mb * dense + 2 * mb * dense_rec + 2 * mb * moe_blocks + mb * moe_recomputed + ends * mb
         b = int(n * _ring(tp) * act)
-        return [CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
-                CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp)]
+        return [
+            CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
+            CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp),
+        ]
     n = 7 * mb * dense + 2 * mb * dense_rec + 4 * mb * moe_blocks + mb * moe_recomputed + ends * mb
     return [CommItem("all_reduce", "tp", f"{dt} activations", n, int(n * 2 * _ring(tp) * act), tp)]
 
 
-def _moe_tp_items(*, blocks: int, recomputed: int, microbatches: int, act: int, tp: int, top_k: int, shared: bool,
-                  sequence_parallel: bool, dt: str) -> list[CommItem]:
+def _moe_tp_items(
+    *,
+    blocks: int,
+    recomputed: int,
+    microbatches: int,
+    act: int,
+    tp: int,
+    top_k: int,
+    shared: bool,
+    sequence_parallel: bool,
+    dt: str,
+) -> list[CommItem]:
     """The FFN half of `blocks` MoE blocks under tp (etp = tp), as parallel/tp.py builds it (`_moe_plan`,
     `_shard_routed_experts`) and tests/multiproc/test_moe_ep.py counts it, per block and microbatch: forward the
     routed rows' partial outputs all-reduced before the gates (top_k x `act`: one row per token and chosen
@@ -188,35 +323,72 @@ def _moe_tp_items(*, blocks: int, recomputed: int, microbatches: int, act: int, 
     on every tp rank. A recomputed block repeats its forward."""
     fwd = microbatches * (blocks + recomputed)  # forward passes (recomputed ones again)
     calls = fwd + microbatches * blocks  # + backward
-    items = [CommItem("all_reduce", "tp", f"{dt} MoE routed rows ({top_k} per token)", calls,
-                      int(calls * 2 * _ring(tp) * top_k * act), tp)]
+    items = [
+        CommItem(
+            "all_reduce",
+            "tp",
+            f"{dt} MoE routed rows ({top_k} per token)",
+            calls,
+            int(calls * 2 * _ring(tp) * top_k * act),
+            tp,
+        )
+    ]
     if shared:
-        items.append(CommItem("all_reduce", "tp", f"{dt} MoE shared experts' activations", calls,
-                              int(calls * 2 * _ring(tp) * act), tp))
+        items.append(
+            CommItem(
+                "all_reduce", "tp", f"{dt} MoE shared experts' activations", calls, int(calls * 2 * _ring(tp) * act), tp
+            )
+        )
     if sequence_parallel:
-        items.append(CommItem("all_gather", "tp", f"{dt} MoE block input / output grad (SP)", calls,
-                              int(calls * _ring(tp) * act), tp))
+        items.append(
+            CommItem(
+                "all_gather", "tp", f"{dt} MoE block input / output grad (SP)", calls, int(calls * _ring(tp) * act), tp
+            )
+        )
     return items
 
 
-def _cp_items(m: ModelConfig, *, blocks: int, recomputed: int, microbatches: int, s: int, micro_batch: int,
-              tp: int, cp: int, compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+def _cp_items(
+    m: ModelConfig,
+    *,
+    blocks: int,
+    recomputed: int,
+    microbatches: int,
+    s: int,
+    micro_batch: int,
+    tp: int,
+    cp: int,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> list[CommItem]:
     """Context parallel as Llama 3 runs it ("The Llama 3 Herd of Models", arXiv 2407.21783, §3.3.2):
     "we first all-gather the key (K) and value (V) tensors, and then compute attention output for the
     local query (Q) tensor chunk" (the sequence split into 2·cp load-balanced chunks), not ring
     attention's cp-1 point-to-point exchanges. Per block and microbatch: one K/V all-gather forward
     (again when the block is recomputed) and the reduce-scatter of dK/dV backward, each moving
     (cp-1)/cp of the full sequence's K/V per rank."""
-    kv_local = kv_bytes_per_token(m, tp=tp, compute_bytes=compute_bytes) * s * micro_batch  # this rank's 1/cp of the sequence
+    kv_local = (
+        kv_bytes_per_token(m, tp=tp, compute_bytes=compute_bytes) * s * micro_batch
+    )  # this rank's 1/cp of the sequence
     dt = _dtype_name(compute_bytes)
     ag = microbatches * (blocks + recomputed)
     rs = microbatches * blocks
-    return [CommItem("all_gather", "cp", f"{dt} K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
-            CommItem("reduce_scatter", "cp", f"{dt} dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp)]
+    return [
+        CommItem("all_gather", "cp", f"{dt} K/V (all-gather CP)", ag, ag * (cp - 1) * kv_local, cp),
+        CommItem("reduce_scatter", "cp", f"{dt} dK/dV (all-gather CP)", rs, rs * (cp - 1) * kv_local, cp),
+    ]
 
 
-def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: int, nvlink_domain: int,
-              compute_bytes: int = COMPUTE_BYTES) -> list[CommItem]:
+def _ep_items(
+    m: ModelConfig,
+    *,
+    n: int,
+    s: int,
+    micro_batch: int,
+    tp: int,
+    ep: int,
+    nvlink_domain: int,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> list[CommItem]:
     """The MoE all-to-alls of `n` dispatch/combine calls. Without node-limited routing each of a
     token's k routed copies goes straight to its expert's rank: k·(ep-1)/ep copies per token on the ep
     axis. With `model.moe_max_nodes` = M (DeepSeek-V3: 4; "DeepSeek-V3 Technical Report", arXiv
@@ -232,13 +404,33 @@ def _ep_items(m: ModelConfig, *, n: int, s: int, micro_batch: int, tp: int, ep: 
     g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
     nodes = ep // g if ep % g == 0 else -(-ep // g)
     if m.moe_max_nodes <= 0 or nvlink_domain <= 0 or nodes <= 1:
-        return [CommItem("all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep)]
+        return [
+            CommItem(
+                "all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep
+            )
+        ]
     across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
-    items = [CommItem("all_to_all", "ep", f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)", n,
-                      int(n * across * token), ep)]
+    items = [
+        CommItem(
+            "all_to_all",
+            "ep",
+            f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)",
+            n,
+            int(n * across * token),
+            ep,
+        )
+    ]
     if g > 1:  # one ep rank per node (g = 1) forwards nothing inside it
-        items.append(CommItem("all_to_all", "ep_intra", f"{dt} routed tokens forwarded to experts in the node", n,
-                              int(n * k * _ring(g) * token), g))
+        items.append(
+            CommItem(
+                "all_to_all",
+                "ep_intra",
+                f"{dt} routed tokens forwarded to experts in the node",
+                n,
+                int(n * k * _ring(g) * token),
+                g,
+            )
+        )
     return items
 
 

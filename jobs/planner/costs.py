@@ -45,8 +45,11 @@ def ledger_costs(run_dir: str | Path) -> tuple[Cost | None, Cost | None]:
     events = read_events(path)
     if not events:
         return None, None
-    saves = [float(e["blocking_s"]) for e in events if e.get("kind") == "checkpoint_saved" and "blocking_s" in e
-             and e.get("tier", "filesystem") == "filesystem"]  # the RAM tier's saves cost another interval's
+    saves = [
+        float(e["blocking_s"])
+        for e in events
+        if e.get("kind") == "checkpoint_saved" and "blocking_s" in e and e.get("tier", "filesystem") == "filesystem"
+    ]  # the RAM tier's saves cost another interval's
     save = Cost(statistics.median(saves), f"median blocking_s of {len(saves)} saves in {path}") if saves else None
     g = measure_goodput(events, _metrics(Path(run_dir)), now=max(e["time"] for e in events))
     if g.mttr_s is not None:
@@ -54,13 +57,24 @@ def ledger_costs(run_dir: str | Path) -> tuple[Cost | None, Cost | None]:
     starts = {e["attempt"]: e["time"] for e in events if e.get("kind") == "attempt_start"}
     firsts = {e["attempt"]: e["time"] for e in events if e.get("kind") == "first_step" and e["attempt"] in starts}
     ups = [firsts[a] - starts[a] for a in firsts]
-    restart = Cost(statistics.median(ups), f"median start-up (attempt_start to first_step) of {len(ups)} attempts "
-                                           f"in {path}") if ups else None
+    restart = (
+        Cost(statistics.median(ups), f"median start-up (attempt_start to first_step) of {len(ups)} attempts in {path}")
+        if ups
+        else None
+    )
     return save, restart
 
 
-def save_cost(*, ledger: Cost | None, override: float | None, async_mode: str, write_s: float, stage_s: float,
-              fsync_s: float, profile: str) -> Cost:
+def save_cost(
+    *,
+    ledger: Cost | None,
+    override: float | None,
+    async_mode: str,
+    write_s: float,
+    stage_s: float,
+    fsync_s: float,
+    profile: str,
+) -> Cost:
     """Blocking seconds of one save: the ledger's, else moving the bytes (the whole write when
     synchronous, the staging copy when async) plus one commit (`cluster.fs_fsync_s`), plus
     `plan.save_fixed_s` when the user sets one."""
@@ -72,9 +86,12 @@ def save_cost(*, ledger: Cost | None, override: float | None, async_mode: str, w
     if override is not None:
         return Cost(moved + override, f"{what} ({profile}) + plan.save_fixed_s={override:g} (user assumption)")
     if fsync_s <= 0:
-        return Cost(moved, f"{what} ({profile}) only: cluster.fs_fsync_s not measured and no ledger, so the save's "
-                           "fixed costs (DCP planning, commit) are not counted: a lower bound (set plan.save_fixed_s)",
-                    known=False)
+        return Cost(
+            moved,
+            f"{what} ({profile}) only: cluster.fs_fsync_s not measured and no ledger, so the save's "
+            "fixed costs (DCP planning, commit) are not counted: a lower bound (set plan.save_fixed_s)",
+            known=False,
+        )
     return Cost(moved + fsync_s, src)
 
 
@@ -83,9 +100,15 @@ def restart_cost(*, ledger: Cost | None, override: float | None, load_s: float, 
     filesystem bandwidth plus `plan.restart_overhead_s` (requeue, start, rendezvous) when the user
     sets one; without either, the load alone, and the source says the rest is unknown."""
     if override is not None:
-        return Cost(load_s + override, f"load at cluster.fs_write_GBps ({profile}) + plan.restart_overhead_s="
-                                       f"{override:g} (user assumption)")
+        return Cost(
+            load_s + override,
+            f"load at cluster.fs_write_GBps ({profile}) + plan.restart_overhead_s={override:g} (user assumption)",
+        )
     if ledger is not None:
         return ledger
-    return Cost(load_s, f"unknown: the load at cluster.fs_write_GBps ({profile}) only; no ledger in run.dir and no "
-                        "plan.restart_overhead_s, so requeue/start/rendezvous time is not counted", known=False)
+    return Cost(
+        load_s,
+        f"unknown: the load at cluster.fs_write_GBps ({profile}) only; no ledger in run.dir and no "
+        "plan.restart_overhead_s, so requeue/start/rendezvous time is not counted",
+        known=False,
+    )

@@ -60,24 +60,33 @@ def validate_for_planning(cfg: JobConfig):
     from parallel.dims import ParallelDims, fold_moe_mesh
 
     world = cfg.world_size
-    dp_shard = ParallelDims.from_config(mesh, world_size=world, world_size_expr=cfg.world_size_expr,
-                                        training=False).dp_shard
+    dp_shard = ParallelDims.from_config(
+        mesh, world_size=world, world_size_expr=cfg.world_size_expr, training=False
+    ).dp_shard
     if mesh.cp > 1:
         error = cp_shape_error(seq_len=t.seq_len, cp=mesh.cp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel)
         if error:
             raise ValueError(error)
-        notes.append(f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
-                     "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
-                     "sized over dp_shard*cp, as torchtitan")
+        notes.append(
+            f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
+            "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
+            "sized over dp_shard*cp, as torchtitan"
+        )
     if mesh.ep > 1:
         if m.n_routed_experts <= 0:
-            raise ValueError(f"mesh.ep({mesh.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense model has no experts to shard")
+            raise ValueError(
+                f"mesh.ep({mesh.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense model has no experts to shard"
+            )
         if m.n_routed_experts % mesh.ep:
-            raise ValueError(f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts")
+            raise ValueError(
+                f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts"
+            )
         fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
         why = _refused_by_training(cfg)
-        notes.append(f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if not why else 'refused: ' + why} "
-                     "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)")
+        notes.append(
+            f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if not why else 'refused: ' + why} "
+            "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)"
+        )
     view = copy.deepcopy(cfg)
     view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
     view.launcher.nodes, view.launcher.tasks_per_node = 1, world // mesh.cp
@@ -121,9 +130,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     measured: list[dict] = field(default_factory=list)
     seconds: float = 0.0
-    axes: list[dict] = field(default_factory=list)  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
-    meshes: str = ""  # the attention layers' mesh and the MoE layers' folded over the same ranks (ParallelDims.describe_meshes)
-    tiers: dict = field(default_factory=dict)  # the checkpoint tiers side by side and their combined goodput (jobs/planner/tiers.py)
+    axes: list[dict] = field(
+        default_factory=list
+    )  # per mesh axis > 1: the link it runs on, our rank order and Llama 3's
+    meshes: str = (
+        ""  # the attention layers' mesh and the MoE layers' folded over the same ranks (ParallelDims.describe_meshes)
+    )
+    tiers: dict = field(
+        default_factory=dict
+    )  # the checkpoint tiers side by side and their combined goodput (jobs/planner/tiers.py)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -165,11 +180,24 @@ class _Draft:
 def _shapes(x: _Draft) -> None:
     """Mesh shape, parameter count, the stages each pp rank holds and one pp rank per role."""
     dims, t = x.d.dims, x.cfg.train
-    x.shape = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-               "tp": dims.tp, "ep": dims.ep}
-    x.common = dict(tp=dims.tp, pp=dims.pp, microbatches=x.d.microbatches, seq_len=t.seq_len,
-                    micro_batch=t.micro_batch, cp=dims.cp, ep=dims.ep,
-                    sequence_parallel=x.cfg.mesh.sequence_parallel and dims.tp > 1)
+    x.shape = {
+        "pp": dims.pp,
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "ep": dims.ep,
+    }
+    x.common = dict(
+        tp=dims.tp,
+        pp=dims.pp,
+        microbatches=x.d.microbatches,
+        seq_len=t.seq_len,
+        micro_batch=t.micro_batch,
+        cp=dims.cp,
+        ep=dims.ep,
+        sequence_parallel=x.cfg.mesh.sequence_parallel and dims.tp > 1,
+    )
     x.pcount = P.count_params(x.cfg.model)
     x.shapes = M.stage_shapes(x.cfg, x.d)
     x.roles = M.roles(x.shapes)
@@ -184,12 +212,21 @@ def _fake_backend(x: _Draft, measure: bool | None) -> None:
     try:
         x.measured, mnotes, secs = M.measure(x.cfg, x.d, x.roles, x.shapes)
         x.notes += mnotes
-        x.notes.append(f"fake backend: real parallelize() on {len(x.measured)} sampled ranks of "
-                       f"{x.d.dims.world_size} in {secs:.1f} s")
-        x.checks.append(Check("parallelize", True, f"the real recipe sharded {len(x.measured)} sampled ranks at "
-                                                   f"world size {x.d.dims.world_size}"))
+        x.notes.append(
+            f"fake backend: real parallelize() on {len(x.measured)} sampled ranks of "
+            f"{x.d.dims.world_size} in {secs:.1f} s"
+        )
+        x.checks.append(
+            Check(
+                "parallelize",
+                True,
+                f"the real recipe sharded {len(x.measured)} sampled ranks at world size {x.d.dims.world_size}",
+            )
+        )
     except Exception as e:  # the recipe itself failing at this scale is the finding
-        x.checks.append(Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}"))
+        x.checks.append(
+            Check("parallelize", False, f"parallelize() failed on the fake backend: {type(e).__name__}: {e}")
+        )
 
 
 def _memory(x: _Draft) -> None:
@@ -201,11 +238,19 @@ def _memory(x: _Draft) -> None:
     best = None
     for pp_rank, role in x.roles.items():
         mem = P.rank_memory(
-            cfg.model, x.shapes[pp_rank], fsdp=x.fsdp, stages_per_rank=x.d.stages_per_rank,
-            schedule=cfg.mesh.pp_schedule, loss_parallel=cfg.mesh.loss_parallel,
-            activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every, pp_rank=pp_rank,
-            params_elems=measured_max.get(pp_rank), autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2,
-            compute_bytes=H.compute_bytes(x.cfg), **x.common,
+            cfg.model,
+            x.shapes[pp_rank],
+            fsdp=x.fsdp,
+            stages_per_rank=x.d.stages_per_rank,
+            schedule=cfg.mesh.pp_schedule,
+            loss_parallel=cfg.mesh.loss_parallel,
+            activation_checkpointing=t.activation_checkpointing,
+            ac_every=t.ac_every,
+            pp_rank=pp_rank,
+            params_elems=measured_max.get(pp_rank),
+            autocast=x.d.dims.dp == 1 and H.compute_bytes(x.cfg) == 2,
+            compute_bytes=H.compute_bytes(x.cfg),
+            **x.common,
         )
         x.role_rows.append({"role": role, "pp_rank": pp_rank, "measured": pp_rank in measured_max, **mem.as_dict()})
         if best is None or mem.peak_bytes > best[1].peak_bytes:
@@ -221,9 +266,17 @@ def _comm(x: _Draft) -> None:
 def _role_comm(x: _Draft, pp_rank: int) -> list[dict]:
     dims, t = x.d.dims, x.cfg.train
     rows = []
-    for it in P.comm_per_step(x.cfg.model, x.shapes[pp_rank], dp_replicate=dims.dp_replicate, fsdp=x.fsdp,
-                              activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
-                              nvlink_domain=x.cfg.cluster.nvlink_domain, compute_bytes=H.compute_bytes(x.cfg), **x.common):
+    for it in P.comm_per_step(
+        x.cfg.model,
+        x.shapes[pp_rank],
+        dp_replicate=dims.dp_replicate,
+        fsdp=x.fsdp,
+        activation_checkpointing=t.activation_checkpointing,
+        ac_every=t.ac_every,
+        nvlink_domain=x.cfg.cluster.nvlink_domain,
+        compute_bytes=H.compute_bytes(x.cfg),
+        **x.common,
+    ):
         row = it.as_dict()
         if it.axis == "dp_shard" and dims.cp > 1:
             row["axis"] = "dp_shard*cp"
@@ -249,26 +302,46 @@ def _topology(x: _Draft) -> None:
 def _step_time(x: _Draft) -> None:
     """The predicted step (jobs.planner.steptime) of every pp role; the slowest one sets the step."""
     cfg, d, m, cl, t = x.cfg, x.d, x.cfg.model, x.cfg.cluster, x.cfg.train
-    x.bubble = P.bubble_fraction(pp=d.dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank,
-                                 schedule=cfg.mesh.pp_schedule)
+    x.bubble = P.bubble_fraction(
+        pp=d.dims.pp, microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule
+    )
     fpt = P.flops_per_token(m, seq_len=t.seq_len)
     model_flops_rank = fpt * d.tokens_per_step / d.dims.world_size
     x.step = {"model_tflop_per_rank": model_flops_rank / 1e12, "flops_per_token": fpt}
-    hw = H.hardware(cl, dtype=H.compute_dtype(t.mixed_precision, gpus_per_node=cl.gpus_per_node),
-                    tasks_per_node=cfg.launcher.tasks_per_node, tp=d.dims.tp)
+    hw = H.hardware(
+        cl,
+        dtype=H.compute_dtype(t.mixed_precision, gpus_per_node=cl.gpus_per_node),
+        tasks_per_node=cfg.launcher.tasks_per_node,
+        tp=d.dims.tp,
+    )
     if hw is None:
-        x.notes.append(f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
-                       "nor cited GPU peaks")
+        x.notes.append(
+            f"no step time: cluster={cl.name} has neither calibrated figures (python -m jobs.calibrate) "
+            "nor cited GPU peaks"
+        )
         return
     per_role = []
     for pp_rank, role in x.roles.items():
         layers = [i for st in x.shapes[pp_rank] for i in st.layers]
-        per_role.append(S.predict_rank(
-            m, x.shapes[pp_rank], _role_comm(x, pp_rank), hw, role=role, shape=x.shape, microbatches=d.microbatches,
-            micro_batch=t.micro_batch, seq_len=t.seq_len, bubble=x.bubble, world=d.dims.world_size,
-            recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
-            params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
-            sequence_parallel=x.common["sequence_parallel"], compute_bytes=H.compute_bytes(cfg)))
+        per_role.append(
+            S.predict_rank(
+                m,
+                x.shapes[pp_rank],
+                _role_comm(x, pp_rank),
+                hw,
+                role=role,
+                shape=x.shape,
+                microbatches=d.microbatches,
+                micro_batch=t.micro_batch,
+                seq_len=t.seq_len,
+                bubble=x.bubble,
+                world=d.dims.world_size,
+                recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
+                params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
+                sequence_parallel=x.common["sequence_parallel"],
+                compute_bytes=H.compute_bytes(cfg),
+            )
+        )
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
@@ -278,11 +351,21 @@ def _step_time(x: _Draft) -> None:
     parts = slow.parts
     x.step.update(parts)
     x.step.update(
-        step_s=slow.step_s, slowest_role=slow.role, tokens_per_s=d.tokens_per_step / slow.step_s,
-        matmul_tflops=hw.matmul_tflops, matmul_source=hw.matmul_source, dtype=hw.dtype, overlap=hw.overlap_why,
-        hbm_GBps=hw.hbm_GBps, comm_sm_share=hw.comm_sm_share, attention_tflops=hw.attention_tflops,
+        step_s=slow.step_s,
+        slowest_role=slow.role,
+        tokens_per_s=d.tokens_per_step / slow.step_s,
+        matmul_tflops=hw.matmul_tflops,
+        matmul_source=hw.matmul_source,
+        dtype=hw.dtype,
+        overlap=hw.overlap_why,
+        hbm_GBps=hw.hbm_GBps,
+        comm_sm_share=hw.comm_sm_share,
+        attention_tflops=hw.attention_tflops,
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
-        serial_sum_s=parts["compute_s"] + parts["recompute_s"] + parts["memory_bound_s"] + parts["bubble_s"]
+        serial_sum_s=parts["compute_s"]
+        + parts["recompute_s"]
+        + parts["memory_bound_s"]
+        + parts["bubble_s"]
         + sum(r["seconds"] for r in slow.comm),
         step_s_at_mfu=slow.step_s,  # the key the Slurm signal check reads (kept: it is the predicted step now)
     )
@@ -301,12 +384,20 @@ def _checkpoint(x: _Draft) -> None:
     write_s = total_ck / (cl.fs_write_GBps * 1e9)
     profile = f"cluster={cl.name}, " + (f"calibrated {cl.calibrated}" if cl.calibrated else "cited")
     ledger_save, ledger_restart = C.ledger_costs(cfg.run.dir)
-    save = C.save_cost(ledger=ledger_save, override=pc.save_fixed_s, async_mode=ck.async_mode, write_s=write_s,
-                       stage_s=per_rank_ck / (cl.host_copy_GBps * 1e9), fsync_s=cl.fs_fsync_s, profile=profile)
+    save = C.save_cost(
+        ledger=ledger_save,
+        override=pc.save_fixed_s,
+        async_mode=ck.async_mode,
+        write_s=write_s,
+        stage_s=per_rank_ck / (cl.host_copy_GBps * 1e9),
+        fsync_s=cl.fs_fsync_s,
+        profile=profile,
+    )
     rst = C.restart_cost(ledger=ledger_restart, override=pc.restart_overhead_s, load_s=write_s, profile=profile)
     delta, restart = save.seconds, rst.seconds
-    mtbf = job_mtbf_s(mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours,
-                      nodes=cfg.launcher.nodes)
+    mtbf = job_mtbf_s(
+        mtbf_job_hours=cfg.failure.mtbf_job_hours, mtbf_node_hours=cfg.failure.mtbf_node_hours, nodes=cfg.launcher.nodes
+    )
     ip = plan_interval(delta=delta, mtbf=mtbf, restart=restart)
     if ck.interval == "auto" or x.step_s is None:
         tau = max(ip.interval_s, write_s if ck.async_mode != "none" else 0.0)
@@ -316,11 +407,21 @@ def _checkpoint(x: _Draft) -> None:
         tau = every * x.step_s
         policy = f"checkpoint.every_steps={every} x {x.step_s:.2f} s/step"
     x.checkpoint = {
-        "bytes_per_rank": per_rank_ck, "bytes_total": total_ck, "write_s": write_s, "blocking_s": delta,
-        "interval_s": tau, "daly_interval_s": ip.interval_s, "young_interval_s": ip.young_s,
+        "bytes_per_rank": per_rank_ck,
+        "bytes_total": total_ck,
+        "write_s": write_s,
+        "blocking_s": delta,
+        "interval_s": tau,
+        "daly_interval_s": ip.interval_s,
+        "young_interval_s": ip.young_s,
         "interval_steps": max(1, round(tau / x.step_s)) if x.step_s else None,
-        "mtbf_s": mtbf, "restart_s": restart, "lost_work_per_failure_s": (tau + delta) / 2, "policy": policy,
-        "blocking_source": save.source, "restart_source": rst.source, "save_known": save.known,
+        "mtbf_s": mtbf,
+        "restart_s": restart,
+        "lost_work_per_failure_s": (tau + delta) / 2,
+        "policy": policy,
+        "blocking_source": save.source,
+        "restart_source": rst.source,
+        "save_known": save.known,
         "restart_known": rst.known,
     }
 
@@ -330,8 +431,12 @@ def _goodput(x: _Draft) -> None:
     from checkpoint.interval import expected_wall_time
 
     k = x.checkpoint
-    x.goodput = (1.0 / expected_wall_time(1.0, tau=k["interval_s"], delta=k["blocking_s"], mtbf=k["mtbf_s"],
-                                          restart=k["restart_s"]) if x.cfg.checkpoint.enabled else 0.0)
+    x.goodput = (
+        1.0
+        / expected_wall_time(1.0, tau=k["interval_s"], delta=k["blocking_s"], mtbf=k["mtbf_s"], restart=k["restart_s"])
+        if x.cfg.checkpoint.enabled
+        else 0.0
+    )
     x.goodput_upper = x.goodput
     if x.cfg.checkpoint.enabled and not k["restart_known"]:  # never a number that looks measured
         x.goodput = None
@@ -353,32 +458,58 @@ def _activation_summary(x: _Draft) -> dict[str, object]:
         "activation_checkpointing": t.activation_checkpointing,
         "ac_every": t.ac_every,
         "per_microbatch_per_layer_bytes": P.layer_activation_bytes(
-            m, layer=m.n_layers - 1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=dims.tp, cp=dims.cp,
-            sequence_parallel=sp, ep=dims.ep),
+            m,
+            layer=m.n_layers - 1,
+            seq_len=t.seq_len,
+            micro_batch=t.micro_batch,
+            tp=dims.tp,
+            cp=dims.cp,
+            sequence_parallel=sp,
+            ep=dims.ep,
+        ),
         "checkpointed_per_layer_bytes": P.checkpointed_layer_bytes(
-            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp, sequence_parallel=sp),
+            seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=dims.tp, cp=dims.cp, sequence_parallel=sp
+        ),
         "peak_no_ac_bytes": peak_mem.activation_bytes_no_ac,
         "peak_full_ac_bytes": peak_mem.activation_bytes_full_ac,
         "layers_in_flight": P.layers_in_flight(
-            pp=dims.pp, microbatches=x.d.microbatches, layers_on_rank=sum(len(s.layers) for s in x.shapes[peak_pp]),
-            stages_per_rank=x.d.stages_per_rank, schedule=cfg.mesh.pp_schedule, pp_rank=peak_pp),
+            pp=dims.pp,
+            microbatches=x.d.microbatches,
+            layers_on_rank=sum(len(s.layers) for s in x.shapes[peak_pp]),
+            stages_per_rank=x.d.stages_per_rank,
+            schedule=cfg.mesh.pp_schedule,
+            pp_rank=peak_pp,
+        ),
     }
 
 
 def _assemble(x: _Draft, readiness: list[dict], t0: float) -> Plan:
     mem, dims = x.peak[1], x.d.dims
     dtype = H.compute_dtype(x.cfg.train.mixed_precision, gpus_per_node=x.cfg.cluster.gpus_per_node)
-    x.notes.append(f"memory assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
-                   f"params/grads/AdamW; the traffic and the step time use the {dtype} bytes and rate (train.mixed_precision)")
+    x.notes.append(
+        f"memory assumes bf16 compute with fp32 reduction (MixedPrecisionPolicy), fp32 sharded "
+        f"params/grads/AdamW; the traffic and the step time use the {dtype} bytes and rate (train.mixed_precision)"
+    )
     return Plan(
         world_size=dims.world_size,
         mesh=" * ".join(f"{a}{v}" for a, v in x.shape.items() if v > 1) or "single",
         params_total=x.pcount.total,
         params_active=x.pcount.active,
         peak_role=x.peak[2],
-        per_rank={k: getattr(mem, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                               "activation_bytes", "logits_bytes", "p2p_bytes", "autocast_bytes",
-                                               "peak_bytes")},
+        per_rank={
+            k: getattr(mem, k)
+            for k in (
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "unsharded_bytes",
+                "activation_bytes",
+                "logits_bytes",
+                "p2p_bytes",
+                "autocast_bytes",
+                "peak_bytes",
+            )
+        },
         roles=x.role_rows,
         heuristic_bytes_per_rank=P.heuristic_bytes_per_rank(x.pcount.total, model_shards=dims.pp * dims.tp * x.fsdp),
         activation=_activation_summary(x),
@@ -411,8 +542,10 @@ def build_plan(cfg: JobConfig, *, measure: bool | None = None) -> Plan:
     for step in (_memory, _comm, _topology, _step_time, _checkpoint, _goodput, _tiers):
         step(x)
     in_flight = _activation_summary(x)["layers_in_flight"]
-    x.checks = analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper,
-                               in_flight=in_flight) + x.checks
+    x.checks = (
+        analytic_checks(cfg, d, x.peak[1], x.peak[2], x.checkpoint, x.goodput, x.goodput_upper, in_flight=in_flight)
+        + x.checks
+    )
     rows = readiness(cfg, d, x.peak[1], x.peak[2], x.step, x.bubble, x.comm, x.checkpoint, x.goodput, x.checks)
     return _assemble(x, rows, t0)
 

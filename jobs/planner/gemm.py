@@ -19,8 +19,16 @@ from dataclasses import dataclass
 
 from jobs.config import ModelConfig
 
-__all__ = ["Gemm", "linear_counts", "model_gemms", "RateFit", "fit_rate", "fit_gemm_rate", "single_rate",
-           "predict_seconds"]
+__all__ = [
+    "Gemm",
+    "linear_counts",
+    "model_gemms",
+    "RateFit",
+    "fit_rate",
+    "fit_gemm_rate",
+    "single_rate",
+    "predict_seconds",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +54,26 @@ def _linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
     tensor-parallel rank of `tp` holds them (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise (out / tp),
     wo and w2 row-wise (in / tp). The embedding is a lookup, not a GEMM."""
     if m.attention == "mla" or m.n_routed_experts > 0:
-        raise ValueError(f"model={m.name}: GEMM shapes are listed for the dense GQA model only (model.attention=gqa, "
-                         "model.n_routed_experts=0)")
+        raise ValueError(
+            f"model={m.name}: GEMM shapes are listed for the dense GQA model only (model.attention=gqa, "
+            "model.n_routed_experts=0)"
+        )
     hd = m.dim // m.n_heads
     q, kv = m.n_heads * hd, m.n_kv_heads * hd
     if any(x % tp for x in (q, kv, m.ffn_dim, m.vocab_size)):
-        raise ValueError(f"model={m.name}: tp={tp} does not divide the heads ({m.n_heads}, {m.n_kv_heads} kv), "
-                         f"model.ffn_dim ({m.ffn_dim}) and model.vocab_size ({m.vocab_size})")
-    block = [(m.dim, q // tp), (m.dim, kv // tp), (m.dim, kv // tp), (q // tp, m.dim),
-             (m.dim, m.ffn_dim // tp), (m.ffn_dim // tp, m.dim), (m.dim, m.ffn_dim // tp)]
+        raise ValueError(
+            f"model={m.name}: tp={tp} does not divide the heads ({m.n_heads}, {m.n_kv_heads} kv), "
+            f"model.ffn_dim ({m.ffn_dim}) and model.vocab_size ({m.vocab_size})"
+        )
+    block = [
+        (m.dim, q // tp),
+        (m.dim, kv // tp),
+        (m.dim, kv // tp),
+        (q // tp, m.dim),
+        (m.dim, m.ffn_dim // tp),
+        (m.ffn_dim // tp, m.dim),
+        (m.dim, m.ffn_dim // tp),
+    ]
     return block * m.n_layers + [(m.dim, m.vocab_size // tp)]
 
 

@@ -15,9 +15,24 @@ from dataclasses import dataclass, field
 from jobs.config import ClusterConfig
 
 __all__ = [
-    "OPS", "Link", "hops", "compute_dtype", "Hardware", "hardware", "axis_span", "axis_scope", "OUR_ORDER", "LLAMA3_ORDER",
-    "MATMUL_EFFICIENCY", "ATTENTION_SOURCE", "NVLINK_EFFICIENCY", "COMM_SMS", "IB_EFFICIENCY", "NCCL_ALPHA_S",
-    "PEAK_BF16_TFLOPS", "peak_bf16_tflops",
+    "OPS",
+    "Link",
+    "hops",
+    "compute_dtype",
+    "Hardware",
+    "hardware",
+    "axis_span",
+    "axis_scope",
+    "OUR_ORDER",
+    "LLAMA3_ORDER",
+    "MATMUL_EFFICIENCY",
+    "ATTENTION_SOURCE",
+    "NVLINK_EFFICIENCY",
+    "COMM_SMS",
+    "IB_EFFICIENCY",
+    "NCCL_ALPHA_S",
+    "PEAK_BF16_TFLOPS",
+    "peak_bf16_tflops",
 ]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -56,10 +71,18 @@ NCCL_ALPHA_S = 46e-6
 # torchtitan's 2.25e15); GB200 2.5 PFLOPS per GPU (GB200 NVL72: 180 PFLOPS dense bf16 / 72). A100
 # (nvidia.com/en-us/data-center/a100): 312 dense, SXM and PCIe. L40S: 362 (L40S datasheet, 733 with sparsity).
 PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
-    (("GH200",), 989.0), (("H200", "NVL"), 835.0), (("H200",), 989.0),
-    (("H100", "NVL"), 835.0), (("H100", "PCIe"), 756.0), (("H100",), 989.0),
-    (("H800", "PCIe"), 756.0), (("H800",), 989.0),
-    (("GB200",), 2500.0), (("B200",), 2250.0), (("A100",), 312.0), (("L40S",), 362.0),
+    (("GH200",), 989.0),
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.0),
+    (("H100", "NVL"), 835.0),
+    (("H100", "PCIe"), 756.0),
+    (("H100",), 989.0),
+    (("H800", "PCIe"), 756.0),
+    (("H800",), 989.0),
+    (("GB200",), 2500.0),
+    (("B200",), 2250.0),
+    (("A100",), 312.0),
+    (("L40S",), 362.0),
 )
 
 
@@ -113,11 +136,15 @@ class Hardware:
     node_ranks: int = 8  # ranks that share the fast fabric (scope "intra")
     pod_ranks: int = 0  # ranks under one non-blocking switch tier; 0 = not modelled
     optimizer_ns_per_param: float = 0.0  # the step tail (grad norm + AdamW) per local parameter; 0 = not modelled
-    fsdp_unit_host_s: float = 0.0  # host time per FSDP unit per microbatch beyond its collectives, at this tp; 0 = not modelled
+    fsdp_unit_host_s: float = (
+        0.0  # host time per FSDP unit per microbatch beyond its collectives, at this tp; 0 = not modelled
+    )
     pp_action_host_s: float = 0.0  # host time per pipeline schedule action beyond compute and sends; 0 = not modelled
     bubble_cost: float = 1.0  # share of the pipeline bubble that is lost time (CPU ranks sharing cores: less)
     bubble_why: str = ""
-    hbm_GBps: float = 0.0  # the memory-bound ops' rate (GPU datasheet); 0 = not modelled (a calibrated CPU rate holds them)
+    hbm_GBps: float = (
+        0.0  # the memory-bound ops' rate (GPU datasheet); 0 = not modelled (a calibrated CPU rate holds them)
+    )
     comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
     attention_tflops: float = 0.0  # the attention kernel's rate (planner's count); 0 = attention at matmul_tflops
 
@@ -145,13 +172,23 @@ def compute_dtype(mixed_precision: str, *, gpus_per_node: int) -> str:
 
 def _published_links(cl: ClusterConfig) -> dict[str, Link]:
     if cl.intra_node_bw_achieved:  # the profile's figure was measured as achieved: the efficiency is in it already
-        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps, "cluster.intra_node_bw_GBps as achieved "
-                     "(cluster.intra_node_bw_achieved=true, no efficiency applied); alpha NVIDIA/nccl#1244")
+        intra = Link(
+            NCCL_ALPHA_S,
+            cl.intra_node_bw_GBps,
+            "cluster.intra_node_bw_GBps as achieved "
+            "(cluster.intra_node_bw_achieved=true, no efficiency applied); alpha NVIDIA/nccl#1244",
+        )
     else:
-        intra = Link(NCCL_ALPHA_S, cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
-                     f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244")
-    inter = Link(NCCL_ALPHA_S, cl.inter_node_bw_GBps * IB_EFFICIENCY,
-                 f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244")
+        intra = Link(
+            NCCL_ALPHA_S,
+            cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
+            f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244",
+        )
+    inter = Link(
+        NCCL_ALPHA_S,
+        cl.inter_node_bw_GBps * IB_EFFICIENCY,
+        f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244",
+    )
     return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}
 
 
@@ -162,8 +199,13 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
     calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
     links = _published_links(cl) if cl.intra_node_bw_GBps > 0 else {}
     for key, v in cl.collectives.items():
-        links[key] = Link(float(v["alpha_s"]), float(v["bus_GBps"]), calibrated, int(v.get("ranks", 0)),
-                          float(v.get("alpha_hop_s", 0.0)))
+        links[key] = Link(
+            float(v["alpha_s"]),
+            float(v["bus_GBps"]),
+            calibrated,
+            int(v.get("ranks", 0)),
+            float(v.get("alpha_hop_s", 0.0)),
+        )
     key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
     attention = 0.0  # a calibrated rate was timed on the whole model, attention included
     if cl.matmul_tflops.get(key):
@@ -177,17 +219,25 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         for a, b in (("intra", "inter"), ("inter", "intra")):
             if f"{op}.{a}" not in links and f"{op}.{b}" in links:
                 w = links[f"{op}.{b}"]
-                links[f"{op}.{a}"] = Link(w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks,
-                                          w.alpha_hop_s)
+                links[f"{op}.{a}"] = Link(
+                    w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks, w.alpha_hop_s
+                )
     if not all(f"{op}.intra" in links for op in OPS):
         return None
     gpu = cl.gpus_per_node > 0
     cores = os.cpu_count() or 1
     over = 0.0 if gpu else max(0.0, tasks_per_node / cores - 1.0)
     return Hardware(
-        dtype=dtype, matmul_tflops=rate, matmul_source=source, links=links, overlap=gpu,
-        overlap_why=("GPU: NCCL kernels run on their own stream beside compute" if gpu else
-                     "CPU ranks: gloo runs on the same cores as the compute, nothing overlaps"),
+        dtype=dtype,
+        matmul_tflops=rate,
+        matmul_source=source,
+        links=links,
+        overlap=gpu,
+        overlap_why=(
+            "GPU: NCCL kernels run on their own stream beside compute"
+            if gpu
+            else "CPU ranks: gloo runs on the same cores as the compute, nothing overlaps"
+        ),
         node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
         pod_ranks=cl.pod_gpus,
         optimizer_ns_per_param=cl.optimizer_ns_per_param,
@@ -197,8 +247,12 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         comm_sm_share=COMM_SMS / cl.gpu_sms if gpu and cl.gpu_sms > COMM_SMS else 0.0,
         attention_tflops=attention if gpu else 0.0,
         bubble_cost=max(0.0, 1.0 - over),
-        bubble_why=("" if not over else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
-                    f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"),
+        bubble_why=(
+            ""
+            if not over
+            else f"{tasks_per_node} CPU ranks share {cores} cores: a rank idle in the bubble "
+            f"gives its core to another, so {max(0.0, 1.0 - over):.0%} of the bubble is lost time"
+        ),
     )
 
 
@@ -210,12 +264,13 @@ def axis_span(axis: str, shape: dict[str, int], order: tuple[str, ...] = OUR_ORD
         return shape.get("ep", 1) * shape.get("tp", 1)
     base = "dp_shard" if axis.startswith("dp_shard") else axis
     i = order.index(base)
-    return shape.get(base, 1) * math.prod(shape.get(a, 1) for a in order[i + 1:])
+    return shape.get(base, 1) * math.prod(shape.get(a, 1) for a in order[i + 1 :])
 
 
-def axis_scope(axis: str, shape: dict[str, int], *, node_ranks: int, pod_ranks: int = 0,
-               order: tuple[str, ...] = OUR_ORDER) -> str:
-    """"intra" when one group of `axis` fits in the fast domain, "inter" when it crosses nodes,
+def axis_scope(
+    axis: str, shape: dict[str, int], *, node_ranks: int, pod_ranks: int = 0, order: tuple[str, ...] = OUR_ORDER
+) -> str:
+    """ "intra" when one group of `axis` fits in the fast domain, "inter" when it crosses nodes,
     "inter-pod" when it also crosses pods (only when the profile sets cluster.pod_gpus). `ep_intra` is
     node-limited routing's forwarding leg inside the node (arith._ep_items): intra by construction."""
     if axis == "ep_intra":

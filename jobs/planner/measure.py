@@ -43,8 +43,9 @@ def roles(shapes: dict[int, list[P.StageShape]]) -> dict[int, str]:
     names = {}
     for key, r in seen.items():
         stages = shapes[r]
-        extra = "".join([", embedding" if any(x.first for x in stages) else "",
-                         ", head" if any(x.last for x in stages) else ""])
+        extra = "".join(
+            [", embedding" if any(x.first for x in stages) else "", ", head" if any(x.last for x in stages) else ""]
+        )
         names[r] = f"pp{r} [{sum(len(x.layers) for x in stages)} layers{extra}]"
     return names
 
@@ -57,8 +58,9 @@ def _measurement_mesh(dims):
     groups on every axis parallelize() uses (an axis of size 1 is never sharded over), but without
     the world_size one-rank groups per size-1 axis that the fake backend would otherwise create one
     by one (about 2 x 16,384 `new_group` calls at 16K ranks)."""
-    from parallel.dims import MESH_AXES
     from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.dims import MESH_AXES
 
     axes = [(a, n) for a, n in zip(MESH_AXES, dims.shape) if n > 1] or [("dp_shard", 1)]
     return init_device_mesh("cpu", tuple(n for _, n in axes), mesh_dim_names=tuple(a for a, _ in axes))

@@ -10,14 +10,36 @@ import functools
 from dataclasses import dataclass
 
 from jobs.config import ModelConfig
-from jobs.planner.params import (COMPUTE_BYTES, GRAD_BYTES, HEURISTIC_BYTES_PER_PARAM, OPTIM_BYTES, PARAM_BYTES,
-                                 REDUCE_BYTES, BlockParams, count_params)
+from jobs.planner.params import (
+    COMPUTE_BYTES,
+    GRAD_BYTES,
+    HEURISTIC_BYTES_PER_PARAM,
+    OPTIM_BYTES,
+    PARAM_BYTES,
+    REDUCE_BYTES,
+    BlockParams,
+    count_params,
+)
 from parallel.config import checkpointed_layers
 
-__all__ = ["bubble_fraction", "layers_in_flight", "checkpointed_layers", "layer_activation_bytes", "logits_bytes",
-           "activation_bytes", "StageShape", "RankMemory", "rank_memory", "stage_elems", "shard_elems",
-           "checkpointed_layer_bytes", "heuristic_bytes_per_rank", "checkpoint_bytes", "autocast_copy_bytes",
-           "pp_recv_bytes"]
+__all__ = [
+    "bubble_fraction",
+    "layers_in_flight",
+    "checkpointed_layers",
+    "layer_activation_bytes",
+    "logits_bytes",
+    "activation_bytes",
+    "StageShape",
+    "RankMemory",
+    "rank_memory",
+    "stage_elems",
+    "shard_elems",
+    "checkpointed_layer_bytes",
+    "heuristic_bytes_per_rank",
+    "checkpoint_bytes",
+    "autocast_copy_bytes",
+    "pp_recv_bytes",
+]
 
 
 # ------------------------------------------------------------------------------------------- pipeline
@@ -35,8 +57,9 @@ def bubble_fraction(*, pp: int, microbatches: int, stages_per_rank: int = 1, sch
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def layers_in_flight(*, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str,
-                     pp_rank: int = 0) -> float:
+def layers_in_flight(
+    *, pp: int, microbatches: int, layers_on_rank: int, stages_per_rank: int, schedule: str, pp_rank: int = 0
+) -> float:
     """Layer-microbatches whose activations pp rank `pp_rank` holds at its peak.
 
     gpipe: all m forwards before any backward, on every rank; 1f1b: rank r runs min(m, p - r)
@@ -120,15 +143,31 @@ def layer_activation_bytes(
     return norm_in + gathered_in + attn + ffn
 
 
-def checkpointed_layer_bytes(*, seq_len: int, micro_batch: int, dim: int, tp: int, cp: int = 1, sequence_parallel: bool = True,
-                             compute_bytes: int = COMPUTE_BYTES) -> int:
+def checkpointed_layer_bytes(
+    *,
+    seq_len: int,
+    micro_batch: int,
+    dim: int,
+    tp: int,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> int:
     """Bytes one block keeps per microbatch under full activation checkpointing: its input only."""
     sharded = tp if sequence_parallel and tp > 1 else 1
     return compute_bytes * (seq_len // cp) * micro_batch * dim // sharded
 
 
-def logits_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int, cp: int = 1, loss_parallel: bool = True,
-                 compute_bytes: int = COMPUTE_BYTES) -> int:
+def logits_bytes(
+    *,
+    seq_len: int,
+    micro_batch: int,
+    vocab_size: int,
+    tp: int,
+    cp: int = 1,
+    loss_parallel: bool = True,
+    compute_bytes: int = COMPUTE_BYTES,
+) -> int:
     """Transient peak of the loss on the last stage for one microbatch: bf16 logits, their fp32
     copy, fp32 log-softmax saved for backward, and the fp32 gradient (10 bytes per logit); in an
     fp32 run (compute_bytes=4) the logits, log-softmax and gradient, 12 bytes per logit."""
@@ -162,12 +201,28 @@ def activation_bytes(
     ckpt = set(checkpointed_layers(layers, mode=activation_checkpointing, every=ac_every))
     kept, recompute = [], 0
     for i in layers:
-        full = layer_activation_bytes(m, layer=i, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
-                                      sequence_parallel=sequence_parallel, ep=ep, compute_bytes=compute_bytes)
+        full = layer_activation_bytes(
+            m,
+            layer=i,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            tp=tp,
+            cp=cp,
+            sequence_parallel=sequence_parallel,
+            ep=ep,
+            compute_bytes=compute_bytes,
+        )
         if i in ckpt:
             recompute = max(recompute, full)
-            full = checkpointed_layer_bytes(seq_len=seq_len, micro_batch=micro_batch, dim=m.dim, tp=tp, cp=cp,
-                                            sequence_parallel=sequence_parallel, compute_bytes=compute_bytes)
+            full = checkpointed_layer_bytes(
+                seq_len=seq_len,
+                micro_batch=micro_batch,
+                dim=m.dim,
+                tp=tp,
+                cp=cp,
+                sequence_parallel=sequence_parallel,
+                compute_bytes=compute_bytes,
+            )
         kept.append(full)
     return int(in_flight * sum(kept) / max(len(layers), 1)) + recompute
 
@@ -198,7 +253,9 @@ class RankMemory:
     activation_bytes_no_ac: int  # the same schedule without activation checkpointing
     activation_bytes_full_ac: int  # the same schedule with full activation checkpointing
     p2p_bytes: int = 0  # pipeline receive buffers, allocated for every microbatch up front
-    autocast_bytes: int = 0  # bf16 weight copies autocast saves for backward (parts without FSDP; `autocast_copy_bytes`)
+    autocast_bytes: int = (
+        0  # bf16 weight copies autocast saves for backward (parts without FSDP; `autocast_copy_bytes`)
+    )
 
     @property
     def states_bytes(self) -> int:
@@ -206,8 +263,14 @@ class RankMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return (self.states_bytes + self.unsharded_bytes + self.activation_bytes + self.logits_bytes + self.p2p_bytes
-                + self.autocast_bytes)
+        return (
+            self.states_bytes
+            + self.unsharded_bytes
+            + self.activation_bytes
+            + self.logits_bytes
+            + self.p2p_bytes
+            + self.autocast_bytes
+        )
 
     def as_dict(self) -> dict[str, int]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -273,55 +336,134 @@ def rank_memory(
     `autocast`: bf16 through torch.autocast, not FSDP's policy (a mesh without FSDP: dp_replicate · dp_shard = 1)."""
     if params_elems is None:
         params_elems = shard_elems(m, stages, tp=tp, fsdp=fsdp, ep=ep)
-    in_flight = layers_in_flight(pp=pp, microbatches=microbatches, layers_on_rank=sum(len(st.layers) for st in stages),
-                                 stages_per_rank=stages_per_rank, schedule=schedule, pp_rank=pp_rank)
+    in_flight = layers_in_flight(
+        pp=pp,
+        microbatches=microbatches,
+        layers_on_rank=sum(len(st.layers) for st in stages),
+        stages_per_rank=stages_per_rank,
+        schedule=schedule,
+        pp_rank=pp_rank,
+    )
     mb_shape = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
-    act = functools.partial(_stage_activation_bytes, m, stages, in_flight=in_flight, ep=ep, ac_every=ac_every,
-                            sequence_parallel=sequence_parallel, **mb_shape)
+    act = functools.partial(
+        _stage_activation_bytes,
+        m,
+        stages,
+        in_flight=in_flight,
+        ep=ep,
+        ac_every=ac_every,
+        sequence_parallel=sequence_parallel,
+        **mb_shape,
+    )
     return RankMemory(
         params_elems=params_elems,
         params_bytes=params_elems * PARAM_BYTES,
         grads_bytes=params_elems * GRAD_BYTES,
         optimizer_bytes=params_elems * OPTIM_BYTES,
-        unsharded_bytes=_fsdp_working_set(m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches,
-                                          compute_bytes=compute_bytes),
+        unsharded_bytes=_fsdp_working_set(
+            m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches, compute_bytes=compute_bytes
+        ),
         activation_bytes=act(activation_checkpointing=activation_checkpointing),
         logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **mb_shape),
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
-        p2p_bytes=pp_recv_bytes(m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel,
-                                **mb_shape),
-        autocast_bytes=autocast_copy_bytes(m, stages, in_flight=in_flight, tp=tp, ep=ep, ac_every=ac_every,
-                                           activation_checkpointing=activation_checkpointing) if autocast else 0,
+        p2p_bytes=pp_recv_bytes(
+            m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel, **mb_shape
+        ),
+        autocast_bytes=autocast_copy_bytes(
+            m,
+            stages,
+            in_flight=in_flight,
+            tp=tp,
+            ep=ep,
+            ac_every=ac_every,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if autocast
+        else 0,
     )
 
 
-def _stage_activation_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, activation_checkpointing: str,
-                            ac_every: int, seq_len: int, micro_batch: int, tp: int, cp: int, ep: int,
-                            sequence_parallel: bool, compute_bytes: int) -> int:
+def _stage_activation_bytes(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    in_flight: float,
+    activation_checkpointing: str,
+    ac_every: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    sequence_parallel: bool,
+    compute_bytes: int,
+) -> int:
     """Saved activations of the rank holding `stages` (`activation_bytes`) less the checkpointed block inputs
     that are pipeline receive buffers: those are held in `p2p_bytes` (`pp_recv_bytes`)."""
     layers = [i for st in stages for i in st.layers]
-    saved = activation_bytes(m, layers, in_flight=in_flight, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp,
-                             ep=ep, sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
-                             ac_every=ac_every, compute_bytes=compute_bytes)
+    saved = activation_bytes(
+        m,
+        layers,
+        in_flight=in_flight,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=activation_checkpointing,
+        ac_every=ac_every,
+        compute_bytes=compute_bytes,
+    )
     shared = _received_and_checkpointed(stages, mode=activation_checkpointing, every=ac_every, rank_layers=layers)
-    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
-                     compute_bytes=compute_bytes)
+    hop = _hop_bytes(
+        m,
+        tp=tp,
+        cp=cp,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        sequence_parallel=sequence_parallel,
+        compute_bytes=compute_bytes,
+    )
     return saved - int(shared * hop * in_flight / max(len(layers), 1))
 
 
-def _loss_bytes(m: ModelConfig, stages: list[StageShape], *, loss_parallel: bool, seq_len: int, micro_batch: int,
-                tp: int, cp: int, compute_bytes: int) -> int:
+def _loss_bytes(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    loss_parallel: bool,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    cp: int,
+    compute_bytes: int,
+) -> int:
     """The loss transient (`logits_bytes`) on the rank that holds the last stage; 0 elsewhere."""
     if not any(st.last for st in stages):
         return 0
-    return logits_bytes(seq_len=seq_len, micro_batch=micro_batch, vocab_size=m.vocab_size, tp=tp, cp=cp,
-                        loss_parallel=loss_parallel, compute_bytes=compute_bytes)
+    return logits_bytes(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        vocab_size=m.vocab_size,
+        tp=tp,
+        cp=cp,
+        loss_parallel=loss_parallel,
+        compute_bytes=compute_bytes,
+    )
 
 
-def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: float, tp: int, ep: int = 1,
-                        activation_checkpointing: str = "none", ac_every: int = 2) -> int:
+def autocast_copy_bytes(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    in_flight: float,
+    tp: int,
+    ep: int = 1,
+    activation_checkpointing: str = "none",
+    ac_every: int = 2,
+) -> int:
     """The bf16 copies of the weights that torch.autocast makes in forward and autograd keeps for backward,
     on parts FSDP does not wrap (parallel/precision.py): autocast casts each fp32 matmul weight once per
     forward (its cache lives for one autocast region, one microbatch) and the linear saves the copy, so every
@@ -345,19 +487,38 @@ def autocast_copy_bytes(m: ModelConfig, stages: list[StageShape], *, in_flight: 
     return COMPUTE_BYTES * (int(microbatches * (kept + head)) + recompute)
 
 
-def _hop_bytes(m: ModelConfig, *, tp: int, cp: int, seq_len: int, micro_batch: int, sequence_parallel: bool,
-               compute_bytes: int) -> int:
+def _hop_bytes(
+    m: ModelConfig, *, tp: int, cp: int, seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int
+) -> int:
     """One microbatch's hidden states between two stages (and one block's checkpointed input)."""
     return compute_bytes * (seq_len // cp) * micro_batch * m.dim // (tp if sequence_parallel and tp > 1 else 1)
 
 
-def pp_recv_bytes(m: ModelConfig, stages: list[StageShape], *, tp: int, pp: int, cp: int, microbatches: int,
-                  seq_len: int, micro_batch: int, sequence_parallel: bool, compute_bytes: int) -> int:
+def pp_recv_bytes(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    tp: int,
+    pp: int,
+    cp: int,
+    microbatches: int,
+    seq_len: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    compute_bytes: int,
+) -> int:
     """Pipeline receive buffers on the rank holding `stages` (the `p2p` column): torch's PipelineStage
     allocates one per microbatch for the activations coming in (every stage but the first) and for the
     gradients coming back (every stage but the last), up front."""
-    hop = _hop_bytes(m, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, sequence_parallel=sequence_parallel,
-                     compute_bytes=compute_bytes)
+    hop = _hop_bytes(
+        m,
+        tp=tp,
+        cp=cp,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        sequence_parallel=sequence_parallel,
+        compute_bytes=compute_bytes,
+    )
     return 0 if pp <= 1 else microbatches * hop * sum(int(not st.first) + int(not st.last) for st in stages)
 
 
@@ -368,8 +529,17 @@ def _received_and_checkpointed(stages: list[StageShape], *, mode: str, every: in
     return sum(1 for st in stages if not st.first and st.layers and st.layers[0] in ckpt)
 
 
-def _fsdp_working_set(m: ModelConfig, stages: list[StageShape], *, tp: int, ep: int, fsdp: int, pp: int,
-                      microbatches: int, compute_bytes: int) -> int:
+def _fsdp_working_set(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    tp: int,
+    ep: int,
+    fsdp: int,
+    pp: int,
+    microbatches: int,
+    compute_bytes: int,
+) -> int:
     """FSDP2's unsharded bytes on the rank holding `stages`. With a pipeline the stage stays unsharded
     from the first forward to the last backward (reshard_after_forward=False) and gradients accumulate
     unsharded until the last microbatch's reduce-scatter. Without one, a block is gathered just before

@@ -10,16 +10,30 @@ from dataclasses import dataclass
 
 from jobs.config import ModelConfig
 
-__all__ = ["BlockParams", "ParamCount", "block_params", "count_params", "flops_per_token", "attention_head_dims",
-           "kv_bytes_per_token", "PARAM_BYTES", "GRAD_BYTES", "OPTIM_BYTES", "COMPUTE_BYTES", "REDUCE_BYTES",
-           "HEURISTIC_BYTES_PER_PARAM"]
+__all__ = [
+    "BlockParams",
+    "ParamCount",
+    "block_params",
+    "count_params",
+    "flops_per_token",
+    "attention_head_dims",
+    "kv_bytes_per_token",
+    "PARAM_BYTES",
+    "GRAD_BYTES",
+    "OPTIM_BYTES",
+    "COMPUTE_BYTES",
+    "REDUCE_BYTES",
+    "HEURISTIC_BYTES_PER_PARAM",
+]
 
 PARAM_BYTES = 4  # fp32 sharded parameters (FSDP2 keeps the master copy in the parameter dtype)
 GRAD_BYTES = 4  # fp32 sharded gradients
 OPTIM_BYTES = 8  # AdamW exp_avg + exp_avg_sq, fp32
 COMPUTE_BYTES = 2  # bf16 activations and all-gathered parameters (MixedPrecisionPolicy param_dtype)
 REDUCE_BYTES = 4  # fp32 gradient reduce-scatter / all-reduce (MixedPrecisionPolicy reduce_dtype)
-HEURISTIC_BYTES_PER_PARAM = 16  # the planning rule of thumb: 4 + 4 + 8 (Rajbhandari et al. 2020, ZeRO, §3.1 uses 16Ψ for mixed-precision Adam)
+HEURISTIC_BYTES_PER_PARAM = (
+    16  # the planning rule of thumb: 4 + 4 + 8 (Rajbhandari et al. 2020, ZeRO, §3.1 uses 16Ψ for mixed-precision Adam)
+)
 
 
 # --------------------------------------------------------------------------------------------- params

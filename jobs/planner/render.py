@@ -26,8 +26,10 @@ def _gib(b: float) -> str:
 def render(plan: Plan) -> str:
     """The plan as text tables."""
     L = []
-    L.append(f"plan: {plan.mesh} on {plan.world_size} ranks | params {plan.params_total / 1e9:.2f} B total, "
-             f"{plan.params_active / 1e9:.2f} B active | planned in {plan.seconds:.1f} s")
+    L.append(
+        f"plan: {plan.mesh} on {plan.world_size} ranks | params {plan.params_total / 1e9:.2f} B total, "
+        f"{plan.params_active / 1e9:.2f} B active | planned in {plan.seconds:.1f} s"
+    )
     L.append(f"  meshes: {plan.meshes}")
     for n in plan.notes:
         L.append(f"  note: {n}")
@@ -58,24 +60,47 @@ def _memory_lines(plan: Plan) -> list[str]:
     L.append("memory per rank (GiB)         params   grads   optim  unshard    acts  pp_recv  logits    peak")
     for r in plan.roles:
         tag = "*" if r["measured"] else " "
-        L.append(f"  {r['role'][:27]:27s}{tag}" + "".join(
-            f"{r[k] / GiB:8.2f}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_bytes",
-                                           "activation_bytes", "p2p_bytes", "logits_bytes", "peak_bytes")))
-    L.append(f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
-             f"for params+grads+optim")
+        L.append(
+            f"  {r['role'][:27]:27s}{tag}"
+            + "".join(
+                f"{r[k] / GiB:8.2f}"
+                for k in (
+                    "params_bytes",
+                    "grads_bytes",
+                    "optimizer_bytes",
+                    "unsharded_bytes",
+                    "activation_bytes",
+                    "p2p_bytes",
+                    "logits_bytes",
+                    "peak_bytes",
+                )
+            )
+        )
+    L.append(
+        f"  (* params measured on the real sharded model) 16 B/param heuristic: {_gib(plan.heuristic_bytes_per_rank)} "
+        f"for params+grads+optim"
+    )
     if plan.per_rank.get("autocast_bytes"):
-        L.append(f"  peak includes {_gib(plan.per_rank['autocast_bytes'])} of bf16 weight copies autocast keeps for backward "
-                 "(no FSDP on this mesh: one per microbatch in flight)")
+        L.append(
+            f"  peak includes {_gib(plan.per_rank['autocast_bytes'])} of bf16 weight copies autocast keeps for backward "
+            "(no FSDP on this mesh: one per microbatch in flight)"
+        )
     if plan.measured:
-        L.append("  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds")
+        L.append(
+            "  sampled ranks (fake backend):   rank   coords                       measured  analytic max   seconds"
+        )
         for r in plan.measured:
             c = r["coords"]
-            L.append(f"    {r['role'][:28]:28s} {r['rank']:6d}   pp{c['pp']} dp_shard{c['dp_shard']:<6d}           "
-                     f"{r['params_elems'] / 1e6:10.2f} M {r['analytic_elems'] / 1e6:10.2f} M  {r['seconds']:6.2f}")
+            L.append(
+                f"    {r['role'][:28]:28s} {r['rank']:6d}   pp{c['pp']} dp_shard{c['dp_shard']:<6d}           "
+                f"{r['params_elems'] / 1e6:10.2f} M {r['analytic_elems'] / 1e6:10.2f} M  {r['seconds']:6.2f}"
+            )
     a = plan.activation
-    L.append(f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
-             f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
-             f"train.activation_checkpointing={a['activation_checkpointing']}")
+    L.append(
+        f"  activations ({plan.peak_role}): {a['layers_in_flight']:.0f} layer-microbatches in flight; "
+        f"no AC {_gib(a['peak_no_ac_bytes'])}, full AC {_gib(a['peak_full_ac_bytes'])}; "
+        f"train.activation_checkpointing={a['activation_checkpointing']}"
+    )
     return L
 
 
@@ -86,28 +111,39 @@ def _comm_lines(plan: Plan) -> list[str]:
     L.append("  collective      axis          count        bytes   link        seconds   exposed  what")
     for c in plan.comm:
         secs = f"{c['seconds']:9.4g} {c['exposed_s']:9.4g}" if c["seconds"] is not None else "        -         -"
-        L.append(f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.3g} GiB  {c['link']:9s} {secs}  {c['what']}")
+        L.append(
+            f"  {c['collective']:15s} {c['axis']:12s} {c['count']:6d} {c['bytes'] / GiB:9.3g} GiB  {c['link']:9s} {secs}  {c['what']}"
+        )
     sources = sorted({c["source"] for c in plan.comm if c.get("source")})
     for src in sources:
         L.append(f"  link figures: {src}")
     L.append(f"  pipeline bubble: {plan.bubble_fraction:.1%}")
     if plan.axes:
-        L.append("  axes (ranks one group spans -> link): " + "; ".join(
-            f"{a['axis']}{a['size']} ours {a['ours_span']} -> {a['ours_scope']}, Llama 3 order {a['llama3_span']} -> "
-            f"{a['llama3_scope']}" for a in plan.axes))
+        L.append(
+            "  axes (ranks one group spans -> link): "
+            + "; ".join(
+                f"{a['axis']}{a['size']} ours {a['ours_span']} -> {a['ours_scope']}, Llama 3 order {a['llama3_span']} -> "
+                f"{a['llama3_scope']}"
+                for a in plan.axes
+            )
+        )
     s = plan.step
     if "step_s" in s:
-        L.append(f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
-                 f"memory-bound ops {s['memory_bound_s']:.3g} s + interference {s['interference_s']:.3g} s + "
-                 f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
-                 f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
-                 + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")"))
+        L.append(
+            f"  step ({s['slowest_role']}): compute {s['compute_s']:.3g} s + recompute {s['recompute_s']:.3g} s + "
+            f"memory-bound ops {s['memory_bound_s']:.3g} s + interference {s['interference_s']:.3g} s + "
+            f"host {s['host_s']:.3g} s + exposed comm {s['comm_exposed_s']:.3g} s + bubble {s['bubble_s']:.3g} s + dp tail "
+            f"{s['dp_exposed_s']:.3g} s + optimizer {s['optimizer_s']:.3g} s = {s['step_s']:.3g} s predicted ({s['tokens_per_s']:.4g} tokens/s"
+            + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")")
+        )
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
         if s.get("attention_tflops"):
             L.append(f"  attention at {s['attention_tflops']:.4g} TFLOP/s: {H.ATTENTION_SOURCE}")
         if s.get("memory_bound_s") or s.get("interference_s"):
-            L.append(f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
-                     f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})")
+            L.append(
+                f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "
+                f"takes {s['comm_sm_share']:.1%} of the compute beside it ({H.COMM_SMS_SOURCE})"
+            )
     return L
 
 

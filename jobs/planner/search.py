@@ -24,7 +24,17 @@ from jobs.planner.gate import Plan, build_plan
 from jobs.planner.render import GiB
 from jobs.validate import validate
 
-__all__ = ["Shape", "Candidate", "SearchResult", "PLANNED_ONLY", "predicted", "shapes", "search", "render_search", "write_top_k"]
+__all__ = [
+    "Shape",
+    "Candidate",
+    "SearchResult",
+    "PLANNED_ONLY",
+    "predicted",
+    "shapes",
+    "search",
+    "render_search",
+    "write_top_k",
+]
 
 AC_ORDER = ("none", "selective", "full")  # cheapest first: the first that fits wins
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -48,8 +58,10 @@ class Shape:
 
     def label(self) -> str:
         v = f" v{self.v}{'*' if self.split else ''}" if self.v > 1 else ""
-        return (f"tp{self.tp} cp{self.cp} pp{self.pp}{v} dp{self.dp_replicate}x{self.dp_shard} "
-                f"mb{self.micro_batch} ac={self.ac}")
+        return (
+            f"tp{self.tp} cp{self.cp} pp{self.pp}{v} dp{self.dp_replicate}x{self.dp_shard} "
+            f"mb{self.micro_batch} ac={self.ac}"
+        )
 
     def trainable(self, cfg: JobConfig) -> bool:
         """Whether `python -m jobs.train` builds this shape: the trainer's own validation accepts it (one rule
@@ -67,19 +79,36 @@ class Shape:
     def overrides(self) -> list[str]:
         """Hydra overrides that set this shape on any config of the same model and world size."""
         split = "[" + ",".join(map(str, self.split)) + "]" if self.split else "null"
-        return [f"mesh.tp={self.tp}", f"mesh.cp={self.cp}", f"mesh.pp={self.pp}",
-                f"mesh.dp_replicate={self.dp_replicate}", f"mesh.dp_shard={self.dp_shard}",
-                f"mesh.pp_schedule={self.schedule}", f"mesh.pp_stages_per_rank={self.v if self.pp > 1 else -1}",
-                f"mesh.pp_layers_per_stage={split}", "mesh.pp_microbatches=-1",
-                f"train.micro_batch={self.micro_batch}", f"train.activation_checkpointing={self.ac}"]
+        return [
+            f"mesh.tp={self.tp}",
+            f"mesh.cp={self.cp}",
+            f"mesh.pp={self.pp}",
+            f"mesh.dp_replicate={self.dp_replicate}",
+            f"mesh.dp_shard={self.dp_shard}",
+            f"mesh.pp_schedule={self.schedule}",
+            f"mesh.pp_stages_per_rank={self.v if self.pp > 1 else -1}",
+            f"mesh.pp_layers_per_stage={split}",
+            "mesh.pp_microbatches=-1",
+            f"train.micro_batch={self.micro_batch}",
+            f"train.activation_checkpointing={self.ac}",
+        ]
 
     def apply(self, cfg: JobConfig) -> JobConfig:
-        mesh = replace(cfg.mesh, tp=self.tp, cp=self.cp, pp=self.pp, dp_replicate=self.dp_replicate,
-                       dp_shard=self.dp_shard, pp_schedule=self.schedule, pp_microbatches=-1,
-                       pp_stages_per_rank=self.v if self.pp > 1 else -1,
-                       pp_layers_per_stage=list(self.split) if self.split else None)
-        return replace(cfg, mesh=mesh, train=replace(cfg.train, micro_batch=self.micro_batch,
-                                                     activation_checkpointing=self.ac))
+        mesh = replace(
+            cfg.mesh,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            pp_schedule=self.schedule,
+            pp_microbatches=-1,
+            pp_stages_per_rank=self.v if self.pp > 1 else -1,
+            pp_layers_per_stage=list(self.split) if self.split else None,
+        )
+        return replace(
+            cfg, mesh=mesh, train=replace(cfg.train, micro_batch=self.micro_batch, activation_checkpointing=self.ac)
+        )
 
 
 @dataclass
@@ -116,9 +145,15 @@ def predicted(plan: Plan) -> dict[str, float]:
     s = plan.step
     step_s = s["step_s"]
     tokens = s["model_tflop_per_rank"] * 1e12 * plan.world_size / s["flops_per_token"]  # tokens per step
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": s["mfu"],
-            "peak_bytes": plan.per_rank["peak_bytes"], "bubble": plan.bubble_fraction,
-            "goodput": plan.goodput_expected, "in_flight": plan.activation["layers_in_flight"]}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "mfu": s["mfu"],
+        "peak_bytes": plan.per_rank["peak_bytes"],
+        "bubble": plan.bubble_fraction,
+        "goodput": plan.goodput_expected,
+        "in_flight": plan.activation["layers_in_flight"],
+    }
 
 
 # ------------------------------------------------------------------------------------------ enumeration
@@ -185,8 +220,10 @@ def _quick_reject(cfg: JobConfig, s: Shape, params_total: int) -> str | None:
         floor = P.HEURISTIC_BYTES_PER_PARAM * params_total / (s.pp * s.tp * s.dp_shard * s.cp)
         usable = cfg.cluster.gpu_mem_gib * GiB * cfg.plan.usable_mem_fraction
         if floor > usable:
-            return (f"memory floor: 16 B x params / (pp*tp*dp_shard*cp) = {floor / GiB:.0f} GiB > "
-                    f"{usable / GiB:.0f} GiB usable")
+            return (
+                f"memory floor: 16 B x params / (pp*tp*dp_shard*cp) = {floor / GiB:.0f} GiB > "
+                f"{usable / GiB:.0f} GiB usable"
+            )
     return None
 
 
@@ -219,8 +256,11 @@ def _plan_shape(cfg: JobConfig, s: Shape) -> tuple[Candidate | None, str, int]:
         if any(c.name != "memory" for c in failed):
             return None, f"{failed[0].name}: {failed[0].why}", calls  # only memory improves with checkpointing
         if ac == "none" and _full_ac_peak(plan) > usable:
-            return None, (f"memory even with full AC: peak {_full_ac_peak(plan) / GiB:.1f} GiB > "
-                          f"{usable / GiB:.1f} GiB usable"), calls
+            return (
+                None,
+                (f"memory even with full AC: peak {_full_ac_peak(plan) / GiB:.1f} GiB > {usable / GiB:.1f} GiB usable"),
+                calls,
+            )
         why = f"memory even with full AC: {failed[0].why}"
     return None, why, calls
 
@@ -245,7 +285,11 @@ def _visit(cfg: JobConfig, s: Shape, params_total: int, too_big: dict) -> tuple[
     if why is not None:
         return None, why, 0
     if _dominated(s, too_big):
-        return None, "memory even with full AC: needs more than a failing shape with a larger dp_shard / smaller micro batch", 0
+        return (
+            None,
+            "memory even with full AC: needs more than a failing shape with a larger dp_shard / smaller micro batch",
+            0,
+        )
     cand, why, calls = _plan_shape(cfg, s)
     if cand is None and why.startswith("memory even with full AC"):
         too_big.setdefault(_group(s), []).append((s.dp_replicate, s.micro_batch))
@@ -256,8 +300,10 @@ def search(cfg: JobConfig) -> SearchResult:
     """Enumerates, prunes, plans and ranks (by predicted tokens/s). Raises ValueError when the cluster
     profile has no compute peak (nothing to predict a step time from)."""
     if cfg.cluster.gpu_bf16_tflops <= 0:
-        raise ValueError(f"plan.search=true needs a step-time prediction, but cluster.gpu_bf16_tflops=0 "
-                         f"({cfg.cluster.name}); use a GPU cluster profile, e.g. cluster=h100_ib")
+        raise ValueError(
+            f"plan.search=true needs a step-time prediction, but cluster.gpu_bf16_tflops=0 "
+            f"({cfg.cluster.name}); use a GPU cluster profile, e.g. cluster=h100_ib"
+        )
     t0 = time.perf_counter()
     params_total = P.count_params(cfg.model).total
     ranked, rejected, calls, too_big = [], {}, 0, {}
@@ -275,15 +321,24 @@ def search(cfg: JobConfig) -> SearchResult:
         ranked = [c for c in ranked if c.shape != own.shape] + [own]
     ranked, own_why = _mark_trainable(cfg, ranked, rejected, own_why)
     ranked.sort(key=lambda c: (not c.trainable, -c.numbers["tokens_per_s"]))  # what jobs.train builds first
-    return SearchResult(ranked, rejected, len(space), calls, time.perf_counter() - t0, cfg.world_size, own_why,
-                        trainable_only=cfg.plan.search_trainable_only)
+    return SearchResult(
+        ranked,
+        rejected,
+        len(space),
+        calls,
+        time.perf_counter() - t0,
+        cfg.world_size,
+        own_why,
+        trainable_only=cfg.plan.search_trainable_only,
+    )
 
 
 PLANNED_ONLY = "planned only: jobs.train refuses the shape"  # the rejection group of plan.search_trainable_only
 
 
-def _mark_trainable(cfg: JobConfig, ranked: list[Candidate], rejected: dict,
-                    own_why: str) -> tuple[list[Candidate], str]:
+def _mark_trainable(
+    cfg: JobConfig, ranked: list[Candidate], rejected: dict, own_why: str
+) -> tuple[list[Candidate], str]:
     """Marks each candidate with the trainer's own validation; with plan.search_trainable_only the refused ones
     move to the rejections (one group, each with the trainer's message), the composed config's too."""
     kept = []
@@ -295,8 +350,10 @@ def _mark_trainable(cfg: JobConfig, ranked: list[Candidate], rejected: dict,
             continue
         rejected.setdefault(PLANNED_ONLY, []).append((c.shape.label(), f"{PLANNED_ONLY}: {why}"))
         if c.own:
-            own_why = (f"{PLANNED_ONLY} (plan.search_trainable_only=true; =false ranks it among the planned-only "
-                       f"shapes): {why}")
+            own_why = (
+                f"{PLANNED_ONLY} (plan.search_trainable_only=true; =false ranks it among the planned-only "
+                f"shapes): {why}"
+            )
     return kept, own_why
 
 
@@ -314,8 +371,18 @@ def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
         return None, f"{failed[0].name}: {failed[0].why}"
     dims, mesh = d.dims, cfg.mesh
     split = tuple(mesh.pp_layers_per_stage) if mesh.pp_layers_per_stage else None
-    shape = Shape(dims.tp, dims.cp, dims.pp, dims.dp_replicate, dims.dp_shard, cfg.train.micro_batch,
-                  mesh.pp_schedule if dims.pp > 1 else "1f1b", d.stages_per_rank, split, cfg.train.activation_checkpointing)
+    shape = Shape(
+        dims.tp,
+        dims.cp,
+        dims.pp,
+        dims.dp_replicate,
+        dims.dp_shard,
+        cfg.train.micro_batch,
+        mesh.pp_schedule if dims.pp > 1 else "1f1b",
+        d.stages_per_rank,
+        split,
+        cfg.train.activation_checkpointing,
+    )
     return Candidate(shape, predicted(plan), own=True), ""
 
 
@@ -324,30 +391,42 @@ def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
 
 def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     """The ranked table (first `rows`), the config's own rank, and the rejections grouped by reason."""
-    which = ("only the shapes jobs.train builds (plan.search_trainable_only=true; =false adds the planned-only ones)"
-             if r.trainable_only else "the shapes jobs.train builds first")
-    L = [f"search: {r.enumerated} shapes for {r.world_size} ranks, {r.planned} planned (analytic, no fake backend), "
-         f"{len(r.ranked)} feasible{' and trainable' if r.trainable_only else ''}, in {r.seconds:.1f} s",
-         "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails), "
-         f"{which}; in flight: layer-microbatches of activations held at the peak (torch's "
-         "schedule warm-up), which chose the AC",
-         "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput  in flight"]
+    which = (
+        "only the shapes jobs.train builds (plan.search_trainable_only=true; =false adds the planned-only ones)"
+        if r.trainable_only
+        else "the shapes jobs.train builds first"
+    )
+    L = [
+        f"search: {r.enumerated} shapes for {r.world_size} ranks, {r.planned} planned (analytic, no fake backend), "
+        f"{len(r.ranked)} feasible{' and trainable' if r.trainable_only else ''}, in {r.seconds:.1f} s",
+        "  ranked by predicted tokens/s (the predicted step of jobs/planner/steptime.py: compute, exposed comm, bubble, tails), "
+        f"{which}; in flight: layer-microbatches of activations held at the peak (torch's "
+        "schedule warm-up), which chose the AC",
+        "   #  shape                                              tokens/s     MFU   peak GiB  bubble  goodput  in flight",
+    ]
     shown = [(i, c) for i, c in enumerate(r.ranked) if i < rows or c.own]
     for i, c in shown:
         n = c.numbers
         label = c.shape.label() + ("" if c.trainable else " ~")
-        L.append(f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
-                 f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {_goodput_cell(n['goodput'])}"
-                 f"  {n['in_flight']:9.0f}")
+        L.append(
+            f"{i + 1:4d}  {label:48s}{' <' if c.own else '  '} {n['tokens_per_s'] / 1e6:8.3f} M"
+            f"  {n['mfu']:6.1%}  {n['peak_bytes'] / GiB:8.1f}  {n['bubble']:6.1%}  {_goodput_cell(n['goodput'])}"
+            f"  {n['in_flight']:9.0f}"
+        )
     own = r.own_rank()
     built = [c for c in r.ranked if c.trainable]
     among = next((f"; {i + 1} of the {len(built)} that jobs.train builds" for i, c in enumerate(built) if c.own), "")
-    L.append(f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else
-             f"  this config is not ranked: {r.own_why}")
-    L.append("  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer" + (
-        f"; planned-only shapes (the trainer's validation refuses them) are rejected as \"{PLANNED_ONLY}\""
-        if r.trainable_only else
-        "; ~: planned only (the trainer's validation refuses the shape: e.g. ep beside pp or tp, MLA with tp or cp)"))
+    L.append(
+        f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else f"  this config is not ranked: {r.own_why}"
+    )
+    L.append(
+        "  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer"
+        + (
+            f'; planned-only shapes (the trainer\'s validation refuses them) are rejected as "{PLANNED_ONLY}"'
+            if r.trainable_only
+            else "; ~: planned only (the trainer's validation refuses the shape: e.g. ep beside pp or tp, MLA with tp or cp)"
+        )
+    )
     L.append("")
     L.append(f"rejected: {sum(len(v) for v in r.rejected.values())} shapes")
     for key, items in sorted(r.rejected.items(), key=lambda kv: -len(kv[1])):
@@ -371,11 +450,15 @@ def write_top_k(r: SearchResult, cfg: JobConfig, *, k: int, out: str) -> list[st
         return lines + ["# none: jobs.train builds none of the ranked shapes"]
     for i, c in enumerate(runnable[:k], start=1):
         body = {key: val for key, val in asdict(c.shape.apply(cfg)).items() if key not in ("run", "plan")}
-        text = (f"# @package _global_\n# jobs.plan search rank {r.ranked.index(c) + 1} of {len(r.ranked)}: {c.shape.label()}, "
-                f"{c.numbers['tokens_per_s'] / 1e6:.3f} M tokens/s predicted\n" + yaml.safe_dump(body, sort_keys=False))
+        text = (
+            f"# @package _global_\n# jobs.plan search rank {r.ranked.index(c) + 1} of {len(r.ranked)}: {c.shape.label()}, "
+            f"{c.numbers['tokens_per_s'] / 1e6:.3f} M tokens/s predicted\n" + yaml.safe_dump(body, sort_keys=False)
+        )
         (root / "search" / f"top{i}.yaml").write_text(text)
         names.append(f"top{i}")
         lines.append(f"# top{i} (rank {r.ranked.index(c) + 1}): " + " ".join(c.shape.overrides()))
-    lines.append(f"python -m jobs.train -m launcher={cfg.launcher.name} 'hydra.searchpath=[file://{root}]' "
-                 f"+search={','.join(names)}")
+    lines.append(
+        f"python -m jobs.train -m launcher={cfg.launcher.name} 'hydra.searchpath=[file://{root}]' "
+        f"+search={','.join(names)}"
+    )
     return lines

@@ -47,8 +47,16 @@ from jobs.planner import arith as P
 from jobs.planner import traffic as T
 from jobs.planner.hardware import Hardware, axis_scope
 
-__all__ = ["StepTime", "stage_flops", "attention_flops", "flops_seconds", "predict_rank", "predict_step", "exposed_axis",
-           "memory_bound_s"]
+__all__ = [
+    "StepTime",
+    "stage_flops",
+    "attention_flops",
+    "flops_seconds",
+    "predict_rank",
+    "predict_step",
+    "exposed_axis",
+    "memory_bound_s",
+]
 
 _EXPOSED_AXES = ("tp", "pp", "cp", "ep")
 
@@ -61,8 +69,9 @@ def exposed_axis(axis: str) -> bool:
     return base in _EXPOSED_AXES or base.startswith("ep")
 
 
-def stage_flops(m: ModelConfig, stages: list[P.StageShape], *, tokens: float, seq_len: int, tp: int,
-                recomputed: list[int]) -> tuple[float, float, float]:
+def stage_flops(
+    m: ModelConfig, stages: list[P.StageShape], *, tokens: float, seq_len: int, tp: int, recomputed: list[int]
+) -> tuple[float, float, float]:
     """(forward FLOPs of one microbatch of `tokens` tokens, training FLOPs per microbatch, recompute
     FLOPs per microbatch) of the rank holding `stages`: 2 x active matmul parameters per token (over
     tp) plus causal attention (`attention_flops`); the head on the last stage.
@@ -102,7 +111,9 @@ class StepTime:
 
     role: str
     step_s: float
-    parts: dict[str, float]  # compute_s, recompute_s, memory_bound_s, interference_s, host_s, comm_exposed_s, bubble_s, dp_exposed_s, optimizer_s
+    parts: dict[
+        str, float
+    ]  # compute_s, recompute_s, memory_bound_s, interference_s, host_s, comm_exposed_s, bubble_s, dp_exposed_s, optimizer_s
     comm: list[dict] = field(default_factory=list)  # per collective/axis: scope, seconds, exposed_s, link source
 
 
@@ -114,8 +125,9 @@ def _dp_exposed(seconds: float, calls: int, window: float) -> float:
     return per + (calls - 1) * max(0.0, per - window)
 
 
-def _fsdp_exposed(it: dict, secs: float, *, pp: int, units: int, fwd_unit: float, bwd_unit: float,
-                  gather_per_unit: float) -> float:
+def _fsdp_exposed(
+    it: dict, secs: float, *, pp: int, units: int, fwd_unit: float, bwd_unit: float, gather_per_unit: float
+) -> float:
     """The exposed part of one FSDP row. With a pipeline the stage gathers once, during the first microbatch's
     forward, and reduces once, behind the last backward. Without one, each microbatch gathers every unit ahead of
     its forward and again ahead of its backward (prefetched: the first gather of the step is exposed, and what a
@@ -130,8 +142,9 @@ def _fsdp_exposed(it: dict, secs: float, *, pp: int, units: int, fwd_unit: float
     return _dp_exposed(secs, n, max(0.0, bwd_unit - (0.0 if pp > 1 else gather_per_unit)))
 
 
-def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_s: float, train_s: float,
-               pp: int, units: int) -> tuple[list[dict], float, float]:
+def _time_comm(
+    items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_s: float, train_s: float, pp: int, units: int
+) -> tuple[list[dict], float, float]:
     """Each collective's time and its exposed part; returns (rows, exposed on the stage, exposed after it).
     `fwd_s`, `train_s`: one microbatch's forward and whole (forward, backward, recompute) device time."""
     rows, stage, tail = [], 0.0, 0.0
@@ -139,8 +152,14 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_s:
     for it in items:
         scope = axis_scope(it["axis"], shape, node_ranks=hw.node_ranks, pod_ranks=hw.pod_ranks)
         link = hw.link(it["collective"], scope)
-        timed.append((it, scope, link, link.seconds(calls=it["count"], nbytes=it["bytes"], op=it["collective"],
-                                                    group=it["group"])))
+        timed.append(
+            (
+                it,
+                scope,
+                link,
+                link.seconds(calls=it["count"], nbytes=it["bytes"], op=it["collective"], group=it["group"]),
+            )
+        )
     gathers = {it["axis"]: secs / max(it["count"], 1) for it, _, _, secs in timed if it["collective"] == "all_gather"}
     fwd_unit, bwd_unit = fwd_s / max(units, 1), (train_s - fwd_s) / max(units, 1)
     for it, scope, link, secs in timed:
@@ -148,16 +167,41 @@ def _time_comm(items: list[dict], hw: Hardware, shape: dict[str, int], *, fwd_s:
         if not hw.overlap or on_stage:
             exposed = secs
         else:
-            exposed = _fsdp_exposed(it, secs, pp=pp, units=units, fwd_unit=fwd_unit, bwd_unit=bwd_unit,
-                                    gather_per_unit=gathers.get(it["axis"], 0.0))
+            exposed = _fsdp_exposed(
+                it,
+                secs,
+                pp=pp,
+                units=units,
+                fwd_unit=fwd_unit,
+                bwd_unit=bwd_unit,
+                gather_per_unit=gathers.get(it["axis"], 0.0),
+            )
         stage, tail = stage + (exposed if on_stage else 0.0), tail + (0.0 if on_stage else exposed)
-        rows.append({**it, "scope": scope, "seconds": secs, "exposed_s": exposed, "alpha_s": link.alpha_s,
-                     "bus_GBps": link.bus_GBps, "source": link.source})
+        rows.append(
+            {
+                **it,
+                "scope": scope,
+                "seconds": secs,
+                "exposed_s": exposed,
+                "alpha_s": link.alpha_s,
+                "bus_GBps": link.bus_GBps,
+                "source": link.source,
+            }
+        )
     return rows, stage, tail
 
 
-def memory_bound_s(m: ModelConfig, stages: list[P.StageShape], hw: Hardware, *, tokens: float, tp: int,
-                   sequence_parallel: bool, recomputed: list[int], compute_bytes: int = 2) -> tuple[float, float]:
+def memory_bound_s(
+    m: ModelConfig,
+    stages: list[P.StageShape],
+    hw: Hardware,
+    *,
+    tokens: float,
+    tp: int,
+    sequence_parallel: bool,
+    recomputed: list[int],
+    compute_bytes: int = 2,
+) -> tuple[float, float]:
     """(forward, recompute) seconds of one microbatch's memory-bound ops on the rank holding `stages`
     (jobs.planner.traffic) at the HBM rate; (0, 0) when the profile has none (a calibrated rate holds them)."""
     if hw.hbm_GBps <= 0:
@@ -165,8 +209,13 @@ def memory_bound_s(m: ModelConfig, stages: list[P.StageShape], hw: Hardware, *, 
     rate = hw.hbm_GBps * 1e9
 
     def block(i: int) -> float:
-        return tokens * T.block_bytes_per_token(m, layer=i, tp=tp, sequence_parallel=sequence_parallel,
-                                                compute_bytes=compute_bytes) / rate
+        return (
+            tokens
+            * T.block_bytes_per_token(
+                m, layer=i, tp=tp, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes
+            )
+            / rate
+        )
 
     fwd = sum(block(i) for st in stages for i in st.layers)
     if any(st.last for st in stages):  # the loss, forward and backward, booked with the forward
@@ -174,8 +223,9 @@ def memory_bound_s(m: ModelConfig, stages: list[P.StageShape], hw: Hardware, *, 
     return fwd, sum(block(i) for i in recomputed)
 
 
-def _host_s(hw: Hardware, shape: dict[str, int], stages: list[P.StageShape], *, microbatches: int,
-            device_s: float) -> float:
+def _host_s(
+    hw: Hardware, shape: dict[str, int], stages: list[P.StageShape], *, microbatches: int, device_s: float
+) -> float:
     """Host seconds per step that FLOPs do not count (see the module docstring): FSDP2 units (each
     block plus the stage's root) and pipeline actions (forward and backward per microbatch per stage)."""
     pp = shape.get("pp", 1)
@@ -187,10 +237,24 @@ def _host_s(hw: Hardware, shape: dict[str, int], stages: list[P.StageShape], *, 
     return host if not hw.overlap else max(0.0, host - device_s)
 
 
-def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], hw: Hardware, *, role: str,
-                 shape: dict[str, int], microbatches: int, micro_batch: int, seq_len: int, bubble: float,
-                 recomputed: list[int], world: int, params_elems: int = 0, sequence_parallel: bool = True,
-                 compute_bytes: int = 2) -> StepTime:
+def predict_rank(
+    m: ModelConfig,
+    stages: list[P.StageShape],
+    items: list[dict],
+    hw: Hardware,
+    *,
+    role: str,
+    shape: dict[str, int],
+    microbatches: int,
+    micro_batch: int,
+    seq_len: int,
+    bubble: float,
+    recomputed: list[int],
+    world: int,
+    params_elems: int = 0,
+    sequence_parallel: bool = True,
+    compute_bytes: int = 2,
+) -> StepTime:
     """The step time of the rank holding `stages`, whose collectives per step are `items`
     (`arith.CommItem.as_dict()` rows, axis names as the plan prints them)."""
     tp, cp, pp = shape.get("tp", 1), shape.get("cp", 1), shape.get("pp", 1)
@@ -200,29 +264,67 @@ def predict_rank(m: ModelConfig, stages: list[P.StageShape], items: list[dict], 
     att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
     compute = microbatches * flops_seconds(train_mb, 3.0 * att_fwd, hw)
     recompute = microbatches * flops_seconds(re_mb, att_re, hw)
-    nm_fwd, nm_re = memory_bound_s(m, stages, hw, tokens=tokens, tp=tp, sequence_parallel=sequence_parallel and tp > 1,
-                                   recomputed=recomputed, compute_bytes=compute_bytes)
+    nm_fwd, nm_re = memory_bound_s(
+        m,
+        stages,
+        hw,
+        tokens=tokens,
+        tp=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        recomputed=recomputed,
+        compute_bytes=compute_bytes,
+    )
     memory = microbatches * (3.0 * nm_fwd + nm_re)  # backward moves twice the forward's bytes
     units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
-    totals = {"collective": "all_reduce", "axis": "world", "what": "grad norm, loss, stop flag (fp64)", "count": 1,
-              "bytes": int(2 * 24 * (world - 1) / max(world, 1)), "group": world}
+    totals = {
+        "collective": "all_reduce",
+        "axis": "world",
+        "what": "grad norm, loss, stop flag (fp64)",
+        "count": 1,
+        "bytes": int(2 * 24 * (world - 1) / max(world, 1)),
+        "group": world,
+    }
     per_mb = (compute + recompute) / max(microbatches, 1)  # one microbatch's forward, backward and recompute
-    rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_s=flops_seconds(fwd_mb, att_fwd, hw) + nm_fwd,
-                                        train_s=per_mb + 3.0 * nm_fwd + nm_re, pp=pp, units=units)
+    rows, stage_comm, tail = _time_comm(
+        items,
+        hw,
+        shape,
+        fwd_s=flops_seconds(fwd_mb, att_fwd, hw) + nm_fwd,
+        train_s=per_mb + 3.0 * nm_fwd + nm_re,
+        pp=pp,
+        units=units,
+    )
     world_scope = "intra" if world <= hw.node_ranks else "inter"
     link = hw.link("all_reduce", world_scope)
     world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
-    rows.append({**totals, "scope": world_scope, "seconds": world_s, "exposed_s": world_s, "alpha_s": link.alpha_s,
-                 "bus_GBps": link.bus_GBps, "source": link.source})
+    rows.append(
+        {
+            **totals,
+            "scope": world_scope,
+            "seconds": world_s,
+            "exposed_s": world_s,
+            "alpha_s": link.alpha_s,
+            "bus_GBps": link.bus_GBps,
+            "source": link.source,
+        }
+    )
     device = compute + recompute + memory
     hidden = sum(r["seconds"] - r["exposed_s"] for r in rows)  # collectives running beside the compute
     interference = hw.comm_sm_share * min(hidden, device)
     host = _host_s(hw, shape, stages, microbatches=microbatches, device_s=device)
     busy = device + interference + stage_comm + host
     bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
-    parts = {"compute_s": compute, "recompute_s": recompute, "memory_bound_s": memory, "interference_s": interference,
-             "host_s": host, "comm_exposed_s": stage_comm, "bubble_s": bubble_s, "dp_exposed_s": tail + world_s,
-             "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9}
+    parts = {
+        "compute_s": compute,
+        "recompute_s": recompute,
+        "memory_bound_s": memory,
+        "interference_s": interference,
+        "host_s": host,
+        "comm_exposed_s": stage_comm,
+        "bubble_s": bubble_s,
+        "dp_exposed_s": tail + world_s,
+        "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9,
+    }
     return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)
 
 

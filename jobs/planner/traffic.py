@@ -56,8 +56,9 @@ def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int, int]:
     return q, kv, rope, f
 
 
-def block_bytes_per_token(m: ModelConfig, *, layer: int, tp: int, sequence_parallel: bool,
-                          compute_bytes: int = COMPUTE_BYTES) -> float:
+def block_bytes_per_token(
+    m: ModelConfig, *, layer: int, tp: int, sequence_parallel: bool, compute_bytes: int = COMPUTE_BYTES
+) -> float:
     """HBM bytes one block's forward moves per token on one tensor-parallel rank (see the module docstring);
     `compute_bytes` scales the bf16 parts for an fp32 run."""
     q, kv, rope, f = _widths(m, layer)

@@ -10,8 +10,13 @@ from importlib import import_module
 
 __all__ = ["achieved", "model_flops_per_token", "LiveBytes", "PeakMemory", "live_tensors"]
 
-_HOME = {"achieved": "flops", "model_flops_per_token": "flops",
-         "LiveBytes": "memory", "PeakMemory": "memory", "live_tensors": "memory"}
+_HOME = {
+    "achieved": "flops",
+    "model_flops_per_token": "flops",
+    "LiveBytes": "memory",
+    "PeakMemory": "memory",
+    "live_tensors": "memory",
+}
 
 
 def __getattr__(name: str):

@@ -5,8 +5,14 @@ from __future__ import annotations
 from jobs.config import ModelConfig
 from jobs.planner.arith import attention_head_dims, flops_per_token
 
-__all__ = ["model_flops_per_token", "attention_flops_per_token", "achieved", "mfu_text", "MFU_CONVENTION",
-           "MFU_CONVENTION_WHOLE"]
+__all__ = [
+    "model_flops_per_token",
+    "attention_flops_per_token",
+    "achieved",
+    "mfu_text",
+    "MFU_CONVENTION",
+    "MFU_CONVENTION_WHOLE",
+]
 
 # Every MFU figure we print or log uses this convention, and says so next to the number. torchtitan
 # (torchtitan/models/utils.py, get_dense_model_nparams_and_flops: 6·N + 12·L·H·Q·T, "we follow the convention
@@ -35,8 +41,9 @@ def model_flops_per_token(m: ModelConfig, *, seq_len: int, causal_halved: bool =
     return ours if causal_halved else ours + attention_flops_per_token(m, seq_len=seq_len)
 
 
-def achieved(*, flops_per_token: float, tokens_per_step: int, world_size: int, step_time_s: float,
-             peak_tflops: float | None) -> dict[str, float]:
+def achieved(
+    *, flops_per_token: float, tokens_per_step: int, world_size: int, step_time_s: float, peak_tflops: float | None
+) -> dict[str, float]:
     """{"tflops_per_rank"[, "mfu"]}: model FLOPs of one step spread over the world, per second;
     MFU only when a peak is given (a GPU's dense bf16 peak, `cluster.gpu_bf16_tflops`)."""
     tflops = flops_per_token * tokens_per_step / world_size / step_time_s / 1e12
@@ -47,5 +54,5 @@ def achieved(*, flops_per_token: float, tokens_per_step: int, world_size: int, s
 
 
 def mfu_text(mfu: float) -> str:
-    """"MFU 41.2% (causal attention halved)": an MFU figure never without its convention."""
+    """ "MFU 41.2% (causal attention halved)": an MFU figure never without its convention."""
     return f"MFU {mfu:.1%} ({MFU_CONVENTION})"

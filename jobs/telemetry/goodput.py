@@ -37,8 +37,16 @@ from jobs.failure.ledger import Attempt, attempts
 
 __all__ = ["KINDS", "Segment", "Goodput", "Closed", "measure_goodput", "close_dead", "expected_goodput", "is_failure"]
 
-KINDS = ("productive", "startup", "checkpoint_stall", "lost_work", "failure_detection", "restart_gap", "queue_wait",
-         "other")
+KINDS = (
+    "productive",
+    "startup",
+    "checkpoint_stall",
+    "lost_work",
+    "failure_detection",
+    "restart_gap",
+    "queue_wait",
+    "other",
+)
 
 # Attempt ends that are not failures of the machine: a finished run, a stop signal, a deliberate stop,
 # bad input. The same classes as checkpoint.interval._NOT_FAILURES (a unit test keeps them equal).
@@ -59,6 +67,7 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Closed:
     """The end given to an attempt that died without writing one."""
+
     end: float
     cause: str  # lost, or what Slurm's state says (completed, walltime, preempted, cancelled)
     by: str  # what told: "Slurm End (FAILED)", "last heartbeat", "last record"
@@ -105,9 +114,17 @@ def is_failure(cause: str | None) -> bool:
     return cause not in _NOT_FAILURES
 
 
-def close_dead(rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float, fresh_s: float,
-               beats: dict[str, float] | None = None, slurm: dict[str, tuple[str, float | None]] | None = None,
-               quiet_s: float = 180.0) -> dict[str, Closed]:
+def close_dead(
+    rows: list[Attempt],
+    events: list[dict],
+    metrics: list[dict],
+    *,
+    now: float,
+    fresh_s: float,
+    beats: dict[str, float] | None = None,
+    slurm: dict[str, tuple[str, float | None]] | None = None,
+    quiet_s: float = 180.0,
+) -> dict[str, Closed]:
     """The attempts without an end that are not running any more, and the end each gets.
 
     `beats`: each attempt's newest heartbeat time; `slurm`: each attempt's (Slurm state, End) when sacct
@@ -122,8 +139,9 @@ def close_dead(rows: list[Attempt], events: list[dict], metrics: list[dict], *, 
         state, end = slurm.get(a.attempt, ("", None))
         if state:
             if end is not None and state.split()[0] not in _ACTIVE:
-                out[a.attempt] = Closed(max(a.start, end), _SLURM_CAUSES.get(state.split()[0], "lost"),
-                                        f"Slurm End ({state.split()[0]})")
+                out[a.attempt] = Closed(
+                    max(a.start, end), _SLURM_CAUSES.get(state.split()[0], "lost"), f"Slurm End ({state.split()[0]})"
+                )
             continue
         if a.attempt in beats:
             if now - beats[a.attempt] > fresh_s:
@@ -134,11 +152,26 @@ def close_dead(rows: list[Attempt], events: list[dict], metrics: list[dict], *, 
 
 
 # Slurm states of a job that may still run (jobs.launch.slurm_state.ACTIVE_STATES; a unit test keeps them equal).
-_ACTIVE = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
-    "RESIZING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD", "POWER_UP_NODE",
-    "UPDATE_DB",
-})
+_ACTIVE = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESIZING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "SPECIAL_EXIT",
+        "RESV_DEL_HOLD",
+        "POWER_UP_NODE",
+        "UPDATE_DB",
+    }
+)
 
 
 def _last_record(attempt: str, events: list[dict], metrics: list[dict], *, default: float) -> float:
@@ -148,8 +181,9 @@ def _last_record(attempt: str, events: list[dict], metrics: list[dict], *, defau
     return max(own, default=default)
 
 
-def expected_goodput(*, solve_s: float, interval_s: float, blocking_s: float, mtbf_s: float, restart_s: float,
-                     startup_s: float) -> float:
+def expected_goodput(
+    *, solve_s: float, interval_s: float, blocking_s: float, mtbf_s: float, restart_s: float, startup_s: float
+) -> float:
     """Productive over allocated time expected for `solve_s` of training: Daly's expected wall time
     (saves every `interval_s`, each blocking `blocking_s`; failures every `mtbf_s`, each costing
     `restart_s` and the lost work) plus one start-up of `startup_s`."""
@@ -161,9 +195,15 @@ def expected_goodput(*, solve_s: float, interval_s: float, blocking_s: float, mt
     return solve_s / (wall + startup_s)
 
 
-def measure_goodput(events: list[dict], metrics: list[dict], *, now: float,
-                    queue: list[tuple[float, float]] = (), expected: float | None = None,
-                    closed: dict[str, Closed] | None = None) -> Goodput:
+def measure_goodput(
+    events: list[dict],
+    metrics: list[dict],
+    *,
+    now: float,
+    queue: list[tuple[float, float]] = (),
+    expected: float | None = None,
+    closed: dict[str, Closed] | None = None,
+) -> Goodput:
     """The goodput of the run whose ledger is `events` and whose step log is `metrics`.
 
     `now` ends a running attempt; `queue` holds (submit, start) times of the job's Slurm records;
@@ -195,11 +235,18 @@ def measure_goodput(events: list[dict], metrics: list[dict], *, now: float,
     failures = [a for a in rows if is_failure(a.cause)]
     inside = sum(e - s for s, e in spans)
     return Goodput(
-        start=t0, end=t1, seconds=seconds, attempts_s=inside,
-        steps_productive=sum(u.kind == "productive" for u in units), steps_lost=sum(u.kind == "lost_work" for u in units),
-        failures=len(failures), mtbf_s=inside / len(failures) if failures else None,
-        mttr_s=_mttr(rows, windows, units), expected=expected,
-        segments=sorted(segs, key=lambda s: s.start), closed={k: v for k, v in closed.items() if k in windows},
+        start=t0,
+        end=t1,
+        seconds=seconds,
+        attempts_s=inside,
+        steps_productive=sum(u.kind == "productive" for u in units),
+        steps_lost=sum(u.kind == "lost_work" for u in units),
+        failures=len(failures),
+        mtbf_s=inside / len(failures) if failures else None,
+        mttr_s=_mttr(rows, windows, units),
+        expected=expected,
+        segments=sorted(segs, key=lambda s: s.start),
+        closed={k: v for k, v in closed.items() if k in windows},
     )
 
 
@@ -213,13 +260,15 @@ def _detection(a: Attempt, events: list[dict], units: list[Segment], *, end: flo
     if not is_failure(a.cause) or not mine:
         return []
     last = max(mine)
-    decided = [e["time"] for e in events if e.get("attempt") == a.attempt and e.get("kind") == "decision"
-               and e["time"] >= last]
+    decided = [
+        e["time"] for e in events if e.get("attempt") == a.attempt and e.get("kind") == "decision" and e["time"] >= last
+    ]
     return [Segment(last, min(min(decided, default=end), end), "failure_detection", a.attempt)]
 
 
-def _windows(rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float,
-             closed: dict[str, Closed]) -> dict[str, tuple[float, float]]:
+def _windows(
+    rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float, closed: dict[str, Closed]
+) -> dict[str, tuple[float, float]]:
     """Each attempt's (start, end), made disjoint: an attempt ends at the latest when the next begins."""
     out = {}
     for i, a in enumerate(rows):
@@ -247,7 +296,9 @@ def _step_units(rows: list[Attempt], metrics: list[dict]) -> list[Segment]:
             continue
         step = int(m["step"])
         if "trained_steps" in m:  # [step, end time, step_time_s] of each step since the previous row
-            trained += [(int(j), Segment(t - dt, t, "productive", a.attempt, int(j))) for j, t, dt in m["trained_steps"]]
+            trained += [
+                (int(j), Segment(t - dt, t, "productive", a.attempt, int(j))) for j, t, dt in m["trained_steps"]
+            ]
         else:  # an older row: it stands for the steps since the attempt's previous row (only itself after a rollback)
             dt = float(m.get("step_time_s") or 0.0)
             lo = prev.get(a.attempt, a.start_step if a.start_step is not None else step - 1)
@@ -256,7 +307,9 @@ def _step_units(rows: list[Attempt], metrics: list[dict]) -> list[Segment]:
                 trained.append((j, Segment(end - dt, end, "productive", a.attempt, j)))
         prev[a.attempt] = step
     last = {j: i for i, (j, _) in enumerate(trained)}
-    return [s if last[j] == i else Segment(s.start, s.end, "lost_work", s.attempt, j) for i, (j, s) in enumerate(trained)]
+    return [
+        s if last[j] == i else Segment(s.start, s.end, "lost_work", s.attempt, j) for i, (j, s) in enumerate(trained)
+    ]
 
 
 def _stalls(attempt: str, events: list[dict], units: list[Segment]) -> list[Segment]:
@@ -266,7 +319,9 @@ def _stalls(attempt: str, events: list[dict], units: list[Segment]) -> list[Segm
     for e in events:
         if e.get("kind") == "checkpoint_saved" and e.get("attempt") == attempt:
             start = ends.get(e.get("step"), e["time"] - float(e.get("total_s") or 0.0))
-            out.append(Segment(start, start + float(e.get("blocking_s") or 0.0), "checkpoint_stall", attempt, e.get("step")))
+            out.append(
+                Segment(start, start + float(e.get("blocking_s") or 0.0), "checkpoint_stall", attempt, e.get("step"))
+            )
     return out
 
 
@@ -291,8 +346,10 @@ def _fill(segs: list[Segment], start: float, end: float, *, hole: str, attempt: 
 
 def _gap(lo: float, hi: float, queue: list[tuple[float, float]], *, rest: str) -> list[Segment]:
     """[lo, hi] outside every attempt: Slurm's queue where sacct says the job waited, `rest` elsewhere."""
-    waits = sorted((Segment(max(s, lo), min(e, hi), "queue_wait") for s, e in queue if min(e, hi) > max(s, lo)),
-                   key=lambda s: s.start)
+    waits = sorted(
+        (Segment(max(s, lo), min(e, hi), "queue_wait") for s, e in queue if min(e, hi) > max(s, lo)),
+        key=lambda s: s.start,
+    )
     return [s for s in _fill(waits, lo, hi, hole=rest, attempt=None) if s.end > s.start]
 
 

@@ -41,13 +41,32 @@ from jobs.config import FailureConfig
 from jobs.failure.incident import Incident
 from jobs.log import get_logger
 
-__all__ = ["GpuId", "Nvml", "NotSupported", "PynvmlNvml", "Sample", "Finding", "GpuHealth", "open_nvml", "cuda_gpu",
-           "read_sample", "assess", "CLOCK_EVENTS", "CLOCK_EVENT_SAMPLES", "GpuLost", "rank_health"]
+__all__ = [
+    "GpuId",
+    "Nvml",
+    "NotSupported",
+    "PynvmlNvml",
+    "Sample",
+    "Finding",
+    "GpuHealth",
+    "open_nvml",
+    "cuda_gpu",
+    "read_sample",
+    "assess",
+    "CLOCK_EVENTS",
+    "CLOCK_EVENT_SAMPLES",
+    "GpuLost",
+    "rank_health",
+]
 
 # nvmlClocksEventReason* bits: name, failing?
-CLOCK_EVENTS = {0x8: ("hw_slowdown", True), 0x40: ("hw_thermal_slowdown", True),
-                0x80: ("hw_power_brake_slowdown", True), 0x20: ("sw_thermal_slowdown", True),
-                0x4: ("sw_power_cap", False)}
+CLOCK_EVENTS = {
+    0x8: ("hw_slowdown", True),
+    0x40: ("hw_thermal_slowdown", True),
+    0x80: ("hw_power_brake_slowdown", True),
+    0x20: ("sw_thermal_slowdown", True),
+    0x4: ("sw_power_cap", False),
+}
 
 CLOCK_EVENT_SAMPLES = 3  # consecutive samples with a failing clock event before the GPU counts as failing
 CONFIRM_S = 1.0  # at start: seconds between the samples that confirm a failing clock event
@@ -111,13 +130,17 @@ class PynvmlNvml:
 
     def clock_events(self, handle: Any) -> int:
         lib = self.lib  # "clocks throttle reasons" before nvidia-ml-py 12.535
-        fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or lib.nvmlDeviceGetCurrentClocksThrottleReasons
+        fn = (
+            getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or lib.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         return self._call(fn, handle)
 
     def ecc_uncorrected(self, handle: Any) -> int:
         lib = self.lib
-        return self._call(lib.nvmlDeviceGetTotalEccErrors, handle, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                          lib.NVML_VOLATILE_ECC)
+        return self._call(
+            lib.nvmlDeviceGetTotalEccErrors, handle, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
+        )
 
     def remapped_rows(self, handle: Any) -> tuple[int, int, bool, bool]:
         corr, unc, pending, failed = self._call(self.lib.nvmlDeviceGetRemappedRows, handle)
@@ -163,8 +186,11 @@ def cuda_gpu(index: int) -> GpuId:
 
     p = torch.cuda.get_device_properties(index)
     uuid = str(p.uuid)
-    return GpuId(uuid=uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}",
-                 pci_bus_id=f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0", cuda_index=index)
+    return GpuId(
+        uuid=uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}",
+        pci_bus_id=f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0",
+        cuda_index=index,
+    )
 
 
 def find_handle(nvml: Nvml, gpu: GpuId) -> Any:
@@ -208,10 +234,14 @@ def _maybe(fn: Callable[[Any], Any], handle: Any) -> Any:
 
 def read_sample(nvml: Nvml, handle: Any) -> Sample:
     xids = _maybe(nvml.xids, handle)
-    return Sample(temperature_c=_maybe(nvml.temperature_c, handle), clock_events=_maybe(nvml.clock_events, handle),
-                  ecc_uncorrected=_maybe(nvml.ecc_uncorrected, handle), remapped_rows=_maybe(nvml.remapped_rows, handle),
-                  retired_pages_pending=_maybe(nvml.retired_pages_pending, handle),
-                  xids=None if xids is None else tuple(xids))
+    return Sample(
+        temperature_c=_maybe(nvml.temperature_c, handle),
+        clock_events=_maybe(nvml.clock_events, handle),
+        ecc_uncorrected=_maybe(nvml.ecc_uncorrected, handle),
+        remapped_rows=_maybe(nvml.remapped_rows, handle),
+        retired_pages_pending=_maybe(nvml.retired_pages_pending, handle),
+        xids=None if xids is None else tuple(xids),
+    )
 
 
 def assess(s: Sample, *, temp_warn_c: float, failing_xids: list[int]) -> list[Finding]:
@@ -228,8 +258,13 @@ def assess(s: Sample, *, temp_warn_c: float, failing_xids: list[int]) -> list[Fi
         out.append(Finding("ecc", True, f"{s.ecc_uncorrected} uncorrected ECC error(s) since the driver loaded"))
     if s.remapped_rows is not None and (s.remapped_rows[2] or s.remapped_rows[3]):
         what = "a row remap failed" if s.remapped_rows[3] else "a row remap is pending (reset the GPU)"
-        out.append(Finding("remapped_rows", True, f"{what}; rows remapped: {s.remapped_rows[0]} corrected, "
-                                                  f"{s.remapped_rows[1]} uncorrected"))
+        out.append(
+            Finding(
+                "remapped_rows",
+                True,
+                f"{what}; rows remapped: {s.remapped_rows[0]} corrected, {s.remapped_rows[1]} uncorrected",
+            )
+        )
     if s.retired_pages_pending:
         out.append(Finding("retired_pages", True, "a page retirement is pending (reset the GPU)"))
     for xid in s.xids or ():
@@ -243,8 +278,19 @@ class GpuHealth:
     (the start check always, later ones when they change); a failing one goes to `on_failing` as an
     incident, once. `nvml` None: nothing is checked and `skipped` says why (one event, from rank 0)."""
 
-    def __init__(self, nvml: Nvml | None, *, gpu: GpuId | None, cfg: FailureConfig, rank: int, node: str,
-                 attempt: str, emit: Callable[..., Any], on_failing: Callable[[Incident], None], skipped: str = "") -> None:
+    def __init__(
+        self,
+        nvml: Nvml | None,
+        *,
+        gpu: GpuId | None,
+        cfg: FailureConfig,
+        rank: int,
+        node: str,
+        attempt: str,
+        emit: Callable[..., Any],
+        on_failing: Callable[[Incident], None],
+        skipped: str = "",
+    ) -> None:
         self.nvml, self.gpu, self.cfg, self.skipped = nvml, gpu, cfg, skipped
         self.rank, self.node, self.attempt, self.emit, self.on_failing = rank, node, attempt, emit, on_failing
         self._handle: Any = None
@@ -266,8 +312,9 @@ class GpuHealth:
                 self._handle = find_handle(self.nvml, self.gpu)
                 _maybe(self.nvml.watch_xids, self._handle)
             sample = read_sample(self.nvml, self._handle)
-            found = self._confirm(assess(sample, temp_warn_c=self.cfg.health_temp_warn_c,
-                                         failing_xids=self.cfg.health_failing_xids))
+            found = self._confirm(
+                assess(sample, temp_warn_c=self.cfg.health_temp_warn_c, failing_xids=self.cfg.health_failing_xids)
+            )
         except GpuLost as e:
             sample, found = None, [Finding("gpu_lost", True, f"NVML: {e} (fallen off the bus?)")]
         key = [(f.check, f.failing, f.detail if f.check == "xid" else "") for f in found]
@@ -282,6 +329,7 @@ class GpuHealth:
     def _confirm(self, found: list[Finding]) -> list[Finding]:
         """A failing clock event counts as failing from its CLOCK_EVENT_SAMPLES-th consecutive sample on;
         before that it is a warning saying which sample it is."""
+
         def event(f: Finding) -> str | None:  # "clock event hw_slowdown at 91 C" -> hw_slowdown
             return f.detail.split()[2] if f.check == "clock_events" and f.failing else None
 
@@ -290,9 +338,15 @@ class GpuHealth:
         out = []
         for f in found:
             n = self._streak[event(f)] if event(f) else CLOCK_EVENT_SAMPLES
-            out.append(f if n >= CLOCK_EVENT_SAMPLES else Finding(
-                f.check, False,
-                f"{f.detail} (sample {n} of {CLOCK_EVENT_SAMPLES} in a row before the GPU counts as failing)"))
+            out.append(
+                f
+                if n >= CLOCK_EVENT_SAMPLES
+                else Finding(
+                    f.check,
+                    False,
+                    f"{f.detail} (sample {n} of {CLOCK_EVENT_SAMPLES} in a row before the GPU counts as failing)",
+                )
+            )
         return out
 
     def pending(self) -> bool:
@@ -301,25 +355,45 @@ class GpuHealth:
 
     def _report(self, sample: Sample | None, found: list[Finding]) -> None:
         level = "failing" if any(f.failing for f in found) else "warning" if found else "ok"
-        self.emit("gpu_health", level=level, gpu=self.gpu.uuid, pci_bus_id=self.gpu.pci_bus_id, node=self.node,
-                  findings=[asdict(f) for f in found], temperature_c=sample and sample.temperature_c,
-                  unsupported=sample.unsupported() if sample else [])
+        self.emit(
+            "gpu_health",
+            level=level,
+            gpu=self.gpu.uuid,
+            pci_bus_id=self.gpu.pci_bus_id,
+            node=self.node,
+            findings=[asdict(f) for f in found],
+            temperature_c=sample and sample.temperature_c,
+            unsupported=sample.unsupported() if sample else [],
+        )
         if found:
-            get_logger().warning("GPU %s on node %s: %s", self.gpu.describe(), self.node,
-                                 "; ".join(f.detail for f in found))
+            get_logger().warning(
+                "GPU %s on node %s: %s", self.gpu.describe(), self.node, "; ".join(f.detail for f in found)
+            )
 
     def incident(self, sample: Sample | None, found: list[Finding]) -> Incident:
         """`unhealthy_gpu`: this rank and node the suspects, the GPU named, the sample as evidence."""
         failing = [f for f in found if f.failing]
-        suspect = {"rank": self.rank, "node": self.node, "host": os.uname().nodename, "pid": os.getpid(),
-                   "state": "unhealthy_gpu", "gpu": self.gpu.uuid, "pci_bus_id": self.gpu.pci_bus_id,
-                   "checks": sorted({f.check for f in failing})}
-        return Incident("unhealthy_gpu", self.attempt, self.rank,
-                        f"GPU {self.gpu.describe()} of rank {self.rank} on node {self.node}: "
-                        + "; ".join(f.detail for f in failing),
-                        [suspect], {"sample": sample and asdict(sample), "findings": [asdict(f) for f in found]})
+        suspect = {
+            "rank": self.rank,
+            "node": self.node,
+            "host": os.uname().nodename,
+            "pid": os.getpid(),
+            "state": "unhealthy_gpu",
+            "gpu": self.gpu.uuid,
+            "pci_bus_id": self.gpu.pci_bus_id,
+            "checks": sorted({f.check for f in failing}),
+        }
+        return Incident(
+            "unhealthy_gpu",
+            self.attempt,
+            self.rank,
+            f"GPU {self.gpu.describe()} of rank {self.rank} on node {self.node}: "
+            + "; ".join(f.detail for f in failing),
+            [suspect],
+            {"sample": sample and asdict(sample), "findings": [asdict(f) for f in found]},
+        )
 
-    def start(self) -> "GpuHealth":
+    def start(self) -> GpuHealth:
         """Checks now, in this thread (a failing GPU never joins the rendezvous), then periodically.
         A check that raises (NVML finds no such GPU) turns the checks off, saying why."""
         try:
@@ -346,10 +420,28 @@ class GpuHealth:
                 get_logger().warning("GPU health check failed: %s: %s", type(e).__name__, e)
 
 
-def rank_health(device_type: str, cuda_index: int | None, *, cfg: FailureConfig, rank: int, node: str, attempt: str,
-                emit: Callable[..., Any], on_failing: Callable[[Incident], None]) -> GpuHealth:
+def rank_health(
+    device_type: str,
+    cuda_index: int | None,
+    *,
+    cfg: FailureConfig,
+    rank: int,
+    node: str,
+    attempt: str,
+    emit: Callable[..., Any],
+    on_failing: Callable[[Incident], None],
+) -> GpuHealth:
     """This rank's checks: its CUDA device through NVML, or none, saying why ("no GPU: skipped (...)")."""
     nvml, why = open_nvml() if device_type == "cuda" else (None, f"the ranks train on {device_type}")
     gpu = cuda_gpu(cuda_index or 0) if nvml is not None else None
-    return GpuHealth(nvml, gpu=gpu, cfg=cfg, rank=rank, node=node, attempt=attempt, emit=emit, on_failing=on_failing,
-                     skipped=f"no GPU: skipped ({why})")
+    return GpuHealth(
+        nvml,
+        gpu=gpu,
+        cfg=cfg,
+        rank=rank,
+        node=node,
+        attempt=attempt,
+        emit=emit,
+        on_failing=on_failing,
+        skipped=f"no GPU: skipped ({why})",
+    )

@@ -48,8 +48,9 @@ def is_comm_kernel(name: str) -> bool:
     return bool(_COMM.search(name))
 
 
-def phase_device_seconds(events: Iterable[DeviceEvent],
-                         names: Sequence[str]) -> tuple[dict[str, float], dict[str, float]]:
+def phase_device_seconds(
+    events: Iterable[DeviceEvent], names: Sequence[str]
+) -> tuple[dict[str, float], dict[str, float]]:
     """({phase: compute kernel seconds}, {phase: NCCL kernel seconds}) of one profiled step. A kernel belongs to the
     innermost phase range open at its launching op's host start; one launched outside every range, or by an op the
     trace does not hold, counts nowhere."""
@@ -94,7 +95,7 @@ def from_kineto(events: Iterable[Any]) -> list[DeviceEvent]:
     for e in events:
         kind, name = e.activity_type(), e.name()
         if kind == "user_annotation" and name.startswith(PREFIX):
-            out.append(DeviceEvent("range", name[len(PREFIX):], e.start_ns(), e.duration_ns(), 0))
+            out.append(DeviceEvent("range", name[len(PREFIX) :], e.start_ns(), e.duration_ns(), 0))
         elif kind == "cpu_op":
             out.append(DeviceEvent("op", name, e.start_ns(), e.duration_ns(), e.correlation_id()))
         elif kind in _DEVICE_WORK:
@@ -131,8 +132,11 @@ class KernelSampler:
         except RuntimeError as e:
             if not self._warned:
                 self._warned = True
-                get_logger().warning("metrics.kernel_every: the profiler did not start (%s); steps it cannot profile "
-                                     "are not judged for stragglers", e)
+                get_logger().warning(
+                    "metrics.kernel_every: the profiler did not start (%s); steps it cannot profile "
+                    "are not judged for stragglers",
+                    e,
+                )
             return
         self._prof = prof
 

@@ -50,7 +50,7 @@ class LiveBytes(TorchDispatchMode):
         self._lock = threading.RLock()  # frees arrive on other threads; reentrant: a finalizer may run inside
         self.current = self.peak = 0
 
-    def __enter__(self) -> "LiveBytes":
+    def __enter__(self) -> LiveBytes:
         self._gc_was_enabled = gc.isenabled()
         gc.collect()
         gc.disable()
@@ -116,8 +116,9 @@ def live_tensors() -> Iterator[torch.Tensor]:
 class PeakMemory:
     """Peak bytes of this rank per logging window: `track()` wraps a step, `read()` ends the window."""
 
-    def __init__(self, device: torch.device, *, sample_every: int,
-                 tensors: Callable[[], Iterable[torch.Tensor]] = live_tensors) -> None:
+    def __init__(
+        self, device: torch.device, *, sample_every: int, tensors: Callable[[], Iterable[torch.Tensor]] = live_tensors
+    ) -> None:
         self.device, self.sample_every = device, max(sample_every, 1)
         self._tensors = tensors
         self._peak: int | None = None

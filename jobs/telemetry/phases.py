@@ -34,8 +34,18 @@ if TYPE_CHECKING:  # annotations only: jobs.status reads the ledger through run_
 
     from jobs.telemetry.kernels import KernelSampler
 
-__all__ = ["PHASES", "PhaseTimer", "Descheduled", "SlowPhase", "SLOW_PHASE_VAR", "slow_phase_from_env", "phase_names",
-           "in_step_order", "META", "committed_rows"]
+__all__ = [
+    "PHASES",
+    "PhaseTimer",
+    "Descheduled",
+    "SlowPhase",
+    "SLOW_PHASE_VAR",
+    "slow_phase_from_env",
+    "phase_names",
+    "in_step_order",
+    "META",
+    "committed_rows",
+]
 
 PHASES = ("data", "forward", "backward", "pp_step", "collective", "optimizer", "checkpoint")
 META = ("step", "attempt", "time", "cpu")  # datasets of the file that are not phases
@@ -75,9 +85,14 @@ class Descheduled:
         os.unlink(path)  # the watcher gets the open file itself (pass_fds): nothing is left behind
         os.write(fd, bytes(8))
         self._map = mmap.mmap(fd, 8)
-        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(fd), str(self.PERIOD_S)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         pass_fds=(fd,), start_new_session=True)  # no pipe of the rank's held open
+        self._watcher = subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(os.getpid()), str(fd), str(self.PERIOD_S)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(fd,),
+            start_new_session=True,
+        )  # no pipe of the rank's held open
         os.close(fd)
 
     @property
@@ -174,9 +189,18 @@ class PhaseTimer:
     (jobs/telemetry/kernels.py); the profiled step pays the profiler and one device synchronize.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, rank: int, attempt: str, pp: bool,
-                 device_type: str = "cpu", enabled: bool = True, slow: SlowPhase | None = None,
-                 kernels: KernelSampler | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        rank: int,
+        attempt: str,
+        pp: bool,
+        device_type: str = "cpu",
+        enabled: bool = True,
+        slow: SlowPhase | None = None,
+        kernels: KernelSampler | None = None,
+    ) -> None:
         self.path = Path(run_dir) / "telemetry" / f"rank{rank}.h5"
         self.attempt, self.enabled, self.slow = attempt, enabled, slow
         self.names = phase_names(pp=pp)
@@ -185,10 +209,14 @@ class PhaseTimer:
         self._steps = 0  # steps ended by this timer (the sampler profiles every kernel_every-th, the first included)
         self._row: dict[str, float] = dict.fromkeys(self.names, 0.0)
         self._cpu: dict[str, float] = dict.fromkeys(self.names, 0.0)  # CPU seconds (CPU ranks)
-        self._desched: dict[str, float] = dict.fromkeys(self.names, 0.0)  # seconds descheduled (CPU ranks): judged with _cpu
+        self._desched: dict[str, float] = dict.fromkeys(
+            self.names, 0.0
+        )  # seconds descheduled (CPU ranks): judged with _cpu
         self._events: list[tuple[str, object, object]] = []  # this step's CUDA (phase, start, end)
         self._pending: list[tuple[list[float], list[tuple[str, object, object]]]] = []  # rows whose events are unread
-        self._rows: list[tuple[int, float, list[float], list[float]]] = []  # (step, time, wall s, CPU s) not yet written
+        self._rows: list[
+            tuple[int, float, list[float], list[float]]
+        ] = []  # (step, time, wall s, CPU s) not yet written
         self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
         self._flushed_at = -float("inf")  # time.monotonic() of the last flush
         self._off = Descheduled.get() if enabled and not self.cuda else None
@@ -290,8 +318,11 @@ class PhaseTimer:
             if self.attempt not in attempts:
                 attempts.append(self.attempt)
                 f.attrs["attempts"] = json.dumps(attempts)
-            cols = {"step": [r[0] for r in rows], "time": [r[1] for r in rows],
-                    "attempt": [attempts.index(self.attempt)] * len(rows)}
+            cols = {
+                "step": [r[0] for r in rows],
+                "time": [r[1] for r in rows],
+                "attempt": [attempts.index(self.attempt)] * len(rows),
+            }
             cols.update({n: [r[2][i] for r in rows] for i, n in enumerate(self.names)})
             if not self.cuda and ("cpu" not in f or json.loads(f["cpu"].attrs["phases"]) == list(self.names)):
                 cols["cpu"] = [r[3] for r in rows]  # (another mesh's columns: left NaN for this attempt)
@@ -327,7 +358,13 @@ def _append(f, cols: dict[str, list]) -> None:
         if ds is None:
             dtype = "i8" if name in ("step", "attempt") else "f8"
             width = (len(cols[name][0]),) if name == "cpu" else ()
-            ds = f.create_dataset(name, shape=(old, *width), maxshape=(None, *width), chunks=(1024, *width),
-                                  dtype=dtype, fillvalue=-1 if dtype == "i8" else np.nan)
+            ds = f.create_dataset(
+                name,
+                shape=(old, *width),
+                maxshape=(None, *width),
+                chunks=(1024, *width),
+                dtype=dtype,
+                fillvalue=-1 if dtype == "i8" else np.nan,
+            )
         ds.resize(old + n, axis=0)
         ds[old:] = cols[name] if name in cols else np.nan

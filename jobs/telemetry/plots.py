@@ -21,17 +21,34 @@ from jobs.failure.ledger import Attempt  # noqa: E402
 from jobs.telemetry.goodput import KINDS, Goodput  # noqa: E402
 from jobs.telemetry.phases import in_step_order  # noqa: E402
 
-__all__ = ["loss_plot", "metrics_plot", "goodput_plot", "phase_heatmap", "loss_figure", "metrics_figure",
-           "goodput_figure", "phase_figure", "COLORS", "HEATMAP_RANKS"]
+__all__ = [
+    "loss_plot",
+    "metrics_plot",
+    "goodput_plot",
+    "phase_heatmap",
+    "loss_figure",
+    "metrics_figure",
+    "goodput_figure",
+    "phase_figure",
+    "COLORS",
+    "HEATMAP_RANKS",
+]
 
-COLORS = {"productive": "#2ca02c", "startup": "#1f77b4", "checkpoint_stall": "#ff7f0e", "lost_work": "#d62728",
-          "failure_detection": "#9467bd", "restart_gap": "#7f7f7f", "queue_wait": "#bcbd22", "other": "#c7c7c7"}
+COLORS = {
+    "productive": "#2ca02c",
+    "startup": "#1f77b4",
+    "checkpoint_stall": "#ff7f0e",
+    "lost_work": "#d62728",
+    "failure_detection": "#9467bd",
+    "restart_gap": "#7f7f7f",
+    "queue_wait": "#bcbd22",
+    "other": "#c7c7c7",
+}
 HEATMAP_RANKS = 64  # more ranks than this: percentiles over ranks instead of one heatmap row per rank
 _LABELLED = 8  # attempts up to this many get a legend entry / a restart label each
 
 
-def loss_plot(metrics: list[dict], rows: list[Attempt], events: list[dict], path: Path,
-              evals: list[dict] = ()) -> Path:
+def loss_plot(metrics: list[dict], rows: list[Attempt], events: list[dict], path: Path, evals: list[dict] = ()) -> Path:
     return _save(loss_figure(metrics, rows, events, evals), path)
 
 
@@ -42,8 +59,12 @@ def loss_figure(metrics: list[dict], rows: list[Attempt], events: list[dict], ev
     for i, a in enumerate(rows):  # an earlier attempt drawn wider, so that its redone steps show under the later one
         pts = [(m["step"], m["loss"]) for m in metrics if m.get("attempt") == a.attempt and "loss" in m]
         if pts:
-            ax.plot(*zip(*pts), lw=1.2 + 1.2 * min(len(rows) - 1 - i, 2),
-                    label=a.attempt if len(rows) <= _LABELLED else "_", color=plt.cm.viridis(i / max(1, len(rows) - 1)))
+            ax.plot(
+                *zip(*pts),
+                lw=1.2 + 1.2 * min(len(rows) - 1 - i, 2),
+                label=a.attempt if len(rows) <= _LABELLED else "_",
+                color=plt.cm.viridis(i / max(1, len(rows) - 1)),
+            )
     ev = [(e["step"], e["eval_loss"]) for e in evals if "eval_loss" in e]
     if ev:
         ax.plot(*zip(*ev), "o", color="black", ms=4, label="eval loss (held-out)")
@@ -51,12 +72,28 @@ def loss_figure(metrics: list[dict], rows: list[Attempt], events: list[dict], ev
         at = a.start_step or 0
         ax.axvline(at, color="#d62728", ls="--", lw=1, label="resumed" if n == 1 else "_")
         text = f"{a.attempt} after {prev.cause or '?'}" if len(rows) <= _LABELLED else f"{n}"
-        ax.annotate(text, (at, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
-                    color="#d62728")
+        ax.annotate(
+            text,
+            (at, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="#d62728",
+        )
     saved = sorted({e["step"] for e in events if e.get("kind") == "checkpoint_saved" and "step" in e})
     if saved:
-        ax.plot(saved, [0.0] * len(saved), "^", color="#ff7f0e", ms=6, transform=ax.get_xaxis_transform(),
-                clip_on=False, label="checkpoint saved")
+        ax.plot(
+            saved,
+            [0.0] * len(saved),
+            "^",
+            color="#ff7f0e",
+            ms=6,
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            label="checkpoint saved",
+        )
     title = "loss, restarts and checkpoints" + (f" ({len(rows)} attempts)" if len(rows) > _LABELLED else "")
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.legend(fontsize=7, loc="upper right")
@@ -74,10 +111,16 @@ def metrics_figure(metrics: list[dict], rows: list[Attempt]) -> Figure:
     fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
     tok, mfu, step, mem = axes.ravel()
     mfu_key = "mfu" if any("mfu" in m for m in metrics) else "tflops_per_rank"
-    for ax, key, scale, label in ((tok, "tokens_per_s", 1.0, "tokens/s"),
-                                  (mfu, mfu_key, 100.0 if mfu_key == "mfu" else 1.0,
-                                   "MFU (%)" if mfu_key == "mfu" else "TFLOP/s per rank (no GPU peak: no MFU)"),
-                                  (mem, "peak_mem_bytes", 2.0**-30, "peak memory (GiB)")):
+    for ax, key, scale, label in (
+        (tok, "tokens_per_s", 1.0, "tokens/s"),
+        (
+            mfu,
+            mfu_key,
+            100.0 if mfu_key == "mfu" else 1.0,
+            "MFU (%)" if mfu_key == "mfu" else "TFLOP/s per rank (no GPU peak: no MFU)",
+        ),
+        (mem, "peak_mem_bytes", 2.0**-30, "peak memory (GiB)"),
+    ):
         pts = [(m["step"], m[key] * scale) for m in metrics if isinstance(m.get(key), (int, float))]
         if pts:
             ax.plot(*zip(*pts), ".-", ms=3, lw=1, label=key)
@@ -174,7 +217,11 @@ def phase_figure(phases: dict[int, dict[str, float]]) -> Figure:
 def _phase_percentiles(ms: np.ndarray, names: list[str], ranks: list[int]) -> Figure:
     fig, ax = plt.subplots(figsize=(1.2 * len(names) + 3, 4.5))
     xs = np.arange(len(names))
-    for q, style, label in ((50, "o-", "median over ranks"), (90, "s--", "p90 over ranks"), (100, "^:", "slowest rank")):
+    for q, style, label in (
+        (50, "o-", "median over ranks"),
+        (90, "s--", "p90 over ranks"),
+        (100, "^:", "slowest rank"),
+    ):
         ax.plot(xs, np.nanpercentile(ms, q, axis=0), style, label=label)
     for j in range(len(names)):
         col = ms[:, j]

@@ -24,10 +24,18 @@ def baseline_path(cfg: JobConfig, *, mesh: str, device: str, mixed_precision: st
     """`failure.straggler_baseline_root/<model>_<mesh>_<cluster>_<hash>.json`; `clock` (PhaseTimer.clock) is part of
     the hash: a baseline in CUDA event time is not one in kernel time."""
     t = cfg.train
-    shape = {"model": dataclasses.asdict(cfg.model), "global_batch": t.global_batch, "micro_batch": t.micro_batch,
-             "seq_len": t.seq_len, "device": device, "mixed_precision": mixed_precision,
-             "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
-             "pp_schedule": cfg.mesh.pp_schedule, "clock": clock}
+    shape = {
+        "model": dataclasses.asdict(cfg.model),
+        "global_batch": t.global_batch,
+        "micro_batch": t.micro_batch,
+        "seq_len": t.seq_len,
+        "device": device,
+        "mixed_precision": mixed_precision,
+        "activation_checkpointing": t.activation_checkpointing,
+        "compile": t.compile,
+        "pp_schedule": cfg.mesh.pp_schedule,
+        "clock": clock,
+    }
     key = baseline_key(model=cfg.model.name, mesh=mesh, cluster=cfg.cluster.name, shape=shape)
     return Path(cfg.failure.straggler_baseline_root) / key
 
@@ -37,22 +45,44 @@ def healthy_run(events_path: Path) -> bool:
     return not any(e.get("kind") in ("failure", "straggler") for e in read_events(events_path))
 
 
-def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: bool, mesh: str,
-                         device: torch.device, mixed_precision: str, pp_rank: int = 0) -> StepTelemetry:
+def build_step_telemetry(
+    cfg: JobConfig,
+    env: DistEnv,
+    *,
+    events: EventLog,
+    pp: bool,
+    mesh: str,
+    device: torch.device,
+    mixed_precision: str,
+    pp_rank: int = 0,
+) -> StepTelemetry:
     """Every rank builds one; with metrics.phase_timing=false it times nothing and never communicates.
     `pp_rank`: this rank's pipeline stage coordinate (the relative check compares within a stage)."""
     f, on, every = cfg.failure, cfg.metrics.phase_timing, cfg.metrics.kernel_every
     kernels = KernelSampler(every) if device.type == "cuda" and every > 0 else None
-    timer = PhaseTimer(cfg.run.dir, rank=env.rank, attempt=env.attempt, pp=pp, device_type=device.type,
-                       enabled=on, slow=slow_phase_from_env(env.rank), kernels=kernels)
+    timer = PhaseTimer(
+        cfg.run.dir,
+        rank=env.rank,
+        attempt=env.attempt,
+        pp=pp,
+        device_type=device.type,
+        enabled=on,
+        slow=slow_phase_from_env(env.rank),
+        kernels=kernels,
+    )
     path = baseline_path(cfg, mesh=mesh, device=device.type, mixed_precision=mixed_precision, clock=timer.clock)
     where = [(env.hostname, pp_rank)] * env.world_size
     if on and env.world_size > 1:  # once per attempt: each rank's node (for the events) and pipeline stage
         dist.all_gather_object(where, (env.hostname, pp_rank))
     nodes = [n for n, _ in where]
-    detector = StragglerDetector(timer.names, ratio=f.straggler_ratio, intervals=f.straggler_intervals,
-                                 min_diff_s=f.straggler_min_diff_s, baseline=read_baseline(path) if on else None,
-                                 groups=[s for _, s in where])
+    detector = StragglerDetector(
+        timer.names,
+        ratio=f.straggler_ratio,
+        intervals=f.straggler_intervals,
+        min_diff_s=f.straggler_min_diff_s,
+        baseline=read_baseline(path) if on else None,
+        groups=[s for _, s in where],
+    )
 
     def gather(vec: np.ndarray) -> np.ndarray:
         """One all-reduce of a [world x phases] float64 tensor holding this rank's row: every rank's row."""
@@ -63,10 +93,22 @@ def build_step_telemetry(cfg: JobConfig, env: DistEnv, *, events: EventLog, pp: 
         return m.cpu().numpy()
 
     def quarantine(bad: list[str], d: Detection) -> None:
-        add_to_quarantine(cfg.run.dir, bad, reason=f"straggler: {d.phase} {d.ratio:.2f}x its peers' median",
-                          incident=f"straggler event, attempt {env.attempt}",
-                          evidence={n: {"cls": "straggler", **dataclasses.asdict(d)} for n in bad})
+        add_to_quarantine(
+            cfg.run.dir,
+            bad,
+            reason=f"straggler: {d.phase} {d.ratio:.2f}x its peers' median",
+            incident=f"straggler event, attempt {env.attempt}",
+            evidence={n: {"cls": "straggler", **dataclasses.asdict(d)} for n in bad},
+        )
 
-    return StepTelemetry(timer, detector, rank=env.rank, nodes=nodes, gather=gather, emit=events.emit,
-                         baseline_path=path, on_straggler=quarantine if f.exclude_stragglers else None,
-                         flush_every_s=cfg.metrics.flush_every_s)
+    return StepTelemetry(
+        timer,
+        detector,
+        rank=env.rank,
+        nodes=nodes,
+        gather=gather,
+        emit=events.emit,
+        baseline_path=path,
+        on_straggler=quarantine if f.exclude_stragglers else None,
+        flush_every_s=cfg.metrics.flush_every_s,
+    )

@@ -26,8 +26,20 @@ from jobs.failure.ledger import Attempt, attempts, render_summary
 from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
-__all__ = ["RunData", "collect", "dead_attempts", "queue_waits", "slurm_ends", "read_phases", "goodput_table",
-           "phase_table", "straggler_table", "health_table", "render_text", "write_report"]
+__all__ = [
+    "RunData",
+    "collect",
+    "dead_attempts",
+    "queue_waits",
+    "slurm_ends",
+    "read_phases",
+    "goodput_table",
+    "phase_table",
+    "straggler_table",
+    "health_table",
+    "render_text",
+    "write_report",
+]
 
 # What each goodput kind holds, as the table says it (jobs/telemetry/goodput.py has the measurement).
 _MEANS = {
@@ -56,9 +68,15 @@ class RunData:
     expected_why: str = ""  # why there is no expected goodput (jobs.report.plan_costs: the planner's reason)
 
 
-def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict[str, str]] | None = None,
-            expected: float | None = None, costs: dict[str, float] | None = None,
-            expected_why: str = "") -> RunData:
+def collect(
+    run_dir: Path,
+    *,
+    now: float | None = None,
+    sacct_records: list[dict[str, str]] | None = None,
+    expected: float | None = None,
+    costs: dict[str, float] | None = None,
+    expected_why: str = "",
+) -> RunData:
     """Everything the report shows, read from `run_dir` as it is now. `sacct_records`: the run's
     Slurm records (JobID, State, Submit, Start, End), None when sacct is not available. `expected`:
     the expected goodput, else computed from `costs` (expected_goodput's keywords but solve_s) for
@@ -70,24 +88,52 @@ def collect(run_dir: Path, *, now: float | None = None, sacct_records: list[dict
     evals = [m for m in rows_all if m.get("record") == "eval"]
     rows = attempts(events)
     closed = dead_attempts(run_dir, rows, events, metrics, now=now, sacct_records=sacct_records)
-    g = measure_goodput(events, metrics, now=now, queue=queue_waits(sacct_records or []), expected=expected,
-                        closed=closed)
+    g = measure_goodput(
+        events, metrics, now=now, queue=queue_waits(sacct_records or []), expected=expected, closed=closed
+    )
     if g.expected is None and costs is not None:
         g.expected = expected_goodput(solve_s=g.seconds["productive"], **costs)
-    return RunData(run_dir, events, metrics, rows, g, read_phases(run_dir / "telemetry"),
-                   running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
-                   sacct=sacct_records is not None, evals=evals, expected_why=expected_why)
+    return RunData(
+        run_dir,
+        events,
+        metrics,
+        rows,
+        g,
+        read_phases(run_dir / "telemetry"),
+        running=bool(rows) and rows[-1].end is None and rows[-1].attempt not in closed,
+        sacct=sacct_records is not None,
+        evals=evals,
+        expected_why=expected_why,
+    )
 
 
-def dead_attempts(run_dir: Path, rows: list[Attempt], events: list[dict], metrics: list[dict], *, now: float,
-                  sacct_records: list[dict[str, str]] | None) -> dict[str, Closed]:
+def dead_attempts(
+    run_dir: Path,
+    rows: list[Attempt],
+    events: list[dict],
+    metrics: list[dict],
+    *,
+    now: float,
+    sacct_records: list[dict[str, str]] | None,
+) -> dict[str, Closed]:
     """The attempts without an end that are dead (jobs.telemetry.goodput.close_dead), judged by their Slurm
     records, their heartbeats under `run_dir` and the run's failure.heartbeat_s / failure.hang_timeout_s."""
     knobs = _failure_knobs(run_dir)
-    beats = {a.attempt: max(b.time for b in got.values()) for a in rows
-             if a.end is None and (got := read_beats(run_dir, a.attempt))}
-    return close_dead(rows, events, metrics, now=now, beats=beats, slurm=slurm_ends(rows, sacct_records or []),
-                      fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S, quiet_s=knobs["hang_timeout_s"])
+    beats = {
+        a.attempt: max(b.time for b in got.values())
+        for a in rows
+        if a.end is None and (got := read_beats(run_dir, a.attempt))
+    }
+    return close_dead(
+        rows,
+        events,
+        metrics,
+        now=now,
+        beats=beats,
+        slurm=slurm_ends(rows, sacct_records or []),
+        fresh_s=_FRESH_BEATS * knobs["heartbeat_s"] + _FRESH_SLACK_S,
+        quiet_s=knobs["hang_timeout_s"],
+    )
 
 
 # A heartbeat younger than this many failure.heartbeat_s (+ slack) is live (the same rule as jobs/launch/rundir.py).
@@ -101,8 +147,10 @@ def _failure_knobs(run_dir: Path) -> dict[str, float]:
         cfg = json.loads((run_dir / "owner.json").read_text()).get("config", {})
     except (OSError, ValueError):
         cfg = {}
-    return {"heartbeat_s": float(cfg.get("failure.heartbeat_s") or 2.0),
-            "hang_timeout_s": float(cfg.get("failure.hang_timeout_s") or 180.0)}
+    return {
+        "heartbeat_s": float(cfg.get("failure.heartbeat_s") or 2.0),
+        "hang_timeout_s": float(cfg.get("failure.hang_timeout_s") or 180.0),
+    }
 
 
 def slurm_ends(rows: list[Attempt], records: list[dict[str, str]]) -> dict[str, tuple[str, float | None]]:
@@ -132,12 +180,12 @@ def queue_waits(records: list[dict[str, str]]) -> list[tuple[float, float]]:
     out = []
     for r in records:
         try:
-            out.append((datetime.fromisoformat(r["Submit"]).timestamp(), datetime.fromisoformat(r["Start"]).timestamp()))
+            out.append(
+                (datetime.fromisoformat(r["Submit"]).timestamp(), datetime.fromisoformat(r["Start"]).timestamp())
+            )
         except (KeyError, ValueError):  # "Unknown" / "None" while pending
             continue
     return out
-
-
 
 
 def read_phases(folder: Path) -> dict[int, dict[str, float]]:
@@ -156,9 +204,11 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
         try:
             with h5py.File(path, "r", locking=False) as f:
                 n = committed_rows(f)  # a flush may be half done
-                out[int(m[1])] = {name: float(statistics.median(vals)) for name, ds in f.items()
-                                  if name not in META and getattr(ds, "ndim", 0) == 1
-                                  and (vals := [v for v in ds[:n] if v == v])}  # NaN: a row without that phase
+                out[int(m[1])] = {
+                    name: float(statistics.median(vals))
+                    for name, ds in f.items()
+                    if name not in META and getattr(ds, "ndim", 0) == 1 and (vals := [v for v in ds[:n] if v == v])
+                }  # NaN: a row without that phase
         except OSError:
             continue
     return dict(sorted(out.items()))
@@ -167,23 +217,32 @@ def read_phases(folder: Path) -> dict[int, dict[str, float]]:
 def goodput_table(g: Goodput, *, sacct: bool, expected_why: str = "") -> str:
     """The headline (productive / allocated, the queue apart), the breakdown of the wall time by kind,
     then expected goodput (or `expected_why` there is none), MTBF and MTTR."""
-    lines = [f"goodput: {g.goodput:.4f} measured (productive {g.seconds['productive']:.1f} s / allocated "
-             f"{g.allocated_s:.1f} s; queue {g.seconds['queue_wait']:.1f} s apart"
-             + ("" if sacct else ": sacct not available") + f"; {g.wall_goodput:.4f} of the wall time)"
-             + (f", {g.expected:.4f} expected (jobs.plan's costs, start-up and restarts included)"
-                if g.expected is not None else f", expected: n/a ({expected_why or 'not planned'})"),
-             f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
-             ]
+    lines = [
+        f"goodput: {g.goodput:.4f} measured (productive {g.seconds['productive']:.1f} s / allocated "
+        f"{g.allocated_s:.1f} s; queue {g.seconds['queue_wait']:.1f} s apart"
+        + ("" if sacct else ": sacct not available")
+        + f"; {g.wall_goodput:.4f} of the wall time)"
+        + (
+            f", {g.expected:.4f} expected (jobs.plan's costs, start-up and restarts included)"
+            if g.expected is not None
+            else f", expected: n/a ({expected_why or 'not planned'})"
+        ),
+        f"  {'kind':<17} {'seconds':>10} {'share':>7}  what",
+    ]
     for k in KINDS:
         s = g.seconds[k]
         note = _MEANS[k] if k != "queue_wait" or sacct else "n/a: sacct not available"
         lines.append(f"  {k:<17} {s:>10.1f} {s / g.wall_s if g.wall_s else 0:>7.1%}  {note}")
     lines.append(f"  {'wall':<17} {g.wall_s:>10.1f} {1:>7.1%}  first submit/start -> last end (or now)")
-    lines.append(f"  {g.attempts_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
-                 f"attempt(s); steps kept {g.steps_productive}, redone {g.steps_lost}")
+    lines.append(
+        f"  {g.attempts_s:.1f} s inside {len({s.attempt for s in g.segments if s.attempt})} "
+        f"attempt(s); steps kept {g.steps_productive}, redone {g.steps_lost}"
+    )
     for attempt, c in g.closed.items():
-        lines.append(f"  attempt {attempt} wrote no end: closed at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))}"
-                     f" ({c.by}) as {c.cause}")
+        lines.append(
+            f"  attempt {attempt} wrote no end: closed at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.end))}"
+            f" ({c.by}) as {c.cause}"
+        )
     mtbf = f"{g.mtbf_s:.1f} s" if g.mtbf_s is not None else "n/a (no failure)"
     mttr = f"{g.mttr_s:.1f} s" if g.mttr_s is not None else "n/a (no recovery)"
     lines.append(f"  failures {g.failures}; observed job MTBF {mtbf}; MTTR {mttr} (last progress -> next step)")
@@ -202,14 +261,17 @@ def phase_table(phases: dict[int, dict[str, float]]) -> str:
 
         lines = [f"phases (median ms per step, {len(phases)} ranks aggregated):", head]
         for label, q in (("median", 50), ("p90", 90), ("max", 100)):
-            lines.append("  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}"
-                                                          for n in names))
+            lines.append(
+                "  " + f"{label:>10} " + " ".join(f"{1e3 * float(np.percentile(cols[n], q)):>12.2f}" for n in names)
+            )
         slowest = [max((p[n], r) for r, p in phases.items() if n in p)[1] for n in names]
         lines.append("  " + f"{'max rank':>10} " + " ".join(f"{r:>12}" for r in slowest))
     else:
         lines = ["phases (median ms per step):", head]
         for r, p in phases.items():
-            lines.append("  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names))
+            lines.append(
+                "  " + f"{r:>4} " + " ".join(f"{1e3 * p[n]:>12.2f}" if n in p else f"{'-':>12}" for n in names)
+            )
     ratio = []
     for n in names:
         med = statistics.median(cols[n])
@@ -225,12 +287,22 @@ def render_text(d: RunData) -> str:
     """The report's text: the run's state, the attempts and their causes, goodput, phases."""
     last = d.metrics[-1] if d.metrics else {}
     steps = next((e.get("steps") for e in reversed(d.events) if e.get("kind") == "train_start"), None)
-    head = (f"run {d.run_dir}: {'running' if d.running else 'ended'}; step {last.get('step', 0)} of {steps or '?'}"
-            + (f", loss {last['loss']:.4f}" if "loss" in last else "")
-            + (f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
-               f"{d.evals[-1]['step']}" if d.evals else ""))
-    parts = [head + _throughput(last), render_summary(d.events), _causes(d.attempts),
-             goodput_table(d.goodput, sacct=d.sacct, expected_why=d.expected_why)]
+    head = (
+        f"run {d.run_dir}: {'running' if d.running else 'ended'}; step {last.get('step', 0)} of {steps or '?'}"
+        + (f", loss {last['loss']:.4f}" if "loss" in last else "")
+        + (
+            f", held-out loss {d.evals[-1]['eval_loss']:.4f} (ppl {d.evals[-1]['eval_ppl']:.2f}) at step "
+            f"{d.evals[-1]['step']}"
+            if d.evals
+            else ""
+        )
+    )
+    parts = [
+        head + _throughput(last),
+        render_summary(d.events),
+        _causes(d.attempts),
+        goodput_table(d.goodput, sacct=d.sacct, expected_why=d.expected_why),
+    ]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
     parts.append(straggler_table(d.events))
     parts.append(health_table(d.events))
@@ -239,11 +311,16 @@ def render_text(d: RunData) -> str:
 
 def _throughput(last: dict) -> str:
     """The last logged interval's tok/s, MFU (TFLOP/s per rank without a GPU peak), step time and peak memory."""
-    parts = [f"{last['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in last else "",
-             f"MFU {100 * last['mfu']:.1f}%" if "mfu" in last else
-             f"{last['tflops_per_rank']:.3g} TFLOP/s per rank" if "tflops_per_rank" in last else "",
-             f"{last['step_time_s']:.3f} s/step" if "step_time_s" in last else "",
-             f"peak memory {last['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in last else ""]
+    parts = [
+        f"{last['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in last else "",
+        f"MFU {100 * last['mfu']:.1f}%"
+        if "mfu" in last
+        else f"{last['tflops_per_rank']:.3g} TFLOP/s per rank"
+        if "tflops_per_rank" in last
+        else "",
+        f"{last['step_time_s']:.3f} s/step" if "step_time_s" in last else "",
+        f"peak memory {last['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in last else "",
+    ]
     shown = " | ".join(p for p in parts if p)
     return f"\n  last interval: {shown}" if shown else ""
 
@@ -257,8 +334,10 @@ def health_table(events: list[dict]) -> str:
     lines = [f"GPU health: {len(found)} finding(s)", f"  {'attempt':<12} {'node':<10} {'level':<8} {'gpu':<14} what"]
     for e in found:
         what = "; ".join(f.get("detail", "") for f in e.get("findings", [])) or e.get("reason", "")
-        lines.append(f"  {e.get('attempt', ''):<12} {e.get('node', ''):<10} {e.get('level', ''):<8} "
-                     f"{str(e.get('gpu', ''))[:14]:<14} {what}")
+        lines.append(
+            f"  {e.get('attempt', ''):<12} {e.get('node', ''):<10} {e.get('level', ''):<8} "
+            f"{str(e.get('gpu', ''))[:14]:<14} {what}"
+        )
     return "\n".join(lines)
 
 
@@ -268,13 +347,18 @@ def straggler_table(events: list[dict]) -> str:
     found = [e for e in events if e.get("kind") == "straggler"]
     if not found:
         return "stragglers: none found"
-    lines = [f"stragglers: {len(found)}", f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
-             f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<7}  nodes"]
+    lines = [
+        f"stragglers: {len(found)}",
+        f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
+        f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<7}  nodes",
+    ]
     for e in found:
         ranks = e["ranks"] if isinstance(e.get("ranks"), str) else ",".join(map(str, e.get("ranks", [])))
-        lines.append(f"  {e.get('attempt', ''):<12} {e.get('step', 0):>5} {e.get('check', ''):<9} {e.get('phase', ''):<10} "
-                     f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
-                     f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<7}  {','.join(e.get('nodes', []))}")
+        lines.append(
+            f"  {e.get('attempt', ''):<12} {e.get('step', 0):>5} {e.get('check', ''):<9} {e.get('phase', ''):<10} "
+            f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
+            f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<7}  {','.join(e.get('nodes', []))}"
+        )
     return "\n".join(lines)
 
 
@@ -288,9 +372,11 @@ def write_report(d: RunData, out: Path) -> list[Path]:
     from jobs.telemetry import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    written = [plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png", evals=d.evals),
-               plots.metrics_plot(d.metrics, d.attempts, out / "metrics.png"),
-               plots.goodput_plot(d.goodput, out / "goodput.png", events=d.events)]
+    written = [
+        plots.loss_plot(d.metrics, d.attempts, d.events, out / "loss.png", evals=d.evals),
+        plots.metrics_plot(d.metrics, d.attempts, out / "metrics.png"),
+        plots.goodput_plot(d.goodput, out / "goodput.png", events=d.events),
+    ]
     if d.phases:
         written.append(plots.phase_heatmap(d.phases, out / "phases.png"))
     page = out / "report.html"
@@ -302,8 +388,10 @@ def _html(d: RunData, images: list[str]) -> str:
     figs = "\n".join(f'<figure><img src="{n}" alt="{n}"></figure>' for n in images)
     title = html.escape(f"meshjob report: {d.run_dir}")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
-            "<style>body{font-family:sans-serif;margin:2em} pre{background:#f6f6f6;padding:1em;overflow-x:auto}"
-            " img{max-width:100%}</style></head>\n"
-            f"<body><h1>{title}</h1><p>written {stamp}{' while the run was going' if d.running else ''}</p>\n"
-            f"<pre>{html.escape(render_text(d))}</pre>\n{figs}\n</body></html>\n")
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font-family:sans-serif;margin:2em} pre{background:#f6f6f6;padding:1em;overflow-x:auto}"
+        " img{max-width:100%}</style></head>\n"
+        f"<body><h1>{title}</h1><p>written {stamp}{' while the run was going' if d.running else ''}</p>\n"
+        f"<pre>{html.escape(render_text(d))}</pre>\n{figs}\n</body></html>\n"
+    )

@@ -37,8 +37,17 @@ import numpy as np
 
 from jobs.telemetry.phases import PhaseTimer
 
-__all__ = ["Detection", "StragglerDetector", "baseline_key", "read_baseline", "write_baseline", "StepTelemetry",
-           "NOT_JUDGED", "WINDOW_STEPS", "peer_medians"]
+__all__ = [
+    "Detection",
+    "StragglerDetector",
+    "baseline_key",
+    "read_baseline",
+    "write_baseline",
+    "StepTelemetry",
+    "NOT_JUDGED",
+    "WINDOW_STEPS",
+    "peer_medians",
+]
 
 NOT_JUDGED = ("collective", "checkpoint")  # a wait for peers; a save is not every step
 # A judged window spans at least this many steps, whatever train.log_every is (it ends at the first log
@@ -180,9 +189,20 @@ class StepTelemetry:
     [phases] vector and, on rank 0 only, the straggler checks and their events; at the end of a healthy
     run, the baseline. `gather(vector) -> [ranks x phases]` is the collective (a seam for tests)."""
 
-    def __init__(self, timer: PhaseTimer, detector: StragglerDetector, *, rank: int, nodes: list[str], gather,
-                 emit, baseline_path: Path | None, on_straggler=None, flush_every_s: float = 0.0,
-                 window_steps: int = WINDOW_STEPS) -> None:
+    def __init__(
+        self,
+        timer: PhaseTimer,
+        detector: StragglerDetector,
+        *,
+        rank: int,
+        nodes: list[str],
+        gather,
+        emit,
+        baseline_path: Path | None,
+        on_straggler=None,
+        flush_every_s: float = 0.0,
+        window_steps: int = WINDOW_STEPS,
+    ) -> None:
         self.timer, self.detector, self.rank, self.nodes = timer, detector, rank, nodes
         self.gather, self.emit, self.baseline_path, self.on_straggler = gather, emit, baseline_path, on_straggler
         self.flush_every_s, self.window_steps = flush_every_s, window_steps
@@ -234,9 +254,20 @@ class StepTelemetry:
 
     def _report(self, d: Detection, step: int) -> None:
         nodes = sorted({self.nodes[r] for r in d.ranks}) if d.ranks != "all" else sorted(set(self.nodes))
-        self.emit("straggler", check=d.check, phase=d.phase, ranks=d.ranks, nodes=nodes, ratio=round(d.ratio, 4),
-                  seconds=d.seconds, reference_s=d.reference_s, clock=self.timer.clock,
-                  intervals=self.detector.intervals, window_steps=self.window_steps, step=step)
+        self.emit(
+            "straggler",
+            check=d.check,
+            phase=d.phase,
+            ranks=d.ranks,
+            nodes=nodes,
+            ratio=round(d.ratio, 4),
+            seconds=d.seconds,
+            reference_s=d.reference_s,
+            clock=self.timer.clock,
+            intervals=self.detector.intervals,
+            window_steps=self.window_steps,
+            step=step,
+        )
         if self.on_straggler is not None and d.check == "relative":
             self.on_straggler(nodes, d)
 

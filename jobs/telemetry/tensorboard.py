@@ -19,8 +19,10 @@ SKIPPED = ("step", "time", "restart", "attempt", "stop")  # record fields that a
 def check_tensorboard(enabled: bool) -> None:
     """ValueError naming both fixes when metrics.tensorboard=true and the package is not importable."""
     if enabled and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("metrics.tensorboard=true needs the tensorboard package, which is not installed: "
-                         "pip install tensorboard (or pip install 'meshjob[tensorboard]'), or set metrics.tensorboard=false")
+        raise ValueError(
+            "metrics.tensorboard=true needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or pip install 'meshjob[tensorboard]'), or set metrics.tensorboard=false"
+        )
 
 
 class ScalarLog:

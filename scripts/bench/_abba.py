@@ -12,10 +12,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _fork import run_forked_ranks  # scripts/bench is on sys.path when a benchmark runs as a script
 
 from jobs.launch.local import free_port
 from jobs.trainer import cross_entropy
-from _fork import run_forked_ranks  # scripts/bench is on sys.path when a benchmark runs as a script
 
 
 def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -29,8 +29,9 @@ def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     return float(dt)
 
 
-def abba_medians(models: dict[str, torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
-                 args: argparse.Namespace) -> tuple[dict[str, float], int]:
+def abba_medians(
+    models: dict[str, torch.nn.Module], x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
+) -> tuple[dict[str, float], int]:
     """Each of the two `models` warmed up (--warmup steps), then --rounds rounds of a --block-step block of each,
     the order reversed every other round; the median step time of each and the steps each median is of."""
     names = list(models)
@@ -39,13 +40,17 @@ def abba_medians(models: dict[str, torch.nn.Module], x: torch.Tensor, y: torch.T
         for _ in range(args.warmup):
             step_time(models[n], x, y)
     for r in range(args.rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in names if r % 2 == 0 else names[::-1]:
             times[n] += [step_time(models[n], x, y) for _ in range(args.block)]
     return {n: statistics.median(ts) for n, ts in times.items()}, len(times[names[0]])
 
 
-def abba_main(p: argparse.ArgumentParser, *, world: Callable[[argparse.Namespace], int],
-              body: Callable[[int, argparse.Namespace], None]) -> int:
+def abba_main(
+    p: argparse.ArgumentParser,
+    *,
+    world: Callable[[argparse.Namespace], int],
+    body: Callable[[int, argparse.Namespace], None],
+) -> int:
     """Adds --rounds/--block/--warmup to `p`, parses, and runs `body(rank, args)` on `world(args)` forked ranks, one
     torch thread each, inside gloo's default group; the exit code (1 when a rank failed)."""
     p.add_argument("--rounds", type=int, default=4)

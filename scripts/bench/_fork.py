@@ -52,8 +52,9 @@ def run_forked_ranks(world_size: int, rank_main: Callable[[int], int | None]) ->
     return failed
 
 
-def gather_forked_ranks(world_size: int, rank_result: Callable[[int, float], Any], *, timeout_s: float,
-                        teardown: bool = True) -> list[Any]:
+def gather_forked_ranks(
+    world_size: int, rank_result: Callable[[int, float], Any], *, timeout_s: float, teardown: bool = True
+) -> list[Any]:
     """`rank_result(rank, started)` (`started`: the child's time.time() as it began) in a forked process per
     rank, after the env:// variables of a local world and, with peers, gloo's default group (`timeout_s`);
     returns the results in rank order, and raises a rank's failure here (a RuntimeError with its traceback).
@@ -63,8 +64,10 @@ def gather_forked_ranks(world_size: int, rank_result: Callable[[int, float], Any
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_gather_child, args=(q, rank, world_size, port, rank_result, timeout_s, teardown))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_gather_child, args=(q, rank, world_size, port, rank_result, timeout_s, teardown))
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=3600) for _ in procs)

@@ -114,18 +114,28 @@ def report(cfgs: dict, gemm_s: dict, step_s: dict) -> dict:
     fits = {"single_rate": single_rate(points), "hockney": fit_gemm_rate(points)}
     units = {n: c.model.n_layers + 1 for n, c in cfgs.items()}  # blocks and the head
     step_points = [(_train_flops(cfgs[n]) / units[n], step_s[n] / units[n]) for n in CALIBRATION]  # per unit
-    step_fits = {"single_rate": RateFit(0.0, sum(f for f, _ in step_points) / sum(t for _, t in step_points) / 1e12),
-                 "hockney": fit_rate(step_points)}
-    out = {"calibration_sets": list(CALIBRATION), "threads": torch.get_num_threads(),
-           "gemm_fits": {k: _fit_dict(f) for k, f in fits.items()},
-           "step_fits": {k: _fit_dict(f) for k, f in step_fits.items()}, "sets": {}}
+    step_fits = {
+        "single_rate": RateFit(0.0, sum(f for f, _ in step_points) / sum(t for _, t in step_points) / 1e12),
+        "hockney": fit_rate(step_points),
+    }
+    out = {
+        "calibration_sets": list(CALIBRATION),
+        "threads": torch.get_num_threads(),
+        "gemm_fits": {k: _fit_dict(f) for k, f in fits.items()},
+        "step_fits": {k: _fit_dict(f) for k, f in step_fits.items()},
+        "sets": {},
+    }
     for n in cfgs:
         out["sets"][n] = {
-            "held_out": n not in CALIBRATION, "gemm_ms": round(measured[n] * 1e3, 4), "step_ms": round(step_s[n] * 1e3, 4),
+            "held_out": n not in CALIBRATION,
+            "gemm_ms": round(measured[n] * 1e3, 4),
+            "step_ms": round(step_s[n] * 1e3, 4),
             "gemm_share_of_step": round(measured[n] / step_s[n], 3),
             **{f"gemm_ratio_{k}": round(predict_seconds(f, gemms[n]) / measured[n], 3) for k, f in fits.items()},
-            **{f"step_ratio_{k}": round(units[n] * f.seconds(_train_flops(cfgs[n]) / units[n]) / step_s[n], 3)
-               for k, f in step_fits.items()},
+            **{
+                f"step_ratio_{k}": round(units[n] * f.seconds(_train_flops(cfgs[n]) / units[n]) / step_s[n], 3)
+                for k, f in step_fits.items()
+            },
         }
     return out
 
@@ -139,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                    help="cpu: this process's CPU time (what other processes' load does not add to); wall: elapsed")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu: this process's CPU time (what other processes' load does not add to); wall: elapsed",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfgs = {name: compose(ov) for name, ov in SETS.items()}
@@ -149,18 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     out = {"clock": args.clock, "rounds": args.rounds, **report(cfgs, gemm_s, step_s)}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     g, st = out["gemm_fits"], out["step_fits"]
-    print(f"calibrated on {' + '.join(CALIBRATION)} ({out['threads']} thread(s), {args.clock} clock, min of "
-          f"{args.rounds} rounds); GEMMs: single rate "
-          f"{g['single_rate']['gflops']} GFLOP/s, hockney {g['hockney']['alpha_us']} us/call + {g['hockney']['gflops']} "
-          f"GFLOP/s; step: single rate {st['single_rate']['gflops']} GFLOP/s, hockney {st['hockney']['alpha_us']} us "
-          f"per block + {st['hockney']['gflops']} GFLOP/s")
+    print(
+        f"calibrated on {' + '.join(CALIBRATION)} ({out['threads']} thread(s), {args.clock} clock, min of "
+        f"{args.rounds} rounds); GEMMs: single rate "
+        f"{g['single_rate']['gflops']} GFLOP/s, hockney {g['hockney']['alpha_us']} us/call + {g['hockney']['gflops']} "
+        f"GFLOP/s; step: single rate {st['single_rate']['gflops']} GFLOP/s, hockney {st['hockney']['alpha_us']} us "
+        f"per block + {st['hockney']['gflops']} GFLOP/s"
+    )
     print("predicted / measured  (GEMM: the set's GEMMs; step: one microbatch's forward + backward)")
-    print(f"{'set':12s} {'held out':>8s} {'GEMM ms':>8s} {'step ms':>8s} {'GEMM/step':>9s} {'GEMM single':>11s} "
-          f"{'GEMM hockney':>12s} {'step single':>11s} {'step hockney':>12s}")
+    print(
+        f"{'set':12s} {'held out':>8s} {'GEMM ms':>8s} {'step ms':>8s} {'GEMM/step':>9s} {'GEMM single':>11s} "
+        f"{'GEMM hockney':>12s} {'step single':>11s} {'step hockney':>12s}"
+    )
     for n, r in out["sets"].items():
-        print(f"{n:12s} {'yes' if r['held_out'] else 'no':>8s} {r['gemm_ms']:8.3f} {r['step_ms']:8.3f} "
-              f"{r['gemm_share_of_step']:9.2f} {r['gemm_ratio_single_rate']:11.3f} {r['gemm_ratio_hockney']:12.3f} "
-              f"{r['step_ratio_single_rate']:11.3f} {r['step_ratio_hockney']:12.3f}")
+        print(
+            f"{n:12s} {'yes' if r['held_out'] else 'no':>8s} {r['gemm_ms']:8.3f} {r['step_ms']:8.3f} "
+            f"{r['gemm_share_of_step']:9.2f} {r['gemm_ratio_single_rate']:11.3f} {r['gemm_ratio_hockney']:12.3f} "
+            f"{r['step_ratio_single_rate']:11.3f} {r['step_ratio_hockney']:12.3f}"
+        )
     print(json.dumps(out))
     return 0
 

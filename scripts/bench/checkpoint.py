@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
+from _models import mlp_stack  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
 import checkpoint.commit as commit_mod  # noqa: E402
 import checkpoint.writer as writer_mod  # noqa: E402
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
-from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
-from _models import mlp_stack  # noqa: E402
 
 # Where a synchronous save's time goes, per rank: wrappers around the writer, the crc32, fsync and the commit
 # (this process only; the manager is unchanged). Seconds, summed over the saves made while `_PROFILE["on"]`.
@@ -62,6 +62,7 @@ def _timed(fn, key):
             return fn(*args, **kwargs)
         finally:
             _PROFILE[key] = _PROFILE.get(key, 0.0) + time.perf_counter() - t0
+
     return wrapper
 
 
@@ -120,7 +121,7 @@ def _b2_blocks(model, opt, a: argparse.Namespace, root: Path, rank: int, world: 
     out: dict[str, list[float]] = {"plain": [], "save": []}
     step = 0
     for r in range(a.b2_rounds):
-        for arm in (("plain", "save") if r % 2 == 0 else ("save", "plain")):
+        for arm in ("plain", "save") if r % 2 == 0 else ("save", "plain"):
             if world > 1:
                 dist.barrier()
             t0 = time.perf_counter()
@@ -174,9 +175,13 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
         _step(model, opt, a.dim)
         out["resume_to_first_step_s"] = time.time() - t_launch
         out["resume_s"] = time.time() - t_model
-        out["resume_breakdown"] = {"rank_start": t_start - t_launch, "pg_and_model": t_model - t_start,
-                                   "manager_init": t_mgr - t_model, "load_latest": t_load - t_mgr,
-                                   "first_step": time.time() - t_load}
+        out["resume_breakdown"] = {
+            "rank_start": t_start - t_launch,
+            "pg_and_model": t_model - t_start,
+            "manager_init": t_mgr - t_model,
+            "load_latest": t_load - t_mgr,
+            "first_step": time.time() - t_load,
+        }
         out["resumed_step"] = step
         # For reference only: a bare dcp.load in this now warm process (optimizer state already built).
         path = root / "none" / f"step_{step}"
@@ -306,8 +311,16 @@ def main() -> int:
     _install_profile()
     a.phase = "save"
     save = _launch(a)
-    row: dict = {"bench": "checkpoint", "only": a.only, "ranks": a.ranks, "threads_per_rank": a.threads,
-                 "cores": cores, "cores_free": max(0, cores - a.ranks * a.threads), "dim": a.dim, "layers": a.layers}
+    row: dict = {
+        "bench": "checkpoint",
+        "only": a.only,
+        "ranks": a.ranks,
+        "threads_per_rank": a.threads,
+        "cores": cores,
+        "cores_free": max(0, cores - a.ranks * a.threads),
+        "dim": a.dim,
+        "layers": a.layers,
+    }
     worst = {k: max(o[k] for o in save) for k in save[0] if k.endswith("_s") and isinstance(save[0][k], float)}
     row.update({k: round(v, 4) for k, v in worst.items()})
     if a.only in ("all", "b3"):
@@ -343,13 +356,19 @@ def _b3(row: dict, save: list[dict], worst: dict) -> None:
         ph["other"] = ph["total"] - ph["plan"] - ph["write"] - ph["finish"] - ph["commit"]
     row["phases_ms"] = [{k: round(1e3 * v, 1) for k, v in ph.items()} for ph in phases]
     row["fixed_ms"] = round(1e3 * max(ph["fixed"] for ph in phases), 1)
-    print(f"checkpoint {nbytes / 1e6:.1f} MB on {row['ranks']} ranks ({row['bytes_per_rank_max'] / 1e6:.1f} MB "
-          f"per rank at most); {row['cores']} cores, {row['threads_per_rank']} torch threads per rank")
-    print(f"B3 ckpt / raw write tput     = {row['B3_ckpt_over_raw_throughput']:.3f}  (goal >= 0.8)  "
-          f"[{row['ckpt_write_GBps']:.3f} vs {row['raw_write_GBps']:.3f} GB/s; sync save {worst['none_total_s']:.3f} s "
-          f"vs raw write+fsync {worst['raw_write_s']:.3f} s]")
-    print(f"   first save {row['B3_first']:.3f}, steady state (saves 4+, after retention's first deletion) "
-          f"{row['B3_steady']:.3f}; per save, slowest rank: sync {row['none_each_s']} s, raw {row['raw_each_s']} s")
+    print(
+        f"checkpoint {nbytes / 1e6:.1f} MB on {row['ranks']} ranks ({row['bytes_per_rank_max'] / 1e6:.1f} MB "
+        f"per rank at most); {row['cores']} cores, {row['threads_per_rank']} torch threads per rank"
+    )
+    print(
+        f"B3 ckpt / raw write tput     = {row['B3_ckpt_over_raw_throughput']:.3f}  (goal >= 0.8)  "
+        f"[{row['ckpt_write_GBps']:.3f} vs {row['raw_write_GBps']:.3f} GB/s; sync save {worst['none_total_s']:.3f} s "
+        f"vs raw write+fsync {worst['raw_write_s']:.3f} s]"
+    )
+    print(
+        f"   first save {row['B3_first']:.3f}, steady state (saves 4+, after retention's first deletion) "
+        f"{row['B3_steady']:.3f}; per save, slowest rank: sync {row['none_each_s']} s, raw {row['raw_each_s']} s"
+    )
     print(f"   fixed cost per save {row['fixed_ms']:.1f} ms (planning + DCP finish + commit, the slowest rank)")
     keys = ("plan", "serialise+write", "crc32", "fsync", "finish", "commit", "other", "total")
     for r, ph in enumerate(row["phases_ms"]):
@@ -360,13 +379,16 @@ def _b2(row: dict, worst: dict, a: argparse.Namespace) -> None:
     sync = worst["none_total_s"]
     row["B2_lost_over_sync"] = worst["b2_lost_per_save_s"] / sync
     label = (f"{row['cores_free']} core(s) free beside the ranks" if row["cores_free"] else "every core busy") + (
-        f": {row['ranks']} rank(s) x {row['threads_per_rank']} torch thread(s) on {row['cores']} cores")
+        f": {row['ranks']} rank(s) x {row['threads_per_rank']} torch thread(s) on {row['cores']} cores"
+    )
     row["b2_label"] = label
-    print(f"B2 lost per save / sync save = {row['B2_lost_over_sync']:.3f}  (goal <= 0.01)  [{label}; "
-          f"{worst['b2_lost_per_save_s']:.4f} s lost per save over {a.b2_steps} steps "
-          f"(plain block {worst['b2_plain_block_s']:.3f} s; from totals {worst['b2_lost_total_s']:.4f} s) "
-          f"vs sync save {sync:.3f} s" + (f"; save() itself blocked {worst['thread_blocking_s']:.4f} s]"
-                                          if "thread_blocking_s" in worst else "]"))
+    print(
+        f"B2 lost per save / sync save = {row['B2_lost_over_sync']:.3f}  (goal <= 0.01)  [{label}; "
+        f"{worst['b2_lost_per_save_s']:.4f} s lost per save over {a.b2_steps} steps "
+        f"(plain block {worst['b2_plain_block_s']:.3f} s; from totals {worst['b2_lost_total_s']:.4f} s) "
+        f"vs sync save {sync:.3f} s"
+        + (f"; save() itself blocked {worst['thread_blocking_s']:.4f} s]" if "thread_blocking_s" in worst else "]")
+    )
 
 
 def _b4(row: dict, a: argparse.Namespace) -> None:
@@ -382,10 +404,12 @@ def _b4(row: dict, a: argparse.Namespace) -> None:
     row["B4_resume_over_load_plus_step"] = rworst["resume_s"] / rworst["bare_s"]
     row["blocking_over_sync"] = row["thread_blocking_s"] / row["none_total_s"]
     row["resume_breakdown_s"] = {k: round(v, 3) for k, v in resume[0]["resume_breakdown"].items()}
-    print(f"B4 resume / (load + 1 step)  = {row['B4_resume_over_load_plus_step']:.3f}  (goal <= 1.5)  "
-          f"[{rworst['resume_s']:.3f} s vs {rworst['bare_load_s']:.3f} + {rworst['bare_first_step_s']:.3f} s "
-          f"(steady step {rworst['steady_step_s']:.3f} s, warm bare load {rworst['warm_bare_load_s']:.3f} s); "
-          f"launch to first step {rworst['resume_to_first_step_s']:.3f} s; rank 0 {row['resume_breakdown_s']}]")
+    print(
+        f"B4 resume / (load + 1 step)  = {row['B4_resume_over_load_plus_step']:.3f}  (goal <= 1.5)  "
+        f"[{rworst['resume_s']:.3f} s vs {rworst['bare_load_s']:.3f} + {rworst['bare_first_step_s']:.3f} s "
+        f"(steady step {rworst['steady_step_s']:.3f} s, warm bare load {rworst['warm_bare_load_s']:.3f} s); "
+        f"launch to first step {rworst['resume_to_first_step_s']:.3f} s; rank 0 {row['resume_breakdown_s']}]"
+    )
 
 
 if __name__ == "__main__":

@@ -21,19 +21,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
+from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from jobs.config import ModelConfig  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
 from parallel.cp import apply_cp  # noqa: E402
-from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 IMPLS = ("allgather", "ring")
 
 
 def _model(cp_mesh, *, impl: str, seq: int) -> Transformer:
-    cfg = ModelConfig(name="cp_bench", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128,
-                      max_seq_len=seq)
+    cfg = ModelConfig(
+        name="cp_bench", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=seq
+    )
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_cp(model, cp_mesh, impl=impl, seq_len=seq)
@@ -50,10 +51,23 @@ def rank_body(rank: int, args: argparse.Namespace) -> None:
     med, steps = abba_medians(models, toks[:, pos], toks[:, pos + 1], args)
     if rank == 0:
         ratio = med["ring"] / med["allgather"]
-        print(f"cp{args.cp} seq {args.seq}: allgather {med['allgather'] * 1e3:.1f} ms/step, ring {med['ring'] * 1e3:.1f} "
-              f"ms/step (medians of {steps}); ring / allgather = {ratio:.3f}")
-        print(json.dumps({"bench": "cp", "cp": args.cp, "seq_len": args.seq, "allgather_s": med["allgather"],
-                          "ring_s": med["ring"], "ratio_ring_over_allgather": ratio, "steps": steps}))
+        print(
+            f"cp{args.cp} seq {args.seq}: allgather {med['allgather'] * 1e3:.1f} ms/step, ring {med['ring'] * 1e3:.1f} "
+            f"ms/step (medians of {steps}); ring / allgather = {ratio:.3f}"
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "cp",
+                    "cp": args.cp,
+                    "seq_len": args.seq,
+                    "allgather_s": med["allgather"],
+                    "ring_s": med["ring"],
+                    "ratio_ring_over_allgather": ratio,
+                    "steps": steps,
+                }
+            )
+        )
 
 
 def main() -> int:

@@ -40,9 +40,20 @@ sys.path.insert(0, str(REPO))
 
 from checkpoint.interval import expected_wall_time  # noqa: E402
 
-COMMON = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
-          "failure=debug", "failure.restarts_in_allocation=1000000", "failure.max_attempts_without_progress=1000",
-          "checkpoint.interval=auto", "checkpoint.keep=2", "cluster.time_min=120", "train.log_every=1"]
+COMMON = [
+    "launcher=slurm",
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=1",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "failure=debug",
+    "failure.restarts_in_allocation=1000000",
+    "failure.max_attempts_without_progress=1000",
+    "checkpoint.interval=auto",
+    "checkpoint.keep=2",
+    "cluster.time_min=120",
+    "train.log_every=1",
+]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -74,9 +85,21 @@ def run(minutes: float, mtbf_s: float, seed: int, step_s: float) -> dict:
     rng = random.Random(seed)
     steps = int(minutes * 60 / step_s)
     run_dir = REPO / "runs" / f"bench-goodput-{uuid.uuid4().hex[:8]}"
-    out = subprocess.run([sys.executable, "-m", "jobs.train", *COMMON, f"train.steps={steps}",
-                          f"failure.mtbf_job_hours={mtbf_s / 3600}", f"run.dir={run_dir}"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            *COMMON,
+            f"train.steps={steps}",
+            f"failure.mtbf_job_hours={mtbf_s / 3600}",
+            f"run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     job = out.split("submitted job ", 1)[1].split(":", 1)[0]
     kills: list[tuple[float, str]] = []
     try:
@@ -100,8 +123,9 @@ def run(minutes: float, mtbf_s: float, seed: int, step_s: float) -> dict:
     finally:
         time.sleep(5)
         subprocess.run(["scancel", job], capture_output=True)
-        (run_dir / "injected_kills.json").write_text(json.dumps({"mtbf_s": mtbf_s, "steps": steps, "job": job,
-                                                                 "kills": kills}))
+        (run_dir / "injected_kills.json").write_text(
+            json.dumps({"mtbf_s": mtbf_s, "steps": steps, "job": job, "kills": kills})
+        )
     return analyse(run_dir)
 
 
@@ -149,15 +173,32 @@ def _analyse(run_dir: Path, job: str, kills: list[tuple[float, str]], mtbf_s: fl
     solve = steps * per_step
     failures = len({a for _, a in kills})
     realized = wall / failures if failures else float("inf")
-    pred = {m: expected_wall_time(solve, tau=tau, delta=delta, mtbf=m, restart=restart)
-            for m in (mtbf_s, realized) if m != float("inf")}
-    return {"bench": "B8 goodput", "run_dir": str(run_dir), "job": job, "steps": steps, "wall_s": round(wall, 1),
-            "per_step_s": round(per_step, 4), "median_step_s": round(statistics.median(plain), 4), "solve_s": round(solve, 1), "goodput": round(solve / wall, 4),
-            "failures": failures, "mtbf_s": mtbf_s, "realized_mtbf_s": round(realized, 1), "tau_s": round(tau, 2),
-            "saves": len(saves), "delta_s": round(delta, 4), "restart_s": round(restart, 2),
-            "predicted_goodput": {str(round(m, 1)): round(solve / w, 4) for m, w in pred.items()},
-            "ratio": {str(round(m, 1)): round(w / wall, 4) for m, w in pred.items()},
-            "decisions": sorted({e["action"] for e in ev if e["kind"] == "decision"})}
+    pred = {
+        m: expected_wall_time(solve, tau=tau, delta=delta, mtbf=m, restart=restart)
+        for m in (mtbf_s, realized)
+        if m != float("inf")
+    }
+    return {
+        "bench": "B8 goodput",
+        "run_dir": str(run_dir),
+        "job": job,
+        "steps": steps,
+        "wall_s": round(wall, 1),
+        "per_step_s": round(per_step, 4),
+        "median_step_s": round(statistics.median(plain), 4),
+        "solve_s": round(solve, 1),
+        "goodput": round(solve / wall, 4),
+        "failures": failures,
+        "mtbf_s": mtbf_s,
+        "realized_mtbf_s": round(realized, 1),
+        "tau_s": round(tau, 2),
+        "saves": len(saves),
+        "delta_s": round(delta, 4),
+        "restart_s": round(restart, 2),
+        "predicted_goodput": {str(round(m, 1)): round(solve / w, 4) for m, w in pred.items()},
+        "ratio": {str(round(m, 1)): round(w / wall, 4) for m, w in pred.items()},
+        "decisions": sorted({e["action"] for e in ev if e["kind"] == "decision"}),
+    }
 
 
 def main() -> int:
@@ -172,8 +213,10 @@ def main() -> int:
     result = analyse(Path(args.analyse)) if args.analyse else run(args.minutes, args.mtbf_s, args.seed, args.step_s)
     print(json.dumps(result, indent=1))
     r = result["ratio"]
-    print(f"B8 goodput {result['goodput']:.3f} over {result['wall_s'] / 60:.1f} min, {result['failures']} failures; "
-          f"measured / Daly-predicted: {' , '.join(f'{v:.3f} at MTBF {k} s' for k, v in r.items())} (goal >= 0.98)")
+    print(
+        f"B8 goodput {result['goodput']:.3f} over {result['wall_s'] / 60:.1f} min, {result['failures']} failures; "
+        f"measured / Daly-predicted: {' , '.join(f'{v:.3f} at MTBF {k} s' for k, v in r.items())} (goal >= 0.98)"
+    )
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -27,10 +27,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _start(run_dir: Path, ranks: int, hang_timeout: float, steps: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "mesh=single", f"mesh.dp_shard={ranks}",
-            f"launcher.tasks_per_node={ranks}", f"train.steps={steps}", "train.log_every=10",
-            f"failure.hang_timeout_s={hang_timeout}", f"failure.heartbeat_s={min(1.0, hang_timeout / 10)}",
-            "checkpoint.every_steps=50"]
+    args = [
+        sys.executable,
+        "-m",
+        "jobs.train",
+        f"run.dir={run_dir}",
+        "mesh=single",
+        f"mesh.dp_shard={ranks}",
+        f"launcher.tasks_per_node={ranks}",
+        f"train.steps={steps}",
+        "train.log_every=10",
+        f"failure.hang_timeout_s={hang_timeout}",
+        f"failure.heartbeat_s={min(1.0, hang_timeout / 10)}",
+        "checkpoint.every_steps=50",
+    ]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -91,14 +101,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="b9-") as tmp:
         lat = [detection_latency(Path(tmp), ranks=a.ranks, hang_timeout=a.hang_timeout) for _ in range(a.repeats)]
         ratios = [x / a.hang_timeout for x in lat]
-        print(f"B9 detection latency / hang_timeout ({a.hang_timeout:.0f} s): "
-              + " ".join(f"{r:.3f}" for r in ratios) + f" (median {statistics.median(ratios):.3f}; goal <= 1.1)")
-        alarms, steps = (false_alarms(Path(tmp), ranks=a.ranks, hang_timeout=a.hang_timeout, minutes=a.healthy_minutes)
-                         if a.healthy_minutes > 0 else (None, 0))
+        print(
+            f"B9 detection latency / hang_timeout ({a.hang_timeout:.0f} s): "
+            + " ".join(f"{r:.3f}" for r in ratios)
+            + f" (median {statistics.median(ratios):.3f}; goal <= 1.1)"
+        )
+        alarms, steps = (
+            false_alarms(Path(tmp), ranks=a.ranks, hang_timeout=a.hang_timeout, minutes=a.healthy_minutes)
+            if a.healthy_minutes > 0
+            else (None, 0)
+        )
     if alarms is not None:
         print(f"B9 false alarms in a healthy {a.healthy_minutes:g}-minute run ({steps} steps): {alarms} (goal 0)")
-    rec = {"bench": "B9", "hang_timeout_s": a.hang_timeout, "latency_s": lat, "ratios": ratios,
-           "false_alarms": alarms, "healthy_minutes": a.healthy_minutes, "healthy_steps": steps}
+    rec = {
+        "bench": "B9",
+        "hang_timeout_s": a.hang_timeout,
+        "latency_s": lat,
+        "ratios": ratios,
+        "false_alarms": alarms,
+        "healthy_minutes": a.healthy_minutes,
+        "healthy_steps": steps,
+    }
     print(json.dumps(rec))
     if a.out:
         with open(a.out, "a") as f:

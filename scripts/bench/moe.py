@@ -21,13 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
+from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 from jobs.config import compose  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
 from parallel.config import MeshConfig  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402
-from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 
 def _model(*, ranks: int, ep: int, seq: int) -> torch.nn.Module:
@@ -36,8 +36,17 @@ def _model(*, ranks: int, ep: int, seq: int) -> torch.nn.Module:
     ep_mesh = dims.build_ep_mesh("cpu") if dims.ep_enabled else None
     with torch.device("meta"):
         model = Transformer(compose(["model=tiny_moe"]).model)
-    (model,), _ = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                              sequence_parallel=False, loss_parallel=False, ep_mesh=ep_mesh, seq_len=seq)
+    (model,), _ = parallelize(
+        model,
+        dims=dims,
+        mesh=mesh,
+        stages_per_rank=1,
+        pp_schedule="1f1b",
+        sequence_parallel=False,
+        loss_parallel=False,
+        ep_mesh=ep_mesh,
+        seq_len=seq,
+    )
     model.to_empty(device="cpu")
     init_weights(model, seed=0)
     return model
@@ -45,17 +54,34 @@ def _model(*, ranks: int, ep: int, seq: int) -> torch.nn.Module:
 
 def rank_body(rank: int, args: argparse.Namespace) -> None:
     names = ("ep1", f"ep{args.ep}")
-    models = {"ep1": _model(ranks=args.ranks, ep=1, seq=args.seq),
-              names[1]: _model(ranks=args.ranks, ep=args.ep, seq=args.seq)}
+    models = {
+        "ep1": _model(ranks=args.ranks, ep=1, seq=args.seq),
+        names[1]: _model(ranks=args.ranks, ep=args.ep, seq=args.seq),
+    }
     toks = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     med, steps = abba_medians(models, toks[:, :-1], toks[:, 1:], args)
     if rank == 0:
         ratio = med[names[1]] / med["ep1"]
-        print(f"tiny_moe on {args.ranks} ranks, batch {args.batch} x {args.seq} per rank: ep1 {med['ep1'] * 1e3:.1f} "
-              f"ms/step, {names[1]} {med[names[1]] * 1e3:.1f} ms/step (medians of {steps}); "
-              f"{names[1]} / ep1 = {ratio:.3f}")
-        print(json.dumps({"bench": "moe", "ranks": args.ranks, "ep": args.ep, "batch": args.batch, "seq_len": args.seq,
-                          "ep1_s": med["ep1"], "ep_s": med[names[1]], "ratio_ep_over_ep1": ratio, "steps": steps}))
+        print(
+            f"tiny_moe on {args.ranks} ranks, batch {args.batch} x {args.seq} per rank: ep1 {med['ep1'] * 1e3:.1f} "
+            f"ms/step, {names[1]} {med[names[1]] * 1e3:.1f} ms/step (medians of {steps}); "
+            f"{names[1]} / ep1 = {ratio:.3f}"
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "moe",
+                    "ranks": args.ranks,
+                    "ep": args.ep,
+                    "batch": args.batch,
+                    "seq_len": args.seq,
+                    "ep1_s": med["ep1"],
+                    "ep_s": med[names[1]],
+                    "ratio_ep_over_ep1": ratio,
+                    "steps": steps,
+                }
+            )
+        )
 
 
 def main() -> int:

@@ -27,19 +27,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
 import torch.distributed as dist  # noqa: E402
+from _fork import run_forked_ranks  # noqa: E402
+from step_overhead import BareLoop, _slowest, _timed  # noqa: E402
 
 from jobs.config import compose  # noqa: E402
 from jobs.data import ensure_dataset  # noqa: E402
 from jobs.launch.local import free_port  # noqa: E402
 from jobs.validate import validate  # noqa: E402
-from _fork import run_forked_ranks  # noqa: E402
-from step_overhead import BareLoop, _slowest, _timed  # noqa: E402
 
 DEFAULTS = [  # torchtitan llama3 debugmodel-sized (issue 9, item 8), interleaved 1F1B on 2 ranks
-    "model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16", "model.vocab_size=2048",
-    "model.ffn_dim=768", "model.max_seq_len=512", "train.seq_len=512", "train.global_batch=2",
-    "train.micro_batch=1", "mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=1",
-    "mesh.pp_schedule=interleaved_1f1b", "launcher.tasks_per_node=2",
+    "model.dim=256",
+    "model.n_layers=6",
+    "model.n_heads=16",
+    "model.n_kv_heads=16",
+    "model.vocab_size=2048",
+    "model.ffn_dim=768",
+    "model.max_seq_len=512",
+    "train.seq_len=512",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+    "mesh.pp=2",
+    "mesh.dp_shard=1",
+    "mesh.tp=1",
+    "mesh.pp_schedule=interleaved_1f1b",
+    "launcher.tasks_per_node=2",
 ]
 
 
@@ -75,8 +86,16 @@ def bench_rank(loops: dict[str, BareLoop], args: argparse.Namespace) -> tuple[di
 
 def _rank_main(cfg, derived, splits: dict[str, list[int]], rank: int, port: int, args) -> None:
     world = cfg.world_size
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
@@ -87,14 +106,27 @@ def _rank_main(cfg, derived, splits: dict[str, list[int]], rank: int, port: int,
         if rank != 0:
             return
         med = {name: statistics.median(t) for name, t in times.items()}
-        result = {"bench": "pp_split", "ratio": med["balanced"] / med["even"], "median_balanced_s": med["balanced"],
-                  "median_even_s": med["even"], "split_balanced": splits["balanced"], "split_even": splits["even"],
-                  "mesh": derived.dims.describe(), "schedule": cfg.mesh.pp_schedule, "world_size": world,
-                  "steps_each": len(times["even"]), "rounds": args.rounds, "block": args.block,
-                  "round_ratios": [round(x, 4) for x in ratios]}
-        print(f"pp_split: balanced/even = {result['ratio']:.3f} | balanced {splits['balanced']} "
-              f"{med['balanced'] * 1e3:.1f} ms, even {splits['even']} {med['even'] * 1e3:.1f} ms median over "
-              f"{result['steps_each']} steps each | {result['mesh']} {cfg.mesh.pp_schedule} on {world} ranks", flush=True)
+        result = {
+            "bench": "pp_split",
+            "ratio": med["balanced"] / med["even"],
+            "median_balanced_s": med["balanced"],
+            "median_even_s": med["even"],
+            "split_balanced": splits["balanced"],
+            "split_even": splits["even"],
+            "mesh": derived.dims.describe(),
+            "schedule": cfg.mesh.pp_schedule,
+            "world_size": world,
+            "steps_each": len(times["even"]),
+            "rounds": args.rounds,
+            "block": args.block,
+            "round_ratios": [round(x, 4) for x in ratios],
+        }
+        print(
+            f"pp_split: balanced/even = {result['ratio']:.3f} | balanced {splits['balanced']} "
+            f"{med['balanced'] * 1e3:.1f} ms, even {splits['even']} {med['even'] * 1e3:.1f} ms median over "
+            f"{result['steps_each']} steps each | {result['mesh']} {cfg.mesh.pp_schedule} on {world} ranks",
+            flush=True,
+        )
         print(json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()
@@ -109,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = p.parse_known_args(argv)
     cfg = compose([f"run.dir={tempfile.mkdtemp(prefix='pp_split-')}", *DEFAULTS, *overrides])
     derived = validate(cfg)
-    splits = {"balanced": list(derived.pp_layers_per_stage),
-              "even": even_layers_per_stage(cfg.model.n_layers, derived.num_stages)}
+    splits = {
+        "balanced": list(derived.pp_layers_per_stage),
+        "even": even_layers_per_stage(cfg.model.n_layers, derived.num_stages),
+    }
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
     port = free_port()
     failed = run_forked_ranks(cfg.world_size, lambda rank: _rank_main(cfg, derived, splits, rank, port, args))
     return 1 if failed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,8 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-_WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "ne", "su", "tar", "vel", "or", "in", "dre")
-          for b in ("n", "s", "th", "mo", "ra", "x", "lin", "ve", "ck", "de", "ma", "pi")]
+_WORDS = [
+    f"{a}{b}"
+    for a in ("ka", "lo", "mi", "ne", "su", "tar", "vel", "or", "in", "dre")
+    for b in ("n", "s", "th", "mo", "ra", "x", "lin", "ve", "ck", "de", "ma", "pi")
+]
 
 
 def write_corpus(path: Path, *, mb: float, seed: int = 0) -> int:
@@ -48,17 +51,27 @@ def child(corpus: str, out: str, doc_per: str) -> None:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kw = {"doc_per": doc_per} if doc_per != "paragraph" else {}  # an older checkout has no data.doc_per
     t0 = time.perf_counter()
-    m = prepare_data(DataConfig(name="tokenized", path=out, inputs=[corpus], **kw), vocab_size=512,
-                     progress=lambda _: None)
-    print(json.dumps({"baseline_mib": base / 1024, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "seconds": time.perf_counter() - t0, "tokens": m["tokens"] + m["heldout_tokens"],
-                      "documents": m["documents"] + m["heldout_documents"]}))
+    m = prepare_data(
+        DataConfig(name="tokenized", path=out, inputs=[corpus], **kw), vocab_size=512, progress=lambda _: None
+    )
+    print(
+        json.dumps(
+            {
+                "baseline_mib": base / 1024,
+                "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "seconds": time.perf_counter() - t0,
+                "tokens": m["tokens"] + m["heldout_tokens"],
+                "documents": m["documents"] + m["heldout_documents"],
+            }
+        )
+    )
 
 
 def measure(src: Path, corpus: Path, out: Path, doc_per: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    p = subprocess.run([sys.executable, __file__, "--child", str(corpus), str(out), doc_per], env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, __file__, "--child", str(corpus), str(out), doc_per], env=env, capture_output=True, text=True
+    )
     if p.returncode:
         raise SystemExit(f"prepare_data failed in {src}:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -81,15 +94,24 @@ def main() -> None:
         for scale in a.scales:
             corpus = Path(tmp) / f"corpus{scale}x.txt"
             size = write_corpus(corpus, mb=a.mb * scale)
-            row = {"scale": scale, "corpus_mb": size / 1e6, **measure(a.src, corpus, Path(tmp) / f"out{scale}.h5", a.doc_per)}
+            row = {
+                "scale": scale,
+                "corpus_mb": size / 1e6,
+                **measure(a.src, corpus, Path(tmp) / f"out{scale}.h5", a.doc_per),
+            }
             rows.append(row)
             corpus.unlink()
-            print(f"{scale:>3}x  {row['corpus_mb']:7.1f} MB corpus  peak RSS {row['peak_mib']:7.0f} MiB "
-                  f"(after imports {row['baseline_mib']:4.0f})  {row['documents']} documents  "
-                  f"{row['tokens'] / row['seconds']:,.0f} tokens/s", flush=True)
+            print(
+                f"{scale:>3}x  {row['corpus_mb']:7.1f} MB corpus  peak RSS {row['peak_mib']:7.0f} MiB "
+                f"(after imports {row['baseline_mib']:4.0f})  {row['documents']} documents  "
+                f"{row['tokens'] / row['seconds']:,.0f} tokens/s",
+                flush=True,
+            )
     ratio = rows[-1]["peak_mib"] / rows[0]["peak_mib"]
     print(f"peak RSS {rows[-1]['scale']}x / {rows[0]['scale']}x: {ratio:.2f} (flat = 1.0)")
-    line = json.dumps({"bench": "prepare_memory", "src": str(a.src), "doc_per": a.doc_per, "ratio": ratio, "rows": rows})
+    line = json.dumps(
+        {"bench": "prepare_memory", "src": str(a.src), "doc_per": a.doc_per, "ratio": ratio, "rows": rows}
+    )
     print(line)
     if a.out:
         with a.out.open("a") as f:

@@ -65,23 +65,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         corpus, tok = Path(tmp) / "corpus.txt", Path(tmp) / "tok.h5"
         size = _write_corpus()(corpus, mb=a.mb)
-        m = prepare_data(DataConfig(name="tokenized", path=str(tok), inputs=[str(corpus)], doc_per="line"),
-                         vocab_size=512, progress=lambda _: None)
+        m = prepare_data(
+            DataConfig(name="tokenized", path=str(tok), inputs=[str(corpus)], doc_per="line"),
+            vocab_size=512,
+            progress=lambda _: None,
+        )
         tokens = m["tokens"] + m["heldout_tokens"]
         for run in range(a.runs):
             order = [False, True] if run % 2 == 0 else [True, False]
             secs = {o: _timed(corpus, Path(tmp) / f"{o}.h5", tok, overlap=o) for o in order}
             same = _sha(Path(tmp) / "False.h5") == _sha(Path(tmp) / "True.h5")
-            row = {"run": run + 1, "serial_s": secs[False], "overlapped_s": secs[True],
-                   "ratio": secs[False] / secs[True], "same_bytes": same}
+            row = {
+                "run": run + 1,
+                "serial_s": secs[False],
+                "overlapped_s": secs[True],
+                "ratio": secs[False] / secs[True],
+                "same_bytes": same,
+            }
             rows.append(row)
-            print(f"run {run + 1}: serial {secs[False]:.2f} s, overlapped {secs[True]:.2f} s, ratio {row['ratio']:.2f} "
-                  f"({tokens / secs[True]:,.0f} tokens/s overlapped), same bytes: {same}", flush=True)
+            print(
+                f"run {run + 1}: serial {secs[False]:.2f} s, overlapped {secs[True]:.2f} s, ratio {row['ratio']:.2f} "
+                f"({tokens / secs[True]:,.0f} tokens/s overlapped), same bytes: {same}",
+                flush=True,
+            )
     ratio = statistics.median(r["ratio"] for r in rows)
-    print(f"{size / 1e6:.1f} MB corpus, {tokens} tokens, {len(os.sched_getaffinity(0))} core(s): serial / overlapped "
-          f"= {ratio:.2f} (median of {len(rows)} runs; > 1 is faster)")
-    line = json.dumps({"bench": "prepare_parallel", "corpus_mb": size / 1e6, "tokens": tokens,
-                       "cores": len(os.sched_getaffinity(0)), "ratio": ratio, "rows": rows})
+    print(
+        f"{size / 1e6:.1f} MB corpus, {tokens} tokens, {len(os.sched_getaffinity(0))} core(s): serial / overlapped "
+        f"= {ratio:.2f} (median of {len(rows)} runs; > 1 is faster)"
+    )
+    line = json.dumps(
+        {
+            "bench": "prepare_parallel",
+            "corpus_mb": size / 1e6,
+            "tokens": tokens,
+            "cores": len(os.sched_getaffinity(0)),
+            "ratio": ratio,
+            "rows": rows,
+        }
+    )
     print(line)
     if a.out:
         with a.out.open("a") as f:

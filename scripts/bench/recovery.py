@@ -27,8 +27,16 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-COMMON = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
-          "train.steps=100000", "checkpoint.every_steps=25", "failure=debug"]
+COMMON = [
+    "launcher=slurm",
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=1",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "train.steps=100000",
+    "checkpoint.every_steps=25",
+    "failure=debug",
+]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -49,17 +57,29 @@ def _wait(what: str, pred, timeout: float = 300.0):
 def recovery_s(extra: list[str]) -> tuple[float, str]:
     """Submits one job, kills rank 1 once it is past step 30, returns (kill -> next first_step, how)."""
     run_dir = REPO / "runs" / f"bench-recovery-{uuid.uuid4().hex[:8]}"
-    out = subprocess.run([sys.executable, "-m", "jobs.train", *COMMON, *extra, f"run.dir={run_dir}"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.train", *COMMON, *extra, f"run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     job = out.split("submitted job ", 1)[1].split(":", 1)[0]
     try:
-        _wait("step 30", lambda: any(e["kind"] == "step" and e.get("step", 0) >= 30 or
-                                     e["kind"] == "checkpoint_saved" and e["step"] >= 25 for e in _events(run_dir)))
+        _wait(
+            "step 30",
+            lambda: any(
+                e["kind"] == "step" and e.get("step", 0) >= 30 or e["kind"] == "checkpoint_saved" and e["step"] >= 25
+                for e in _events(run_dir)
+            ),
+        )
         pid = json.loads((run_dir / "heartbeats" / f"{job}.0" / "rank1.json").read_text())["pid"]
         killed = time.time()
         os.kill(pid, signal.SIGKILL)
-        first = _wait("first step after recovery", lambda: [e for e in _events(run_dir) if e["kind"] == "first_step"
-                                                            and e["attempt"] != f"{job}.0"])
+        first = _wait(
+            "first step after recovery",
+            lambda: [e for e in _events(run_dir) if e["kind"] == "first_step" and e["attempt"] != f"{job}.0"],
+        )
         how = next(e["action"] for e in _events(run_dir) if e["kind"] == "decision")
         return first[0]["time"] - killed, how
     finally:
@@ -77,10 +97,16 @@ def main() -> int:
         restart, how_a = recovery_s([])
         requeue, how_b = recovery_s(["failure.restarts_in_allocation=0"])
         assert (how_a, how_b) == ("restart", "requeue"), (how_a, how_b)
-        rows.append({"restart_s": round(restart, 2), "requeue_s": round(requeue, 2), "ratio": round(restart / requeue, 3)})
+        rows.append(
+            {"restart_s": round(restart, 2), "requeue_s": round(requeue, 2), "ratio": round(restart / requeue, 3)}
+        )
         print(f"restart inside the allocation {restart:.1f} s, requeue {requeue:.1f} s: ratio {restart / requeue:.3f}")
-    result = {"bench": "B10 recovery", "time": time.time(), "rows": rows,
-              "median_ratio": statistics.median(r["ratio"] for r in rows)}
+    result = {
+        "bench": "B10 recovery",
+        "time": time.time(),
+        "rows": rows,
+        "median_ratio": statistics.median(r["ratio"] for r in rows),
+    }
     print(f"B10 restart/requeue median {result['median_ratio']:.3f} (goal <= 0.3)")
     if args.out:
         with open(args.out, "a") as f:

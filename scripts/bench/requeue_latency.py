@@ -23,8 +23,16 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-JOB = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
-       "train.steps=100000", "checkpoint.every_steps=50", "train.log_every=10"]
+JOB = [
+    "launcher=slurm",
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=1",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "train.steps=100000",
+    "checkpoint.every_steps=50",
+    "train.log_every=10",
+]
 
 
 def _state(job: str) -> tuple[str, int]:
@@ -51,8 +59,13 @@ def _requeue_latency(job: str) -> float:
 
 
 def empty_job() -> float:
-    job = subprocess.run(["sbatch", "--parsable", "-N", "2", "-o", "/dev/null", "--wrap", "srun sleep 600"],
-                         capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-N", "2", "-o", "/dev/null", "--wrap", "srun sleep 600"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/tmp",
+    ).stdout.strip()
     try:
         _wait(job, state="RUNNING", restarts=0)
         time.sleep(2)
@@ -62,8 +75,13 @@ def empty_job() -> float:
 
 
 def meshjob_job(run_dir: Path) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-m", "jobs.train", *JOB, f"run.dir={run_dir}"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.train", *JOB, f"run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     job = out.split("submitted job ", 1)[1].split(":", 1)[0]
     metrics = run_dir / "metrics.jsonl"
     try:
@@ -73,8 +91,11 @@ def meshjob_job(run_dir: Path) -> tuple[float, float]:
         running = _requeue_latency(job)
         while not any(json.loads(l).get("restart") == 1 for l in metrics.read_text().splitlines()):
             time.sleep(0.1)
-        first = min(json.loads(l)["time"] for l in (run_dir / "events.jsonl").read_text().splitlines()
-                    if json.loads(l)["kind"] == "first_step" and json.loads(l)["restart"] == 1)
+        first = min(
+            json.loads(l)["time"]
+            for l in (run_dir / "events.jsonl").read_text().splitlines()
+            if json.loads(l)["kind"] == "first_step" and json.loads(l)["restart"] == 1
+        )
         return running, first - t0
     finally:
         subprocess.run(["scancel", job])
@@ -91,11 +112,16 @@ def main() -> None:
             base = empty_job()
             ours, first_step = meshjob_job(Path(tmp) / f"run-{uuid.uuid4().hex[:6]}")
             rows.append({"empty_s": base, "meshjob_s": ours, "ratio": ours / base, "to_first_step_s": first_step})
-            print(f"B7 run {i}: requeue->RUNNING meshjob {ours:.2f} s / empty {base:.2f} s = {ours / base:.3f}; "
-                  f"requeue->first step after resume {first_step:.2f} s", flush=True)
+            print(
+                f"B7 run {i}: requeue->RUNNING meshjob {ours:.2f} s / empty {base:.2f} s = {ours / base:.3f}; "
+                f"requeue->first step after resume {first_step:.2f} s",
+                flush=True,
+            )
     ratios = [r["ratio"] for r in rows]
-    print(f"B7 requeue-to-running ratio: {' '.join(f'{r:.3f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.3f}; goal <= 1.2)")
+    print(
+        f"B7 requeue-to-running ratio: {' '.join(f'{r:.3f}' for r in ratios)} "
+        f"(median {statistics.median(ratios):.3f}; goal <= 1.2)"
+    )
     rec = {"bench": "B7", "runs": rows}
     print(json.dumps(rec))
     if a.out:

@@ -36,20 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
 import torch.distributed as dist  # noqa: E402
+from _fork import run_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from jobs import trainer as trainer_mod  # noqa: E402
 from jobs.config import JobConfig, compose  # noqa: E402
 from jobs.data import BatchSource, ensure_dataset  # noqa: E402
-from jobs.launch.env import DistEnv  # noqa: E402
 from jobs.events import EventLog  # noqa: E402
+from jobs.launch.env import DistEnv  # noqa: E402
 from jobs.launch.local import free_port  # noqa: E402
 from jobs.model import Transformer, init_weights  # noqa: E402
 from jobs.validate import Derived, validate  # noqa: E402
 from parallel.pipeline import build_schedule  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402
-
-from _fork import run_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 
 _PR_SET_PDEATHSIG = 1
 
@@ -64,9 +63,14 @@ class BareLoop:
         with torch.device("meta"):
             model = Transformer(cfg.model)
         self.parts, stages = parallelize(
-            model, dims=dims, mesh=self.mesh, stages_per_rank=derived.stages_per_rank,
-            pp_schedule=cfg.mesh.pp_schedule, sequence_parallel=cfg.mesh.sequence_parallel,
-            loss_parallel=cfg.mesh.loss_parallel, pp_layers_per_stage=derived.pp_layers_per_stage,
+            model,
+            dims=dims,
+            mesh=self.mesh,
+            stages_per_rank=derived.stages_per_rank,
+            pp_schedule=cfg.mesh.pp_schedule,
+            sequence_parallel=cfg.mesh.sequence_parallel,
+            loss_parallel=cfg.mesh.loss_parallel,
+            pp_layers_per_stage=derived.pp_layers_per_stage,
         )
         for part in self.parts:
             part.to_empty(device="cpu")
@@ -77,15 +81,30 @@ class BareLoop:
         self.schedule = None
         if dims.pp_enabled:
             self.schedule = build_schedule(
-                self.parts, stages, num_stages=derived.num_stages, schedule=cfg.mesh.pp_schedule,
-                n_microbatches=self.n_micro, pp_group=self.mesh.get_group("pp"), device=torch.device("cpu"),
+                self.parts,
+                stages,
+                num_stages=derived.num_stages,
+                schedule=cfg.mesh.pp_schedule,
+                n_microbatches=self.n_micro,
+                pp_group=self.mesh.get_group("pp"),
+                device=torch.device("cpu"),
                 loss_fn=trainer_mod.cross_entropy,
             )
         o = cfg.optim
-        self.opts = [torch.optim.AdamW(p.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                       weight_decay=o.weight_decay, foreach=True) for p in self.parts]
-        self.data = BatchSource(cfg.data.path, seed=cfg.train.seed, global_batch=cfg.train.global_batch,
-                                seq_len=cfg.train.seq_len, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp)
+        self.opts = [
+            torch.optim.AdamW(
+                p.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+            )
+            for p in self.parts
+        ]
+        self.data = BatchSource(
+            cfg.data.path,
+            seed=cfg.train.seed,
+            global_batch=cfg.train.global_batch,
+            seq_len=cfg.train.seq_len,
+            dp_rank=dims.dp_rank(self.mesh),
+            dp=dims.dp,
+        )
         self.lp = dims.tp_enabled and cfg.mesh.loss_parallel
 
     def step(self, step: int) -> None:
@@ -96,8 +115,12 @@ class BareLoop:
         ctx = loss_parallel() if self.lp else contextlib.nullcontext()
         if self.schedule is not None:
             with ctx:
-                self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
-                                   losses=[] if self.last else None, return_outputs=False)
+                self.schedule.step(
+                    *((x,) if self.first else ()),
+                    target=y if self.last else None,
+                    losses=[] if self.last else None,
+                    return_outputs=False,
+                )
         else:
             (model,) = self.parts
             for i, (xm, ym) in enumerate(zip(x.chunk(self.n_micro), y.chunk(self.n_micro))):
@@ -128,7 +151,7 @@ def _timed_part(out: dict[str, float], name: str, fn):
     return r
 
 
-def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
+def _trainer_phases(tr: trainer_mod.Trainer, step: int) -> dict[str, float]:
     """Trainer.train_step's parts (the same Trainer methods it calls), each timed."""
     out: dict[str, float] = {}
     inputs, targets = _timed_part(out, "data", lambda: tr.data.batch(step))
@@ -136,8 +159,9 @@ def _trainer_phases(tr: "trainer_mod.Trainer", step: int) -> dict[str, float]:
     if not tr.derived.dims.fsdp_enabled:
         _timed_part(out, "replicate_partial_grads", lambda: trainer_mod._replicate_partial_grads(tr.parts))
     grad_norm, _, _ = _timed_part(out, "grad_norm_loss_all_reduce", lambda: tr.reduce_totals(local_loss))
-    _timed_part(out, "clip", lambda: trainer_mod.clip_grads_(tr.parts, max_norm=tr.cfg.optim.grad_clip,
-                                                         total_norm=grad_norm))
+    _timed_part(
+        out, "clip", lambda: trainer_mod.clip_grads_(tr.parts, max_norm=tr.cfg.optim.grad_clip, total_norm=grad_norm)
+    )
     _timed_part(out, "optimizer_lr", tr.optimizer_step)
     return out
 
@@ -151,11 +175,13 @@ def _bare_phases(bare: BareLoop, step: int) -> dict[str, float]:
     return out
 
 
-def _as_in_fit(tr: "trainer_mod.Trainer"):
+def _as_in_fit(tr: trainer_mod.Trainer):
     """One step as Trainer.fit runs it, telemetry included (fit numbers steps from 1)."""
+
     def step(s: int) -> None:
         tr.train_step(s)
         tr.telemetry.step_done(s + 1, interval_end=(s + 1) % tr.cfg.train.log_every == 0)
+
     return step
 
 
@@ -221,9 +247,11 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
             cursor["bare"] += 1
         keys = list(rows[0])
         mx = _slowest([row[k] for row in rows for k in keys])  # max over ranks, per (step, phase)
-        phases = {k: statistics.median(mx[i::len(keys)]) for i, k in enumerate(keys)}
+        phases = {k: statistics.median(mx[i :: len(keys)]) for i, k in enumerate(keys)}
         # What the trainer adds to the bare step (the bare loop has data, forward_backward and AdamW).
-        phases["extras"] = sum(phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip"))
+        phases["extras"] = sum(
+            phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip")
+        )
     tr.close()
     bare.close()
     if off is not None:
@@ -231,15 +259,36 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
     if env.rank != 0:
         return None
     med_b, med_t = statistics.median(bare_t), statistics.median(tr_t)
-    tel = {"telemetry_ratio": med_t / statistics.median(off_t), "median_trainer_off_s": statistics.median(off_t),
-           "telemetry_cpu_ratio": sum(cpu_times["trainer"]) / sum(cpu_times["trainer_off"]),
-           "telemetry_round_ratios": [round(x, 4) for x in tel_ratios], "log_every": cfg.train.log_every} if off_t else {}
-    return {**tel,
-        "bench": "step_overhead", "ratio": med_t / med_b, "median_bare_s": med_b, "median_trainer_s": med_t,
-        "goal": 1.03, "mesh": derived.dims.describe(), "world_size": env.world_size, "model": cfg.model.name,
-        "microbatches": derived.microbatches, "steps_each": len(tr_t), "rounds": args.rounds, "block": args.block,
-        "warmup": args.warmup, "round_ratios": [round(x, 4) for x in round_ratios],
-        "min_bare_s": min(bare_t), "min_trainer_s": min(tr_t), "trainer_phases_s": phases,
+    tel = (
+        {
+            "telemetry_ratio": med_t / statistics.median(off_t),
+            "median_trainer_off_s": statistics.median(off_t),
+            "telemetry_cpu_ratio": sum(cpu_times["trainer"]) / sum(cpu_times["trainer_off"]),
+            "telemetry_round_ratios": [round(x, 4) for x in tel_ratios],
+            "log_every": cfg.train.log_every,
+        }
+        if off_t
+        else {}
+    )
+    return {
+        **tel,
+        "bench": "step_overhead",
+        "ratio": med_t / med_b,
+        "median_bare_s": med_b,
+        "median_trainer_s": med_t,
+        "goal": 1.03,
+        "mesh": derived.dims.describe(),
+        "world_size": env.world_size,
+        "model": cfg.model.name,
+        "microbatches": derived.microbatches,
+        "steps_each": len(tr_t),
+        "rounds": args.rounds,
+        "block": args.block,
+        "warmup": args.warmup,
+        "round_ratios": [round(x, 4) for x in round_ratios],
+        "min_bare_s": min(bare_t),
+        "min_trainer_s": min(tr_t),
+        "trainer_phases_s": phases,
         "extras_over_bare": phases["extras"] / med_b if phases else None,
     }
 
@@ -249,8 +298,16 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
     if os.getppid() != parent:
         return 1
     world = cfg.world_size
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world, node_rank=0, nodes=1,
-                  master_addr="127.0.0.1", master_port=port)
+    env = DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        local_world_size=world,
+        node_rank=0,
+        nodes=1,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     os.environ.update(env.torch_environ())
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(args.threads)
@@ -262,14 +319,19 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
         result = bench_rank(cfg, derived, env, args)
         if result is not None:
             b, t = result["median_bare_s"], result["median_trainer_s"]
-            print(f"step_overhead: trainer/bare = {result['ratio']:.3f} (goal <= 1.03) | bare {b * 1e3:.1f} ms, "
-                  f"trainer {t * 1e3:.1f} ms median over {result['steps_each']} steps each | "
-                  f"{result['mesh']} on {world} ranks, model {result['model']}", flush=True)
+            print(
+                f"step_overhead: trainer/bare = {result['ratio']:.3f} (goal <= 1.03) | bare {b * 1e3:.1f} ms, "
+                f"trainer {t * 1e3:.1f} ms median over {result['steps_each']} steps each | "
+                f"{result['mesh']} on {world} ranks, model {result['model']}",
+                flush=True,
+            )
             if "telemetry_ratio" in result:
-                print(f"step_overhead: telemetry on/off = {result['telemetry_ratio']:.3f} (goal <= 1.03), "
-                      f"CPU time on/off = {result['telemetry_cpu_ratio']:.3f} (rank 0) | "
-                      f"off {result['median_trainer_off_s'] * 1e3:.1f} ms, train.log_every={result['log_every']}",
-                      flush=True)
+                print(
+                    f"step_overhead: telemetry on/off = {result['telemetry_ratio']:.3f} (goal <= 1.03), "
+                    f"CPU time on/off = {result['telemetry_cpu_ratio']:.3f} (rank 0) | "
+                    f"off {result['median_trainer_off_s'] * 1e3:.1f} ms, train.log_every={result['log_every']}",
+                    flush=True,
+                )
             print(json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()
@@ -283,8 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each runner first")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--phases", action="store_true", help="also time the parts of the trainer's step")
-    p.add_argument("--telemetry", action="store_true",
-                   help="also run a Trainer with metrics.phase_timing=false: telemetry on/off ratio")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="also run a Trainer with metrics.phase_timing=false: telemetry on/off ratio",
+    )
     args, overrides = p.parse_known_args(argv)
     tmp = tempfile.mkdtemp(prefix="step_overhead-")
     cfg = compose([f"run.dir={tmp}", *overrides])
@@ -299,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step_overhead: ranks failed, exit codes {sorted(failed)}", file=sys.stderr)
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,16 +51,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from _models import mlp_stack  # noqa: E402
 
+from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
+
 ARMS = ("plain", "memory", "filesystem")
 # load_latest's parts, timed by wrapping the manager's methods on the instance (the product is unchanged)
-_LOAD_PARTS = {"_candidate_steps": "list", "_memory_candidates": "list", "_validate": "checksum",
-               "_validate_memory": "checksum", "_state_dict": "state_dict", "_apply_loaded": "apply",
-               "_load": "load", "_load_memory": "load"}
+_LOAD_PARTS = {
+    "_candidate_steps": "list",
+    "_memory_candidates": "list",
+    "_validate": "checksum",
+    "_validate_memory": "checksum",
+    "_state_dict": "state_dict",
+    "_apply_loaded": "apply",
+    "_load": "load",
+    "_load_memory": "load",
+}
 
 
 def _step(model, opt, dim: int, seed: int) -> float:
@@ -74,12 +81,14 @@ def _step(model, opt, dim: int, seed: int) -> float:
 
 
 def _manager(a: argparse.Namespace, rank: int, world: int, *, memory: bool, mode: str = "thread", events=None):
-    cfg = CheckpointConfig(async_mode=mode, every_steps=1, keep=2, memory_every_steps=1 if memory else 0,
-                           memory_dir=a.shm)
+    cfg = CheckpointConfig(
+        async_mode=mode, every_steps=1, keep=2, memory_every_steps=1 if memory else 0, memory_dir=a.shm
+    )
     sub = "fs" if mode != "none" else "fs_sync"
     emit = (lambda kind, **f: events.append((kind, f))) if events is not None else None
-    return CheckpointManager(Path(a.dir) / sub, cfg=cfg, rank=rank, world_size=world, total_steps=10**6,
-                             run_id="tierbench", emit=emit)
+    return CheckpointManager(
+        Path(a.dir) / sub, cfg=cfg, rank=rank, world_size=world, total_steps=10**6, run_id="tierbench", emit=emit
+    )
 
 
 def _barrier(world: int) -> None:
@@ -119,7 +128,7 @@ def _b12(model, opt, a: argparse.Namespace, rank: int, world: int) -> dict:
         step += 1
         _block(ck, model, opt, a, arm, step)
     for r in range(a.b12_rounds):
-        for arm in ARMS[r % 3:] + ARMS[:r % 3]:
+        for arm in ARMS[r % 3 :] + ARMS[: r % 3]:
             _barrier(world)
             step += 1
             blocks[arm].append(_block(ck, model, opt, a, arm, step))
@@ -160,6 +169,7 @@ def _time_load_parts(ck) -> dict[str, float]:
                 return fn(*args, **kwargs)
             finally:
                 spent[part] += time.perf_counter() - t0
+
         setattr(ck, name, timed)
 
     for name, part in _LOAD_PARTS.items():
@@ -184,14 +194,27 @@ def _restart(a: argparse.Namespace, rank: int, world: int, t_launch: float, star
     done = time.time()
     ck.close()
     load = t_load - t_mgr
-    parts = {"rank_start": started - t_launch, "model": t_model - t_start, "manager_init": t_mgr - t_model,
-             "load_latest": load, "list": spent["list"], "checksum": spent["checksum"],
-             "dcp_load": spent["load"] - spent["apply"], "apply": spent["apply"],
-             "load_other": load - spent["list"] - spent["checksum"] - spent["load"], "first_step": t_step - t_load}
+    parts = {
+        "rank_start": started - t_launch,
+        "model": t_model - t_start,
+        "manager_init": t_mgr - t_model,
+        "load_latest": load,
+        "list": spent["list"],
+        "checksum": spent["checksum"],
+        "dcp_load": spent["load"] - spent["apply"],
+        "apply": spent["apply"],
+        "load_other": load - spent["list"] - spent["checksum"] - spent["load"],
+        "first_step": t_step - t_load,
+    }
     parts["state_dict"] = spent["state_dict"]  # inside dcp_load: the state dict the checkpoint is read into
     loaded = [f for k, f in events if k == "checkpoint_loaded"]
-    return {"to_first_step_s": done - t_launch, "parts_s": parts, "step": step, "loss": loss,
-            "tier": loaded[0]["tier"] if loaded else None}
+    return {
+        "to_first_step_s": done - t_launch,
+        "parts_s": parts,
+        "step": step,
+        "loss": loss,
+        "tier": loaded[0]["tier"] if loaded else None,
+    }
 
 
 def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float, started: float) -> dict:
@@ -200,8 +223,9 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float, started
         _step(model, opt, a.dim, seed=0)  # the optimizer state exists: the saves hold all of it
         out = {"sync_lost_s": _sync_lost(model, opt, a, rank, world)}
         out.update(_b12(model, opt, a, rank, world))
-        out["bytes"] = sum(p.stat().st_size for p in (Path(a.shm) / "meshjob-tierbench").rglob(f"rank_{rank}/**/*")
-                           if p.is_file())
+        out["bytes"] = sum(
+            p.stat().st_size for p in (Path(a.shm) / "meshjob-tierbench").rglob(f"rank_{rank}/**/*") if p.is_file()
+        )
         return out
     return _restart(a, rank, world, t_launch, started, memory=a.phase == "memory")
 
@@ -219,8 +243,12 @@ def _evict(root: Path) -> int | None:
             os.close(fd)
     if shutil.which("fincore") is None:
         return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sum(int(x) for x in out.split())
 
 
@@ -269,20 +297,30 @@ def main() -> int:
 
 
 def _run(a: argparse.Namespace, cores: int) -> dict:
-    row: dict = {"bench": "tiers", "ranks": a.ranks, "threads_per_rank": a.threads, "cores": cores,
-                 "cores_free": max(0, cores - a.ranks * a.threads), "dim": a.dim, "layers": a.layers,
-                 "time": time.time(), "loadavg_start": os.getloadavg()}
+    row: dict = {
+        "bench": "tiers",
+        "ranks": a.ranks,
+        "threads_per_rank": a.threads,
+        "cores": cores,
+        "cores_free": max(0, cores - a.ranks * a.threads),
+        "dim": a.dim,
+        "layers": a.layers,
+        "time": time.time(),
+        "loadavg_start": os.getloadavg(),
+    }
     a.phase = "train"
     train = _launch(a)
     row["bytes_per_rank_max"] = max(o["bytes"] for o in train)
-    print(f"state {row['bytes_per_rank_max'] / 1e9:.2f} GB per rank on {row['ranks']} ranks; {row['cores']} cores, "
-          f"{row['threads_per_rank']} torch threads per rank; load average {row['loadavg_start'][0]:.1f} at the start",
-          flush=True)
+    print(
+        f"state {row['bytes_per_rank_max'] / 1e9:.2f} GB per rank on {row['ranks']} ranks; {row['cores']} cores, "
+        f"{row['threads_per_rank']} torch threads per rank; load average {row['loadavg_start'][0]:.1f} at the start",
+        flush=True,
+    )
     _b12_row(row, train, a)
     restarts: dict[str, list[list[dict]]] = {"memory": [], "fs": []}
     cached = []
     for r in range(a.b11_rounds):
-        for tier in (("memory", "fs") if r % 2 == 0 else ("fs", "memory")):
+        for tier in ("memory", "fs") if r % 2 == 0 else ("fs", "memory"):
             if tier == "fs":
                 cached.append(_evict(Path(a.dir) / "fs"))  # before the launch: not timed
             a.phase = tier
@@ -312,13 +350,16 @@ def _b11(row: dict, ram: list[list[dict]], fs: list[list[dict]]) -> None:
     med = {k: {p: statistics.median(x[p] for x in row[k]) for p in row[k][0]} for k in ("b11_ram", "b11_fs")}
     row["ram_restart_s"], row["fs_restart_s"] = med["b11_ram"]["to_first_step_s"], med["b11_fs"]["to_first_step_s"]
     row["B11_ram_over_fs_restart"] = row["ram_restart_s"] / row["fs_restart_s"]
-    row["b11_rounds_ratio"] = [r["to_first_step_s"] / f["to_first_step_s"]
-                               for r, f in zip(row["b11_ram"], row["b11_fs"])]
+    row["b11_rounds_ratio"] = [
+        r["to_first_step_s"] / f["to_first_step_s"] for r, f in zip(row["b11_ram"], row["b11_fs"])
+    ]
     print(f"load average {row['loadavg_end'][0]:.1f} at the end")
-    print(f"B11 failure->first step, RAM / filesystem = {row['B11_ram_over_fs_restart']:.3f}  (goal <= 0.2)  "
-          f"[medians of {len(ram)}: {row['ram_restart_s']:.2f} s vs {row['fs_restart_s']:.2f} s (page cache evicted, "
-          f"bytes still cached: {row['fs_cached_bytes_after_evict']}); per round "
-          f"{', '.join(f'{x:.3f}' for x in row['b11_rounds_ratio'])}]")
+    print(
+        f"B11 failure->first step, RAM / filesystem = {row['B11_ram_over_fs_restart']:.3f}  (goal <= 0.2)  "
+        f"[medians of {len(ram)}: {row['ram_restart_s']:.2f} s vs {row['fs_restart_s']:.2f} s (page cache evicted, "
+        f"bytes still cached: {row['fs_cached_bytes_after_evict']}); per round "
+        f"{', '.join(f'{x:.3f}' for x in row['b11_rounds_ratio'])}]"
+    )
     for k, name in (("b11_ram", "RAM"), ("b11_fs", "filesystem")):
         print(f"   {name:10} median s: " + ", ".join(f"{p} {v:.2f}" for p, v in med[k].items()))
 
@@ -330,32 +371,56 @@ def _b12_row(row: dict, train: list[dict], a: argparse.Namespace) -> None:
     lost_each = {arm: [s - p for s, p in zip(total[arm], total["plain"])] for arm in ("memory", "filesystem")}
     lost = {arm: statistics.median(v) for arm, v in lost_each.items()}
     rank0 = per_rank[0]
-    row.update(ram_lost_per_save_s=lost["memory"], fs_lost_per_save_s=lost["filesystem"],
-               ram_lost_each_s=lost_each["memory"], fs_lost_each_s=lost_each["filesystem"],
-               plain_block_s=statistics.median(total["plain"]), b12_blocks_rank0=rank0,
-               fs_sync_save_s=statistics.median(max(o["sync_lost_s"][i] for o in train) for i in range(a.saves))
-               if a.saves else None)
+    row.update(
+        ram_lost_per_save_s=lost["memory"],
+        fs_lost_per_save_s=lost["filesystem"],
+        ram_lost_each_s=lost_each["memory"],
+        fs_lost_each_s=lost_each["filesystem"],
+        plain_block_s=statistics.median(total["plain"]),
+        b12_blocks_rank0=rank0,
+        fs_sync_save_s=statistics.median(max(o["sync_lost_s"][i] for o in train) for i in range(a.saves))
+        if a.saves
+        else None,
+    )
     row["B12_ram_over_fs_lost"] = lost["memory"] / lost["filesystem"] if lost["filesystem"] > 0 else float("inf")
     # the CPU seconds a save adds to its block (all the rank's threads): what it takes from the steps when every core
     # is busy, and unlike wall-clock blocks not moved by other processes' load
-    cpu = {arm: statistics.median(s["cpu"] - p["cpu"] for s, p in zip(rank0[arm], rank0["plain"]))
-           for arm in ("memory", "filesystem")}
-    row.update(ram_cpu_per_save_s=cpu["memory"], fs_cpu_per_save_s=cpu["filesystem"],
-               B12_cpu_ram_over_fs=cpu["memory"] / cpu["filesystem"] if cpu["filesystem"] > 0 else float("inf"))
-    print(f"B12 lost per save, RAM / filesystem = {row['B12_ram_over_fs_lost']:.3f}  (goal <= 0.1)  "
-          f"[medians of {a.b12_rounds}: {lost['memory']:.3f} s vs {lost['filesystem']:.3f} s (both async, each block "
-          f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); "
-          + (f"a synchronous filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync "
-             f"{lost['memory'] / row['fs_sync_save_s']:.3f}; " if a.saves else "")
-          + f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]", flush=True)
-    print(f"   CPU seconds a save adds to its block (rank 0, medians), RAM / filesystem = "
-          f"{row['B12_cpu_ram_over_fs']:.3f}  [{cpu['memory']:.3f} s vs {cpu['filesystem']:.3f} s]", flush=True)
+    cpu = {
+        arm: statistics.median(s["cpu"] - p["cpu"] for s, p in zip(rank0[arm], rank0["plain"]))
+        for arm in ("memory", "filesystem")
+    }
+    row.update(
+        ram_cpu_per_save_s=cpu["memory"],
+        fs_cpu_per_save_s=cpu["filesystem"],
+        B12_cpu_ram_over_fs=cpu["memory"] / cpu["filesystem"] if cpu["filesystem"] > 0 else float("inf"),
+    )
+    print(
+        f"B12 lost per save, RAM / filesystem = {row['B12_ram_over_fs_lost']:.3f}  (goal <= 0.1)  "
+        f"[medians of {a.b12_rounds}: {lost['memory']:.3f} s vs {lost['filesystem']:.3f} s (both async, each block "
+        f"to its save's commit) over {a.b12_steps} steps (plain block {row['plain_block_s']:.3f} s); "
+        + (
+            f"a synchronous filesystem save {row['fs_sync_save_s']:.3f} s: RAM / sync "
+            f"{lost['memory'] / row['fs_sync_save_s']:.3f}; "
+            if a.saves
+            else ""
+        )
+        + f"{row['cores_free']} cores left free beside the ranks' torch threads for the savers' threads]",
+        flush=True,
+    )
+    print(
+        f"   CPU seconds a save adds to its block (rank 0, medians), RAM / filesystem = "
+        f"{row['B12_cpu_ram_over_fs']:.3f}  [{cpu['memory']:.3f} s vs {cpu['filesystem']:.3f} s]",
+        flush=True,
+    )
     for arm in ARMS:
         med = {k: statistics.median(b[k] for b in rank0[arm]) for k in ("call", "wait")}
         first = statistics.median(b["steps"][0] for b in rank0[arm])
         rest = statistics.median(s for b in rank0[arm] for s in b["steps"][1:]) if a.b12_steps > 1 else 0.0
-        print(f"   rank 0 {arm:10} median s: save call {med['call']:.3f}, first step {first:.3f}, "
-              f"later steps {rest:.3f} each, wait for the commit {med['wait']:.3f}", flush=True)
+        print(
+            f"   rank 0 {arm:10} median s: save call {med['call']:.3f}, first step {first:.3f}, "
+            f"later steps {rest:.3f} each, wait for the commit {med['wait']:.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,14 @@ SHORT_FAULT_STEP = 30
 # (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
 REFERENCE_S, STEP_S, DONE_S = 300, 180, 360
 # Two ranks on two nodes (FSDP over dp_shard2), the debug failure policy (hang named after 20 s).
-BASE = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2",
-        "checkpoint.every_steps=25", "failure=debug"]
+BASE = [
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=1",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "checkpoint.every_steps=25",
+    "failure=debug",
+]
 
 
 def common(steps: int = STEPS) -> list[str]:
@@ -138,7 +144,9 @@ def _accounted(job: str, *, wait_s: float = 30) -> list[dict[str, str]]:
         recs = sacct(job)
         if recs and all(r["State"].split()[0] in FINAL for r in recs) and recs[-1]["State"].split()[0] in ENDED:
             return recs
-        assert time.monotonic() < deadline, f"job {job} left the queue, but sacct's records are not final after {wait_s} s: {recs}"
+        assert time.monotonic() < deadline, (
+            f"job {job} left the queue, but sacct's records are not final after {wait_s} s: {recs}"
+        )
         time.sleep(0.1)
 
 

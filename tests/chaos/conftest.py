@@ -20,8 +20,11 @@ def chaos_references(tmp_path_factory) -> Callable[[int], tuple[dict, Path]]:
 
     def get(steps: int = STEPS) -> tuple[dict, Path]:
         if steps not in made:
-            made[steps] = reference_run(tmp_path_factory.mktemp(f"chaos_ref{steps}") / "run",
-                                        tmp_path_factory.mktemp(f"chaos_ref{steps}_pt"), steps)
+            made[steps] = reference_run(
+                tmp_path_factory.mktemp(f"chaos_ref{steps}") / "run",
+                tmp_path_factory.mktemp(f"chaos_ref{steps}_pt"),
+                steps,
+            )
         return made[steps]
 
     return get

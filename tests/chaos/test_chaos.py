@@ -14,15 +14,33 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (DONE_S, SHORT_FAULT_STEP, SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference,
-                                       bound_s, bring_nodes_back, common, events, rank_pid, status, submit,
-                                       take_node_down, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (
+    DONE_S,
+    SHORT_FAULT_STEP,
+    SHORT_STEPS,
+    STEP_S,
+    assert_bitwise_equal_to_reference,
+    bound_s,
+    bring_nodes_back,
+    common,
+    events,
+    rank_pid,
+    status,
+    submit,
+    take_node_down,
+    wait_for_step,
+    wait_job_done,
+)
 from tests.slurm.slurm_helpers import cli, scontrol_job
 
 # Each test's own waits (wait_for_step, wait_job_done, and its first use of the shared reference run) are
 # the bounds that fire; pytest-timeout sits above their sum. `reference` is tests/chaos/conftest.py's.
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
-              pytest.mark.timeout(bound_s(STEP_S, DONE_S))]
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.timeout(bound_s(STEP_S, DONE_S)),
+]
 NODE_DOWN_DONE_S, LONG_DONE_S = 600, 900
 HOLD_STEP_S = 1.0  # the time-limit case: its first attempt held to at most one step per this many seconds
 
@@ -31,11 +49,18 @@ def _states(recs: list[dict]) -> list[str]:
     return [r["State"].split()[0] for r in recs]
 
 
-def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(
+    run_root: Path, reference, tmp_path
+) -> None:
     job = submit(run_root)
     wait_for_step(run_root, 40)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N", "2", "--exclusive", "-o", "/dev/null",
-                             "--wrap", "sleep 3"], capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip()
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/tmp",
+    ).stdout.strip()
     recs = wait_job_done(job)
     assert _states(recs)[-1] == "COMPLETED" and _states(recs)[0] in ("PREEMPTED", "REQUEUED"), recs
     assert int(scontrol_job(job)["Restarts"]) >= 1
@@ -45,7 +70,8 @@ def test_partition_preemption_by_an_urgent_job_requeues_and_finishes_bitwise(run
 
 
 def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishes_bitwise(
-        run_root: Path, short_reference, tmp_path) -> None:
+    run_root: Path, short_reference, tmp_path
+) -> None:
     job = submit(run_root, "failure.restarts_in_allocation=0", steps=SHORT_STEPS)
     wait_for_step(run_root, SHORT_FAULT_STEP)
     pid = rank_pid(run_root, f"{job}.0", 1)
@@ -63,7 +89,8 @@ def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishe
 
 @pytest.mark.timeout(bound_s(STEP_S, NODE_DOWN_DONE_S, 300))  # 300: scripts/slurm/start bringing node2 back
 def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finishes_bitwise(
-        run_root: Path, short_reference, tmp_path) -> None:
+    run_root: Path, short_reference, tmp_path
+) -> None:
     job = submit(run_root, steps=SHORT_STEPS)
     wait_for_step(run_root, SHORT_FAULT_STEP)
     try:
@@ -93,7 +120,9 @@ def _committed_before_kill(run_root: Path, step: int) -> bool:
 
 
 @pytest.mark.timeout(bound_s(LONG_DONE_S))  # bound_s counts its use of the shared reference run
-def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_root: Path, reference, tmp_path) -> None:
+def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(
+    run_root: Path, reference, tmp_path
+) -> None:
     # A 2-minute limit with USR2 60 s before it: Slurm checks limits coarsely and sends the warning up to 60 s
     # early (sbatch(1) --signal), so up to 60 s into each attempt (seen 48-57 s here; late enough for a start-up
     # slowed by load: with the warning 30 s in, three attempts in a row were warned before their first step and
@@ -106,8 +135,13 @@ def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_
     # outlasted the warning on this box and finished inside one attempt on CI's faster one: COMPLETED, never
     # REQUEUED.) Each attempt but the last is ended by the warning, saved and requeued (the budget is raised for
     # that; it does not change the numerics).
-    job = submit(run_root, "cluster.time_min=2", "launcher.signal_delay_s=60", "failure.max_requeues=20",
-                 "failure.max_attempts_without_progress=3")
+    job = submit(
+        run_root,
+        "cluster.time_min=2",
+        "launcher.signal_delay_s=60",
+        "failure.max_requeues=20",
+        "failure.max_attempts_without_progress=3",
+    )
     held = _hold_back_until_stopped(run_root, f"{job}.0")
     recs = wait_job_done(job, timeout=LONG_DONE_S)
     assert _states(recs)[-1] == "COMPLETED" and "REQUEUED" in _states(recs), (recs, held)
@@ -117,8 +151,9 @@ def test_the_time_limit_warning_saves_requeues_and_the_run_finishes_bitwise(run_
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)
 
 
-def _hold_back_until_stopped(run_root: Path, attempt: str, *, step_s: float = HOLD_STEP_S,
-                             poll_s: float = 0.01) -> dict:
+def _hold_back_until_stopped(
+    run_root: Path, attempt: str, *, step_s: float = HOLD_STEP_S, poll_s: float = 0.01
+) -> dict:
     """Holds the ranks of `attempt` (the pids their heartbeats record) back from outside until the ledger says
     it stopped or ended: from its first step on, step s + 1 may not start before s x `step_s` after it. While
     the attempt is ahead of that, both ranks are SIGSTOPped (together: neither waits on a stopped peer), then
@@ -135,8 +170,14 @@ def _hold_back_until_stopped(run_root: Path, attempt: str, *, step_s: float = HO
         while end is None:
             assert time.monotonic() < deadline, (done, step)
             step = max([step, *(r.get("step", 0) for r in next(metrics) if r.get("attempt") == attempt)])
-            end = next((e["kind"] for e in next(ledger) if e.get("attempt") == attempt
-                        and e["kind"] in ("stop_requested", "attempt_end")), None)
+            end = next(
+                (
+                    e["kind"]
+                    for e in next(ledger)
+                    if e.get("attempt") == attempt and e["kind"] in ("stop_requested", "attempt_end")
+                ),
+                None,
+            )
             end = end or (None if _signal(pids, 0) else "a rank exited")
             now = time.monotonic()
             first = now if first is None and step >= 1 else first
@@ -205,8 +246,9 @@ def test_a_crash_on_every_start_stops_at_the_budget_with_do_not_requeue_and_a_su
     assert "stopped for good: 2 attempts in a row committed no new checkpoint" in logs
 
 
-def test_an_admins_scontrol_requeue_saves_and_the_run_finishes_bitwise(run_root: Path, short_reference,
-                                                                       tmp_path) -> None:
+def test_an_admins_scontrol_requeue_saves_and_the_run_finishes_bitwise(
+    run_root: Path, short_reference, tmp_path
+) -> None:
     job = submit(run_root, steps=SHORT_STEPS)
     wait_for_step(run_root, SHORT_FAULT_STEP)
     subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every process, SIGKILL KillWait later
@@ -234,14 +276,16 @@ def test_a_plain_scancel_ends_the_job_cancelled_and_nothing_requeues_it(run_root
 
 @pytest.mark.timeout(bound_s(STEP_S, 120, 120, 60, STEP_S, DONE_S))  # 120s: the save and restart waits; 60: sacct's
 @pytest.mark.parametrize("style", ["srun", "torchrun"])
-def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues_and_finishes_bitwise(run_root: Path, reference,
-                                                                                     tmp_path, style: str) -> None:
+def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues_and_finishes_bitwise(
+    run_root: Path, reference, tmp_path, style: str
+) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
     r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *common(), f"run.dir={run_root}")
     assert r.returncode == 0, r.stderr
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
-                         cwd="/tmp").stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp"
+    ).stdout.strip()
     wait_for_step(run_root, 40)
     # A killed rank is restarted inside the allocation (the srun style's supervisor, torchrun's agents). In the
     # srun style the kill lands while the async save of step 50 is being written (once a job of its own).
@@ -257,7 +301,8 @@ def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues
         # the half-written step_N.tmp is never loaded: the restart resumes from the last committed step
         killed_step = int(tmp_dir.name.removeprefix("step_").split(".")[0])  # step_<N>.<attempt>.tmp
         assert loaded[0]["step"] < killed_step or (
-            loaded[0]["step"] == killed_step and _committed_before_kill(run_root, killed_step)), (loaded, tmp_dir)
+            loaded[0]["step"] == killed_step and _committed_before_kill(run_root, killed_step)
+        ), (loaded, tmp_dir)
     wait_for_step(run_root, 60)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     recs = wait_job_done(job)
@@ -288,16 +333,22 @@ def _assert_restarted_inside_the_allocation(run_root: Path, job: str, pid: int) 
     assert scontrol_job(job)["Restarts"] == "0"  # never back through the queue
     deadline = time.monotonic() + 60
     while True:  # the ranks, the probe that found node2 answering, the ranks again: new steps of the same job
-        out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True,
-                             text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True, text=True, check=True
+        ).stdout.split()
         steps = [line.split("|") for line in out if line.split("|")[0].split(".")[-1].isdigit() and "." in line]
         if len(steps) >= 3 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert steps == [[f"{job}.0", "meshjob-ranks", "node[1-2]"], [f"{job}.1", "meshjob-probe", "node2"],
-                     [f"{job}.2", "meshjob-ranks", "node[1-2]"]], steps
+    assert steps == [
+        [f"{job}.0", "meshjob-ranks", "node[1-2]"],
+        [f"{job}.1", "meshjob-probe", "node2"],
+        [f"{job}.2", "meshjob-ranks", "node[1-2]"],
+    ], steps
     inc = json.loads((run_root / f"incidents/{job}.0/incident.json").read_text())
-    assert inc["cls"] == "dead_rank" and [(s["rank"], s["pid"], s["node"]) for s in inc["suspects"]] == [(1, pid, "node2")]
+    assert inc["cls"] == "dead_rank" and [(s["rank"], s["pid"], s["node"]) for s in inc["suspects"]] == [
+        (1, pid, "node2")
+    ]
     (failure,) = [e for e in events(run_root, "failure") if e["attempt"] == f"{job}.0"]
     assert failure["cls"] == "dead_rank" and failure["reported_by"] == 0  # the survivor wrote the dead rank's death
     assert [(e["attempt"], e["action"]) for e in events(run_root, "decision")] == [(f"{job}.0", "restart")]

@@ -16,12 +16,24 @@ from checkpoint.config import memory_root
 from checkpoint.manifest import read_manifest, step_dirs
 from jobs.launch.rundir import run_id
 from jobs.status import status_text
-from tests.chaos.chaos_helpers import (DONE_S, STEP_S, assert_bitwise_equal_to_reference, bound_s, events, rank_pid,
-                                       submit, wait_job_done)
+from tests.chaos.chaos_helpers import (
+    DONE_S,
+    STEP_S,
+    assert_bitwise_equal_to_reference,
+    bound_s,
+    events,
+    rank_pid,
+    submit,
+    wait_job_done,
+)
 from tests.slurm.slurm_helpers import scontrol_job
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
-              pytest.mark.timeout(bound_s(STEP_S, STEP_S, STEP_S, STEP_S, DONE_S))]
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.timeout(bound_s(STEP_S, STEP_S, STEP_S, STEP_S, DONE_S)),
+]
 
 # 30 steps and a reference of its own (made once per session): a RAM save every step makes a step ~3 x slower, and on
 # the loaded 2-core box this case took 141 s at the other chaos cases' 100 steps, 115 s at 30 with the reference run.
@@ -118,13 +130,16 @@ def _newest_fs_commit_before(ledger: list[dict], *, loaded_index: int) -> int:
 
 
 def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_shard_from_the_filesystem_bitwise(
-        run_root: Path, chaos_references, tmp_path) -> None:
+    run_root: Path, chaos_references, tmp_path
+) -> None:
     reference = chaos_references(STEPS)
     job = submit(run_root, *RAM, steps=STEPS)
     first, second, third = f"{job}.0", f"{job}.0.1", f"{job}.0.2"
     try:
-        _wait_for(f"filesystem checkpoint of step {FS_EVERY}",
-                  (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists)
+        _wait_for(
+            f"filesystem checkpoint of step {FS_EVERY}",
+            (run_root / f"checkpoints/step_{FS_EVERY}/manifest.json").exists,
+        )
         ram1, fs1 = _freeze_then_kill_rank1(run_root, first, corrupt=False)
         _wait_for(f"load by attempt {second}", lambda: _restarted_and_loaded(run_root, second))
         ram2, fs2 = _freeze_then_kill_rank1(run_root, second, corrupt=True)  # a RAM step the restarted ranks saved

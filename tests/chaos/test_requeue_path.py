@@ -14,8 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (DONE_S, SHORT_FAULT_STEP, SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference,
-                                       bound_s, events, losses, rank_pid, submit, wait_for_step, wait_job_done)
+from tests.chaos.chaos_helpers import (
+    DONE_S,
+    SHORT_FAULT_STEP,
+    SHORT_STEPS,
+    STEP_S,
+    assert_bitwise_equal_to_reference,
+    bound_s,
+    events,
+    losses,
+    rank_pid,
+    submit,
+    wait_for_step,
+    wait_job_done,
+)
 from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -42,7 +54,8 @@ def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, 
 
 @pytest.mark.timeout(bound_s(STEP_S, BACK_S, DONE_S))  # its own waits are the bound
 def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(
-        run_root: Path, short_reference, tmp_path) -> None:
+    run_root: Path, short_reference, tmp_path
+) -> None:
     # Also the chaos tier's USR2 (scancel --signal=USR2, a preemption) and hand-written quarantine cases, once
     # separate jobs with the same fault: the ranks save the stop step, the requeued job resumes there without
     # the quarantined node1 and finishes bitwise equal to the uninterrupted run.
@@ -51,8 +64,11 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
         wait_for_step(run_root, SHORT_FAULT_STEP)
         # node99 was a node once (removed from slurm.conf since); node1 is real: Slurm refuses ExcNodeList
         # naming node99, and the old requeuehold -> update -> release left the job held for good on it.
-        (run_root / "quarantine.json").write_text(json.dumps([
-            {"node": n, "reason": "by hand", "incident": None, "time": time.time()} for n in ("node99", "node1")]))
+        (run_root / "quarantine.json").write_text(
+            json.dumps(
+                [{"node": n, "reason": "by hand", "incident": None, "time": time.time()} for n in ("node99", "node1")]
+            )
+        )
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # a preemption: save, then requeue
         _back_running(job)
         recs = wait_job_done(job)
@@ -60,7 +76,10 @@ def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_fi
         subprocess.run(["scancel", job], capture_output=True)  # a no-op unless the job was left held
     assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "COMPLETED"], recs
     info = scontrol_job(job)
-    assert recs[-1]["NodeList"] == "node[2-3]" and (info["ExcNodeList"], info["Restarts"]) == ("node1", "1"), (recs, info)
+    assert recs[-1]["NodeList"] == "node[2-3]" and (info["ExcNodeList"], info["Restarts"]) == ("node1", "1"), (
+        recs,
+        info,
+    )
     (rq,) = events(run_root, "requeue")
     assert rq["ok"] and "dropped node(s) Slurm does not know: node99" in rq["scontrol"], rq
     (stop,) = {e["step"] for e in events(run_root, "stop_requested")}

@@ -17,13 +17,23 @@ from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
 # Two ranks on two nodes; healthy grad norms stay below 1, the flipped exponent bit makes them ~1e36.
-ARGS = ["launcher.nodes=2", "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2", "train.steps=40",
-        "checkpoint.every_steps=10", "train.log_every=1", "failure=debug", "failure.spike_grad_norm=1000"]
+ARGS = [
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=1",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "train.steps=40",
+    "checkpoint.every_steps=10",
+    "train.log_every=1",
+    "failure=debug",
+    "failure.spike_grad_norm=1000",
+]
 
 
 @pytest.mark.timeout(bound_s(DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes_bitwise(
-        run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ref = run_train(["launcher=local", *ARGS], tmp_path / "ref", timeout=REFERENCE_S)
     assert ref.returncode == 0, ref.stderr[-3000:]
     monkeypatch.setenv(FLIP_VAR, "1:25:once")  # sbatch passes the submitting environment on to the job
@@ -35,7 +45,12 @@ def test_flipped_gradient_bits_quarantine_the_node_and_the_requeued_job_finishes
     # The re-run's evidence (tests/multiproc/test_sdc.py asserted it on the local launcher, a twin of this job).
     (check,) = events(run_root, "sdc_check")
     assert (check["step"], check["trigger"], check["verdict"], check["differ"], check["suspects"]) == (
-        25, "spike", "sdc", [1], [1]), check
+        25,
+        "spike",
+        "sdc",
+        [1],
+        [1],
+    ), check
     first_run, rerun = check["values"]["1"]
     assert first_run[1] > 1e30 and rerun[1] < 10  # rank 1's gradient: corrupt, then clean
     assert check["values"]["0"][0] == check["values"]["0"][1]  # rank 0 computed the same bits twice

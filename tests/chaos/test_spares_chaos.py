@@ -15,11 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (SHORT_FAULT_STEP, SHORT_STEPS, STEP_S, assert_bitwise_equal_to_reference, bound_s,
-                                       bring_nodes_back, events, rank_pid, status, submit, take_node_down,
-                                       wait_for_step, wait_job_done)
 from checkpoint.config import memory_root
 from jobs.launch.rundir import run_id
+from tests.chaos.chaos_helpers import (
+    SHORT_FAULT_STEP,
+    SHORT_STEPS,
+    STEP_S,
+    assert_bitwise_equal_to_reference,
+    bound_s,
+    bring_nodes_back,
+    events,
+    rank_pid,
+    status,
+    submit,
+    take_node_down,
+    wait_for_step,
+    wait_job_done,
+)
 from tests.slurm.slurm_helpers import scontrol_job
 
 SWAP_DONE_S = 600  # Slurm declares the node down SlurmdTimeout (15 s here) after its last answer; the rest is training
@@ -27,8 +39,12 @@ FS_EVERY = 25  # chaos_helpers.BASE: checkpoint.every_steps
 # A RAM save of every step (checkpoint.memory_every_steps=1), each rank's copied to the other node.
 RAM = ["checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=1"]
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
-              pytest.mark.timeout(bound_s(STEP_S, SWAP_DONE_S, 300))]  # 300: scripts/slurm/start bringing node2 back
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.timeout(bound_s(STEP_S, SWAP_DONE_S, 300)),
+]  # 300: scripts/slurm/start bringing node2 back
 
 
 def _step_daemon(pid: int) -> int:
@@ -61,13 +77,15 @@ def _freeze_between_filesystem_saves(run_root: Path, pid: int) -> int:
 
 def _ranks_steps(job: str) -> list[tuple[str, str]]:
     """(step id, NodeList) of the job's rank steps, as sacct records them."""
-    out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName,NodeList"], capture_output=True, text=True, check=True
+    ).stdout.split()
     return [(f[0], f[2]) for f in (line.split("|") for line in out) if f[1] == "meshjob-ranks"]
 
 
 def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_and_finishes_bitwise(
-        run_root: Path, short_reference, tmp_path) -> None:
+    run_root: Path, short_reference, tmp_path
+) -> None:
     job = submit(run_root, "launcher.spare_nodes=1", *RAM, steps=SHORT_STEPS)
     wait_for_step(run_root, SHORT_FAULT_STEP)  # past the save at step 25
     (start,) = [e for e in events(run_root, "attempt_start") if e["attempt"] == f"{job}.0"]
@@ -92,7 +110,9 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
     assert recs[-1]["NodeList"] == "node[1,3]", recs
     assert scontrol_job(job)["Restarts"] == "0"
     (d,) = events(run_root, "decision")
-    assert (d["attempt"], d["action"]) == (f"{job}.0", "restart") and "node node2 replaced by spare node node3" in d["reason"], d
+    assert (d["attempt"], d["action"]) == (f"{job}.0", "restart") and "node node2 replaced by spare node node3" in d[
+        "reason"
+    ], d
     (s,) = events(run_root, "spare_swap")
     assert s["swapped"] == {"node2": "node3"} and s["excluded"] == ["node2"], s
     assert [q["node"] for q in json.loads((run_root / "quarantine.json").read_text())] == ["node2"]
@@ -104,15 +124,21 @@ def test_a_node_taken_down_is_swapped_for_the_spare_inside_the_same_allocation_a
     # committed before the kill cut its agreement short), newer than every filesystem step committed before the load
     # (an async filesystem save may commit after the freeze: the ledger says which existed).
     ledger = events(run_root)
-    [(i, load)] = [(i, e) for i, e in enumerate(ledger) if e["kind"] == "checkpoint_loaded" and e["attempt"] == f"{job}.0.1"]
-    saved = {t: [e["step"] for e in ledger[:i] if e["kind"] == "checkpoint_saved" and e["tier"] == t]
-             for t in ("memory", "filesystem")}
+    [(i, load)] = [
+        (i, e) for i, e in enumerate(ledger) if e["kind"] == "checkpoint_loaded" and e["attempt"] == f"{job}.0.1"
+    ]
+    saved = {
+        t: [e["step"] for e in ledger[:i] if e["kind"] == "checkpoint_saved" and e["tier"] == t]
+        for t in ("memory", "filesystem")
+    }
     assert (load["tier"], load.get("partner_ranks")) == ("partner", [1]), load
     assert load["step"] in (max(saved["memory"]), max(saved["memory"]) + 1), (load, saved["memory"][-3:])
     assert load["step"] >= frozen_at > max(saved["filesystem"], default=0) + 2, (frozen_at, saved["filesystem"])
     out = status(run_root)
     assert f"spare swap after attempt {job}.0: node2 -> node3" in out
-    resumed = {f[1]: f[5] for f in map(str.split, out.splitlines()) if len(f) > 5 and f[1] in (f"{job}.0", f"{job}.0.1")}
+    resumed = {
+        f[1]: f[5] for f in map(str.split, out.splitlines()) if len(f) > 5 and f[1] in (f"{job}.0", f"{job}.0.1")
+    }
     assert resumed == {f"{job}.0": "-", f"{job}.0.1": "peer"}, out  # the `from` column: where each attempt resumed
     assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
     assert not ram_root.exists()  # the finished run's copies are gone, on the spare and the surviving node alike

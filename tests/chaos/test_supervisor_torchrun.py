@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import chaos_helpers
-from tests.chaos.chaos_helpers import (STEP_S, DONE_S, assert_bitwise_equal_to_reference, bound_s, events, wait_for_step,
-                                       wait_job_done)
+from tests.chaos.chaos_helpers import (
+    DONE_S,
+    STEP_S,
+    assert_bitwise_equal_to_reference,
+    bound_s,
+    events,
+    wait_for_step,
+    wait_job_done,
+)
 from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -37,9 +44,14 @@ def _supervisor_and_guard(run_dir: Path) -> tuple[int, int]:
     """The batch step's two pythons, found from outside: the supervisor is the parent of the ranks'
     `srun` (its --rank-config lies in this run dir), the guard is the supervisor's parent."""
     ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
-    procs = {int(p): (int(pp), args) for p, pp, args in (line.split(None, 2) for line in ps.splitlines() if line.strip())}
-    sruns = {p for p, (_, args) in procs.items() if args.startswith("srun ") and "--rank-config" in args
-             and str(run_dir) in args}
+    procs = {
+        int(p): (int(pp), args) for p, pp, args in (line.split(None, 2) for line in ps.splitlines() if line.strip())
+    }
+    sruns = {
+        p
+        for p, (_, args) in procs.items()
+        if args.startswith("srun ") and "--rank-config" in args and str(run_dir) in args
+    }
     (srun_parent,) = {procs[p][0] for p in sruns} - sruns  # srun runs a child srun of its own
     return srun_parent, procs[srun_parent][0]
 
@@ -48,11 +60,21 @@ def _sbatch(run_dir: Path, style: str, *extra: str, steps: int = chaos_helpers.S
     """A script rendered by `python -m jobs.sbatch --style STYLE` (a `steps`-step run), submitted with plain sbatch."""
     script = run_dir / "job.sbatch"
     run_dir.mkdir(parents=True)
-    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *chaos_helpers.common(steps), *extra,
-            f"run.dir={run_dir}")
+    r = cli(
+        "jobs.sbatch",
+        "--style",
+        style,
+        "-o",
+        str(script),
+        "launcher=slurm",
+        *chaos_helpers.common(steps),
+        *extra,
+        f"run.dir={run_dir}",
+    )
     assert r.returncode == 0, r.stderr
-    return subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
-                          cwd="/tmp").stdout.strip()
+    return subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp"
+    ).stdout.strip()
 
 
 def _wait_for_progress(run_dir: Path, attempt: str, *, timeout: float = STEP_S) -> None:
@@ -60,7 +82,9 @@ def _wait_for_progress(run_dir: Path, attempt: str, *, timeout: float = STEP_S) 
     deadline = time.monotonic() + timeout
     while True:
         loaded = [e["step"] for e in events(run_dir, "checkpoint_loaded") if e["attempt"] == attempt]
-        if loaded and any(e["attempt"] == attempt and e["step"] > loaded[0] for e in events(run_dir, "checkpoint_saved")):
+        if loaded and any(
+            e["attempt"] == attempt and e["step"] > loaded[0] for e in events(run_dir, "checkpoint_saved")
+        ):
             return
         assert time.monotonic() < deadline, f"{attempt} committed no new checkpoint within {timeout} s"
         time.sleep(0.2)
@@ -68,7 +92,8 @@ def _wait_for_progress(run_dir: Path, attempt: str, *, timeout: float = STEP_S) 
 
 @pytest.mark.timeout(bound_s(STEP_S, STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_finishes_bitwise(
-        run_root: Path, reference, tmp_path) -> None:
+    run_root: Path, reference, tmp_path
+) -> None:
     # One job, two faults, each in its own run (once a job each: the same requeue and finish, ~15 s of CI less).
     # 1. The supervisor SIGKILLed: before the guard, the batch script ended with it (137), Slurm ended the job,
     #    the ranks read their SIGTERM as a scancel: FAILED, nothing requeued.
@@ -106,12 +131,14 @@ def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_
 
 @pytest.mark.timeout(bound_s(STEP_S, DONE_S))  # its own waits are the bound (tests/chaos/chaos_helpers.py)
 def test_torchrun_style_under_an_admins_requeue_leaves_sigterm_to_the_ranks_which_save_and_finish_bitwise(
-        run_root: Path, short_reference, tmp_path) -> None:
+    run_root: Path, short_reference, tmp_path
+) -> None:
     # torch's agent catches SIGTERM and SIGKILLs its ranks after its shutdown timeout (30 s by default): a save
     # longer than that was cut off. The timeout at 0 here makes that visible in seconds: before the fix no rank
     # saved the stop step and the requeued job resumed from an older checkpoint.
-    job = _sbatch(run_root, "torchrun", "+cluster.env.TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0",
-                  steps=chaos_helpers.SHORT_STEPS)
+    job = _sbatch(
+        run_root, "torchrun", "+cluster.env.TORCH_ELASTIC_SHUTDOWN_TIMEOUT=0", steps=chaos_helpers.SHORT_STEPS
+    )
     wait_for_step(run_root, chaos_helpers.SHORT_FAULT_STEP)
     subprocess.run(["scontrol", "requeue", job], check=True)
     recs = wait_job_done(job)

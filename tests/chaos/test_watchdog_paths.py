@@ -14,8 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.chaos_helpers import (SHORT_FAULT_STEP, SHORT_STEPS, events, losses, rank_pid, submit, wait_for_step,
-                                       wait_job_done)
+from tests.chaos.chaos_helpers import (
+    SHORT_FAULT_STEP,
+    SHORT_STEPS,
+    events,
+    losses,
+    rank_pid,
+    submit,
+    wait_for_step,
+    wait_job_done,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -91,8 +99,9 @@ def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_decides
     incidents = run_root / "incidents"
     incidents.mkdir(parents=True)
     # Stacks, incident, claim and decision all go here: the failure path meets a read-only disk.
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True, text=True
+    )
     if p.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
     job = None
@@ -116,6 +125,9 @@ def test_a_rank_whose_failure_path_cannot_write_exits_and_the_supervisor_decides
         assert "and no decision 10 s later" in log and f"decision of attempt {job}.0 not published" in log
         assert list(incidents.iterdir()) == []
     finally:
-        if job is not None and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        if (
+            job is not None
+            and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
+        ):
             subprocess.run(["scancel", job], check=False)
         subprocess.run(["umount", "-l", str(incidents)], check=False)

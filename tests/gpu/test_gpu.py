@@ -40,13 +40,22 @@ def _metrics(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}  # a resumed run appends: the last line of a step wins
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(ONE_GPU, id="one_gpu_autocast"),
-                                  pytest.param(TWO_GPUS, id="fsdp2_policy", marks=needs_two)])
+@pytest.mark.parametrize(
+    "mesh", [pytest.param(ONE_GPU, id="one_gpu_autocast"), pytest.param(TWO_GPUS, id="fsdp2_policy", marks=needs_two)]
+)
 def test_bf16_trains_within_tolerance_of_fp32_on_cuda(mesh: list[str], data_path: str, tmp_path: Path) -> None:
     losses = {}
     for mp in ("fp32", "bf16"):
-        run = run_train([*mesh, "train.steps=20", "checkpoint.enabled=false", f"data.path={data_path}",
-                         f"train.mixed_precision={mp}"], tmp_path / mp)
+        run = run_train(
+            [
+                *mesh,
+                "train.steps=20",
+                "checkpoint.enabled=false",
+                f"data.path={data_path}",
+                f"train.mixed_precision={mp}",
+            ],
+            tmp_path / mp,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         losses[mp] = run.losses()
     gaps = [abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"])]
@@ -56,8 +65,14 @@ def test_bf16_trains_within_tolerance_of_fp32_on_cuda(mesh: list[str], data_path
 
 
 def test_resume_on_cuda_with_deterministic_kernels_is_bitwise(data_path: str, tmp_path: Path) -> None:
-    common = [*ONE_GPU, "train.steps=8", "checkpoint.every_steps=4", "train.deterministic=true",
-              "train.mixed_precision=bf16", f"data.path={data_path}"]
+    common = [
+        *ONE_GPU,
+        "train.steps=8",
+        "checkpoint.every_steps=4",
+        "train.deterministic=true",
+        "train.mixed_precision=bf16",
+        f"data.path={data_path}",
+    ]
     ref = run_train(common, tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "resumed"
@@ -78,8 +93,9 @@ FSDP_REDUCE_SCATTER = "c10d._reduce_scatter_base_"
 def _nccl_fsdp_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict:
     torch.cuda.set_device(rank)
     dist.init_process_group(backend_for("cuda"), rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    mesh = ParallelDims(pp=1, dp_replicate=1, dp_shard=world_size, cp=1, tp=1, ep=1,
-                        world_size=world_size).build_mesh("cuda")
+    mesh = ParallelDims(pp=1, dp_replicate=1, dp_shard=world_size, cp=1, tp=1, ep=1, world_size=world_size).build_mesh(
+        "cuda"
+    )
     set_pg_timeouts(42.0)
     nccl = mesh["dp_shard"].get_group()._get_backend(torch.device("cuda"))
     with torch.device("meta"):

@@ -17,9 +17,19 @@ pytestmark = pytest.mark.gpu
 
 
 def test_a_gpu_run_checks_its_gpu_through_nvml_and_names_it_by_the_uuid_and_bus_id_nvml_reports(
-        data_path: str, tmp_path: Path) -> None:
-    run = run_train(["mesh=single", "launcher.tasks_per_node=1", "train.device=cuda", "train.steps=2",
-                     "checkpoint.enabled=false", f"data.path={data_path}"], tmp_path)
+    data_path: str, tmp_path: Path
+) -> None:
+    run = run_train(
+        [
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+            "train.device=cuda",
+            "train.steps=2",
+            "checkpoint.enabled=false",
+            f"data.path={data_path}",
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (e,) = read_events(tmp_path / "events.jsonl", "gpu_health")
     assert e["level"] in ("ok", "warning"), e  # a failing GPU would have ended the run

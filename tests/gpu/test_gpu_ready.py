@@ -4,8 +4,6 @@ and the flight recorder dumps NCCL's collectives from a one-rank cuda:nccl,cpu:g
 from __future__ import annotations
 
 import json
-import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +20,13 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_preflight_passes_on_this_gpu(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, "scripts/gpu_check", "--preflight", "--out", str(tmp_path)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "scripts/gpu_check", "--preflight", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert p.returncode == 0 and lines[-1]["gpu_check"] == "preflight ok", p.stdout[-4000:] + p.stderr[-2000:]
     world = next(ln for ln in lines if ln.get("check") == "world")

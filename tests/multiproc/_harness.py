@@ -90,7 +90,9 @@ def _parallelize(model: Net, mesh_cfg: Mesh, rank: int):
     """PP split -> TP -> FSDP2 (the order of notes section 5); returns (model, mesh coords)."""
     if mesh_cfg.world == 1:
         return model, None, {"pp": 0, "dp_shard": 0, "tp": 0}
-    mesh = init_device_mesh("cpu", (mesh_cfg.pp, mesh_cfg.dp_shard, mesh_cfg.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    mesh = init_device_mesh(
+        "cpu", (mesh_cfg.pp, mesh_cfg.dp_shard, mesh_cfg.tp), mesh_dim_names=("pp", "dp_shard", "tp")
+    )
     coords = {n: mesh[n].get_local_rank() for n in ("pp", "dp_shard", "tp")}
     if mesh_cfg.pp > 1:
         per = LAYERS // mesh_cfg.pp
@@ -147,14 +149,22 @@ def train(
         scale_box = [1.0]
         stage = PipelineStage(model, coords["pp"], mcfg.pp, torch.device("cpu"), group=dmesh.get_group("pp"))
         pp_sched = ScheduleGPipe(
-            stage, n_microbatches=2,
+            stage,
+            n_microbatches=2,
             loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1).float(), t.flatten(0, 1)) * scale_box[0],
         )
     events = EventLog(run / "events.jsonl", rank=rank)
     cfg = CheckpointConfig(**ckpt)
-    manager = CheckpointManager(run / "checkpoints", cfg=cfg, rank=rank, world_size=world, emit=events.emit,
-                                manifest_extra={"mesh": asdict(mcfg), "config_hash": "harness"}, total_steps=steps,
-                                mtbf_s=3600.0)
+    manager = CheckpointManager(
+        run / "checkpoints",
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        emit=events.emit,
+        manifest_extra={"mesh": asdict(mcfg), "config_hash": "harness"},
+        total_steps=steps,
+        mtbf_s=3600.0,
+    )
     _inject(manager, patch)
     random.seed(seed)
     np.random.seed(seed)
@@ -207,8 +217,13 @@ def train(
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         params[name] = full.detach().clone()
-    return {"losses": losses, "params": params, "start": start, "state": state.state_dict(),
-            "interval_steps": manager._interval_steps}
+    return {
+        "losses": losses,
+        "params": params,
+        "start": start,
+        "state": state.state_dict(),
+        "interval_steps": manager._interval_steps,
+    }
 
 
 def _inject(manager: CheckpointManager, patch: str | None) -> None:

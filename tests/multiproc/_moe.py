@@ -32,12 +32,16 @@ def biases(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def full_grads(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-            for part in parts for n, p in part.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        for part in parts
+        for n, p in part.named_parameters()
+    }
 
 
-def reference(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, *, prepare: Callable[[nn.Module], None] | None = None
-              ) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(
+    cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, *, prepare: Callable[[nn.Module], None] | None = None
+) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process: (loss, every gradient, the router biases after one update at model.moe_bias_rate)."""
     model = Transformer(cfg)
     init_weights(model, seed=0)
@@ -83,8 +87,9 @@ class GroupCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.where and func.namespace in ("c10d", "_c10d_functional") and self._group(args) == self.group_name:
             op = func.__name__.split(".")[0].replace("_", "")  # c10d's allreduce_ and DTensor's all_reduce alike
-            kind = next(k for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", op)
-                        if k.replace("_", "") in op)
+            kind = next(
+                k for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", op) if k.replace("_", "") in op
+            )
             self.calls[f"{self.where}_{kind}"] += 1
         return func(*args, **(kwargs or {}))
 

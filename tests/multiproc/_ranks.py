@@ -127,8 +127,13 @@ def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs, parent) ->
     _die_with_parent(parent)
     os.environ["OMP_NUM_THREADS"] = "1"  # `env` may override it
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **env,
     )
     torch.set_num_threads(1)  # 2 cores shared by all ranks: one intra-op thread each
     code = 0

@@ -12,8 +12,14 @@ from __future__ import annotations
 # Two ranks (FSDP over dp_shard2), 24 steps, a thread-async save every 4 steps: the reference of the local
 # kill / restart / stop tests (test_launcher, test_failure_local, test_kill_during_async_save).
 DP2_STEPS = 24
-DP2_RUN = ["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2", f"train.steps={DP2_STEPS}",
-           "checkpoint.every_steps=4", "checkpoint.async_mode=thread"]
+DP2_RUN = [
+    "mesh=single",
+    "launcher.tasks_per_node=2",
+    "mesh.dp_shard=2",
+    f"train.steps={DP2_STEPS}",
+    "checkpoint.every_steps=4",
+    "checkpoint.async_mode=thread",
+]
 
 # The default mesh (pp2 * dp_shard2 * tp2, 8 ranks, train.mixed_precision=auto: fp32 on CPU), 8 steps, saves at 4
 # and 8, a held-out evaluation at 4 and 8: tests/multiproc/test_parity.py's MESHES["pp2_dp_shard2_tp2"] (mesh_run),

@@ -12,8 +12,9 @@ from tests.conftest import TrainRun, run_train
 
 def _fingerprint(run_dir: Path) -> list[tuple[str, int, int]]:
     """Every file under the run dir with its size and modification time (what a write into it would change)."""
-    return sorted((str(p.relative_to(run_dir)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in run_dir.rglob("*") if p.is_file())
+    return sorted(
+        (str(p.relative_to(run_dir)), p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()
+    )
 
 
 @pytest.fixture(scope="session")

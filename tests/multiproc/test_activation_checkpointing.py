@@ -11,8 +11,7 @@ from tests.multiproc.test_parity import EVAL_STEPS, STEPS, mesh_run
 pytestmark = pytest.mark.multiproc
 
 
-def test_full_and_selective_checkpointing_give_bitwise_the_losses_of_none(data_path: str, tmp_path,
-                                                                          shared_run) -> None:
+def test_full_and_selective_checkpointing_give_bitwise_the_losses_of_none(data_path: str, tmp_path, shared_run) -> None:
     # none: test_parity's pp2_dp_shard2_tp2 run (8 steps, a held-out evaluation at steps 4 and 8), shared
     common = mesh_run("pp2_dp_shard2_tp2", data_path)
     runs = {"none": shared_run(common)}

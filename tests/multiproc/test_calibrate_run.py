@@ -19,9 +19,22 @@ pytestmark = [pytest.mark.multiproc]
 
 def test_calibrate_writes_every_figure_and_the_plan_predicts_with_them(tmp_path) -> None:
     out = tmp_path / "local_calibrated.yaml"
-    p = subprocess.run([sys.executable, "-m", "jobs.calibrate", "model=tiny", "launcher.tasks_per_node=3",
-                        "calibrate.seconds=0.2", f"calibrate.out={out}", f"cluster.run_root={tmp_path / 'runs'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.calibrate",
+            "model=tiny",
+            "launcher.tasks_per_node=3",
+            "calibrate.seconds=0.2",
+            f"calibrate.out={out}",
+            f"cluster.run_root={tmp_path / 'runs'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     prof = yaml.safe_load(out.read_text())
     assert "`python -m jobs.calibrate model=tiny" in prof["calibrated"]
@@ -29,11 +42,21 @@ def test_calibrate_writes_every_figure_and_the_plan_predicts_with_them(tmp_path)
     assert set(prof["collectives"]) == {f"{op}.intra" for op in OPS}
     # the host terms: FSDP2's hooks and copies cost milliseconds per unit on CPU ranks, the pipeline
     # schedule about as much per action; a probe that measured nothing would write 0
-    assert list(prof["fsdp_unit_host_s"]) == ["tp1"] and prof["fsdp_unit_host_s"]["tp1"] > 1e-5 and prof["pp_action_host_s"] > 1e-5, prof
+    assert (
+        list(prof["fsdp_unit_host_s"]) == ["tp1"]
+        and prof["fsdp_unit_host_s"]["tp1"] > 1e-5
+        and prof["pp_action_host_s"] > 1e-5
+    ), prof
     assert prof["optimizer_ns_per_param"] > 0 and prof["fs_write_GBps"] > 0 and prof["host_copy_GBps"] > 0
     cfg = compose(["model=tiny", "launcher.tasks_per_node=3", "mesh.pp=3", "mesh.dp_shard=1", "mesh.tp=1"])
-    for key in ("calibrated", "matmul_tflops", "collectives", "fsdp_unit_host_s", "pp_action_host_s",
-                "optimizer_ns_per_param"):
+    for key in (
+        "calibrated",
+        "matmul_tflops",
+        "collectives",
+        "fsdp_unit_host_s",
+        "pp_action_host_s",
+        "optimizer_ns_per_param",
+    ):
         setattr(cfg.cluster, key, prof[key])
     step = build_plan(cfg, measure=False).step
     assert step["matmul_source"].startswith("cluster.matmul_tflops.fp32 calibrated (")
@@ -45,9 +68,22 @@ def test_calibrate_on_two_ranks_times_every_collective(tmp_path) -> None:
     # Two ranks have no pairs beside the whole job: every collective was skipped as "the odd rank out" and
     # the fit raised KeyError (2026-12-03). tp 2 is timed, with FSDP2 over DTensor parameters.
     out = tmp_path / "two.yaml"
-    p = subprocess.run([sys.executable, "-m", "jobs.calibrate", "model=tiny", "launcher.tasks_per_node=2",
-                        "calibrate.seconds=0.1", f"calibrate.out={out}", f"cluster.run_root={tmp_path / 'runs'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.calibrate",
+            "model=tiny",
+            "launcher.tasks_per_node=2",
+            "calibrate.seconds=0.1",
+            f"calibrate.out={out}",
+            f"cluster.run_root={tmp_path / 'runs'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     prof = yaml.safe_load(out.read_text())
     assert set(prof["collectives"]) == {f"{op}.intra" for op in OPS}

@@ -34,8 +34,17 @@ DP2 = {"dp_shard": 2}
 
 
 def _run(run_dir: Path, steps: int, *, world: int = 2, mesh=DP2, env=None, allow_kill=False, patch=None, **ck):
-    return run_ranks(train, world, run_dir=str(run_dir), mesh=mesh, steps=steps,
-                     ckpt=mesh_ckpt(**{"every_steps": 2, **ck}), allow_kill=allow_kill, env=env, patch=patch)
+    return run_ranks(
+        train,
+        world,
+        run_dir=str(run_dir),
+        mesh=mesh,
+        steps=steps,
+        ckpt=mesh_ckpt(**{"every_steps": 2, **ck}),
+        allow_kill=allow_kill,
+        env=env,
+        patch=patch,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +85,12 @@ def test_damaged_newest_checkpoint_is_reported_skipped_and_kept(four_steps, tmp_
     assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}  # bitwise from step_2
     skipped = read_events(tmp_path / "events.jsonl", "checkpoint_skipped")
     assert [e["step"] for e in skipped] == [4]
-    reason = {"truncate_shard": "truncated", "delete_manifest": "no manifest.json", "flip_byte": "crc32",
-              "truncate_manifest": "not valid JSON"}[damage]
+    reason = {
+        "truncate_shard": "truncated",
+        "delete_manifest": "no manifest.json",
+        "flip_byte": "crc32",
+        "truncate_manifest": "not valid JSON",
+    }[damage]
     assert reason in skipped[0]["reason"], skipped[0]["reason"]
     # The damaged folder was moved aside when step 4 was saved again, never deleted.
     aside = list((tmp_path / "checkpoints").glob("step_4.uncommitted-*"))
@@ -89,6 +102,7 @@ def _train_with_rank1_load_fault(rank, world, *, fault, **kw):
     """`train`, with rank 1 alone failing to load step_4: its `.metadata` read fails (EIO) or its
     optimizer state is refused after the read. Rank 0 sees nothing wrong."""
     if rank == 1 and fault == "metadata":
+
         class Reader(statedict_mod.FileSystemReader):
             def read_metadata(self, *a, **k):
                 if str(self.path).endswith("step_4"):
@@ -115,8 +129,16 @@ def test_a_load_failing_on_one_rank_makes_every_rank_fall_back_together(four_ste
     _copy_run(ref_run, tmp_path)
     # Without agreement rank 1 moves on to step_2 while rank 0 sits in a collective of step_4 (or trains):
     # a hang, which the 60 s bound turns into a TimeoutError.
-    res = run_ranks(_train_with_rank1_load_fault, 2, fault=fault, run_dir=str(tmp_path), mesh=DP2, steps=4,
-                    ckpt=mesh_ckpt(every_steps=2), timeout=60.0)
+    res = run_ranks(
+        _train_with_rank1_load_fault,
+        2,
+        fault=fault,
+        run_dir=str(tmp_path),
+        mesh=DP2,
+        steps=4,
+        ckpt=mesh_ckpt(every_steps=2),
+        timeout=60.0,
+    )
     assert [res.results[r]["start"] for r in (0, 1)] == [2, 2]
     assert res.results[0]["losses"] == {3: ref_losses[3], 4: ref_losses[4]}  # bitwise from step_2 on both ranks
     skipped = read_events(tmp_path / "events.jsonl", "checkpoint_skipped")
@@ -187,7 +209,9 @@ def test_environment_drift_is_reported_and_acted_on_per_policy(four_steps, tmp_p
     assert drift[0]["ranks"] == [0, 1]
 
 
-@pytest.mark.parametrize("mode", ["none", "thread", pytest.param("process", marks=pytest.mark.slow)])  # process: ~16 s spawn
+@pytest.mark.parametrize(
+    "mode", ["none", "thread", pytest.param("process", marks=pytest.mark.slow)]
+)  # process: ~16 s spawn
 def test_every_async_mode_commits_checkpoints_that_resume_bitwise(four_steps, tmp_path, mode):
     _, ref_losses = four_steps
     first = _run(tmp_path, 2, async_mode=mode)
@@ -212,7 +236,7 @@ def test_retention_keeps_the_newest_two_valid_and_never_deletes_damaged_ones(tmp
 
 
 def test_auto_interval_saves_first_to_measure_then_at_the_daly_interval(tmp_path):
-    res = _run(tmp_path, 10, interval="auto", every_steps=0)
+    _run(tmp_path, 10, interval="auto", every_steps=0)
     ev = read_events(tmp_path / "events.jsonl")
     iv = [e for e in ev if e["kind"] == "checkpoint_interval"]
     saves = [e["step"] for e in ev if e["kind"] == "checkpoint_saved"]

@@ -20,8 +20,9 @@ from tests.multiproc.test_parity import COMMON, SAVES, STEPS
 pytestmark = pytest.mark.multiproc
 
 SEQ, BATCH = 32, 2
-CFG = ModelConfig(name="cp_test", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64,
-                  max_seq_len=64)
+CFG = ModelConfig(
+    name="cp_test", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64, max_seq_len=64
+)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +84,9 @@ def test_cp_loss_and_gradients_equal_the_single_process_run(impl: str, cp: int) 
     _assert_matches_reference(out, what=f"{impl} cp{cp}")
     if impl == "ring":  # every rank does the same causal work: 2 causal + 2cp-1 full blocks per layer
         counts = {res["cp_rank"]: res["blocks"] for res in out.results.values()}
-        assert all(c == {"causal": 2 * CFG.n_layers, "full": (2 * cp - 1) * CFG.n_layers} for c in counts.values()), counts
+        assert all(c == {"causal": 2 * CFG.n_layers, "full": (2 * cp - 1) * CFG.n_layers} for c in counts.values()), (
+            counts
+        )
         assert all(sorted(k for _, _, _, k in ring_blocks(cp, r)).count("full") == 2 * cp - 1 for r in range(cp))
 
 
@@ -115,10 +118,12 @@ def _cp_run(name: str, data_path: str) -> list[str]:
     return [*COMMON, *mesh, f"data.path={data_path}", f"launcher.tasks_per_node={world}"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("pp") else [])
-                                  for n in TRAIN_MESHES])
-def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(name: str, data_path: str, tmp_path_factory,
-                                                               shared_run) -> None:
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("pp") else []) for n in TRAIN_MESHES]
+)
+def test_jobs_train_on_a_cp_mesh_equals_the_single_process_run(
+    name: str, data_path: str, tmp_path_factory, shared_run
+) -> None:
     from tests.multiproc.test_parity import _reference  # (this module has a _reference of its own)
 
     ref, _ = _reference([], data_path, tmp_path_factory)  # (training losses, held-out losses)
@@ -143,8 +148,10 @@ def test_a_cp_run_resumes_bitwise_and_reshards_onto_one_process(data_path: str, 
     saved = 4
     world, same = TRAIN_MESHES["cp2_dp_shard2_ring"]
     final = {}
-    for name, mesh in (("same", [*same, f"launcher.tasks_per_node={world}"]),
-                       ("single", ["mesh=single", "launcher.tasks_per_node=1"])):
+    for name, mesh in (
+        ("same", [*same, f"launcher.tasks_per_node={world}"]),
+        ("single", ["mesh=single", "launcher.tasks_per_node=1"]),
+    ):
         run_dir = tmp_path / name
         shutil.copytree(ref.run_dir / f"checkpoints/step_{saved}", run_dir / f"checkpoints/step_{saved}")
         r = run_train([*COMMON, *SAVES, *mesh, f"data.path={data_path}"], run_dir)  # (`same` names SAVES twice)

@@ -35,9 +35,11 @@ def _two_saves(rank: int, world_size: int, folder: str) -> list[tuple[int, float
     out = []
     for name, timeout_s in (("without", None), ("with", 7.0)):
         path = Path(folder) / name
-        dcp.async_save({"w": torch.arange(4.0)}, storage_writer=_ProbeWriter(path, thread_count=1,
-                                                                             collective_timeout_s=timeout_s),
-                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        dcp.async_save(
+            {"w": torch.arange(4.0)},
+            storage_writer=_ProbeWriter(path, thread_count=1, collective_timeout_s=timeout_s),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        ).result()
         pid, seen = (path / "probe.txt").read_text().split()
         out.append((int(pid), float(seen)))
     return out

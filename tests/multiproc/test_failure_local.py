@@ -36,26 +36,34 @@ def _rank_pid(run_dir: Path, rank: int, attempt: str = "local.0") -> int:
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     """`python -m jobs.train` as a user starts it; its pid is the launcher's (the ranks are its forks)."""
-    return subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 # ---------------------------------------------------------------------------------------- timeouts
 
 
 def _skip_an_all_reduce_on_tp(rank: int, world: int, flag: str) -> dict:  # pragma: no cover - forked
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import torch.distributed as dist
     from jobs.failure.incident import error_class
     from jobs.failure.timeouts import set_pg_timeouts
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh.get_group("tp")  # tp groups: {0, 1} and {2, 3}
     backend = tp._get_backend(torch.device("cpu"))
-    out = {"before_s": backend.options._timeout.total_seconds(), "groups_set": set_pg_timeouts(2.0),
-           "after_s": backend.options._timeout.total_seconds()}
+    out = {
+        "before_s": backend.options._timeout.total_seconds(),
+        "groups_set": set_pg_timeouts(2.0),
+        "after_s": backend.options._timeout.total_seconds(),
+    }
     dist.barrier()
     if rank == 1:  # skips the collective, stays alive (an exit would close the pair at once) until rank 0 gave up
         deadline = time.monotonic() + 60
@@ -91,13 +99,24 @@ def test_set_pg_timeouts_bounds_a_collective_on_a_device_mesh_sub_group(tmp_path
 
 def _published_rendezvous(rank: int, world: int, root: str) -> dict:  # pragma: no cover - forked
     import torch.distributed as dist
+
     from jobs.launch.env import DistEnv
     from jobs.launch.rendezvous import rendezvous
 
     job, r = rank // 2, rank % 2  # two 2-rank jobs, started at the same time on one host
-    env = DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2, node_rank=0, nodes=1,
-                  master_addr="127.0.0.1", master_port=0, restart_count=0, job_id=f"77{job}",
-                  hostname=os.uname().nodename)
+    env = DistEnv(
+        rank=r,
+        local_rank=r,
+        world_size=2,
+        local_world_size=2,
+        node_rank=0,
+        nodes=1,
+        master_addr="127.0.0.1",
+        master_port=0,
+        restart_count=0,
+        job_id=f"77{job}",
+        hostname=os.uname().nodename,
+    )
     env = rendezvous(env, run_dir=f"{root}/job{job}", timeout_s=60)
     t = torch.tensor([100.0 * job + r + 1])
     dist.all_reduce(t)
@@ -111,7 +130,11 @@ def test_two_jobs_on_one_host_rendezvous_on_published_ports_without_colliding(tm
 
     res = run_ranks(_published_rendezvous, 4, str(tmp_path), init_pg=False, timeout=120).results
     assert [(res[r]["job"], res[r]["world"], res[r]["sum"]) for r in range(4)] == [
-        (0, 2, 3.0), (0, 2, 3.0), (1, 2, 203.0), (1, 2, 203.0)]  # 1 + 2 and 101 + 102
+        (0, 2, 3.0),
+        (0, 2, 3.0),
+        (1, 2, 203.0),
+        (1, 2, 203.0),
+    ]  # 1 + 2 and 101 + 102
     ports = [res[0]["port"], res[2]["port"]]
     assert res[1]["port"] == ports[0] and res[3]["port"] == ports[1]  # rank 1 read rank 0's port
     assert ports[0] != ports[1] and all(p > 0 for p in ports)
@@ -137,7 +160,8 @@ def _stopped(run_dir: Path, proc: subprocess.Popen, *, step: int, pid: Callable[
 
 @pytest.mark.slow
 def test_usr2_to_one_rank_then_to_the_launcher_saves_requeues_and_the_reruns_match_an_uninterrupted_run(
-        tmp_path: Path, data_path: str, shared_run) -> None:
+    tmp_path: Path, data_path: str, shared_run
+) -> None:
     # USR2 is what Slurm sends before a time limit or on preemption. Every rank only sets a flag; the ranks
     # agree in the step's one world all-reduce (Trainer.reduce_totals, the same on every mesh), save that step
     # and exit 75. First to rank 1 only (rank 0 stops because it agreed), then, in the rerun, to the launcher
@@ -163,23 +187,30 @@ def test_usr2_to_one_rank_then_to_the_launcher_saves_requeues_and_the_reruns_mat
     assert sorted(e["rank"] for e in stops) == [0, 1]
     stop_step = stops[0]["step"]
     assert {(e["step"], e["signal"], e["action"]) for e in stops} == {
-        (stop_step, "SIGUSR2", "checkpoint saved; ending the attempt")}
+        (stop_step, "SIGUSR2", "checkpoint saved; ending the attempt")
+    }
     assert first < stop_step < steps
     assert (run_dir / f"checkpoints/step_{stop_step}/manifest.json").exists()
     # rank 0 decides a stop: the first time it saw no signal of its own, only the agreement
     decisions = [e for e in events if e["kind"] == "decision"]
     assert [(d["action"], d["cause"], d["exit_code"]) for d in decisions] == [
-        ("requeue", "stop_signal", 75), ("requeue", "SIGUSR2", 75)]
+        ("requeue", "stop_signal", 75),
+        ("requeue", "SIGUSR2", 75),
+    ]
     ends = [e for e in events if e["kind"] == "attempt_end"]
     assert [(e["attempt"], e["cause"], e["action"], e["step"]) for e in ends] == [
-        ("local.0", "stop_signal", "requeue", first), ("local.1", "SIGUSR2", "requeue", stop_step)]
+        ("local.0", "stop_signal", "requeue", first),
+        ("local.1", "SIGUSR2", "requeue", stop_step),
+    ]
 
     final = run_train(common, run_dir)
     assert final.returncode == 0, final.stderr[-3000:]
     events = _events(run_dir)
     assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [first, stop_step]  # the stops' saves
-    starts = {a: [e["step"] for e in events if e["kind"] == "train_start" and e["attempt"] == a]
-              for a in ("local.1", "local.2")}
+    starts = {
+        a: [e["step"] for e in events if e["kind"] == "train_start" and e["attempt"] == a]
+        for a in ("local.1", "local.2")
+    }
     assert starts == {"local.1": [first, first], "local.2": [stop_step, stop_step]}
     resumed = {m["step"]: m["loss"] for m in final.metrics() if m["restart"] == 2}
     assert sorted(resumed) == list(range(stop_step + 1, steps + 1))
@@ -197,7 +228,8 @@ def _catches(pid: int, sig: int) -> bool:
 
 
 def test_usr2_during_start_up_ends_the_attempt_before_training_without_a_checkpoint(
-        tmp_path: Path, data_path: str) -> None:
+    tmp_path: Path, data_path: str
+) -> None:
     run_dir = tmp_path / "run"
     proc = _start(run_dir, ["train.steps=60", f"data.path={data_path}", *TWO_RANKS])
     try:
@@ -237,15 +269,27 @@ class LauncherHung(Exception):
 
 @pytest.mark.slow
 def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_timeout(
-        tmp_path: Path, data_path: str) -> None:
+    tmp_path: Path, data_path: str
+) -> None:
     hang_s = 8.0
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, ["train.steps=100000", f"data.path={data_path}", "checkpoint.enabled=false",
-                            "mesh=single", "launcher.tasks_per_node=4", "mesh.dp_shard=4",
-                            f"failure.hang_timeout_s={hang_s}", "failure.heartbeat_s=0.5",
-                            # the hang timeout's path: the peers' fast check of missed heartbeats is off
-                            "failure.missed_beats=1000", "failure.restarts_in_allocation=0",
-                            "+cluster.env.TORCH_FR_BUFFER_SIZE=64"])  # gloo records too when the recorder has a buffer
+    proc = _start(
+        run_dir,
+        [
+            "train.steps=100000",
+            f"data.path={data_path}",
+            "checkpoint.enabled=false",
+            "mesh=single",
+            "launcher.tasks_per_node=4",
+            "mesh.dp_shard=4",
+            f"failure.hang_timeout_s={hang_s}",
+            "failure.heartbeat_s=0.5",
+            # the hang timeout's path: the peers' fast check of missed heartbeats is off
+            "failure.missed_beats=1000",
+            "failure.restarts_in_allocation=0",
+            "+cluster.env.TORCH_FR_BUFFER_SIZE=64",
+        ],
+    )  # gloo records too when the recorder has a buffer
     victim = None
     try:
         wait_for_step(run_dir, 2, proc)
@@ -278,7 +322,9 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
         assert entries and all(e["profiling_name"].startswith("gloo:") for e in entries)
         assert entries[-1]["state"] != "completed"  # the collective it waits in when the watchdog fires
         events = _events(run_dir)
-        assert [(e["cls"], e["suspects"][0]["pid"]) for e in events if e["kind"] == "failure"] == [("hung_rank", victim)]
+        assert [(e["cls"], e["suspects"][0]["pid"]) for e in events if e["kind"] == "failure"] == [
+            ("hung_rank", victim)
+        ]
         assert [(e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [("hung_rank", "requeue")]
         # The launcher stops what is left (SIGTERM, SIGKILL after its grace) and exits with the decision. Without
         # the SIGKILL it never exits (the stopped rank cannot act on SIGTERM), so any finite bound catches that;
@@ -287,7 +333,9 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
         try:
             proc.communicate(timeout=max(1.0, limit - (time.monotonic() - stopped_at)))
         except subprocess.TimeoutExpired:
-            raise LauncherHung(f"launcher still running {time.monotonic() - stopped_at:.0f} s after the SIGSTOP") from None
+            raise LauncherHung(
+                f"launcher still running {time.monotonic() - stopped_at:.0f} s after the SIGSTOP"
+            ) from None
         assert time.monotonic() - stopped_at <= limit
         assert proc.returncode == exitcodes.REQUEUE
     finally:

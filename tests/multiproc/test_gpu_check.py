@@ -22,8 +22,13 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME",)}
 
 
 def test_gpu_check_on_cpu_trains_saves_resumes_bitwise_and_prints_its_json_line(tmp_path) -> None:
-    p = subprocess.run([sys.executable, "scripts/gpu_check", "--device", "cpu", "--tiny", "--out", str(tmp_path / "w")],
-                       cwd=REPO, capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [sys.executable, "scripts/gpu_check", "--device", "cpu", "--tiny", "--out", str(tmp_path / "w")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["gpu_check"] == "ok" and out["torch_api_gaps"] == [] and out["params"] == 229952
@@ -39,8 +44,17 @@ def test_gpu_check_on_cpu_trains_saves_resumes_bitwise_and_prints_its_json_line(
 # ------------------------------------------------ issue 25: the --wheels bootstrap and --preflight
 
 
-_HIDDEN = ("hydra", "omegaconf", "antlr4", "submitit", "meshjob", "__editable__", "_meshjob", "hydra_core",
-           "antlr4_python3_runtime")
+_HIDDEN = (
+    "hydra",
+    "omegaconf",
+    "antlr4",
+    "submitit",
+    "meshjob",
+    "__editable__",
+    "_meshjob",
+    "hydra_core",
+    "antlr4_python3_runtime",
+)
 
 
 def _venv_whose_torch_lives_only_in_it(root: Path) -> Path:
@@ -71,15 +85,28 @@ def _wheel_of_installed(dist_name: str, out: Path) -> Path:
 
 
 def test_wheels_bootstrap_from_inside_a_venv_whose_torch_lives_only_there_uses_that_torch_and_leaves_nothing(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     py = _venv_whose_torch_lives_only_in_it(tmp_path)
-    run = lambda *a, **kw: subprocess.run([str(py), *a], cwd=REPO, capture_output=True, text=True, timeout=300,  # noqa: E731
-                                          env={**ENV, "TMPDIR": str(tmp_path / "tmp")}, **kw)
+
+    def run(*a, **kw):
+        return subprocess.run(
+            [str(py), *a],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**ENV, "TMPDIR": str(tmp_path / "tmp")},
+            **kw,
+        )
+
     (tmp_path / "tmp").mkdir()
     assert run("-c", "import torch").returncode == 0 and run("-c", "import hydra").returncode != 0
     # Why the old bootstrap failed: a --system-site-packages venv made from inside this one does not see its torch.
     assert run("-m", "venv", "--without-pip", "--system-site-packages", str(tmp_path / "nested")).returncode == 0
-    assert subprocess.run([str(tmp_path / "nested/bin/python"), "-c", "import torch"], capture_output=True).returncode != 0
+    assert (
+        subprocess.run([str(tmp_path / "nested/bin/python"), "-c", "import torch"], capture_output=True).returncode != 0
+    )
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for dist in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "submitit"):
@@ -100,12 +127,24 @@ def test_wheels_bootstrap_from_inside_a_venv_whose_torch_lives_only_there_uses_t
 
 
 def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(tmp_path) -> None:
-    p = subprocess.run([sys.executable, "scripts/gpu_check", "--preflight", "--device", "cpu", "--out", str(tmp_path / "w")],
-                       cwd=REPO, capture_output=True, text=True, timeout=400, env=ENV)
+    p = subprocess.run(
+        [sys.executable, "scripts/gpu_check", "--preflight", "--device", "cpu", "--out", str(tmp_path / "w")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=ENV,
+    )
     lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert [ln.get("check") for ln in lines[:-1]] == ["torch", "disk", "kernels", "world", "stragglers", "gemms",
-                                                   "trainer"], \
-        p.stdout[-3000:]
+    assert [ln.get("check") for ln in lines[:-1]] == [
+        "torch",
+        "disk",
+        "kernels",
+        "world",
+        "stragglers",
+        "gemms",
+        "trainer",
+    ], p.stdout[-3000:]
     assert p.returncode == 0 and lines[-1]["gpu_check"] == "preflight ok", p.stdout[-3000:] + p.stderr[-2000:]
     checks = {ln["check"]: ln for ln in lines[:-1]}
     assert checks["kernels"]["bitwise"] and checks["trainer"]["bitwise"]

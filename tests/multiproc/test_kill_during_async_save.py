@@ -41,7 +41,7 @@ def _final(run_dir: Path, tmp: Path) -> dict:
 
 def _step_of(name: str) -> int:
     """N of a temporary folder `step_<N>.<attempt>.tmp` (checkpoint/manager.py: one per attempt)."""
-    return int(name[len("step_"):].split(".", 1)[0])
+    return int(name[len("step_") :].split(".", 1)[0])
 
 
 def _in_flight(ckpts: Path, n: int) -> bool:
@@ -69,11 +69,17 @@ def _stop_during_a_write(p: subprocess.Popen, ckpts: Path) -> int:
 
 
 def test_a_trainer_killed_during_its_async_checkpoint_write_resumes_from_the_previous_save_bitwise(
-        tmp_path, data_path, shared_run) -> None:
+    tmp_path, data_path, shared_run
+) -> None:
     ref_dir = shared_run([*RUN, f"data.path={data_path}"], timeout=RUN_S).run_dir
     run_dir = tmp_path / "killed" / "run"
-    p = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *RUN, f"data.path={data_path}"],
-                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *RUN, f"data.path={data_path}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         killed = _stop_during_a_write(p, run_dir / "checkpoints")
     finally:

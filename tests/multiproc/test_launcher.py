@@ -27,13 +27,19 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupted_one(tmp_path: Path, data_path: str,
-                                                                                      shared_run) -> None:
+def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupted_one(
+    tmp_path: Path, data_path: str, shared_run
+) -> None:
     common = [*DP2_RUN, f"data.path={data_path}"]  # saves every 4 steps; the uninterrupted run is shared
     ref = shared_run(common)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *common],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_step(run_dir, 10, proc, timeout=240)  # step 8's save has begun, so step 4's is committed
         os.kill(json.loads((run_dir / "heartbeats/local.0/rank1.json").read_text())["pid"], signal.SIGKILL)
@@ -45,7 +51,9 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupte
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["action"]) for e in events if e["kind"] == "decision"] == [("local.0", "restart")]
     assert [(e["attempt"], e["cause"]) for e in events if e["kind"] == "attempt_end"] == [
-        ("local.0", "dead_rank"), ("local.0.1", "completed")]
+        ("local.0", "dead_rank"),
+        ("local.0.1", "completed"),
+    ]
     (loaded,) = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert loaded["attempt"] == "local.0.1" and 4 <= loaded["step"] < DP2_STEPS
     assert _losses(run_dir) == _losses(ref.run_dir)  # every step's loss, bitwise
@@ -54,10 +62,24 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_matches_an_uninterrupte
 def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp_path: Path, data_path: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=10000", f"data.path={data_path}",
-         "checkpoint.enabled=false", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=4", "launcher.tasks_per_node=4",
-         "failure.restarts_in_allocation=0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            "train.steps=10000",
+            f"data.path={data_path}",
+            "checkpoint.enabled=false",
+            "mesh.pp=1",
+            "mesh.tp=1",
+            "mesh.dp_shard=4",
+            "launcher.tasks_per_node=4",
+            "failure.restarts_in_allocation=0",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_for_step(run_dir, 2, proc, timeout=240)
@@ -82,26 +104,47 @@ def test_a_killed_rank_past_the_restart_budget_stops_the_others_and_is_named(tmp
     assert failures[0]["reported_by"] in (-1, 0, 1, 3) and failures[0]["rank"] == failures[0]["reported_by"]
     assert [(s["rank"], s["pid"], s["state"]) for s in failures[0]["suspects"]] == [(2, victim, "dead")]
     assert [(e["attempt"], e["cause"], e["action"]) for e in events if e["kind"] == "attempt_end"] == [
-        ("local.0", "dead_rank", "requeue")]
+        ("local.0", "dead_rank", "requeue")
+    ]
     incident = json.loads((run_dir / "incidents/local.0/incident.json").read_text())
     assert (incident["cls"], incident["reported_by"], incident["suspects"][0]["pid"]) == (
-        "dead_rank", failures[0]["reported_by"], victim)
+        "dead_rank",
+        failures[0]["reported_by"],
+        victim,
+    )
 
 
-def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_77(tmp_path: Path, data_path: str) -> None:
+def test_a_nan_loss_with_no_checkpoint_to_roll_back_to_stops_the_run_with_exit_77(
+    tmp_path: Path, data_path: str
+) -> None:
     # A data file that does not match the model is refused on the launcher before any rank starts,
     # so break the run inside the ranks instead: a huge learning rate makes the second step non-finite.
     run_dir = tmp_path / "run"
     p = subprocess.run(
-        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "train.steps=5", f"data.path={data_path}",
-         "checkpoint.enabled=false", "mesh=single", "launcher.tasks_per_node=1", "optim.lr=1e30",
-         "optim.grad_clip=0", "optim.warmup_steps=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            "train.steps=5",
+            f"data.path={data_path}",
+            "checkpoint.enabled=false",
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+            "optim.lr=1e30",
+            "optim.grad_clip=0",
+            "optim.warmup_steps=1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     # A non-finite loss (the grad norm at step 2) rolls back (jobs/failure/spike.py); with no checkpoint to go
     # back to, the run stops for good.
     assert p.returncode == exitcodes.DIVERGED, p.stderr[-3000:]
     assert "no committed checkpoint before step 2" in p.stdout + p.stderr and "Lower optim.lr" in p.stdout + p.stderr
-    failures = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()
-                if json.loads(l)["kind"] == "failure"]
+    failures = [
+        json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if json.loads(l)["kind"] == "failure"
+    ]
     assert failures and failures[0]["cls"] == "non_finite_loss"

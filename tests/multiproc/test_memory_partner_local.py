@@ -30,8 +30,16 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(4 * R
 
 STEPS = 8
 # no filesystem checkpoint before the last step: what the restart resumes from can only be the RAM tier
-COMMON = [f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every_steps=0", "checkpoint.memory_every_steps=2",
-          "mesh=single", "launcher.nodes=2", "launcher.tasks_per_node=2", "mesh.dp_shard=4"]
+COMMON = [
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "checkpoint.every_steps=0",
+    "checkpoint.memory_every_steps=2",
+    "mesh=single",
+    "launcher.nodes=2",
+    "launcher.tasks_per_node=2",
+    "mesh.dp_shard=4",
+]
 HOST = os.uname().nodename
 # The faulted run is held from outside to at most one step per HOLD_S on any machine (its ranks stay stopped while
 # they are ahead of that, as a descheduled host's would; nothing it computes changes): the ranks are between two RAM
@@ -128,13 +136,21 @@ def _final(run_dir: Path, tmp: Path) -> dict:
 
 
 def test_a_lost_node_s_shards_come_from_their_partner_copies_at_the_newest_ram_step_bitwise(
-        tmp_path: Path, data_path: str) -> None:
+    tmp_path: Path, data_path: str
+) -> None:
     common = [*COMMON, f"data.path={data_path}"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref, proc = (subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={d}", *common], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                 for d in (ref_dir, run_dir))
+    ref, proc = (
+        subprocess.Popen(
+            [sys.executable, "-m", "jobs.train", f"run.dir={d}", *common],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for d in (ref_dir, run_dir)
+    )
     try:  # the uninterrupted reference trains alongside (its own run dir and RAM root)
         _wait_for(run_dir / "metrics.jsonl", proc)
         root = memory_root("/dev/shm", run_id(run_dir))

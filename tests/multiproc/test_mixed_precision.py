@@ -34,8 +34,16 @@ def _dtypes_under_policy(rank: int, world_size: int, cfg: ModelConfig, mixed_pre
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
-    (part,), _ = parallelize(model, dims=dims, mesh=mesh, stages_per_rank=1, pp_schedule="1f1b",
-                             sequence_parallel=False, loss_parallel=False, mixed_precision=mixed_precision)
+    (part,), _ = parallelize(
+        model,
+        dims=dims,
+        mesh=mesh,
+        stages_per_rank=1,
+        pp_schedule="1f1b",
+        sequence_parallel=False,
+        loss_parallel=False,
+        mixed_precision=mixed_precision,
+    )
     part.to_empty(device="cpu")
     init_weights(part, seed=0)
     wq = part.layers["0"].attention.wq
@@ -47,15 +55,19 @@ def _dtypes_under_policy(rank: int, world_size: int, cfg: ModelConfig, mixed_pre
     F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)).backward()
     opt.step()
     state = [t for s in opt.state.values() for t in s.values() if t.ndim > 0]
-    return {"in_forward": [seen["weight_in_forward"], seen["out"]],
-            "sharded": sorted({str(p.dtype) for p in part.parameters()}),
-            "grads": sorted({str(p.grad.dtype) for p in part.parameters()}),
-            "optimizer": sorted({str(t.dtype) for t in state}), "n_state": [str(len(state))]}
+    return {
+        "in_forward": [seen["weight_in_forward"], seen["out"]],
+        "sharded": sorted({str(p.dtype) for p in part.parameters()}),
+        "grads": sorted({str(p.grad.dtype) for p in part.parameters()}),
+        "optimizer": sorted({str(t.dtype) for t in state}),
+        "n_state": [str(len(state))],
+    }
 
 
 @pytest.mark.parametrize("mixed_precision, compute", [("bf16", "torch.bfloat16"), ("fp32", "torch.float32")])
-def test_fsdp_policy_computes_in_bf16_and_keeps_shards_grads_and_adamw_state_fp32(mixed_precision: str,
-                                                                                 compute: str) -> None:
+def test_fsdp_policy_computes_in_bf16_and_keeps_shards_grads_and_adamw_state_fp32(
+    mixed_precision: str, compute: str
+) -> None:
     cfg = compose(["model=tiny"]).model
     res = run_ranks(_dtypes_under_policy, 2, cfg, mixed_precision, timeout=180)
     for rank in (0, 1):

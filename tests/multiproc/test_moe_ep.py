@@ -35,17 +35,27 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return batch(seed=7, global_batch=GLOBAL_BATCH, seq=SEQ)
 
 
-def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int = 1, tp: int = 1,
-             sequence_parallel: bool = False) -> dict:
+def _ep_rank(
+    rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int = 1, tp: int = 1, sequence_parallel: bool = False
+) -> dict:
     """This rank's share of one forward/backward under (dp_replicate, dp_shard=world/cp/tp/dp_replicate, cp, tp, ep) and
     the bias update over the world; returns the loss, the full grads, the biases, the all_to_all_single calls counted by
     phase and kind (token rows vs the int64 count exchange) and the MoE blocks' collectives on the tp axis."""
     cfg = _model_cfg()
-    dims = ParallelDims.from_config(MeshConfig(dp_replicate=dp_replicate, dp_shard=world // cp // tp // dp_replicate,
-                                               cp=cp, tp=tp, ep=ep), world_size=world)
+    dims = ParallelDims.from_config(
+        MeshConfig(dp_replicate=dp_replicate, dp_shard=world // cp // tp // dp_replicate, cp=cp, tp=tp, ep=ep),
+        world_size=world,
+    )
     mesh = dims.build_mesh("cpu")
-    (model,), _ = parallel_model(cfg, dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu") if ep > 1 else None,
-                                 seq=SEQ, cp_impl="allgather", sequence_parallel=sequence_parallel)
+    (model,), _ = parallel_model(
+        cfg,
+        dims=dims,
+        mesh=mesh,
+        ep_mesh=dims.build_ep_mesh("cpu") if ep > 1 else None,
+        seq=SEQ,
+        cp_impl="allgather",
+        sequence_parallel=sequence_parallel,
+    )
     tp_calls = GroupCollectives(mesh["tp"].get_group().group_name)  # a Python dispatch mode: only where tp > 1
     tp_calls.watch([model])
     calls: Counter = Counter()
@@ -71,22 +81,44 @@ def _ep_rank(rank: int, world: int, *, ep: int, cp: int = 1, dp_replicate: int =
     total = loss.detach().clone()
     dist.all_reduce(total)
     update_expert_bias(moe_layers([model]), rate=cfg.moe_bias_rate, group=dist.group.WORLD)  # the trainer's group
-    return {"loss": float(total) / world, "grads": full_grads([model]), "biases": biases([model]),
-            "calls": dict(calls), "tp_calls": dict(tp_calls.calls)}
+    return {
+        "loss": float(total) / world,
+        "grads": full_grads([model]),
+        "biases": biases([model]),
+        "calls": dict(calls),
+        "tp_calls": dict(tp_calls.calls),
+    }
 
 
-@pytest.mark.parametrize("world,ep,cp,dp_replicate,tp,sp", [
-    (2, 2, 1, 1, 1, False), (4, 4, 1, 1, 1, False), (4, 2, 1, 1, 1, False), (2, 2, 2, 1, 1, False),
-    (4, 2, 1, 2, 1, False), (2, 1, 1, 1, 2, False), (4, 2, 1, 1, 2, True)],
-    ids=["ep2", "ep4", "ep2_edp2", "ep2_folded_over_cp2", "ep2_hsdp_dp_replicate2", "tp2",
-         "dp_shard2_tp2_sp_ep2_folded"])
-def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(world: int, ep: int, cp: int,
-                                                                              dp_replicate: int, tp: int,
-                                                                              sp: bool) -> None:
+@pytest.mark.parametrize(
+    "world,ep,cp,dp_replicate,tp,sp",
+    [
+        (2, 2, 1, 1, 1, False),
+        (4, 4, 1, 1, 1, False),
+        (4, 2, 1, 1, 1, False),
+        (2, 2, 2, 1, 1, False),
+        (4, 2, 1, 2, 1, False),
+        (2, 1, 1, 1, 2, False),
+        (4, 2, 1, 1, 2, True),
+    ],
+    ids=[
+        "ep2",
+        "ep4",
+        "ep2_edp2",
+        "ep2_folded_over_cp2",
+        "ep2_hsdp_dp_replicate2",
+        "tp2",
+        "dp_shard2_tp2_sp_ep2_folded",
+    ],
+)
+def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(
+    world: int, ep: int, cp: int, dp_replicate: int, tp: int, sp: bool
+) -> None:
     cfg = _model_cfg()
     ref_loss, ref_grads, ref_biases = reference(cfg, *_batch())
-    out = run_ranks(_ep_rank, world, ep=ep, cp=cp, dp_replicate=dp_replicate, tp=tp, sequence_parallel=sp,
-                    timeout=240).results
+    out = run_ranks(
+        _ep_rank, world, ep=ep, cp=cp, dp_replicate=dp_replicate, tp=tp, sequence_parallel=sp, timeout=240
+    ).results
     moe_layers_n = cfg.n_layers - cfg.n_dense_layers
     for rank, r in out.items():
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
@@ -104,8 +136,12 @@ def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(wo
         # Under tp: the routed rows' partial outputs summed before the gates and the shared experts' row-parallel
         # output (forward), the rows' and the shared experts' input gradients (backward); sequence parallel adds
         # the all-gather of the block's input (forward) and of its output's gradient (backward).
-        tp_expected = {f"{phase}_{kind}": n * moe_layers_n for phase in ("forward", "backward")
-                       for kind, n in (("all_reduce", 2), ("all_gather", int(sp))) if n}
+        tp_expected = {
+            f"{phase}_{kind}": n * moe_layers_n
+            for phase in ("forward", "backward")
+            for kind, n in (("all_reduce", 2), ("all_gather", int(sp)))
+            if n
+        }
         assert r["tp_calls"] == (tp_expected if tp > 1 else {}), r["tp_calls"]  # {}: counted only where tp > 1
     assert any(n.endswith("experts.w1") for n in ref_grads)
     assert any(b.abs().sum() > 0 for b in ref_biases.values())  # the update moved the biases

@@ -32,9 +32,19 @@ from tests.multiproc._ranks import run_ranks
 pytestmark = pytest.mark.multiproc
 
 # 2 microbatches per rank; selective AC recomputes blocks 1 and 3 (both MoE): their dispatch + combine run again.
-EP2 = ["model=tiny_moe", "mesh=single", "mesh.dp_shard=2", "mesh.ep=2", "launcher.tasks_per_node=2",
-       "train.global_batch=8", "train.micro_batch=2", "train.seq_len=32", "train.activation_checkpointing=selective",
-       "checkpoint.enabled=false", "model.moe_bias_rate=0.0"]
+EP2 = [
+    "model=tiny_moe",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "mesh.ep=2",
+    "launcher.tasks_per_node=2",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.seq_len=32",
+    "train.activation_checkpointing=selective",
+    "checkpoint.enabled=false",
+    "model.moe_bias_rate=0.0",
+]
 
 
 def _nbytes(tensors) -> int:
@@ -44,8 +54,12 @@ def _nbytes(tensors) -> int:
 def _step_rank(rank: int, world: int, overrides: list[str], even: bool = True) -> dict:
     """One training step (`even`: every MoE router biased to experts 0 and 4); all_to_all_single counted by kind."""
     cfg = compose(overrides)
-    tr = Trainer(cfg, validate(cfg), DistEnv.from_environ(),
-                 events=EventLog(Path(cfg.run.dir) / f"events{rank}.jsonl", rank=rank))
+    tr = Trainer(
+        cfg,
+        validate(cfg),
+        DistEnv.from_environ(),
+        events=EventLog(Path(cfg.run.dir) / f"events{rank}.jsonl", rank=rank),
+    )
     for m in (m for part in tr.parts for m in part.modules() if isinstance(m, MoE) and even):
         m.router.expert_bias[[0, 4]] = 10.0  # sigmoid scores lie in (0, 1): these two win every token
     sent: Counter = Counter()
@@ -87,10 +101,15 @@ def test_planned_all_to_all_bytes_and_state_bytes_equal_the_trained_ep2_run(data
     assert planned_calls == 2 * 2 * (2 * moe + 2)  # dispatch + combine, 2 microbatches, fwd + bwd + 2 recomputed
     mem = plan.per_rank
     for rank, got in sorted(run_ranks(_step_rank, 2, overrides, timeout=180).results.items()):
-        print(f"rank {rank}: token all-to-alls {got['tokens_calls']} calls {got['tokens_bytes']} B, planned "
-              f"{planned_calls} calls {planned_bytes} B; count exchanges {got['counts_calls']}")
+        print(
+            f"rank {rank}: token all-to-alls {got['tokens_calls']} calls {got['tokens_bytes']} B, planned "
+            f"{planned_calls} calls {planned_bytes} B; count exchanges {got['counts_calls']}"
+        )
         assert got["tokens_calls"] == planned_calls, rank
         assert got["tokens_bytes"] == planned_bytes, rank
         assert got["counts_calls"] == 2 * (moe + 2), rank  # one per dispatch forward, recomputed ones again
         assert (got["params"], got["grads"], got["optim"]) == (
-            mem["params_bytes"], mem["grads_bytes"], mem["optimizer_bytes"]), rank
+            mem["params_bytes"],
+            mem["grads_bytes"],
+            mem["optimizer_bytes"],
+        ), rank

@@ -48,10 +48,19 @@ def _pp_ep_rank(rank: int, world: int) -> dict:
     cfg = _model_cfg()
     dims = ParallelDims.from_config(MeshConfig(pp=2, dp_shard=2, ep=2), world_size=world)
     mesh = dims.build_mesh("cpu")
-    parts, stages = parallel_model(cfg, dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu"), seq=SEQ,
-                                   pp_layers_per_stage=SPLIT)
-    schedule = build_schedule(parts, stages, num_stages=2, schedule="1f1b", n_microbatches=MICROBATCHES,
-                              pp_group=mesh.get_group("pp"), device=torch.device("cpu"), loss_fn=cross_entropy)
+    parts, stages = parallel_model(
+        cfg, dims=dims, mesh=mesh, ep_mesh=dims.build_ep_mesh("cpu"), seq=SEQ, pp_layers_per_stage=SPLIT
+    )
+    schedule = build_schedule(
+        parts,
+        stages,
+        num_stages=2,
+        schedule="1f1b",
+        n_microbatches=MICROBATCHES,
+        pp_group=mesh.get_group("pp"),
+        device=torch.device("cpu"),
+        loss_fn=cross_entropy,
+    )
     x, y = _batch()
     local = GLOBAL_BATCH // dims.dp
     rows = slice(dims.dp_rank(mesh) * local, (dims.dp_rank(mesh) + 1) * local)
@@ -59,8 +68,13 @@ def _pp_ep_rank(rank: int, world: int) -> dict:
     losses: list[torch.Tensor] = []
     schedule.step(*((x[rows],) if first else ()), target=y[rows] if last else None, losses=losses if last else None)
     # The stage's ranks (dp_shard) count the whole global batch between them: the trainer's own group.
-    trainer = SimpleNamespace(cfg=SimpleNamespace(model=cfg), env=SimpleNamespace(world_size=world),
-                              derived=SimpleNamespace(dims=dims), mesh=mesh, moe_layers=moe_layers(parts))
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(model=cfg),
+        env=SimpleNamespace(world_size=world),
+        derived=SimpleNamespace(dims=dims),
+        mesh=mesh,
+        moe_layers=moe_layers(parts),
+    )
     update_expert_bias(trainer.moe_layers, rate=cfg.moe_bias_rate, group=Trainer._moe_group(trainer))
     loss = float(torch.stack(losses).mean()) if last else None
     return {"loss": loss, "grads": full_grads(parts), "biases": biases(parts)}

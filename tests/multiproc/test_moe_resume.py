@@ -18,8 +18,16 @@ RUN_S = 240  # one 6-step run of 2 ranks: ~15 s on the loaded 2-core box (3 step
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(3 * RUN_S + 60)]
 
 # min_lr_ratio=1: a constant LR after warmup, so a 3-step run continued to 6 steps trains as one 6-step run.
-EP2 = ["model=tiny_moe", "mesh=single", "mesh.dp_shard=2", "mesh.ep=2", "launcher.tasks_per_node=2",
-       "optim.min_lr_ratio=1.0", "checkpoint.every_steps=3", "model.moe_bias_rate=0.01"]
+EP2 = [
+    "model=tiny_moe",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "mesh.ep=2",
+    "launcher.tasks_per_node=2",
+    "optim.min_lr_ratio=1.0",
+    "checkpoint.every_steps=3",
+    "model.moe_bias_rate=0.01",
+]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -43,8 +51,9 @@ def ep2_reference(tmp_path_factory, data_path: str) -> Path:
     return ref_dir
 
 
-def test_ep2_run_resumed_from_step_3_equals_the_uninterrupted_run_bitwise(ep2_reference: Path, tmp_path: Path,
-                                                                          data_path: str) -> None:
+def test_ep2_run_resumed_from_step_3_equals_the_uninterrupted_run_bitwise(
+    ep2_reference: Path, tmp_path: Path, data_path: str
+) -> None:
     ref_losses = _losses(ep2_reference)
     assert ref_losses[6] < ref_losses[1]
 
@@ -65,8 +74,9 @@ def test_ep2_run_resumed_from_step_3_equals_the_uninterrupted_run_bitwise(ep2_re
     assert final["model"]["layers.1.feed_forward.experts.w1"].shape == (8, 64, 32)  # every expert, from both ep ranks
 
 
-def test_ep2_checkpoint_resumes_resharded_onto_ep4_within_fp32_tolerance(ep2_reference: Path, tmp_path: Path,
-                                                                         data_path: str) -> None:
+def test_ep2_checkpoint_resumes_resharded_onto_ep4_within_fp32_tolerance(
+    ep2_reference: Path, tmp_path: Path, data_path: str
+) -> None:
     """Step 3 of the ep2 run (4 experts per rank) loaded on 4 ranks with 2 experts each: the experts, their
     AdamW moments and the router biases land on the new owners; steps 4-6 follow the ep2 run."""
     run_dir = tmp_path / "ep4"
@@ -79,8 +89,12 @@ def test_ep2_checkpoint_resumes_resharded_onto_ep4_within_fp32_tolerance(ep2_ref
     assert [e["step"] for e in loaded] == [3] and loaded[0]["resharded"] is True
     losses, ref_losses = _losses(run_dir), _losses(ep2_reference)
     assert sorted(losses) == [4, 5, 6]
-    torch.testing.assert_close(torch.tensor([losses[s] for s in (4, 5, 6)]),
-                               torch.tensor([ref_losses[s] for s in (4, 5, 6)]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor([losses[s] for s in (4, 5, 6)]),
+        torch.tensor([ref_losses[s] for s in (4, 5, 6)]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     final, ref_final = _final(run_dir, tmp_path), _final(ep2_reference, tmp_path)
     assert final["model"].keys() == ref_final["model"].keys()
     for k, v in final["model"].items():

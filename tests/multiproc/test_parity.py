@@ -27,8 +27,11 @@ MESHES = {
     "pp2_dp_shard2_tp2": (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", *SAVES], []),
     "dp_replicate2_dp_shard2": (4, ["mesh.pp=1", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.tp=1"], []),
     "tp4": (4, ["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=4"], []),
-    "pp4_interleaved_1f1b": (4, ["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp_schedule=interleaved_1f1b"],
-                             ["model.n_layers=8"]),
+    "pp4_interleaved_1f1b": (
+        4,
+        ["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=1", "mesh.pp_schedule=interleaved_1f1b"],
+        ["model.n_layers=8"],
+    ),
     "pp2_tp2": (4, ["mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=2"], []),
 }
 
@@ -48,8 +51,10 @@ def _evals(run) -> torch.Tensor:
 def _reference(model: list[str], data_path: str, tmp_path_factory) -> tuple[list[float], torch.Tensor]:
     key = tuple(model)
     if key not in _refs:
-        run = run_train([*COMMON, *model, f"data.path={data_path}", "mesh=single", "launcher.tasks_per_node=1"],
-                        tmp_path_factory.mktemp("ref"))
+        run = run_train(
+            [*COMMON, *model, f"data.path={data_path}", "mesh=single", "launcher.tasks_per_node=1"],
+            tmp_path_factory.mktemp("ref"),
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         _refs[key] = run.losses(), _evals(run)
     return _refs[key]

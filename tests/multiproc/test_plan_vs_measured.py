@@ -41,8 +41,15 @@ from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc  # 19 s on 2 idle cores, 55 s on busy ones
 
-COMMON = ["model=tiny", "train.seq_len=128", "train.micro_batch=2", "train.global_batch=8", "checkpoint.enabled=false",
-          "launcher.tasks_per_node=2", "mesh.dp_replicate=1"]
+COMMON = [
+    "model=tiny",
+    "train.seq_len=128",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "checkpoint.enabled=false",
+    "launcher.tasks_per_node=2",
+    "mesh.dp_replicate=1",
+]
 MESHES = {
     "dp_shard2": ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=1"],
     "tp2": ["mesh.pp=1", "mesh.dp_shard=1", "mesh.tp=2"],
@@ -92,9 +99,15 @@ def _measure_rank(rank: int, world: int, overrides: list[str]) -> dict[str, int]
     with live:
         tr.train_step(1)
     moments = [v for opt in tr.optimizers for st in opt.state.values() for k, v in st.items() if k != "step"]
-    out = {"pp_rank": tr.mesh["pp"].get_local_rank() if tr.derived.dims.pp_enabled else 0, "params": _nbytes(params),
-           "grads": grads[-1], "optim": _nbytes(moments), "peak": live.peak, "block_min": min(blocks),
-           "block_max": max(blocks)}
+    out = {
+        "pp_rank": tr.mesh["pp"].get_local_rank() if tr.derived.dims.pp_enabled else 0,
+        "params": _nbytes(params),
+        "grads": grads[-1],
+        "optim": _nbytes(moments),
+        "peak": live.peak,
+        "block_min": min(blocks),
+        "block_max": max(blocks),
+    }
     tr.close()
     del held
     return out
@@ -105,11 +118,22 @@ def _planned(overrides: list[str], pp_rank: int) -> P.RankMemory:
     d = validate(cfg)
     dims, t = d.dims, cfg.train
     return P.rank_memory(
-        cfg.model, stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
-        microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
-        seq_len=t.seq_len, micro_batch=t.micro_batch, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
-        loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
-        pp_rank=pp_rank, compute_bytes=4,
+        cfg.model,
+        stage_shapes(cfg, d)[pp_rank],
+        tp=dims.tp,
+        fsdp=dims.dp_shard,
+        pp=dims.pp,
+        microbatches=d.microbatches,
+        stages_per_rank=d.stages_per_rank,
+        schedule=cfg.mesh.pp_schedule,
+        seq_len=t.seq_len,
+        micro_batch=t.micro_batch,
+        sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
+        loss_parallel=cfg.mesh.loss_parallel,
+        activation_checkpointing=t.activation_checkpointing,
+        ac_every=t.ac_every,
+        pp_rank=pp_rank,
+        compute_bytes=4,
     )
 
 
@@ -119,10 +143,15 @@ def _block_planned(overrides: list[str]) -> tuple[int, int]:
     cfg = compose(overrides)
     t, mesh, m = cfg.train, cfg.mesh, cfg.model
     sp = mesh.sequence_parallel and mesh.tp > 1
-    ckpt = P.checkpointed_layer_bytes(seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=mesh.tp,
-                                      sequence_parallel=sp, compute_bytes=4)
-    full = P.layer_activation_bytes(m, layer=1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=mesh.tp,
-                                    sequence_parallel=sp, compute_bytes=4) + ckpt
+    ckpt = P.checkpointed_layer_bytes(
+        seq_len=t.seq_len, micro_batch=t.micro_batch, dim=m.dim, tp=mesh.tp, sequence_parallel=sp, compute_bytes=4
+    )
+    full = (
+        P.layer_activation_bytes(
+            m, layer=1, seq_len=t.seq_len, micro_batch=t.micro_batch, tp=mesh.tp, sequence_parallel=sp, compute_bytes=4
+        )
+        + ckpt
+    )
     return {"none": (full, full), "selective": (ckpt, full), "full": (ckpt, ckpt)}[t.activation_checkpointing]
 
 
@@ -138,10 +167,15 @@ def test_planned_memory_per_rank_matches_the_trainer(name: str, data_path: str, 
             where = f"{name} rank {rank} AC {ac}"
             plan = _planned(overrides, got["pp_rank"])
             assert (got["params"], got["grads"], got["optim"]) == (
-                plan.params_bytes, plan.grads_bytes, plan.optimizer_bytes), where
+                plan.params_bytes,
+                plan.grads_bytes,
+                plan.optimizer_bytes,
+            ), where
             ratio = plan.peak_bytes / got["peak"]
             blocks = (low / got["block_min"], high / got["block_max"])
-            print(f"{where}: peak planned {plan.peak_bytes} measured {got['peak']} ratio {ratio:.3f}; block planned "
-                  f"{low}..{high} measured {got['block_min']}..{got['block_max']} ratios {blocks[0]:.3f} {blocks[1]:.3f}")
+            print(
+                f"{where}: peak planned {plan.peak_bytes} measured {got['peak']} ratio {ratio:.3f}; block planned "
+                f"{low}..{high} measured {got['block_min']}..{got['block_max']} ratios {blocks[0]:.3f} {blocks[1]:.3f}"
+            )
             assert all(BLOCK_BOUNDS[0] <= r <= BLOCK_BOUNDS[1] for r in blocks), where
             assert PEAK_BOUNDS[0] <= ratio <= PEAK_BOUNDS[1], f"{where}: peak ratio {ratio:.3f}"

@@ -33,8 +33,10 @@ def test_the_readme_prepares_a_corpus_and_trains_on_it_in_two_commands(tmp_path)
     commands = readme_commands()
     assert [c[:3] for c in commands] == [["python", "-m", "jobs.prepare_data"], ["python", "-m", "jobs.train"]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    outs = [subprocess.run([sys.executable, *c[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=300) for c in commands]
+    outs = [
+        subprocess.run([sys.executable, *c[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        for c in commands
+    ]
     for p in outs:
         assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "corpus.h5").exists() and "prepare_data: wrote" in outs[0].stderr

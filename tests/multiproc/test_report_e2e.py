@@ -43,18 +43,38 @@ def _rows(path: Path) -> dict[str, list]:
             with h5py.File(path, "r", locking=False) as f:
                 n = committed_rows(f)  # (the writer may be mid-flush: a read here once got 8 backward rows and 6 steps)
                 return {k: f[k][:n].tolist() for k in ("step", "attempt", "backward")} | {
-                    "attempts": json.loads(f.attrs["attempts"])}
+                    "attempts": json.loads(f.attrs["attempts"])
+                }
         except (OSError, KeyError):  # opened between its create and its first write, or mid-flush
             time.sleep(0.05)
     raise AssertionError(f"{path} unreadable for a second while the run went on")
 
 
-def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_path: Path, data_path: str, capsys) -> None:
+def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(
+    tmp_path: Path, data_path: str, capsys
+) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", f"train.steps={STEPS}",
-                             "checkpoint.every_steps=5", "mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
-                             f"train.log_every={LOG_EVERY}", "metrics.flush_every_s=0", f"data.path={data_path}", f"cluster.run_root={tmp_path}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            f"train.steps={STEPS}",
+            "checkpoint.every_steps=5",
+            "mesh=single",
+            "launcher.tasks_per_node=2",
+            "mesh.dp_shard=2",
+            f"train.log_every={LOG_EVERY}",
+            "metrics.flush_every_s=0",
+            f"data.path={data_path}",
+            f"cluster.run_root={tmp_path}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_step(run_dir, 8, proc, timeout=300)
         live = _rows(run_dir / "telemetry/rank1.h5")  # the run goes on while we read
@@ -90,11 +110,16 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     assert "phases (median ms per step):" in text
     # Whether CPU noise at log_every=2 names a straggler is tests/multiproc/test_stragglers.py's matter; the
     # report must show what the ledger holds: "none found", or a row for each straggler event.
-    found = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == "straggler"]
+    found = [
+        e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == "straggler"
+    ]
     section = text.split("\nstragglers: ", 1)[1].split("\n\n", 1)[0]
     rows = section.splitlines()[2:]
-    assert section == "none found" if not found else (
-        rows and len(rows) == len(found) and all(e["phase"] in r for e, r in zip(found, rows))), (section, found)
+    assert (
+        section == "none found"
+        if not found
+        else (rows and len(rows) == len(found) and all(e["phase"] in r for e, r in zip(found, rows)))
+    ), (section, found)
     header = next(line for line in text.splitlines() if line.strip().startswith("rank ") and "forward" in line)
     assert header.split() == ["rank", "data", "forward", "backward", "collective", "optimizer", "checkpoint"]
     g = collect(run_dir).goodput
@@ -103,12 +128,19 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(tmp_p
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kept = [j for m in lines if m["attempt"] == "local.0.1" for j, _, _ in m["trained_steps"]]
     assert kept == list(range(again[0], STEPS + 1))  # every step accounted one by one (goodput's trained_steps)
-    per_step = next(e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-                    if e["kind"] == "train_start")["tokens_per_step"]
+    per_step = next(
+        e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == "train_start"
+    )["tokens_per_step"]
     for m in lines:  # tok/s is the interval's average: its tokens over its steps' summed time
-        assert m["tokens_per_s"] == pytest.approx(per_step * len(m["trained_steps"]) / sum(dt for _, _, dt in m["trained_steps"]),
-                                                  rel=1e-3)
+        assert m["tokens_per_s"] == pytest.approx(
+            per_step * len(m["trained_steps"]) / sum(dt for _, _, dt in m["trained_steps"]), rel=1e-3
+        )
     assert g.failures == 1 and g.mttr_s > 0 and 0 < g.goodput < 1
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
-    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["goodput.png", "loss.png", "metrics.png",
-                                                                        "phases.png", "report.html"]
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == [
+        "goodput.png",
+        "loss.png",
+        "metrics.png",
+        "phases.png",
+        "report.html",
+    ]

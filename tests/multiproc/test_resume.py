@@ -40,8 +40,16 @@ def reference(tmp_path_factory):
 
 def test_resume_after_sigkill_matches_uninterrupted_run_bitwise(reference, tmp_path):
     _, ref_losses, ref_params = reference
-    killed = run_ranks(train, 8, run_dir=str(tmp_path), mesh=PP2_DP2_TP2, steps=STEPS,
-                       ckpt=mesh_ckpt(every_steps=6), kill_at_step=8, allow_kill=True)
+    killed = run_ranks(
+        train,
+        8,
+        run_dir=str(tmp_path),
+        mesh=PP2_DP2_TP2,
+        steps=STEPS,
+        ckpt=mesh_ckpt(every_steps=6),
+        kill_at_step=8,
+        allow_kill=True,
+    )
     assert killed.killed and all(c == -9 for c in killed.exitcodes.values()), killed.exitcodes
     assert (tmp_path / "checkpoints/step_6/manifest.json").exists()
 
@@ -64,8 +72,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run_bitwise(reference, tmp_p
 def _resume_resharded(reference, tmp_path: Path, mesh: dict[str, int], world: int):
     ref_run, ref_losses, ref_params = reference
     shutil.copytree(ref_run / "checkpoints/step_6", tmp_path / "checkpoints/step_6")
-    res = run_ranks(train, world, run_dir=str(tmp_path), mesh=mesh, steps=STEPS, ckpt=mesh_ckpt(every_steps=6),
-                    init_pg=world > 1)
+    res = run_ranks(
+        train, world, run_dir=str(tmp_path), mesh=mesh, steps=STEPS, ckpt=mesh_ckpt(every_steps=6), init_pg=world > 1
+    )
     losses, params = _merged(res)
     assert res.results[0]["start"] == 6
     got = torch.tensor([losses[s] for s in range(7, STEPS + 1)])
@@ -92,8 +101,13 @@ def test_convert_writes_one_torch_save_file_that_loads_into_the_plain_model(refe
     run, _, ref_params = reference
     out = tmp_path / "full.pt"
     repo = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-m", "checkpoint.convert", str(run / "checkpoints/step_12"), str(out)],
-                       cwd=repo, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "checkpoint.convert", str(run / "checkpoints/step_12"), str(out)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     sd = torch.load(out, weights_only=False)
     assert sd["step"] == 12 and sd["train_state"]["step"] == 12

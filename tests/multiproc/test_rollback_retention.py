@@ -24,10 +24,20 @@ pytestmark = pytest.mark.multiproc
 # Data steps 29 and 30 get random targets: steps 30 and 31 spike (patience 2), step_30 is saved after the first
 # spiking step, and the rollback goes back to step_20 (keep=2: step_10 is gone by then). The forward phase is
 # slowed (x8) so that the stop signal sent on the rollback record lands well before step 30 is reached again.
-COMMON = ["train.steps=36", "mesh=single", "mesh.dp_shard=2", "launcher.tasks_per_node=2", "checkpoint.every_steps=10",
-          "checkpoint.keep=2", "train.log_every=1", "failure.spike_window=5", "failure.spike_factor=1.4",
-          "failure.spike_mad_k=0",
-          "failure.spike_patience=2", "failure.spike_skip_steps=2"]
+COMMON = [
+    "train.steps=36",
+    "mesh=single",
+    "mesh.dp_shard=2",
+    "launcher.tasks_per_node=2",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=2",
+    "train.log_every=1",
+    "failure.spike_window=5",
+    "failure.spike_factor=1.4",
+    "failure.spike_mad_k=0",
+    "failure.spike_patience=2",
+    "failure.spike_skip_steps=2",
+]
 ENV = {CORRUPT_VAR: "29,30", SLOW_PHASE_VAR: "all:forward:8"}
 
 
@@ -38,10 +48,14 @@ def _events(run_dir: Path) -> list[dict]:
 
 def _stop_on_rollback(run_dir: Path, data_path: str) -> tuple[int, str]:
     """Runs the first attempt and sends SIGUSR2 to the launcher as soon as the rollback is in the ledger."""
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON,
-                             f"data.path={data_path}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON, f"data.path={data_path}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ENV},
+    )
     try:
         deadline = time.monotonic() + 240
         while not any(e["kind"] == "rollback" for e in _events(run_dir)):
@@ -56,8 +70,9 @@ def _stop_on_rollback(run_dir: Path, data_path: str) -> tuple[int, str]:
 
 
 @pytest.mark.slow  # 26-50 s: two attempts of 2 ranks, the steps slowed on purpose
-def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_and_finishes(tmp_path: Path,
-                                                                                           data_path: str):
+def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_and_finishes(
+    tmp_path: Path, data_path: str
+):
     run_dir = tmp_path / "run"
     rc, err = _stop_on_rollback(run_dir, data_path)
     assert rc == exitcodes.REQUEUE, err[-3000:]
@@ -70,11 +85,13 @@ def test_a_stop_save_after_a_rollback_keeps_the_target_and_the_requeue_resumes_a
     assert 20 < stop_step < 30, stop_step  # the stop's save is below the abandoned step_30
     # step_30 of the abandoned timeline was moved aside at the rollback, under this attempt's name, and listed.
     assert [(e["step"], Path(e["path"]).name) for e in events if e["kind"] == "checkpoint_abandoned"] == [
-        (30, "step_30.local.0")]
+        (30, "step_30.local.0")
+    ]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "abandoned/step_30.local.0/manifest.json").exists()
-    assert not [e for e in events if e["kind"] == "checkpoint_deleted" and e["step"] == 20
-                and e["attempt"] == "local.0"]
+    assert not [
+        e for e in events if e["kind"] == "checkpoint_deleted" and e["step"] == 20 and e["attempt"] == "local.0"
+    ]
 
     loaded = [e["step"] for e in events if e["kind"] == "checkpoint_loaded" and e["attempt"] == "local.1"]
     assert loaded == [stop_step]

@@ -5,6 +5,7 @@ a resume on another mesh is accepted (issue 27)."""
 from __future__ import annotations
 
 import signal
+
 import pytest
 
 from jobs.events import read_events
@@ -35,8 +36,9 @@ def test_second_local_job_with_another_mesh_is_refused_while_the_first_trains_in
     assert {e["mesh"] for e in read_events(run_dir / "events.jsonl", "train_start")} == {"dp_shard2"}
 
     # Once it has ended: a start that changes what the run is, is refused naming what changed ...
-    other = run_train(["train.steps=100000", f"data.path={data_path}", *DP2, "optim.lr=0.001", "train.seed=5"],
-                      run_dir, timeout=120)
+    other = run_train(
+        ["train.steps=100000", f"data.path={data_path}", *DP2, "optim.lr=0.001", "train.seed=5"], run_dir, timeout=120
+    )
     assert other.returncode == 2, other.stderr[-2000:]
     assert "optim.lr (0.01 -> 0.001), train.seed (0 -> 5)" in other.stderr
     assert {e["attempt"] for e in read_events(run_dir / "events.jsonl", "attempt_start")} == {"local.0"}

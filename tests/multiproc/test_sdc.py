@@ -19,8 +19,14 @@ from tests.conftest import run_train
 pytestmark = pytest.mark.multiproc
 
 # Healthy grad norms of the tiny model stay below 1 here; a flipped exponent bit makes them ~1e36.
-COMMON = ["train.steps=12", "mesh=single", "launcher.tasks_per_node=2", "checkpoint.every_steps=5", "train.log_every=1",
-          "failure.heartbeat_s=0.5"]
+COMMON = [
+    "train.steps=12",
+    "mesh=single",
+    "launcher.tasks_per_node=2",
+    "checkpoint.every_steps=5",
+    "train.log_every=1",
+    "failure.heartbeat_s=0.5",
+]
 DP_SHARD = ["mesh.dp_shard=2", "failure.spike_grad_norm=1000"]
 
 
@@ -40,11 +46,15 @@ def _final(run_dir: Path) -> dict[int, tuple[float, float, float]]:
 
 def test_a_data_spike_repeats_on_its_rerun_and_is_rolled_back(tmp_path: Path, data_path: str):
     # NaN parameters before data step 6 (the data's fault, as far as the run can tell): the re-run gives NaN again.
-    run = run_train([*COMMON, *DP_SHARD, "failure.spike_skip_steps=2", f"data.path={data_path}"], tmp_path / "run",
-                    env={CORRUPT_VAR: "nan:6"})
+    run = run_train(
+        [*COMMON, *DP_SHARD, "failure.spike_skip_steps=2", f"data.path={data_path}"],
+        tmp_path / "run",
+        env={CORRUPT_VAR: "nan:6"},
+    )
     assert run.returncode == exitcodes.OK, run.stderr[-3000:]
     assert [(c["step"], c["trigger"], c["verdict"], c["differ"]) for c in _kind(run.run_dir, "sdc_check")] == [
-        (7, "spike", "data", [])]
+        (7, "spike", "data", [])
+    ]
     assert [r["record"]["cls"] for r in _kind(run.run_dir, "rollback")] == ["non_finite_loss"]
     assert _kind(run.run_dir, "failure") == [] and max(_final(run.run_dir)) == 12
 

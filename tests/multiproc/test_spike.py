@@ -26,9 +26,17 @@ pytestmark = pytest.mark.multiproc
 # the last 5), two spiking steps in a row (patience 2). Checkpoints every 10 steps: step_50 is saved after the
 # first spiking step, inside the spike's window, so the second rollback must pass it over for step_40.
 CORRUPT = {CORRUPT_VAR: "nan:33,51,52"}
-COMMON = ["train.steps=60", "mesh=single", "checkpoint.every_steps=10", "train.log_every=1",
-          "failure.spike_window=5", "failure.spike_factor=1.4", "failure.spike_mad_k=0", "failure.spike_patience=2",
-          "failure.spike_skip_steps=2"]  # spike_mad_k=0: the ratio alone, as tuned above
+COMMON = [
+    "train.steps=60",
+    "mesh=single",
+    "checkpoint.every_steps=10",
+    "train.log_every=1",
+    "failure.spike_window=5",
+    "failure.spike_factor=1.4",
+    "failure.spike_mad_k=0",
+    "failure.spike_patience=2",
+    "failure.spike_skip_steps=2",
+]  # spike_mad_k=0: the ratio alone, as tuned above
 TWO_RANKS = ["mesh.dp_shard=2", "launcher.tasks_per_node=2"]  # the decision is taken on two ranks alike
 EXPECTED = [  # (rollback, cls, first_step, step, target_step, from_step, data_step, skipped_data_steps)
     (1, "non_finite_loss", 34, 34, 30, 32, 34, [32, 33]),
@@ -57,8 +65,9 @@ def _final(run_dir: Path) -> dict[int, tuple[int, float]]:
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory, data_path: str) -> TrainRun:
     """The uninterrupted injected run, shared by the tests of this module."""
-    return run_train([*COMMON, *TWO_RANKS, f"data.path={data_path}"], tmp_path_factory.mktemp("spike") / "run",
-                     env=CORRUPT)
+    return run_train(
+        [*COMMON, *TWO_RANKS, f"data.path={data_path}"], tmp_path_factory.mktemp("spike") / "run", env=CORRUPT
+    )
 
 
 def test_an_injected_spike_and_nan_roll_back_skip_their_data_and_the_run_finishes(injected: TrainRun):
@@ -69,7 +78,8 @@ def test_an_injected_spike_and_nan_roll_back_skip_their_data_and_the_run_finishe
     assert sorted(final) == list(range(1, 61))
     # The step -> data step map: unshifted to step 32, +2 from step 33 (after the NaN), +3 from step 50.
     assert [final[s][0] for s in range(1, 61)] == [s - 1 for s in range(1, 33)] + [s + 1 for s in range(33, 50)] + [
-        s + 3 for s in range(50, 61)]
+        s + 3 for s in range(50, 61)
+    ]
     assert not {33, 51, 52} & {d for d, _ in final.values()}  # the corrupted data is never trained on again
     # The steps between each checkpoint and its skip were redone on the same data from the same state: bitwise.
     logged: dict[int, list[tuple[int, float]]] = {}
@@ -90,7 +100,9 @@ def test_an_injected_spike_and_nan_roll_back_skip_their_data_and_the_run_finishe
     assert [e["step"] for e in events if e["kind"] == "checkpoint_abandoned"] == [50]
     assert not [e for e in events if e["kind"] == "checkpoint_moved_aside"]
     assert sorted(p.name for p in (run.run_dir / "incidents/local.0").glob("rollback-*.json")) == [
-        "rollback-1.json", "rollback-2.json"]
+        "rollback-1.json",
+        "rollback-2.json",
+    ]
     assert json.loads((run.run_dir / "incidents/local.0/rollback-1.json").read_text())["cls"] == "non_finite_loss"
 
 
@@ -104,13 +116,19 @@ def _wait_for(run_dir: Path, proc: subprocess.Popen, pred, timeout: float = 240)
     raise AssertionError(f"timed out waiting in {run_dir}")
 
 
-def test_a_kill_after_the_rollback_resumes_into_the_same_skips_bitwise(tmp_path: Path, data_path: str,
-                                                                     injected: TrainRun):
+def test_a_kill_after_the_rollback_resumes_into_the_same_skips_bitwise(
+    tmp_path: Path, data_path: str, injected: TrainRun
+):
     assert injected.returncode == exitcodes.OK, injected.stderr[-3000:]
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON, *TWO_RANKS,
-                             f"data.path={data_path}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **CORRUPT})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *COMMON, *TWO_RANKS, f"data.path={data_path}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **CORRUPT},
+    )
     try:
         # Right after the second rollback (back to step 40) and before step_50 is saved again: the step_50
         # saved inside the spike window (which knows only rollback 1) was moved aside at the rollback.
@@ -123,8 +141,11 @@ def test_a_kill_after_the_rollback_resumes_into_the_same_skips_bitwise(tmp_path:
     assert proc.returncode == exitcodes.OK, err[-3000:]
     events = _events(run_dir)
     assert [(e["attempt"], e["action"]) for e in events if e["kind"] == "decision"] == [("local.0", "restart")]
-    resumed = [(e["kind"], e.get("step")) for e in events if e["attempt"] == "local.0.1" and e["rank"] == 0
-               and e["kind"] in ("checkpoint_loaded", "rollback_replayed")]
+    resumed = [
+        (e["kind"], e.get("step"))
+        for e in events
+        if e["attempt"] == "local.0.1" and e["rank"] == 0 and e["kind"] in ("checkpoint_loaded", "rollback_replayed")
+    ]
     assert resumed == [("checkpoint_loaded", 40)]
     assert _rollbacks(run_dir) == EXPECTED  # nothing detected twice
     assert _final(run_dir) == _final(injected.run_dir)  # every step's data step and loss, bitwise
@@ -133,15 +154,28 @@ def test_a_kill_after_the_rollback_resumes_into_the_same_skips_bitwise(tmp_path:
 def test_past_max_rollbacks_the_run_stops_for_good_with_a_summary(tmp_path: Path, data_path: str):
     # Two NaNs (data steps 13 and 22): the first rolls back to step_10 and skips data 12..13, which brings data
     # step 22 to step 21; failure.max_rollbacks=1 is then spent.
-    run = run_train(["train.steps=30", "mesh=single", "launcher.tasks_per_node=1", "checkpoint.every_steps=10",
-                     "train.log_every=1", "failure.spike_skip_steps=2", "failure.max_rollbacks=1",
-                     "failure.spike_lr_scale=0.5", f"data.path={data_path}"], tmp_path / "run",
-                    env={CORRUPT_VAR: "nan:13,nan:22"})
+    run = run_train(
+        [
+            "train.steps=30",
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+            "checkpoint.every_steps=10",
+            "train.log_every=1",
+            "failure.spike_skip_steps=2",
+            "failure.max_rollbacks=1",
+            "failure.spike_lr_scale=0.5",
+            f"data.path={data_path}",
+        ],
+        tmp_path / "run",
+        env={CORRUPT_VAR: "nan:13,nan:22"},
+    )
     assert run.returncode == exitcodes.DIVERGED, run.stderr[-3000:]
     out = run.stdout + run.stderr
-    assert "non_finite_loss at step 21 (loss nan, grad norm nan at step 21), and failure.max_rollbacks(1) " \
-           "rollbacks are spent; rollbacks so far: #1 non_finite_loss at step 14 -> step 10, data steps 12..13 " \
-           "skipped" in out
+    assert (
+        "non_finite_loss at step 21 (loss nan, grad norm nan at step 21), and failure.max_rollbacks(1) "
+        "rollbacks are spent; rollbacks so far: #1 non_finite_loss at step 14 -> step 10, data steps 12..13 "
+        "skipped" in out
+    )
     assert "stopped for good" in out
     events = _events(run.run_dir)
     assert [e["cls"] for e in events if e["kind"] == "failure"] == ["non_finite_loss"]

@@ -57,14 +57,24 @@ MODELS = {
     "tiny": ["model=tiny"],
     "larger": ["model=tiny", "model.dim=256", "model.ffn_dim=768", "model.vocab_size=1024", "train.seq_len=128"],
 }
-COMMON = ["launcher.tasks_per_node=4", "train.global_batch=8", "train.micro_batch=2", "checkpoint.enabled=false",
-          "calibrate.seconds=1.0"]
+COMMON = [
+    "launcher.tasks_per_node=4",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "checkpoint.enabled=false",
+    "calibrate.seconds=1.0",
+]
 MESHES = {
     "fsdp4": ["mesh.pp=1", "mesh.dp_shard=4", "mesh.tp=1"],
     "tp2_fsdp2": ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=2"],
     "pp2_1f1b_fsdp2": ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1", "mesh.pp_schedule=1f1b"],
-    "pp2_interleaved_fsdp2": ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1", "mesh.pp_schedule=interleaved_1f1b",
-                              "mesh.pp_stages_per_rank=2"],
+    "pp2_interleaved_fsdp2": [
+        "mesh.pp=2",
+        "mesh.dp_shard=2",
+        "mesh.tp=1",
+        "mesh.pp_schedule=interleaved_1f1b",
+        "mesh.pp_stages_per_rank=2",
+    ],
 }
 BOUNDS = (0.75, 1.25)
 SAMPLES = 3  # at most, each side: a calibration and a measurement per round
@@ -118,8 +128,12 @@ def test_predicted_step_time_is_within_25_percent_of_the_measured_one(model: str
             break
     for name, steps in predicted.items():
         s = steps[0]
-        print(f"{model} {name}: predicted {[round(p['step_s'], 3) for p in steps]} s (the first: compute "
-              f"{s['compute_s']:.3f}, host {s['host_s']:.3f}, exposed comm {s['comm_exposed_s']:.3f}, bubble "
-              f"{s['bubble_s']:.3f}, dp tail {s['dp_exposed_s']:.3f}, optimizer {s['optimizer_s']:.3f}) measured "
-              f"{[round(m, 3) for m in measured[name]]} s ratio of the medians {ratio(name):.2f}")
-    assert not out, f"predicted / measured outside {BOUNDS} after {SAMPLES} samples: { {n: round(ratio(n), 2) for n in out} }"
+        print(
+            f"{model} {name}: predicted {[round(p['step_s'], 3) for p in steps]} s (the first: compute "
+            f"{s['compute_s']:.3f}, host {s['host_s']:.3f}, exposed comm {s['comm_exposed_s']:.3f}, bubble "
+            f"{s['bubble_s']:.3f}, dp tail {s['dp_exposed_s']:.3f}, optimizer {s['optimizer_s']:.3f}) measured "
+            f"{[round(m, 3) for m in measured[name]]} s ratio of the medians {ratio(name):.2f}"
+        )
+    assert not out, (
+        f"predicted / measured outside {BOUNDS} after {SAMPLES} samples: { {n: round(ratio(n), 2) for n in out} }"
+    )

@@ -33,18 +33,30 @@ from tests.conftest import run_train
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 LOG_EVERY, K, STEPS = 20, 3, 100  # 5 intervals (= windows: log_every is WINDOW_STEPS): 1 warm-up + 4 judged
-RUN = ["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2", f"train.log_every={LOG_EVERY}",
-       f"failure.straggler_intervals={K}", "checkpoint.enabled=false"]
+RUN = [
+    "mesh=single",
+    "launcher.tasks_per_node=2",
+    "mesh.dp_shard=2",
+    f"train.log_every={LOG_EVERY}",
+    f"failure.straggler_intervals={K}",
+    "checkpoint.enabled=false",
+]
 # The 1.3x run: 7 intervals (6 judged) at ratio 1.15. With 4 judged intervals at 1.2, CI once did not name
 # the slowed rank (2026-12-03): one interval whose peer ratio dips under the threshold breaks the streak of K.
 SLOW_STEPS, SLOW_RATIO = 140, 1.15
 
 
-def _train(tmp: Path, name: str, data_path: str, root: Path, slow: str | None = None, *, steps: int = STEPS,
-           ratio: float = 1.2) -> list[dict]:
+def _train(
+    tmp: Path, name: str, data_path: str, root: Path, slow: str | None = None, *, steps: int = STEPS, ratio: float = 1.2
+) -> list[dict]:
     env = {SLOW_PHASE_VAR: slow} if slow else {}
-    run = [*RUN, f"train.steps={steps}", f"failure.straggler_ratio={ratio}", f"data.path={data_path}",
-           f"cluster.run_root={root}"]
+    run = [
+        *RUN,
+        f"train.steps={steps}",
+        f"failure.straggler_ratio={ratio}",
+        f"data.path={data_path}",
+        f"cluster.run_root={root}",
+    ]
     r = run_train(run, tmp / name, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return read_events(tmp / name / "events.jsonl", "straggler")
@@ -67,15 +79,26 @@ def test_an_uninjected_run_names_no_straggler_and_writes_the_baseline(healthy) -
 
 
 def test_a_rank_slowed_1_3x_in_backward_is_named_with_its_phase_within_k_intervals(tmp_path, data_path) -> None:
-    found = _train(tmp_path, "slow_rank", data_path, tmp_path / "fresh_root", slow="1:backward:1.3",
-                   steps=SLOW_STEPS, ratio=SLOW_RATIO)
+    found = _train(
+        tmp_path,
+        "slow_rank",
+        data_path,
+        tmp_path / "fresh_root",
+        slow="1:backward:1.3",
+        steps=SLOW_STEPS,
+        ratio=SLOW_RATIO,
+    )
     rel = [e for e in found if e["check"] == "relative"]
     assert rel, found
     first = rel[0]
     assert (first["ranks"], first["phase"]) == ([1], "backward") and first["nodes"]
     # Named after K consecutive slow intervals (the unit tests pin "exactly at the K-th"): at the earliest
     # at step (1 + K) * LOG_EVERY, at the latest at the run's end (slack for intervals that noise breaks).
-    assert first["intervals"] == K and (1 + K) * LOG_EVERY <= first["step"] <= SLOW_STEPS and first["step"] % LOG_EVERY == 0
+    assert (
+        first["intervals"] == K
+        and (1 + K) * LOG_EVERY <= first["step"] <= SLOW_STEPS
+        and first["step"] % LOG_EVERY == 0
+    )
     # injected 1.3x: measured 1.35-1.39 on 2026-12-03 (16-step intervals varied 1.25-1.4), once 1.74 on
     # 2026-12-04 (the peer's backward at 26.5 ms, rank 1's at 46 ms); 2x or more would be a knob that spins
     # the wrong factor (its factor is pinned in tests/unit/test_stragglers.py). No lower bound on the

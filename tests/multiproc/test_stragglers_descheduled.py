@@ -47,11 +47,28 @@ def _pid(run_dir: Path, rank: int, proc: subprocess.Popen) -> int:
 def test_a_rank_stopped_half_the_time_from_outside_is_named_on_cpu(tmp_path: Path, data_path: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", f"train.steps={STEPS}", "mesh=single",
-         "launcher.tasks_per_node=2", "mesh.dp_shard=2", f"train.log_every={LOG_EVERY}", "checkpoint.enabled=false",
-         f"failure.straggler_intervals={K}", "failure.straggler_ratio=1.2", f"data.path={data_path}",
-         f"cluster.run_root={tmp_path}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            f"train.steps={STEPS}",
+            "mesh=single",
+            "launcher.tasks_per_node=2",
+            "mesh.dp_shard=2",
+            f"train.log_every={LOG_EVERY}",
+            "checkpoint.enabled=false",
+            f"failure.straggler_intervals={K}",
+            "failure.straggler_ratio=1.2",
+            f"data.path={data_path}",
+            f"cluster.run_root={tmp_path}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     stopped = 0
     try:
         pid = _pid(run_dir, 1, proc)
@@ -77,5 +94,8 @@ def test_a_rank_stopped_half_the_time_from_outside_is_named_on_cpu(tmp_path: Pat
     found = read_events(run_dir / "events.jsonl", "straggler")
     rel = [e for e in found if e["check"] == "relative"]
     assert rel and all(e["ranks"] == [1] for e in rel), found  # rank 1, and never the rank that waited for it
-    assert rel[0]["clock"] == "work" and rel[0]["ratio"] > 1.2 and rel[0]["phase"] in ("forward", "backward", "optimizer",
-                                                                                      "data")
+    assert (
+        rel[0]["clock"] == "work"
+        and rel[0]["ratio"] > 1.2
+        and rel[0]["phase"] in ("forward", "backward", "optimizer", "data")
+    )

@@ -21,9 +21,19 @@ STEPS = 100  # 5 windows of jobs.telemetry.stragglers.WINDOW_STEPS (20)
 
 @pytest.mark.parametrize("run", [1, 2])
 def test_a_healthy_four_rank_run_at_the_default_settings_names_no_straggler(tmp_path, data_path, run: int) -> None:
-    r = run_train(["mesh=single", "mesh.dp_shard=4", "launcher.tasks_per_node=4", f"train.steps={STEPS}",
-                   "checkpoint.enabled=false", f"data.path={data_path}", f"cluster.run_root={tmp_path}"],
-                  tmp_path / "run", timeout=600)
+    r = run_train(
+        [
+            "mesh=single",
+            "mesh.dp_shard=4",
+            "launcher.tasks_per_node=4",
+            f"train.steps={STEPS}",
+            "checkpoint.enabled=false",
+            f"data.path={data_path}",
+            f"cluster.run_root={tmp_path}",
+        ],
+        tmp_path / "run",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(r.metrics()) == STEPS
     assert read_events(tmp_path / "run" / "events.jsonl", "straggler") == []

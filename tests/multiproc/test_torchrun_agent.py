@@ -36,9 +36,24 @@ sys.exit(75 if os.environ["RANK"] == "0" else 0)
 def _agent(tmp_path: Path, script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     rank = tmp_path / "rank.py"
     rank.write_text(script)
-    return subprocess.Popen([sys.executable, "-m", "jobs.launch.slurm", "--agent", "--standalone", "--nproc-per-node=2",
-                             "--max-restarts=0", str(rank), *args], cwd=REPO, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.launch.slurm",
+            "--agent",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            str(rank),
+            *args,
+        ],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_sigterm_reaches_the_ranks_alone_and_their_save_is_not_cut_off(tmp_path: Path) -> None:

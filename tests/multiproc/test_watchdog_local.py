@@ -26,9 +26,14 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _beat(run_dir: Path, rank: int, attempt: str = "local.0") -> dict | None:
@@ -50,21 +55,34 @@ def _finish(proc: subprocess.Popen, stopped: list[int]) -> None:
 
 @pytest.mark.slow
 def test_a_failure_path_that_cannot_write_still_exits_75_and_the_launcher_ends_the_attempt(
-        tmp_path: Path, data_path: str) -> None:
+    tmp_path: Path, data_path: str
+) -> None:
     run_dir = tmp_path / "run"
     incidents = run_dir / "incidents"
     incidents.mkdir(parents=True)
     # Stacks, incident, claim and decision all live here: a read-only disk for the failure path.
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(incidents)], capture_output=True, text=True
+    )
     if p.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root / CAP_SYS_ADMIN): {p.stderr.strip()}")
     victim = []
     try:
-        proc = _start(run_dir, ["train.steps=100000", f"data.path={data_path}", "checkpoint.enabled=false",
-                                "mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
-                                "failure.hang_timeout_s=120", "failure.heartbeat_s=0.5", "failure.missed_beats=4",
-                                "failure.restarts_in_allocation=0"])
+        proc = _start(
+            run_dir,
+            [
+                "train.steps=100000",
+                f"data.path={data_path}",
+                "checkpoint.enabled=false",
+                "mesh=single",
+                "launcher.tasks_per_node=2",
+                "mesh.dp_shard=2",
+                "failure.hang_timeout_s=120",
+                "failure.heartbeat_s=0.5",
+                "failure.missed_beats=4",
+                "failure.restarts_in_allocation=0",
+            ],
+        )
         try:
             wait_for_step(run_dir, 2, proc)
             reporter = _beat(run_dir, 0)["pid"]
@@ -94,12 +112,23 @@ def test_a_failure_path_that_cannot_write_still_exits_75_and_the_launcher_ends_t
 
 @pytest.mark.slow
 def test_usr2_while_a_peer_holds_up_the_start_ends_the_attempt_promptly_and_requeues(
-        tmp_path: Path, data_path: str) -> None:
+    tmp_path: Path, data_path: str
+) -> None:
     run_dir = tmp_path / "run"
     # missed_beats so high that only the stop signal can end the wait (not the stopped peer's heartbeat)
-    proc = _start(run_dir, ["train.steps=100", f"data.path={data_path}", "mesh=single", "launcher.tasks_per_node=2",
-                            "mesh.dp_shard=2", "failure.init_timeout_s=300", "failure.missed_beats=1000",
-                            "failure.heartbeat_s=0.5"])
+    proc = _start(
+        run_dir,
+        [
+            "train.steps=100",
+            f"data.path={data_path}",
+            "mesh=single",
+            "launcher.tasks_per_node=2",
+            "mesh.dp_shard=2",
+            "failure.init_timeout_s=300",
+            "failure.missed_beats=1000",
+            "failure.heartbeat_s=0.5",
+        ],
+    )
     victim = []
     try:
         deadline = time.monotonic() + 120
@@ -135,7 +164,8 @@ def test_usr2_while_a_peer_holds_up_the_start_ends_the_attempt_promptly_and_requ
     assert [(e["rank"], e["signal"]) for e in stops] == [(0, "SIGUSR2")]
     assert stops[0]["action"] in ("exit during rendezvous", "exit during build", "exit during load")
     assert [(d["action"], d["cause"], d["exit_code"]) for d in events if d["kind"] == "decision"] == [
-        ("requeue", "SIGUSR2", 75)]
+        ("requeue", "SIGUSR2", 75)
+    ]
     assert not [e for e in events if e["kind"] == "first_step"]
 
 
@@ -155,8 +185,13 @@ def test_a_slurm_rank_entry_installs_its_stop_handlers_before_its_imports(tmp_pa
     first, so a USR2 during the imports (about 1 s; before: all of it was a window that killed the rank)
     is recorded, not fatal."""
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.launch.slurm", "--rank-config", str(tmp_path / "none.pkl")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.launch.slurm", "--rank-config", str(tmp_path / "none.pkl")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while not _catches(proc.pid, signal.SIGUSR2):
             assert proc.poll() is None, proc.communicate()

@@ -13,8 +13,18 @@ from jobs.launch.slurm_state import ACTIVE_STATES, job_state
 REPO = Path(__file__).resolve().parents[2]
 # A REQUEUED record is final: the attempt after it has its own record. So is a RESIZING one: the allocation until
 # Slurm took a failed node out of a --no-kill job (with its End); the rest of the job has its own record.
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-         "REQUEUED", "RESIZING"}
+FINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "REQUEUED",
+    "RESIZING",
+}
 
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -64,15 +74,21 @@ def scontrol_job(job_id: str) -> dict[str, str]:
 
 def next_job_id() -> int:
     """Submits a no-op job and returns its id: two calls bracket what was submitted in between."""
-    out = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "true"],
-                         capture_output=True, text=True, check=True, cwd="/tmp")
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "true"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/tmp",
+    )
     return int(out.stdout.strip().split(";")[0])
 
 
 def jobs_submitted_between(before: int, after: int) -> list[str]:
     """Jobs (or arrays) submitted strictly between two `next_job_id()` marks; array elements of older arrays,
     which take fresh ids when they start, are not counted."""
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-a", "-S", "now-1hour", "-o", "JobID"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-a", "-S", "now-1hour", "-o", "JobID"], capture_output=True, text=True, check=True
+    ).stdout
     ids = {line.split("_")[0] for line in out.split()}
     return sorted(i for i in ids if i.isdigit() and before < int(i) < after)

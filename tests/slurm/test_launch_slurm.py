@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.slurm_helpers import REPO, cli, jobs_submitted_between, next_job_id, sacct, scontrol_job, submitted_job_id, wait_final
+from tests.slurm.slurm_helpers import (
+    REPO,
+    cli,
+    jobs_submitted_between,
+    next_job_id,
+    sacct,
+    scontrol_job,
+    submitted_job_id,
+    wait_final,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -31,8 +40,13 @@ def test_tiny_job_on_two_nodes_by_four_tasks_completes_with_the_local_runs_losse
     # A job still PENDING shows its node range ("2-2": at least 2, at most 2); a running one "2".
     assert (info["NumNodes"] in ("2", "2-2"), info["NumTasks"]) == (True, "8"), info
     # The local reference runs meanwhile: the same embedded default, 8 forked ranks, pp2*dp_shard2*tp2.
-    local = subprocess.Popen([sys.executable, "-m", "jobs.train", STEPS, f"run.dir={local_dir}"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    local = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", STEPS, f"run.dir={local_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     (rec,) = wait_final(job)
     assert local.wait(timeout=240) == 0, local.stdout.read()
     assert (rec["State"], rec["ExitCode"], rec["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), rec
@@ -50,14 +64,25 @@ def test_tiny_job_on_two_nodes_by_four_tasks_completes_with_the_local_runs_losse
 
 def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_point_is_pruned(run_root: Path) -> None:
     # 2 x 2 points on 2 ranks (2 nodes x 1 task): tp2 * pp2 = 4 ranks cannot work and must not be submitted.
-    sweep = cli("jobs.train", "-m", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1",
-                "mesh.dp_shard=-1", "train.steps=3", "mesh.tp=1,2", "mesh.pp=1,2", f"run.dir={run_root}")
+    sweep = cli(
+        "jobs.train",
+        "-m",
+        "launcher=slurm",
+        "launcher.nodes=2",
+        "launcher.tasks_per_node=1",
+        "mesh.dp_shard=-1",
+        "train.steps=3",
+        "mesh.tp=1,2",
+        "mesh.pp=1,2",
+        f"run.dir={run_root}",
+    )
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
     array = submitted_job_id(sweep.stdout, r"4 points, 3 submitted as array job (\d+), 1 pruned")
     # Returned once queued, not after the elements ran: slurmctld (squeue, no accounting lag; sacct may not
     # even hold the submission yet, which CI once met) still has all three, none finished.
-    queued = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i %T"], capture_output=True, text=True,
-                            check=True).stdout.split("\n")
+    queued = subprocess.run(
+        ["squeue", "-h", "-r", "-j", array, "-o", "%i %T"], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     states = dict(line.split() for line in queued if line.strip())
     assert sorted(states) == [f"{array}_{i}" for i in range(3)], states
     assert set(states.values()) <= {"PENDING", "CONFIGURING", "RUNNING"}, states
@@ -80,8 +105,18 @@ def test_mesh_shape_sweep_is_one_array_job_and_the_infeasible_point_is_pruned(ru
 def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: Path) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
-    r = cli("jobs.sbatch", "-o", str(script), "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1",
-            "mesh=single", "mesh.dp_shard=2", "train.steps=3", f"run.dir={run_root / 'run'}")
+    r = cli(
+        "jobs.sbatch",
+        "-o",
+        str(script),
+        "launcher=slurm",
+        "launcher.nodes=2",
+        "launcher.tasks_per_node=1",
+        "mesh=single",
+        "mesh.dp_shard=2",
+        "train.steps=3",
+        f"run.dir={run_root / 'run'}",
+    )
     assert r.returncode == 0, r.stderr
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp")
     job = out.stdout.strip()
@@ -90,14 +125,18 @@ def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: P
     assert len(losses(run_root / "run")) == 3
     assert (run_root / "run" / "config.yaml").exists()
     logs = sorted(p.name for p in (run_root / "run" / "slurm").iterdir())
-    assert logs == [f"{job}_batch.out", f"{job}_r0_rank0.err", f"{job}_r0_rank0.out", f"{job}_r0_rank1.err",
-                    f"{job}_r0_rank1.out"]
+    assert logs == [
+        f"{job}_batch.out",
+        f"{job}_r0_rank0.err",
+        f"{job}_r0_rank0.out",
+        f"{job}_r0_rank1.err",
+        f"{job}_r0_rank1.out",
+    ]
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
-    [("mesh.tp=3", "mesh.tp(3)"),
-     ("run.dir=/tmp/elsewhere", "is not under cluster.run_root=runs")],
+    [("mesh.tp=3", "mesh.tp(3)"), ("run.dir=/tmp/elsewhere", "is not under cluster.run_root=runs")],
 )
 def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path, override: str, message: str) -> None:
     args = ["jobs.train", "launcher=slurm", STEPS, f"run.dir={run_root}", override]
@@ -110,11 +149,28 @@ def test_wrong_config_is_refused_on_the_login_node_before_sbatch(run_root: Path,
     assert not run_root.exists()
 
 
-def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wait_relays_it(run_root: Path) -> None:
+def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_dir_while_wait_relays_it(
+    run_root: Path,
+) -> None:
     waiting = subprocess.Popen(
-        [sys.executable, "-m", "jobs.train", "launcher=slurm", "launcher.wait=true", "launcher.nodes=2",
-         "launcher.tasks_per_node=1", "mesh=single", "mesh.dp_shard=2", "train.steps=40", f"run.dir={run_root}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            "launcher=slurm",
+            "launcher.wait=true",
+            "launcher.nodes=2",
+            "launcher.tasks_per_node=1",
+            "mesh=single",
+            "mesh.dp_shard=2",
+            "train.steps=40",
+            f"run.dir={run_root}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert waiting.stdout is not None
     head = ""
     while "submitted job" not in head:
@@ -141,8 +197,9 @@ def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_di
     (stop_step,) = {e["step"] for e in events if e["kind"] == "stop_requested"}
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert [(e["step"], e["restart"]) for e in loaded] == [(stop_step, 1)], loaded
-    first_restart_step = min(json.loads(l)["step"] for l in metrics.read_text().splitlines()
-                             if json.loads(l)["restart"] == 1)
+    first_restart_step = min(
+        json.loads(l)["step"] for l in metrics.read_text().splitlines() if json.loads(l)["restart"] == 1
+    )
     assert first_restart_step == stop_step + 1  # no step trained twice, none lost
     # launcher.wait=true followed it all and exits with the job's outcome.
     out = waiting.communicate(timeout=60)[0]
@@ -156,8 +213,9 @@ def test_usr2_saves_then_requeues_the_job_under_the_same_id_into_the_same_run_di
 def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[str, str]]) -> None:
     """`python -m jobs.status` on the same run dir: its Slurm section lists both allocations of the job as sacct
     --duplicates keeps them (`recs`, read by this test), the requeued one first, the last one COMPLETED 0:0."""
-    r = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "jobs.status", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     section = r.stdout.split(f"slurm job {job} (sacct --duplicates):\n", 1)
     assert len(section) == 2, r.stdout
@@ -171,11 +229,12 @@ def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[st
 def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
     """`python -m jobs.report` on the requeued run dir, as a user would run it: both attempts and the cause of the
     requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page (issue 11)."""
-    from jobs.telemetry.run_report import collect
     from jobs.report import sacct_records
+    from jobs.telemetry.run_report import collect
 
-    r = subprocess.run([sys.executable, "-m", "jobs.report", str(run_dir)], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "jobs.report", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert ": ended; step 40 of 40" in r.stdout, r.stdout
     assert "-> requeue x1" in r.stdout and "completed -> done x1" in r.stdout, r.stdout

@@ -24,14 +24,19 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_tiny_moe_folded_over_dp_shard_on_two_nodes_completes_with_the_local_runs_losses(run_root: Path) -> None:
     slurm_dir, local_dir = run_root / "slurm-moe", run_root / "local-moe"
-    sub = cli("jobs.train", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", *MOE,
-              f"run.dir={slurm_dir}")
+    sub = cli(
+        "jobs.train", "launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", *MOE, f"run.dir={slurm_dir}"
+    )
     assert sub.returncode == 0, sub.stderr
     job = submitted_job_id(sub.stdout)
     # The local reference meanwhile: the same 4 ranks, forked on this machine.
-    local = subprocess.Popen([sys.executable, "-m", "jobs.train", *MOE, "launcher.tasks_per_node=4",
-                              f"run.dir={local_dir}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    local = subprocess.Popen(
+        [sys.executable, "-m", "jobs.train", *MOE, "launcher.tasks_per_node=4", f"run.dir={local_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     (rec,) = wait_final(job, timeout=900)  # other jobs may queue ahead of it on a shared cluster
     local_out = local.communicate(timeout=600)[0]
     assert local.returncode == 0, local_out[-3000:]

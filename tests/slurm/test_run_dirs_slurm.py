@@ -22,15 +22,26 @@ TWO_RANKS = ["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2"]
 def test_sweep_composed_across_second_boundaries_trains_each_point_in_its_own_run_dir(run_root: Path) -> None:
     # 20 points on 2 ranks: tp1 and tp2 are submitted, tp3..tp20 pruned; all 20 are composed first (0.1-0.5 s
     # each), each resolving the default-style run.dir runs/.../${now:%Y%m%d-%H%M%S} anew.
-    sweep = cli("jobs.train", "-m", *TWO_RANKS, "mesh.pp=1", "mesh.dp_shard=-1", "train.steps=2",
-                "mesh.tp=range(1,21)", f"run.dir={run_root}/${{now:%Y%m%d-%H%M%S}}", timeout=600)
+    sweep = cli(
+        "jobs.train",
+        "-m",
+        *TWO_RANKS,
+        "mesh.pp=1",
+        "mesh.dp_shard=-1",
+        "train.steps=2",
+        "mesh.tp=range(1,21)",
+        f"run.dir={run_root}/${{now:%Y%m%d-%H%M%S}}",
+        timeout=600,
+    )
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     array = submitted_job_id(sweep.stdout, r"20 points, 2 submitted as array job (\d+), 18 pruned")
     (sweep_dir,) = [d for d in run_root.iterdir()]  # one directory for the sweep, whatever the clock did
     table = [json.loads(l) for l in (sweep_dir / "sweep.jsonl").read_text().splitlines()]
     submitted = {t["idx"]: t for t in table if not t["pruned"]}
     assert {i: (t["run_dir"], t["job_id"]) for i, t in submitted.items()} == {
-        0: (str(sweep_dir / "0"), f"{array}_0"), 1: (str(sweep_dir / "1"), f"{array}_1")}
+        0: (str(sweep_dir / "0"), f"{array}_0"),
+        1: (str(sweep_dir / "1"), f"{array}_1"),
+    }
     for i in (0, 1):
         assert f"{array}_{i}" in sweep.stdout and str(sweep_dir / str(i)) in sweep.stdout  # the printed table
     recs = wait_final(array, count=2, timeout=420)

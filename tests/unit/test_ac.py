@@ -27,8 +27,9 @@ def _forward_calls_per_block(mode: str, every: int = 2) -> dict[int, int]:
     return calls
 
 
-@pytest.mark.parametrize("mode, every, twice", [("none", 2, []), ("full", 2, [0, 1, 2, 3]),
-                                                ("selective", 2, [1, 3]), ("selective", 3, [2])])
+@pytest.mark.parametrize(
+    "mode, every, twice", [("none", 2, []), ("full", 2, [0, 1, 2, 3]), ("selective", 2, [1, 3]), ("selective", 3, [2])]
+)
 def test_checkpointed_blocks_run_their_forward_again_in_backward(mode, every, twice):
     calls = _forward_calls_per_block(mode, every)
     assert calls == {i: 2 if i in twice else 1 for i in range(4)}

@@ -34,9 +34,13 @@ def test_a_written_profile_composes_and_the_planner_predicts_with_it():
     figures = {
         "calibrated": "2026-12-03T00:00:00Z `python -m jobs.calibrate` (test)",
         "matmul_tflops": {"fp32": 0.004, "fp32.tp2": 0.002},
-        "collectives": {f"{op}.intra": {"alpha_s": 1e-3, "bus_GBps": 1.0, "ranks": 4.0, "alpha_hop_s": 1e-4}
-                        for op in OPS},
-        "optimizer_ns_per_param": 50.0, "host_copy_GBps": 3.0, "fs_write_GBps": 0.5, "fs_fsync_s": 0.004,
+        "collectives": {
+            f"{op}.intra": {"alpha_s": 1e-3, "bus_GBps": 1.0, "ranks": 4.0, "alpha_hop_s": 1e-4} for op in OPS
+        },
+        "optimizer_ns_per_param": 50.0,
+        "host_copy_GBps": 3.0,
+        "fs_write_GBps": 0.5,
+        "fs_fsync_s": 0.004,
     }
     try:
         write_profile(compose([]), figures, out, conf_dir=CONF_DIR)

@@ -13,14 +13,16 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner import arith as P
-from jobs.planner.gemm import Gemm, fit_gemm_rate, fit_rate, linear_counts, model_gemms, predict_seconds, single_rate
+from jobs.planner.gemm import fit_gemm_rate, fit_rate, linear_counts, model_gemms, predict_seconds, single_rate
 from jobs.planner.steptime import stage_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("calibration_held_out", ROOT / "scripts/bench/calibration_held_out.py")
+    spec = importlib.util.spec_from_file_location(
+        "calibration_held_out", ROOT / "scripts/bench/calibration_held_out.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -47,8 +49,14 @@ def test_a_tensor_parallel_ranks_gemms_are_its_shards_and_hold_the_planners_flop
     # Llama 3 405B on one tp8 rank (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise, wo and w2 row-wise;
     # what scripts/gpu_preflight.py's `gemms` check times on a GPU
     m = compose(["model=llama3_405b"]).model
-    assert linear_counts(m, tp=8) == [(2048, 16384, 126), (6656, 16384, 126), (16384, 128, 252), (16384, 2048, 126),
-                                      (16384, 6656, 252), (16384, 16032, 1)]
+    assert linear_counts(m, tp=8) == [
+        (2048, 16384, 126),
+        (6656, 16384, 126),
+        (16384, 128, 252),
+        (16384, 2048, 126),
+        (16384, 6656, 252),
+        (16384, 16032, 1),
+    ]
     stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
     _, train, _ = stage_flops(m, stages, tokens=8192, seq_len=0, tp=8, recomputed=[])
     assert sum(g.count * g.flops for g in model_gemms(m, tokens=8192, tp=8)) == pytest.approx(train, rel=1e-12)
@@ -82,8 +90,11 @@ def test_the_bench_reports_held_out_ratios_from_the_calibration_sets_alone():
     bench = _bench()
     cfgs = {name: compose(ov) for name, ov in bench.SETS.items()}
     law = lambda g: 1.5e-6 + g.flops / 90e9  # noqa: E731
-    gemm_s = {(g.m, g.n, g.k): law(g) for c in cfgs.values()
-              for g in model_gemms(c.model, tokens=c.train.micro_batch * c.train.seq_len)}
+    gemm_s = {
+        (g.m, g.n, g.k): law(g)
+        for c in cfgs.values()
+        for g in model_gemms(c.model, tokens=c.train.micro_batch * c.train.seq_len)
+    }
     # whole step: 2 ms per block and head + FLOPs at 60 GFLOP/s
     step_s = {n: (c.model.n_layers + 1) * 2e-3 + bench._train_flops(c) / 60e9 for n, c in cfgs.items()}
     out = bench.report(cfgs, gemm_s, step_s)

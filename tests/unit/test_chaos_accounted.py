@@ -18,6 +18,7 @@ def _sacct_answering(monkeypatch, *answers: list[str]) -> None:
     def fake(job: str) -> list[dict[str, str]]:
         states = left.pop(0) if len(left) > 1 else left[0]
         return [{"JobID": job, "State": s} for s in states]
+
     monkeypatch.setattr(chaos_helpers, "sacct", fake)
 
 

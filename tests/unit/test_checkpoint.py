@@ -18,7 +18,15 @@ import checkpoint.commit as commit_mod
 import checkpoint.manager as manager_mod
 import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager, TrainState, diff_fingerprint, env_fingerprint
-from checkpoint.manifest import MANIFEST, ManifestError, check_files, file_record, read_manifest, step_dirs, write_manifest
+from checkpoint.manifest import (
+    MANIFEST,
+    ManifestError,
+    check_files,
+    file_record,
+    read_manifest,
+    step_dirs,
+    write_manifest,
+)
 from checkpoint.state import capture_rng, restore_rng
 
 
@@ -173,7 +181,9 @@ def test_two_stages_on_one_rank_resume_into_one_model(tmp_path):
     for name, p in one.named_parameters():
         src = (a if name.startswith("layers.0") else b).get_parameter(name)
         assert torch.equal(p, src), name
-        assert torch.equal(one_opt.state[p]["exp_avg"], opts[0 if name.startswith("layers.0") else 1].state[src]["exp_avg"])
+        assert torch.equal(
+            one_opt.state[p]["exp_avg"], opts[0 if name.startswith("layers.0") else 1].state[src]["exp_avg"]
+        )
     # and the next step on one model equals the next step on the two stages
     _step([a, b], opts, x)
     _step([one], [one_opt], x)
@@ -200,8 +210,11 @@ def _rotting(monkeypatch, steps: set[int]) -> None:
 
 
 def _save_steps(folder, steps, events, model, opt, x, **cfg) -> None:
-    ck = CheckpointManager(folder, cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=2, **cfg),
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        folder,
+        cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=2, **cfg),
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     for step in steps:
         _step([model], [opt], x)
@@ -209,8 +222,7 @@ def _save_steps(folder, steps, events, model, opt, x, **cfg) -> None:
     ck.close()
 
 
-def test_a_checkpoint_with_a_flipped_byte_is_never_loaded_and_retention_trusts_the_commits_crc32(
-        tmp_path, monkeypatch):
+def test_a_checkpoint_with_a_flipped_byte_is_never_loaded_and_retention_trusts_the_commits_crc32(tmp_path, monkeypatch):
     """Retention reads no checkpoint back (it trusts the crc32 taken from the bytes as written): damage after
     the commit is the load's to find. keep=2 is the fallback for one damaged checkpoint."""
     _rotting(monkeypatch, {3})
@@ -229,7 +241,8 @@ def test_a_checkpoint_with_a_flipped_byte_is_never_loaded_and_retention_trusts_t
 
 
 def test_the_newest_keep_checkpoints_all_damaged_after_their_commit_load_none_rather_than_a_damaged_one(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """The limit of trusting the commit's crc32 (before, retention re-read each new checkpoint once, from the
     page cache, and kept step 1 here): with both of the newest keep=2 flipped, none loads, and no damaged one."""
     _rotting(monkeypatch, {2, 3})
@@ -284,7 +297,10 @@ def test_save_returns_before_the_staging_copy_and_the_optimizer_step_waits_for_i
     ck.close()
     fresh, fresh_opt = _one_layer()
     fresh.weight.data.zero_()
-    assert CheckpointManager(tmp_path, cfg=CheckpointConfig()).load_latest(model_parts=[fresh], optimizers=[fresh_opt]) == 1
+    assert (
+        CheckpointManager(tmp_path, cfg=CheckpointConfig()).load_latest(model_parts=[fresh], optimizers=[fresh_opt])
+        == 1
+    )
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, at_save[k]), k  # step 1's values, not step 2's
 
@@ -387,8 +403,9 @@ def test_the_auto_interval_counts_what_an_async_save_takes_from_the_steps_it_ove
     # B8 (scripts/bench/goodput.py) on 2 cores: each async save took 0.65 s from the steps around it but
     # blocked for 0.02 s, and the interval, computed from the 0.02 s, saved every 8 steps instead of ~40.
     model, opt = _one_layer()
-    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(interval="auto", async_mode="thread"), mtbf_s=3600.0,
-                           total_steps=1000)
+    ck = CheckpointManager(
+        tmp_path, cfg=CheckpointConfig(interval="auto", async_mode="thread"), mtbf_s=3600.0, total_steps=1000
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     for step in range(1, 11):
         ck.due(step, step_time_s=0.1)  # steps no save overlaps: 0.1 s

@@ -16,8 +16,11 @@ def test_a_commit_is_recorded_before_its_outcome_is_sent_to_the_ranks(tmp_path) 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="none"),
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        tmp_path,
+        cfg=CheckpointConfig(every_steps=1, async_mode="none"),
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
 
     def peer_gone(obj, pg):
@@ -27,4 +30,6 @@ def test_a_commit_is_recorded_before_its_outcome_is_sent_to_the_ranks(tmp_path) 
     with pytest.raises(RuntimeError, match="Connection reset"):
         ck.save(3)
     assert (tmp_path / "step_3" / "manifest.json").exists()  # committed
-    assert [(k, f["step"], f["tier"]) for k, f in events if k == "checkpoint_saved"] == [("checkpoint_saved", 3, "filesystem")]
+    assert [(k, f["step"], f["tier"]) for k, f in events if k == "checkpoint_saved"] == [
+        ("checkpoint_saved", 3, "filesystem")
+    ]

@@ -23,15 +23,31 @@ def test_budget_records_are_fsynced_and_the_others_are_not(tmp_path, monkeypatch
 
     monkeypatch.setattr(events_mod.os, "fsync", spy)
     log = EventLog(tmp_path / "events.jsonl", attempt="1.0")
-    kinds = ["attempt_start", "train_start", "checkpoint_saved", "heartbeat", "failure", "decision", "attempt_end",
-             "checkpoint_deleted"]
+    kinds = [
+        "attempt_start",
+        "train_start",
+        "checkpoint_saved",
+        "heartbeat",
+        "failure",
+        "decision",
+        "attempt_end",
+        "checkpoint_deleted",
+    ]
     fsyncs = []
     for kind in kinds:
         before = len(synced)
         log.emit(kind, step=1)
         fsyncs.append(len(synced) - before)
-    assert dict(zip(kinds, fsyncs)) == {"attempt_start": 1, "train_start": 0, "checkpoint_saved": 1, "heartbeat": 0,
-                                        "failure": 1, "decision": 1, "attempt_end": 1, "checkpoint_deleted": 0}
+    assert dict(zip(kinds, fsyncs)) == {
+        "attempt_start": 1,
+        "train_start": 0,
+        "checkpoint_saved": 1,
+        "heartbeat": 0,
+        "failure": 1,
+        "decision": 1,
+        "attempt_end": 1,
+        "checkpoint_deleted": 0,
+    }
     assert set(synced) == {str(tmp_path / "events.jsonl")}
     assert [e["kind"] for e in read_events(tmp_path / "events.jsonl")] == kinds
 
@@ -40,14 +56,19 @@ def _manager(folder, attempt: str, events: list) -> tuple[CheckpointManager, tor
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ck = CheckpointManager(folder, cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=5), attempt=attempt,
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        folder,
+        cfg=CheckpointConfig(every_steps=1, async_mode="none", keep=5),
+        attempt=attempt,
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     return ck, model
 
 
 def test_a_save_writes_into_a_folder_named_by_its_attempt_and_moves_a_folder_in_its_way_aside_by_attempt(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     seen: list[str] = []
     orig = commit_mod.write_manifest
     monkeypatch.setattr(commit_mod, "write_manifest", lambda d, body: seen.append(d.name) or orig(d, body))
@@ -61,8 +82,15 @@ def test_a_save_writes_into_a_folder_named_by_its_attempt_and_moves_a_folder_in_
 
 
 def test_the_next_attempt_removes_earlier_attempts_folders_and_never_its_own(tmp_path):
-    names = ["step_3.tmp", "step_4.76.0.tmp", "step_2.uncommitted-1733", "step_5.uncommitted-76.0",
-             "step_6.77.2.tmp", "step_2.uncommitted-77.2", "step_2.uncommitted-77.2.99"]
+    names = [
+        "step_3.tmp",
+        "step_4.76.0.tmp",
+        "step_2.uncommitted-1733",
+        "step_5.uncommitted-76.0",
+        "step_6.77.2.tmp",
+        "step_2.uncommitted-77.2",
+        "step_2.uncommitted-77.2.99",
+    ]
     for n in names:
         (tmp_path / n).mkdir(parents=True)
         (tmp_path / n / "__0_0.distcp").write_bytes(b"x")

@@ -54,7 +54,9 @@ def test_abandon_above_moves_the_later_folders_aside_under_the_attempt_and_twice
         _commit(tmp_path, s)
     moved = abandon_above(tmp_path, step=20, attempt="123.0")
     assert [(s, a.relative_to(tmp_path).as_posix()) for s, _, a in moved] == [
-        (40, "abandoned/step_40.123.0"), (30, "abandoned/step_30.123.0")]
+        (40, "abandoned/step_40.123.0"),
+        (30, "abandoned/step_30.123.0"),
+    ]
     assert _steps(tmp_path) == [20, 10]
     _commit(tmp_path, 30)  # the redone step 30, abandoned again by a second rollback in the same attempt
     [(s, _, again)] = abandon_above(tmp_path, step=20, attempt="123.0")

@@ -11,9 +11,18 @@ import pytest
 import torch
 
 from checkpoint import CheckpointConfig, CheckpointManager, interval_steps, plan_interval
-from checkpoint.tiers import (FILESYSTEM, MEMORY, PARTNER, combined_goodput, memory_interval_s, plan_tiers,
-                              tier_interval_s, tier_shares, tiers_on)
 from checkpoint.memory_capacity import capacity_error
+from checkpoint.tiers import (
+    FILESYSTEM,
+    MEMORY,
+    PARTNER,
+    combined_goodput,
+    memory_interval_s,
+    plan_tiers,
+    tier_interval_s,
+    tier_shares,
+    tiers_on,
+)
 from jobs.config import compose
 from jobs.plan import main
 from jobs.validate import validate
@@ -26,8 +35,12 @@ def test_each_tier_interval_is_daly_for_its_own_save_cost_and_the_failures_it_co
     #               258.199 x 1.0025887 - 2 = 256.867 s
     #   filesystem: d = 30 s, M = 10,000 / 0.4 = 25,000 s:   sqrt(1.5e6) = 1224.745; x = 6e-4;
     #               1224.745 x 1.0082316 - 30 = 1204.83 s
-    rows = {r.tier: r for r in plan_tiers(mtbf_s=10_000.0, process_share=0.6, node_share=0.3,
-                                          costs={MEMORY: (2.0, 20.0), FILESYSTEM: (30.0, 300.0)})}
+    rows = {
+        r.tier: r
+        for r in plan_tiers(
+            mtbf_s=10_000.0, process_share=0.6, node_share=0.3, costs={MEMORY: (2.0, 20.0), FILESYSTEM: (30.0, 300.0)}
+        )
+    }
     assert rows[MEMORY].failures == ("process",) and rows[MEMORY].share == pytest.approx(0.6)
     assert rows[MEMORY].mtbf_s == pytest.approx(16_666.67, abs=0.01)
     assert rows[MEMORY].interval_s == pytest.approx(256.867, abs=1e-3)
@@ -71,16 +84,24 @@ def test_partner_copies_cover_node_failures_only_with_a_hot_spare() -> None:
         validate(compose(["failure.process_share=0.5", "failure.node_share=0.7"]), training=False)  # before submit
 
 
-def _ram_manager(tmp_path, *, mtbf_s: float, run_id: str,
-                 tier_shares: dict) -> tuple[CheckpointManager, list[tuple[str, dict]]]:
+def _ram_manager(
+    tmp_path, *, mtbf_s: float, run_id: str, tier_shares: dict
+) -> tuple[CheckpointManager, list[tuple[str, dict]]]:
     """A loaded manager of a tiny model with the RAM tier's interval on auto, and the list its events go to."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     events: list[tuple[str, dict]] = []
     cfg = CheckpointConfig(memory_interval="auto", memory_dir=str(tmp_path / "shm"), async_mode="none")
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, mtbf_s=mtbf_s, total_steps=10_000, run_id=run_id,
-                           tier_shares=tier_shares, emit=lambda k, **f: events.append((k, f)))
+    ck = CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=cfg,
+        mtbf_s=mtbf_s,
+        total_steps=10_000,
+        run_id=run_id,
+        tier_shares=tier_shares,
+        emit=lambda k, **f: events.append((k, f)),
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     return ck, events
 
@@ -109,8 +130,15 @@ def test_the_manager_sets_the_ram_interval_from_its_measured_save_by_the_same_ru
 
 
 def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) -> None:
-    args = ["+experiment=llama3_8b", "plan.fake_backend=false", "plan.save_fixed_s=5", "plan.restart_overhead_s=300",
-            "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5"]
+    args = [
+        "+experiment=llama3_8b",
+        "plan.fake_backend=false",
+        "plan.save_fixed_s=5",
+        "plan.restart_overhead_s=300",
+        "plan.restart_in_allocation_s=30",
+        "failure.process_share=0.4",
+        "failure.node_share=0.5",
+    ]
     assert main(args + ["plan.json=true"]) in (0, 1)
     tiers = json.loads(capsys.readouterr().out)["tiers"]
     assert main(args) in (0, 1)
@@ -131,9 +159,18 @@ def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) ->
 def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys) -> None:
     # A spare's ranks read the lost node's state from the nodes that hold its copies (checkpoint/memory_tier.py), so
     # node failures are the partner tier's and the filesystem tier is read after job losses only.
-    args = ["+experiment=llama3_8b", "plan.fake_backend=false", "plan.save_fixed_s=5", "plan.restart_overhead_s=300",
-            "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5", "launcher=slurm",
-            "checkpoint.memory_replicas=1", "plan.json=true"]
+    args = [
+        "+experiment=llama3_8b",
+        "plan.fake_backend=false",
+        "plan.save_fixed_s=5",
+        "plan.restart_overhead_s=300",
+        "plan.restart_in_allocation_s=30",
+        "failure.process_share=0.4",
+        "failure.node_share=0.5",
+        "launcher=slurm",
+        "checkpoint.memory_replicas=1",
+        "plan.json=true",
+    ]
     assert main([*args, "launcher.spare_nodes=1"]) in (0, 1)
     plan = json.loads(capsys.readouterr().out)
     rows = {r["tier"]: r for r in plan["tiers"]["tiers"]}
@@ -182,8 +219,10 @@ def test_partner_copies_ride_on_the_ram_interval_from_both_costs_and_both_failur
     spare = tier_shares(process_share=0.6, node_share=0.3, memory=True, partner=True)
     assert memory_interval_s(mtbf_s=10_000.0, shares=no_spare, save_s=2.0) == pytest.approx(256.867, abs=1e-3)
     assert memory_interval_s(mtbf_s=10_000.0, shares=spare, save_s=8.0) == pytest.approx(416.32, abs=1e-2)
-    rows = {r.tier: r for r in plan_tiers(costs={MEMORY: (2.0, 20.0), PARTNER: (6.0, 40.0), FILESYSTEM: (30.0, 300.0)},
-                                          **kw)}
+    rows = {
+        r.tier: r
+        for r in plan_tiers(costs={MEMORY: (2.0, 20.0), PARTNER: (6.0, 40.0), FILESYSTEM: (30.0, 300.0)}, **kw)
+    }
     assert rows[MEMORY].interval_s == rows[PARTNER].interval_s == pytest.approx(416.32, abs=1e-2)
     assert rows[PARTNER].rides_on == MEMORY and rows[MEMORY].rides_on == ""
     assert rows[FILESYSTEM].interval_s == pytest.approx(2429.53, abs=1e-2)
@@ -210,25 +249,44 @@ def test_the_managers_ram_interval_with_partner_copies_is_the_plans(tmp_path) ->
     last = [f for k, f in events if k == "checkpoint_interval" and f["tier"] == MEMORY][-1]
     assert last["mtbf_s"] == pytest.approx(4.0 / 0.8) and last["share"] == pytest.approx(0.8)
     # The plan, given the save the manager measured (it includes the copy the save sent: the copy adds 0).
-    rows = {r.tier: r for r in plan_tiers(mtbf_s=4.0, process_share=0.3, node_share=0.5,
-                                          costs={MEMORY: (last["delta_s"], 1.0), PARTNER: (0.0, 1.0),
-                                                 FILESYSTEM: (1.0, 10.0)})}
+    rows = {
+        r.tier: r
+        for r in plan_tiers(
+            mtbf_s=4.0,
+            process_share=0.3,
+            node_share=0.5,
+            costs={MEMORY: (last["delta_s"], 1.0), PARTNER: (0.0, 1.0), FILESYSTEM: (1.0, 10.0)},
+        )
+    }
     assert rows[MEMORY].interval_s == rows[PARTNER].interval_s == pytest.approx(last["interval_s"], abs=1e-5)
     assert last["interval_steps"] == interval_steps(rows[MEMORY].interval_s, 0.05) == ck.memory_interval_steps() > 1
     ck.close()
 
 
 def test_plan_prints_the_partner_row_riding_on_the_ram_interval(capsys, tmp_path) -> None:
-    args = ["+experiment=llama3_8b", "plan.fake_backend=false", "plan.save_fixed_s=5", "plan.restart_overhead_s=300",
-            "plan.restart_in_allocation_s=30", "failure.process_share=0.4", "failure.node_share=0.5", "launcher=slurm",
-            "checkpoint.memory_replicas=1", "launcher.spare_nodes=1", f"run.dir={tmp_path}"]
+    args = [
+        "+experiment=llama3_8b",
+        "plan.fake_backend=false",
+        "plan.save_fixed_s=5",
+        "plan.restart_overhead_s=300",
+        "plan.restart_in_allocation_s=30",
+        "failure.process_share=0.4",
+        "failure.node_share=0.5",
+        "launcher=slurm",
+        "checkpoint.memory_replicas=1",
+        "launcher.spare_nodes=1",
+        f"run.dir={tmp_path}",
+    ]
     assert main([*args, "plan.json=true"]) in (0, 1)
     tiers = json.loads(capsys.readouterr().out)["tiers"]
     rows = {r["tier"]: r for r in tiers["tiers"]}
     mem, par, fs = rows[MEMORY], rows[PARTNER], rows[FILESYSTEM]
     assert par["rides_on"] == MEMORY and par["interval_s"] == mem["interval_s"] and par["goodput"] == 1.0
-    assert mem["interval_s"] == pytest.approx(memory_interval_s(mtbf_s=mem["mtbf_s"] * 0.4, save_s=mem["save_s"] +
-                                                                par["save_s"], shares={MEMORY: 0.4, PARTNER: 0.5}))
+    assert mem["interval_s"] == pytest.approx(
+        memory_interval_s(
+            mtbf_s=mem["mtbf_s"] * 0.4, save_s=mem["save_s"] + par["save_s"], shares={MEMORY: 0.4, PARTNER: 0.5}
+        )
+    )
     assert tiers["goodput"] == pytest.approx(mem["goodput"] * fs["goodput"])  # the partner's factor is in memory's
     assert main(args) in (0, 1)
     out = capsys.readouterr().out
@@ -237,12 +295,25 @@ def test_plan_prints_the_partner_row_riding_on_the_ram_interval(capsys, tmp_path
     both = f"save {mem['save_s'] + par['save_s']:.3f} s (memory {mem['save_s']:.3f} + partner {par['save_s']:.3f})"
     assert both in out
     # RAM saves in the ledger that sent partner copies already paid for them: the copy adds no save cost of its own.
-    (tmp_path / "events.jsonl").write_text("".join(json.dumps(
-        {"kind": "checkpoint_saved", "time": 1000.0 + s, "tier": MEMORY, "step": s, "blocking_s": 0.25,
-         "replicas": 1}) + "\n"
-        for s in (1, 2, 3)))
+    (tmp_path / "events.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "kind": "checkpoint_saved",
+                    "time": 1000.0 + s,
+                    "tier": MEMORY,
+                    "step": s,
+                    "blocking_s": 0.25,
+                    "replicas": 1,
+                }
+            )
+            + "\n"
+            for s in (1, 2, 3)
+        )
+    )
     assert main([*args, "plan.json=true"]) in (0, 1)
     rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
     assert rows[MEMORY]["save_s"] == 0.25 and rows[PARTNER]["save_s"] == 0.0
-    assert rows[MEMORY]["interval_s"] == pytest.approx(memory_interval_s(
-        mtbf_s=rows[MEMORY]["mtbf_s"] * 0.4, save_s=0.25, shares={MEMORY: 0.4, PARTNER: 0.5}))
+    assert rows[MEMORY]["interval_s"] == pytest.approx(
+        memory_interval_s(mtbf_s=rows[MEMORY]["mtbf_s"] * 0.4, save_s=0.25, shares={MEMORY: 0.4, PARTNER: 0.5})
+    )

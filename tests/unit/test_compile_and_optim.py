@@ -29,7 +29,9 @@ def test_build_optimizers_passes_the_kernel_to_adamw() -> None:
 
 
 def test_compile_with_tensor_parallel_is_refused_naming_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"train.compile=true with mesh.tp\(2\) > 1.*set train.compile=false or mesh.tp=1"):
+    with pytest.raises(
+        ValueError, match=r"train.compile=true with mesh.tp\(2\) > 1.*set train.compile=false or mesh.tp=1"
+    ):
         validate(compose(["train.compile=true"]))  # the default mesh has tp2
     assert validate(compose(["train.compile=true", "mesh.tp=1", "launcher.tasks_per_node=4"])).dims.tp == 1
 

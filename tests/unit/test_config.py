@@ -51,10 +51,11 @@ def test_every_experiment_preset_composes_to_its_values_and_those_of_the_options
     cfg = compose([f"+experiment={option}"])
     preset = _yaml(path)
     for entry in yaml.safe_load(path.read_text()).get("defaults", []):
-        for key, picked in (entry.items() if isinstance(entry, dict) else []):
+        for key, picked in entry.items() if isinstance(entry, dict) else []:
             group = key.removeprefix("override /")
-            _assert_holds(getattr(cfg, group), {**_yaml(CONF_DIR / group / f"{picked}.yaml"), **preset.get(group, {})},
-                          group)
+            _assert_holds(
+                getattr(cfg, group), {**_yaml(CONF_DIR / group / f"{picked}.yaml"), **preset.get(group, {})}, group
+            )
     _assert_holds(cfg, preset, "experiment")
 
 
@@ -76,18 +77,26 @@ def test_dp_shard_minus_one_takes_the_remaining_ranks() -> None:
     [
         (["mesh.tp=3"], "mesh.tp(3) = 12 != world size 8 (launcher.nodes(1) * launcher.tasks_per_node(8))"),
         (["mesh.tp=4", "mesh.pp=1", "mesh.dp_shard=2", "model.n_kv_heads=2"], "model.n_kv_heads(2) % mesh.tp(4)"),
-        (["mesh.tp=8", "mesh.pp=1", "mesh.dp_shard=1", "model.n_heads=4", "model.n_kv_heads=4"],
-         "model.n_heads(4) % mesh.tp(8)"),
+        (
+            ["mesh.tp=8", "mesh.pp=1", "mesh.dp_shard=1", "model.n_heads=4", "model.n_kv_heads=4"],
+            "model.n_heads(4) % mesh.tp(8)",
+        ),
         (["mesh.cp=2", "mesh.dp_shard=1", "train.seq_len=30"], "train.seq_len(30) % (2 * mesh.cp(2)) = 2 != 0"),
         (["mesh.ep=2"], "mesh.ep(2) > 1 but model.n_routed_experts(0) = 0: a dense model has no experts"),
         (["train.global_batch=6"], "train.global_batch(6) is not a multiple of dp(2) * train.micro_batch(2) = 4"),
         (["mesh.pp_microbatches=4"], "set mesh.pp_microbatches=2"),
-        (["mesh.pp=8", "mesh.dp_shard=1", "mesh.tp=1", "train.global_batch=16"],
-         "model.n_layers(4) < pipeline stages mesh.pp(8)"),
-        (["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=2", "mesh.pp_schedule=interleaved_1f1b", "train.global_batch=8"],
-         "model.n_layers(4) < pipeline stages mesh.pp(4) * stages per rank(2) = 8"),
-        (["train.global_batch=4", "train.micro_batch=1", "mesh.pp=4", "mesh.dp_shard=2", "mesh.tp=1"],
-         "pipeline microbatches 2"),
+        (
+            ["mesh.pp=8", "mesh.dp_shard=1", "mesh.tp=1", "train.global_batch=16"],
+            "model.n_layers(4) < pipeline stages mesh.pp(8)",
+        ),
+        (
+            ["mesh.pp=4", "mesh.dp_shard=1", "mesh.tp=2", "mesh.pp_schedule=interleaved_1f1b", "train.global_batch=8"],
+            "model.n_layers(4) < pipeline stages mesh.pp(4) * stages per rank(2) = 8",
+        ),
+        (
+            ["train.global_batch=4", "train.micro_batch=1", "mesh.pp=4", "mesh.dp_shard=2", "mesh.tp=1"],
+            "pipeline microbatches 2",
+        ),
         (["mesh.pp_schedule=zigzag"], "mesh.pp_schedule='zigzag' is not one of"),
         (["checkpoint.keep=1"], "checkpoint.keep(1) must be >= 2"),
     ],
@@ -102,13 +111,22 @@ def test_cli_refuses_bad_mesh_before_any_process_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     r = run_train(["mesh.tp=3"], run_dir, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert "config error: mesh.pp(2) * mesh.dp_replicate(1) * mesh.dp_shard(2) * mesh.cp(1) * mesh.tp(3) = 12" in r.stderr
+    assert (
+        "config error: mesh.pp(2) * mesh.dp_replicate(1) * mesh.dp_shard(2) * mesh.cp(1) * mesh.tp(3) = 12" in r.stderr
+    )
     assert not run_dir.exists()  # nothing written on a config error
     assert "[rank" not in r.stdout + r.stderr  # no rank was started
 
 
-@pytest.mark.parametrize("override,needle", [("mesh.tpp=2", "tpp"), ("mesh.tp=two", "tp"), ("model=gpt5", "gpt5"),
-                                             ("checkpoint.keep=1", "checkpoint.keep(1) must be >= 2")])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("mesh.tpp=2", "tpp"),
+        ("mesh.tp=two", "tp"),
+        ("model=gpt5", "gpt5"),
+        ("checkpoint.keep=1", "checkpoint.keep(1) must be >= 2"),
+    ],
+)
 def test_cli_refuses_unknown_keys_wrong_types_and_missing_options(tmp_path: Path, override: str, needle: str) -> None:
     run_dir = tmp_path / "run"
     r = run_train([override], run_dir, timeout=120)

@@ -48,13 +48,18 @@ def test_a_cp_mesh_validates_and_fsdp_shards_over_dp_shard_times_cp() -> None:
     assert validate(compose(["mesh.pp=1", "mesh.tp=1", "mesh.cp=8", "mesh.dp_shard=1"])).dims.fsdp_enabled
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["mesh.cp_impl=ulysses"], "mesh.cp_impl='ulysses' is not one of allgather, ring"),
-    (["train.seq_len=30"], "train.seq_len(30) % (2 * mesh.cp(2)) = 2 != 0"),
-    (["train.seq_len=20", "mesh.tp=4", "mesh.dp_shard=1"],
-     "train.seq_len(20) / mesh.cp(2) = 10 is not divisible by mesh.tp(4)"),
-    (["train.compile=true", "mesh.tp=1", "mesh.dp_shard=4"], "train.compile=true with mesh.cp(2) > 1"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["mesh.cp_impl=ulysses"], "mesh.cp_impl='ulysses' is not one of allgather, ring"),
+        (["train.seq_len=30"], "train.seq_len(30) % (2 * mesh.cp(2)) = 2 != 0"),
+        (
+            ["train.seq_len=20", "mesh.tp=4", "mesh.dp_shard=1"],
+            "train.seq_len(20) / mesh.cp(2) = 10 is not divisible by mesh.tp(4)",
+        ),
+        (["train.compile=true", "mesh.tp=1", "mesh.dp_shard=4"], "train.compile=true with mesh.cp(2) > 1"),
+    ],
+)
 def test_cp_config_errors_name_the_override(extra: list[str], needle: str) -> None:
     with pytest.raises(ValueError) as e:
         validate(_compose(*extra))

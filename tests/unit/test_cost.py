@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from checkpoint.interval import daly_interval, job_mtbf_s, plan_interval, young_interval
-from jobs.planner import arith as P
 from jobs.config import CONF_DIR, ModelConfig
+from jobs.planner import arith as P
 
 
 def model(name: str, **overrides) -> ModelConfig:
@@ -62,7 +62,9 @@ def test_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(pp, m, expected):
 def test_interleaved_bubble_divides_by_stages_per_rank():
     # Narayanan et al. 2021 (Megatron-LM, SC21) §2.2.2: bubble time fraction (p-1)/(v·m) of the
     # ideal time, i.e. (p-1)/(v·m + p-1) of the step; p=16, m=16, v=4 -> 15/79.
-    assert P.bubble_fraction(pp=16, microbatches=16, stages_per_rank=4, schedule="interleaved_1f1b") == pytest.approx(15 / 79)
+    assert P.bubble_fraction(pp=16, microbatches=16, stages_per_rank=4, schedule="interleaved_1f1b") == pytest.approx(
+        15 / 79
+    )
     assert P.bubble_fraction(pp=1, microbatches=8) == 0.0
 
 
@@ -125,8 +127,19 @@ def test_tp_with_sequence_parallel_collective_counts_match_commdebugmode():
     # 9 reduce-scatters, backward the mirror image -> 18 of each per microbatch.
     m = model("tiny")
     stages = [P.StageShape(tuple(range(4)), True, True)]
-    kw = dict(pp=1, dp_replicate=1, fsdp=1, tp=2, cp=1, ep=1, microbatches=1, seq_len=32, micro_batch=2,
-              sequence_parallel=True, activation_checkpointing="none")
+    kw = dict(
+        pp=1,
+        dp_replicate=1,
+        fsdp=1,
+        tp=2,
+        cp=1,
+        ep=1,
+        microbatches=1,
+        seq_len=32,
+        micro_batch=2,
+        sequence_parallel=True,
+        activation_checkpointing="none",
+    )
     items = {(c.collective, c.axis): c for c in P.comm_per_step(m, stages, **kw)}
     assert items[("all_gather", "tp")].count == 18
     assert items[("reduce_scatter", "tp")].count == 18
@@ -139,8 +152,18 @@ def test_fsdp_collective_counts_match_commdebugmode():
     # with a pipeline (reshard_after_forward=False): 11 all-gathers, 11 reduce-scatters.
     m = model("tiny", n_layers=10)
     stages = [P.StageShape(tuple(range(10)), True, True)]
-    kw = dict(dp_replicate=1, fsdp=2, tp=1, cp=1, ep=1, microbatches=1, seq_len=32, micro_batch=2,
-              sequence_parallel=False, activation_checkpointing="none")
+    kw = dict(
+        dp_replicate=1,
+        fsdp=2,
+        tp=1,
+        cp=1,
+        ep=1,
+        microbatches=1,
+        seq_len=32,
+        micro_batch=2,
+        sequence_parallel=False,
+        activation_checkpointing="none",
+    )
     flat = {c.collective: c.count for c in P.comm_per_step(m, stages, pp=1, **kw)}
     assert flat == {"all_gather": 21, "reduce_scatter": 11}
     piped = {c.collective: c.count for c in P.comm_per_step(m, stages, pp=2, **kw) if c.axis == "dp_shard"}
@@ -150,9 +173,24 @@ def test_fsdp_collective_counts_match_commdebugmode():
 def test_fsdp_bytes_are_the_ring_share_of_the_unsharded_stage():
     m = model("llama3_8b")
     stages = [P.StageShape(tuple(range(32)), True, True)]
-    items = {c.collective: c for c in P.comm_per_step(
-        m, stages, pp=2, dp_replicate=1, fsdp=64, tp=1, cp=1, ep=1, microbatches=1, seq_len=8192,
-        micro_batch=1, sequence_parallel=False, activation_checkpointing="none")}
+    items = {
+        c.collective: c
+        for c in P.comm_per_step(
+            m,
+            stages,
+            pp=2,
+            dp_replicate=1,
+            fsdp=64,
+            tp=1,
+            cp=1,
+            ep=1,
+            microbatches=1,
+            seq_len=8192,
+            micro_batch=1,
+            sequence_parallel=False,
+            activation_checkpointing="none",
+        )
+    }
     assert items["all_gather"].bytes == int(63 / 64 * 2 * 8_030_261_248)  # bf16, (n-1)/n of the buffer
     assert items["reduce_scatter"].bytes == int(63 / 64 * 4 * 8_030_261_248)  # fp32 reduction
 

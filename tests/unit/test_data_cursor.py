@@ -14,7 +14,9 @@ from jobs.data import BatchSource, blend, ensure_dataset, global_batch_indices, 
 
 
 def _draws(sizes: list[int], weights: list[float], *, steps: int, global_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    out = [mixture_indices(seed=3, step=s, global_batch=global_batch, sizes=sizes, weights=weights) for s in range(steps)]
+    out = [
+        mixture_indices(seed=3, step=s, global_batch=global_batch, sizes=sizes, weights=weights) for s in range(steps)
+    ]
     return np.concatenate([s for s, _ in out]), np.concatenate([i for _, i in out])
 
 
@@ -35,8 +37,17 @@ def test_a_used_up_source_starts_a_new_permutation_and_each_epoch_holds_every_sa
     assert not np.array_equal(small[:300], small[300:600])  # another order in the next epoch
 
 
-@pytest.mark.parametrize("weights", [[0.5, 0.5], [0.7, 0.3], [0.5, 0.3, 0.2], [0.1, 0.2, 0.3, 0.4],
-                                     [3.0, 1.0, 1.0, 0.5, 0.25], [0.97, 0.01, 0.01, 0.01]])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [0.5, 0.5],
+        [0.7, 0.3],
+        [0.5, 0.3, 0.2],
+        [0.1, 0.2, 0.3, 0.4],
+        [3.0, 1.0, 1.0, 0.5, 0.25],
+        [0.97, 0.01, 0.01, 0.01],
+    ],
+)
 def test_realised_shares_stay_within_one_sample_of_the_weights_at_every_prefix(weights) -> None:
     n = 4000
     src = blend(consumed=[0] * len(weights), weights=weights, n=n)
@@ -76,8 +87,10 @@ def _read(mix, log, steps, *, global_batch: int, saved: dict | None = None, **kw
     with open(log, "a") as f:
         for d in steps:
             start, source, sample = src.indices(d)
-            f.write(json.dumps({"data_step": d, "position": start, "source": source.tolist(),
-                                "sample": sample.tolist()}) + "\n")
+            f.write(
+                json.dumps({"data_step": d, "position": start, "source": source.tolist(), "sample": sample.tolist()})
+                + "\n"
+            )
     return src
 
 
@@ -117,8 +130,9 @@ def test_a_checkpoint_without_a_cursor_reads_from_the_step_as_before(two_files, 
     _read(one, log, [3, 4, 5], global_batch=8, saved={}, step=3)  # a checkpoint of step 3 from before the cursor
     rows = [json.loads(l) for l in log.read_text().splitlines()]
     assert [r["position"] for r in rows] == [24, 32, 40]
-    assert [r["sample"] for r in rows] == [global_batch_indices(seed=7, step=s, global_batch=8, num_samples=64).tolist()
-                                           for s in (3, 4, 5)]
+    assert [r["sample"] for r in rows] == [
+        global_batch_indices(seed=7, step=s, global_batch=8, num_samples=64).tolist() for s in (3, 4, 5)
+    ]
     far = BatchSource(two_files, seed=7, global_batch=1024, seq_len=8, dp_rank=0, dp=1)
     far.restore({}, step=10**6)  # a mixture's counts there are its shares, not a replay of 10**9 samples
     assert far.anchor.position == 1024 * 10**6 and far.anchor.consumed == [614400000, 409600000]

@@ -46,8 +46,11 @@ def test_a_resume_with_the_other_sample_overlap_is_refused_unless_accepted(tmp_p
     run.batch(0), run.batch(1)
     saved = run.cursor(2)
     assert saved["sample_overlap"] is False
-    with pytest.raises(DataChanged, match="data.sample_overlap=true, but the checkpoint of data step 2 was saved with "
-                                          "data.sample_overlap=false.*data.accept_changed_files=true"):
+    with pytest.raises(
+        DataChanged,
+        match="data.sample_overlap=true, but the checkpoint of data step 2 was saved with "
+        "data.sample_overlap=false.*data.accept_changed_files=true",
+    ):
         BatchSource(path, sample_overlap=True, **kw).restore(saved)
     notes = BatchSource(path, sample_overlap=True, **kw).restore(saved, accept_changed_files=True)
     assert any("data.sample_overlap changed (false -> true), accepted" in n for n in notes), notes

@@ -16,8 +16,16 @@ import torch
 
 from checkpoint.state import capture_rng, restore_rng
 from jobs.config import compose
-from jobs.device import (_NCCL_DEFAULTS, backend_for, dump_flight_recorder, export_environ, gpu_index, resolve_device,
-                          resolve_mixed_precision, set_determinism)
+from jobs.device import (
+    _NCCL_DEFAULTS,
+    backend_for,
+    dump_flight_recorder,
+    export_environ,
+    gpu_index,
+    resolve_device,
+    resolve_mixed_precision,
+    set_determinism,
+)
 from jobs.launch import rank as rank_mod
 from jobs.launch.slurm import check_slurm_config
 from jobs.model import Transformer, init_weights
@@ -27,36 +35,47 @@ from parallel.precision import apply_autocast
 from tests.conftest import REPO, run_train
 
 
-@pytest.mark.parametrize("name, gpus, want", [("auto", 0, "cpu"), ("auto", 4, "cuda"), ("cpu", 8, "cpu"),
-                                              ("cuda", 1, "cuda")])
+@pytest.mark.parametrize(
+    "name, gpus, want", [("auto", 0, "cpu"), ("auto", 4, "cuda"), ("cpu", 8, "cpu"), ("cuda", 1, "cuda")]
+)
 def test_device_resolves_from_the_name_and_the_visible_gpus(name: str, gpus: int, want: str) -> None:
     assert resolve_device(name, gpus=gpus) == want
 
 
 def test_cuda_without_a_gpu_names_the_override_and_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"train\.device=cuda but torch .* sees no CUDA GPU here; set train\.device=cpu"):
+    with pytest.raises(
+        ValueError, match=r"train\.device=cuda but torch .* sees no CUDA GPU here; set train\.device=cpu"
+    ):
         check_device(compose(["train.device=cuda"]), gpus=0)
 
 
 def test_fewer_gpus_than_tasks_per_node_names_launcher_tasks_per_node() -> None:
     cfg = compose(["train.device=cuda"])  # the default mesh: 8 ranks on one node
-    with pytest.raises(ValueError, match=r"launcher\.tasks_per_node\(8\) ranks on this node but only 2 GPU\(s\) "
-                                         r"visible: one rank per GPU; set launcher\.tasks_per_node=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"launcher\.tasks_per_node\(8\) ranks on this node but only 2 GPU\(s\) "
+        r"visible: one rank per GPU; set launcher\.tasks_per_node=2",
+    ):
         check_device(cfg, gpus=2)
     assert check_device(cfg, gpus=1, per_task=True) == ("cuda", "bf16")  # Slurm bound one GPU to this task
     assert check_device(cfg, gpus=8) == ("cuda", "bf16")
 
 
-@pytest.mark.parametrize("mp, device, want", [("auto", "cuda", "bf16"), ("auto", "cpu", "fp32"),
-                                              ("bf16", "cpu", "bf16"), ("fp32", "cuda", "fp32")])
+@pytest.mark.parametrize(
+    "mp, device, want",
+    [("auto", "cuda", "bf16"), ("auto", "cpu", "fp32"), ("bf16", "cpu", "bf16"), ("fp32", "cuda", "fp32")],
+)
 def test_mixed_precision_auto_is_bf16_on_cuda_and_fp32_on_cpu(mp: str, device: str, want: str) -> None:
     assert resolve_mixed_precision(mp, device_type=device) == want
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.device=gpu", "train.device='gpu' is not one of auto, cpu, cuda"),
-    ("train.mixed_precision=fp16", "train.mixed_precision='fp16' is not one of auto, bf16, fp32"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.device=gpu", "train.device='gpu' is not one of auto, cpu, cuda"),
+        ("train.mixed_precision=fp16", "train.mixed_precision='fp16' is not one of auto, bf16, fp32"),
+    ],
+)
 def test_unknown_names_are_config_errors(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(compose([override]))
@@ -133,7 +152,9 @@ def test_train_with_cuda_on_a_cpu_machine_exits_2_before_writing_anything(tmp_pa
 
 
 def test_submitting_a_cuda_job_to_a_cpu_profile_is_refused_on_the_login_node(tmp_path) -> None:
-    cfg = compose(["launcher=slurm", "train.device=cuda", f"run.dir={tmp_path}/runs/x", f"cluster.run_root={tmp_path}/runs"])
+    cfg = compose(
+        ["launcher=slurm", "train.device=cuda", f"run.dir={tmp_path}/runs/x", f"cluster.run_root={tmp_path}/runs"]
+    )
     with pytest.raises(ValueError, match=r"train\.device=cuda but cluster=local has cluster\.gpus_per_node=0"):
         check_slurm_config(cfg)
     cfg.train.device = "auto"
@@ -152,28 +173,44 @@ def test_the_cluster_env_is_exported_before_the_rank_makes_its_gpu_current(monke
     seen: dict[str, str | None] = {}
 
     def set_device(device_type: str, *, local_rank: int) -> torch.device:  # where torch.cuda.set_device runs
-        seen.update({k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF",
-                                                    "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
+        seen.update(
+            {
+                k: os.environ.get(k)
+                for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            }
+        )
         return torch.device("cpu")
 
     monkeypatch.setattr(rank_mod, "rank_device", set_device)
-    cfg = compose(["cluster=h100_ib", "train.deterministic=false", f"run.dir={tmp_path}",
-                   "+cluster.env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"])
+    cfg = compose(
+        [
+            "cluster=h100_ib",
+            "train.deterministic=false",
+            f"run.dir={tmp_path}",
+            "+cluster.env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        ]
+    )
     env = SimpleNamespace(local_world_size=1, local_rank=0, attempt="local.0")
     threads = torch.get_num_threads()
     try:
         rank_mod._setup_torch(cfg, env, device_type="cuda")
     finally:
         torch.set_num_threads(threads)
-    assert seen == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert seen == {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
 
 
 def test_auto_finding_no_gpu_on_a_gpu_profile_is_refused_naming_both_fixes() -> None:
     """A CPU build of torch on an H100 node would otherwise train the job on the node's CPUs."""
-    with pytest.raises(ValueError, match=r"train\.device=auto on a node of cluster=h100_ib \(cluster\.gpus_per_node=8\) "
-                                         r"but torch .* sees no CUDA GPU: it would train on the CPU\. Install a CUDA "
-                                         r"build of torch .*or set train\.device=cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"train\.device=auto on a node of cluster=h100_ib \(cluster\.gpus_per_node=8\) "
+        r"but torch .* sees no CUDA GPU: it would train on the CPU\. Install a CUDA "
+        r"build of torch .*or set train\.device=cpu",
+    ):
         check_device(compose(["cluster=h100_ib"]), gpus=0)
     assert check_device(compose(["cluster=h100_ib", "train.device=cpu"]), gpus=0) == ("cpu", "fp32")  # on purpose
     assert check_device(compose(["cluster=local"]), gpus=0) == ("cpu", "fp32")  # a CPU profile: auto is CPU
@@ -204,8 +241,14 @@ def test_the_flight_recorder_dump_holds_this_ranks_last_collectives_in_torchs_fi
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = subprocess.run([sys.executable, "-c", _FR_CHILD, str(tmp_path / "traces"), str(port)], cwd=REPO, timeout=120,
-                       capture_output=True, text=True, env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"})
+    p = subprocess.run(
+        [sys.executable, "-c", _FR_CHILD, str(tmp_path / "traces"), str(port)],
+        cwd=REPO,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     path = tmp_path / "traces" / "nccl_trace_rank_3"
     assert p.stdout.strip() == str(path)
@@ -275,15 +318,29 @@ def test_the_planner_counts_the_bf16_weight_copies_autocast_keeps_for_backward(a
     apply_autocast(model, device_type="cpu")
     measured = _saved_bf16_weight_copies(model, torch.randint(0, m.vocab_size, (3, 7)))
     stages = [P.StageShape(tuple(range(m.n_layers)), first=True, last=True)]
-    kw = dict(tp=1, fsdp=1, pp=1, microbatches=4, stages_per_rank=1, schedule="1f1b", seq_len=7, micro_batch=3,
-              activation_checkpointing=ac, ac_every=1)
+    kw = dict(
+        tp=1,
+        fsdp=1,
+        pp=1,
+        microbatches=4,
+        stages_per_rank=1,
+        schedule="1f1b",
+        seq_len=7,
+        micro_batch=3,
+        activation_checkpointing=ac,
+        ac_every=1,
+    )
     mem = P.rank_memory(m, stages, autocast=True, **kw)
     block = 2 * (P.count_params(m).blocks[0].attention + P.count_params(m).blocks[0].ffn)  # one block's bf16 copy
     recomputing = block if ac == "full" else 0
     assert measured > 0 and mem.autocast_bytes == measured + recomputing
     assert mem.peak_bytes == P.rank_memory(m, stages, **kw).peak_bytes + measured + recomputing
-    one_gpu = build_plan(compose(["mesh=single", "launcher.tasks_per_node=1", "train.mixed_precision=bf16"]), measure=False)
+    one_gpu = build_plan(
+        compose(["mesh=single", "launcher.tasks_per_node=1", "train.mixed_precision=bf16"]), measure=False
+    )
     assert one_gpu.per_rank["autocast_bytes"] > 0  # the plan of a one-rank bf16 run counts it
-    fsdp = build_plan(compose(["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2",
-                               "train.mixed_precision=bf16"]), measure=False)
+    fsdp = build_plan(
+        compose(["mesh=single", "launcher.tasks_per_node=2", "mesh.dp_shard=2", "train.mixed_precision=bf16"]),
+        measure=False,
+    )
     assert fsdp.per_rank["autocast_bytes"] == 0  # FSDP's MixedPrecisionPolicy gathers bf16 shards instead

@@ -16,8 +16,16 @@ from tests.unit.test_goodput import _two_attempts_one_failure
 
 
 def _eval(step: int, t: float, attempt: str, loss: float = 3.0) -> dict:
-    return {"record": "eval", "step": step, "eval_loss": loss, "eval_ppl": 20.09, "eval_batches": 4,
-            "eval_time_s": 0.5, "attempt": attempt, "time": t}
+    return {
+        "record": "eval",
+        "step": step,
+        "eval_loss": loss,
+        "eval_ppl": 20.09,
+        "eval_batches": 4,
+        "eval_time_s": 0.5,
+        "attempt": attempt,
+        "time": t,
+    }
 
 
 def test_an_evaluation_is_due_every_eval_every_steps_and_at_the_last() -> None:
@@ -26,8 +34,9 @@ def test_an_evaluation_is_due_every_eval_every_steps_and_at_the_last() -> None:
 
 
 def test_eval_with_the_zero_bubble_schedule_is_refused_with_the_fix() -> None:
-    cfg = compose(["mesh.pp_schedule=zbv_zero_bubble", "mesh.dp_shard=1", "launcher.tasks_per_node=4",
-                   "train.eval_every=5"])
+    cfg = compose(
+        ["mesh.pp_schedule=zbv_zero_bubble", "mesh.dp_shard=1", "launcher.tasks_per_node=4", "train.eval_every=5"]
+    )
     with pytest.raises(ValueError, match="train.eval_every with mesh.pp_schedule=zbv_zero_bubble.*train.eval_every=0"):
         validate(cfg)
     cfg.train.eval_every = 0

@@ -18,9 +18,22 @@ REFUSAL = "sbatch: error: Batch job submission failed: Invalid account or accoun
 
 def _submit(tmp_path: Path, path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": path}
-    return subprocess.run([sys.executable, "-m", "jobs.train", "launcher=slurm", f"cluster.run_root={tmp_path}",
-                           f"run.dir={tmp_path / 'run'}", "train.steps=2"],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            "launcher=slurm",
+            f"cluster.run_root={tmp_path}",
+            f"run.dir={tmp_path / 'run'}",
+            "train.steps=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_no_sbatch_on_path_exits_3_naming_it_before_the_run_dir_is_written(tmp_path: Path) -> None:

@@ -35,17 +35,23 @@ def ev(kind: str, attempt: str, t: float, **fields) -> dict:
 
 def saved_attempt(attempt: str, t: float, *, start: int, saved: int) -> list[dict]:
     """An attempt that resumed from `start`, committed a checkpoint at `saved` and was requeued by USR2."""
-    return [ev("attempt_start", attempt, t), ev("train_start", attempt, t + 1, step=start),
-            ev("checkpoint_saved", attempt, t + 2, step=saved),
-            ev("decision", attempt, t + 3, action="requeue", cause="SIGUSR2"),
-            ev("attempt_end", attempt, t + 3, cause="SIGUSR2", action="requeue", step=saved)]
+    return [
+        ev("attempt_start", attempt, t),
+        ev("train_start", attempt, t + 1, step=start),
+        ev("checkpoint_saved", attempt, t + 2, step=saved),
+        ev("decision", attempt, t + 3, action="requeue", cause="SIGUSR2"),
+        ev("attempt_end", attempt, t + 3, cause="SIGUSR2", action="requeue", step=saved),
+    ]
 
 
 def fruitless_attempt(attempt: str, t: float, *, start: int) -> list[dict]:
     """An attempt that resumed from `start` and died before committing anything."""
-    return [ev("attempt_start", attempt, t), ev("train_start", attempt, t + 1, step=start),
-            ev("decision", attempt, t + 2, action="requeue", cause="dead_rank"),
-            ev("attempt_end", attempt, t + 2, cause="dead_rank", action="requeue", step=start + 3)]
+    return [
+        ev("attempt_start", attempt, t),
+        ev("train_start", attempt, t + 1, step=start),
+        ev("decision", attempt, t + 2, action="requeue", cause="dead_rank"),
+        ev("attempt_end", attempt, t + 2, cause="dead_rank", action="requeue", step=start + 3),
+    ]
 
 
 # ---------------------------------------------------------------------------------------- policy.decide
@@ -59,8 +65,11 @@ def test_a_stop_signal_is_requeued_with_exit_75_while_budgets_last() -> None:
 
 
 def test_a_dead_rank_is_requeued_with_exit_75() -> None:
-    events = [ev("attempt_start", "j.0", 100), ev("train_start", "j.0", 101, step=0),
-              ev("checkpoint_saved", "j.0", 102, step=5)]
+    events = [
+        ev("attempt_start", "j.0", 100),
+        ev("train_start", "j.0", 101, step=0),
+        ev("checkpoint_saved", "j.0", 102, step=5),
+    ]
     d = policy.decide(events, cause="dead_rank", cfg=FailureConfig(), restart_count=0)
     assert (d.action, d.exit_code, d.requeues_used) == ("requeue", exitcodes.REQUEUE, 0)
 
@@ -79,7 +88,9 @@ def test_the_requeue_budget_counts_ledger_decisions_when_they_exceed_slurm_resta
     d = policy.decide(events, cause="dead_rank", cfg=FailureConfig(max_requeues=4), restart_count=0)
     assert (d.action, d.exit_code, d.requeues_used) == ("stop", 76, 4)
     assert policy.requeues_used(events, restart_count=1) == 4
-    assert policy.decide(events, cause="dead_rank", cfg=FailureConfig(max_requeues=5), restart_count=0).action == "requeue"
+    assert (
+        policy.decide(events, cause="dead_rank", cfg=FailureConfig(max_requeues=5), restart_count=0).action == "requeue"
+    )
 
 
 def test_the_no_progress_breaker_stops_after_max_attempts_without_a_new_checkpoint() -> None:
@@ -131,8 +142,10 @@ def three_attempts() -> list[dict]:
 
 def test_attempts_are_read_back_with_their_steps_saves_and_ends() -> None:
     rows = ledger.attempts(three_attempts())
-    got = [(a.attempt, a.start, a.end, a.cause, a.action, a.start_step, a.last_step, a.saved_step, a.steps_gained)
-           for a in rows]
+    got = [
+        (a.attempt, a.start, a.end, a.cause, a.action, a.start_step, a.last_step, a.saved_step, a.steps_gained)
+        for a in rows
+    ]
     assert got == [
         ("j.0", 1000.0, 1022.0, "SIGUSR2", "requeue", 0, 20, 20, 20),
         ("j.1", 2000.0, None, None, None, 20, 30, 30, 10),  # saved step 30: it trained at least that far
@@ -143,10 +156,19 @@ def test_attempts_are_read_back_with_their_steps_saves_and_ends() -> None:
 
 
 def test_an_attempt_that_committed_step_8_shows_at_least_step_8_whatever_its_end_recorded() -> None:
-    evs = [{"time": 1.0, "kind": "attempt_start", "attempt": "local.0"},
-           {"time": 2.0, "kind": "first_step", "attempt": "local.0", "step": 1},
-           {"time": 3.0, "kind": "checkpoint_saved", "attempt": "local.0", "step": 8},
-           {"time": 4.0, "kind": "attempt_end", "attempt": "local.0", "cause": "dead_rank", "action": "restart", "step": None}]
+    evs = [
+        {"time": 1.0, "kind": "attempt_start", "attempt": "local.0"},
+        {"time": 2.0, "kind": "first_step", "attempt": "local.0", "step": 1},
+        {"time": 3.0, "kind": "checkpoint_saved", "attempt": "local.0", "step": 8},
+        {
+            "time": 4.0,
+            "kind": "attempt_end",
+            "attempt": "local.0",
+            "cause": "dead_rank",
+            "action": "restart",
+            "step": None,
+        },
+    ]
     (a,) = ledger.attempts(evs)
     assert (a.last_step, a.saved_step) == (8, 8)
     evs[-1]["step"] = 1  # a stale step from the decider
@@ -189,13 +211,24 @@ def test_a_new_attempt_closes_the_lost_one_so_the_mtbf_counts_its_failure(tmp_pa
     assert failures_in_ledger(read_events(path))[0] == 0  # nobody wrote how local.0 ended
 
     new = EventLog(path, rank=-1, restart=1, attempt="local.1")
-    ctx = AttemptContext(run_dir=str(tmp_path), attempt="local.1", rank=-1, world_size=2, job_id=None,
-                         restart_count=1, cfg=FailureConfig(), events=new)
+    ctx = AttemptContext(
+        run_dir=str(tmp_path),
+        attempt="local.1",
+        rank=-1,
+        world_size=2,
+        job_id=None,
+        restart_count=1,
+        cfg=FailureConfig(),
+        events=new,
+    )
     open_attempt(ctx, nodes=[HOST], launcher="local")
 
     written = read_events(path)[3:]
     assert [(e["kind"], e["attempt"]) for e in written] == [
-        ("failure", "local.0"), ("attempt_end", "local.0"), ("attempt_start", "local.1")]
+        ("failure", "local.0"),
+        ("attempt_end", "local.0"),
+        ("attempt_start", "local.1"),
+    ]
     failure, end, start = written
     assert (failure["cls"], failure["reported_by_attempt"]) == ("lost", "local.1")
     assert (end["cause"], end["action"], end["step"]) == ("lost", "none", 3)
@@ -253,8 +286,16 @@ def sleepers():
 
 def beat(rank: int, pid: int, *, age_s: float = 0.0, step: int = 5, phase: str = "train") -> Beat:
     now = time.time()
-    return Beat(rank=rank, pid=pid, host=HOST, node=f"node{rank}", time=now - age_s, step=step, phase=phase,
-                progress_time=now - age_s)
+    return Beat(
+        rank=rank,
+        pid=pid,
+        host=HOST,
+        node=f"node{rank}",
+        time=now - age_s,
+        step=step,
+        phase=phase,
+        progress_time=now - age_s,
+    )
 
 
 def write_beats(run_dir: Path, attempt: str, beats: list[Beat]) -> dict[int, Beat]:
@@ -274,11 +315,14 @@ def test_a_sigstopped_rank_with_a_stale_beat_is_a_hung_rank_in_state_stopped(tmp
     peer, stopped = sleepers(), sleepers()
     os.kill(stopped.pid, signal.SIGSTOP)
     _wait_state(stopped.pid, "T")
-    beats = write_beats(tmp_path, "a.0", [beat(0, os.getpid()), beat(1, peer.pid, age_s=0.2),
-                                          beat(2, stopped.pid, age_s=4.0)])
+    beats = write_beats(
+        tmp_path, "a.0", [beat(0, os.getpid()), beat(1, peer.pid, age_s=0.2), beat(2, stopped.pid, age_s=4.0)]
+    )
     inc = incident.classify(beats=beats, world_size=3, me=0, attempt="a.0", heartbeat_s=1.0)
     assert inc.cls == "hung_rank"
-    assert [(s["rank"], s["pid"], s["state"], s["node"]) for s in inc.suspects] == [(2, stopped.pid, "stopped", "node2")]
+    assert [(s["rank"], s["pid"], s["state"], s["node"]) for s in inc.suspects] == [
+        (2, stopped.pid, "stopped", "node2")
+    ]
     assert f"rank 2 (node node2, pid {stopped.pid}) hung" in inc.summary
 
 
@@ -298,13 +342,17 @@ def test_fresh_ranks_at_different_steps_are_a_collective_mismatch_naming_the_min
     inc = incident.classify(beats=beats, world_size=4, me=0, attempt="a.0", heartbeat_s=1.0)
     assert inc.cls == "collective_mismatch"
     assert [(s["rank"], s["step"], s["pid"]) for s in inc.suspects] == [(3, 4, pids[3])]
-    assert inc.summary == ("ranks stopped in different places: ranks [3] at step 4 (train); "
-                           "ranks [0, 1, 2] at step 5 (train)")
+    assert inc.summary == (
+        "ranks stopped in different places: ranks [3] at step 4 (train); ranks [0, 1, 2] at step 5 (train)"
+    )
 
 
 def test_a_rank_missing_during_rendezvous_is_a_rendezvous_failure_naming_it(tmp_path: Path, sleepers) -> None:
-    beats = write_beats(tmp_path, "a.0", [beat(0, os.getpid(), step=-1, phase="rendezvous"),
-                                          beat(1, sleepers().pid, step=-1, phase="rendezvous")])
+    beats = write_beats(
+        tmp_path,
+        "a.0",
+        [beat(0, os.getpid(), step=-1, phase="rendezvous"), beat(1, sleepers().pid, step=-1, phase="rendezvous")],
+    )
     inc = incident.classify(beats=beats, world_size=3, me=0, attempt="a.0", heartbeat_s=1.0, during="rendezvous")
     assert inc.cls == "rendezvous_failure"
     assert inc.suspects == [{"rank": 2, "state": "never_joined"}]
@@ -322,16 +370,28 @@ def test_fresh_ranks_at_the_same_step_without_an_error_are_everything_slow(tmp_p
 # ---------------------------------------------------------------------------------------- incident.error_class
 
 
-@pytest.mark.parametrize(("error", "cls"), [
-    (RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11399"),
-     "peer_gone"),
-    (RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv "
-                  "operation to complete"), "collective_timeout"),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out_of_memory"),
-    (CheckpointSaveError("rank 3: No space left on device"), "checkpoint_error"),
-    (ValueError("mesh.tp(3) does not divide model.n_heads(8)"), None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    ("error", "cls"),
+    [
+        (
+            RuntimeError(
+                "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11399"
+            ),
+            "peer_gone",
+        ),
+        (
+            RuntimeError(
+                "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv "
+                "operation to complete"
+            ),
+            "collective_timeout",
+        ),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out_of_memory"),
+        (CheckpointSaveError("rank 3: No space left on device"), "checkpoint_error"),
+        (ValueError("mesh.tp(3) does not divide model.n_heads(8)"), None),
+        (None, None),
+    ],
+)
 def test_error_class_names_what_an_exception_implies(error: BaseException | None, cls: str | None) -> None:
     assert incident.error_class(error) == cls
 
@@ -346,8 +406,16 @@ SLACK_S = 0.25
 
 
 def _watchdog(tmp_path: Path, fired: list[float]) -> Watchdog:
-    return Watchdog(run_dir=str(tmp_path), attempt="local.0", rank=3, node="n3", heartbeat_s=0.1,
-                    init_timeout_s=0.5, hang_timeout_s=1.0, on_hang=fired.append)
+    return Watchdog(
+        run_dir=str(tmp_path),
+        attempt="local.0",
+        rank=3,
+        node="n3",
+        heartbeat_s=0.1,
+        init_timeout_s=0.5,
+        hang_timeout_s=1.0,
+        on_hang=fired.append,
+    )
 
 
 def test_the_watchdog_fires_once_after_the_init_timeout_without_progress(tmp_path: Path) -> None:
@@ -433,8 +501,9 @@ def test_slurm_requeue_signals_without_checkpoints_are_refused() -> None:
     with pytest.raises(ValueError) as e:
         check_signal_lead(compose(["run.dir=/nonexistent", "launcher=slurm", "checkpoint.enabled=false"]))
     assert str(e.value).startswith("failure.requeue_signals=['SIGUSR2', 'SIGTERM'] with checkpoint.enabled=false")
-    check_signal_lead(compose(["run.dir=/nonexistent", "launcher=slurm", "checkpoint.enabled=false",
-                               "failure.requeue_signals=[]"]))
+    check_signal_lead(
+        compose(["run.dir=/nonexistent", "launcher=slurm", "checkpoint.enabled=false", "failure.requeue_signals=[]"])
+    )
 
 
 def test_a_signal_lead_too_short_for_one_step_and_a_save_is_refused_with_the_value_to_use() -> None:
@@ -464,15 +533,25 @@ def test_status_prints_the_attempts_table_and_the_last_decision(tmp_path: Path, 
     log.emit("attempt_start", job_id=None, world_size=2)
     log.emit("train_start", step=0)
     log.emit("checkpoint_saved", step=8)
-    log.emit("decision", cause="SIGUSR2", action="requeue", reason="SIGUSR2: requeue 1 of failure.max_requeues(1)",
-             exit_code=75)
+    log.emit(
+        "decision",
+        cause="SIGUSR2",
+        action="requeue",
+        reason="SIGUSR2: requeue 1 of failure.max_requeues(1)",
+        exit_code=75,
+    )
     log.emit("attempt_end", cause="SIGUSR2", action="requeue", step=8)
     log.attempt = "local.1"
     log.emit("attempt_start", job_id=None, world_size=2)
     log.emit("train_start", step=8)
     log.emit("failure", cls="hung_rank", suspects=[{"rank": 1, "node": "vm", "state": "stopped"}])
-    log.emit("decision", cause="hung_rank", action="stop",
-             reason="requeue budget spent: 1 requeues >= failure.max_requeues(1)", exit_code=76)
+    log.emit(
+        "decision",
+        cause="hung_rank",
+        action="stop",
+        reason="requeue budget spent: 1 requeues >= failure.max_requeues(1)",
+        exit_code=76,
+    )
     log.emit("attempt_end", cause="hung_rank", action="stop", step=9)
     incident.write_incident(tmp_path, incident.Incident("hung_rank", "local.1", 0, "rank 1 (node vm, pid 42) hung"))
 
@@ -500,17 +579,31 @@ def _decider(tmp_path: Path, *, job_id: str | None = None) -> AttemptContext:
     events = EventLog(tmp_path / "events.jsonl", rank=0, restart=0, attempt="j.0")
     saved = saved_attempt("j.0", 0, start=0, saved=10)[:3]  # started, committed step 10, still running
     for e in saved:
-        events.emit(e["kind"], **{k: v for k, v in e.items() if k not in ("time", "kind", "rank", "restart", "attempt")})
-    return AttemptContext(run_dir=str(tmp_path), attempt="j.0", rank=0, world_size=1, job_id=job_id,
-                          restart_count=0, cfg=FailureConfig(heartbeat_s=0.05), events=events)
+        events.emit(
+            e["kind"], **{k: v for k, v in e.items() if k not in ("time", "kind", "rank", "restart", "attempt")}
+        )
+    return AttemptContext(
+        run_dir=str(tmp_path),
+        attempt="j.0",
+        rank=0,
+        world_size=1,
+        job_id=job_id,
+        restart_count=0,
+        cfg=FailureConfig(heartbeat_s=0.05),
+        events=events,
+    )
 
 
-@pytest.mark.parametrize(("error", "cls", "code"), [
-    (CheckpointSaveError("rank 0: No space left on device"), "checkpoint_error", exitcodes.REQUEUE),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out_of_memory", exitcodes.FAILED),
-])
+@pytest.mark.parametrize(
+    ("error", "cls", "code"),
+    [
+        (CheckpointSaveError("rank 0: No space left on device"), "checkpoint_error", exitcodes.REQUEUE),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out_of_memory", exitcodes.FAILED),
+    ],
+)
 def test_a_runtime_error_ends_with_its_own_class_and_code_not_environment_error(
-        tmp_path: Path, error: BaseException, cls: str, code: int) -> None:
+    tmp_path: Path, error: BaseException, cls: str, code: int
+) -> None:
     # The landed code reported every RuntimeError (a failed save, an OOM) as exit 3, "environment error".
     from jobs.failure.respond import on_failure
 
@@ -518,12 +611,18 @@ def test_a_runtime_error_ends_with_its_own_class_and_code_not_environment_error(
     assert got == code and got != exitcodes.ENV_ERROR
     events = read_events(tmp_path / "events.jsonl")
     assert [(e["kind"], e.get("cls") or e.get("cause")) for e in events[3:]] == [
-        ("failure", cls), ("decision", cls), ("attempt_end", cls)]
+        ("failure", cls),
+        ("decision", cls),
+        ("attempt_end", cls),
+    ]
 
 
-@pytest.mark.parametrize(("intent", "action"), [("cancelled", "none"), ("requeued", "requeued_by_slurm"), (None, "requeue")])
+@pytest.mark.parametrize(
+    ("intent", "action"), [("cancelled", "none"), ("requeued", "requeued_by_slurm"), (None, "requeue")]
+)
 def test_the_decider_never_requeues_a_job_slurm_is_cancelling_or_requeueing_already(
-        tmp_path: Path, monkeypatch, intent: str | None, action: str) -> None:
+    tmp_path: Path, monkeypatch, intent: str | None, action: str
+) -> None:
     # scancel sends SIGTERM to every rank: a rank that answered it with `scontrol requeue` brought a
     # cancelled job back (seen on the local cluster). Slurm's own view decides first.
     from jobs.failure import respond
@@ -541,8 +640,12 @@ def test_the_decider_never_requeues_a_job_slurm_is_cancelling_or_requeueing_alre
 def test_slurm_intent_reads_restarts_and_the_ending_states(monkeypatch) -> None:
     from jobs.launch import slurm_state
 
-    states = {"1": slurm_state.JobState("1", "RUNNING", restarts=2), "2": slurm_state.JobState("2", "COMPLETING"),
-              "3": slurm_state.JobState("3", "CANCELLED"), "4": slurm_state.JobState("4", "RUNNING", restarts=1)}
+    states = {
+        "1": slurm_state.JobState("1", "RUNNING", restarts=2),
+        "2": slurm_state.JobState("2", "COMPLETING"),
+        "3": slurm_state.JobState("3", "CANCELLED"),
+        "4": slurm_state.JobState("4", "RUNNING", restarts=1),
+    }
     monkeypatch.setattr(policy, "job_state", states.__getitem__)
     assert [policy.slurm_intent(j, restart_count=1) for j in "1234"] == ["requeued", "cancelled", "cancelled", None]
     assert policy.slurm_intent(None, restart_count=0) is None
@@ -597,7 +700,9 @@ sys.exit(0)
 def test_a_stop_signal_during_interpreter_exit_does_not_kill_a_finished_rank(tmp_path: Path, mode: str) -> None:
     # Slurm's time-limit USR2 reached a rank that had finished and was exiting: CPython had put USR2
     # back to SIG_DFL during finalization, the rank died of it and the finished job ended FAILED.
-    codes = [subprocess.run([sys.executable, "-c", _EXITS_UNDER_USR2, mode], cwd=Path(__file__).parents[2]).returncode
-             for _ in range(3)]
+    codes = [
+        subprocess.run([sys.executable, "-c", _EXITS_UNDER_USR2, mode], cwd=Path(__file__).parents[2]).returncode
+        for _ in range(3)
+    ]
     # With only the Python handler (what run_rank left before the fix) every exit is killed by USR2.
     assert codes == ([0, 0, 0] if mode == "ignore" else [-signal.SIGUSR2] * 3)

@@ -14,8 +14,15 @@ from jobs.planner.measure import stage_shapes
 from jobs.validate import validate
 
 # the multiproc test's cases: the tiny model, fp32 on CPU, sequences of 128 so activations dominate
-COMMON = ["model=tiny", "train.seq_len=128", "train.micro_batch=2", "train.global_batch=8", "checkpoint.enabled=false",
-          "launcher.tasks_per_node=2", "mesh.dp_replicate=1"]
+COMMON = [
+    "model=tiny",
+    "train.seq_len=128",
+    "train.micro_batch=2",
+    "train.global_batch=8",
+    "checkpoint.enabled=false",
+    "launcher.tasks_per_node=2",
+    "mesh.dp_replicate=1",
+]
 MESHES = {
     "dp_shard2": ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=1"],
     "pp2_1f1b": ["mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=1"],
@@ -26,11 +33,22 @@ def _planned(cfg, pp_rank: int, compute_bytes: int) -> P.RankMemory:
     """tests/multiproc/test_plan_vs_measured.py's `_planned`, which it checks against the measured bytes."""
     d, t, dims = validate(cfg), cfg.train, validate(cfg).dims
     return P.rank_memory(
-        cfg.model, stage_shapes(cfg, d)[pp_rank], tp=dims.tp, fsdp=dims.dp_shard, pp=dims.pp,
-        microbatches=d.microbatches, stages_per_rank=d.stages_per_rank, schedule=cfg.mesh.pp_schedule,
-        seq_len=t.seq_len, micro_batch=t.micro_batch, sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
-        loss_parallel=cfg.mesh.loss_parallel, activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
-        pp_rank=pp_rank, compute_bytes=compute_bytes,
+        cfg.model,
+        stage_shapes(cfg, d)[pp_rank],
+        tp=dims.tp,
+        fsdp=dims.dp_shard,
+        pp=dims.pp,
+        microbatches=d.microbatches,
+        stages_per_rank=d.stages_per_rank,
+        schedule=cfg.mesh.pp_schedule,
+        seq_len=t.seq_len,
+        micro_batch=t.micro_batch,
+        sequence_parallel=cfg.mesh.sequence_parallel and dims.tp > 1,
+        loss_parallel=cfg.mesh.loss_parallel,
+        activation_checkpointing=t.activation_checkpointing,
+        ac_every=t.ac_every,
+        pp_rank=pp_rank,
+        compute_bytes=compute_bytes,
     )
 
 
@@ -46,8 +64,14 @@ def test_the_gate_plans_an_fp32_cpu_run_in_fp32(mesh):
 
 
 def test_a_gpu_run_in_fp32_plans_more_activation_memory_than_in_bf16():
-    gpu = ["model=tiny", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8", "train.global_batch=8",
-           "checkpoint.interval=auto"]
+    gpu = [
+        "model=tiny",
+        "cluster=h100_ib",
+        "launcher.nodes=1",
+        "launcher.tasks_per_node=8",
+        "train.global_batch=8",
+        "checkpoint.interval=auto",
+    ]
     bf16 = build_plan(compose(gpu + ["train.mixed_precision=bf16"]), measure=False)
     fp32 = build_plan(compose(gpu + ["train.mixed_precision=fp32"]), measure=False)
     for a, b in zip(bf16.roles, fp32.roles):

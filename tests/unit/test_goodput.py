@@ -16,7 +16,9 @@ def _ev(t: float, kind: str, attempt: str, **fields) -> dict:
 
 
 def _steps(attempt: str, first: int, ends: list[float], dt: float = 2.0) -> list[dict]:
-    return [{"step": first + i, "loss": 5.0, "step_time_s": dt, "attempt": attempt, "time": t} for i, t in enumerate(ends)]
+    return [
+        {"step": first + i, "loss": 5.0, "step_time_s": dt, "attempt": attempt, "time": t} for i, t in enumerate(ends)
+    ]
 
 
 def _two_attempts_one_failure() -> tuple[list[dict], list[dict]]:
@@ -24,20 +26,24 @@ def _two_attempts_one_failure() -> tuple[list[dict], list[dict]]:
     step 4), dies (dead_rank) at 1030. Attempt local.0.1: start 1040, resumes from step 4 at 1050,
     trains 5-8, saves 8 (0.5 s stall), ends 1060."""
     events = [
-        _ev(1000, "attempt_start", "local.0", nodes=["n1"]), _ev(1002, "rendezvous", "local.0"),
-        _ev(1010, "train_start", "local.0", step=0), _ev(1012, "first_step", "local.0", step=1, step_time_s=2.0),
+        _ev(1000, "attempt_start", "local.0", nodes=["n1"]),
+        _ev(1002, "rendezvous", "local.0"),
+        _ev(1010, "train_start", "local.0", step=0),
+        _ev(1012, "first_step", "local.0", step=1, step_time_s=2.0),
         _ev(1021, "checkpoint_saved", "local.0", step=4, blocking_s=1.0, total_s=3.0),
         _ev(1029, "failure", "local.0", cls="dead_rank", suspects=[]),
         _ev(1030, "attempt_end", "local.0", cause="dead_rank", action="restart", step=6),
         _ev(1040, "attempt_start", "local.0.1", nodes=["n1"]),
-        _ev(1049, "checkpoint_loaded", "local.0.1", step=4), _ev(1050, "train_start", "local.0.1", step=4),
+        _ev(1049, "checkpoint_loaded", "local.0.1", step=4),
+        _ev(1050, "train_start", "local.0.1", step=4),
         _ev(1052, "first_step", "local.0.1", step=5, step_time_s=2.0),
         _ev(1059.5, "checkpoint_saved", "local.0.1", step=8, blocking_s=0.5, total_s=1.5),
         _ev(1059.9, "train_end", "local.0.1", step=8),
         _ev(1060, "attempt_end", "local.0.1", cause="completed", action="done", step=8),
     ]
-    metrics = (_steps("local.0", 1, [1012, 1014, 1016, 1018, 1021, 1023])
-               + _steps("local.0.1", 5, [1052, 1054, 1056, 1058]))
+    metrics = _steps("local.0", 1, [1012, 1014, 1016, 1018, 1021, 1023]) + _steps(
+        "local.0.1", 5, [1052, 1054, 1056, 1058]
+    )
     return events, metrics
 
 
@@ -50,9 +56,18 @@ def test_goodput_of_two_attempts_with_one_failure_equals_the_hand_computed_figur
     # failure detection: local.0's last progress (step 6 ends at 1023) -> its end 1030 (no decision) = 7.
     # other: 1058.5->1060 (after the last save of local.0.1) = 1.5.
     assert g.wall_s == 70.0
-    assert g.seconds == pytest.approx({"productive": 16.0, "startup": 20.0, "checkpoint_stall": 1.5,
-                                       "lost_work": 4.0, "failure_detection": 7.0, "restart_gap": 10.0,
-                                       "queue_wait": 10.0, "other": 1.5})
+    assert g.seconds == pytest.approx(
+        {
+            "productive": 16.0,
+            "startup": 20.0,
+            "checkpoint_stall": 1.5,
+            "lost_work": 4.0,
+            "failure_detection": 7.0,
+            "restart_gap": 10.0,
+            "queue_wait": 10.0,
+            "other": 1.5,
+        }
+    )
     assert g.goodput == pytest.approx(16.0 / 60.0)  # productive / allocated (wall less the queue)
     assert g.wall_goodput == pytest.approx(16.0 / 70.0)
     assert (g.steps_productive, g.steps_lost) == (8, 2)
@@ -93,12 +108,18 @@ def test_a_running_attempt_ends_now_and_a_row_stands_for_the_steps_since_the_pre
 
 def test_only_machine_failures_count_for_mtbf() -> None:
     from checkpoint.interval import _NOT_FAILURES  # the interval's own list of deliberate stops
-
     from jobs.telemetry import goodput
 
     assert goodput._NOT_FAILURES == _NOT_FAILURES
     assert [is_failure(c) for c in ("dead_rank", "lost", "hung_rank", "completed", "SIGUSR2", "preempted", None)] == [
-        True, True, True, False, False, False, False]
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_goodput_imports_no_torch() -> None:

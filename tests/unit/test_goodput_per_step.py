@@ -23,8 +23,14 @@ def _ev(t: float, kind: str, attempt: str, **fields) -> dict:
 def _row(attempt: str, trained: list[tuple[int, float, float]]) -> dict:
     """A metrics.jsonl line logged after the last of `trained` ([step, end time, step_time_s] per step)."""
     step, t, dt = trained[-1]
-    return {"step": step, "loss": 5.0, "step_time_s": dt, "attempt": attempt, "time": t + 0.01,
-            "trained_steps": [list(x) for x in trained]}
+    return {
+        "step": step,
+        "loss": 5.0,
+        "step_time_s": dt,
+        "attempt": attempt,
+        "time": t + 0.01,
+        "trained_steps": [list(x) for x in trained],
+    }
 
 
 def _steps(first: int, last: int, *, t0: float, dt: float = 2.0) -> list[tuple[int, float, float]]:
@@ -36,8 +42,11 @@ def _dead_run(tmp_path: Path) -> Path:
     died (kill -9 of the whole job): no failure, no attempt_end. Heartbeats stopped at 1033."""
     run = tmp_path / "run"
     run.mkdir()
-    events = [_ev(1000, "attempt_start", "7.0", job_id="7"), _ev(1010, "train_start", "7.0", step=0),
-              _ev(1012, "first_step", "7.0", step=1, step_time_s=2.0)]
+    events = [
+        _ev(1000, "attempt_start", "7.0", job_id="7"),
+        _ev(1010, "train_start", "7.0", step=0),
+        _ev(1012, "first_step", "7.0", step=1, step_time_s=2.0),
+    ]
     steps = _steps(1, 10, t0=1010)
     metrics = [_row("7.0", steps[:5]), _row("7.0", steps[5:])]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -58,7 +67,9 @@ def test_a_dead_run_is_closed_at_its_last_heartbeat_and_its_goodput_does_not_fal
         assert g.goodput == pytest.approx(20.0 / 33.0) and g.steps_productive == 10
         assert g.seconds["failure_detection"] == pytest.approx(3.0) and g.failures == 1
         assert g.closed["7.0"].by == "last heartbeat" and g.closed["7.0"].cause == "lost"
-    assert "attempt 7.0 wrote no end: closed at" in render_text(later) and "(last heartbeat) as lost" in render_text(later)
+    assert "attempt 7.0 wrote no end: closed at" in render_text(later) and "(last heartbeat) as lost" in render_text(
+        later
+    )
 
 
 def test_a_run_whose_heartbeats_are_fresh_is_still_running(tmp_path: Path) -> None:
@@ -68,8 +79,15 @@ def test_a_run_whose_heartbeats_are_fresh_is_still_running(tmp_path: Path) -> No
 
 def test_a_dead_run_is_closed_at_slurms_end_when_sacct_knows_it(tmp_path: Path) -> None:
     ts = datetime.fromtimestamp  # sacct prints local time
-    recs = [{"JobID": "7", "State": "NODE_FAIL", "Submit": ts(990).isoformat(), "Start": ts(1000).isoformat(),
-             "End": ts(1036).isoformat()}]
+    recs = [
+        {
+            "JobID": "7",
+            "State": "NODE_FAIL",
+            "Submit": ts(990).isoformat(),
+            "Start": ts(1000).isoformat(),
+            "End": ts(1036).isoformat(),
+        }
+    ]
     d = collect(_dead_run(tmp_path), now=100_000.0, sacct_records=recs)
     g = d.goodput
     assert not d.running and (g.start, g.end) == (990.0, 1036.0)
@@ -88,10 +106,14 @@ def test_the_active_states_are_slurm_states() -> None:
 def test_a_rollbacks_discarded_steps_are_lost_work_and_the_steps_trained_again_productive() -> None:
     """log_every=4: steps 1-6 trained, a spike at step 7 rolls back to the checkpoint of step 4 (reload 1 s),
     steps 5-8 trained again; the first 5 and 6 were discarded."""
-    events = [_ev(0, "attempt_start", "a"), _ev(10, "train_start", "a", step=0),
-              _ev(18.0, "checkpoint_saved", "a", step=4, blocking_s=0.0, total_s=0.0),
-              _ev(24.5, "rollback", "a", record={"to_step": 4}), _ev(27, "train_end", "a", step=8),
-              _ev(28, "attempt_end", "a", cause="completed", action="done", step=8)]
+    events = [
+        _ev(0, "attempt_start", "a"),
+        _ev(10, "train_start", "a", step=0),
+        _ev(18.0, "checkpoint_saved", "a", step=4, blocking_s=0.0, total_s=0.0),
+        _ev(24.5, "rollback", "a", record={"to_step": 4}),
+        _ev(27, "train_end", "a", step=8),
+        _ev(28, "attempt_end", "a", cause="completed", action="done", step=8),
+    ]
     first = _steps(1, 6, t0=10)  # ends 12 .. 22; the spike step 7 (22 -> 24) is not recorded
     again = _steps(5, 8, t0=25, dt=0.5)  # reloaded at 25: ends 25.5 .. 27
     metrics = [_row("a", first[:4]), _row("a", first[4:] + again[:2]), _row("a", again[2:])]
@@ -106,9 +128,12 @@ def test_a_rollbacks_discarded_steps_are_lost_work_and_the_steps_trained_again_p
 def test_a_save_inside_a_log_interval_is_a_stall_not_part_of_the_steps() -> None:
     """log_every=4: steps 1-4 of 1 s each, a 3 s blocking save after step 2 (checkpoint.every_steps=2)."""
     trained = [(1, 11.0, 1.0), (2, 12.0, 1.0), (3, 16.0, 1.0), (4, 17.0, 1.0)]
-    events = [_ev(0, "attempt_start", "a"), _ev(10, "train_start", "a", step=0),
-              _ev(15.0, "checkpoint_saved", "a", step=2, blocking_s=3.0, total_s=3.0),
-              _ev(17.5, "attempt_end", "a", cause="completed", action="done", step=4)]
+    events = [
+        _ev(0, "attempt_start", "a"),
+        _ev(10, "train_start", "a", step=0),
+        _ev(15.0, "checkpoint_saved", "a", step=2, blocking_s=3.0, total_s=3.0),
+        _ev(17.5, "attempt_end", "a", cause="completed", action="done", step=4),
+    ]
     g = measure_goodput(events, [_row("a", trained)], now=100.0)
     assert g.seconds["productive"] == pytest.approx(4.0) and g.seconds["checkpoint_stall"] == pytest.approx(3.0)
     assert g.seconds["other"] == pytest.approx(0.5) and g.seconds["startup"] == pytest.approx(10.0)
@@ -119,11 +144,16 @@ def test_a_save_inside_a_log_interval_is_a_stall_not_part_of_the_steps() -> None
 def test_failure_detection_runs_from_the_last_step_to_the_decision_and_mttr_from_the_last_step() -> None:
     """Attempt a: steps 1-3 end at 13; a rank hangs; the watchdog's decision comes at 43; teardown to 45.
     Attempt b starts at 50 and trains its first step from 58."""
-    events = [_ev(0, "attempt_start", "a"), _ev(10, "train_start", "a", step=0),
-              _ev(42, "failure", "a", cls="hung_rank", suspects=[]), _ev(43, "decision", "a", action="restart"),
-              _ev(45, "attempt_end", "a", cause="hung_rank", action="restart", step=3),
-              _ev(50, "attempt_start", "b"), _ev(58, "train_start", "b", step=0),
-              _ev(64, "attempt_end", "b", cause="completed", action="done", step=3)]
+    events = [
+        _ev(0, "attempt_start", "a"),
+        _ev(10, "train_start", "a", step=0),
+        _ev(42, "failure", "a", cls="hung_rank", suspects=[]),
+        _ev(43, "decision", "a", action="restart"),
+        _ev(45, "attempt_end", "a", cause="hung_rank", action="restart", step=3),
+        _ev(50, "attempt_start", "b"),
+        _ev(58, "train_start", "b", step=0),
+        _ev(64, "attempt_end", "b", cause="completed", action="done", step=3),
+    ]
     metrics = [_row("a", _steps(1, 3, t0=7, dt=2.0)), _row("b", _steps(1, 3, t0=58, dt=2.0))]
     g = measure_goodput(events, metrics, now=100.0)
     assert g.seconds["failure_detection"] == pytest.approx(43.0 - 13.0)
@@ -136,8 +166,9 @@ def test_the_expected_goodput_counts_the_startup_and_the_saves() -> None:
     # 100 s of work with a 1 s save every 10 s = 110 s; plus a 20 s start-up.
     got = expected_goodput(solve_s=100.0, interval_s=10.0, blocking_s=1.0, mtbf_s=1e12, restart_s=20.0, startup_s=20.0)
     assert got == pytest.approx(100.0 / 130.0, rel=1e-6)
-    assert expected_goodput(solve_s=100.0, interval_s=10.0, blocking_s=1.0, mtbf_s=1e12, restart_s=0,
-                            startup_s=0) == pytest.approx(100 / 110, rel=1e-6)
+    assert expected_goodput(
+        solve_s=100.0, interval_s=10.0, blocking_s=1.0, mtbf_s=1e12, restart_s=0, startup_s=0
+    ) == pytest.approx(100 / 110, rel=1e-6)
 
 
 def test_status_names_an_attempt_that_died_without_an_end(tmp_path: Path, monkeypatch) -> None:
@@ -149,16 +180,24 @@ def test_status_names_an_attempt_that_died_without_an_end(tmp_path: Path, monkey
 
 
 def test_a_requeued_attempt_takes_its_own_sacct_record_and_the_expected_figure_uses_the_productive_time(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from jobs.failure.ledger import attempts
     from jobs.telemetry.run_report import slurm_ends
 
     ts = datetime.fromtimestamp
-    recs = [{"JobID": "7", "State": "REQUEUED", "End": ts(1050).isoformat()},
-            {"JobID": "7", "State": "FAILED", "End": ts(1090).isoformat()},
-            {"JobID": "8", "State": "RUNNING", "End": "Unknown"}]
-    rows = attempts([_ev(1000, "attempt_start", "7.0", job_id="7"), _ev(1060, "attempt_start", "7.1", job_id="7"),
-                     _ev(1070, "attempt_start", "8.0", job_id="8")])
+    recs = [
+        {"JobID": "7", "State": "REQUEUED", "End": ts(1050).isoformat()},
+        {"JobID": "7", "State": "FAILED", "End": ts(1090).isoformat()},
+        {"JobID": "8", "State": "RUNNING", "End": "Unknown"},
+    ]
+    rows = attempts(
+        [
+            _ev(1000, "attempt_start", "7.0", job_id="7"),
+            _ev(1060, "attempt_start", "7.1", job_id="7"),
+            _ev(1070, "attempt_start", "8.0", job_id="8"),
+        ]
+    )
     assert slurm_ends(rows, recs) == {"7.0": ("REQUEUED", 1050.0), "7.1": ("FAILED", 1090.0), "8.0": ("RUNNING", None)}
     costs = {"interval_s": 10.0, "blocking_s": 1.0, "mtbf_s": 1e12, "restart_s": 13.0, "startup_s": 13.0}
     d = collect(_dead_run(tmp_path), now=100_000.0, costs=costs)

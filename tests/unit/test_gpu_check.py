@@ -33,14 +33,18 @@ def test_an_api_missing_from_torch_is_named_with_where_the_project_uses_it(gpu_c
     monkeypatch.delattr(torch.nn.utils, "get_total_norm")  # added in torch 2.6: what an older torch lacks
     monkeypatch.delattr(torch.distributed.fsdp, "MixedPrecisionPolicy")
     gaps = gpu_check.torch_api_gaps()
-    assert [g.split(" ")[0] for g in gaps] == ["torch.distributed.fsdp.MixedPrecisionPolicy",
-                                              "torch.nn.utils.get_total_norm"]
+    assert [g.split(" ")[0] for g in gaps] == [
+        "torch.distributed.fsdp.MixedPrecisionPolicy",
+        "torch.nn.utils.get_total_norm",
+    ]
     assert re.match(r"torch\.nn\.utils\.get_total_norm \(jobs/[\w/]+\.py:\d+\)", gaps[1]), gaps[1]  # its first use
 
 
 def test_figures_take_the_median_after_the_first_step_and_say_none_for_absent_fields(gpu_check, tmp_path: Path) -> None:
-    rows = [{"step": s, "loss": 5.0 - s, "step_time_s": t, "tokens_per_s": 1000 / t} for s, t in
-            [(1, 9.0), (2, 1.0), (3, 2.0), (4, 3.0)]]
+    rows = [
+        {"step": s, "loss": 5.0 - s, "step_time_s": t, "tokens_per_s": 1000 / t}
+        for s, t in [(1, 9.0), (2, 1.0), (3, 2.0), (4, 3.0)]
+    ]
     rows[3]["peak_mem_bytes"] = 123
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "checkpoint_loaded", "step": 2, "load_s": 0.5}) + "\n")
@@ -53,19 +57,24 @@ def test_figures_take_the_median_after_the_first_step_and_say_none_for_absent_fi
 # ---------------------------------------------------------------- issue 25: ready for the first GPU
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989.0),  # H100 SXM: 1,979 with sparsity (nvidia.com/en-us/data-center/h100)
-    ("NVIDIA H100 NVL", 835.0),  # 1,671 with sparsity, same page; torchtitan get_peak_flops: 835e12
-    ("NVIDIA H100 PCIe", 756.0),  # 1,513 with sparsity, same page
-    ("NVIDIA H200", 989.0),  # H200 SXM: 1,979 with sparsity (nvidia.com/en-us/data-center/h200)
-    ("NVIDIA H200 NVL", 835.0),  # 1,671 with sparsity, same page
-    ("NVIDIA GH200 480GB", 989.0),
-    ("NVIDIA B200", 2250.0),  # Blackwell datasheet, 2.25 PFLOPS dense; torchtitan 2.25e15
-    ("NVIDIA A100-SXM4-80GB", 312.0),  # nvidia.com/en-us/data-center/a100
-    ("NVIDIA A100 80GB PCIe", 312.0),
-    ("Tesla V100-SXM2-32GB", 0.0),  # not in the table: no MFU rather than a guess
-])
-def test_the_dense_bf16_peak_is_the_datasheet_figure_halved_for_each_gpu_model(gpu_check, name: str, peak: float) -> None:
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),  # H100 SXM: 1,979 with sparsity (nvidia.com/en-us/data-center/h100)
+        ("NVIDIA H100 NVL", 835.0),  # 1,671 with sparsity, same page; torchtitan get_peak_flops: 835e12
+        ("NVIDIA H100 PCIe", 756.0),  # 1,513 with sparsity, same page
+        ("NVIDIA H200", 989.0),  # H200 SXM: 1,979 with sparsity (nvidia.com/en-us/data-center/h200)
+        ("NVIDIA H200 NVL", 835.0),  # 1,671 with sparsity, same page
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA B200", 2250.0),  # Blackwell datasheet, 2.25 PFLOPS dense; torchtitan 2.25e15
+        ("NVIDIA A100-SXM4-80GB", 312.0),  # nvidia.com/en-us/data-center/a100
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("Tesla V100-SXM2-32GB", 0.0),  # not in the table: no MFU rather than a guess
+    ],
+)
+def test_the_dense_bf16_peak_is_the_datasheet_figure_halved_for_each_gpu_model(
+    gpu_check, name: str, peak: float
+) -> None:
     from jobs.planner.hardware import peak_bf16_tflops
 
     assert peak_bf16_tflops(name) == peak
@@ -94,7 +103,9 @@ def test_a_leg_is_compared_with_the_planners_figures_in_both_conventions(gpu_che
     assert out["mfu_convention"] == "causal attention halved"
 
 
-def test_on_a_gpu_the_planner_predicts_with_a_gpu_profile_and_the_legs_train_with_the_local_one(gpu_check, tmp_path) -> None:
+def test_on_a_gpu_the_planner_predicts_with_a_gpu_profile_and_the_legs_train_with_the_local_one(
+    gpu_check, tmp_path
+) -> None:
     """cluster=local has no GPU figures (the step time was n/a); h100_ib's env (NCCL_SOCKET_IFNAME=ib0) must not
     reach the one-GPU legs."""
     facts = {"name": "NVIDIA H200", "mem_gib": 139.8, "peak_bf16_tflops": 989.0}
@@ -104,7 +115,10 @@ def test_on_a_gpu_the_planner_predicts_with_a_gpu_profile_and_the_legs_train_wit
     pred = gpu_check.predict([*base, *gpu_check.plan_profile(facts)], ac="none")
     assert pred["cluster"] == "h100_ib" and pred["step_s"] > 0 and pred["tokens_per_s"] > 0 and 0 < pred["mfu"] < 1
     assert gpu_check.predict(base, ac="none")["step_s"] is None  # what the check printed before: n/a
-    assert gpu_check.plan_profile({"name": "NVIDIA A100-SXM4-80GB", "mem_gib": 80.0, "peak_bf16_tflops": 312.0})[0] == "cluster=a100_ib"
+    assert (
+        gpu_check.plan_profile({"name": "NVIDIA A100-SXM4-80GB", "mem_gib": 80.0, "peak_bf16_tflops": 312.0})[0]
+        == "cluster=a100_ib"
+    )
     # the profiles' attention rate is FlashAttention-2's on the H100/A100 they cite: another peak keeps it off
     assert "cluster.gpu_attention_tflops=0" not in gpu_check.plan_profile(facts)
     b200 = gpu_check.plan_profile({"name": "NVIDIA B200", "mem_gib": 179.0, "peak_bf16_tflops": 2250.0})
@@ -127,19 +141,28 @@ def test_legs_share_the_time_left_and_each_prints_its_json_line_when_it_ends(gpu
     legs.end = time.monotonic() + 20.0  # most of the time went on the first legs
     legs.run("bf16_ac_full", [], Path("x"))
     skipped = json.loads(capsys.readouterr().out.strip())
-    assert skipped["leg"] == "bf16_ac_full" and skipped["skipped"].startswith("--deadline: 6 s left") and skipped["rc"] == 124
+    assert (
+        skipped["leg"] == "bf16_ac_full"
+        and skipped["skipped"].startswith("--deadline: 6 s left")
+        and skipped["rc"] == 124
+    )
     assert legs.todo == ["checkpoint_save", "checkpoint_resume"]
 
 
-def test_bootstrap_without_wheels_or_with_only_antlr4s_sdist_says_how_to_build_the_wheels(gpu_check, monkeypatch, tmp_path) -> None:
+def test_bootstrap_without_wheels_or_with_only_antlr4s_sdist_says_how_to_build_the_wheels(
+    gpu_check, monkeypatch, tmp_path
+) -> None:
     monkeypatch.setattr(gpu_check, "missing_modules", lambda: ["hydra-core (No module named 'hydra')"])
     monkeypatch.delenv(gpu_check.SITE_ENV, raising=False)
     with pytest.raises(gpu_check.BootstrapError, match=r"lacks hydra-core .*pip wheel -w DIR hydra-core==1\.3\.8"):
         gpu_check.bootstrap(gpu_check.parse([]))
     (tmp_path / "antlr4-python3-runtime-4.9.3.tar.gz").write_bytes(b"")
     monkeypatch.setattr(gpu_check.importlib.metadata, "distribution", _no_distribution)
-    with pytest.raises(gpu_check.BootstrapError, match=r"no antlr4-python3-runtime wheel .*only as an sdist: antlr4-python3-"
-                                                       r"runtime-4\.9\.3\.tar\.gz is here\); build its wheel: pip wheel --no-deps"):
+    with pytest.raises(
+        gpu_check.BootstrapError,
+        match=r"no antlr4-python3-runtime wheel .*only as an sdist: antlr4-python3-"
+        r"runtime-4\.9\.3\.tar\.gz is here\); build its wheel: pip wheel --no-deps",
+    ):
         gpu_check.wheels_to_install(tmp_path)
     assert gpu_check.main(["--wheels", str(tmp_path)]) == 2
 
@@ -153,10 +176,13 @@ def test_the_wheels_folder_may_carry_binary_wheels_for_other_pythons_and_what_th
 
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
     other = "cp39" if here != "cp39" else "cp310"
-    for name in (f"PyYAML-6.0.2-{other}-{other}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-                 "hydra_core-1.3.8-py3-none-any.whl", "antlr4_python3_runtime-4.9.3-py3-none-any.whl",
-                 f"totally_absent_dist-1.0-{here}-{here}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-                 "totally_absent_dist-1.0-py3-none-any.whl"):
+    for name in (
+        f"PyYAML-6.0.2-{other}-{other}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "hydra_core-1.3.8-py3-none-any.whl",
+        "antlr4_python3_runtime-4.9.3-py3-none-any.whl",
+        f"totally_absent_dist-1.0-{here}-{here}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "totally_absent_dist-1.0-py3-none-any.whl",
+    ):
         (tmp_path / name).write_bytes(b"")
     chosen = [w.name for w in gpu_check.wheels_to_install(tmp_path)]
     # hydra-core and antlr4 are installed in this venv (kept), the cp39 PyYAML cannot install here, one wheel per dist

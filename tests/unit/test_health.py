@@ -68,18 +68,36 @@ class FakeNvml:
 
 
 def healthy(gpu: GpuId, **over) -> dict:
-    return {"uuid": gpu.uuid, "pci": gpu.pci_bus_id, "temperature_c": 55, "clock_events": GPU_IDLE,
-            "ecc_uncorrected": 0, "remapped_rows": (0, 0, False, False), "retired_pages_pending": None, **over}
+    return {
+        "uuid": gpu.uuid,
+        "pci": gpu.pci_bus_id,
+        "temperature_c": 55,
+        "clock_events": GPU_IDLE,
+        "ecc_uncorrected": 0,
+        "remapped_rows": (0, 0, False, False),
+        "retired_pages_pending": None,
+        **over,
+    }
 
 
 def monitor(nvml, gpu: GpuId | None, tmp_path: Path, *, rank: int, node: str, incidents: list, cfg=CFG) -> GpuHealth:
     events = EventLog(tmp_path / "events.jsonl", rank=rank, attempt="7.0")
-    return GpuHealth(nvml, gpu=gpu, cfg=cfg, rank=rank, node=node, attempt="7.0", emit=events.emit,
-                     on_failing=incidents.append, skipped="no GPU: skipped (NVML did not start)")
+    return GpuHealth(
+        nvml,
+        gpu=gpu,
+        cfg=cfg,
+        rank=rank,
+        node=node,
+        attempt="7.0",
+        emit=events.emit,
+        on_failing=incidents.append,
+        skipped="no GPU: skipped (NVML did not start)",
+    )
 
 
 def test_a_thermally_throttled_gpu_is_an_incident_naming_it_and_its_node_and_the_healthy_one_is_not(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     nvml = FakeNvml(h0=healthy(GPU0), h1=healthy(GPU1, temperature_c=91, clock_events=SW_THERMAL))
     incidents: list = []
     ok = monitor(nvml, GPU0, tmp_path, rank=0, node="node1", incidents=incidents).start()
@@ -87,10 +105,17 @@ def test_a_thermally_throttled_gpu_is_an_incident_naming_it_and_its_node_and_the
     ok.stop(), hot.stop()
     (inc,) = incidents
     assert inc.cls == "unhealthy_gpu" and inc.reported_by == 1
-    assert inc.summary == (f"GPU {GPU1.uuid} (PCI 00000000:3B:00.0, cuda:1) of rank 1 on node node2: "
-                           "clock event sw_thermal_slowdown at 91 C")
+    assert inc.summary == (
+        f"GPU {GPU1.uuid} (PCI 00000000:3B:00.0, cuda:1) of rank 1 on node node2: "
+        "clock event sw_thermal_slowdown at 91 C"
+    )
     (s,) = inc.suspects
-    assert (s["node"], s["gpu"], s["pci_bus_id"], s["checks"]) == ("node2", GPU1.uuid, GPU1.pci_bus_id, ["clock_events"])
+    assert (s["node"], s["gpu"], s["pci_bus_id"], s["checks"]) == (
+        "node2",
+        GPU1.uuid,
+        GPU1.pci_bus_id,
+        ["clock_events"],
+    )
     write_incident(tmp_path, inc)
     assert json.loads((tmp_path / "incidents/7.0/incident.json").read_text())["suspects"][0]["gpu"] == GPU1.uuid
     levels = {e["rank"]: (e["level"], e["gpu"]) for e in read_events(tmp_path / "events.jsonl", "gpu_health")}
@@ -100,8 +125,9 @@ def test_a_thermally_throttled_gpu_is_an_incident_naming_it_and_its_node_and_the
 @pytest.mark.parametrize("known", [dict(uuid="MIG-parent-not-known"), dict(pci="00000000:99:00.0")])
 def test_the_gpu_is_found_by_uuid_or_else_by_pci_bus_id(known: dict) -> None:
     nvml = FakeNvml(h1=healthy(GPU1, clock_events=0x8, **known), h0=healthy(GPU0, uuid="GPU-other", pci="other"))
-    m = GpuHealth(nvml, gpu=GPU1, cfg=CFG, rank=0, node="n", attempt="a", emit=lambda *a, **k: None,
-                  on_failing=lambda inc: None)
+    m = GpuHealth(
+        nvml, gpu=GPU1, cfg=CFG, rank=0, node="n", attempt="a", emit=lambda *a, **k: None, on_failing=lambda inc: None
+    )
     m.check(), m.check()  # a clock event counts from its third sample in a row
     assert [f.detail for f in m.check()] == ["clock event hw_slowdown at 55 C"]
 
@@ -123,22 +149,26 @@ def test_on_a_machine_without_an_nvidia_driver_nvml_does_not_open_and_says_why()
     assert why.startswith(("NVML did not start", "nvidia-ml-py is not installed")), why
 
 
-@pytest.mark.parametrize(("sample", "failing", "warning"), [
-    (dict(clock_events=0x40 | 0x1), ["clock_events"], []),  # HW thermal slowdown
-    (dict(clock_events=0x80), ["clock_events"], []),  # HW power brake
-    (dict(clock_events=SW_POWER_CAP), [], ["clock_events"]),  # at the power limit: normal under load
-    (dict(temperature_c=88), [], ["temperature"]),  # hot, not throttled yet
-    (dict(temperature_c=92, clock_events=SW_THERMAL), ["clock_events"], []),  # the throttle says it all
-    (dict(ecc_uncorrected=2), ["ecc"], []),
-    (dict(remapped_rows=(3, 1, True, False)), ["remapped_rows"], []),
-    (dict(remapped_rows=(3, 1, False, False)), [], []),  # remapped and done: the GPU is fine
-    (dict(retired_pages_pending=True), ["retired_pages"], []),
-    (dict(xids=(79, 13)), ["xid"], ["xid"]),  # fallen off the bus; an illegal address (the program's own)
-    (dict(), [], []),
-])
+@pytest.mark.parametrize(
+    ("sample", "failing", "warning"),
+    [
+        (dict(clock_events=0x40 | 0x1), ["clock_events"], []),  # HW thermal slowdown
+        (dict(clock_events=0x80), ["clock_events"], []),  # HW power brake
+        (dict(clock_events=SW_POWER_CAP), [], ["clock_events"]),  # at the power limit: normal under load
+        (dict(temperature_c=88), [], ["temperature"]),  # hot, not throttled yet
+        (dict(temperature_c=92, clock_events=SW_THERMAL), ["clock_events"], []),  # the throttle says it all
+        (dict(ecc_uncorrected=2), ["ecc"], []),
+        (dict(remapped_rows=(3, 1, True, False)), ["remapped_rows"], []),
+        (dict(remapped_rows=(3, 1, False, False)), [], []),  # remapped and done: the GPU is fine
+        (dict(retired_pages_pending=True), ["retired_pages"], []),
+        (dict(xids=(79, 13)), ["xid"], ["xid"]),  # fallen off the bus; an illegal address (the program's own)
+        (dict(), [], []),
+    ],
+)
 def test_what_fails_and_what_warns(sample: dict, failing: list, warning: list) -> None:
-    base = dict(temperature_c=60, clock_events=0, ecc_uncorrected=0, remapped_rows=None, retired_pages_pending=None,
-                xids=())
+    base = dict(
+        temperature_c=60, clock_events=0, ecc_uncorrected=0, remapped_rows=None, retired_pages_pending=None, xids=()
+    )
     found = assess(Sample(**{**base, **sample}), temp_warn_c=85, failing_xids=CFG.health_failing_xids)
     assert [f.check for f in found if f.failing] == failing
     assert [f.check for f in found if not f.failing] == warning
@@ -175,8 +205,16 @@ def test_the_periodic_thread_finds_a_gpu_that_throttles_after_the_start(tmp_path
     incidents: list = []
     found = threading.Event()
     cfg = FailureConfig(health_every_s=0.05)  # below validate's 1 s floor: only to keep the test short
-    m = GpuHealth(nvml, gpu=GPU0, cfg=cfg, rank=0, node="node1", attempt="7.0", emit=lambda *a, **k: None,
-                  on_failing=lambda inc: (incidents.append(inc), found.set())).start()
+    m = GpuHealth(
+        nvml,
+        gpu=GPU0,
+        cfg=cfg,
+        rank=0,
+        node="node1",
+        attempt="7.0",
+        emit=lambda *a, **k: None,
+        on_failing=lambda inc: (incidents.append(inc), found.set()),
+    ).start()
     assert incidents == []
     nvml.gpus["h0"]["clock_events"] = 0x40
     assert found.wait(10)
@@ -184,30 +222,46 @@ def test_the_periodic_thread_finds_a_gpu_that_throttles_after_the_start(tmp_path
     assert [i.suspects[0]["gpu"] for i in incidents] == [GPU0.uuid]
 
 
-def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined_without_probing_it(tmp_path: Path, monkeypatch) -> None:
+def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined_without_probing_it(
+    tmp_path: Path, monkeypatch
+) -> None:
     calls: list = []
     monkeypatch.setattr(respond, "slurm_intent", lambda job, restart_count: None)
     monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: calls.append(f"probe {node}") or True)
     monkeypatch.setattr(respond, "requeue_excluding", lambda job, nodes: calls.append(nodes) or (True, ""))
     monkeypatch.setattr(respond, "usable_nodes", lambda partition, excluded: ["node1", "node3"])
     incidents: list = []
-    throttled = monitor(FakeNvml(h1=healthy(GPU1, clock_events=0x40)), GPU1, tmp_path, rank=1, node="node2",
-                        incidents=incidents)
+    throttled = monitor(
+        FakeNvml(h1=healthy(GPU1, clock_events=0x40)), GPU1, tmp_path, rank=1, node="node2", incidents=incidents
+    )
     throttled.check(), throttled.check(), throttled.check()  # a clock event counts from its third sample in a row
     events = EventLog(tmp_path / "events.jsonl", rank=1, attempt="7.0")
-    ctx = AttemptContext(run_dir=str(tmp_path), attempt="7.0", rank=1, world_size=2, job_id="7", restart_count=0,
-                         cfg=CFG, events=events, supervised=True, nodes_needed=2)
+    ctx = AttemptContext(
+        run_dir=str(tmp_path),
+        attempt="7.0",
+        rank=1,
+        world_size=2,
+        job_id="7",
+        restart_count=0,
+        cfg=CFG,
+        events=events,
+        supervised=True,
+        nodes_needed=2,
+    )
     assert conclude(ctx, cause="unhealthy_gpu", step=3, incident=incidents[0]) == exitcodes.REQUEUE
     assert calls == [["node2"]] and [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node2"]
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
     assert d["action"] == "requeue"
 
 
-@pytest.mark.parametrize(("override", "says"), [
-    ("failure.health_every_s=0.5", "failure.health_every_s(0.5) must be 0"),
-    ("failure.health_temp_warn_c=0", "failure.health_temp_warn_c(0.0) is not a GPU temperature"),
-    ("failure.health_failing_xids=[48,-1]", "failure.health_failing_xids has [-1]"),
-])
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("failure.health_every_s=0.5", "failure.health_every_s(0.5) must be 0"),
+        ("failure.health_temp_warn_c=0", "failure.health_temp_warn_c(0.0) is not a GPU temperature"),
+        ("failure.health_failing_xids=[48,-1]", "failure.health_failing_xids has [-1]"),
+    ],
+)
 def test_health_settings_out_of_range_are_refused_naming_the_override(override: str, says: str) -> None:
     from jobs.validate import validate
 
@@ -264,7 +318,8 @@ def test_one_sample_of_a_clock_event_is_a_warning_and_only_consecutive_samples_f
 
 
 def test_a_gpu_throttled_at_start_is_confirmed_before_training_and_a_blip_at_start_is_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from jobs.telemetry import health
 
     class Blip(FakeNvml):  # HW slowdown in the first sample only
@@ -275,9 +330,11 @@ def test_a_gpu_throttled_at_start_is_confirmed_before_training_and_a_blip_at_sta
     monkeypatch.setattr(health, "CONFIRM_S", 0.01)
     cfg = FailureConfig(health_every_s=0)  # at start only: the confirming samples are taken there
     incidents: list = []
-    monitor(FakeNvml(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=incidents,
-            cfg=cfg).start()
+    monitor(
+        FakeNvml(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=incidents, cfg=cfg
+    ).start()
     assert [i.suspects[0]["checks"] for i in incidents] == [["clock_events"]]
-    monitor(Blip(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=(late := []),
-            cfg=cfg).start()
+    monitor(
+        Blip(h0=healthy(GPU0, clock_events=0x8)), GPU0, tmp_path, rank=0, node="node1", incidents=(late := []), cfg=cfg
+    ).start()
     assert late == []

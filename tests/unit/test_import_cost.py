@@ -38,8 +38,9 @@ def test_login_node_checks_sbatch_and_status_import_no_torch() -> None:
     assert _imported(_LOGIN_NODE) == []
 
 
-
 def test_jobs_status_imports_neither_numpy_nor_h5py() -> None:
-    code = ("import json, sys; import jobs.status; "
-            "print(json.dumps([m for m in ('numpy', 'h5py', 'torch') if m in sys.modules]))")
+    code = (
+        "import json, sys; import jobs.status; "
+        "print(json.dumps([m for m in ('numpy', 'h5py', 'torch') if m in sys.modules]))"
+    )
     assert _imported(code) == []

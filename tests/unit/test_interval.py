@@ -76,7 +76,9 @@ def test_plan_interval_reports_overhead_goodput_and_lost_work():
     assert plan.checkpoint_overhead == pytest.approx(60 / (plan.interval_s + 60))
     assert plan.expected_lost_work_s == pytest.approx((plan.interval_s + 60) / 2)
     # T_s / T_w = τ / (M (e^{(τ+δ)/M} - 1)) with R = 0: 0.8997 for the Llama-3-scale job at δ = 60 s.
-    assert plan.goodput == pytest.approx(plan.interval_s / (LLAMA3_MTBF * math.expm1((plan.interval_s + 60) / LLAMA3_MTBF)))
+    assert plan.goodput == pytest.approx(
+        plan.interval_s / (LLAMA3_MTBF * math.expm1((plan.interval_s + 60) / LLAMA3_MTBF))
+    )
     assert plan.goodput == pytest.approx(0.8997, abs=1e-4)
     assert set(plan.as_dict()) >= {"interval_s", "young_s", "goodput"}
 
@@ -91,8 +93,9 @@ def test_job_mtbf_from_node_mtbf_job_mtbf_and_the_ledger():
     assert job_mtbf_s(mtbf_job_hours=None, mtbf_node_hours=50_000, nodes=2000) == pytest.approx(25 * HOUR)
     assert job_mtbf_s(mtbf_job_hours=3.1, mtbf_node_hours=50_000, nodes=2000) == pytest.approx(3.1 * HOUR)
     # 3 failures seen in 10 h with a 25 h prior: (25 + 10) / (1 + 3) = 8.75 h.
-    assert job_mtbf_s(mtbf_job_hours=None, mtbf_node_hours=50_000, nodes=2000, failures_seen=3,
-                      observed_s=10 * HOUR) == pytest.approx(8.75 * HOUR)
+    assert job_mtbf_s(
+        mtbf_job_hours=None, mtbf_node_hours=50_000, nodes=2000, failures_seen=3, observed_s=10 * HOUR
+    ) == pytest.approx(8.75 * HOUR)
     with pytest.raises(ValueError, match="launcher.nodes"):
         job_mtbf_s(mtbf_job_hours=None, mtbf_node_hours=1.0, nodes=0)
     with pytest.raises(ValueError, match="failure.mtbf_job_hours"):

@@ -28,7 +28,9 @@ def _ev(kind: str, name: str, start_ms: float, dur_ms: float, corr: int = 0) -> 
 
 def test_a_kernel_counts_for_the_phase_its_launching_op_started_in_and_nccl_counts_apart() -> None:
     events = [
-        _ev("range", "forward", 0, 10), _ev("range", "backward", 10, 30), _ev("range", "optimizer", 45, 5),
+        _ev("range", "forward", 0, 10),
+        _ev("range", "backward", 10, 30),
+        _ev("range", "optimizer", 45, 5),
         _ev("op", "aten::mm", 1, 1, corr=1),  # forward, main thread
         _ev("op", "aten::mm", 12, 1, corr=2),  # backward, on the autograd engine's thread: its host time decides
         _ev("op", "c10d::allgather_", 14, 1, corr=3),  # FSDP's all-gather, launched in backward
@@ -49,9 +51,15 @@ def test_a_kernel_counts_for_the_phase_its_launching_op_started_in_and_nccl_coun
 
 
 def test_a_kernel_launched_in_a_nested_range_counts_for_the_innermost_one_open() -> None:
-    events = [_ev("range", "pp_step", 0, 100), _ev("range", "forward", 10, 10), _ev("range", "backward", 30, 10),
-              _ev("op", "a", 15, 1, corr=1), _ev("op", "b", 25, 1, corr=2), _ev("op", "c", 35, 1, corr=3),
-              _ev("op", "d", 120, 1, corr=4)]
+    events = [
+        _ev("range", "pp_step", 0, 100),
+        _ev("range", "forward", 10, 10),
+        _ev("range", "backward", 30, 10),
+        _ev("op", "a", 15, 1, corr=1),
+        _ev("op", "b", 25, 1, corr=2),
+        _ev("op", "c", 35, 1, corr=3),
+        _ev("op", "d", 120, 1, corr=4),
+    ]
     events += [_ev("kernel", "k", 200, 1, corr=c) for c in (1, 2, 3, 4)]
     compute, _ = phase_device_seconds(events, ["pp_step", "forward", "backward"])
     assert compute == pytest.approx({"pp_step": 0.001, "forward": 0.001, "backward": 0.001})
@@ -68,8 +76,17 @@ class _Kernels(KernelSampler):
 
     def _events(self, prof) -> list[DeviceEvent]:
         real = super()._events(prof)
-        fake = [_ev("kernel", "nccl" if "all_reduce" in e.name else "gemm", e.start_ns / MS + 50, self.kernel_ms,
-                    corr=e.corr) for e in real if e.kind == "op" and e.name in ("aten::mm", "c10d::allreduce_")]
+        fake = [
+            _ev(
+                "kernel",
+                "nccl" if "all_reduce" in e.name else "gemm",
+                e.start_ns / MS + 50,
+                self.kernel_ms,
+                corr=e.corr,
+            )
+            for e in real
+            if e.kind == "op" and e.name in ("aten::mm", "c10d::allreduce_")
+        ]
         self.seen.append(real)
         return real + fake
 
@@ -99,7 +116,8 @@ def _timer(tmp_path: Path, monkeypatch, kernels: KernelSampler | None) -> PhaseT
 
 
 def test_on_cuda_the_straggler_rows_are_the_profiled_steps_kernel_time_and_the_file_keeps_event_time(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     import h5py
 
     k = _Kernels(every=3, kernel_ms=2.0)
@@ -140,8 +158,9 @@ def test_kernel_every_is_checked_before_anything_runs() -> None:
     validate(compose(["mesh=single", "launcher.tasks_per_node=1", "metrics.kernel_every=0"]))
 
 
-def test_a_profiler_that_cannot_start_leaves_the_step_unprofiled_and_its_window_unjudged(tmp_path: Path, monkeypatch,
-                                                                                         caplog) -> None:
+def test_a_profiler_that_cannot_start_leaves_the_step_unprofiled_and_its_window_unjudged(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     import torch.profiler
 
     def refuse(self):

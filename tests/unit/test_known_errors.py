@@ -15,7 +15,7 @@ LLAMA3_405B = ["llama3_405b_8k_8192gpu", "llama3_405b_8k_16384gpu", "llama3_405b
 
 @pytest.mark.parametrize("preset", LLAMA3_405B)
 def test_llama3_405b_first_chunk_holds_only_the_embedding_with_v8(preset):
-    """"The Llama 3 Herd of Models" (arXiv 2407.21783) §3.3.2, pipeline parallelism: "we reduce one
+    """ "The Llama 3 Herd of Models" (arXiv 2407.21783) §3.3.2, pipeline parallelism: "we reduce one
     Transformer layer each from the first and the last stages. This means that the first model chunk on
     the first stage has only the embedding, and the last model chunk on the last stage has only output
     projection and loss calculation." 126 layers in 1-layer chunks on pp 16: v = 128 / 16 = 8."""
@@ -27,8 +27,9 @@ def test_llama3_405b_first_chunk_holds_only_the_embedding_with_v8(preset):
     assert first.first and first.layers == () and last.last and last.layers == ()
     assert all(len(s.layers) == 1 for r in range(16) for s in shapes[r] if s is not first and s is not last)
     assert [sum(len(s.layers) for s in shapes[r]) for r in (0, 1, 15)] == [7, 8, 7]
-    assert P.bubble_fraction(pp=16, microbatches=d.microbatches, stages_per_rank=8,
-                             schedule="interleaved_1f1b") == pytest.approx(15 / (8 * d.microbatches + 15))
+    assert P.bubble_fraction(
+        pp=16, microbatches=d.microbatches, stages_per_rank=8, schedule="interleaved_1f1b"
+    ) == pytest.approx(15 / (8 * d.microbatches + 15))
 
 
 def test_context_parallel_all_gathers_k_and_v_as_llama3():
@@ -50,7 +51,7 @@ def test_context_parallel_all_gathers_k_and_v_as_llama3():
 
 
 def test_mla_heads_are_192_for_queries_and_keys_and_128_for_values():
-    """"DeepSeek-V3 Technical Report" (arXiv 2412.19437) §4.2: 128 heads of d_h = 128 plus a decoupled
+    """ "DeepSeek-V3 Technical Report" (arXiv 2412.19437) §4.2: 128 heads of d_h = 128 plus a decoupled
     RoPE part d_h^R = 64 for queries and keys, values of d_h = 128; 671B total, 37B activated. The
     attention FLOPs use those dims (not dim / n_heads = 56), and the trainer's MFU and the planner
     count with the one formula."""

@@ -13,8 +13,16 @@ import checkpoint.memory_tier as memory_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.memory_capacity import capacity_error
-from checkpoint.partner import (commit_folder, folder_rank, pack_folder, partner_ranks, plan_memory_load, plan_step,
-                                replicas_for, transfers)
+from checkpoint.partner import (
+    commit_folder,
+    folder_rank,
+    pack_folder,
+    partner_ranks,
+    plan_memory_load,
+    plan_step,
+    replicas_for,
+    transfers,
+)
 from jobs.config import compose
 from jobs.validate import validate
 from tests.unit.test_memory_tier import _fresh, _state, _train
@@ -53,9 +61,13 @@ def _copies(*folders: str, steps: dict[int, str]) -> dict[str, dict[int, str]]:
 
 def test_a_step_loads_from_own_or_partner_copies_of_one_save_never_a_mix() -> None:
     nodes = ["a", "a", "b", "b"]  # 4 ranks on 2 nodes, the ring 0<->2, 1<->3
-    held = {"a": {**_copies("rank_0", "rank_1", steps={5: "x", 6: "x"}), "partner_of_rank_2": {5: "x", 6: "x"}},
-            "b": {**_copies("rank_2", "rank_3", "partner_of_rank_0", steps={5: "x", 6: "x"}),
-                  "partner_of_rank_1": {5: "x"}}}  # b lost rank 1's copy of step 6 and rank 3's partner copies
+    held = {
+        "a": {**_copies("rank_0", "rank_1", steps={5: "x", 6: "x"}), "partner_of_rank_2": {5: "x", 6: "x"}},
+        "b": {
+            **_copies("rank_2", "rank_3", "partner_of_rank_0", steps={5: "x", 6: "x"}),
+            "partner_of_rank_1": {5: "x"},
+        },
+    }  # b lost rank 1's copy of step 6 and rank 3's partner copies
     held["b"]["rank_3"] = {5: "x"}
     plan = plan_memory_load(nodes, held)
     assert [p.step for p in plan] == [5]  # step 6: rank 3 has no copy anywhere
@@ -63,7 +75,10 @@ def test_a_step_loads_from_own_or_partner_copies_of_one_save_never_a_mix() -> No
     assert plan[0].copied(nodes) == [] and transfers(nodes, plan[0].sources) == []  # all read in place: tier memory
     # step 4: rank 1's own copy is of another save (an attempt saved it again), its partner's copy on b is of the save
     # the others have: that one, sent by b's rank; never a mix of saves
-    held = {"a": {"rank_0": {7: "x", 4: "x"}, "rank_1": {4: "y"}}, "b": {"rank_2": {4: "x"}, "partner_of_rank_1": {4: "x"}}}
+    held = {
+        "a": {"rank_0": {7: "x", 4: "x"}, "rank_1": {4: "y"}},
+        "b": {"rank_2": {4: "x"}, "partner_of_rank_1": {4: "x"}},
+    }
     (p,) = plan_memory_load(["a", "a", "b"], held)
     assert (p.step, p.attempt, p.sources) == (4, "x", (("a", "rank_0"), ("b", "partner_of_rank_1"), ("b", "rank_2")))
     assert p.copied(["a", "a", "b"]) == [1] and transfers(["a", "a", "b"], p.sources) == [(0, 2, 1)]
@@ -73,9 +88,11 @@ def test_a_step_loads_from_own_or_partner_copies_of_one_save_never_a_mix() -> No
 
 def test_the_lost_nodes_ranks_on_an_empty_spare_get_their_copies_from_the_node_that_holds_them() -> None:
     # Before: ranks 0, 1 on a and 2, 3 on b (b's copies on a, a's on b). b lost; spare c runs ranks 2 and 3 now.
-    held = {"a": _copies("rank_0", "rank_1", "partner_of_rank_2", "partner_of_rank_3", steps={9: "j.0"}),
-            "b": _copies("rank_2", "rank_3", "partner_of_rank_0", "partner_of_rank_1", steps={9: "j.0", 10: "j.0"}),
-            "c": {}}
+    held = {
+        "a": _copies("rank_0", "rank_1", "partner_of_rank_2", "partner_of_rank_3", steps={9: "j.0"}),
+        "b": _copies("rank_2", "rank_3", "partner_of_rank_0", "partner_of_rank_1", steps={9: "j.0", 10: "j.0"}),
+        "c": {},
+    }
     nodes = ["a", "a", "c", "c"]
     (p,) = plan_memory_load(nodes, held)  # step 10 held only on b, which is gone: not a candidate
     assert p.sources == (("a", "rank_0"), ("a", "rank_1"), ("a", "partner_of_rank_2"), ("a", "partner_of_rank_3"))
@@ -83,14 +100,19 @@ def test_the_lost_nodes_ranks_on_an_empty_spare_get_their_copies_from_the_node_t
     assert transfers(nodes, p.sources) == [(0, 0, 2), (0, 1, 3)]  # a's two copies dealt over a's two ranks
     # one rank per node: node a's single rank sends both, one per round
     assert transfers(["a", "c", "c"], [("a", "rank_0"), ("a", "partner_of_rank_1"), ("a", "partner_of_rank_2")]) == [
-        (0, 0, 1), (1, 0, 2)]
+        (0, 0, 1),
+        (1, 0, 2),
+    ]
 
 
 def test_ranks_moved_between_nodes_read_in_place_what_their_new_node_holds_and_get_the_rest_sent() -> None:
     # Before: 3 nodes a, b, c, one rank each, the ring a->b->c->a (b holds rank 0's copy, c rank 1's, a rank 2's).
     # b lost, spare d appended: a, c, d run ranks 0, 1, 2 now, so rank 2's old node c runs rank 1.
-    held = {"a": _copies("rank_0", "partner_of_rank_2", steps={12: "j.0"}),
-            "c": _copies("rank_2", "partner_of_rank_1", steps={12: "j.0"}), "d": {}}
+    held = {
+        "a": _copies("rank_0", "partner_of_rank_2", steps={12: "j.0"}),
+        "c": _copies("rank_2", "partner_of_rank_1", steps={12: "j.0"}),
+        "d": {},
+    }
     nodes = ["a", "c", "d"]
     (p,) = plan_memory_load(nodes, held)
     # rank 1 reads its partner copy in place on c; rank 2 gets its own save from c (own saves before partner copies,
@@ -99,13 +121,17 @@ def test_ranks_moved_between_nodes_read_in_place_what_their_new_node_holds_and_g
     assert p.copied(nodes) == [1, 2] and transfers(nodes, p.sources) == [(0, 1, 2)]
     # c's copy of rank 2 found damaged: planned again, rank 2's partner copy on a instead
     p2 = plan_step(nodes, held, 12, exclude=frozenset({("c", "rank_2")}))
-    assert p2 is not None and p2.sources[2] == ("a", "partner_of_rank_2") and transfers(nodes, p2.sources) == [(0, 0, 2)]
+    assert (
+        p2 is not None and p2.sources[2] == ("a", "partner_of_rank_2") and transfers(nodes, p2.sources) == [(0, 0, 2)]
+    )
     assert plan_step(nodes, held, 12, exclude=frozenset({("c", "rank_2"), ("a", "partner_of_rank_2")})) is None
 
 
 def test_a_copy_held_only_on_a_node_that_is_gone_leaves_an_older_step_or_none() -> None:
-    held = {"a": {"rank_0": {6: "x", 8: "x"}, "partner_of_rank_1": {6: "x"}},  # 8's partner copy never arrived
-            "b": {"rank_1": {6: "x", 8: "x"}, "partner_of_rank_0": {6: "x", 8: "x"}}}
+    held = {
+        "a": {"rank_0": {6: "x", 8: "x"}, "partner_of_rank_1": {6: "x"}},  # 8's partner copy never arrived
+        "b": {"rank_1": {6: "x", 8: "x"}, "partner_of_rank_0": {6: "x", 8: "x"}},
+    }
     assert [p.step for p in plan_memory_load(["a", "b"], held)] == [8, 6]
     assert [p.step for p in plan_memory_load(["a", "c"], held)] == [6]  # b gone: 8 is incomplete
     assert plan_memory_load(["a", "c"], {"a": {"rank_0": {6: "x", 8: "x"}}, "b": held["b"]}) == []  # the filesystem
@@ -128,11 +154,16 @@ def test_a_rank_on_a_node_holding_a_copy_of_its_state_reads_it_in_place(tmp_path
     (ck.memory_root / "rank_0").rename(ck.memory_root.parent / "c" / "partner_of_rank_0")
     events: list[tuple[str, dict]] = []
     model2, opt2 = _fresh()
-    ck2 = CheckpointManager(tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9, node="c",
-                            emit=lambda kind, **f: events.append((kind, f)))
+    ck2 = CheckpointManager(
+        tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9, node="c", emit=lambda kind, **f: events.append((kind, f))
+    )
     assert ck2.load_latest(model_parts=[model2], optimizers=[opt2]) == 1
     (rec,) = [f for k, f in events if k == "checkpoint_loaded"]
-    assert (rec["tier"], rec["partner_ranks"], rec["path"]) == ("partner", [0], str(ck2.memory_root / "partner_of_rank_0" / "step_1"))
+    assert (rec["tier"], rec["partner_ranks"], rec["path"]) == (
+        "partner",
+        [0],
+        str(ck2.memory_root / "partner_of_rank_0" / "step_1"),
+    )
     assert all(torch.equal(a, b) for a, b in zip(want, _state(model2, opt2), strict=True))
     _train(model2, opt2, 2)
     ck2.save_memory(2)
@@ -142,7 +173,12 @@ def test_a_rank_on_a_node_holding_a_copy_of_its_state_reads_it_in_place(tmp_path
 
 def test_the_capacity_check_counts_the_partner_copies_a_node_holds() -> None:
     mib = 2**20
-    per_rank = [("a", 10 * mib, 60 * mib), ("a", 10 * mib, 60 * mib), ("b", 10 * mib, 60 * mib), ("b", 10 * mib, 60 * mib)]
+    per_rank = [
+        ("a", 10 * mib, 60 * mib),
+        ("a", 10 * mib, 60 * mib),
+        ("b", 10 * mib, 60 * mib),
+        ("b", 10 * mib, 60 * mib),
+    ]
     assert capacity_error(per_rank, memory_dir="/dev/shm", every=5) is None  # 40 MiB per node
     why = capacity_error(per_rank, memory_dir="/dev/shm", every=5, partners=[2, 3, 0, 1])  # 80 MiB per node
     assert why is not None and "80.0 MiB on node a" in why and "2 ranks' state + 2 partner copies" in why
@@ -151,15 +187,22 @@ def test_the_capacity_check_counts_the_partner_copies_a_node_holds() -> None:
 
 def test_a_copy_is_committed_only_when_every_file_matches_its_manifest(tmp_path) -> None:
     model, opt = _fresh()
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"),
-                                                                   async_mode="none"), run_id="r", total_steps=9)
+    ck = CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none"),
+        run_id="r",
+        total_steps=9,
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     _train(model, opt, 1)
     ck.save_memory(1)
     payload = pack_folder(ck.memory_root / "rank_0" / "step_1")
-    manifest = commit_folder(payload, tmp=tmp_path / "copy" / "step_1.t.tmp", final=tmp_path / "copy" / "step_1", step=1)
+    manifest = commit_folder(
+        payload, tmp=tmp_path / "copy" / "step_1.t.tmp", final=tmp_path / "copy" / "step_1", step=1
+    )
     assert manifest["rank"] == 0 and sorted(p.name for p in (tmp_path / "copy" / "step_1").iterdir()) == sorted(
-        [*manifest["files"], "manifest.json"])
+        [*manifest["files"], "manifest.json"]
+    )
     damaged = bytearray(payload)
     damaged[len(damaged) // 2] ^= 0xFF
     with pytest.raises(Exception):  # noqa: B017 - a damaged pickle or a crc32 mismatch, never a commit
@@ -205,8 +248,9 @@ def test_an_async_ram_save_returns_before_its_copy_and_saves_its_own_steps_state
     assert len(done) == 1
     model2, opt2 = _fresh()
     events: list[tuple[str, dict]] = []
-    ck2 = CheckpointManager(tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9,
-                            emit=lambda kind, **f: events.append((kind, f)))
+    ck2 = CheckpointManager(
+        tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9, emit=lambda kind, **f: events.append((kind, f))
+    )
     assert ck2.load_latest(model_parts=[model2], optimizers=[opt2]) == 4
     ck2.close()
     assert [(f["step"], f["tier"]) for k, f in events if k == "checkpoint_loaded"] == [(4, "memory")]
@@ -225,15 +269,18 @@ def test_a_ram_write_that_fails_midway_is_recorded_and_leaves_no_loadable_step(t
     events: list[tuple[str, dict]] = []
     cfg = CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="thread")
     model, opt = _fresh()
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9,
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        tmp_path / "ckpt", cfg=cfg, run_id="r", total_steps=9, emit=lambda kind, **f: events.append((kind, f))
+    )
     ck.load_latest(model_parts=[model], optimizers=[opt])
     for step in (1, 2):
         _train(model, opt, step)
         ck.save_memory(step)
     ck.wait_memory()
     assert [(k, f["step"]) for k, f in events if k.startswith("checkpoint_") and k != "checkpoint_none"] == [
-        ("checkpoint_saved", 1), ("checkpoint_failed", 2)]
+        ("checkpoint_saved", 1),
+        ("checkpoint_failed", 2),
+    ]
     assert [p.name for p in (ck.memory_root / "rank_0").iterdir() if not p.name.endswith(".tmp")] == ["step_1"]
     ck.close()
     model2, opt2 = _fresh()

@@ -59,12 +59,14 @@ def _train(model: _Two, opt: torch.optim.Optimizer, step: int) -> None:
 
 def _state(model: _Two, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.clone() for t in model.state_dict().values()] + [
-        t.clone() for st in opt.state.values() for t in st.values()]
+        t.clone() for st in opt.state.values() for t in st.values()
+    ]
 
 
 def _cfg(tmp_path, **kw) -> CheckpointConfig:
-    return CheckpointConfig(every_steps=2, memory_every_steps=1, memory_dir=str(tmp_path / "shm"),
-                            async_mode="none", **kw)
+    return CheckpointConfig(
+        every_steps=2, memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none", **kw
+    )
 
 
 def _run(tmp_path, *, steps: int = 5, run_id: str = "runA", **kw):
@@ -72,8 +74,13 @@ def _run(tmp_path, *, steps: int = 5, run_id: str = "runA", **kw):
     the state after the last step and the manager's events."""
     events: list[tuple[str, dict]] = []
     model, opt = _fresh()
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=_cfg(tmp_path, **kw), run_id=run_id, total_steps=100,
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=_cfg(tmp_path, **kw),
+        run_id=run_id,
+        total_steps=100,
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
     assert ck.load_latest(model_parts=[model], optimizers=[opt]) == 0
     for step in range(1, steps + 1):
         _train(model, opt, step)
@@ -88,8 +95,13 @@ def _run(tmp_path, *, steps: int = 5, run_id: str = "runA", **kw):
 def _resume(tmp_path, *, run_id: str = "runA"):
     events: list[tuple[str, dict]] = []
     model, opt = _fresh()
-    ck = CheckpointManager(tmp_path / "ckpt", cfg=_cfg(tmp_path), run_id=run_id, total_steps=100,
-                           emit=lambda kind, **f: events.append((kind, f)))
+    ck = CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=_cfg(tmp_path),
+        run_id=run_id,
+        total_steps=100,
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
     step = ck.load_latest(model_parts=[model], optimizers=[opt])
     ck.close()
     return step, _state(model, opt), events, ck
@@ -160,12 +172,14 @@ def test_drop_memory_removes_the_runs_copies(tmp_path) -> None:
 
 
 def test_the_attempt_summary_says_which_tier_each_attempt_resumed_from() -> None:
-    ev = [{"kind": "attempt_start", "attempt": "j.0", "time": 0.0},
-          {"kind": "checkpoint_none", "attempt": "j.0", "time": 1.0},
-          {"kind": "attempt_start", "attempt": "j.1", "time": 10.0},
-          {"kind": "checkpoint_loaded", "attempt": "j.1", "time": 11.0, "step": 8, "tier": "memory"},
-          {"kind": "attempt_start", "attempt": "j.2", "time": 20.0},
-          {"kind": "checkpoint_loaded", "attempt": "j.2", "time": 21.0, "step": 6}]  # an older ledger: no tier
+    ev = [
+        {"kind": "attempt_start", "attempt": "j.0", "time": 0.0},
+        {"kind": "checkpoint_none", "attempt": "j.0", "time": 1.0},
+        {"kind": "attempt_start", "attempt": "j.1", "time": 10.0},
+        {"kind": "checkpoint_loaded", "attempt": "j.1", "time": 11.0, "step": 8, "tier": "memory"},
+        {"kind": "attempt_start", "attempt": "j.2", "time": 20.0},
+        {"kind": "checkpoint_loaded", "attempt": "j.2", "time": 21.0, "step": 6},
+    ]  # an older ledger: no tier
     rows = ledger.attempts(ev)
     assert [a.resumed_tier for a in rows] == [None, "memory", "filesystem"]
     lines = ledger.render_summary(ev).splitlines()

@@ -44,9 +44,22 @@ def test_mixtral_8x22b_has_the_published_141b_total_and_39b_active_parameters() 
 
 
 def test_mixtral_8x22b_plans_on_an_ep8_pipeline_mesh() -> None:
-    cfg = compose(["model=mixtral_8x22b", "cluster=h100_ib", "launcher.nodes=16", "launcher.tasks_per_node=8",
-                   "mesh.pp=8", "mesh.tp=1", "mesh.ep=8", "mesh.dp_shard=-1", "train.seq_len=4096",
-                   "train.micro_batch=1", "train.global_batch=256", "train.activation_checkpointing=full"])
+    cfg = compose(
+        [
+            "model=mixtral_8x22b",
+            "cluster=h100_ib",
+            "launcher.nodes=16",
+            "launcher.tasks_per_node=8",
+            "mesh.pp=8",
+            "mesh.tp=1",
+            "mesh.ep=8",
+            "mesh.dp_shard=-1",
+            "train.seq_len=4096",
+            "train.micro_batch=1",
+            "train.global_batch=256",
+            "train.activation_checkpointing=full",
+        ]
+    )
     plan = build_plan(cfg, measure=False)
     assert plan.mesh == "pp8 * dp_shard16 * ep8" and plan.params_total == count_params(cfg.model).total
     assert any(c["collective"] == "all_to_all" and c["axis"] == "ep" for c in plan.comm)
@@ -85,8 +98,11 @@ def test_tiny_mla_moe_trains_on_cpu() -> None:
         loss = cross_entropy(model(toks[:, :-1]), toks[:, 1:])
         loss.backward()
         if not losses:
-            assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
-                       if "experts" not in n or "shared" in n)
+            assert all(
+                p.grad is not None and p.grad.abs().sum() > 0
+                for n, p in model.named_parameters()
+                if "experts" not in n or "shared" in n
+            )
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1, losses

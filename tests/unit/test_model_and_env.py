@@ -59,7 +59,15 @@ _SLURM_HOSTNAMES = {
     "gpu[08-10],login1": ["gpu08", "gpu09", "gpu10", "login1"],
     "rack[1-2]-n[01-02]": ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"],
     "gpu[001-002,010],login1,rack[1-2]-n[1-2]": [
-        "gpu001", "gpu002", "gpu010", "login1", "rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"],
+        "gpu001",
+        "gpu002",
+        "gpu010",
+        "login1",
+        "rack1-n1",
+        "rack1-n2",
+        "rack2-n1",
+        "rack2-n2",
+    ],
     "a[1-2]b[3-4]c[5-6]": ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"],
     "n[1-2][3-4]": ["n13", "n14", "n23", "n24"],
     "n[9-11],x[098-101]": ["n9", "n10", "n11", "x098", "x099", "x100", "x101"],
@@ -74,8 +82,7 @@ def _scontrol_hostnames(hostlist: str) -> subprocess.CompletedProcess:
     if shutil.which("scontrol") is None:
         pytest.skip("scontrol not on PATH (the literal lists are checked without it)")
     try:
-        return subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True,
-                              timeout=10)
+        return subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         pytest.skip("scontrol has no configuration here (it retries reading slurm.conf)")
 
@@ -104,11 +111,19 @@ def test_the_real_scontrol_rejects_the_invalid_hostlists(hostlist: str) -> None:
 
 
 def test_distenv_from_slurm_variables() -> None:
-    env = DistEnv.from_environ({
-        "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_RESTART_COUNT": "2", "SLURMD_NODENAME": "node2",
-    })
+    env = DistEnv.from_environ(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_RESTART_COUNT": "2",
+            "SLURMD_NODENAME": "node2",
+        }
+    )
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (5, 1, 8, 4, 1)
     # No port derived from the job id (jobs 4242 and 24242 used to collide on 24242): 0 means rank 0
     # publishes the port the kernel gave its store (jobs.launch.rendezvous).

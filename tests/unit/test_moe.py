@@ -13,8 +13,14 @@ from jobs.planner.params import count_params
 from jobs.validate import validate
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.n_shared_experts=2", "model.n_dense_layers=2"],
-                                       ["model.n_shared_experts=0", "model.n_routed_experts=16", "model.moe_groups=8"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.n_shared_experts=2", "model.n_dense_layers=2"],
+        ["model.n_shared_experts=0", "model.n_routed_experts=16", "model.moe_groups=8"],
+    ],
+)
 def test_trainer_parameter_count_equals_the_planners_for_tiny_moe(overrides: list[str]) -> None:
     m = compose(["model=tiny_moe", *overrides]).model
     with torch.device("meta"):
@@ -30,8 +36,12 @@ def test_grouped_experts_equal_one_swiglu_per_expert() -> None:
     w1, w3 = torch.randn(4, 8, 6, generator=g), torch.randn(4, 8, 6, generator=g)
     w2 = torch.randn(4, 6, 8, generator=g)
     starts = [sum(counts[:e]) for e in range(4)]
-    loop = torch.cat([(F.silu(x[s:s + c] @ w1[e]) * (x[s:s + c] @ w3[e])) @ w2[e]
-                      for e, (s, c) in enumerate(zip(starts, counts))])
+    loop = torch.cat(
+        [
+            (F.silu(x[s : s + c] @ w1[e]) * (x[s : s + c] @ w3[e])) @ w2[e]
+            for e, (s, c) in enumerate(zip(starts, counts))
+        ]
+    )
     torch.testing.assert_close(grouped_swiglu(x, counts, w1, w2, w3), loop)
 
 
@@ -135,18 +145,34 @@ def test_expert_bias_is_checkpointed_model_state() -> None:
     assert not any("tokens_per_expert" in k for k in keys)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=2", "mesh.ep=2"],
-     "mesh.ep(2) > 1 but model.n_routed_experts(0)"),
-    (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=3", "mesh.ep=3"], "mesh.ep(3)"),
-    (["model=tiny_moe", "mesh=single", "mesh.tp=2", "model.moe_ffn_dim=33", "launcher.tasks_per_node=2"],
-     "model.moe_ffn_dim(33) % mesh.tp(2) != 0: the experts' hidden dim is split over the tp ranks (etp = tp)"),
-    (["model=tiny_mla_moe", "mesh=single", "mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2", "launcher.tasks_per_node=4"],
-     "mesh.tp(2) > 1 with model.attention=mla: tp of latent attention is not built yet"),
-    (["model=tiny_moe", "model.moe_score_func=relu"], "model.moe_score_func='relu'"),
-    (["model=tiny_moe", "model.moe_groups=3"], "model.moe_groups(3)"),
-    (["model=tiny_moe", "model.moe_max_nodes=1", "model.experts_per_token=3"], "model.experts_per_token(3)"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=2", "mesh.ep=2"],
+            "mesh.ep(2) > 1 but model.n_routed_experts(0)",
+        ),
+        (["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=3", "mesh.ep=3"], "mesh.ep(3)"),
+        (
+            ["model=tiny_moe", "mesh=single", "mesh.tp=2", "model.moe_ffn_dim=33", "launcher.tasks_per_node=2"],
+            "model.moe_ffn_dim(33) % mesh.tp(2) != 0: the experts' hidden dim is split over the tp ranks (etp = tp)",
+        ),
+        (
+            [
+                "model=tiny_mla_moe",
+                "mesh=single",
+                "mesh.dp_shard=2",
+                "mesh.tp=2",
+                "mesh.ep=2",
+                "launcher.tasks_per_node=4",
+            ],
+            "mesh.tp(2) > 1 with model.attention=mla: tp of latent attention is not built yet",
+        ),
+        (["model=tiny_moe", "model.moe_score_func=relu"], "model.moe_score_func='relu'"),
+        (["model=tiny_moe", "model.moe_groups=3"], "model.moe_groups(3)"),
+        (["model=tiny_moe", "model.moe_max_nodes=1", "model.experts_per_token=3"], "model.experts_per_token(3)"),
+    ],
+)
 def test_moe_config_errors_name_the_override(overrides: list[str], needle: str) -> None:
     with pytest.raises(ValueError) as e:
         validate(compose(overrides))
@@ -154,7 +180,8 @@ def test_moe_config_errors_name_the_override(overrides: list[str], needle: str) 
 
 
 def test_tiny_moe_with_ep2_validates() -> None:
-    d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4",
-                          "mesh.ep=2"]))
+    d = validate(
+        compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=-1", "launcher.tasks_per_node=4", "mesh.ep=2"])
+    )
     assert (d.dims.dp_shard, d.dims.ep) == (4, 2)
     assert d.dims.describe() == "dp_shard4 (ep2 within dp_shard)"

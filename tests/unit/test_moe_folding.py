@@ -17,11 +17,14 @@ from parallel.config import MeshConfig
 from parallel.dims import ParallelDims, fold_moe_mesh
 
 
-@pytest.mark.parametrize("shape", [
-    dict(pp=16, dp_replicate=1, dp_shard=128, cp=1, tp=1, ep=64),  # DeepSeek-V3 report §3.2: PP16 EP64 (2,048 GPUs)
-    dict(pp=2, dp_replicate=2, dp_shard=4, cp=2, tp=2, ep=8),  # ep folded over dp_shard * cp, experts tp-sharded
-    dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2),  # what jobs.train builds: ep within dp_shard
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(pp=16, dp_replicate=1, dp_shard=128, cp=1, tp=1, ep=64),  # DeepSeek-V3 report §3.2: PP16 EP64 (2,048 GPUs)
+        dict(pp=2, dp_replicate=2, dp_shard=4, cp=2, tp=2, ep=8),  # ep folded over dp_shard * cp, experts tp-sharded
+        dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=2),  # what jobs.train builds: ep within dp_shard
+    ],
+)
 def test_the_moe_mesh_covers_the_attention_meshs_ranks_exactly(shape: dict) -> None:
     moe = fold_moe_mesh(**shape)
     assert math.prod(moe.values()) == math.prod(shape[a] for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
@@ -30,8 +33,11 @@ def test_the_moe_mesh_covers_the_attention_meshs_ranks_exactly(shape: dict) -> N
 
 
 def test_an_ep_that_does_not_fold_is_refused_with_the_degrees_that_do() -> None:
-    with pytest.raises(ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(2\) \* mesh\.cp\(3\) = 6: .* "
-                                         r"set mesh\.ep to one of 1, 2, 3, 6$"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(2\) \* mesh\.cp\(3\) = 6: .* "
+        r"set mesh\.ep to one of 1, 2, 3, 6$",
+    ):
         fold_moe_mesh(pp=1, dp_replicate=1, dp_shard=2, cp=3, tp=1, ep=4)
     cfg = compose(["model=tiny_moe", "mesh=single", "mesh.dp_shard=2", "mesh.ep=4", "launcher.tasks_per_node=2"])
     with pytest.raises(ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(2\)"):
@@ -55,7 +61,9 @@ def test_jobs_train_folds_ep_over_cp_and_refuses_a_fold_that_does_not_fit() -> N
     dims = ParallelDims.from_config(MeshConfig(cp=2, ep=2), world_size=2)
     assert dims.describe() == "cp2 (ep2 within dp_shard*cp)"
     assert dims.describe_meshes() == "attention cp2 | MoE edp1 * ep2 (folded over the same 2 ranks)"
-    with pytest.raises(ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(1\) \* mesh\.cp\(2\) = 2: .* one of 1, 2$"):
+    with pytest.raises(
+        ValueError, match=r"mesh\.ep\(4\) must divide mesh\.dp_shard\(1\) \* mesh\.cp\(2\) = 2: .* one of 1, 2$"
+    ):
         ParallelDims.from_config(MeshConfig(cp=2, ep=4), world_size=2)
 
 

@@ -35,16 +35,30 @@ def test_the_deepseek_v3_shaped_model_validates_with_pp_and_ep() -> None:
 def test_the_planners_ep_note_is_the_trainers_validation() -> None:
     _, notes = validate_for_planning(compose(PP_EP))
     assert any(n.startswith("ep2: planned analytically, training built (parallel/ep.py)") for n in notes), notes
-    cfg = compose(["model=tiny_mla_moe", "mesh=single", "mesh.tp=2", "mesh.dp_shard=2", "mesh.ep=2",
-                   "launcher.tasks_per_node=4"])  # planned (MLA with tp: jobs.plan), not trained
+    cfg = compose(
+        ["model=tiny_mla_moe", "mesh=single", "mesh.tp=2", "mesh.dp_shard=2", "mesh.ep=2", "launcher.tasks_per_node=4"]
+    )  # planned (MLA with tp: jobs.plan), not trained
     _, notes = validate_for_planning(cfg)
-    assert any("training refused: mesh.tp(2) > 1 with model.attention=mla: tp of latent attention is not built yet"
-               in n for n in notes), notes
+    assert any(
+        "training refused: mesh.tp(2) > 1 with model.attention=mla: tp of latent attention is not built yet" in n
+        for n in notes
+    ), notes
 
 
 def test_ep_validates_beside_dp_replicate() -> None:
-    d = validate(compose(["model=tiny_moe", "mesh=single", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.ep=2",
-                          "launcher.tasks_per_node=4"]))
+    d = validate(
+        compose(
+            [
+                "model=tiny_moe",
+                "mesh=single",
+                "mesh.dp_replicate=2",
+                "mesh.dp_shard=2",
+                "mesh.ep=2",
+                "launcher.tasks_per_node=4",
+            ]
+        )
+    )
     assert (d.dims.dp_replicate, d.dims.dp_shard, d.dims.ep) == (2, 2, 2)
-    assert d.dims.describe_meshes() == ("attention dp_replicate2 * dp_shard2 | MoE dp_replicate2 * edp1 * ep2 "
-                                        "(folded over the same 4 ranks)")
+    assert d.dims.describe_meshes() == (
+        "attention dp_replicate2 * dp_shard2 | MoE dp_replicate2 * edp1 * ep2 (folded over the same 4 ranks)"
+    )

@@ -16,9 +16,22 @@ def _model(name: str) -> ModelConfig:
 
 
 def _tp(m: ModelConfig, stages: list, *, sp: bool, ac: str = "none", tp: int = 2) -> list:
-    items = P.comm_per_step(m, stages, pp=2, dp_replicate=1, fsdp=1, tp=tp, cp=1, ep=1, microbatches=MB,
-                            seq_len=SEQ, micro_batch=MICRO, sequence_parallel=sp, activation_checkpointing=ac,
-                            compute_bytes=CB)
+    items = P.comm_per_step(
+        m,
+        stages,
+        pp=2,
+        dp_replicate=1,
+        fsdp=1,
+        tp=tp,
+        cp=1,
+        ep=1,
+        microbatches=MB,
+        seq_len=SEQ,
+        micro_batch=MICRO,
+        sequence_parallel=sp,
+        activation_checkpointing=ac,
+        compute_bytes=CB,
+    )
     return [it for it in items if it.axis == "tp"]
 
 
@@ -53,11 +66,16 @@ def test_moe_blocks_tp_bytes_equal_the_hand_computed_sizes(sp: bool) -> None:
     assert (m.dim, m.experts_per_token, m.n_shared_experts) == (64, 2, 1)
     act = CB * SEQ * MICRO * 64  # one microbatch's hidden states: 8192 bytes
     calls = 2 * 3 * MB  # forward + backward, 3 MoE blocks
-    got = {it.what: (it.collective, it.count, it.bytes) for it in _tp(m, [P.StageShape((1, 2, 3), False, False)], sp=sp)
-           if "MoE" in it.what}
+    got = {
+        it.what: (it.collective, it.count, it.bytes)
+        for it in _tp(m, [P.StageShape((1, 2, 3), False, False)], sp=sp)
+        if "MoE" in it.what
+    }
     # An all-reduce moves 2 (n-1)/n of its buffer (tp2: 1x), an all-gather (n-1)/n (tp2: 0.5x).
-    want = {"fp32 MoE routed rows (2 per token)": ("all_reduce", calls, calls * 2 * act),  # top_k x act
-            "fp32 MoE shared experts' activations": ("all_reduce", calls, calls * act)}
+    want = {
+        "fp32 MoE routed rows (2 per token)": ("all_reduce", calls, calls * 2 * act),  # top_k x act
+        "fp32 MoE shared experts' activations": ("all_reduce", calls, calls * act),
+    }
     if sp:
         want["fp32 MoE block input / output grad (SP)"] = ("all_gather", calls, calls * act // 2)
     assert got == want
@@ -70,16 +88,34 @@ def test_no_shared_experts_no_shared_all_reduce() -> None:
     assert moe == {"all_reduce": 2 * 3 * MB}  # the routed rows' only
 
 
-@pytest.mark.parametrize("sp,ac,count,nbytes", [
-    (False, "none", 678, 4265607168), (False, "full", 870, 5473566720),
-    (True, "none", 390, 1226833920), (True, "full", 582, 1830813696)])
+@pytest.mark.parametrize(
+    "sp,ac,count,nbytes",
+    [
+        (False, "none", 678, 4265607168),
+        (False, "full", 870, 5473566720),
+        (True, "none", 390, 1226833920),
+        (True, "full", 582, 1830813696),
+    ],
+)
 def test_dense_tp_items_unchanged(sp: bool, ac: str, count: int, nbytes: int) -> None:
     # llama3_8b, one stage of all 32 blocks with the embedding and the head, tp4, 3 microbatches of 2 x 256, bf16:
     # the values comm_per_step gave before MoE blocks were priced apart.
     m = _model("llama3_8b")
-    items = P.comm_per_step(m, [P.StageShape(tuple(range(32)), True, True)], pp=2, dp_replicate=1, fsdp=2, tp=4,
-                            cp=1, ep=1, microbatches=3, seq_len=256, micro_batch=2, sequence_parallel=sp,
-                            activation_checkpointing=ac)
+    items = P.comm_per_step(
+        m,
+        [P.StageShape(tuple(range(32)), True, True)],
+        pp=2,
+        dp_replicate=1,
+        fsdp=2,
+        tp=4,
+        cp=1,
+        ep=1,
+        microbatches=3,
+        seq_len=256,
+        micro_batch=2,
+        sequence_parallel=sp,
+        activation_checkpointing=ac,
+    )
     tp = [(it.collective, it.count, it.bytes) for it in items if it.axis == "tp"]
     kinds = ["all_gather", "reduce_scatter"] if sp else ["all_reduce"]
     assert tp == [(k, count, nbytes) for k in kinds]

@@ -24,7 +24,6 @@ from jobs.failure.spike import new_detector, observe
 from jobs.failure.timeouts import set_pg_timeouts
 from jobs.telemetry.stragglers import StragglerDetector
 
-
 # ------------------------------------------------------------------ failure.collective_timeout_s
 
 
@@ -33,8 +32,9 @@ def _pg_timeout_s(pg) -> float:
 
 
 def test_set_pg_timeouts_sets_every_group_of_this_rank_including_new_ones(tmp_path: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     try:
         sub = dist.new_group(backend="gloo")  # a new group gets gloo's default (30 min), not the world's 60 s
         assert _pg_timeout_s(sub) == 1800.0
@@ -49,9 +49,13 @@ def test_the_trainer_applies_collective_timeout_s_after_the_first_step_only(monk
     monkeypatch.setattr(trainer_mod, "set_pg_timeouts", calls.append)
     emitted: list[tuple] = []
     stub = SimpleNamespace(
-        watchdog=None, cfg=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=42.0)),
+        watchdog=None,
+        cfg=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=42.0)),
         events=SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f))),
-        _interval_end=lambda step: False, heldout=SimpleNamespace(due=lambda step: False), trained_steps=[])
+        _interval_end=lambda step: False,
+        heldout=SimpleNamespace(due=lambda step: False),
+        trained_steps=[],
+    )
     times: list[float] = []
     trainer_mod.Trainer._after_step(stub, 1, {"step_time_s": 0.5}, times)
     trainer_mod.Trainer._after_step(stub, 2, {"step_time_s": 0.4}, times)
@@ -92,8 +96,16 @@ def test_the_watchdog_fires_at_the_first_heartbeat_past_its_limit_exactly(tmp_pa
     clock = _Clock()
     monkeypatch.setattr(watchdog_mod, "time", clock)
     fired: list[float] = []
-    wd = watchdog_mod.Watchdog(run_dir=str(tmp_path), attempt="local.0", rank=0, node="n0", heartbeat_s=1.0,
-                               init_timeout_s=5.0, hang_timeout_s=10.0, on_hang=fired.append)
+    wd = watchdog_mod.Watchdog(
+        run_dir=str(tmp_path),
+        attempt="local.0",
+        rank=0,
+        node="n0",
+        heartbeat_s=1.0,
+        init_timeout_s=5.0,
+        hang_timeout_s=10.0,
+        on_hang=fired.append,
+    )
     wd.progress(1)  # the limit is now the hang timeout, 10 s
 
     class _Done:
@@ -135,8 +147,12 @@ def _saved_with_interval(folder: Path, *, delta_s: float, step_time_s: float) ->
 def test_the_auto_interval_saves_exactly_when_its_steps_have_passed_with_restart_s_in_its_goodput(tmp_path) -> None:
     _saved_with_interval(tmp_path, delta_s=2.0, step_time_s=1.0)
     model, opt = _model()
-    ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(interval="auto", async_mode="none", restart_s=600.0),
-                           mtbf_s=3600.0, total_steps=10_000)
+    ck = CheckpointManager(
+        tmp_path,
+        cfg=CheckpointConfig(interval="auto", async_mode="none", restart_s=600.0),
+        mtbf_s=3600.0,
+        total_steps=10_000,
+    )
     assert ck.load_latest(model_parts=[model], optimizers=[opt]) == 10
     # Daly 2006 eq. 37: tau = sqrt(2 x 2 x 3600) (1 + sqrt(x)/3 + x/9) - 2 with x = 2/7200: 118.670 s -> 119 steps
     # of 1 s; eq. 20 with R = 600 s: T_w = M e^(R/M) (e^((tau+delta)/M) - 1) / tau = 1.22163 -> goodput 0.81858

@@ -15,7 +15,6 @@ from jobs.plan import main
 from jobs.planner import arith as P
 from jobs.planner.gate import Check, build_plan, check, validate_for_planning
 from jobs.planner.measure import stage_shapes
-
 from tests.conftest import REPO
 
 PRESETS = [
@@ -96,7 +95,15 @@ def test_json_has_the_contract_keys(capsys):
     code = main(["plan.json=true", "plan.fake_backend=false"])
     out = json.loads(capsys.readouterr().out)
     assert code == exitcodes.OK
-    for key in ("world_size", "params_total", "per_rank", "bubble_fraction", "checkpoint", "goodput_expected", "checks"):
+    for key in (
+        "world_size",
+        "params_total",
+        "per_rank",
+        "bubble_fraction",
+        "checkpoint",
+        "goodput_expected",
+        "checks",
+    ):
         assert key in out, key
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes"):
         assert isinstance(out["per_rank"][key], int), key
@@ -121,8 +128,15 @@ def test_tp16_on_the_405b_is_a_config_error_naming_the_override(capsys):
 
 def test_a_model_that_cannot_fit_fails_with_the_fix(capsys):
     # Llama 3 70B without TP or activation checkpointing, 8 sequences of 8K per rank.
-    code = main(["+experiment=llama3_70b", "mesh.tp=1", "train.global_batch=512", "train.activation_checkpointing=none",
-                 "plan.fake_backend=false"])
+    code = main(
+        [
+            "+experiment=llama3_70b",
+            "mesh.tp=1",
+            "train.global_batch=512",
+            "train.activation_checkpointing=none",
+            "plan.fake_backend=false",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == exitcodes.FAILED
     assert "memory:" in err and "cluster.gpu_mem_gib(80.0)" in err and "train.micro_batch" in err
@@ -142,13 +156,25 @@ def test_check_returns_a_config_failure_instead_of_raising():
 
 
 def test_the_six_readiness_questions_are_answered():
-    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "plan.restart_overhead_s=300",
-                               "plan.save_fixed_s=5", "train.activation_checkpointing=full"]),
-                      measure=False)  # known costs: no warning on rank death; full AC: it fits
+    plan = build_plan(
+        compose(
+            [
+                "+experiment=llama3_405b_8k_16384gpu",
+                "plan.restart_overhead_s=300",
+                "plan.save_fixed_s=5",
+                "train.activation_checkpointing=full",
+            ]
+        ),
+        measure=False,
+    )  # known costs: no warning on rank death; full AC: it fits
     questions = [r["question"] for r in plan.readiness]
     assert questions == [
-        "does it fit?", "where does the step time go?", "what happens when a rank dies?",
-        "will it resume bit-exactly?", "will a straggler be seen?", "is the environment pinned?",
+        "does it fit?",
+        "where does the step time go?",
+        "what happens when a rank dies?",
+        "will it resume bit-exactly?",
+        "will a straggler be seen?",
+        "is the environment pinned?",
     ]
     assert plan.readiness[0]["status"] == "ok" and plan.readiness[2]["status"] == "ok"
     assert plan.readiness[4]["status"] == "ok" and "straggler event" in plan.readiness[4]["answer"]
@@ -161,8 +187,10 @@ def test_llama3_405b_16k_checkpoint_interval_and_goodput():
     # writes it in 2.4 s; the blocking part of a thread-async save is the 0.32 GB staging copy + 5 s
     # (plan.save_fixed_s, here an explicit assumption); at the 3.09 h MTBF and a 300 s restart overhead
     # (plan.restart_overhead_s, also assumed) Daly gives ~5.5 min and ~94% expected goodput.
-    plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "plan.save_fixed_s=5",
-                               "plan.restart_overhead_s=300"]), measure=False)
+    plan = build_plan(
+        compose(["+experiment=llama3_405b_8k_16384gpu", "plan.save_fixed_s=5", "plan.restart_overhead_s=300"]),
+        measure=False,
+    )
     ck = plan.checkpoint
     assert "plan.save_fixed_s=5 (user assumption)" in ck["blocking_source"]
     assert "plan.restart_overhead_s=300 (user assumption)" in ck["restart_source"]
@@ -179,7 +207,10 @@ def test_plan_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, "-m", "jobs.plan", f"run.dir={run_dir}", "plan.fake_backend=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode == exitcodes.OK, p.stderr
     assert "readiness" in p.stdout and "checks" in p.stdout
@@ -216,15 +247,26 @@ def test_deepseek_v3_last_stage_is_planned_with_the_2_layer_microbatches_it_hold
     d, _ = validate_for_planning(cfg)
     shapes = stage_shapes(cfg, d)
     assert d.microbatches == 120 and [len(shapes[r][0].layers) for r in (0, 12, 13, 15)] == [3, 4, 4, 2]
-    flight = {r: P.layers_in_flight(pp=16, microbatches=d.microbatches, layers_on_rank=len(shapes[r][0].layers),
-                                    stages_per_rank=1, schedule="1f1b", pp_rank=r) for r in (0, 1, 15)}
+    flight = {
+        r: P.layers_in_flight(
+            pp=16,
+            microbatches=d.microbatches,
+            layers_on_rank=len(shapes[r][0].layers),
+            stages_per_rank=1,
+            schedule="1f1b",
+            pp_rank=r,
+        )
+        for r in (0, 1, 15)
+    }
     assert flight == {0: 48.0, 1: 60.0, 15: 2.0}
     plan = build_plan(cfg, measure=False)
     last = next(r for r in plan.roles if r["pp_rank"] == 15)
     m, t = cfg.model, cfg.train
     ckpt = P.checkpointed_layer_bytes(seq_len=t.seq_len, micro_batch=1, dim=m.dim, tp=1, sequence_parallel=False)
-    full = max(P.layer_activation_bytes(m, layer=i, seq_len=t.seq_len, micro_batch=1, tp=1, sequence_parallel=False)
-               for i in shapes[15][0].layers)
+    full = max(
+        P.layer_activation_bytes(m, layer=i, seq_len=t.seq_len, micro_batch=1, tp=1, sequence_parallel=False)
+        for i in shapes[15][0].layers
+    )
     # full AC: 2 layer inputs kept + one block recomputed; the first input is the pipeline receive buffer, held
     # in p2p_bytes (issue 22), so the activations hold the second only
     assert last["activation_bytes"] == ckpt + full
@@ -233,6 +275,10 @@ def test_deepseek_v3_last_stage_is_planned_with_the_2_layer_microbatches_it_hold
 
 def test_interleaved_warm_up_depends_on_the_pp_rank():
     # torch's ScheduleInterleaved1F1B warm-up on rank r: (v-1)·p + 2(p-1-r) chunk-microbatches, +1 in steady state.
-    got = [P.layers_in_flight(pp=4, microbatches=8, layers_on_rank=4, stages_per_rank=2, schedule="interleaved_1f1b",
-                              pp_rank=r) for r in range(4)]
+    got = [
+        P.layers_in_flight(
+            pp=4, microbatches=8, layers_on_rank=4, stages_per_rank=2, schedule="interleaved_1f1b", pp_rank=r
+        )
+        for r in range(4)
+    ]
     assert got == [(4 + 6 + 1) * 2, (4 + 4 + 1) * 2, (4 + 2 + 1) * 2, (4 + 0 + 1) * 2]

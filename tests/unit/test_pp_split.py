@@ -9,19 +9,22 @@ from jobs.validate import validate
 from parallel.pipeline import balanced_layers_per_stage, layer_ranges
 
 
-@pytest.mark.parametrize("n_layers, num_stages, expected", [
-    # The case (torchtitan's 6-layer debug model, pp2 interleaved = 4 stages): the old even
-    # split [2, 2, 1, 1] made the first stage cost 3 block-equivalents; balanced, every stage costs 2.
-    (6, 4, [1, 2, 2, 1]),
-    (4, 2, [2, 2]),  # the tiny model on pp2: embedding + 2 | 2 + head
-    (5, 2, [3, 2]),  # odd: the block comes off the last stage (it also runs the loss)
-    (8, 4, [1, 3, 3, 1]),  # 10 block-equivalents over 4 stages: max 3, edge stages lighter
-    (8, 8, [1] * 8),  # as many stages as blocks: one each, never an empty stage
-    (16, 4, [3, 5, 5, 3]),
-    # Llama 3 405B, pp16 (Llama Team 2024, "The Llama 3 Herd of Models", §3.3.2: one layer fewer on
-    # the first and the last stage).
-    (126, 16, [7] + [8] * 14 + [7]),
-])
+@pytest.mark.parametrize(
+    "n_layers, num_stages, expected",
+    [
+        # The case (torchtitan's 6-layer debug model, pp2 interleaved = 4 stages): the old even
+        # split [2, 2, 1, 1] made the first stage cost 3 block-equivalents; balanced, every stage costs 2.
+        (6, 4, [1, 2, 2, 1]),
+        (4, 2, [2, 2]),  # the tiny model on pp2: embedding + 2 | 2 + head
+        (5, 2, [3, 2]),  # odd: the block comes off the last stage (it also runs the loss)
+        (8, 4, [1, 3, 3, 1]),  # 10 block-equivalents over 4 stages: max 3, edge stages lighter
+        (8, 8, [1] * 8),  # as many stages as blocks: one each, never an empty stage
+        (16, 4, [3, 5, 5, 3]),
+        # Llama 3 405B, pp16 (Llama Team 2024, "The Llama 3 Herd of Models", §3.3.2: one layer fewer on
+        # the first and the last stage).
+        (126, 16, [7] + [8] * 14 + [7]),
+    ],
+)
 def test_balanced_split_counts_embedding_and_head_as_one_block_each(n_layers, num_stages, expected) -> None:
     got = balanced_layers_per_stage(n_layers, num_stages)
     assert got == expected
@@ -49,19 +52,28 @@ def test_validate_resolves_the_default_and_the_user_split() -> None:
     assert d.pp_layers_per_stage == (1, 2, 2, 1)
     assert validate(compose(["mesh=single", "launcher.tasks_per_node=1"])).pp_layers_per_stage == ()
     # A user split may leave fewer blocks than stages, as long as every middle stage holds one.
-    d = validate(compose([*base, "model.n_layers=2", "mesh.pp_schedule=interleaved_1f1b",
-                          "mesh.pp_layers_per_stage=[0,1,1,0]"]))
+    d = validate(
+        compose([*base, "model.n_layers=2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_layers_per_stage=[0,1,1,0]"])
+    )
     assert d.pp_layers_per_stage == (0, 1, 1, 0)
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["mesh.pp_layers_per_stage=[3,2]"], "mesh.pp_layers_per_stage=[3, 2]: 3 + 2 = 5 != model.n_layers(4)"),
-    (["mesh.pp_layers_per_stage=[4]"], "has 1 entries != mesh.pp(2) * stages per rank(1) = 2 stages"),
-    (["mesh.pp_schedule=interleaved_1f1b", "mesh.pp_layers_per_stage=[2,2]"],
-     "has 2 entries != mesh.pp(2) * stages per rank(2) = 4 stages"),
-    (["mesh.pp_layers_per_stage=[5,-1]"], "block counts must be >= 0"),
-    (["mesh.pp_schedule=interleaved_1f1b", "mesh.pp_layers_per_stage=[2,0,1,1]"], "stage(s) [1] would hold nothing"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["mesh.pp_layers_per_stage=[3,2]"], "mesh.pp_layers_per_stage=[3, 2]: 3 + 2 = 5 != model.n_layers(4)"),
+        (["mesh.pp_layers_per_stage=[4]"], "has 1 entries != mesh.pp(2) * stages per rank(1) = 2 stages"),
+        (
+            ["mesh.pp_schedule=interleaved_1f1b", "mesh.pp_layers_per_stage=[2,2]"],
+            "has 2 entries != mesh.pp(2) * stages per rank(2) = 4 stages",
+        ),
+        (["mesh.pp_layers_per_stage=[5,-1]"], "block counts must be >= 0"),
+        (
+            ["mesh.pp_schedule=interleaved_1f1b", "mesh.pp_layers_per_stage=[2,0,1,1]"],
+            "stage(s) [1] would hold nothing",
+        ),
+    ],
+)
 def test_a_bad_user_split_is_refused_with_the_arithmetic(extra, needle) -> None:
     base = ["mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=1", "launcher.tasks_per_node=2"]
     with pytest.raises(ValueError) as e:

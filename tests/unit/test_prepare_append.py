@@ -33,8 +33,13 @@ def corpus(tmp_path, monkeypatch):
 
 
 def _prepare(inputs, out, *, tokenizer=None, said: list | None = None) -> dict:
-    cfg = DataConfig(name="tokenized", path=str(out), inputs=[str(p) for p in inputs], heldout_fraction=0.2,
-                     tokenizer=str(tokenizer) if tokenizer else None)
+    cfg = DataConfig(
+        name="tokenized",
+        path=str(out),
+        inputs=[str(p) for p in inputs],
+        heldout_fraction=0.2,
+        tokenizer=str(tokenizer) if tokenizer else None,
+    )
     return prepare_data(cfg, vocab_size=384, progress=(said.append if said is not None else lambda _: None))
 
 
@@ -57,15 +62,16 @@ def _chunks(path) -> dict[str, list[tuple[int, bytes]]]:
             for k in range(ds.id.get_num_chunks()):
                 info = ds.id.get_chunk_info(k)
                 used = min(ds.chunks[0], ds.shape[0] - info.chunk_offset[0]) * ds.dtype.itemsize
-                out[name].append((info.byte_offset, raw[info.byte_offset:info.byte_offset + used]))
+                out[name].append((info.byte_offset, raw[info.byte_offset : info.byte_offset + used]))
     return out
 
 
 def _kept(old: dict, new: dict) -> bool:
     """Every old chunk where it was, its bytes unchanged (the last one, partly filled, only grew)."""
+
     def kept(o: list, n: list) -> bool:
         last = n[len(o) - 1]
-        return len(o) >= 2 and n[:len(o) - 1] == o[:-1] and last[0] == o[-1][0] and last[1].startswith(o[-1][1])
+        return len(o) >= 2 and n[: len(o) - 1] == o[:-1] and last[0] == o[-1][0] and last[1].startswith(o[-1][1])
 
     return all(kept(old[name], new[name]) for name in _STREAMS)
 
@@ -103,6 +109,7 @@ def test_an_error_during_an_append_leaves_the_file_as_it_was(tmp_path, corpus, m
         def call(*args, **kw):
             orig(*args, **kw)  # it did its writing: the error comes after it
             raise RuntimeError(f"injected after the {where}")
+
         return call
 
     name = "_flush" if where == "data" else "_put_manifest"
@@ -128,21 +135,29 @@ prepare.prepare_data(DataConfig(name="tokenized", path=sys.argv[1], inputs=sys.a
 
 
 def test_a_kill_between_the_data_and_the_manifest_is_refused_by_a_run_and_cut_back_by_the_next_append(
-        tmp_path, corpus) -> None:
+    tmp_path, corpus
+) -> None:
     a, b, c, tok = corpus
     out = tmp_path / "out.h5"
     _prepare([a], out, tokenizer=tok)
     before, streams = _contents(out)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", _KILLED, str(out), str(a), str(b), str(tok)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(out), str(a), str(b), str(tok)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == -9, p.stderr[-2000:]
     after, longer = _contents(out)
     assert after == before  # the manifest counts only what was there before
     assert longer["tokens"].shape[0] > streams["tokens"].shape[0]  # the uncommitted tokens are in the file
-    assert np.array_equal(longer["tokens"][:len(streams["tokens"])], streams["tokens"])
-    with pytest.raises(ValueError, match="manifest counts .*stopped before its commit; run the same python -m "
-                                         "jobs.prepare_data again"):
+    assert np.array_equal(longer["tokens"][: len(streams["tokens"])], streams["tokens"])
+    with pytest.raises(
+        ValueError, match="manifest counts .*stopped before its commit; run the same python -m jobs.prepare_data again"
+    ):
         ensure_dataset(DataConfig(name="tokenized", path=str(out)), vocab_size=384, sample_len=33)
     said: list[str] = []
     _prepare([a, b], out, tokenizer=tok, said=said)
@@ -181,9 +196,18 @@ def test_a_file_open_elsewhere_is_appended_to_a_copy_and_the_reader_keeps_its_fi
     a, b, c, tok = corpus
     out = tmp_path / "out.h5"
     _prepare([a], out, tokenizer=tok)
-    reader = subprocess.Popen([sys.executable, "-c", "import h5py, sys; f = h5py.File(sys.argv[1], 'r'); "
-                               "print(f['tokens'].shape[0], flush=True); sys.stdin.read(); print(f['tokens'].shape[0])",
-                               str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import h5py, sys; f = h5py.File(sys.argv[1], 'r'); "
+            "print(f['tokens'].shape[0], flush=True); sys.stdin.read(); print(f['tokens'].shape[0])",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         n = int(reader.stdout.readline())  # it holds the file open (HDF5's lock)
         said: list[str] = []
@@ -202,8 +226,13 @@ def test_overlapped_tokenization_writes_the_same_bytes_as_the_serial_path(tmp_pa
     monkeypatch.setattr(prepare, "_BATCH_DOCS", 7)  # many batches in flight, and several flushes per file
     monkeypatch.setattr(prepare, "_FLUSH_TOKENS", 500)
     for overlap in (False, True):
-        cfg = DataConfig(name="tokenized", path=str(tmp_path / f"{overlap}.h5"), inputs=[str(a), str(b)],
-                         heldout_fraction=0.2, tokenizer=str(tok))
+        cfg = DataConfig(
+            name="tokenized",
+            path=str(tmp_path / f"{overlap}.h5"),
+            inputs=[str(a), str(b)],
+            heldout_fraction=0.2,
+            tokenizer=str(tok),
+        )
         prepare_data(cfg, vocab_size=384, progress=lambda _: None, overlap=overlap)
         cfg.inputs.append(str(c))  # and an append
         prepare_data(cfg, vocab_size=384, progress=lambda _: None, overlap=overlap)
@@ -215,4 +244,4 @@ def test_overlapped_tokenization_writes_the_same_bytes_as_the_serial_path(tmp_pa
         for name, held in (("tokens", False), ("heldout", True)):
             key = "heldout_tokens" if held else "tokens"
             want = [i for t, e in zip(texts, encoded) if prepare._is_heldout(t, 0.2) == held for i in e.ids + [eos]]
-            assert f[name][m[key] - m["files"][2][key]:].tolist() == want  # the ids c was appended as
+            assert f[name][m[key] - m["files"][2][key] :].tolist() == want  # the ids c was appended as

@@ -76,7 +76,7 @@ def test_a_rerun_appends_new_files_and_skips_present_ones(tmp_path) -> None:
     first = _documents(tmp_path / "out.h5", "tokens")
     m = _prepare(files, tmp_path / "out.h5")  # a.jsonl is present (skipped by hash), b.txt is new
     assert [f["path"] for f in m["files"]] == [str(p) for p in files]
-    assert _documents(tmp_path / "out.h5", "tokens")[:len(first)] == first
+    assert _documents(tmp_path / "out.h5", "tokens")[: len(first)] == first
     before = _sha(tmp_path / "out.h5")
     _prepare(files, tmp_path / "out.h5")  # nothing new: the file is untouched
     assert _sha(tmp_path / "out.h5") == before
@@ -108,9 +108,20 @@ def test_a_malformed_input_names_file_and_line_and_writes_nothing(tmp_path, name
 
 def test_a_malformed_input_exits_2_from_the_command(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_bytes(BAD["bad_json.jsonl"][0])
-    p = subprocess.run([sys.executable, "-m", "jobs.prepare_data", f"data.inputs=[{tmp_path / 'bad.jsonl'}]",
-                        f"data.path={tmp_path / 'out.h5'}", "model.vocab_size=384"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.prepare_data",
+            f"data.inputs=[{tmp_path / 'bad.jsonl'}]",
+            f"data.path={tmp_path / 'out.h5'}",
+            "model.vocab_size=384",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and f"{tmp_path / 'bad.jsonl'}:2: not a JSON line" in p.stderr, p.stderr
     assert not (tmp_path / "out.h5").exists()
 
@@ -124,11 +135,12 @@ def test_the_heldout_split_never_overlaps_training_samples(tmp_path) -> None:
         stream_train, stream_held = f["tokens"][:], f["heldout"][:]
     src = BatchSource(tmp_path / "out.h5", seed=0, global_batch=4, seq_len=15, dp_rank=0, dp=1, split="heldout")
     x, y = src.batch(0)
-    samples = {tuple(stream_train[i:i + 16]) for i in range(0, len(stream_train) - 15, 16)}
+    samples = {tuple(stream_train[i : i + 16]) for i in range(0, len(stream_train) - 15, 16)}
     assert len(samples) == len(stream_train) // 16  # the training samples: consecutive cuts of seq_len + 1
     for row in np.concatenate([x.numpy(), y.numpy()[:, -1:]], axis=1):
-        assert tuple(row) not in samples and any(np.array_equal(row, stream_held[i:i + 16])
-                                                 for i in range(0, len(stream_held) - 15, 16))
+        assert tuple(row) not in samples and any(
+            np.array_equal(row, stream_held[i : i + 16]) for i in range(0, len(stream_held) - 15, 16)
+        )
 
 
 def test_the_synthetic_heldout_rows_are_new_samples_of_the_same_language(tmp_path) -> None:
@@ -143,8 +155,12 @@ def test_the_synthetic_heldout_rows_are_new_samples_of_the_same_language(tmp_pat
     for r in train:
         for p, n in zip(r[:-1], r[1:]):
             rule_a.setdefault((r[0] % 8, p), []).append(n)
-    follows = [np.bincount(rule_a[(r[0] % 8, p)]).argmax() == n for r in held for p, n in zip(r[:-1], r[1:])
-               if (r[0] % 8, p) in rule_a]
+    follows = [
+        np.bincount(rule_a[(r[0] % 8, p)]).argmax() == n
+        for r in held
+        for p, n in zip(r[:-1], r[1:])
+        if (r[0] % 8, p) in rule_a
+    ]
     assert np.mean(follows) > 0.8
 
 
@@ -153,14 +169,18 @@ def test_a_format_1_synthetic_file_is_refused_with_the_fix(tmp_path) -> None:
         f["tokens"] = np.zeros((8, 9), np.int32)
         f.attrs.update({"format": 1, "vocab_size": 16, "gen_seed": 1})
     with pytest.raises(ValueError, match="format-1 synthetic file.*delete it"):
-        ensure_dataset(DataConfig(path=str(tmp_path / "old.h5"), num_samples=8, gen_seed=1), vocab_size=16, sample_len=9)
+        ensure_dataset(
+            DataConfig(path=str(tmp_path / "old.h5"), num_samples=8, gen_seed=1), vocab_size=16, sample_len=9
+        )
 
 
 def test_a_mixture_is_deterministic_and_follows_its_weights(tmp_path) -> None:
     kw = dict(seed=5, global_batch=64, sizes=[100, 37], weights=[0.7, 0.3])
     a = [mixture_indices(step=s, **kw) for s in range(200)]
-    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
-               for x, y in zip(a, [mixture_indices(step=s, **kw) for s in range(200)]))
+    assert all(
+        np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+        for x, y in zip(a, [mixture_indices(step=s, **kw) for s in range(200)])
+    )
     src = np.concatenate([s for s, _ in a])
     assert abs((src == 0).mean() - 0.7) < 0.02  # 12800 draws: 4 standard deviations is 0.016
     assert all((i[s == 1] < 37).all() for s, i in a)
@@ -183,9 +203,22 @@ def test_a_vocabulary_mismatch_is_refused_before_start(tmp_path) -> None:
     with pytest.raises(ValueError, match="held-out tokens, fewer than one evaluation sample.*train.eval_every=0"):
         ensure_dataset(cfg, vocab_size=384, sample_len=33, eval_sample_len=m["heldout_tokens"] + 1)
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "data=tokenized",
-                        f"data.path={tmp_path / 'out.h5'}", "mesh=single", "launcher.tasks_per_node=1"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            "data=tokenized",
+            f"data.path={tmp_path / 'out.h5'}",
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "model.vocab_size=384" in p.stderr, p.stderr
     assert not run_dir.exists()  # refused before any rank started or anything was written
 

@@ -3,23 +3,22 @@ is read, plain text documents per line / paragraph / file in bounded pieces, the
 
 from __future__ import annotations
 
-import json
-
 import h5py
 import numpy as np
 import pytest
 
 from jobs.config import DataConfig, DataSource
-from jobs.data import BatchSource, ensure_dataset
-from jobs.data import corpus, prepare
+from jobs.data import BatchSource, corpus, ensure_dataset, prepare
 from jobs.data.corpus import pieces
 from jobs.data.prepare import prepare_data, read_manifest
 from tests.unit.test_prepare_data import _documents, _prepare, write_corpus
 
 
 def _mixture(tmp_path, a: str, b: str) -> DataConfig:
-    return DataConfig(name="tokenized", sources=[DataSource(path=str(tmp_path / a), weight=0.5),
-                                                 DataSource(path=str(tmp_path / b), weight=0.5)])
+    return DataConfig(
+        name="tokenized",
+        sources=[DataSource(path=str(tmp_path / a), weight=0.5), DataSource(path=str(tmp_path / b), weight=0.5)],
+    )
 
 
 def test_a_mixture_of_files_with_their_own_bpe_is_refused_and_one_shared_tokenizer_is_accepted(tmp_path) -> None:
@@ -27,8 +26,11 @@ def test_a_mixture_of_files_with_their_own_bpe_is_refused_and_one_shared_tokeniz
     _prepare(files[:1], tmp_path / "a.h5")
     _prepare(files[1:], tmp_path / "b.h5")  # its own BPE, trained on other text: ids mean other tokens
     assert read_manifest(tmp_path / "a.h5")["tokenizer_sha256"] != read_manifest(tmp_path / "b.h5")["tokenizer_sha256"]
-    with pytest.raises(ValueError, match=r"different tokenizers: .*a\.h5 \(tokenizer [0-9a-f]{12}, eos_id \d+\); "
-                                         r".*b\.h5 .*data\.tokenizer=.*a\.h5"):
+    with pytest.raises(
+        ValueError,
+        match=r"different tokenizers: .*a\.h5 \(tokenizer [0-9a-f]{12}, eos_id \d+\); "
+        r".*b\.h5 .*data\.tokenizer=.*a\.h5",
+    ):
         ensure_dataset(_mixture(tmp_path, "a.h5", "b.h5"), vocab_size=384, sample_len=17)
     m = _prepare(files[1:], tmp_path / "b2.h5", tokenizer=str(tmp_path / "a.h5"))  # a.h5's tokenizer reused
     assert m["tokenizer_sha256"] == read_manifest(tmp_path / "a.h5")["tokenizer_sha256"]
@@ -53,8 +55,11 @@ def test_an_unusable_data_tokenizer_is_refused_before_the_inputs_are_read(tmp_pa
 
     monkeypatch.setattr(prepare, "file_digest", read_input)
     monkeypatch.setattr(prepare, "pieces", read_input)
-    with pytest.raises(ValueError, match=f"^data.tokenizer={spec} (is not a file|cannot be read as a tokenizer"
-                                         "|is an HDF5 file without a tokenizer_json)"):
+    with pytest.raises(
+        ValueError,
+        match=f"^data.tokenizer={spec} (is not a file|cannot be read as a tokenizer"
+        "|is an HDF5 file without a tokenizer_json)",
+    ):
         _prepare(files, tmp_path / "out.h5", tokenizer=str(spec))
     assert not (tmp_path / "out.h5").exists()
 
@@ -84,7 +89,9 @@ def test_doc_per_line_makes_a_document_of_each_line_and_a_bad_value_names_the_ch
     (tmp_path / "log.txt").write_text("\n".join(lines) + "\n")
     m = _prepare([tmp_path / "log.txt"], tmp_path / "line.h5", doc_per="line")
     assert m["documents"] + m["heldout_documents"] == 300
-    assert sorted(_documents(tmp_path / "line.h5", "tokens") + _documents(tmp_path / "line.h5", "heldout")) == sorted(lines)
+    assert sorted(_documents(tmp_path / "line.h5", "tokens") + _documents(tmp_path / "line.h5", "heldout")) == sorted(
+        lines
+    )
     m = _prepare([tmp_path / "log.txt"], tmp_path / "para.h5", tokenizer=str(tmp_path / "line.h5"))
     assert m["documents"] + m["heldout_documents"] == 1  # the default: one paragraph
     with pytest.raises(ValueError, match="data.doc_per=page is not one of line, paragraph, file"):
@@ -118,7 +125,7 @@ def test_token_ids_are_stored_as_uint16_and_an_older_int32_file_still_reads_and_
     src = BatchSource(tmp_path / "new.h5", seed=0, global_batch=4, seq_len=15, dp_rank=0, dp=1)
     x, _ = src.batch(0)
     assert x.dtype == np.int64 or str(x.dtype) == "torch.int64"
-    assert all(any(np.array_equal(r, want[i:i + 15]) for i in range(0, len(want) - 15, 16)) for r in x.numpy())
+    assert all(any(np.array_equal(r, want[i : i + 15]) for i in range(0, len(want) - 15, 16)) for r in x.numpy())
     _prepare(files, tmp_path / "new.h5")  # an append keeps the file's int32 streams
     with h5py.File(tmp_path / "new.h5") as f:
-        assert f["tokens"].dtype == np.int32 and np.array_equal(f["tokens"][:len(want)], want)
+        assert f["tokens"].dtype == np.int32 and np.array_equal(f["tokens"][: len(want)], want)

@@ -60,8 +60,10 @@ def test_report_of_a_running_run_with_telemetry_has_the_phase_table_and_heatmap(
     _telemetry(run)
     d = collect(run, now=1070.0)
     assert d.running and d.goodput.end == 1070.0
-    assert d.phases == {0: pytest.approx({"forward": 0.010, "optimizer": 0.002}),
-                        1: pytest.approx({"forward": 0.015, "optimizer": 0.002})}
+    assert d.phases == {
+        0: pytest.approx({"forward": 0.010, "optimizer": 0.002}),
+        1: pytest.approx({"forward": 0.015, "optimizer": 0.002}),
+    }
     text = render_text(d)
     assert "running; step 8" in text and "expected: n/a" in text
     assert "   1        15.00         2.00" in text  # rank 1, median ms per step
@@ -80,13 +82,17 @@ def test_read_phases_skips_a_damaged_file_and_an_absent_folder(tmp_path: Path) -
 
 def test_queue_wait_comes_from_sacct_submit_to_start(tmp_path: Path, monkeypatch) -> None:
     ts = datetime.fromtimestamp  # sacct prints local time
-    recs = [{"Submit": ts(990).isoformat(), "Start": ts(1000).isoformat()},
-            {"Submit": ts(1030).isoformat(), "Start": ts(1036).isoformat()},
-            {"Submit": ts(1070).isoformat(), "Start": "Unknown"}]
+    recs = [
+        {"Submit": ts(990).isoformat(), "Start": ts(1000).isoformat()},
+        {"Submit": ts(1030).isoformat(), "Start": ts(1036).isoformat()},
+        {"Submit": ts(1070).isoformat(), "Start": "Unknown"},
+    ]
     assert queue_waits(recs) == [(990.0, 1000.0), (1030.0, 1036.0)]
     d = collect(_run_dir(tmp_path), now=5000.0, sacct_records=recs)
     # the requeue's 6 s wait is taken out of the 10 s gap between the attempts
-    assert d.goodput.seconds["queue_wait"] == pytest.approx(16.0) and d.goodput.seconds["restart_gap"] == pytest.approx(4.0)
+    assert d.goodput.seconds["queue_wait"] == pytest.approx(16.0) and d.goodput.seconds["restart_gap"] == pytest.approx(
+        4.0
+    )
     assert "n/a: sacct not available" not in render_text(d)
     calls = []
     monkeypatch.setattr(slurm_state, "_run", lambda cmd: calls.append(cmd) or "1|COMPLETED|0:0|n1|s|e|0|sub\n")

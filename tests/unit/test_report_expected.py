@@ -15,9 +15,18 @@ def _run_died_in_start_up(tmp_path: Path, *overrides: str, first_step_at: float 
     measures no start-up or restart."""
     run = tmp_path / "run"
     run.mkdir(parents=True)
-    events = [{"time": 1000.0, "kind": "attempt_start", "rank": 0, "attempt": "local.0", "nodes": ["n1"]},
-              {"time": 1030.0, "kind": "attempt_end", "rank": 0, "attempt": "local.0", "cause": "dead_rank",
-               "action": "stop", "step": 0}]
+    events = [
+        {"time": 1000.0, "kind": "attempt_start", "rank": 0, "attempt": "local.0", "nodes": ["n1"]},
+        {
+            "time": 1030.0,
+            "kind": "attempt_end",
+            "rank": 0,
+            "attempt": "local.0",
+            "cause": "dead_rank",
+            "action": "stop",
+            "step": 0,
+        },
+    ]
     if first_step_at is not None:
         events.insert(1, {"time": first_step_at, "kind": "first_step", "rank": 0, "attempt": "local.0", "step": 1})
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))

@@ -26,17 +26,33 @@ def _twenty_attempts() -> tuple[list[dict], list[dict], list[dict]]:
     events, metrics, evals = [], [], []
     for i in range(ATTEMPTS):
         a, t0, s0 = f"local.{i}", 100.0 * i, 5 * i
-        events += [_ev(t0, "attempt_start", a), _ev(t0 + 10, "train_start", a, step=s0),
-                   _ev(t0 + 15.5, "checkpoint_saved", a, step=s0 + 5, blocking_s=0.5, total_s=0.5)]
+        events += [
+            _ev(t0, "attempt_start", a),
+            _ev(t0 + 10, "train_start", a, step=s0),
+            _ev(t0 + 15.5, "checkpoint_saved", a, step=s0 + 5, blocking_s=0.5, total_s=0.5),
+        ]
         steps = [[s0 + j, t0 + 10 + j + (0.5 if j > 5 else 0.0), 1.0] for j in range(1, 11)]
         for chunk in (steps[:5], steps[5:]):
-            metrics.append({"step": chunk[-1][0], "loss": 5.0 - 0.01 * chunk[-1][0], "tokens_per_s": 1000.0 + i,
-                            "tflops_per_rank": 0.5, "step_time_s": 1.0, "peak_mem_bytes": 2**30, "attempt": a,
-                            "time": chunk[-1][1], "trained_steps": chunk})
+            metrics.append(
+                {
+                    "step": chunk[-1][0],
+                    "loss": 5.0 - 0.01 * chunk[-1][0],
+                    "tokens_per_s": 1000.0 + i,
+                    "tflops_per_rank": 0.5,
+                    "step_time_s": 1.0,
+                    "peak_mem_bytes": 2**30,
+                    "attempt": a,
+                    "time": chunk[-1][1],
+                    "trained_steps": chunk,
+                }
+            )
         evals.append({"record": "eval", "step": s0 + 10, "eval_loss": 4.0 - 0.01 * i, "attempt": a, "time": t0 + 21})
         if i < ATTEMPTS - 1:
-            events += [_ev(t0 + 39, "failure", a, cls="dead_rank", suspects=[]), _ev(t0 + 40, "decision", a),
-                       _ev(t0 + 41, "attempt_end", a, cause="dead_rank", action="restart", step=s0 + 10)]
+            events += [
+                _ev(t0 + 39, "failure", a, cls="dead_rank", suspects=[]),
+                _ev(t0 + 40, "decision", a),
+                _ev(t0 + 41, "attempt_end", a, cause="dead_rank", action="restart", step=s0 + 10),
+            ]
         else:
             events.append(_ev(t0 + 22, "attempt_end", a, cause="completed", action="done", step=s0 + 10))
     return events, metrics, evals

@@ -22,7 +22,7 @@ from jobs.failure.respond import AttemptContext, conclude
 # Slurm 22.05's answers, as seen on the local cluster: `update ExcNodeList=node1,node99` -> rc 1 "Invalid node
 # name specified for job 2"; on a RUNNING job Slurm refuses ExcNodeList; right after `scontrol requeue` the job is
 # PENDING|COMPLETING (shown COMPLETING) and takes it. A held job stays PENDING until `scontrol release`.
-_FAKE = '''#!{python}
+_FAKE = """#!{python}
 import json, os, sys
 d = os.environ["FAKE_SLURM"]
 name, args = os.path.basename(sys.argv[0]), sys.argv[1:]
@@ -59,7 +59,7 @@ if verb == "release":
     job["held"] = False
     end(0)
 end(1, "unknown command")
-'''
+"""
 
 
 @pytest.fixture
@@ -71,8 +71,17 @@ def slurm(tmp_path: Path, monkeypatch) -> Path:
     for name in ("scontrol", "sinfo", "srun"):
         (fake / name).write_text(_FAKE.format(python=sys.executable))
         (fake / name).chmod((fake / name).stat().st_mode | stat.S_IXUSR)
-    _job(fake, id="9", state="RUNNING", restarts=0, held=False, exc="(null)", nodes=["node1", "node2", "node3"],
-         sinfo_fails=False, decision=str(tmp_path / "run/incidents/9.0/decision.json"))
+    _job(
+        fake,
+        id="9",
+        state="RUNNING",
+        restarts=0,
+        held=False,
+        exc="(null)",
+        nodes=["node1", "node2", "node3"],
+        sinfo_fails=False,
+        decision=str(tmp_path / "run/incidents/9.0/decision.json"),
+    )
     monkeypatch.setenv("FAKE_SLURM", str(fake))
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     return fake
@@ -119,9 +128,18 @@ def _ctx(run_dir: Path, *, attempt: str = "9.0", cfg: FailureConfig | None = Non
     events.emit("attempt_start", job_id="9")
     events.emit("train_start", step=0)
     events.emit("checkpoint_saved", step=10)
-    return AttemptContext(run_dir=str(run_dir), attempt=attempt, rank=0, world_size=2, job_id="9", restart_count=0,
-                          cfg=cfg or FailureConfig(heartbeat_s=0.05, node_probe_timeout_s=5),
-                          events=events, nodes_needed=2, **kw)
+    return AttemptContext(
+        run_dir=str(run_dir),
+        attempt=attempt,
+        rank=0,
+        world_size=2,
+        job_id="9",
+        restart_count=0,
+        cfg=cfg or FailureConfig(heartbeat_s=0.05, node_probe_timeout_s=5),
+        events=events,
+        nodes_needed=2,
+        **kw,
+    )
 
 
 def test_the_decision_is_published_only_after_the_requeue_command_returned(tmp_path: Path, slurm: Path) -> None:
@@ -163,18 +181,31 @@ def test_a_transient_sinfo_failure_requeues_instead_of_stopping_for_good(tmp_pat
 
 
 def _incident(cls: str) -> Incident:
-    return Incident(cls, "9.0", 0, f"a {cls} incident", [{"rank": 1, "node": "node2", "pid": 77, "state": "x",
-                                                          "step": 12, "beat_age_s": 9.5}])
+    return Incident(
+        cls,
+        "9.0",
+        0,
+        f"a {cls} incident",
+        [{"rank": 1, "node": "node2", "pid": 77, "state": "x", "step": 12, "beat_age_s": 9.5}],
+    )
 
 
-@pytest.mark.parametrize(("cls", "quarantines"), [
-    ("dead_rank", True), ("hung_rank", True), ("unhealthy_gpu", True),
-    ("checkpoint_error", False),  # a full shared disk: node2 is as good as any other
-    ("collective_mismatch", False),  # the minority of a mismatch is arbitrary
-    ("rank_crashed", False), ("collective_timeout", False), ("everything_slow", False),
-])
+@pytest.mark.parametrize(
+    ("cls", "quarantines"),
+    [
+        ("dead_rank", True),
+        ("hung_rank", True),
+        ("unhealthy_gpu", True),
+        ("checkpoint_error", False),  # a full shared disk: node2 is as good as any other
+        ("collective_mismatch", False),  # the minority of a mismatch is arbitrary
+        ("rank_crashed", False),
+        ("collective_timeout", False),
+        ("everything_slow", False),
+    ],
+)
 def test_only_node_pointing_incidents_put_their_suspects_node_on_the_quarantine_list(
-        tmp_path: Path, slurm: Path, cls: str, quarantines: bool) -> None:
+    tmp_path: Path, slurm: Path, cls: str, quarantines: bool
+) -> None:
     assert conclude(_ctx(tmp_path), cause=cls, step=12, incident=_incident(cls)) == exitcodes.REQUEUE
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == (["node2"] if quarantines else [])
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
@@ -183,8 +214,9 @@ def test_only_node_pointing_incidents_put_their_suspects_node_on_the_quarantine_
 
 
 @pytest.mark.parametrize("cls", ["straggler", "sdc"])
-def test_a_straggler_or_silent_data_corruption_quarantines_its_node_on_a_requeue(tmp_path: Path, slurm: Path,
-                                                                                   cls: str) -> None:
+def test_a_straggler_or_silent_data_corruption_quarantines_its_node_on_a_requeue(
+    tmp_path: Path, slurm: Path, cls: str
+) -> None:
     d = Decision("requeue", cls, exitcodes.REQUEUE, 0, 10, 0)
     assert respond._quarantine(_ctx(tmp_path), d, _incident(cls), None) == ["node2"]
     (entry,) = quarantine.quarantined(tmp_path)
@@ -209,39 +241,65 @@ def test_a_quarantined_node_carries_its_evidence(tmp_path: Path, slurm: Path) ->
 
 def _hung(attempt: str, t: float, node: str, *, cls: str = "hung_rank", saved: int | None = None) -> list[dict]:
     """An attempt that resumed from step 10 and ended by a `cls` incident naming `node` (restarted in place)."""
-    out = [{"kind": "attempt_start", "attempt": attempt, "time": t},
-           {"kind": "train_start", "attempt": attempt, "time": t + 1, "step": 0 if saved else 10}]
+    out = [
+        {"kind": "attempt_start", "attempt": attempt, "time": t},
+        {"kind": "train_start", "attempt": attempt, "time": t + 1, "step": 0 if saved else 10},
+    ]
     if saved:
         out.append({"kind": "checkpoint_saved", "attempt": attempt, "time": t + 2, "step": saved})
-    return out + [{"kind": "failure", "attempt": attempt, "time": t + 3, "cls": cls,
-                   "suspects": [{"rank": 1, "node": node, "state": "stopped"}]},
-                  {"kind": "decision", "attempt": attempt, "time": t + 3, "action": "restart", "cause": cls},
-                  {"kind": "attempt_end", "attempt": attempt, "time": t + 3, "cause": cls, "action": "restart"}]
+    return out + [
+        {
+            "kind": "failure",
+            "attempt": attempt,
+            "time": t + 3,
+            "cls": cls,
+            "suspects": [{"rank": 1, "node": node, "state": "stopped"}],
+        },
+        {"kind": "decision", "attempt": attempt, "time": t + 3, "action": "restart", "cause": cls},
+        {"kind": "attempt_end", "attempt": attempt, "time": t + 3, "cause": cls, "action": "restart"},
+    ]
 
 
 def _third_hang(node: str, *, cls: str = "hung_rank") -> list[dict]:
     """Attempt 9.0 committed step 10 and hung on node2; 9.0.1 hung on node2 without committing; 9.0.2 (being
     decided) ended by a `cls` incident naming `node`."""
-    return (_hung("9.0", 0, "node2", saved=10) + _hung("9.0.1", 10, "node2")
-            + _hung("9.0.2", 20, node, cls=cls)[:-2])
+    return _hung("9.0", 0, "node2", saved=10) + _hung("9.0.1", 10, "node2") + _hung("9.0.2", 20, node, cls=cls)[:-2]
 
 
 def test_a_hang_that_recurs_on_the_same_node_requeues_without_it_when_the_breaker_trips() -> None:
     # Before: the restarts on node2 (its probe passes, its device hangs) tripped the no-progress breaker: stop, 76.
     cfg = FailureConfig(max_attempts_without_progress=2, restarts_in_allocation=3, max_requeues=4)
-    d = decide(_third_hang("node2"), cause="hung_rank", cfg=cfg, restart_count=0, restart=Restart(True, 2, []),
-               suspect_nodes=["node2"])
+    d = decide(
+        _third_hang("node2"),
+        cause="hung_rank",
+        cfg=cfg,
+        restart_count=0,
+        restart=Restart(True, 2, []),
+        suspect_nodes=["node2"],
+    )
     assert (d.action, d.exit_code, d.attempts_without_progress) == ("requeue", exitcodes.REQUEUE, 2), d
     assert "suspect node node2 again after 2 attempts" in d.reason, d.reason
 
 
-@pytest.mark.parametrize(("node", "cls"), [("node3", "hung_rank"),  # a different node: nothing points at one
-                                           ("node2", "rank_crashed")])  # a crash loop is a bug, not a node
-def test_the_breaker_still_stops_when_the_suspect_node_is_new_or_the_class_points_at_no_node(node: str,
-                                                                                          cls: str) -> None:
+@pytest.mark.parametrize(
+    ("node", "cls"),
+    [
+        ("node3", "hung_rank"),  # a different node: nothing points at one
+        ("node2", "rank_crashed"),
+    ],
+)  # a crash loop is a bug, not a node
+def test_the_breaker_still_stops_when_the_suspect_node_is_new_or_the_class_points_at_no_node(
+    node: str, cls: str
+) -> None:
     cfg = FailureConfig(max_attempts_without_progress=2, restarts_in_allocation=3, max_requeues=4)
-    d = decide(_third_hang(node, cls=cls), cause=cls, cfg=cfg, restart_count=0, restart=Restart(True, 2, []),
-               suspect_nodes=[node])
+    d = decide(
+        _third_hang(node, cls=cls),
+        cause=cls,
+        cfg=cfg,
+        restart_count=0,
+        restart=Restart(True, 2, []),
+        suspect_nodes=[node],
+    )
     assert (d.action, d.exit_code) == ("stop", exitcodes.STOPPED), d
 
 
@@ -249,9 +307,19 @@ def test_a_recurring_hang_ends_with_the_node_quarantined_and_excluded(tmp_path: 
     events = EventLog(tmp_path / "events.jsonl", rank=0, restart=0, attempt="9.0.2")
     for e in _third_hang("node2"):
         events.emit(e["kind"], **{k: v for k, v in e.items() if k not in ("kind", "time")})
-    ctx = AttemptContext(run_dir=str(tmp_path), attempt="9.0.2", rank=0, world_size=2, job_id="9", restart_count=0,
-                         cfg=FailureConfig(max_attempts_without_progress=2, heartbeat_s=0.05), events=events,
-                         supervised=True, restart_in_allocation=2, nodes_needed=2)
+    ctx = AttemptContext(
+        run_dir=str(tmp_path),
+        attempt="9.0.2",
+        rank=0,
+        world_size=2,
+        job_id="9",
+        restart_count=0,
+        cfg=FailureConfig(max_attempts_without_progress=2, heartbeat_s=0.05),
+        events=events,
+        supervised=True,
+        restart_in_allocation=2,
+        nodes_needed=2,
+    )
     inc = Incident("hung_rank", "9.0.2", 0, "rank 1 hung", [{"rank": 1, "node": "node2", "state": "stopped"}])
     assert conclude(ctx, cause="hung_rank", step=10, incident=inc) == exitcodes.REQUEUE
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node2"]
@@ -313,13 +381,43 @@ def test_a_straggler_put_on_the_quarantine_list_carries_its_measurements(tmp_pat
     from jobs.telemetry.rank_telemetry import build_step_telemetry
     from jobs.telemetry.stragglers import Detection
 
-    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", f"run.dir={tmp_path}", f"cluster.run_root={tmp_path}",
-                   "failure.exclude_stragglers=true"])
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nodes=1, master_addr="x",
-                  master_port=0, hostname="node7")
-    st = build_step_telemetry(cfg, env, events=EventLog(tmp_path / "events.jsonl"), pp=False, mesh="single",
-                              device=torch.device("cpu"), mixed_precision="fp32")
+    cfg = compose(
+        [
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+            f"run.dir={tmp_path}",
+            f"cluster.run_root={tmp_path}",
+            "failure.exclude_stragglers=true",
+        ]
+    )
+    env = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        nodes=1,
+        master_addr="x",
+        master_port=0,
+        hostname="node7",
+    )
+    st = build_step_telemetry(
+        cfg,
+        env,
+        events=EventLog(tmp_path / "events.jsonl"),
+        pp=False,
+        mesh="single",
+        device=torch.device("cpu"),
+        mixed_precision="fp32",
+    )
     st.on_straggler(["node7"], Detection("relative", "backward", [0], 1.3, 0.13, 0.1))
     (entry,) = quarantine.quarantined(tmp_path)
-    assert entry["evidence"] == {"cls": "straggler", "check": "relative", "phase": "backward", "ranks": [0],
-                                 "ratio": 1.3, "seconds": 0.13, "reference_s": 0.1}
+    assert entry["evidence"] == {
+        "cls": "straggler",
+        "check": "relative",
+        "phase": "backward",
+        "ranks": [0],
+        "ratio": 1.3,
+        "seconds": 0.13,
+        "reference_s": 0.1,
+    }

@@ -36,14 +36,15 @@ def test_the_whole_tier_passing_is_a_pass(suite: pytest.Pytester) -> None:
     r.stdout.fnmatch_lines(["*required tier slurm: 4 of 4 collected tests passed*"])
 
 
-@pytest.mark.parametrize("narrowing", [["-k", "test_a"], ["--deselect", "test_tier.py::test_b"],
-                                       ["-m", "not slurm"]])
-def test_a_partial_or_whole_deselection_of_a_required_tier_fails_the_session(suite: pytest.Pytester,
-                                                                             narrowing: list[str]) -> None:
+@pytest.mark.parametrize("narrowing", [["-k", "test_a"], ["--deselect", "test_tier.py::test_b"], ["-m", "not slurm"]])
+def test_a_partial_or_whole_deselection_of_a_required_tier_fails_the_session(
+    suite: pytest.Pytester, narrowing: list[str]
+) -> None:
     r = suite.runpytest("-p", "no:cacheprovider", *narrowing)
     assert r.ret == 1, r.stdout.str()
-    r.stdout.fnmatch_lines(["*required tier slurm: * of 4 collected tests passed*",
-                            "*required tiers did not run in full: slurm*"])
+    r.stdout.fnmatch_lines(
+        ["*required tier slurm: * of 4 collected tests passed*", "*required tiers did not run in full: slurm*"]
+    )
 
 
 def test_a_skipped_test_of_a_required_tier_fails_the_session(suite: pytest.Pytester) -> None:

@@ -25,20 +25,26 @@ def _progress(n: int = 1) -> list[dict]:
     out = []
     for i in range(n):
         a = f"j.0.{i}" if i else "j.0"
-        out += [{"kind": "attempt_start", "attempt": a, "time": i}, {"kind": "train_start", "attempt": a, "step": 10 * i},
-                {"kind": "checkpoint_saved", "attempt": a, "step": 10 * i + 5}]
+        out += [
+            {"kind": "attempt_start", "attempt": a, "time": i},
+            {"kind": "train_start", "attempt": a, "step": 10 * i},
+            {"kind": "checkpoint_saved", "attempt": a, "step": 10 * i + 5},
+        ]
     return out
 
 
-@pytest.mark.parametrize(("cause", "restart", "action"), [
-    ("dead_rank", HEALTHY, "restart"),
-    ("hung_rank", HEALTHY, "restart"),
-    ("dead_rank", Restart(True, 0, ["node2"]), "requeue"),  # its node does not answer
-    ("dead_rank", Restart(True, 2, []), "requeue"),  # failure.restarts_in_allocation(2) spent
-    ("dead_rank", Restart(False, 0, []), "requeue"),  # nobody would start the ranks again
-    ("SIGUSR2", HEALTHY, "requeue"),  # preemption / time limit: the allocation is going away
-    ("out_of_memory", HEALTHY, "stop"),  # a restart cures nothing
-])
+@pytest.mark.parametrize(
+    ("cause", "restart", "action"),
+    [
+        ("dead_rank", HEALTHY, "restart"),
+        ("hung_rank", HEALTHY, "restart"),
+        ("dead_rank", Restart(True, 0, ["node2"]), "requeue"),  # its node does not answer
+        ("dead_rank", Restart(True, 2, []), "requeue"),  # failure.restarts_in_allocation(2) spent
+        ("dead_rank", Restart(False, 0, []), "requeue"),  # nobody would start the ranks again
+        ("SIGUSR2", HEALTHY, "requeue"),  # preemption / time limit: the allocation is going away
+        ("out_of_memory", HEALTHY, "stop"),  # a restart cures nothing
+    ],
+)
 def test_a_dead_or_hung_rank_on_a_node_that_answers_restarts_inside_the_allocation(cause, restart, action) -> None:
     d = decide(_progress(), cause=cause, cfg=CFG, restart_count=0, restart=restart)
     assert d.action == action, d
@@ -54,9 +60,16 @@ def test_restarts_that_commit_nothing_trip_the_no_progress_breaker() -> None:
 
 def test_attempt_names_count_restarts_inside_the_allocation() -> None:
     assert [attempt_name("7", 1, n) for n in (0, 1, 2)] == ["7.1", "7.1.1", "7.1.2"]
-    env = DistEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
-                                "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_RESTART_COUNT": "1",
-                                "MESHJOB_RESTART_IN_ALLOCATION": "2"})
+    env = DistEnv.from_environ(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_RESTART_COUNT": "1",
+            "MESHJOB_RESTART_IN_ALLOCATION": "2",
+        }
+    )
     assert env.attempt == "7.1.2"
 
 
@@ -71,8 +84,19 @@ def _ctx(tmp_path: Path, **kw) -> AttemptContext:
     events = EventLog(tmp_path / "events.jsonl", rank=0, restart=0, attempt="9.0")
     for e in _progress():
         events.emit(e["kind"], **{k: v for k, v in e.items() if k not in ("kind", "attempt", "time")})
-    return AttemptContext(run_dir=str(tmp_path), attempt="9.0", rank=0, world_size=2, job_id="9", restart_count=0,
-                          cfg=CFG, events=events, supervised=True, nodes_needed=2, **kw)
+    return AttemptContext(
+        run_dir=str(tmp_path),
+        attempt="9.0",
+        rank=0,
+        world_size=2,
+        job_id="9",
+        restart_count=0,
+        cfg=CFG,
+        events=events,
+        supervised=True,
+        nodes_needed=2,
+        **kw,
+    )
 
 
 def _dead(node: str) -> Incident:
@@ -84,15 +108,21 @@ def slurm(monkeypatch):
     """What the decider asks Slurm, answered here (the real calls are exercised by the chaos tier)."""
     calls: dict[str, list] = {"requeue_excluding": [], "requeue": []}
     monkeypatch.setattr(respond, "slurm_intent", lambda job, restart_count: None)
-    monkeypatch.setattr(respond, "requeue_excluding", lambda job, nodes: calls["requeue_excluding"].append(nodes) or (True, ""))
+    monkeypatch.setattr(
+        respond, "requeue_excluding", lambda job, nodes: calls["requeue_excluding"].append(nodes) or (True, "")
+    )
     monkeypatch.setattr(respond, "requeue_job", lambda job: calls["requeue"].append(job) or (True, ""))
-    monkeypatch.setattr(respond, "usable_nodes", lambda partition, excluded: [n for n in ("node1", "node2", "node3")
-                                                                             if n not in excluded])
+    monkeypatch.setattr(
+        respond,
+        "usable_nodes",
+        lambda partition, excluded: [n for n in ("node1", "node2", "node3") if n not in excluded],
+    )
     return calls
 
 
 def test_a_dead_rank_whose_node_does_not_answer_is_quarantined_and_excluded_from_the_requeue(
-        tmp_path: Path, slurm, monkeypatch) -> None:
+    tmp_path: Path, slurm, monkeypatch
+) -> None:
     monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: node != "node2")
     assert conclude(_ctx(tmp_path), cause="dead_rank", step=12, incident=_dead("node2")) == exitcodes.REQUEUE
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node2"]
@@ -116,7 +146,9 @@ def test_a_requeue_honours_the_quarantine_of_earlier_incidents(tmp_path: Path, s
     assert slurm["requeue_excluding"] == [["node3"]]
 
 
-def test_when_the_quarantine_leaves_too_few_nodes_the_job_stops_and_says_why(tmp_path: Path, slurm, monkeypatch) -> None:
+def test_when_the_quarantine_leaves_too_few_nodes_the_job_stops_and_says_why(
+    tmp_path: Path, slurm, monkeypatch
+) -> None:
     monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: False)
     quarantine.add_to_quarantine(tmp_path, ["node3"], reason="earlier", incident="8.0")
     assert conclude(_ctx(tmp_path), cause="dead_rank", step=12, incident=_dead("node2")) == exitcodes.STOPPED
@@ -142,13 +174,22 @@ def test_usable_nodes_leaves_out_down_drained_and_unresponsive_ones(monkeypatch)
 
 
 def test_under_torchrun_its_restarts_count_and_a_decision_other_than_restart_keeps_the_ranks_from_training(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     from jobs.failure.policy import Decision, publish
     from jobs.launch import rank, slurm
 
-    torch_env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_JOB_ID": "7",
-                 "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "7", "TORCHELASTIC_RESTART_COUNT": "2",
-                 "TORCHELASTIC_MAX_RESTARTS": "3"}
+    torch_env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500",
+        "SLURM_JOB_ID": "7",
+        "SLURM_RESTART_COUNT": "1",
+        "TORCHELASTIC_RUN_ID": "7",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+    }
     env = DistEnv.from_environ(torch_env)
     assert env.attempt == "7.1.2"
     monkeypatch.setattr(rank.os, "environ", torch_env)

@@ -42,21 +42,43 @@ def _pretend_owner(run_dir: Path, pid: int, **starter) -> None:
 
 def _beat(run_dir: Path, attempt: str, *, pid: int, age_s: float = 0.0) -> None:
     now = time.time() - age_s
-    write_beat(beat_path(run_dir, attempt, 0), Beat(rank=0, pid=pid, host=os.uname().nodename, node="node1",
-                                                    time=now, step=3, phase="train", progress_time=now))
+    write_beat(
+        beat_path(run_dir, attempt, 0),
+        Beat(
+            rank=0, pid=pid, host=os.uname().nodename, node="node1", time=now, step=3, phase="train", progress_time=now
+        ),
+    )
 
 
 def test_only_keys_outside_the_resumable_list_count_as_a_change(tmp_path: Path) -> None:
     old = flat_config(_cfg(tmp_path))
-    resumed = flat_config(_cfg(tmp_path / "moved", "train.steps=99", "mesh.dp_shard=1", "mesh.tp=2",
-                               "launcher.tasks_per_node=2", "failure.max_requeues=3", "checkpoint.every_steps=5",
-                               "metrics.flush_every_s=1", "train.micro_batch=1", "cluster.time_min=5"))
+    resumed = flat_config(
+        _cfg(
+            tmp_path / "moved",
+            "train.steps=99",
+            "mesh.dp_shard=1",
+            "mesh.tp=2",
+            "launcher.tasks_per_node=2",
+            "failure.max_requeues=3",
+            "checkpoint.every_steps=5",
+            "metrics.flush_every_s=1",
+            "train.micro_batch=1",
+            "cluster.time_min=5",
+        )
+    )
     assert config_changes(old, resumed) == []
     other = flat_config(_cfg(tmp_path, "optim.lr=0.001", "train.seed=7", "checkpoint.enabled=false"))
-    assert config_changes(old, other) == ["checkpoint.enabled (True -> False)", "optim.lr (0.01 -> 0.001)",
-                                          "train.seed (0 -> 7)"]
-    assert config_changes({**old, "model.gone": 1}, other | {"optim.lr": 0.01, "train.seed": 0,
-                                                              "checkpoint.enabled": True}) == []  # schema moved on
+    assert config_changes(old, other) == [
+        "checkpoint.enabled (True -> False)",
+        "optim.lr (0.01 -> 0.001)",
+        "train.seed (0 -> 7)",
+    ]
+    assert (
+        config_changes(
+            {**old, "model.gone": 1}, other | {"optim.lr": 0.01, "train.seed": 0, "checkpoint.enabled": True}
+        )
+        == []
+    )  # schema moved on
 
 
 def test_first_start_records_config_hash_and_job_and_a_resume_with_the_same_config_is_accepted(tmp_path: Path) -> None:
@@ -67,7 +89,10 @@ def test_first_start_records_config_hash_and_job_and_a_resume_with_the_same_conf
     first = read_owner(tmp_path / "run")
     assert first["config_hash"] == config_hash(cfg) and first["starts"] == 1
     assert (first["first"]["launcher"], first["first"]["pid"], first["first"]["host"]) == (
-        "local", os.getpid(), os.uname().nodename)
+        "local",
+        os.getpid(),
+        os.uname().nodename,
+    )
     _pretend_owner(tmp_path / "run", 999_999_999)  # that launcher has ended
     claim_run_dir(_cfg(tmp_path / "run", "train.steps=80"), launcher="local")
     assert read_owner(tmp_path / "run")["starts"] == 2
@@ -87,12 +112,14 @@ def test_a_start_whose_config_changes_a_key_a_resume_may_not_change_is_refused_n
 
 
 def test_a_live_local_launcher_owning_the_dir_refuses_a_second_start_even_with_the_same_config(
-        tmp_path: Path, sleeper: subprocess.Popen) -> None:
+    tmp_path: Path, sleeper: subprocess.Popen
+) -> None:
     run = tmp_path / "run"
     claim_run_dir(_cfg(run), launcher="local")
     _pretend_owner(run, sleeper.pid)
-    with pytest.raises(ValueError, match=f"in use by another live job \\(local launch by pid {sleeper.pid} .* is "
-                                         "still running"):
+    with pytest.raises(
+        ValueError, match=f"in use by another live job \\(local launch by pid {sleeper.pid} .* is still running"
+    ):
         check_run_dir(_cfg(run, "mesh.tp=2", "mesh.dp_shard=1"))
     sleeper.kill()
     sleeper.wait()
@@ -100,7 +127,8 @@ def test_a_live_local_launcher_owning_the_dir_refuses_a_second_start_even_with_t
 
 
 def test_fresh_heartbeats_of_a_live_rank_refuse_a_start_and_stale_or_dead_ones_do_not(
-        tmp_path: Path, sleeper: subprocess.Popen) -> None:
+    tmp_path: Path, sleeper: subprocess.Popen
+) -> None:
     run = tmp_path / "run"
     cfg = _cfg(run)  # failure.heartbeat_s = 2: fresh means younger than 5 * 2 + 5 s
     _beat(run, "local.0", pid=sleeper.pid)
@@ -113,7 +141,8 @@ def test_fresh_heartbeats_of_a_live_rank_refuse_a_start_and_stale_or_dead_ones_d
 
 
 def test_slurm_jobs_count_as_live_by_their_state_and_a_job_checking_its_own_dir_is_accepted(
-        tmp_path: Path, sleeper: subprocess.Popen, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, sleeper: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
+) -> None:
     states = {"41_1": "RUNNING"}
     monkeypatch.setattr(rundir, "job_state", lambda job: JobState(job, states.get(job, "UNKNOWN")))
     run = tmp_path / "run"

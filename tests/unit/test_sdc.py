@@ -52,15 +52,18 @@ def test_when_every_rank_differs_the_fault_is_not_placed_on_anyone():
     assert (differ, named) == ([0, 1], []) and "cannot be placed" in by
 
 
-@pytest.mark.parametrize("a,b,rtol,expected", [
-    (1.0, 1.0 + 1e-6, 1e-3, False),  # a nondeterministic kernel's wobble
-    (1.0, 1.01, 1e-3, True),
-    (1.0, 1.0 + 1e-9, 0.0, True),  # rtol 0: bitwise
-    (NAN, NAN, 0.0, False),
-    (INF, INF, 0.0, False),
-    (INF, 1.0, 1e-3, True),
-    (NAN, 1.0, 1e-3, True),
-])
+@pytest.mark.parametrize(
+    "a,b,rtol,expected",
+    [
+        (1.0, 1.0 + 1e-6, 1e-3, False),  # a nondeterministic kernel's wobble
+        (1.0, 1.01, 1e-3, True),
+        (1.0, 1.0 + 1e-9, 0.0, True),  # rtol 0: bitwise
+        (NAN, NAN, 0.0, False),
+        (INF, INF, 0.0, False),
+        (INF, 1.0, 1e-3, True),
+        (NAN, 1.0, 1e-3, True),
+    ],
+)
 def test_differs(a: float, b: float, rtol: float, expected: bool):
     assert differs(a, b, rtol=rtol) is expected
 
@@ -144,8 +147,16 @@ def _guard(monkeypatch, flip: str | None, *, first_attempt: bool = True, **cfg) 
     if flip is not None:
         monkeypatch.setenv(FLIP_VAR, flip)
     events: list = []
-    guard = SdcGuard(FailureConfig(**cfg), rank=0, world_size=1, hostname="node7", attempt="local.0",
-                     first_attempt=first_attempt, emit=lambda kind, **f: events.append((kind, f)), groups=[])
+    guard = SdcGuard(
+        FailureConfig(**cfg),
+        rank=0,
+        world_size=1,
+        hostname="node7",
+        attempt="local.0",
+        first_attempt=first_attempt,
+        emit=lambda kind, **f: events.append((kind, f)),
+        groups=[],
+    )
     return guard, events
 
 
@@ -193,8 +204,9 @@ def test_a_step_that_differs_on_its_rerun_saves_the_state_and_raises_an_sdc_inci
         return torch.tensor(2.5)
 
     with pytest.raises(SilentCorruption) as e:
-        guard.check(step=2, suspicious=True, local_loss=torch.tensor(2.5), parts=[m], recompute=recompute,
-                    save=saved.append)
+        guard.check(
+            step=2, suspicious=True, local_loss=torch.tensor(2.5), parts=[m], recompute=recompute, save=saved.append
+        )
     inc = e.value.incident
     assert inc.cls == "sdc" and saved == [True]  # the save in flight, and the state before the step
     assert [(s["rank"], s["node"], s["step"]) for s in inc.suspects] == [(0, "node7", 3)]
@@ -211,8 +223,14 @@ def test_a_step_that_repeats_on_its_rerun_is_data_and_goes_on(monkeypatch):
         m.weight.grad = grad.clone()
         return torch.tensor(2.5)
 
-    guard.check(step=4, suspicious=True, local_loss=torch.tensor(2.5), parts=[m], recompute=recompute,
-                save=lambda _: pytest.fail("saved"))
+    guard.check(
+        step=4,
+        suspicious=True,
+        local_loss=torch.tensor(2.5),
+        parts=[m],
+        recompute=recompute,
+        save=lambda _: pytest.fail("saved"),
+    )
     assert [(k, f["verdict"]) for k, f in events] == [("sdc_check", "data")]
 
 
@@ -220,8 +238,14 @@ def test_a_healthy_step_is_not_rerun_and_sdc_rerun_false_turns_it_off(monkeypatc
     m = _model()
     for suspicious_, sdc_rerun in ((False, True), (True, False)):
         guard, events = _guard(monkeypatch, None, sdc_rerun=sdc_rerun)
-        guard.check(step=4, suspicious=suspicious_, local_loss=torch.tensor(2.5), parts=[m],
-                    recompute=lambda: pytest.fail("re-run"), save=lambda _: pytest.fail("saved"))
+        guard.check(
+            step=4,
+            suspicious=suspicious_,
+            local_loss=torch.tensor(2.5),
+            parts=[m],
+            recompute=lambda: pytest.fail("re-run"),
+            save=lambda _: pytest.fail("saved"),
+        )
         assert events == []
 
 

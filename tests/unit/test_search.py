@@ -13,8 +13,14 @@ from jobs.planner.search import Shape, _visit, predicted, render_search, search,
 from jobs.validate import validate
 
 # The tiny model on 8 ranks of an H100 node: every shape fits, so the search space is the whole story.
-SMALL = ["model=tiny", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8", "train.global_batch=8",
-         "checkpoint.interval=auto"]
+SMALL = [
+    "model=tiny",
+    "cluster=h100_ib",
+    "launcher.nodes=1",
+    "launcher.tasks_per_node=8",
+    "train.global_batch=8",
+    "checkpoint.interval=auto",
+]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,12 @@ def test_the_top_k_override_lines_parse_as_a_valid_sweep(small, tmp_path):
         swept = compose(job)
         d = validate(swept)  # the training validator accepts every point
         assert (d.dims.tp, d.dims.pp, d.dims.dp_replicate, d.dims.dp_shard, swept.train.micro_batch) == (
-            point.shape.tp, point.shape.pp, point.shape.dp_replicate, point.shape.dp_shard, point.shape.micro_batch)
+            point.shape.tp,
+            point.shape.pp,
+            point.shape.dp_replicate,
+            point.shape.dp_shard,
+            point.shape.micro_batch,
+        )
         assert swept.mesh.pp_schedule == point.shape.schedule and swept.model == cfg.model
         one = compose(SMALL + line.split(": ", 1)[1].split())  # the per-point override line gives the same mesh
         assert one.mesh == swept.mesh and one.train == swept.train
@@ -116,15 +127,18 @@ def test_pruning_by_dominance_changes_no_result(monkeypatch):
     assert pruned.planned < full.planned
     assert [(c.shape, c.numbers) for c in pruned.ranked] == [(c.shape, c.numbers) for c in full.ranked]
     assert sorted(lab for v in pruned.rejected.values() for lab, _ in v) == sorted(
-        lab for v in full.rejected.values() for lab, _ in v)
+        lab for v in full.rejected.values() for lab, _ in v
+    )
 
 
 def test_jobs_plan_runs_the_search_and_refuses_a_profile_without_a_peak(capsys, tmp_path):
     from jobs import exitcodes
     from jobs.plan import main
 
-    assert main(SMALL + ["plan.search=true", "plan.search_rows=3", "plan.search_top_k=2",
-                         f"plan.search_out={tmp_path}"]) == exitcodes.OK
+    assert (
+        main(SMALL + ["plan.search=true", "plan.search_rows=3", "plan.search_top_k=2", f"plan.search_out={tmp_path}"])
+        == exitcodes.OK
+    )
     out = capsys.readouterr().out
     assert "ranked by predicted tokens/s" in out and "+search=top1,top2" in out
     assert sorted(p.name for p in (tmp_path / "search").iterdir()) == ["top1.yaml", "top2.yaml"]

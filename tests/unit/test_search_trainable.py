@@ -8,8 +8,16 @@ import pytest
 from jobs.config import compose
 from jobs.planner.search import render_search, search
 
-MOE = ["model=tiny_moe", "mesh.ep=2", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
-       "train.global_batch=8", "checkpoint.interval=auto", "plan.search_trainable_only=false"]  # the full list
+MOE = [
+    "model=tiny_moe",
+    "mesh.ep=2",
+    "cluster=h100_ib",
+    "launcher.nodes=1",
+    "launcher.tasks_per_node=8",
+    "train.global_batch=8",
+    "checkpoint.interval=auto",
+    "plan.search_trainable_only=false",
+]  # the full list
 
 
 @pytest.fixture(scope="module")
@@ -31,5 +39,5 @@ def test_an_moe_search_marks_trainable_exactly_the_shapes_the_trainer_builds(moe
 
 def test_the_table_marks_only_the_refused_shapes_planned_only(moe):
     cfg, r = moe
-    rows = render_search(r, cfg, rows=len(r.ranked)).splitlines()[3:3 + len(r.ranked)]
+    rows = render_search(r, cfg, rows=len(r.ranked)).splitlines()[3 : 3 + len(r.ranked)]
     assert [row[6:54].rstrip().endswith("~") for row in rows] == [not c.trainable for c in r.ranked]  # the label column

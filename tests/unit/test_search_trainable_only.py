@@ -12,9 +12,19 @@ from jobs.planner.search import PLANNED_ONLY, render_search, search
 # tiny_mla_moe with ep 2 on an H100 node: MLA with tp or cp is refused by the trainer (ep beside pp, dp_replicate
 # and tp is built), so both kinds are feasible. The composed config itself (MLA with tp2, on pp2) is one that the
 # planner plans and jobs.train refuses.
-MOE = ["model=tiny_mla_moe", "mesh.ep=2", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
-       "train.global_batch=8", "checkpoint.interval=auto", "mesh.tp=2", "mesh.pp=2", "mesh.dp_shard=2",
-       "train.micro_batch=1"]
+MOE = [
+    "model=tiny_mla_moe",
+    "mesh.ep=2",
+    "cluster=h100_ib",
+    "launcher.nodes=1",
+    "launcher.tasks_per_node=8",
+    "train.global_batch=8",
+    "checkpoint.interval=auto",
+    "mesh.tp=2",
+    "mesh.pp=2",
+    "mesh.dp_shard=2",
+    "train.micro_batch=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def test_the_composed_config_that_jobs_train_refuses_is_named_not_ranked(both):
     table = render_search(only, cfg, rows=len(only.ranked))
     assert f"this config is not ranked: {PLANNED_ONLY}" in table
     assert "only the shapes jobs.train builds (plan.search_trainable_only=true" in table.splitlines()[1]
-    rows = table.splitlines()[3:3 + len(only.ranked)]
+    rows = table.splitlines()[3 : 3 + len(only.ranked)]
     assert not any(row[6:54].rstrip().endswith("~") for row in rows)  # no planned-only row
-    full_rows = render_search(full, full_cfg, rows=len(full.ranked)).splitlines()[3:3 + len(full.ranked)]
+    full_rows = render_search(full, full_cfg, rows=len(full.ranked)).splitlines()[3 : 3 + len(full.ranked)]
     assert sum(row[6:54].rstrip().endswith("~") for row in full_rows) == len(only.rejected[PLANNED_ONLY])

@@ -10,106 +10,113 @@ import pytest
 
 from jobs import exitcodes
 from jobs.launch import slurm_state
-from jobs.launch.slurm_state import (SACCT_FIELDS, JobState, job_state, parse_sacct, parse_scontrol_job,
-                                     sacct_attempts, wait_for_job)
+from jobs.launch.slurm_state import (
+    SACCT_FIELDS,
+    JobState,
+    job_state,
+    parse_sacct,
+    parse_scontrol_job,
+    sacct_attempts,
+    wait_for_job,
+)
 
 # Real outputs, captured 2026-12-02 from job 1 (`sbatch --requeue --wrap 'sleep 60'`, then `scontrol requeue 1`
 # once it ran, then `scancel 1` after its rerun started) and job 4.
 
 # `scontrol -o show job 1` of `sbatch --requeue --wrap 'sleep 60'`, 4 s after it started.
 SCONTROL_RUNNING = (
-    'JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 '
-    'Account=root QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 '
-    'BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:04 TimeLimit=UNLIMITED TimeMin=N/A '
-    'SubmitTime=2026-12-02T18:44:14 EligibleTime=2026-12-02T18:44:14 AccrueTime=2026-12-02T18:44:14 '
-    'StartTime=2026-12-02T18:44:14 EndTime=Unknown Deadline=N/A PreemptEligibleTime=2026-12-02T18:44:14 '
-    'PreemptTime=None SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T18:44:14 Scheduler=Main '
-    'Partition=debug AllocNode:Sid=localhost:3121 ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 '
-    'BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* '
-    'TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 '
-    'MinMemoryCPU=512M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 '
-    'Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/1.out '
-    'StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n'
+    "JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=root QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:04 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-12-02T18:44:14 EligibleTime=2026-12-02T18:44:14 AccrueTime=2026-12-02T18:44:14 "
+    "StartTime=2026-12-02T18:44:14 EndTime=Unknown Deadline=N/A PreemptEligibleTime=2026-12-02T18:44:14 "
+    "PreemptTime=None SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T18:44:14 Scheduler=Main "
+    "Partition=debug AllocNode:Sid=localhost:3121 ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 "
+    "BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* "
+    "TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 "
+    "MinMemoryCPU=512M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 "
+    "Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/1.out "
+    "StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n"
 )
 
 # the same, 1 s after `scontrol requeue 1`: held for cred_expire+1 s (Reason=BeginTime), Restarts=1.
 SCONTROL_PENDING_AFTER_REQUEUE = (
-    'JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 '
-    'Account=root QOS=normal JobState=PENDING Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 '
-    'BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A '
-    'SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31 AccrueTime=2026-12-02T18:44:31 '
-    'StartTime=2026-12-02T18:44:31 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 '
-    'LastSchedEval=2026-12-02T18:44:14 Scheduler=Main Partition=debug AllocNode:Sid=localhost:3121 '
-    'ReqNodeList=(null) ExcNodeList=(null) NodeList= NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 '
-    'ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* '
-    'CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 '
-    'OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp/ssc '
-    'StdErr=/tmp/ssc/1.out StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n'
+    "JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=root QOS=normal JobState=PENDING Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31 AccrueTime=2026-12-02T18:44:31 "
+    "StartTime=2026-12-02T18:44:31 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-12-02T18:44:14 Scheduler=Main Partition=debug AllocNode:Sid=localhost:3121 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList= NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 "
+    "ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 "
+    "OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp/ssc "
+    "StdErr=/tmp/ssc/1.out StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n"
 )
 
 # the same after it ran again and `scancel 1` ended it.
 SCONTROL_CANCELLED_AFTER_RESTART = (
-    'JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 '
-    'Account=root QOS=normal JobState=CANCELLED Reason=None Dependency=(null) Requeue=1 Restarts=1 '
-    'BatchFlag=1 Reboot=0 ExitCode=0:15 RunTime=00:00:08 TimeLimit=UNLIMITED TimeMin=N/A '
-    'SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31 AccrueTime=2026-12-02T18:44:31 '
-    'StartTime=2026-12-02T18:44:32 EndTime=2026-12-02T18:44:40 Deadline=N/A '
-    'PreemptEligibleTime=2026-12-02T18:44:32 PreemptTime=None SuspendTime=None SecsPreSuspend=0 '
-    'LastSchedEval=2026-12-02T18:44:32 Scheduler=Main Partition=debug AllocNode:Sid=localhost:3121 '
-    'ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 '
-    'NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* '
-    'NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 '
-    'Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) '
-    'Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/1.out StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n'
+    "JobId=1 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=root QOS=normal JobState=CANCELLED Reason=None Dependency=(null) Requeue=1 Restarts=1 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:15 RunTime=00:00:08 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31 AccrueTime=2026-12-02T18:44:31 "
+    "StartTime=2026-12-02T18:44:32 EndTime=2026-12-02T18:44:40 Deadline=N/A "
+    "PreemptEligibleTime=2026-12-02T18:44:32 PreemptTime=None SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-12-02T18:44:32 Scheduler=Main Partition=debug AllocNode:Sid=localhost:3121 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 "
+    "NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 "
+    "Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) "
+    "Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/1.out StdIn=/dev/null StdOut=/tmp/ssc/1.out Power= \n"
 )
 
 # the same record as `scontrol show job 1` prints it without -o.
 SCONTROL_CANCELLED_AFTER_RESTART_INDENTED = (
-    'JobId=1 JobName=wrap\n'
-    '   UserId=root(0) GroupId=root(0) MCS_label=N/A\n'
-    '   Priority=4294901759 Nice=0 Account=root QOS=normal\n'
-    '   JobState=CANCELLED Reason=None Dependency=(null)\n'
-    '   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:15\n'
-    '   RunTime=00:00:08 TimeLimit=UNLIMITED TimeMin=N/A\n'
-    '   SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31\n'
-    '   AccrueTime=2026-12-02T18:44:31\n'
-    '   StartTime=2026-12-02T18:44:32 EndTime=2026-12-02T18:44:40 Deadline=N/A\n'
-    '   PreemptEligibleTime=2026-12-02T18:44:32 PreemptTime=None\n'
-    '   SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T18:44:32 Scheduler=Main\n'
-    '   Partition=debug AllocNode:Sid=localhost:3121\n'
-    '   ReqNodeList=(null) ExcNodeList=(null)\n'
-    '   NodeList=node1\n'
-    '   BatchHost=node1\n'
-    '   NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:*\n'
-    '   TRES=cpu=1,mem=512M,node=1,billing=1\n'
-    '   Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=*\n'
-    '   MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0\n'
-    '   Features=(null) DelayBoot=00:00:00\n'
-    '   OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null)\n'
-    '   Command=(null)\n'
-    '   WorkDir=/tmp/ssc\n'
-    '   StdErr=/tmp/ssc/1.out\n'
-    '   StdIn=/dev/null\n'
-    '   StdOut=/tmp/ssc/1.out\n'
-    '   Power=\n'
-    '   \n'
-    '\n'
+    "JobId=1 JobName=wrap\n"
+    "   UserId=root(0) GroupId=root(0) MCS_label=N/A\n"
+    "   Priority=4294901759 Nice=0 Account=root QOS=normal\n"
+    "   JobState=CANCELLED Reason=None Dependency=(null)\n"
+    "   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:15\n"
+    "   RunTime=00:00:08 TimeLimit=UNLIMITED TimeMin=N/A\n"
+    "   SubmitTime=2026-12-02T18:44:20 EligibleTime=2026-12-02T18:44:31\n"
+    "   AccrueTime=2026-12-02T18:44:31\n"
+    "   StartTime=2026-12-02T18:44:32 EndTime=2026-12-02T18:44:40 Deadline=N/A\n"
+    "   PreemptEligibleTime=2026-12-02T18:44:32 PreemptTime=None\n"
+    "   SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T18:44:32 Scheduler=Main\n"
+    "   Partition=debug AllocNode:Sid=localhost:3121\n"
+    "   ReqNodeList=(null) ExcNodeList=(null)\n"
+    "   NodeList=node1\n"
+    "   BatchHost=node1\n"
+    "   NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:*\n"
+    "   TRES=cpu=1,mem=512M,node=1,billing=1\n"
+    "   Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=*\n"
+    "   MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0\n"
+    "   Features=(null) DelayBoot=00:00:00\n"
+    "   OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null)\n"
+    "   Command=(null)\n"
+    "   WorkDir=/tmp/ssc\n"
+    "   StdErr=/tmp/ssc/1.out\n"
+    "   StdIn=/dev/null\n"
+    "   StdOut=/tmp/ssc/1.out\n"
+    "   Power=\n"
+    "   \n"
+    "\n"
 )
 
 # `scontrol -o show job 4` of `sbatch -J 'my job' --wrap 'exit 3'`: a job name with a space.
 SCONTROL_FAILED_NAMED = (
-    'JobId=4 JobName=my job UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901756 Nice=0 '
-    'Account=root QOS=normal JobState=FAILED Reason=NonZeroExitCode Dependency=(null) Requeue=1 '
-    'Restarts=0 BatchFlag=1 Reboot=0 ExitCode=3:0 RunTime=00:00:00 TimeLimit=365-00:00:00 TimeMin=N/A '
-    'SubmitTime=2026-12-02T18:45:47 EligibleTime=2026-12-02T18:45:47 AccrueTime=2026-12-02T18:45:47 '
-    'StartTime=2026-12-02T18:45:48 EndTime=2026-12-02T18:45:48 Deadline=N/A '
-    'PreemptEligibleTime=2026-12-02T18:45:48 PreemptTime=None SuspendTime=None SecsPreSuspend=0 '
-    'LastSchedEval=2026-12-02T18:45:48 Scheduler=Backfill Partition=debug AllocNode:Sid=localhost:3121 '
-    'ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 '
-    'NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* '
-    'NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 '
-    'Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) '
-    'Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/4.out StdIn=/dev/null StdOut=/tmp/ssc/4.out Power= \n'
+    "JobId=4 JobName=my job UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901756 Nice=0 "
+    "Account=root QOS=normal JobState=FAILED Reason=NonZeroExitCode Dependency=(null) Requeue=1 "
+    "Restarts=0 BatchFlag=1 Reboot=0 ExitCode=3:0 RunTime=00:00:00 TimeLimit=365-00:00:00 TimeMin=N/A "
+    "SubmitTime=2026-12-02T18:45:47 EligibleTime=2026-12-02T18:45:47 AccrueTime=2026-12-02T18:45:47 "
+    "StartTime=2026-12-02T18:45:48 EndTime=2026-12-02T18:45:48 Deadline=N/A "
+    "PreemptEligibleTime=2026-12-02T18:45:48 PreemptTime=None SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-12-02T18:45:48 Scheduler=Backfill Partition=debug AllocNode:Sid=localhost:3121 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 "
+    "NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=512M,node=1,billing=1 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryCPU=512M MinTmpDiskNode=0 "
+    "Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) "
+    "Command=(null) WorkDir=/tmp/ssc StdErr=/tmp/ssc/4.out StdIn=/dev/null StdOut=/tmp/ssc/4.out Power= \n"
 )
 
 
@@ -188,8 +195,15 @@ def test_sacct_output_with_other_fields_is_refused() -> None:
 
 
 def test_job_state_reads_state_restarts_exit_code_and_nodes_from_scontrol(monkeypatch) -> None:
-    _serve(monkeypatch, [Poll(SCONTROL_RUNNING), Poll(SCONTROL_PENDING_AFTER_REQUEUE),
-                         Poll(SCONTROL_CANCELLED_AFTER_RESTART), Poll(SCONTROL_FAILED_NAMED)])
+    _serve(
+        monkeypatch,
+        [
+            Poll(SCONTROL_RUNNING),
+            Poll(SCONTROL_PENDING_AFTER_REQUEUE),
+            Poll(SCONTROL_CANCELLED_AFTER_RESTART),
+            Poll(SCONTROL_FAILED_NAMED),
+        ],
+    )
     assert job_state("1") == JobState("1", "RUNNING", 0, 0, 0, "node1", "None", "scontrol")
     assert job_state("1") == JobState("1", "PENDING", 0, 0, 1, "", "BeginTime", "scontrol")
     assert job_state("1") == JobState("1", "CANCELLED", 0, 15, 1, "node1", "None", "scontrol")
@@ -197,10 +211,15 @@ def test_job_state_reads_state_restarts_exit_code_and_nodes_from_scontrol(monkey
 
 
 def test_a_requeued_job_gone_from_scontrol_counts_its_restarts_from_the_duplicate_records(monkeypatch) -> None:
-    _serve(monkeypatch, [Poll(None, SACCT_RUNNING, SACCT_RUNNING),
-                         Poll(None, SACCT_PENDING_AFTER_REQUEUE, SACCT_PENDING_AFTER_REQUEUE),
-                         Poll(None, SACCT_RERUN, SACCT_RERUN_LAST_ONLY),
-                         Poll(None, SACCT_CANCELLED_AFTER_RESTART, SACCT_CANCELLED_LAST_ONLY)])
+    _serve(
+        monkeypatch,
+        [
+            Poll(None, SACCT_RUNNING, SACCT_RUNNING),
+            Poll(None, SACCT_PENDING_AFTER_REQUEUE, SACCT_PENDING_AFTER_REQUEUE),
+            Poll(None, SACCT_RERUN, SACCT_RERUN_LAST_ONLY),
+            Poll(None, SACCT_CANCELLED_AFTER_RESTART, SACCT_CANCELLED_LAST_ONLY),
+        ],
+    )
     assert job_state("1") == JobState("1", "RUNNING", 0, 0, 0, "node1", "", "sacct")
     assert job_state("1") == JobState("1", "REQUEUED", 0, 0, 1, "node1", "", "sacct")  # scontrol: Restarts=1
     assert job_state("1") == JobState("1", "RUNNING", 0, 0, 1, "node1", "", "sacct")
@@ -211,7 +230,9 @@ def test_sacct_attempts_lists_the_requeued_attempt_and_the_last_one(monkeypatch)
     _serve(monkeypatch, [Poll(None, SACCT_CANCELLED_AFTER_RESTART, SACCT_CANCELLED_LAST_ONLY)])
     attempts = sacct_attempts("1")
     assert [(a["JobID"], a["State"], a["End"]) for a in attempts] == [
-        ("1", "REQUEUED", "2026-12-02T18:44:20"), ("1", "CANCELLED by 0", "2026-12-02T18:44:40")]
+        ("1", "REQUEUED", "2026-12-02T18:44:20"),
+        ("1", "CANCELLED by 0", "2026-12-02T18:44:40"),
+    ]
 
 
 def test_sacct_attempts_is_empty_without_sacct_or_without_accounting(monkeypatch) -> None:
@@ -229,13 +250,24 @@ def test_sacct_attempts_is_empty_without_sacct_or_without_accounting(monkeypatch
 
 
 def test_the_wait_follows_a_requeued_job_until_it_ends(monkeypatch, tmp_path: Path, capsys) -> None:
-    calls = _serve(monkeypatch, [Poll(SCONTROL_RUNNING), Poll(SCONTROL_RUNNING), Poll(SCONTROL_PENDING_AFTER_REQUEUE),
-                                 Poll(SCONTROL_CANCELLED_AFTER_RESTART)])
+    calls = _serve(
+        monkeypatch,
+        [
+            Poll(SCONTROL_RUNNING),
+            Poll(SCONTROL_RUNNING),
+            Poll(SCONTROL_PENDING_AFTER_REQUEUE),
+            Poll(SCONTROL_CANCELLED_AFTER_RESTART),
+        ],
+    )
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
     assert wait_for_job("1", tmp_path, poll_s=0) == exitcodes.FAILED
     out, err = capsys.readouterr()
-    assert out.splitlines() == ["job 1: RUNNING", "  step=1 loss=2.5", "job 1: PENDING (restart 1)",
-                                "job 1: CANCELLED (restart 1)"]
+    assert out.splitlines() == [
+        "job 1: RUNNING",
+        "  step=1 loss=2.5",
+        "job 1: PENDING (restart 1)",
+        "job 1: CANCELLED (restart 1)",
+    ]
     assert "job 1 ended CANCELLED with exit code 0:15" in err and len(calls) == 4
 
 

@@ -43,9 +43,11 @@ def test_a_failed_node_is_paired_with_the_first_spare_and_none_when_spares_run_o
 
 
 def test_the_spares_are_read_from_the_attempts_start_record() -> None:
-    events = [{"kind": "attempt_start", "attempt": "9.0", "step_nodes": ["node1", "node2"], "spares": ["node3"]},
-              {"kind": "attempt_start", "attempt": "9.0.1", "step_nodes": ["node1", "node3"], "spares": []},
-              {"kind": "attempt_start", "attempt": "10.0"}]
+    events = [
+        {"kind": "attempt_start", "attempt": "9.0", "step_nodes": ["node1", "node2"], "spares": ["node3"]},
+        {"kind": "attempt_start", "attempt": "9.0.1", "step_nodes": ["node1", "node3"], "spares": []},
+        {"kind": "attempt_start", "attempt": "10.0"},
+    ]
     assert spares_of(events, "9.0") == ["node3"] and spares_of(events, "9.0.1") == []
     assert spares_of(events, "10.0") is None  # launcher.spare_nodes=0
 
@@ -60,7 +62,10 @@ def test_the_policy_restarts_inside_the_allocation_while_spares_cover_the_bad_no
     assert d.action == "requeue" and "suspect node node2: requeue without it)" in d.reason, d  # no spares: as before
     # Classes a plain restart does not cure go back to the queue without a spare, and restart with one.
     assert decide([], cause="sdc", cfg=cfg, restart_count=0, restart=None).action == "requeue"
-    assert decide([], cause="sdc", cfg=cfg, restart_count=0, restart=Restart(True, 0, ["node2"], ["node3"])).action == "restart"
+    assert (
+        decide([], cause="sdc", cfg=cfg, restart_count=0, restart=Restart(True, 0, ["node2"], ["node3"])).action
+        == "restart"
+    )
     spent = FailureConfig(restarts_in_allocation=1)
     d = decide([], cause="dead_rank", cfg=spent, restart_count=0, restart=Restart(True, 1, ["node2"], ["node3"]))
     assert d.action == "requeue" and "failure.restarts_in_allocation(1) spent" in d.reason, d
@@ -73,9 +78,18 @@ def _ctx(run_dir: Path, *, spares: list[str] | None) -> AttemptContext:
     events.emit("attempt_start", job_id="9", nodes=NODES, **placed)
     events.emit("train_start", step=0)
     events.emit("checkpoint_saved", step=10)
-    return AttemptContext(run_dir=str(run_dir), attempt="9.0", rank=0, world_size=2, job_id="9", restart_count=0,
-                          cfg=FailureConfig(heartbeat_s=0.05, node_probe_timeout_s=5), events=events, supervised=True,
-                          nodes_needed=2 + len(spares or []))
+    return AttemptContext(
+        run_dir=str(run_dir),
+        attempt="9.0",
+        rank=0,
+        world_size=2,
+        job_id="9",
+        restart_count=0,
+        cfg=FailureConfig(heartbeat_s=0.05, node_probe_timeout_s=5),
+        events=events,
+        supervised=True,
+        nodes_needed=2 + len(spares or []),
+    )
 
 
 def _incident(cls: str) -> Incident:
@@ -84,8 +98,10 @@ def _incident(cls: str) -> Incident:
 
 def test_a_dead_node_is_quarantined_and_swapped_for_the_spare_without_a_requeue(tmp_path: Path, slurm: Path) -> None:
     # node2 does not answer (the stand-in srun fails every probe step); node3 waits idle.
-    assert conclude(_ctx(tmp_path, spares=["node3"]), cause="dead_rank", step=12,
-                    incident=_incident("dead_rank")) == exitcodes.REQUEUE
+    assert (
+        conclude(_ctx(tmp_path, spares=["node3"]), cause="dead_rank", step=12, incident=_incident("dead_rank"))
+        == exitcodes.REQUEUE
+    )
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
     assert d["action"] == "restart" and "node node2 replaced by spare node node3" in d["reason"], d
     (s,) = read_events(tmp_path / "events.jsonl", "spare_swap")
@@ -96,8 +112,10 @@ def test_a_dead_node_is_quarantined_and_swapped_for_the_spare_without_a_requeue(
 
 
 def test_with_the_spares_spent_a_dead_node_requeues_the_job_without_it(tmp_path: Path, slurm: Path) -> None:
-    assert conclude(_ctx(tmp_path, spares=[]), cause="dead_rank", step=12,
-                    incident=_incident("dead_rank")) == exitcodes.REQUEUE
+    assert (
+        conclude(_ctx(tmp_path, spares=[]), cause="dead_rank", step=12, incident=_incident("dead_rank"))
+        == exitcodes.REQUEUE
+    )
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
     assert d["action"] == "requeue" and "no spare node left" in d["reason"] and d["excluded"] == ["node2"], d
     assert read_events(tmp_path / "events.jsonl", "spare_swap") == []
@@ -105,7 +123,9 @@ def test_with_the_spares_spent_a_dead_node_requeues_the_job_without_it(tmp_path:
 
 
 def test_silent_data_corruption_swaps_its_node_for_a_spare_without_probing_it(tmp_path: Path, slurm: Path) -> None:
-    assert conclude(_ctx(tmp_path, spares=["node3"]), cause="sdc", step=12, incident=_incident("sdc")) == exitcodes.REQUEUE
+    assert (
+        conclude(_ctx(tmp_path, spares=["node3"]), cause="sdc", step=12, incident=_incident("sdc")) == exitcodes.REQUEUE
+    )
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
     assert d["action"] == "restart" and d["excluded"] == ["node2"], d
     assert "srun" not in _verbs(slurm) and "scontrol requeue" not in _verbs(slurm)
@@ -113,7 +133,7 @@ def test_silent_data_corruption_swaps_its_node_for_a_spare_without_probing_it(tm
 
 # The ranks' step, twice: the first time its decider swaps node2 for the spare (quarantine, decision "restart"), as
 # conclude does; the second time it finishes. Each call's arguments are kept.
-_SRUN = '''#!{python}
+_SRUN = """#!{python}
 import json, os, sys
 d = os.environ["FAKE_SLURM"]
 os.makedirs(os.path.join(d, "steps"), exist_ok=True)
@@ -126,21 +146,34 @@ if n == 0:
     json.dump({{"action": "restart", "reason": "x", "exit_code": 75}}, open(run + "/incidents/9.0/decision.json", "w"))
     sys.exit(75)
 sys.exit(0)
-'''
+"""
 
 
-def test_the_supervisor_runs_the_ranks_on_launcher_nodes_and_restarts_them_on_the_spare(tmp_path: Path, slurm: Path,
-                                                                                      monkeypatch) -> None:
+def test_the_supervisor_runs_the_ranks_on_launcher_nodes_and_restarts_them_on_the_spare(
+    tmp_path: Path, slurm: Path, monkeypatch
+) -> None:
     (slurm / "srun").write_text(_SRUN.format(python=sys.executable))
     (slurm / "srun").chmod((slurm / "srun").stat().st_mode | stat.S_IXUSR)
     run = tmp_path / "run"
-    for k, v in {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_RESTART_COUNT": "0",
-                 "RUN": str(run)}.items():
+    for k, v in {
+        "SLURM_JOB_ID": "9",
+        "SLURM_JOB_NODELIST": "node[1-3]",
+        "SLURM_RESTART_COUNT": "0",
+        "RUN": str(run),
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}  # supervise() installs its own
-    cfg = compose(["launcher=slurm", f"run.dir={run}", "launcher.nodes=2", "launcher.spare_nodes=1",
-                   "launcher.tasks_per_node=1", "failure.heartbeat_s=0.05"])
+    cfg = compose(
+        [
+            "launcher=slurm",
+            f"run.dir={run}",
+            "launcher.nodes=2",
+            "launcher.spare_nodes=1",
+            "launcher.tasks_per_node=1",
+            "failure.heartbeat_s=0.05",
+        ]
+    )
     try:
         assert supervise.supervise(cfg, logs=("o", "e")) == exitcodes.OK
     finally:
@@ -148,10 +181,14 @@ def test_the_supervisor_runs_the_ranks_on_launcher_nodes_and_restarts_them_on_th
             signal.signal(s, h)
     steps = [json.loads((slurm / "steps" / str(i)).read_text()) for i in range(2)]
     for argv, nodelist in zip(steps, ("node1,node2", "node1,node3")):
-        assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--nodelist={nodelist}", "--overlap"} <= set(argv), argv
+        assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--nodelist={nodelist}", "--overlap"} <= set(argv), (
+            argv
+        )
     starts = read_events(run / "events.jsonl", "attempt_start")
     assert [(e["attempt"], e["step_nodes"], e["spares"]) for e in starts] == [
-        ("9.0", ["node1", "node2"], ["node3"]), ("9.0.1", ["node1", "node3"], [])]
+        ("9.0", ["node1", "node2"], ["node3"]),
+        ("9.0.1", ["node1", "node3"], []),
+    ]
     assert "scontrol requeue" not in _verbs(slurm)  # the quarantined node2 in the allocation is no cause to requeue
 
 
@@ -167,7 +204,9 @@ def test_a_submission_asks_for_the_spares_too_and_keeps_the_allocation_when_a_no
 
 def test_spare_nodes_below_0_or_outside_slurm_are_refused_naming_the_override() -> None:
     for overrides in (["launcher=slurm", "launcher.spare_nodes=-1"], ["launcher=local", "launcher.spare_nodes=1"]):
-        with pytest.raises(ValueError, match=r"launcher\.spare_nodes\((-1|1)\) must be >= 0.*set launcher.spare_nodes=0"):
+        with pytest.raises(
+            ValueError, match=r"launcher\.spare_nodes\((-1|1)\) must be >= 0.*set launcher.spare_nodes=0"
+        ):
             validate(compose(overrides))
 
 

@@ -27,8 +27,13 @@ from jobs.failure.spike import (
 NAN, INF = float("nan"), float("inf")
 
 
-def _feed(losses: list[float], cfg: FailureConfig, grad_norms: list[float] | None = None, det: dict | None = None,
-          start: int = 0) -> list[tuple[int, str, int, int]]:
+def _feed(
+    losses: list[float],
+    cfg: FailureConfig,
+    grad_norms: list[float] | None = None,
+    det: dict | None = None,
+    start: int = 0,
+) -> list[tuple[int, str, int, int]]:
     """(step, cls, first, last) of every spike the detector confirms along the sequence."""
     det = new_detector() if det is None else det
     out = []
@@ -47,7 +52,7 @@ def test_a_loss_above_factor_times_the_running_median_is_a_spike_once_the_window
     assert _feed([4.0, 4.0, 4.0, 8.0], cfg) == []  # 8 is not > 2 x 4
     assert _feed([4.0, 4.0, 4.0, 8.01], cfg) == [(3, "loss_spike", 3, 3)]
     assert _feed([5.0, 3.0, 4.0, 8.5, 9.0], cfg) == [(3, "loss_spike", 3, 3), (4, "loss_spike", 4, 4)]
-    assert _feed([4.0] * 3, FailureConfig(spike_factor=0.0, spike_window=3) ) == []
+    assert _feed([4.0] * 3, FailureConfig(spike_factor=0.0, spike_window=3)) == []
     assert _feed([4.0, 4.0, 4.0, 100.0], FailureConfig(spike_factor=0.0, spike_window=3)) == []  # 0 = off
 
 
@@ -74,7 +79,9 @@ def test_a_non_finite_loss_or_grad_norm_is_a_spike_at_once_even_before_the_windo
 
 def test_a_grad_norm_above_spike_grad_norm_is_a_spike_and_zero_turns_it_off():
     losses, norms = [4.0] * 5, [1.0, 1.0, 1.0, 1.0, 7.5]
-    assert _feed(losses, FailureConfig(spike_grad_norm=5.0, spike_window=3), grad_norms=norms) == [(4, "loss_spike", 4, 4)]
+    assert _feed(losses, FailureConfig(spike_grad_norm=5.0, spike_window=3), grad_norms=norms) == [
+        (4, "loss_spike", 4, 4)
+    ]
     assert _feed(losses, FailureConfig(spike_grad_norm=0.0, spike_window=3), grad_norms=norms) == []
 
 
@@ -97,7 +104,11 @@ def test_every_rank_decides_alike_on_the_same_all_reduced_numbers_nan_included()
     cfg = FailureConfig(spike_factor=1.5, spike_window=4, spike_patience=2)
     seq = [5.0, 4.5, 4.4, 4.6, 7.1, 4.3, 7.2, NAN, 4.2, 4.1, 4.0, 3.9, 6.5, 6.6]
     a, b = new_detector(), new_detector()
-    assert _feed(seq, cfg, det=a) == _feed(list(seq), cfg, det=b) == [(7, "non_finite_loss", 6, 7), (13, "loss_spike", 12, 13)]
+    assert (
+        _feed(seq, cfg, det=a)
+        == _feed(list(seq), cfg, det=b)
+        == [(7, "non_finite_loss", 6, 7), (13, "loss_spike", 12, 13)]
+    )
     assert pickle.dumps(a) == pickle.dumps(b)
 
 
@@ -118,10 +129,15 @@ def test_the_corrupt_knob_parses_data_steps_and_kinds():
         parse_corrupt("inf:4")
 
 
-@pytest.mark.parametrize("override,match", [
-    (dict(spike_factor=0.5), "failure.spike_factor"), (dict(spike_window=0), "failure.spike_window"),
-    (dict(spike_lr_scale=0.0), "failure.spike_lr_scale"), (dict(max_rollbacks=-1), "failure.max_rollbacks"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(spike_factor=0.5), "failure.spike_factor"),
+        (dict(spike_window=0), "failure.spike_window"),
+        (dict(spike_lr_scale=0.0), "failure.spike_lr_scale"),
+        (dict(max_rollbacks=-1), "failure.max_rollbacks"),
+    ],
+)
 def test_bad_spike_keys_are_config_errors_naming_the_override(override, match):
     with pytest.raises(ValueError, match=match.replace(".", r"\.")):
         check_config(FailureConfig(**override))
@@ -148,8 +164,15 @@ class _Fake:
 
 def _health(tmp_path: Path, **cfg) -> TrainingHealth:
     ev = EventLog(tmp_path / "events.jsonl", attempt="local.0")
-    return TrainingHealth(FailureConfig(**cfg), rank=0, run_dir=str(tmp_path), attempt="local.0", emit=ev.emit,
-                          events_path=ev.path, vocab_size=16)
+    return TrainingHealth(
+        FailureConfig(**cfg),
+        rank=0,
+        run_dir=str(tmp_path),
+        attempt="local.0",
+        emit=ev.emit,
+        events_path=ev.path,
+        vocab_size=16,
+    )
 
 
 def _spike_at(h: TrainingHealth, fake: _Fake, losses: list[float], start: int) -> bool:
@@ -165,9 +188,15 @@ def _spike_at(h: TrainingHealth, fake: _Fake, losses: list[float], start: int) -
 def test_a_rollback_records_the_skip_scales_the_lr_and_writes_event_and_incident(tmp_path: Path):
     h = _health(tmp_path, spike_factor=2.0, spike_window=2, spike_patience=2, spike_skip_steps=3, spike_lr_scale=0.5)
     st = TrainState()
-    ckpts = {10: {"step": 10, "tokens_seen": 0, "loss_tail": [], "health": {"detector": {"history": [1.0, 1.0],
-                                                                                         "streak": []}}},
-             20: {"step": 20, "tokens_seen": 0, "loss_tail": [], "health": {}}}
+    ckpts = {
+        10: {
+            "step": 10,
+            "tokens_seen": 0,
+            "loss_tail": [],
+            "health": {"detector": {"history": [1.0, 1.0], "streak": []}},
+        },
+        20: {"step": 20, "tokens_seen": 0, "loss_tail": [], "health": {}},
+    }
     fake = _Fake(h, st, ckpts)
     st.health["detector"] = {"history": [1.0, 1.0], "streak": []}
     lr_before = fake.opt.param_groups[0]["lr"]
@@ -176,10 +205,28 @@ def test_a_rollback_records_the_skip_scales_the_lr_and_writes_event_and_incident
     assert _spike_at(h, fake, [1.0, 5.0, 5.0], start=18)
     assert fake.asked == [20] and st.step == 10  # a checkpoint of a step < 20, the first spiking (logged) step
     (rec,) = h.records
-    assert {k: rec[k] for k in ("rollback", "cls", "first_step", "step", "target_step", "from_step", "data_step",
-                                "skipped_data_steps")} == {
-        "rollback": 1, "cls": "loss_spike", "first_step": 20, "step": 21, "target_step": 10, "from_step": 18,
-        "data_step": 21, "skipped_data_steps": [18, 19, 20]}
+    assert {
+        k: rec[k]
+        for k in (
+            "rollback",
+            "cls",
+            "first_step",
+            "step",
+            "target_step",
+            "from_step",
+            "data_step",
+            "skipped_data_steps",
+        )
+    } == {
+        "rollback": 1,
+        "cls": "loss_spike",
+        "first_step": 20,
+        "step": 21,
+        "target_step": 10,
+        "from_step": 18,
+        "data_step": 21,
+        "skipped_data_steps": [18, 19, 20],
+    }
     assert st.health["rollbacks"] == h.records and h.data_step(17) == 17 and h.data_step(18) == 21
     assert h.lr_scale == 0.5 and fake.opt.param_groups[0]["lr"] == lr_before * 0.5
     inc = (tmp_path / "incidents/local.0/rollback-1.json").read_text()
@@ -206,15 +253,27 @@ def test_past_max_rollbacks_or_without_a_checkpoint_the_run_stops_with_a_summary
 
 
 def test_resume_repeats_the_skip_from_events_or_from_the_checkpoint_and_replaces_a_spike_window_checkpoint(
-        tmp_path: Path):
-    rec = {"rollback": 1, "cls": "loss_spike", "first_step": 20, "step": 21, "target_step": 10, "from_step": 18,
-           "data_step": 21, "skipped_data_steps": [18, 19, 20], "lr_scale": 0.5}
+    tmp_path: Path,
+):
+    rec = {
+        "rollback": 1,
+        "cls": "loss_spike",
+        "first_step": 20,
+        "step": 21,
+        "target_step": 10,
+        "from_step": 18,
+        "data_step": 21,
+        "skipped_data_steps": [18, 19, 20],
+        "lr_scale": 0.5,
+    }
     plain = {"step": 10, "tokens_seen": 0, "loss_tail": [], "health": {}}
     window = {"step": 20, "tokens_seen": 0, "loss_tail": [], "health": {}}  # saved inside the spike window
     after = {"step": 30, "tokens_seen": 0, "loss_tail": [], "health": {"rollbacks": [rec]}}
-    cases = [("events only, checkpoint = target", plain, True, None),
-             ("checkpoint only (events lost)", after, False, None),
-             ("events only, checkpoint in the spike window", window, True, 11)]
+    cases = [
+        ("events only, checkpoint = target", plain, True, None),
+        ("checkpoint only (events lost)", after, False, None),
+        ("events only, checkpoint in the spike window", window, True, 11),
+    ]
     for i, (name, sd, in_events, reload) in enumerate(cases):
         h = _health(tmp_path / str(i))
         if in_events:

@@ -48,8 +48,10 @@ def test_attention_runs_at_flashattention2s_published_rate_and_the_rest_at_the_g
     cfg = compose([f"+experiment={experiment}"])
     published = {989.0: 335, 312.0: 230}[cfg.cluster.gpu_bf16_tflops]  # H100, A100
     assert cfg.cluster.gpu_attention_tflops == pytest.approx(published * 3 / 3.5, abs=0.05)
-    on, off = (build_plan(compose([f"+experiment={experiment}", *ov]), measure=False).step
-               for ov in ([], ["cluster.gpu_attention_tflops=0"]))
+    on, off = (
+        build_plan(compose([f"+experiment={experiment}", *ov]), measure=False).step
+        for ov in ([], ["cluster.gpu_attention_tflops=0"])
+    )
     assert off["attention_tflops"] == 0 and on["attention_tflops"] == cfg.cluster.gpu_attention_tflops
     # the difference is exactly the attention FLOPs of every microbatch (forward + backward = 3x) moved from the GEMM
     # rate to the attention rate: every block of the slowest role, at its tokens per microbatch
@@ -114,10 +116,13 @@ def test_save_and_restart_costs_come_from_the_runs_own_ledger(tmp_path):
     # Three saves blocking 2.5, 3.5 and 9.0 s (median 3.5) and two attempts taking 40 and 60 s from start
     # to first step (median 50), no failure: those, not a constant, set Daly's interval and the goodput.
     (tmp_path / "events.jsonl").write_text(
-        _event("attempt_start", 0.0) + _event("first_step", 40.0, step=1)
+        _event("attempt_start", 0.0)
+        + _event("first_step", 40.0, step=1)
         + "".join(_event("checkpoint_saved", 100.0 + i, step=i, blocking_s=b) for i, b in enumerate((2.5, 9.0, 3.5)))
         + _event("attempt_end", 200.0, cause="completed")
-        + _event("attempt_start", 300.0, attempt="local.1") + _event("first_step", 360.0, attempt="local.1", step=5))
+        + _event("attempt_start", 300.0, attempt="local.1")
+        + _event("first_step", 360.0, attempt="local.1", step=5)
+    )
     plan = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", f"run.dir={tmp_path}"]), measure=False)
     ck = plan.checkpoint
     assert ck["blocking_s"] == pytest.approx(3.5) and "median blocking_s of 3 saves" in ck["blocking_source"]
@@ -184,12 +189,15 @@ def test_parameters_and_activations_travel_in_the_compute_dtype():
     # fp32 ranks (CPU) gather fp32 parameters and send fp32 activations: twice the bytes of bf16. The plan
     # counted bf16 for every run, so an fp32 run's collectives were timed at half their bytes.
     def rows(mp: str) -> dict[tuple[str, str], dict]:
-        cfg = compose(["launcher.tasks_per_node=4", "mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1",
-                       f"train.mixed_precision={mp}"])
+        cfg = compose(
+            ["launcher.tasks_per_node=4", "mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=1", f"train.mixed_precision={mp}"]
+        )
         return {(r["collective"], r["axis"]): r for r in build_plan(cfg, measure=False).comm}
 
     fp32, bf16 = rows("fp32"), rows("bf16")
     for key in (("all_gather", "dp_shard"), ("send_recv", "pp")):
         assert fp32[key]["bytes"] == 2 * bf16[key]["bytes"] > 0
         assert fp32[key]["what"].startswith("fp32") and bf16[key]["what"].startswith("bf16")
-    assert fp32[("reduce_scatter", "dp_shard")]["bytes"] == bf16[("reduce_scatter", "dp_shard")]["bytes"]  # fp32 reduction
+    assert (
+        fp32[("reduce_scatter", "dp_shard")]["bytes"] == bf16[("reduce_scatter", "dp_shard")]["bytes"]
+    )  # fp32 reduction

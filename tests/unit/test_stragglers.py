@@ -72,7 +72,8 @@ def test_pipeline_stages_are_compared_only_with_ranks_of_the_same_stage() -> Non
     assert StragglerDetector(NAMES, intervals=1, groups=[0, 0, 1, 1]).observe(m) == []
     m[3, B] *= 1.3
     assert [(h.ranks, h.phase) for h in StragglerDetector(NAMES, intervals=1, groups=[0, 0, 1, 1]).observe(m)] == [
-        ([3], "backward")]
+        ([3], "backward")
+    ]
 
 
 def test_absolute_catches_every_rank_slowed_at_once_which_relative_cannot_see() -> None:
@@ -95,14 +96,17 @@ def test_baseline_round_trips_atomically_and_its_key_separates_shapes(tmp_path: 
     assert other != path.name and other.startswith("tiny_dp_shard2_local_")
 
 
-def test_the_baseline_is_the_median_of_the_last_healthy_runs_so_one_slower_run_does_not_become_it(tmp_path: Path) -> None:
+def test_the_baseline_is_the_median_of_the_last_healthy_runs_so_one_slower_run_does_not_become_it(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "base.json"
     for fwd in (0.100, 0.102, 0.098):
         write_baseline(path, {"forward": fwd, "backward": 0.2}, run_dir=f"r{fwd}")
     # a run 15% slower that no check judged (fewer than K intervals over the ratio) is recorded, but the
     # reference moves only to the median of the four (0.101), not to 0.115
     assert write_baseline(path, {"forward": 0.115, "backward": 0.2}, run_dir="slow") == pytest.approx(
-        {"forward": 0.101, "backward": 0.2})
+        {"forward": 0.101, "backward": 0.2}
+    )
     assert read_baseline(path) == pytest.approx({"forward": 0.101, "backward": 0.2})
     for _ in range(5):  # only the last BASELINE_RUNS runs count: a lasting change is followed
         write_baseline(path, {"forward": 0.130, "backward": 0.2})
@@ -219,8 +223,16 @@ def test_a_phase_another_attempt_did_not_time_is_nan_and_ignored_by_the_report(t
         assert f["cpu"].shape == (2, 6) and np.isnan(f["cpu"][1]).all()  # the pp attempt's 5 columns do not fit
         forward, pp_step = float(f["forward"][0]), float(f["pp_step"][1])
     assert read_phases(tmp_path / "telemetry")[0] | {} == pytest.approx(
-        {"data": 0.0, "forward": forward, "pp_step": pp_step, "collective": 0.0, "optimizer": 0.0, "checkpoint": 0.0,
-         "backward": 0.0})  # the median of the rows that have the phase; NaN rows left out
+        {
+            "data": 0.0,
+            "forward": forward,
+            "pp_step": pp_step,
+            "collective": 0.0,
+            "optimizer": 0.0,
+            "checkpoint": 0.0,
+            "backward": 0.0,
+        }
+    )  # the median of the rows that have the phase; NaN rows left out
 
 
 def test_step_telemetry_gathers_once_per_interval_skips_warm_up_and_reports_on_rank_0(tmp_path: Path) -> None:
@@ -231,14 +243,24 @@ def test_step_telemetry_gathers_once_per_interval_skips_warm_up_and_reports_on_r
         return _interval(ranks=3, backward=(2, 1.5))
 
     t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
-    st = StepTelemetry(t, StragglerDetector(NAMES, intervals=2), rank=0, nodes=["n0", "n0", "n1"], gather=gather,
-                       emit=lambda kind, **f: emitted.append((kind, f)), baseline_path=tmp_path / "base.json",
-                       on_straggler=lambda nodes, d: quarantined.append(nodes), window_steps=2)
+    st = StepTelemetry(
+        t,
+        StragglerDetector(NAMES, intervals=2),
+        rank=0,
+        nodes=["n0", "n0", "n1"],
+        gather=gather,
+        emit=lambda kind, **f: emitted.append((kind, f)),
+        baseline_path=tmp_path / "base.json",
+        on_straggler=lambda nodes, d: quarantined.append(nodes),
+        window_steps=2,
+    )
     for step in range(1, 9):
         st.step_done(step, interval_end=step % 2 == 0)
     assert len(gathered) == 4  # one gather per interval, none per step
     ((kind, ev),) = emitted  # interval 1 is warm-up; intervals 2 and 3 make the streak of 2
-    assert kind == "straggler" and ev["step"] == 6 and (ev["ranks"], ev["nodes"], ev["phase"]) == ([2], ["n1"], "backward")
+    assert (
+        kind == "straggler" and ev["step"] == 6 and (ev["ranks"], ev["nodes"], ev["phase"]) == ([2], ["n1"], "backward")
+    )
     assert ev["clock"] == "work" and quarantined == [["n1"]]
     assert st.finish(healthy=True, about={}) is False  # a run with a straggler writes no baseline
     assert "relative  backward   2" in straggler_table([{"kind": kind, **ev}])
@@ -246,14 +268,23 @@ def test_step_telemetry_gathers_once_per_interval_skips_warm_up_and_reports_on_r
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_phase_times_ride_in_the_steps_all_reduce_at_window_ends_only_and_only_rank_0_judges(
-        tmp_path: Path, rank: int) -> None:
+    tmp_path: Path, rank: int
+) -> None:
     def gather(vec):
         raise AssertionError("a collective of its own")
 
     emitted = []
     t = PhaseTimer(tmp_path, rank=rank, attempt="a", pp=False)
-    st = StepTelemetry(t, StragglerDetector(NAMES, intervals=2), rank=rank, nodes=["n0", "n1", "n2"], gather=gather,
-                       emit=lambda kind, **f: emitted.append(kind), baseline_path=None, window_steps=4)
+    st = StepTelemetry(
+        t,
+        StragglerDetector(NAMES, intervals=2),
+        rank=rank,
+        nodes=["n0", "n1", "n2"],
+        gather=gather,
+        emit=lambda kind, **f: emitted.append(kind),
+        baseline_path=None,
+        window_steps=4,
+    )
     for step in range(1, 17):
         end = step % 2 == 0  # train.log_every=2: a window is two log intervals
         out = st.outgoing(interval_end=end)
@@ -271,8 +302,15 @@ def test_a_window_spans_at_least_window_steps_whatever_the_log_interval(tmp_path
     """train.log_every=1 (the default) judged every single step: per-step noise named healthy ranks (issue 22.8)."""
     sent = []
     t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
-    st = StepTelemetry(t, StragglerDetector(NAMES, intervals=3), rank=0, nodes=["n0", "n1"], gather=None,
-                       emit=lambda kind, **f: None, baseline_path=None)
+    st = StepTelemetry(
+        t,
+        StragglerDetector(NAMES, intervals=3),
+        rank=0,
+        nodes=["n0", "n1"],
+        gather=None,
+        emit=lambda kind, **f: None,
+        baseline_path=None,
+    )
     assert st.window_steps == 20
     for step in range(1, 101):  # log_every=1: every step ends a log interval
         out = st.outgoing(interval_end=True)
@@ -282,8 +320,9 @@ def test_a_window_spans_at_least_window_steps_whatever_the_log_interval(tmp_path
         st.step_done(step, interval_end=True)
     assert sent == [20, 40, 60, 80, 100]
     t2 = PhaseTimer(tmp_path, rank=0, attempt="b", pp=False)
-    st2 = StepTelemetry(t2, StragglerDetector(NAMES), rank=0, nodes=["n0", "n1"], gather=None, emit=None,
-                        baseline_path=None)
+    st2 = StepTelemetry(
+        t2, StragglerDetector(NAMES), rank=0, nodes=["n0", "n1"], gather=None, emit=None, baseline_path=None
+    )
     ends = []
     for step in range(1, 101):  # log_every=16 in a 100-step run
         if st2.outgoing(interval_end=step % 16 == 0 or step == 100) is not None:
@@ -300,8 +339,18 @@ def test_a_healthy_run_logging_every_step_names_nobody_though_single_steps_are_n
     steps = np.random.default_rng(7).uniform(0.029, 0.068, size=(200, 2))  # [steps x ranks] backward seconds
     timers = [PhaseTimer(tmp_path, rank=r, attempt="a", pp=False) for r in (0, 1)]
     emitted = []
-    tel = [StepTelemetry(t, StragglerDetector(NAMES), rank=r, nodes=["n0", "n1"], gather=None,
-                         emit=lambda kind, **f: emitted.append(f), baseline_path=None) for r, t in enumerate(timers)]
+    tel = [
+        StepTelemetry(
+            t,
+            StragglerDetector(NAMES),
+            rank=r,
+            nodes=["n0", "n1"],
+            gather=None,
+            emit=lambda kind, **f: emitted.append(f),
+            baseline_path=None,
+        )
+        for r, t in enumerate(timers)
+    ]
     for i, row in enumerate(steps, start=1):
         outs = [st.outgoing(interval_end=True) for st in tel]
         if outs[0] is not None:
@@ -323,8 +372,14 @@ def test_the_vectorised_peer_median_is_every_other_rank_of_the_group_and_fast_at
         m = rng.random((n, len(NAMES)))
         m[1] = m[0]  # ties
         g = groups or [0] * n
-        want = np.array([np.median(m[[q for q in range(n) if q != r and g[q] == g[r]]], axis=0)
-                         if sum(x == g[r] for x in g) > 1 else np.full(len(NAMES), np.nan) for r in range(n)])
+        want = np.array(
+            [
+                np.median(m[[q for q in range(n) if q != r and g[q] == g[r]]], axis=0)
+                if sum(x == g[r] for x in g) > 1
+                else np.full(len(NAMES), np.nan)
+                for r in range(n)
+            ]
+        )
         np.testing.assert_allclose(peer_medians(m, groups), want)
     m = rng.uniform(0.1, 0.2, size=(2048, len(NAMES)))
     t0 = _time.process_time()  # CPU time: other processes on a shared box do not count
@@ -347,8 +402,16 @@ def test_flushes_are_throttled_to_min_interval_but_none_is_lost(tmp_path: Path) 
 def test_a_healthy_run_writes_the_median_of_its_judged_intervals_as_baseline(tmp_path: Path) -> None:
     t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
     vals = iter([_interval(ranks=2) * f for f in (9.0, 1.0, 1.2, 1.1)])  # the first (warm-up) is left out
-    st = StepTelemetry(t, StragglerDetector(NAMES), rank=0, nodes=["n", "n"], gather=lambda v: next(vals),
-                       emit=None, baseline_path=tmp_path / "base.json", window_steps=1)
+    st = StepTelemetry(
+        t,
+        StragglerDetector(NAMES),
+        rank=0,
+        nodes=["n", "n"],
+        gather=lambda v: next(vals),
+        emit=None,
+        baseline_path=tmp_path / "base.json",
+        window_steps=1,
+    )
     for step in range(1, 5):
         st.step_done(step, interval_end=True)
     assert st.finish(healthy=False, about={}) is False and not (tmp_path / "base.json").exists()
@@ -382,8 +445,18 @@ def test_tensorboard_scalars_read_back_with_event_accumulator(tmp_path: Path) ->
 
     log = ScalarLog(tmp_path)
     for step, loss in ((1, 5.5), (2, 4.25)):
-        log.write({"step": step, "loss": loss, "lr": 0.01, "tokens_per_s": 900.0, "stop": False, "restart": 0,
-                   "attempt": "local.0", "time": 1.0e9 + step})
+        log.write(
+            {
+                "step": step,
+                "loss": loss,
+                "lr": 0.01,
+                "tokens_per_s": 900.0,
+                "stop": False,
+                "restart": 0,
+                "attempt": "local.0",
+                "time": 1.0e9 + step,
+            }
+        )
     log.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert set(acc.Tags()["scalars"]) == {"loss", "lr", "tokens_per_s"}
@@ -394,7 +467,7 @@ class _FakeEvent:
     """A CUDA event on a fake clock: `elapsed_time` in ms, readable only after `synchronize()`."""
 
     clock_ms = 0.0
-    synced: list["_FakeEvent"] = []
+    synced: list[_FakeEvent] = []
 
     def __init__(self, enable_timing: bool) -> None:
         self.at, self.done = None, False
@@ -406,7 +479,7 @@ class _FakeEvent:
         self.done = True
         _FakeEvent.synced.append(self)
 
-    def elapsed_time(self, end: "_FakeEvent") -> float:
+    def elapsed_time(self, end: _FakeEvent) -> float:
         assert end.done, "read before synchronize()"
         return end.at - self.at
 
@@ -440,17 +513,50 @@ def test_exclude_stragglers_puts_the_relative_stragglers_node_on_the_quarantine_
     from jobs.telemetry.rank_telemetry import baseline_path, build_step_telemetry
     from jobs.telemetry.stragglers import Detection
 
-    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", f"run.dir={tmp_path}", f"cluster.run_root={tmp_path}",
-                   "failure.exclude_stragglers=true"])
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nodes=1, master_addr="x",
-                  master_port=0, hostname="node7")
-    st = build_step_telemetry(cfg, env, events=EventLog(tmp_path / "events.jsonl"), pp=False, mesh="single",
-                              device=torch.device("cpu"), mixed_precision="fp32")
+    cfg = compose(
+        [
+            "mesh=single",
+            "launcher.tasks_per_node=1",
+            f"run.dir={tmp_path}",
+            f"cluster.run_root={tmp_path}",
+            "failure.exclude_stragglers=true",
+        ]
+    )
+    env = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        nodes=1,
+        master_addr="x",
+        master_port=0,
+        hostname="node7",
+    )
+    st = build_step_telemetry(
+        cfg,
+        env,
+        events=EventLog(tmp_path / "events.jsonl"),
+        pp=False,
+        mesh="single",
+        device=torch.device("cpu"),
+        mixed_precision="fp32",
+    )
     assert st.baseline_path == baseline_path(cfg, mesh="single", device="cpu", mixed_precision="fp32", clock="work")
     assert st.baseline_path.parent == tmp_path / "baselines"  # ${cluster.run_root}/baselines
     st.on_straggler(["node7"], Detection("relative", "backward", [0], 1.3, 0.13, 0.1))
     (entry,) = quarantined(tmp_path)
     assert entry["node"] == "node7" and "straggler: backward 1.30x" in entry["reason"]
     cfg.failure.exclude_stragglers = False
-    assert build_step_telemetry(cfg, env, events=EventLog(tmp_path / "e.jsonl"), pp=False, mesh="single",
-                                device=torch.device("cpu"), mixed_precision="fp32").on_straggler is None
+    assert (
+        build_step_telemetry(
+            cfg,
+            env,
+            events=EventLog(tmp_path / "e.jsonl"),
+            pp=False,
+            mesh="single",
+            device=torch.device("cpu"),
+            mixed_precision="fp32",
+        ).on_straggler
+        is None
+    )

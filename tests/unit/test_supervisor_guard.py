@@ -24,20 +24,29 @@ def test_slurm_intent_tells_a_dead_batch_step_from_scancel_and_the_time_limit(mo
     # Seen on the local cluster (22.05), scontrol while the ranks hold their SIGTERM: the batch python
     # SIGKILLed -> COMPLETING NonZeroExitCode 137:0; the batch shell SIGKILLed -> COMPLETING JobLaunchFailure
     # 0:9; scancel -> COMPLETING None 0:15.
-    states = {"1": slurm_state.JobState("1", "COMPLETING", 137, reason="NonZeroExitCode"),
-              "2": slurm_state.JobState("2", "COMPLETING", 0, 9, reason="JobLaunchFailure"),
-              "3": slurm_state.JobState("3", "COMPLETING", 0, 15, reason="None"),
-              "4": slurm_state.JobState("4", "COMPLETING", 0, 15, reason="TimeLimit"),
-              "5": slurm_state.JobState("5", "COMPLETING", 137, restarts=1, reason="NonZeroExitCode")}
+    states = {
+        "1": slurm_state.JobState("1", "COMPLETING", 137, reason="NonZeroExitCode"),
+        "2": slurm_state.JobState("2", "COMPLETING", 0, 9, reason="JobLaunchFailure"),
+        "3": slurm_state.JobState("3", "COMPLETING", 0, 15, reason="None"),
+        "4": slurm_state.JobState("4", "COMPLETING", 0, 15, reason="TimeLimit"),
+        "5": slurm_state.JobState("5", "COMPLETING", 137, restarts=1, reason="NonZeroExitCode"),
+    }
     monkeypatch.setattr(policy, "job_state", states.__getitem__)
     assert [policy.slurm_intent(j, restart_count=0) for j in "12345"] == [
-        "supervisor_died", "supervisor_died", "cancelled", "cancelled", "requeued"]
+        "supervisor_died",
+        "supervisor_died",
+        "cancelled",
+        "cancelled",
+        "requeued",
+    ]
 
 
 @pytest.mark.parametrize("cause", ["SIGTERM", "supervisor_died"])
 def test_a_dead_supervisor_is_requeued_within_the_budget_then_stopped(cause: str) -> None:
     cfg = FailureConfig(max_requeues=2)
-    d = policy.decide([], cause=cause, cfg=cfg, restart_count=1, slurm="supervisor_died" if cause == "SIGTERM" else None)
+    d = policy.decide(
+        [], cause=cause, cfg=cfg, restart_count=1, slurm="supervisor_died" if cause == "SIGTERM" else None
+    )
     assert (d.action, d.exit_code) == ("requeue", exitcodes.REQUEUE)
     assert d.reason == "supervisor_died: requeue 2 of failure.max_requeues(2)"
     spent = policy.decide([], cause=cause, cfg=cfg, restart_count=2, slurm="supervisor_died")
@@ -47,14 +56,18 @@ def test_a_dead_supervisor_is_requeued_within_the_budget_then_stopped(cause: str
 
 
 def _cfg(tmp_path: Path, **failure) -> SimpleNamespace:
-    return SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)), world_size=2,
-                           failure=FailureConfig(heartbeat_s=0.05, **failure))
+    return SimpleNamespace(
+        run=SimpleNamespace(dir=str(tmp_path)), world_size=2, failure=FailureConfig(heartbeat_s=0.05, **failure)
+    )
 
 
-@pytest.mark.parametrize(("end", "after"), [("return 76", None), ("SIGKILL", "was killed by SIGKILL"),
-                                            ("raise", "raised an exception (traceback above)")])
-def test_the_guard_outlives_its_supervisor_and_acts_only_when_it_died(tmp_path: Path, monkeypatch, end: str,
-                                                                      after: str | None) -> None:
+@pytest.mark.parametrize(
+    ("end", "after"),
+    [("return 76", None), ("SIGKILL", "was killed by SIGKILL"), ("raise", "raised an exception (traceback above)")],
+)
+def test_the_guard_outlives_its_supervisor_and_acts_only_when_it_died(
+    tmp_path: Path, monkeypatch, end: str, after: str | None
+) -> None:
     def fake_supervise(cfg, *, logs):
         if end == "SIGKILL":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -89,8 +102,11 @@ def test_with_no_ranks_running_the_guard_decides_in_the_dead_supervisors_place(t
     (f,) = read_events(tmp_path / "events.jsonl", "failure")
     assert (f["cls"], f["attempt"]) == ("supervisor_died", "41.1.2") and "deciding in its place" in f["summary"]
     (d,) = read_events(tmp_path / "events.jsonl", "decision")
-    assert (d["attempt"], d["action"], d["reason"]) == ("41.1.3", "requeue", "supervisor_died: requeue 2 of "
-                                                        "failure.max_requeues(10)")
+    assert (d["attempt"], d["action"], d["reason"]) == (
+        "41.1.3",
+        "requeue",
+        "supervisor_died: requeue 2 of failure.max_requeues(10)",
+    )
 
 
 def test_the_current_attempt_is_the_newest_start_of_this_allocation(tmp_path: Path) -> None:
@@ -101,8 +117,10 @@ def test_the_current_attempt_is_the_newest_start_of_this_allocation(tmp_path: Pa
     assert supervise._current_attempt(str(tmp_path), "5", 2) == ("5.2", 0)
 
 
-@pytest.mark.parametrize(("codes", "code"), [([76, 76], 76), ([75, 76], 76), ([75], 75), ([77, 76], 77),
-                                             ([-9], 137), ([1, -15], 1), ([3], 3)])
+@pytest.mark.parametrize(
+    ("codes", "code"),
+    [([76, 76], 76), ([75, 76], 76), ([75], 75), ([77, 76], 77), ([-9], 137), ([1, -15], 1), ([3], 3)],
+)
 def test_the_agent_exits_with_the_ranks_most_final_code(codes: list[int], code: int) -> None:
     assert slurm_mod.agent_exit_code(codes) == code
 
@@ -112,8 +130,18 @@ def test_restarted_ranks_under_torchrun_find_the_stop_past_attempts_that_only_re
     # exited, so .3 found no decision of .2 and trained again (a second crash, a second stop).
     cfg = SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)))
     publish(tmp_path, "9.0", Decision("restart", "rank_crashed: restart 1", 75, 0, 4, 1))
-    env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=1, node_rank=0, nodes=2, master_addr="a",
-                  master_port=1, restart_in_allocation=3, job_id="9")
+    env = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=2,
+        local_world_size=1,
+        node_rank=0,
+        nodes=2,
+        master_addr="a",
+        master_port=1,
+        restart_in_allocation=3,
+        job_id="9",
+    )
     assert slurm_mod._ended_for_good(cfg, env) is None
     publish(tmp_path, "9.0.1", Decision("stop", "2 attempts in a row", 76, 0, 4, 2))
     assert slurm_mod._ended_for_good(cfg, env) == exitcodes.STOPPED

@@ -5,9 +5,18 @@ from __future__ import annotations
 from jobs.config import compose
 from jobs.launch.sweep import _feasibility
 
-H100 = ["launcher=slurm", "cluster=h100_ib", "launcher.nodes=1", "launcher.tasks_per_node=8",
-        "run.dir=/lustre/meshjob/runs/sweep-test", "train.global_batch=8", "train.micro_batch=1",
-        "train.seq_len=4096", "train.steps=10000", "checkpoint.interval=auto"]
+H100 = [
+    "launcher=slurm",
+    "cluster=h100_ib",
+    "launcher.nodes=1",
+    "launcher.tasks_per_node=8",
+    "run.dir=/lustre/meshjob/runs/sweep-test",
+    "train.global_batch=8",
+    "train.micro_batch=1",
+    "train.seq_len=4096",
+    "train.steps=10000",
+    "checkpoint.interval=auto",
+]
 
 
 def test_a_point_that_fits_is_kept() -> None:
@@ -17,8 +26,11 @@ def test_a_point_that_fits_is_kept() -> None:
 def test_a_point_that_does_not_fit_in_gpu_memory_is_pruned_by_the_planner() -> None:
     # Llama 3 70B sharded 8 ways holds ~70.6e9 * 16 B / 8 = 141 GB of params+grads+AdamW per GPU > 80 GB.
     # signal_delay_s: the stop path of a 70B async save (the save in flight, then a whole write) needs more than 120 s
-    why = _feasibility(compose([*H100, "model=llama3_70b", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=-1",
-                                "launcher.signal_delay_s=600"]))
+    why = _feasibility(
+        compose(
+            [*H100, "model=llama3_70b", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=-1", "launcher.signal_delay_s=600"]
+        )
+    )
     assert why is not None and why.startswith("memory: peak") and "cluster.gpu_mem_gib(80.0)" in why
 
 

@@ -17,8 +17,15 @@ import pytest
 from jobs.launch import sweep
 from jobs.launch.sweep import point_run_dirs, run_dir_swept
 
-SLURM = ["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2", "mesh.pp=1", "mesh.dp_shard=-1",
-         "train.steps=2", "mesh.tp=1,2,3"]  # tp3 does not divide 2 ranks: pruned, but composed too
+SLURM = [
+    "launcher=slurm",
+    "launcher.nodes=1",
+    "launcher.tasks_per_node=2",
+    "mesh.pp=1",
+    "mesh.dp_shard=-1",
+    "train.steps=2",
+    "mesh.tp=1,2,3",
+]  # tp3 does not divide 2 ranks: pruned, but composed too
 
 
 class _TickingClock(dt.datetime):
@@ -87,7 +94,8 @@ def test_run_dir_is_swept_only_when_the_points_overrides_give_it_different_value
 
 
 def test_slurm_sweep_with_the_default_timestamp_run_dir_gives_every_point_its_own_dir_under_one_sweep_dir(
-        in_tmp: Path, fake_sbatch: list) -> None:
+    in_tmp: Path, fake_sbatch: list
+) -> None:
     _multirun(SLURM)
     (sweep_dir,) = (in_tmp / "runs").iterdir()  # one timestamp dir: the sweep's, however many seconds passed
     table = _table(sweep_dir)
@@ -105,11 +113,15 @@ def test_slurm_sweep_honours_hydra_sweep_dir_given_on_the_command_line(in_tmp: P
     _multirun([*SLURM, f"hydra.sweep.dir={mine}"])
     assert sorted(p.name for p in (in_tmp / "runs").iterdir()) == ["mine"]
     assert [(t["run_dir"], t["job_id"]) for t in _table(mine).values()] == [
-        (str(mine / "0"), "900_0"), (str(mine / "1"), "900_1"), (None, None)]
+        (str(mine / "0"), "900_0"),
+        (str(mine / "1"), "900_1"),
+        (None, None),
+    ]
 
 
 def test_slurm_sweep_over_run_dir_itself_trains_each_point_where_its_override_says(
-        in_tmp: Path, fake_sbatch: list) -> None:
+    in_tmp: Path, fake_sbatch: list
+) -> None:
     a, b = in_tmp / "runs" / "a", in_tmp / "runs" / "b"
     _multirun([*SLURM[:-1], "mesh.tp=2", f"run.dir={a},{b}"])
     assert [p.cfg.run.dir for p in fake_sbatch] == [str(a), str(b)]
@@ -134,7 +146,8 @@ def test_local_sweep_gives_every_point_its_own_dir_under_the_sweep_dir(in_tmp: P
 
 
 def test_local_sweep_honours_hydra_sweep_dir_and_refuses_points_sharing_a_run_dir(
-        in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    in_tmp: Path, capsys: pytest.CaptureFixture
+) -> None:
     seen: list[str] = []
     _multirun(["mesh.tp=1,2", f"hydra.sweep.dir={in_tmp / 'mine'}"], task=lambda cfg: seen.append(cfg.run.dir))
     assert seen == [str(in_tmp / "mine" / "0"), str(in_tmp / "mine" / "1")]

@@ -24,8 +24,9 @@ def test_palm_540b_reaches_its_published_46_percent_mfu():
 
 
 def test_no_peak_means_no_mfu():
-    assert set(achieved(flops_per_token=1e9, tokens_per_step=1000, world_size=2, step_time_s=1.0, peak_tflops=None)) == {
-        "tflops_per_rank"}
+    assert set(
+        achieved(flops_per_token=1e9, tokens_per_step=1000, world_size=2, step_time_s=1.0, peak_tflops=None)
+    ) == {"tflops_per_rank"}
 
 
 def test_flops_per_token_of_the_tiny_model_is_6n_plus_causal_6lhqt():
@@ -48,7 +49,6 @@ def test_live_bytes_counts_what_ops_create_until_it_is_freed_or_resized():
     assert live.peak == 8400
     assert now == 400 + 1000
     assert c.numel() == 250
-
 
 
 def test_live_bytes_loses_no_update_when_storages_are_freed_on_another_thread():
@@ -83,6 +83,7 @@ def test_live_bytes_loses_no_update_when_storages_are_freed_on_another_thread():
         sys.setswitchinterval(was)
     del st  # the loop's last storage
     assert live.current == 8 * n == sum(s.nbytes() for s in new)
+
 
 def _garbage_cycle(nbytes: int) -> None:
     """An unreachable tensor that only the cyclic garbage collector frees."""

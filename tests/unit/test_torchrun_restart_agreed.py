@@ -5,7 +5,6 @@ attempt 367.0, rank 1 in 367.0.1, until the watchdog requeued the job."""
 
 from __future__ import annotations
 
-import pytest
 import torch.distributed as dist
 
 from jobs.launch.env import DistEnv
@@ -13,10 +12,21 @@ from jobs.launch.rendezvous import agreed_torchrun_restart
 
 
 def _rank_env(rank: int, port: int, agent_restarts: int) -> DistEnv:
-    return DistEnv.from_environ({
-        "TORCHELASTIC_RUN_ID": "367", "TORCHELASTIC_RESTART_COUNT": str(agent_restarts), "RANK": str(rank),
-        "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SLURM_JOB_ID": "367", "SLURM_RESTART_COUNT": "0"})
+    return DistEnv.from_environ(
+        {
+            "TORCHELASTIC_RUN_ID": "367",
+            "TORCHELASTIC_RESTART_COUNT": str(agent_restarts),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "SLURM_JOB_ID": "367",
+            "SLURM_RESTART_COUNT": "0",
+        }
+    )
 
 
 def test_ranks_whose_agents_counted_the_restart_differently_name_one_attempt(monkeypatch) -> None:

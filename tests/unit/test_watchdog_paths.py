@@ -20,14 +20,32 @@ HB = 0.1  # heartbeat of these tests; the watchdog thread checks every heartbeat
 
 
 def _wd(tmp_path: Path, fired: list[float], **kw) -> Watchdog:
-    args = dict(run_dir=str(tmp_path), attempt="a", rank=0, node="n0", heartbeat_s=HB, init_timeout_s=30.0,
-                hang_timeout_s=30.0, on_hang=fired.append, world_size=2, missed_beats=3)
+    args = dict(
+        run_dir=str(tmp_path),
+        attempt="a",
+        rank=0,
+        node="n0",
+        heartbeat_s=HB,
+        init_timeout_s=30.0,
+        hang_timeout_s=30.0,
+        on_hang=fired.append,
+        world_size=2,
+        missed_beats=3,
+    )
     return Watchdog(**{**args, **kw})
 
 
 def _peer_beat(tmp_path: Path, rank: int = 1) -> Beat:
-    b = Beat(rank=rank, pid=1, host="elsewhere", node=f"n{rank}", time=time.time(), step=5, phase="train",
-             progress_time=time.time())
+    b = Beat(
+        rank=rank,
+        pid=1,
+        host="elsewhere",
+        node=f"n{rank}",
+        time=time.time(),
+        step=5,
+        phase="train",
+        progress_time=time.time(),
+    )
     write_beat(beat_path(tmp_path, "a", rank), b)
     return b
 
@@ -53,7 +71,8 @@ def test_every_rank_is_watched_by_about_log2_of_the_world_size_peers() -> None:
 
 
 def test_a_peer_whose_heartbeat_stopped_fires_the_watchdog_after_missed_beats_not_the_hang_timeout(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     fired: list[float] = []
     _peer_beat(tmp_path)  # written once, never again: the peer is stopped (its socket stays open)
     wd = _wd(tmp_path, fired).start()
@@ -129,8 +148,9 @@ def test_a_hung_heartbeat_write_does_not_stop_the_watchdog(tmp_path: Path) -> No
     fired: list[float] = []
     fifo = _hung_write(tmp_path, 0)
     holder: list[Watchdog] = []
-    starter = threading.Thread(target=lambda: holder.append(_wd(tmp_path, fired, init_timeout_s=0.5).start()),
-                               daemon=True)
+    starter = threading.Thread(
+        target=lambda: holder.append(_wd(tmp_path, fired, init_timeout_s=0.5).start()), daemon=True
+    )
     starter.start()
     try:
         after = _wait_for(lambda: fired, 5.0)
@@ -175,8 +195,9 @@ def test_a_checkpoint_phase_has_its_own_limit_and_the_hang_timeout_returns_after
 def test_a_stop_signal_during_load_ends_the_attempt_from_the_watchdog_and_not_during_training(tmp_path: Path) -> None:
     stopped: list[str] = []
     received = threading.Event()
-    wd = _wd(tmp_path, [], world_size=1, stop_received=received.is_set,
-             on_stop=lambda: stopped.append(wd.beat.phase)).start()
+    wd = _wd(
+        tmp_path, [], world_size=1, stop_received=received.is_set, on_stop=lambda: stopped.append(wd.beat.phase)
+    ).start()
     try:
         wd.phase("train")
         received.set()
@@ -210,22 +231,43 @@ def test_stacks_and_incident_that_cannot_be_written_do_not_raise(tmp_path: Path)
     assert incident.write_incident(blocked, incident.Incident("hung_rank", "a", 0, "x")) is None
 
 
-@pytest.mark.parametrize("error, cls", [
-    (RuntimeError("DataLoader worker (pid 123) timed out after 5 seconds"), None),
-    (TimeoutError("Timeout while reading /data/shard_0007.h5"), None),
-    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
-                  "for recv operation to complete"), "collective_timeout"),
-    (RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"),
-     "collective_timeout"),
-])
+@pytest.mark.parametrize(
+    "error, cls",
+    [
+        (RuntimeError("DataLoader worker (pid 123) timed out after 5 seconds"), None),
+        (TimeoutError("Timeout while reading /data/shard_0007.h5"), None),
+        (
+            RuntimeError(
+                "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+                "for recv operation to complete"
+            ),
+            "collective_timeout",
+        ),
+        (
+            RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"),
+            "collective_timeout",
+        ),
+    ],
+)
 def test_only_a_timeout_of_the_communication_library_is_a_collective_timeout(error: BaseException, cls) -> None:
     assert incident.error_class(error) == cls
 
 
 def test_a_watchdog_timeout_in_a_checkpoint_phase_is_a_checkpoint_error_without_suspects() -> None:
     now = time.time()
-    beats = {r: Beat(rank=r, pid=os.getpid(), host=os.uname().nodename, node="n", time=now, step=9,
-                     phase="checkpoint_wait", progress_time=now) for r in range(2)}
+    beats = {
+        r: Beat(
+            rank=r,
+            pid=os.getpid(),
+            host=os.uname().nodename,
+            node="n",
+            time=now,
+            step=9,
+            phase="checkpoint_wait",
+            progress_time=now,
+        )
+        for r in range(2)
+    }
     inc = incident.classify(beats=beats, world_size=2, me=0, attempt="a", heartbeat_s=1.0, during="checkpoint_wait")
     assert (inc.cls, inc.suspects) == ("checkpoint_error", [])
     assert "failure.checkpoint_timeout_s" in inc.summary
@@ -240,8 +282,11 @@ def test_a_hang_timeout_not_below_the_collective_timeout_is_refused() -> None:
 def test_the_checkpoint_timeout_must_cover_the_predicted_writes_and_says_the_value_to_set() -> None:
     f = compose(["run.dir=/nonexistent", "failure.checkpoint_timeout_s=100"]).failure
     check_checkpoint_timeout(f, write_s=90.0, async_mode="none")
-    with pytest.raises(ValueError, match=r"failure\.checkpoint_timeout_s\(100\) < 2 x the predicted checkpoint write "
-                                         r"\(90 s, checkpoint\.async_mode=thread\) = 180 s: .* set failure\.checkpoint_timeout_s=271$"):
+    with pytest.raises(
+        ValueError,
+        match=r"failure\.checkpoint_timeout_s\(100\) < 2 x the predicted checkpoint write "
+        r"\(90 s, checkpoint\.async_mode=thread\) = 180 s: .* set failure\.checkpoint_timeout_s=271$",
+    ):
         check_checkpoint_timeout(f, write_s=90.0, async_mode="thread")
 
 
