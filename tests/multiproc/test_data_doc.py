@@ -1,4 +1,4 @@
-"""The README's "two commands": prepare a small corpus and train on it, run exactly as written there."""
+"""docs/data.md's "two commands": prepare a small corpus and train on it, run exactly as written there."""
 
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # 10 steps on one rank: 92 s on 2 busy cores (25 s CPU)
 
 
-def readme_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
+def doc_commands() -> list[list[str]]:
+    text = (REPO / "docs" / "data.md").read_text()
     block = re.search(r"<!-- two-commands:.*?-->\n```bash\n(.*?)```", text, re.S)
-    assert block, "README.md lost its two-commands block"
+    assert block, "docs/data.md lost its two-commands block"
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
 
 
-def test_the_readme_prepares_a_corpus_and_trains_on_it_in_two_commands(tmp_path) -> None:
+def test_the_data_doc_prepares_a_corpus_and_trains_on_it_in_two_commands(tmp_path) -> None:
     r = random.Random(0)
     words = "the river runs past old stone walls where green moss grows in the quiet morning light".split()
     with (tmp_path / "corpus.jsonl").open("w") as f:
         for _ in range(400):
             f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(r.randint(8, 40)))}) + "\n")
-    commands = readme_commands()
+    commands = doc_commands()
     assert [c[:3] for c in commands] == [["python", "-m", "jobs.prepare_data"], ["python", "-m", "jobs.train"]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     outs = [
