@@ -79,7 +79,7 @@ def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0
 
         raise ValueError(
             f"train.device=cuda but torch {torch.__version__} sees no CUDA GPU here; set train.device=cpu "
-            "(or auto), or run on a GPU node with a CUDA build of torch (README, On GPUs)"
+            "(or auto), or run on a GPU node with a CUDA build of torch (docs/gpus.md)"
         )
     return name
 

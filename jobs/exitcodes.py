@@ -1,4 +1,4 @@
-"""Process exit codes of every meshjob command: what happened, in one number (documented in the README)."""
+"""Process exit codes of every meshjob command: what happened, in one number (documented in docs/overrides.md)."""
 
 OK = 0  # finished: all steps trained (or the command did what it was asked)
 FAILED = 1  # an unexpected error in a rank (traceback in its log), or a plan check failed

@@ -302,7 +302,7 @@ def check_stragglers(device: str, out: Path) -> dict:
     return res
 
 
-# The question `gemms` answers (README, held-out validation): the planner runs every matmul FLOP at 0.80 of the
+# The question `gemms` answers (docs/planner.md, held-out validation): the planner runs every matmul FLOP at 0.80 of the
 # datasheet peak (the best GEMM shape's rate) and attention at FlashAttention-2's published rate, and predicts
 # Llama 3 405B 1.15-1.18x too fast; its tp8 shards (wk/wv n=128, wo k=2048) may run slower, SDPA's backend faster.
 # Measured here at the paper's shapes (8,192 tokens per microbatch); on CPU the tiny model at tp 2, which checks

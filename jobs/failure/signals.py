@@ -1,7 +1,7 @@
 """The one owner of a rank's stop signals: handlers installed at process start that only set a flag.
 
 The trainer reads the flag at each step boundary and folds it into the step's one all-reduce, so
-every rank stops after the same step (README: "what happens when..."). Python runs a handler only in
+every rank stops after the same step (docs/fault-tolerance.md: "what happens when..."). Python runs a handler only in
 the main thread and only between bytecodes, so while the main thread is blocked in C++ (a rendezvous,
 a collective, a checkpoint load) the flag stays unset; `arrived()` also reads the signal numbers that
 the C-level handler writes to a wakeup pipe (`signal.set_wakeup_fd`), which the watchdog thread polls.

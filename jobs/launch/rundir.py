@@ -6,7 +6,7 @@ resubmission, a sweep point, the batch step of a rendered script) is checked aga
 before it touches the directory (`claim_run_dir`; on the login node for a Slurm submission, in the
 local launcher before any rank is forked):
 
-- its config may differ only in the keys a resume may change (`RESUMABLE`; README "One run per
+- its config may differ only in the keys a resume may change (`RESUMABLE`; docs/quickstart.md "One run per
   directory"), else ValueError naming the directory, the keys with both values, and the fix;
 - no other job may be live in it: neither the job that started it last (a Slurm job in an active
   state, a local launcher whose process still runs) nor any rank whose heartbeat
@@ -52,8 +52,8 @@ __all__ = [
 
 OWNER_FILE = "owner.json"
 
-# The keys a later start of a run may change (fnmatch patterns over dotted keys); the README's
-# "One run per directory" says why for each. Everything else (model.*, data.*, optim.*, train.seed,
+# The keys a later start of a run may change (fnmatch patterns over dotted keys); docs/quickstart.md,
+# "One run per directory", says why for each. Everything else (model.*, data.*, optim.*, train.seed,
 # train.seq_len, train.device, ...) defines the run and must stay as it was.
 RESUMABLE = (
     "run.*",  # the directory itself: given relative or absolute, or moved
@@ -240,8 +240,8 @@ def check_run_dir(cfg: JobConfig, *, job_id: str | None = None) -> None:
         problems.append(
             f"run.dir={run_dir} holds another run (started by {_who(first)}; {run_dir / OWNER_FILE}): this config "
             f"differs in {', '.join(changes)}; a resume may change only {', '.join(RESUMABLE)} but "
-            f'{", ".join(NOT_RESUMABLE)} (README "One run per directory"); set those keys back to resume the run, '
-            "or give this config its own run.dir"
+            f'{", ".join(NOT_RESUMABLE)} (docs/quickstart.md, "One run per directory"); '
+            "set those keys back to resume the run, or give this config its own run.dir"
         )
     if problems:
         raise ValueError("\n".join(problems))

@@ -116,7 +116,7 @@ def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_mea
 
 
 # ----------------------------------------------------------------------------------- held-out published runs
-# None of these rows set a constant of the step-time model: its constants come from elsewhere (README
+# None of these rows set a constant of the step-time model: its constants come from elsewhere (docs/planner.md
 # "Held-out validation"): the 0.80 achieved GEMM (Bekman's max-achievable matmul table), NCCL's 370/450
 # NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290, nccl#1244), the datasheet
 # peaks, HBM bandwidths and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
@@ -174,7 +174,7 @@ HELD_OUT = {
     # batch 1536, microbatch 1: 153 teraFLOP/s per GPU
     "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
 }
-# The model has no term for what the two Llama 3 rows lose beyond it (see the README's held-out table):
+# The model has no term for what the two Llama 3 rows lose beyond it (see docs/planner.md's held-out table):
 # predicted 1.15-1.18x too fast. Pinned here so that a change in either direction is seen.
 KNOWN_GAP = {"llama3_405b_8192gpu_mfu": (1.12, 1.25), "llama3_405b_16384gpu_mfu": (1.12, 1.25)}
 
@@ -193,7 +193,7 @@ def test_held_out_published_runs_are_predicted_within_15_percent(row):
     strict=True,
     reason="Llama 3 405B is predicted 1.15-1.18x too fast: the model lacks a term for "
     "what the 405B runs lose beyond GEMMs at 0.80 of peak, FlashAttention-2's rate, NCCL's bus "
-    "bandwidth, HBM-bound ops and the bubble (see README, held-out validation); no constant is tuned "
+    "bandwidth, HBM-bound ops and the bubble (see docs/planner.md, held-out validation); no constant is tuned "
     "to close it",
 )
 @pytest.mark.parametrize("row", list(KNOWN_GAP))
@@ -224,9 +224,9 @@ def test_context_parallel_counts_the_gathered_whole_sequence_k_v_repeated_to_eve
     assert two - one // 2 == pytest.approx(2 * 8192 * m.dim, abs=8)
 
 
-def test_torchtitans_h100_8b_figure_is_predicted_as_the_readme_says():
+def test_torchtitans_h100_8b_figure_is_predicted_as_the_planner_doc_says():
     # Not a held-out row (its GPUs: 96 GB HBM2e at 2.4 TB/s, 500 W, a peak between 835 and 989 TFLOP/s, torchtitan
-    # docs/performance.md Table 1 and footnote 2), but evidence the README cites: 5,762 tok/s/GPU measured, the
+    # docs/performance.md Table 1 and footnote 2), but evidence docs/planner.md cites: 5,762 tok/s/GPU measured, the
     # planner 1.23-1.35x above it on H100 where it is 0.89-0.90x of the A100 rows
     base = [
         "+experiment=llama3_8b",
@@ -245,7 +245,7 @@ def test_torchtitans_h100_8b_figure_is_predicted_as_the_readme_says():
     assert [round(x / 5762, 2) for x in per_gpu] == [1.35, 1.23]
 
 
-def test_llama3_405b_at_131k_is_predicted_as_the_readme_says():
+def test_llama3_405b_at_131k_is_predicted_as_the_planner_doc_says():
     # Not a row (the paper does not say how much the 131k run recomputed); attention is 40% of its FLOPs, so the
     # FlashAttention-2 rate decides the prediction: 26.1% MFU with full AC against the paper's 38%
     plan = build_plan(compose(["+experiment=llama3_405b_131k_16384gpu"]), measure=False)
