@@ -53,7 +53,8 @@ def anchors(path: Path) -> set[str]:
 
 def relative_links(path: Path) -> list[str]:
     """The link targets of a Markdown file outside code blocks, but those to other sites (https:, mailto:)."""
-    return [t for line in prose_lines(path.read_text()) for t in LINK.findall(line) if not re.match(r"[a-z]+:", t)]
+    prose = "\n".join(prose_lines(path.read_text()))  # a link's text may wrap onto the next line
+    return [t for t in LINK.findall(prose) if not re.match(r"[a-z]+:", t)]
 
 
 def broken_links(path: Path, root: Path = REPO) -> list[str]:
@@ -86,7 +87,7 @@ def test_the_link_checker_reports_a_missing_file_and_a_missing_anchor(tmp_path) 
     (tmp_path / "a.md").write_text("# Title\n## Two words\n```bash\n# not a heading\n```\n")
     page = tmp_path / "b.md"
     page.write_text(
-        "[ok](a.md#two-words) [gone](nothere.md) [bad](a.md#not-a-heading) [self](#b) [web](https://x.org)\n# B\n"
+        "[ok](a.md#two-words) [gone](nothere.md) [a\nwrapped](a.md#not-a-heading) [self](#b) [web](https://x.org)\n# B\n"
     )
     assert broken_links(page, tmp_path) == [
         "b.md: nothere.md (no file nothere.md)",
