@@ -141,7 +141,8 @@ def _default_options() -> dict[str, str]:
 def render() -> str:
     """The whole of docs/configuration.md as it should be now."""
     chosen = _default_options()
-    out = [HEADER]
+    groups = [f.name for f in dataclasses.fields(JobConfig)] + ["experiment"]
+    out = [HEADER, "Groups: " + " · ".join(f"[`{g}`](#{g})" for g in groups) + ".", ""]
     for f in dataclasses.fields(JobConfig):
         group, cls = f.name, getattr(sys.modules[JobConfig.__module__], str(f.type))
         out += [f"## `{group}`", "", f"Schema: `{cls.__module__}.{cls.__qualname__}`."]
