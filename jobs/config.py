@@ -163,8 +163,14 @@ class ClusterConfig:
     intra_node_bw_achieved: bool = (
         False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
     )
-    inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
+    inter_node_bw_GBps: float = 0.0  # one inter-node NIC's (InfiniBand/RoCE) bandwidth per direction, GB/s
+    # inter-node NICs per node (each profile cites its count): NCCL spreads a ring's channels over the NICs of the
+    # group's ranks on a node; 0 = not known: every inter-node group at one NIC's inter_node_bw_GBps
+    node_nics: int = 0
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
+    # achieved share of gpu_bf16_tflops by a large bf16 GEMM on this GPU model (each profile cites its MAMF row,
+    # jobs.planner.hardware.MATMUL_EFFICIENCY_BY_GPU); 0 = the H100 SXM's, said so in the plan
+    gpu_matmul_efficiency: float = 0.0
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
     gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some of them); 0 = not modelled
     # achieved TFLOP/s of the attention kernel (SDPA's flash backend), forward + backward, in the planner's count
