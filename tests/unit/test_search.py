@@ -65,13 +65,14 @@ def test_a_rejected_shape_names_its_reason(small):
     assert why["tp8 cp1 pp1 dp1x1 mb1 ac=none"] == "model.n_kv_heads(4) % mesh.tp(8) != 0"  # tiny: 4 KV heads
     assert why["tp1 cp1 pp4 dp1x2 mb2 ac=none"] == "microbatches(2) < mesh.pp(4)"
     assert "train.global_batch(N) % (dp(N) * train.micro_batch(N)) != N" in r.rejected
-    # memory: Llama 3 8B on 16 GPUs of 30 GiB, FSDP over all 16 does not fit even fully checkpointed
+    # memory: Llama 3 8B on 16 GPUs of 26 GiB, FSDP over all 16 does not fit even fully checkpointed
     # (read off the one plan without checkpointing), so 2 replicas of 8 (larger shards) are rejected
-    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone
-    big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=30"])
+    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone. (30 GiB until issue 38: the peak
+    # counted fp32 gradient copies that only exist after the activations they would add to are freed: 28.3 GiB.)
+    big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=26"])
     too_big: dict = {}
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
-    assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 28.3 GiB > 27.0 GiB usable")
+    assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 24.6 GiB > 23.4 GiB usable")
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and "larger dp_shard" in msg
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
