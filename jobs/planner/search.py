@@ -127,7 +127,7 @@ class SearchResult:
     planned: int  # build_plan calls
     seconds: float
     world_size: int
-    own_why: str = ""  # why the composed config itself is not ranked, when it is not
+    own_why: str = ""  # why the composed config itself is not ranked, or with which AC it is when its own does not fit
     trainable_only: bool = False  # plan.search_trainable_only: the planned-only shapes are under `rejected`
 
     def own_rank(self) -> int | None:
@@ -358,17 +358,28 @@ def _mark_trainable(
 
 
 def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
-    """The composed config as it stands, ranked among the others when it plans and passes; else why not."""
+    """The composed config as it stands, ranked among the others when it plans and passes; when only its memory
+    fails, its mesh with the cheapest AC after its own that fits (AC_ORDER), which the second value says; else
+    None and why not."""
     from jobs.planner.gate import validate_for_planning
 
-    try:
-        d, _ = validate_for_planning(cfg)
-        plan = build_plan(cfg, measure=False)
-    except ValueError as e:
-        return None, f"config: {e}"
-    failed = [c for c in plan.checks if not c.ok]
-    if failed:
-        return None, f"{failed[0].name}: {failed[0].why}"
+    ac = cfg.train.activation_checkpointing
+    tried = AC_ORDER[AC_ORDER.index(ac) :] if ac in AC_ORDER else (ac,)
+    first = ""
+    for mode in tried:
+        run = replace(cfg, train=replace(cfg.train, activation_checkpointing=mode))
+        try:
+            d, _ = validate_for_planning(run)
+            plan = build_plan(run, measure=False)
+        except ValueError as e:
+            return None, f"config: {e}"
+        failed = [c for c in plan.checks if not c.ok]
+        if not failed:
+            break
+        if failed[0].name != "memory" or mode == tried[-1]:
+            return None, f"{failed[0].name}: {failed[0].why}"
+        first = first or f"at train.activation_checkpointing={ac}, {failed[0].name}: {failed[0].why}"
+    note = f"ranked with train.activation_checkpointing={mode}: {first}" if first else ""
     dims, mesh = d.dims, cfg.mesh
     split = tuple(mesh.pp_layers_per_stage) if mesh.pp_layers_per_stage else None
     shape = Shape(
@@ -381,9 +392,9 @@ def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
         mesh.pp_schedule if dims.pp > 1 else "1f1b",
         d.stages_per_rank,
         split,
-        cfg.train.activation_checkpointing,
+        mode,
     )
-    return Candidate(shape, predicted(plan), own=True), ""
+    return Candidate(shape, predicted(plan), own=True), note
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -419,6 +430,8 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     L.append(
         f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else f"  this config is not ranked: {r.own_why}"
     )
+    if own and r.own_why:  # ranked with the AC it needs
+        L.append(f"    {r.own_why}")
     L.append(
         "  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer"
         + (
