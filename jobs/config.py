@@ -288,6 +288,9 @@ class PlanConfig:
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
     search_trainable_only: bool = True  # plan.search: rank only shapes jobs.train builds (its validation accepts); false = also the planned-only ones, marked ~
+    # plan.search: rank a context-parallel shape only when the sequence needs it, i.e. when the same mesh with cp=1
+    # (its ranks in dp_shard) fits with no AC setting; false = rank every cp
+    search_cp_only_when_needed: bool = True
     search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
     search_top_k: int = (
         0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them

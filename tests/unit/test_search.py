@@ -112,7 +112,8 @@ def test_the_16384_gpu_search_finishes_and_ranks_the_llama3_table4_mesh():
     r = search(cfg)
     cpu = time.process_time() - cpu
     assert r.enumerated > 20_000 and r.planned < r.enumerated / 2  # pruned before planning
-    assert r.own_rank() is not None and len(r.ranked) > 1000
+    # 103 ranked since CP is kept for a sequence that needs it (plan.search_cp_only_when_needed; 2,060 before)
+    assert r.own_rank() is not None and len(r.ranked) > 100
     assert cpu < 120, cpu  # measured 13 s of CPU on an idle core
 
 
@@ -145,3 +146,20 @@ def test_jobs_plan_runs_the_search_and_refuses_a_profile_without_a_peak(capsys, 
     assert sorted(p.name for p in (tmp_path / "search").iterdir()) == ["top1.yaml", "top2.yaml"]
     assert main(["model=tiny", "cluster=local", "plan.search=true"]) == exitcodes.CONFIG_ERROR
     assert "cluster.gpu_bf16_tflops=0" in capsys.readouterr().err
+
+
+def test_context_parallelism_is_ranked_only_where_the_sequence_needs_it():
+    # Llama 3 405B at 8K on 16,384 GPUs: the step-time model prices a CP rank's shorter GEMMs at the full rate, and
+    # ranked tp4 cp16 pp32 (512 tokens per rank) first, then tp8 cp4 pp32; nobody runs CP at 8K (Llama 3 §3.3.2: the
+    # long-context stage only). Without CP the same meshes fit or fail for the batch, not the sequence.
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
+    r = search(cfg)
+    assert r.ranked[0].shape.label().startswith("tp8 cp1 pp8 v8 ")
+    assert r.own_rank() is not None and r.own_rank() <= 20  # the paper's mesh, with the full AC it needs here
+    # what CP is left: meshes whose version without CP does not fit, ranked last (tp8 cp128 pp4, tp8 cp256 pp4)
+    assert all(c.shape.cp == 1 for c in r.ranked[: r.own_rank()])
+    why = dict(r.rejected["cp not needed for the sequence"])["tp8 cp4 pp32 dp1x16 mb1 ac=none"]
+    assert why.startswith("cp not needed for the sequence: without it tp8 cp1 pp32 dp1x64 mb1 ac=full fits")
+    # 131K context: the sequence does not fit without CP, so cp16 (the paper's) is ranked
+    long = search(compose(["+experiment=llama3_405b_131k_16384gpu"]))
+    assert any(c.shape.cp > 1 for c in long.ranked)
