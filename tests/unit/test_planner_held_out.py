@@ -117,9 +117,10 @@ def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_mea
 
 # ----------------------------------------------------------------------------------- held-out published runs
 # None of these rows set a constant of the step-time model: its constants come from elsewhere (README
-# "Held-out validation"): the 0.80 achieved GEMM (Bekman's max-achievable matmul table), NCCL's 370/450
-# NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290, nccl#1244), the datasheet
-# peaks, HBM bandwidths and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
+# "Held-out validation"): each GPU's achieved GEMM (Bekman's max-achievable matmul table: A100 SXM 0.869, H100
+# SXM 0.803), NCCL's 370/450 NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290,
+# nccl#1244), a group's NICs per node (nccl-tests#119, nccl#1168, nccl#412), the datasheet peaks, HBM bandwidths
+# and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
 # GPT-3 175B as Megatron-LM trained it, in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of
 # 2/3 x 4h hidden (the same parameters and FLOPs as GeLU's 4h), vocab 51,200, sequence 2,048.
 GPT3_175B_MEGATRON = [
