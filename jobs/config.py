@@ -163,8 +163,14 @@ class ClusterConfig:
     intra_node_bw_achieved: bool = (
         False  # intra_node_bw_GBps is a bandwidth NCCL achieved (not the line rate): no efficiency applied
     )
-    inter_node_bw_GBps: float = 0.0  # per-GPU inter-node (InfiniBand) bandwidth, GB/s
+    inter_node_bw_GBps: float = 0.0  # one inter-node NIC's (InfiniBand/RoCE) bandwidth per direction, GB/s
+    # inter-node NICs per node (each profile cites its count): NCCL spreads a ring's channels over the NICs of the
+    # group's ranks on a node; 0 = not known: every inter-node group at one NIC's inter_node_bw_GBps
+    node_nics: int = 0
     gpu_bf16_tflops: float = 0.0  # dense bf16 peak per GPU
+    # achieved share of gpu_bf16_tflops by a large bf16 GEMM on this GPU model (each profile cites its MAMF row,
+    # jobs.planner.hardware.MATMUL_EFFICIENCY_BY_GPU); 0 = the H100 SXM's, said so in the plan
+    gpu_matmul_efficiency: float = 0.0
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
     gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some of them); 0 = not modelled
     # achieved TFLOP/s of the attention kernel (SDPA's flash backend), forward + backward, in the planner's count
@@ -282,6 +288,9 @@ class PlanConfig:
     min_goodput: float = 0.9  # the expected-goodput check fails below this (Llama 3 reports > 90%)
     search: bool = False  # rank every feasible mesh for the model, world size and cluster (jobs.planner.search)
     search_trainable_only: bool = True  # plan.search: rank only shapes jobs.train builds (its validation accepts); false = also the planned-only ones, marked ~
+    # plan.search: rank a context-parallel shape only when the sequence needs it, i.e. when the same mesh with cp=1
+    # (its ranks in dp_shard) fits with no AC setting; false = rank every cp
+    search_cp_only_when_needed: bool = True
     search_rows: int = 20  # plan.search: ranked rows printed (the config's own row always)
     search_top_k: int = (
         0  # plan.search: write the top K as configs under plan.search_out and print the -m sweep over them

@@ -349,7 +349,7 @@ def check_gemms(device: str, out: Path) -> dict:
 
     from jobs.config import compose
     from jobs.planner.gemm import linear_counts
-    from jobs.planner.hardware import MATMUL_EFFICIENCY, peak_bf16_tflops
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, matmul_efficiency, peak_bf16_tflops
 
     model, tp, tokens, dtype_name = GEMMS_CASE[device]
     m = compose([f"model={model}"]).model
@@ -391,7 +391,7 @@ def check_gemms(device: str, out: Path) -> dict:
         peak = peak_bf16_tflops(name)
         res.update(gpu=name, peak_tflops=peak)
         if peak:  # the planner's cited GEMM rate for this GPU
-            res["planner_linear_tflops"] = round(MATMUL_EFFICIENCY * peak, 1)
+            res["planner_linear_tflops"] = round((matmul_efficiency(name) or MATMUL_EFFICIENCY) * peak, 1)
             res["linear_over_planner"] = round(res["linear_tflops"] / res["planner_linear_tflops"], 3)
         h100 = compose(["cluster=h100_ib"]).cluster
         if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure

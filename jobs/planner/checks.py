@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from jobs.config import JobConfig
 from jobs.planner import arith as P
 from jobs.telemetry.flops import mfu_text
+from jobs.telemetry.stragglers import WINDOW_STEPS
 
 __all__ = [
     "Check",
@@ -256,9 +257,11 @@ def readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> l
             "question": "will a straggler be seen?",
             "status": "ok" if cfg.metrics.phase_timing else "warn",
             "answer": (
-                f"per-rank phase times every log interval: a rank {f.straggler_ratio}x its peers' median, "
-                f"or every rank {f.straggler_ratio}x the baseline under {f.straggler_baseline_root}, for "
-                f"{f.straggler_intervals} intervals is a straggler event"
+                f"per-rank phase times judged on rank 0 in windows of >= {WINDOW_STEPS} steps (several log "
+                f"intervals when train.log_every is shorter), after each attempt's first window (warm-up): a rank "
+                f"{f.straggler_ratio}x its pipeline stage's median and {f.straggler_min_diff_s} s over it, or "
+                f"every rank {f.straggler_ratio}x the baseline under {f.straggler_baseline_root}, for "
+                f"{f.straggler_intervals} consecutive windows is a straggler event"
                 + ("; its node is quarantined" if f.exclude_stragglers else "")
             )
             if cfg.metrics.phase_timing

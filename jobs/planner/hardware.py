@@ -23,9 +23,12 @@ __all__ = [
     "hardware",
     "axis_span",
     "axis_scope",
+    "axis_ranks_per_node",
     "OUR_ORDER",
     "LLAMA3_ORDER",
     "MATMUL_EFFICIENCY",
+    "MATMUL_EFFICIENCY_BY_GPU",
+    "matmul_efficiency",
     "ATTENTION_SOURCE",
     "NVLINK_EFFICIENCY",
     "COMM_SMS",
@@ -38,16 +41,44 @@ __all__ = [
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 # Cited efficiencies for profiles that were not calibrated (published GPU clusters).
-# Achieved bf16 GEMM on an H100 SXM: ~795 of 989 dense TFLOP/s (Bekman, "ML Engineering", compute/accelerator,
-# "Maximum Achievable Matmul FLOPS comparison table"; 797.5 TFLOP/s for torch bf16 8192^3 in
-# zzc0721/torch-performance-test-data#79): 0.80 of the datasheet peak.
-MATMUL_EFFICIENCY = 0.80
-MATMUL_SOURCE = "0.80 x cluster.gpu_bf16_tflops (achieved bf16 GEMM, H100 SXM ~795/989: Bekman ML Engineering, max achievable matmul table)"
+# Achieved bf16 GEMM per GPU model: Bekman, "ML Engineering", compute/accelerator, "Maximum Achievable Matmul FLOPS
+# comparison table" (stas00/ml-engineering, BF16, mean of 100 iterations at the best shape): A100 SXM 271.2 of 312
+# (86.9%, torch 2.6.0; 267.9 = 85.9% in its CUDA 12.1 edition), A100 PCIe 252.9 of 312 (81.1%), H100 SXM 794.5 of
+# 989 (80.3%; 797.5 for torch bf16 8192^3 in zzc0721/torch-performance-test-data#79), GH200 828.6 of 989 (83.8%).
+# Matched on the name torch reports, most specific first; a profile names its own as cluster.gpu_matmul_efficiency.
+MATMUL_EFFICIENCY_BY_GPU: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("GH200",), 828.6 / 989.0),
+    (("A100", "PCIE"), 252.9 / 312.0),
+    (("A100",), 271.2 / 312.0),
+    (("H100", "PCIE"), 0.0),  # not in the table
+    (("H100", "NVL"), 0.0),
+    (("H100",), 794.5 / 989.0),
+)
+# The H100 SXM line: what a profile without cluster.gpu_matmul_efficiency gets, said so in its source.
+MATMUL_EFFICIENCY = 794.5 / 989.0
+MATMUL_SOURCE = "Bekman ML Engineering, max achievable matmul table"
+
+
+def matmul_efficiency(gpu_name: str) -> float:
+    """The achieved share of the bf16 peak of a GPU by the name torch reports (MATMUL_EFFICIENCY_BY_GPU); 0.0 for
+    one the table does not have."""
+    name = gpu_name.upper()
+    return next((e for keys, e in MATMUL_EFFICIENCY_BY_GPU if all(k.upper() in name for k in keys)), 0.0)
+
+
 # NVLink: NCCL reaches ~370 GB/s bus bandwidth of the 450 GB/s line rate (~20% protocol overhead),
 # NVIDIA's S. Jeaugey in NVIDIA/nccl-tests#212.
 NVLINK_EFFICIENCY = 370.0 / 450.0
 # InfiniBand NDR 400 Gb/s (50 GB/s): "you should see 46-48 GB/s per NIC", NVIDIA's D. Addison in NVIDIA/nccl-tests#290.
 IB_EFFICIENCY = 47.0 / 50.0
+# A ring collective spreads its channels over the NICs of the group's ranks on a node: "24GB/s is the peak
+# performance per 200G NIC (12 GB/s for 100G NICs), so in your case [8 x 100G] 96GB/s is the target" (NVIDIA's
+# S. Jeaugey, NVIDIA/nccl-tests#119); 45 GB/s with 4 GPUs per node against 90 with 8 on the same NICs
+# (NVIDIA/nccl#1168); more NICs give more bandwidth "up to 160GB/s which is the NVLink intra-node bandwidth of
+# your system" (S. Jeaugey, NVIDIA/nccl#412): a group with g ranks per node reaches g ranks' NICs, capped by the
+# intra-node figure. An all-to-all "cannot aggregate the bandwidth of multiple NICs" (S. Jeaugey,
+# NVIDIA/nccl-tests#267) and a send is one pair's: both stay at one rank's NIC share.
+NIC_AGGREGATING = ("all_reduce", "all_gather", "reduce_scatter")
 # Communication kernels beside compute: "only 20 SMs are sufficient to fully utilize the bandwidths of IB and
 # NVLink" of the H800's 132 ("DeepSeek-V3 Technical Report", arXiv 2412.19437, §3.2.2): while a collective runs
 # hidden behind compute, the compute has cluster.gpu_sms - 20 SMs, so it loses 20 / gpu_sms of that time.
@@ -108,6 +139,7 @@ class Link:
     source: str
     ranks: int = 0  # group size alpha was measured at; 0 = use alpha as is for every group size
     alpha_hop_s: float = 0.0  # latency of each ring hop more or less than at `ranks`
+    per_node_rank: bool = False  # bus_GBps is one rank's NIC share: a group with g ranks per node drives g shares
 
     def seconds(self, *, calls: int, nbytes: float, op: str = "all_reduce", group: int = 0) -> float:
         """A ring's latency grows with its hops (Thakur, Rabenseifner & Gropp 2005): the calibrated
@@ -148,8 +180,16 @@ class Hardware:
     comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
     attention_tflops: float = 0.0  # the attention kernel's rate (planner's count); 0 = attention at matmul_tflops
 
-    def link(self, op: str, scope: str) -> Link:
-        return self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
+    def link(self, op: str, scope: str, *, ranks_per_node: int = 1) -> Link:
+        """The link of `op` on `scope`; across nodes for a group with `ranks_per_node` ranks on each node, whose
+        ring spreads over their NICs (NIC_AGGREGATING) up to the intra-node figure."""
+        base = self.links[f"{op}.{'intra' if scope == 'intra' else 'inter'}"]
+        if scope == "intra" or ranks_per_node <= 1 or not base.per_node_rank:
+            return base
+        cap = self.links[f"{op}.intra"].bus_GBps
+        bus = min(base.bus_GBps * ranks_per_node, cap)
+        why = f"{base.source}; x {ranks_per_node} ranks' NICs per node (nccl-tests#119, nccl#1168), cap intra {cap:.0f}"
+        return Link(base.alpha_s, bus, why, base.ranks, base.alpha_hop_s)
 
 
 def _fsdp_unit_host_s(cl: ClusterConfig, tp: int) -> float:
@@ -184,12 +224,18 @@ def _published_links(cl: ClusterConfig) -> dict[str, Link]:
             cl.intra_node_bw_GBps * NVLINK_EFFICIENCY,
             f"{NVLINK_EFFICIENCY:.2f} x cluster.intra_node_bw_GBps (NVIDIA/nccl-tests#212); alpha NVIDIA/nccl#1244",
         )
-    inter = Link(
-        NCCL_ALPHA_S,
-        cl.inter_node_bw_GBps * IB_EFFICIENCY,
-        f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244",
-    )
-    return {f"{op}.{scope}": (intra if scope == "intra" else inter) for op in OPS for scope in ("intra", "inter")}
+    share = cl.node_nics / max(cl.gpus_per_node, 1) if cl.node_nics > 0 else 1.0  # NICs per GPU
+    nics = f" x cluster.node_nics({cl.node_nics}) / gpus_per_node" if cl.node_nics > 0 else ""
+    inter = {
+        op: Link(
+            NCCL_ALPHA_S,
+            cl.inter_node_bw_GBps * IB_EFFICIENCY * share,
+            f"{IB_EFFICIENCY:.2f} x cluster.inter_node_bw_GBps{nics} (NVIDIA/nccl-tests#290); alpha NVIDIA/nccl#1244",
+            per_node_rank=cl.node_nics > 0 and op in NIC_AGGREGATING,
+        )
+        for op in OPS
+    }
+    return {f"{op}.{scope}": (intra if scope == "intra" else inter[op]) for op in OPS for scope in ("intra", "inter")}
 
 
 def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
@@ -211,7 +257,10 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
     if cl.matmul_tflops.get(key):
         rate, source = cl.matmul_tflops[key], f"cluster.matmul_tflops.{key} {calibrated}"
     elif cl.gpu_bf16_tflops > 0 and dtype == "bf16":
-        rate, source = cl.gpu_bf16_tflops * MATMUL_EFFICIENCY, MATMUL_SOURCE
+        eff = cl.gpu_matmul_efficiency or MATMUL_EFFICIENCY
+        whose = "cluster.gpu_matmul_efficiency" if cl.gpu_matmul_efficiency else "the H100 SXM's (profile sets none)"
+        rate = cl.gpu_bf16_tflops * eff
+        source = f"{eff:.3f} ({whose}) x cluster.gpu_bf16_tflops (achieved bf16 GEMM: {MATMUL_SOURCE})"
         attention = cl.gpu_attention_tflops
     else:
         return None
@@ -265,6 +314,15 @@ def axis_span(axis: str, shape: dict[str, int], order: tuple[str, ...] = OUR_ORD
     base = "dp_shard" if axis.startswith("dp_shard") else axis
     i = order.index(base)
     return shape.get(base, 1) * math.prod(shape.get(a, 1) for a in order[i + 1 :])
+
+
+def axis_ranks_per_node(axis: str, shape: dict[str, int], *, group: int, node_ranks: int) -> int:
+    """Ranks of one `group`-rank group of `axis` on each node it spans: a row-major group strided by the inner
+    axes, so node_ranks / stride of them share a node (1 when the stride is a node or more)."""
+    if axis == "ep_intra":  # inside one node by construction
+        return group
+    span = axis_span(axis, shape)
+    return max(1, min(group, group * max(node_ranks, 1) // max(span, 1)))
 
 
 def axis_scope(

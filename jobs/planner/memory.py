@@ -101,10 +101,12 @@ def layer_activation_bytes(
 ) -> int:
     """Bytes one block saves for backward for one microbatch, without activation checkpointing.
 
-    Counts the tensors autograd keeps in our block under DTensor TP: the RMSNorm inputs in fp32
-    (sequence-sharded with SP), the all-gathered input of each column-parallel linear (DTensor keeps
-    the gathered tensor), q/k before RoPE, q and the head-repeated k/v that SDPA saves, the SDPA
-    output (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. The
+    Counts the tensors autograd keeps in our block under DTensor TP: the RMSNorm inputs in fp32 and
+    their bf16 outputs that the product with the norm weight saves (sequence-sharded with SP), the
+    all-gathered input of each column-parallel linear (DTensor keeps the gathered tensor), q and the
+    head-repeated k/v that SDPA saves (RoPE's products save only the table), the SDPA output
+    (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. Measured on the
+    block with saved_tensors_hooks (tests/unit/test_planner_memory_published.py), MHA and GQA alike. The
     per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
     does not divide it. Context parallel divides the sequence. `compute_bytes`: 2 for bf16 compute,
@@ -117,6 +119,7 @@ def layer_activation_bytes(
     sharded = t if sequence_parallel else 1  # what the residual stream / norms are divided by
     cb = compute_bytes
     norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
+    norm_out = 2 * cb * sb * h // sharded  # their outputs (type_as), saved by the product with the weight
     gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
     if m.attention == "mla":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -124,14 +127,11 @@ def layer_activation_bytes(
         heads = cb * sb * m.n_heads * (3 * qk + 2 * m.v_head_dim) // t
         attn = latents + heads
     else:
-        hd = h // m.n_heads
-        hkv = m.n_kv_heads * hd
-        pre_rope = cb * sb * (h + hkv) // t
         # q, and k/v repeated to n_heads (repeat_interleave); under context parallelism k/v are the all-gathered
         # whole sequence (cp x this rank's part: Llama 3 §3.3.2), repeated to every head, and SDPA saves them
         sdpa_in = cb * sb * h // t + cb * sb * cp * 2 * h // t
         sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
-        attn = pre_rope + sdpa_in + sdpa_out
+        attn = sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
         f = m.moe_ffn_dim
         routed = cb * sb * m.experts_per_token * (h + 4 * f) // t
@@ -140,7 +140,7 @@ def layer_activation_bytes(
         ffn = routed + shared + router
     else:
         ffn = cb * sb * 4 * m.ffn_dim // t  # w1 out, w3 out, silu(w1 out), their product
-    return norm_in + gathered_in + attn + ffn
+    return norm_in + norm_out + gathered_in + attn + ffn
 
 
 def checkpointed_layer_bytes(
@@ -554,9 +554,14 @@ def _fsdp_working_set(
     biggest = max((sum(_block_local(pc.blocks[i], tp=tp, ep=ep)) for i in blocks_on_rank), default=0)
     root = (pc.embedding + pc.output) // tp + pc.final_norm
     unsharded = biggest * 2 * compute_bytes + root * compute_bytes
-    # gradients: one block's until its reduce-scatter, or, when microbatches accumulate without
-    # sync (set_requires_gradient_sync(False) until the last one), the whole model's, unsharded
-    return unsharded + (dense + experts if microbatches > 1 else biggest + root) * REDUCE_BYTES
+    if microbatches > 1:  # gradients accumulate without sync (set_requires_gradient_sync(False)): the whole model's
+        return unsharded + (dense + experts) * REDUCE_BYTES
+    # One microbatch: the peak is where the backward starts, every block's activations still held. By then only the
+    # head has a gradient, in the compute dtype; a block's gradient and its fp32 copy for the reduce-scatter come
+    # once that block's backward has freed its activations (no fewer bytes: jobs/planner/memory's per-layer figure
+    # exceeds a block's 2 + 4 bytes per parameter at every preset shape), so they never add to this peak.
+    head = pc.output // tp if any(st.last for st in stages) else 0
+    return unsharded + head * compute_bytes
 
 
 def heuristic_bytes_per_rank(total_params: int, *, model_shards: int) -> int:

@@ -127,7 +127,7 @@ class SearchResult:
     planned: int  # build_plan calls
     seconds: float
     world_size: int
-    own_why: str = ""  # why the composed config itself is not ranked, when it is not
+    own_why: str = ""  # why the composed config itself is not ranked, or with which AC it is when its own does not fit
     trainable_only: bool = False  # plan.search_trainable_only: the planned-only shapes are under `rejected`
 
     def own_rank(self) -> int | None:
@@ -279,9 +279,14 @@ def _dominated(s: Shape, too_big: dict[tuple, list[tuple[int, int]]]) -> bool:
     return False
 
 
-def _visit(cfg: JobConfig, s: Shape, params_total: int, too_big: dict) -> tuple[Candidate | None, str, int]:
-    """(candidate, reject message, build_plan calls) for one shape, pruned as early as it can be."""
+def _visit(
+    cfg: JobConfig, s: Shape, params_total: int, too_big: dict, cp1: dict | None = None
+) -> tuple[Candidate | None, str, int]:
+    """(candidate, reject message, build_plan calls) for one shape, pruned as early as it can be; `cp1`: the verdicts
+    on the shapes without CP so far (`_cp_not_needed`), None to rank every cp."""
     why = _quick_reject(cfg, s, params_total)
+    if why is None and cp1 is not None:
+        why = _cp_not_needed(s, cp1)
     if why is not None:
         return None, why, 0
     if _dominated(s, too_big):
@@ -296,6 +301,27 @@ def _visit(cfg: JobConfig, s: Shape, params_total: int, too_big: dict) -> tuple[
     return cand, why, calls
 
 
+def _without_cp(s: Shape) -> tuple:
+    """The shape with its cp ranks moved into dp_shard: what runs the same batch without context parallelism."""
+    return (s.tp, s.pp, s.dp_replicate, s.dp_shard * s.cp, s.micro_batch, s.schedule, s.v, s.split)
+
+
+def _memory(why: str) -> bool:
+    return why.startswith(("memory even with full AC", "memory floor"))
+
+
+def _cp_not_needed(s: Shape, cp1: dict[tuple, tuple[str, bool]]) -> str | None:
+    """Why a cp > 1 shape is not ranked (plan.search_cp_only_when_needed): the same mesh without CP (its cp ranks in
+    dp_shard, enumerated first) did not fail for memory, so the sequence does not need CP. CP is for a sequence
+    whose activations do not fit otherwise (Llama 3 §3.3.2 uses it for the long-context stage only); the step-time
+    model prices a CP rank's shorter GEMMs at the full GEMM rate, so it would rank CP where nobody runs it (405B at
+    8K on 16,384 GPUs: tp4 cp16 pp32 first, 512 tokens per rank)."""
+    verdict, needed = cp1.get(_without_cp(s), ("", True))
+    if s.cp == 1 or needed:
+        return None
+    return f"cp not needed for the sequence: without it {verdict} (plan.search_cp_only_when_needed=false ranks it)"
+
+
 def search(cfg: JobConfig) -> SearchResult:
     """Enumerates, prunes, plans and ranks (by predicted tokens/s). Raises ValueError when the cluster
     profile has no compute peak (nothing to predict a step time from)."""
@@ -306,11 +332,15 @@ def search(cfg: JobConfig) -> SearchResult:
         )
     t0 = time.perf_counter()
     params_total = P.count_params(cfg.model).total
-    ranked, rejected, calls, too_big = [], {}, 0, {}
+    ranked, rejected, calls, too_big, cp1 = [], {}, 0, {}, {}
     space = shapes(cfg)
     for s in space:
-        cand, why, n = _visit(cfg, s, params_total, too_big)
+        cand, why, n = _visit(cfg, s, params_total, too_big, cp1 if cfg.plan.search_cp_only_when_needed else None)
         calls += n
+        if s.cp == 1:
+            cp1[_without_cp(s)] = (
+                (cand.shape.label() + " fits", False) if cand else (f"{s.label()}: {why}", _memory(why))
+            )
         if cand:
             ranked.append(cand)
         else:
@@ -358,17 +388,28 @@ def _mark_trainable(
 
 
 def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
-    """The composed config as it stands, ranked among the others when it plans and passes; else why not."""
+    """The composed config as it stands, ranked among the others when it plans and passes; when only its memory
+    fails, its mesh with the cheapest AC after its own that fits (AC_ORDER), which the second value says; else
+    None and why not."""
     from jobs.planner.gate import validate_for_planning
 
-    try:
-        d, _ = validate_for_planning(cfg)
-        plan = build_plan(cfg, measure=False)
-    except ValueError as e:
-        return None, f"config: {e}"
-    failed = [c for c in plan.checks if not c.ok]
-    if failed:
-        return None, f"{failed[0].name}: {failed[0].why}"
+    ac = cfg.train.activation_checkpointing
+    tried = AC_ORDER[AC_ORDER.index(ac) :] if ac in AC_ORDER else (ac,)
+    first = ""
+    for mode in tried:
+        run = replace(cfg, train=replace(cfg.train, activation_checkpointing=mode))
+        try:
+            d, _ = validate_for_planning(run)
+            plan = build_plan(run, measure=False)
+        except ValueError as e:
+            return None, f"config: {e}"
+        failed = [c for c in plan.checks if not c.ok]
+        if not failed:
+            break
+        if failed[0].name != "memory" or mode == tried[-1]:
+            return None, f"{failed[0].name}: {failed[0].why}"
+        first = first or f"at train.activation_checkpointing={ac}, {failed[0].name}: {failed[0].why}"
+    note = f"ranked with train.activation_checkpointing={mode}: {first}" if first else ""
     dims, mesh = d.dims, cfg.mesh
     split = tuple(mesh.pp_layers_per_stage) if mesh.pp_layers_per_stage else None
     shape = Shape(
@@ -381,9 +422,9 @@ def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
         mesh.pp_schedule if dims.pp > 1 else "1f1b",
         d.stages_per_rank,
         split,
-        cfg.train.activation_checkpointing,
+        mode,
     )
-    return Candidate(shape, predicted(plan), own=True), ""
+    return Candidate(shape, predicted(plan), own=True), note
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -419,6 +460,8 @@ def render_search(r: SearchResult, cfg: JobConfig, *, rows: int) -> str:
     L.append(
         f"  < this config: rank {own} of {len(r.ranked)}{among}" if own else f"  this config is not ranked: {r.own_why}"
     )
+    if own and r.own_why:  # ranked with the AC it needs
+        L.append(f"    {r.own_why}")
     L.append(
         "  v<n>*: 1-layer chunks, the first holding only the embedding, the last only the output layer"
         + (

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from jobs.config import ModelConfig
 from jobs.planner import arith as P
 from jobs.planner import traffic as T
-from jobs.planner.hardware import Hardware, axis_scope
+from jobs.planner.hardware import Hardware, axis_ranks_per_node, axis_scope
 
 __all__ = [
     "StepTime",
@@ -151,7 +151,8 @@ def _time_comm(
     timed = []
     for it in items:
         scope = axis_scope(it["axis"], shape, node_ranks=hw.node_ranks, pod_ranks=hw.pod_ranks)
-        link = hw.link(it["collective"], scope)
+        per_node = axis_ranks_per_node(it["axis"], shape, group=it["group"], node_ranks=hw.node_ranks)
+        link = hw.link(it["collective"], scope, ranks_per_node=per_node)
         timed.append(
             (
                 it,

@@ -5,8 +5,8 @@ last attempt's end (or now, for a run still going), is cut into disjoint segment
 
 | kind | what was measured |
 |---|---|
-| `productive` | a training step whose result the run kept: the last time each step number was trained |
-| `lost_work` | a step trained again later: after a failure, or discarded by a rollback |
+| `productive` | a training step whose result the run kept: the last time each step number was trained, by an attempt still running, one that completed, or up to the newest checkpoint committed before the attempt ended otherwise |
+| `lost_work` | a step trained again later (after a failure, or discarded by a rollback), or trained after the last committed checkpoint of an attempt that ended without completing (uncommitted: it died with the attempt) |
 | `startup` | `attempt_start` to the start of the attempt's first step: rendezvous, build, checkpoint load, warm-up; a whole attempt that never stepped |
 | `checkpoint_stall` | `blocking_s` of each `checkpoint_saved`, right after the step it saved |
 | `failure_detection` | a failed attempt's last progress (the end of its last step) to its `decision` (or its end) |
@@ -24,8 +24,10 @@ goodput = productive / allocated, where allocated = wall - queue_wait (the time 
 or was between attempts outside the queue); `wall_goodput` divides by the wall time instead. An
 attempt's end is its `attempt_end`; a `lost` attempt's end (written later by the next attempt) is
 taken as its own last record; an attempt that died without any end (`close_dead`: Slurm says its job
-ended, or its heartbeats went stale) ends at Slurm's End or its last heartbeat / record, so a dead
-run's goodput does not fall the later one looks. Torch-free: it runs on a login node.
+ended, or its heartbeats went stale) ends at Slurm's End or its last heartbeat / record. An attempt that
+ended without completing keeps only the steps up to the newest checkpoint committed (by it or before it):
+the steps after it died with it and are `lost_work` at once, not when a requeue trains them again, so a
+dead run's goodput does not fall the later one looks. Torch-free: it runs on a login node.
 """
 
 from __future__ import annotations
@@ -285,8 +287,8 @@ def _windows(
 
 
 def _step_units(rows: list[Attempt], metrics: list[dict]) -> list[Segment]:
-    """One segment per trained step, `productive` for the last training of its step number, else
-    `lost_work` (trained again after a failure or a rollback)."""
+    """One segment per trained step, `productive` for the last training of its step number when its attempt kept
+    it (`_committed`), else `lost_work` (trained again after a failure or a rollback, or never committed)."""
     known = {a.attempt: a for a in rows}
     prev: dict[str, int] = {}
     trained: list[tuple[int, Segment]] = []
@@ -307,9 +309,21 @@ def _step_units(rows: list[Attempt], metrics: list[dict]) -> list[Segment]:
                 trained.append((j, Segment(end - dt, end, "productive", a.attempt, j)))
         prev[a.attempt] = step
     last = {j: i for i, (j, _) in enumerate(trained)}
+    kept = _committed(rows)
     return [
-        s if last[j] == i else Segment(s.start, s.end, "lost_work", s.attempt, j) for i, (j, s) in enumerate(trained)
+        s if last[j] == i and j <= kept[s.attempt] else Segment(s.start, s.end, "lost_work", s.attempt, j)
+        for i, (j, s) in enumerate(trained)
     ]
+
+
+def _committed(rows: list[Attempt]) -> dict[str, float]:
+    """The newest step each attempt's work is kept up to: every step while it runs or when it completed, else
+    the newest checkpoint committed by it or an earlier attempt (steps past it died with the attempt)."""
+    out, saved = {}, -1
+    for a in rows:
+        saved = max(saved, a.saved_step if a.saved_step is not None else -1)
+        out[a.attempt] = float("inf") if a.end is None or a.cause == "completed" else saved
+    return out
 
 
 def _stalls(attempt: str, events: list[dict], units: list[Segment]) -> list[Segment]:

@@ -46,7 +46,7 @@ _MEANS = {
     "productive": "steps the run kept",
     "startup": "attempt start -> first step (rendezvous, build, load)",
     "checkpoint_stall": "training blocked by saves (blocking_s)",
-    "lost_work": "steps trained again (failure, rollback)",
+    "lost_work": "steps trained again or never saved (failure, rollback)",
     "failure_detection": "a failure's last step -> its decision",
     "restart_gap": "between attempts, outside the queue",
     "queue_wait": "Slurm Submit -> Start (sacct)",

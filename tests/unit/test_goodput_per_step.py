@@ -38,14 +38,16 @@ def _steps(first: int, last: int, *, t0: float, dt: float = 2.0) -> list[tuple[i
 
 
 def _dead_run(tmp_path: Path) -> Path:
-    """One Slurm attempt 7.0: start 1000, steps 1-10 from 1010 (2 s each, logged every 5), then every rank
-    died (kill -9 of the whole job): no failure, no attempt_end. Heartbeats stopped at 1033."""
+    """One Slurm attempt 7.0: start 1000, steps 1-10 from 1010 (2 s each, logged every 5), a checkpoint of step 4
+    committed at 1018 (no blocking part), then every rank died (kill -9 of the whole job): no failure, no
+    attempt_end. Heartbeats stopped at 1033."""
     run = tmp_path / "run"
     run.mkdir()
     events = [
         _ev(1000, "attempt_start", "7.0", job_id="7"),
         _ev(1010, "train_start", "7.0", step=0),
         _ev(1012, "first_step", "7.0", step=1, step_time_s=2.0),
+        _ev(1018.5, "checkpoint_saved", "7.0", step=4, blocking_s=0.0, total_s=0.5),
     ]
     steps = _steps(1, 10, t0=1010)
     metrics = [_row("7.0", steps[:5]), _row("7.0", steps[5:])]
@@ -59,12 +61,14 @@ def test_a_dead_run_is_closed_at_its_last_heartbeat_and_its_goodput_does_not_fal
     run = _dead_run(tmp_path)
     soon, later = collect(run, now=1100.0), collect(run, now=100_000.0)
     assert not soon.running and not later.running
-    # By hand: 1000 -> 1033 (last beat) = 33 s; productive steps 1-10 = 20 s; startup 10 s; the 3 s after the
-    # last step (1030 -> 1033) are failure detection (nobody decided anything).
+    # By hand: 1000 -> 1033 (last beat) = 33 s; productive steps 1-4 = 8 s (committed by the save of step 4);
+    # steps 5-10 died with the attempt (12 s lost); startup 10 s; the 3 s after the last step (1030 -> 1033) are
+    # failure detection (nobody decided anything).
     for d in (soon, later):
         g = d.goodput
         assert (g.start, g.end) == (1000.0, 1033.0)
-        assert g.goodput == pytest.approx(20.0 / 33.0) and g.steps_productive == 10
+        assert g.goodput == pytest.approx(8.0 / 33.0) and (g.steps_productive, g.steps_lost) == (4, 6)
+        assert g.seconds["lost_work"] == pytest.approx(12.0)
         assert g.seconds["failure_detection"] == pytest.approx(3.0) and g.failures == 1
         assert g.closed["7.0"].by == "last heartbeat" and g.closed["7.0"].cause == "lost"
     assert "attempt 7.0 wrote no end: closed at" in render_text(later) and "(last heartbeat) as lost" in render_text(
@@ -91,7 +95,7 @@ def test_a_dead_run_is_closed_at_slurms_end_when_sacct_knows_it(tmp_path: Path) 
     d = collect(_dead_run(tmp_path), now=100_000.0, sacct_records=recs)
     g = d.goodput
     assert not d.running and (g.start, g.end) == (990.0, 1036.0)
-    assert g.allocated_s == pytest.approx(36.0) and g.goodput == pytest.approx(20.0 / 36.0)
+    assert g.allocated_s == pytest.approx(36.0) and g.goodput == pytest.approx(8.0 / 36.0)
     assert g.closed["7.0"].by == "Slurm End (NODE_FAIL)" and g.failures == 1
     # a job Slurm still runs is running, whatever its heartbeats say
     recs[0].update(State="RUNNING", End="Unknown")
@@ -201,5 +205,49 @@ def test_a_requeued_attempt_takes_its_own_sacct_record_and_the_expected_figure_u
     assert slurm_ends(rows, recs) == {"7.0": ("REQUEUED", 1050.0), "7.1": ("FAILED", 1090.0), "8.0": ("RUNNING", None)}
     costs = {"interval_s": 10.0, "blocking_s": 1.0, "mtbf_s": 1e12, "restart_s": 13.0, "startup_s": 13.0}
     d = collect(_dead_run(tmp_path), now=100_000.0, costs=costs)
-    # 20 s of productive steps: 20 s + 2 saves of 1 s + one 13 s start-up = 35 s
-    assert d.goodput.expected == pytest.approx(20.0 / 35.0, rel=1e-6)
+    # 8 s of productive steps (1-4, the rest died uncommitted): 8 s + 0.8 saves of 1 s + one 13 s start-up = 21.8 s
+    assert d.goodput.expected == pytest.approx(8.0 / 21.8, rel=1e-6)
+
+
+def test_steps_after_a_dead_attempts_last_checkpoint_are_lost_and_a_requeue_reclassifies_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 38 item 6: saved at step 4, died after step 10. Productive 4 steps (8 s), not 10 (0.606); the requeue
+    that resumes from step 4 and trains 5-10 again leaves attempt 7.0's figures as they were before it came."""
+    run = _dead_run(tmp_path)
+    alone = collect(run, now=100_000.0).goodput
+    assert (alone.steps_productive, alone.steps_lost) == (4, 6)
+    assert alone.seconds["productive"] == pytest.approx(8.0) and alone.goodput == pytest.approx(8.0 / 33.0)
+    # attempt 7.1 starts at 1050, loads step 4, trains 5-10 (1 s each) from 1060, completes at 1067
+    with (run / "events.jsonl").open("a") as f:
+        for e in (
+            _ev(1050, "attempt_start", "7.1", job_id="7"),
+            _ev(1059, "checkpoint_loaded", "7.1", step=4),
+            _ev(1060, "train_start", "7.1", step=4),
+            _ev(1066.5, "checkpoint_saved", "7.1", step=10, blocking_s=0.0, total_s=0.5),
+            _ev(1067, "attempt_end", "7.1", cause="completed", action="done", step=10),
+        ):
+            f.write(json.dumps(e) + "\n")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(_row("7.1", _steps(5, 10, t0=1060, dt=1.0))) + "\n")
+    both = collect(run, now=100_000.0).goodput
+    first = [s for s in both.segments if s.attempt == "7.0"]
+    assert sum(s.end - s.start for s in first if s.kind == "productive") == pytest.approx(8.0)
+    assert sum(s.end - s.start for s in first if s.kind == "lost_work") == pytest.approx(12.0)
+    assert (both.steps_productive, both.steps_lost) == (10, 6)
+    assert both.seconds["productive"] == pytest.approx(8.0 + 6.0)
+
+
+def test_a_running_attempts_steps_since_its_last_save_count_until_it_ends() -> None:
+    """A running attempt may still save what it trained: its steps are productive while it runs; a completed one
+    keeps every step (its work is the run's result)."""
+    events = [_ev(0, "attempt_start", "a"), _ev(10, "train_start", "a", step=0)]
+    metrics = [_row("a", _steps(1, 5, t0=10))]
+    assert measure_goodput(events, metrics, now=30.0).steps_productive == 5
+    done = [*events, _ev(21, "attempt_end", "a", cause="completed", action="done", step=5)]
+    assert measure_goodput(done, metrics, now=30.0).steps_productive == 5
+    died = [*events, _ev(21, "attempt_end", "a", cause="dead_rank", action="none", step=5)]
+    assert (
+        measure_goodput(died, metrics, now=30.0).steps_productive,
+        measure_goodput(died, metrics, now=30.0).steps_lost,
+    ) == (0, 5)

@@ -178,6 +178,10 @@ def test_the_six_readiness_questions_are_answered():
     ]
     assert plan.readiness[0]["status"] == "ok" and plan.readiness[2]["status"] == "ok"
     assert plan.readiness[4]["status"] == "ok" and "straggler event" in plan.readiness[4]["answer"]
+    # the rule the detector applies (jobs/telemetry/stragglers.py), not "every log interval" (issue 38 item 7)
+    assert "in windows of >= 20 steps" in plan.readiness[4]["answer"]
+    assert "after each attempt's first window (warm-up)" in plan.readiness[4]["answer"]
+    assert "for 3 consecutive windows" in plan.readiness[4]["answer"]
     off = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "metrics.phase_timing=false"]), measure=False)
     assert off.readiness[4]["status"] == "warn"
 

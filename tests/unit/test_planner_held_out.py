@@ -117,9 +117,10 @@ def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_mea
 
 # ----------------------------------------------------------------------------------- held-out published runs
 # None of these rows set a constant of the step-time model: its constants come from elsewhere (docs/planner.md
-# "Held-out validation"): the 0.80 achieved GEMM (Bekman's max-achievable matmul table), NCCL's 370/450
-# NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290, nccl#1244), the datasheet
-# peaks, HBM bandwidths and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
+# "Held-out validation"): each GPU's achieved GEMM (Bekman's max-achievable matmul table: A100 SXM 0.869, H100
+# SXM 0.803), NCCL's 370/450 NVLink and 47/50 IB bus efficiencies and 46 us latency (nccl-tests#212, #290,
+# nccl#1244), a group's NICs per node (nccl-tests#119, nccl#1168, nccl#412), the datasheet peaks, HBM bandwidths
+# and SM counts (NVIDIA), and DeepSeek-V3's 20 communication SMs (§3.2.2).
 # GPT-3 175B as Megatron-LM trained it, in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of
 # 2/3 x 4h hidden (the same parameters and FLOPs as GeLU's 4h), vocab 51,200, sequence 2,048.
 GPT3_175B_MEGATRON = [
@@ -155,6 +156,44 @@ def _megatron_tflops(plan, *, B=1536, s=2048, l=96, h=12288, V=51200) -> float:
     return flops / (plan.step["step_s"] * plan.world_size) / 1e12
 
 
+# torchtitan's Llama 2 on its 64 A100 80GB, FSDP2 over all 64 (tp 1), 4K context (pytorch/torchtitan
+# docs/performance.md, "Llama 2 performance numbers"; models as torchtitan/models/llama llama2_configs: vocab 32,000;
+# 13B dim 5120, 40 layers, 40 heads, hidden 13,824; 70B the Llama 3 70B block with hidden 28,672)
+LLAMA2_13B = [
+    "model=llama3_8b",
+    "model.name=llama2_13b",
+    "model.dim=5120",
+    "model.n_layers=40",
+    "model.n_heads=40",
+    "model.n_kv_heads=40",
+    "model.ffn_dim=13824",
+    "model.vocab_size=32000",
+    "model.max_seq_len=4096",
+    "model.rope_theta=10000",
+]
+LLAMA2_70B = ["model=llama3_70b", "model.name=llama2_70b", "model.vocab_size=32000", "model.max_seq_len=4096"]
+
+
+def _torchtitan_llama2(model: list[str], *, batch: int, ac: str) -> list[str]:
+    return [
+        "+experiment=llama3_8b",  # 64 A100 (a100_ib), FSDP over all 64
+        "mesh.tp=1",
+        *model,
+        "train.seq_len=4096",
+        f"train.micro_batch={batch}",
+        f"train.global_batch={64 * batch}",
+        f"train.activation_checkpointing={ac}",
+    ]
+
+
+def _tok_s_per_gpu(p) -> float:
+    return p.step["tokens_per_s"] / p.world_size
+
+
+# Each row: overrides, the published figure, what the plan predicts for it. Not rows: torchtitan's "selective op"
+# rows (its per-op AC policy is not modelled: this planner's selective is every other layer), and Megatron's
+# strong-scaling GPT-3 175B at 768 and 1,536 GPUs (Narayanan et al. 2021 Table 2), whose figures could not be read
+# from a stored copy of the paper: no figure is written here from memory.
 HELD_OUT = {
     # "The Llama 3 Herd of Models" (arXiv 2407.21783) Table 4; no activation checkpointing at 8K (§3.3.2)
     "llama3_405b_8192gpu_mfu": (["+experiment=llama3_405b_8k_8192gpu"], 0.43, lambda p: p.step["mfu"]),
@@ -163,43 +202,76 @@ HELD_OUT = {
     "torchtitan_8b_selective_layer_tok_s": (
         ["+experiment=llama3_8b", "train.activation_checkpointing=selective"],
         2904,
-        lambda p: p.step["tokens_per_s"] / p.world_size,
+        _tok_s_per_gpu,
     ),
-    "torchtitan_70b_full_tok_s": (
-        ["+experiment=llama3_70b", "mesh.tp=1", "train.micro_batch=1"],
-        331,
-        lambda p: p.step["tokens_per_s"] / p.world_size,
+    "torchtitan_70b_full_tok_s": (["+experiment=llama3_70b", "mesh.tp=1", "train.micro_batch=1"], 331, _tok_s_per_gpu),
+    # the same page, Llama 2 on 64 A100 80GB, FSDP2, seq 4,096: 13B batch 2 no AC 2162, selective layer 1914;
+    # 70B batch 2 full AC 353
+    "torchtitan_llama2_13b_no_ac_tok_s": (_torchtitan_llama2(LLAMA2_13B, batch=2, ac="none"), 2162, _tok_s_per_gpu),
+    "torchtitan_llama2_13b_selective_layer_tok_s": (
+        _torchtitan_llama2(LLAMA2_13B, batch=2, ac="selective"),
+        1914,
+        _tok_s_per_gpu,
     ),
+    "torchtitan_llama2_70b_full_tok_s": (_torchtitan_llama2(LLAMA2_70B, batch=2, ac="full"), 353, _tok_s_per_gpu),
     # Narayanan et al. 2021 (arXiv 2104.04473) Table 2, PTD parallelism: GPT 174.6B, t8 x p12 on 384 A100,
     # batch 1536, microbatch 1: 153 teraFLOP/s per GPU
     "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
 }
-# The model has no term for what the two Llama 3 rows lose beyond it (see docs/planner.md's held-out table):
-# predicted 1.15-1.18x too fast. Pinned here so that a change in either direction is seen.
-KNOWN_GAP = {"llama3_405b_8192gpu_mfu": (1.12, 1.25), "llama3_405b_16384gpu_mfu": (1.12, 1.25)}
+# Rows outside 15%, each pinned to its band so that a change in either direction is seen. With inter-node
+# bandwidth priced by the node's NICs and the A100's own GEMM efficiency (issue 38), every row is predicted
+# 1.15-1.23x too fast: the model runs every GEMM at its GPU's best-shape rate (Bekman's MAMF), and no published
+# curve of the rate by shape is in it yet (the GPU preflight's `gemms` line measures it).
+KNOWN_GAP = {
+    "llama3_405b_8192gpu_mfu": (1.16, 1.21),
+    "llama3_405b_16384gpu_mfu": (1.13, 1.18),
+    "torchtitan_8b_selective_layer_tok_s": (1.20, 1.26),
+    "torchtitan_70b_full_tok_s": (1.16, 1.21),
+    "torchtitan_llama2_13b_no_ac_tok_s": (1.19, 1.24),
+    "torchtitan_llama2_13b_selective_layer_tok_s": (1.16, 1.21),
+    "torchtitan_llama2_70b_full_tok_s": (1.15, 1.20),
+    "megatron_gpt3_175b_384gpu_tflops": (1.17, 1.23),
+}
 
 
-@pytest.mark.parametrize("row", list(HELD_OUT))
-def test_held_out_published_runs_are_predicted_within_15_percent(row):
+def _ratio(row: str) -> float:
     overrides, published, metric = HELD_OUT[row]
     plan = build_plan(compose(overrides), measure=False)
-    ratio = metric(plan) / published
-    low, high = KNOWN_GAP.get(row, (0.85, 1.15))
-    assert low <= ratio <= high, (row, ratio)
     assert plan.step["memory_bound_s"] > 0 and plan.step["interference_s"] > 0  # GPU profiles: both terms on
+    return metric(plan) / published
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Llama 3 405B is predicted 1.15-1.18x too fast: the model lacks a term for "
-    "what the 405B runs lose beyond GEMMs at 0.80 of peak, FlashAttention-2's rate, NCCL's bus "
-    "bandwidth, HBM-bound ops and the bubble (see docs/planner.md, held-out validation); no constant is tuned "
-    "to close it",
+def test_the_held_out_table_prints_every_ratio_and_each_stays_in_its_band():
+    ratios = {row: _ratio(row) for row in HELD_OUT}
+    table = "\n".join(f"  {row:46s} {r:.3f}" for row, r in ratios.items())
+    print("held-out predicted / published:\n" + table)
+    for row, r in ratios.items():
+        low, high = KNOWN_GAP.get(row, (0.85, 1.15))
+        assert low <= r <= high, f"{row}: {r:.3f} outside {low}-{high}\n{table}"
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(row, marks=pytest.mark.xfail(strict=True, reason="KNOWN_GAP: predicted above 1.15x"))
+        if row in KNOWN_GAP
+        else row
+        for row in HELD_OUT
+    ],
 )
-@pytest.mark.parametrize("row", list(KNOWN_GAP))
-def test_llama3_405b_is_within_15_percent(row):
-    overrides, published, metric = HELD_OUT[row]
-    assert 0.85 <= metric(build_plan(compose(overrides), measure=False)) / published <= 1.15
+def test_held_out_published_runs_are_predicted_within_15_percent(row):
+    assert 0.85 <= _ratio(row) <= 1.15
+
+
+def test_the_paper_mesh_of_llama3_405b_is_ranked_with_the_ac_torchs_schedule_needs():
+    # Without AC the paper's mesh keeps 141 layer-microbatches in flight on pp rank 1 under torch's Interleaved1F1B
+    # warm-up (206 GiB > 72 usable), selective AC 122 GiB; full AC fits: the search ranks the mesh with it, and says so
+    from jobs.planner.search import _own
+
+    own, note = _own(compose(["+experiment=llama3_405b_8k_8192gpu"]))
+    assert own is not None and own.shape.ac == "full" and own.shape.label().startswith("tp8 cp1 pp16 v8* dp1x64")
+    assert note.startswith("ranked with train.activation_checkpointing=full: at train.activation_checkpointing=none")
+    assert "141 layer-microbatches" in note and "torch's warm-up" in note
 
 
 def test_the_all_to_all_warning_says_which_schedule_it_is_about():

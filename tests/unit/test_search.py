@@ -65,13 +65,14 @@ def test_a_rejected_shape_names_its_reason(small):
     assert why["tp8 cp1 pp1 dp1x1 mb1 ac=none"] == "model.n_kv_heads(4) % mesh.tp(8) != 0"  # tiny: 4 KV heads
     assert why["tp1 cp1 pp4 dp1x2 mb2 ac=none"] == "microbatches(2) < mesh.pp(4)"
     assert "train.global_batch(N) % (dp(N) * train.micro_batch(N)) != N" in r.rejected
-    # memory: Llama 3 8B on 16 GPUs of 30 GiB, FSDP over all 16 does not fit even fully checkpointed
+    # memory: Llama 3 8B on 16 GPUs of 26 GiB, FSDP over all 16 does not fit even fully checkpointed
     # (read off the one plan without checkpointing), so 2 replicas of 8 (larger shards) are rejected
-    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone
-    big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=30"])
+    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone. (30 GiB until issue 38: the peak
+    # counted fp32 gradient copies that only exist after the activations they would add to are freed: 28.3 GiB.)
+    big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=26"])
     too_big: dict = {}
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
-    assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 28.3 GiB > 27.0 GiB usable")
+    assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 24.6 GiB > 23.4 GiB usable")
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and "larger dp_shard" in msg
     cand, msg, calls = _visit(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
@@ -111,7 +112,8 @@ def test_the_16384_gpu_search_finishes_and_ranks_the_llama3_table4_mesh():
     r = search(cfg)
     cpu = time.process_time() - cpu
     assert r.enumerated > 20_000 and r.planned < r.enumerated / 2  # pruned before planning
-    assert r.own_rank() is not None and len(r.ranked) > 1000
+    # 103 ranked since CP is kept for a sequence that needs it (plan.search_cp_only_when_needed; 2,060 before)
+    assert r.own_rank() is not None and len(r.ranked) > 100
     assert cpu < 120, cpu  # measured 13 s of CPU on an idle core
 
 
@@ -144,3 +146,20 @@ def test_jobs_plan_runs_the_search_and_refuses_a_profile_without_a_peak(capsys, 
     assert sorted(p.name for p in (tmp_path / "search").iterdir()) == ["top1.yaml", "top2.yaml"]
     assert main(["model=tiny", "cluster=local", "plan.search=true"]) == exitcodes.CONFIG_ERROR
     assert "cluster.gpu_bf16_tflops=0" in capsys.readouterr().err
+
+
+def test_context_parallelism_is_ranked_only_where_the_sequence_needs_it():
+    # Llama 3 405B at 8K on 16,384 GPUs: the step-time model prices a CP rank's shorter GEMMs at the full rate, and
+    # ranked tp4 cp16 pp32 (512 tokens per rank) first, then tp8 cp4 pp32; nobody runs CP at 8K (Llama 3 §3.3.2: the
+    # long-context stage only). Without CP the same meshes fit or fail for the batch, not the sequence.
+    cfg = compose(["+experiment=llama3_405b_8k_16384gpu"])
+    r = search(cfg)
+    assert r.ranked[0].shape.label().startswith("tp8 cp1 pp8 v8 ")
+    assert r.own_rank() is not None and r.own_rank() <= 20  # the paper's mesh, with the full AC it needs here
+    # what CP is left: meshes whose version without CP does not fit, ranked last (tp8 cp128 pp4, tp8 cp256 pp4)
+    assert all(c.shape.cp == 1 for c in r.ranked[: r.own_rank()])
+    why = dict(r.rejected["cp not needed for the sequence"])["tp8 cp4 pp32 dp1x16 mb1 ac=none"]
+    assert why.startswith("cp not needed for the sequence: without it tp8 cp1 pp32 dp1x64 mb1 ac=full fits")
+    # 131K context: the sequence does not fit without CP, so cp16 (the paper's) is ranked
+    long = search(compose(["+experiment=llama3_405b_131k_16384gpu"]))
+    assert any(c.shape.cp > 1 for c in long.ranked)
