@@ -214,7 +214,9 @@ class Trainer:
         ] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
-        set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
+        set_pg_timeouts(
+            cfg.failure.init_timeout_s, longer=self._checkpoint_pgs()
+        )  # the mesh and checkpoint groups exist now
 
     def _build_model(self, cfg: JobConfig, derived: Derived) -> None:
         """This rank's model parts built on meta, parallelized (the recipe of parallel/), materialised and
@@ -519,13 +521,17 @@ class Trainer:
             self.watchdog.progress(step)
         if not step_times:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
-            set_pg_timeouts(self.cfg.failure.collective_timeout_s)
+            set_pg_timeouts(self.cfg.failure.collective_timeout_s, longer=self._checkpoint_pgs())
         step_times.append(m["step_time_s"])
         self.trained_steps.append([step, round(time.time(), 4), round(m["step_time_s"], 6)])
         if self._interval_end(step):
             self._log_metrics(step, m, step_times)
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
             self.heldout.run(self, step)
+
+    def _checkpoint_pgs(self) -> dict[dist.ProcessGroup, float]:
+        """The checkpoint's process groups, each with failure.checkpoint_timeout_s (the watchdog's limit of a save)."""
+        return {pg: self.cfg.failure.checkpoint_timeout_s for pg in self.ckpt.process_groups}
 
     def _save(self, step: int, *, tier: str = "filesystem") -> None:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
@@ -617,7 +623,7 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         total_steps=cfg.train.steps,
         mtbf_s=mtbf_s,
         attempt=env.attempt,
-        collective_timeout_s=cfg.failure.collective_timeout_s,
+        checkpoint_timeout_s=cfg.failure.checkpoint_timeout_s,
         run_id=run_id(cfg.run.dir),
         # the RAM tier's node: Slurm's node name; the local launcher runs launcher.nodes simulated nodes on one
         # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)
