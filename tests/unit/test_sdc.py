@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from jobs.config import FailureConfig
+from jobs.config import FailureConfig, compose
 from jobs.failure.policy import decide
 from jobs.failure.sdc import (
     FLIP_VAR,
@@ -24,6 +24,7 @@ from jobs.failure.sdc import (
 )
 from jobs.failure.spike import check_config as check_spike
 from jobs.failure.spike import new_detector, observe, suspicious
+from jobs.validate import validate
 
 NAN, INF = float("nan"), float("inf")
 
@@ -120,6 +121,17 @@ def test_config_errors_name_the_override_and_are_checked_with_the_spike_keys():
         check_config(FailureConfig(sdc_rtol=-1.0))
     with pytest.raises(ValueError, match=r"failure\.replica_hash_every"):
         check_spike(FailureConfig(replica_hash_every=-1))  # jobs/validate.py calls it on the login node
+
+
+def test_nondeterministic_kernels_with_a_zero_sdc_tolerance_are_refused_with_the_fix_in_the_message():
+    """Every real spike's re-run would differ a little and read as silent data corruption (a node sent away)."""
+    with pytest.raises(
+        ValueError, match=r"failure\.sdc_rtol\(0\.0\) with train\.deterministic=false.*failure\.sdc_rtol=1e-3"
+    ):
+        validate(compose(["run.dir=/nonexistent", "train.deterministic=false"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=false", "failure.sdc_rtol=1e-3"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=false", "failure.sdc_rerun=false"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=true"]))
 
 
 def test_suspicious_agrees_with_observe_and_changes_nothing():
