@@ -90,6 +90,7 @@ class Watchdog:
         self.stop_received, self.on_stop = stop_received, on_stop
         self._base_s = init_timeout_s  # the limit outside phases that have their own
         self.limit_s = init_timeout_s
+        self._borrowed_s = 0.0  # a watched peer's longer limit this rank waits under (`_held_up`), else 0
         now = time.time()
         self.beat = Beat(rank, os.getpid(), os.uname().nodename, node, now, -1, "rendezvous", now, limit_s=self.limit_s)
         self._main = threading.get_ident()  # the thread whose progress is judged (the one that built the watchdog)
@@ -136,7 +137,7 @@ class Watchdog:
         self._moved()
 
     def _moved(self) -> None:
-        self._last = time.monotonic()
+        self._last, self._borrowed_s = time.monotonic(), 0.0
         self.beat.tick += 1
         self.beat.progress_time = time.time()
 
@@ -155,7 +156,7 @@ class Watchdog:
         self.beat.beat += 1
         self.beat.time = time.time()
         self.beat.idle_s = round(time.monotonic() - self._last, 3)
-        self.beat.limit_s = self.limit_s
+        self.beat.limit_s = max(self.limit_s, self._borrowed_s)
         self.beat.in_collective = in_collective(self._main)
 
     def _post(self) -> None:
@@ -188,7 +189,7 @@ class Watchdog:
                 self._judge_peers()
             else:
                 self._seen.clear()  # progress: peers are alive; start counting afresh at the next wait
-                self.stale_peers, self.stuck_peers = [], []
+                self.stale_peers, self.stuck_peers, self._borrowed_s = [], [], 0.0
             if self._done.wait(self.heartbeat_s):
                 if self.beat.phase == ENDED:
                     self._post()
@@ -206,6 +207,17 @@ class Watchdog:
             self.stale_peers = [0] if gone and self.beat.rank != 0 else []
             return
         self._seen.update(beats)
+        # A peer alive in a phase with a longer limit, within it (a save on a slow filesystem), holds this rank up in
+        # its next collective: this rank waits under that limit and says so in its own beat, so that the ranks
+        # watching it hold too (over about log2(world size) heartbeats; no rank reads every beat).
+        self._borrowed_s = max(
+            (
+                b.limit_s
+                for r, b in beats.items()
+                if b.phase != ENDED and b.idle_s < b.limit_s and self._seen.silent_s(r) <= self.stale_s
+            ),
+            default=0.0,
+        )
         stale, hung = [], []
         for r in self.peers:
             s = self._seen.seen.get(r)
@@ -253,20 +265,8 @@ class Watchdog:
             self._hang(idle)
 
     def _held_up(self, idle: float) -> bool:
-        """Whether some rank is alive in a phase with a longer limit of its own, still within it: this rank waits
-        for it (a save on a slow filesystem) and its limit is this rank's."""
-        if self.board is None or self.world_size == 1:
-            return False
-        try:
-            beats = self.board.read([r for r in range(self.world_size) if r != self.beat.rank])
-        except Exception:  # noqa: BLE001 - no store, no evidence of a slower phase
-            return False
-        self._seen.update(beats)
-        return any(
-            b.limit_s > self.limit_s and b.idle_s < b.limit_s and self._seen.silent_s(r) <= self.stale_s
-            for r, b in beats.items()
-            if b.phase != ENDED
-        )
+        """Whether a watched peer holds this rank up under a longer limit of its own (`_judge_peers`)."""
+        return idle <= self._borrowed_s
 
     def _hang(self, idle: float) -> None:
         self.incident = self._board_incident()
