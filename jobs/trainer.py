@@ -27,7 +27,7 @@ from jobs.data import BatchSource, sources_of
 from jobs.device import rank_device
 from jobs.evaluate import HeldoutEval
 from jobs.events import EventLog, read_events
-from jobs.failure.sdc import SdcGuard, replica_groups
+from jobs.failure.sdc import SdcGuard, pipeline_groups, replica_groups
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
@@ -180,6 +180,7 @@ class Trainer:
             first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
             emit=events.emit,
             groups=replica_groups(self.mesh),
+            pipelines=pipeline_groups(self.mesh),
         )
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(
@@ -245,6 +246,7 @@ class Trainer:
             part.to_empty(device=self.device)
             init_weights(part, seed=cfg.train.seed)
             part.train()
+        self._sent = torch.zeros((), dtype=torch.float64, device=self.device)  # `_record_sent`
         self.has_first = 0 in self.stages
         self.has_last = (derived.num_stages - 1) in self.stages
         self.schedule = None
@@ -259,6 +261,11 @@ class Trainer:
                 device=self.device,
                 loss_fn=cross_entropy,
             )
+            # What each stage sends on (its output's sum of squares, float64, summed over microbatches; one
+            # reduction per microbatch): off the last stage the loss is 0, so the SDC re-run compares this.
+            for part, stage in zip(self.parts, self.stages):
+                if stage != derived.num_stages - 1:
+                    part.register_forward_hook(self._record_sent)
 
     def _build_observers(self, cfg: JobConfig, env: DistEnv, events: EventLog) -> None:
         """Per-rank phase timing and stragglers (jobs/telemetry), and TensorBoard on rank 0 when asked for."""
@@ -283,10 +290,20 @@ class Trainer:
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
 
+    @torch.no_grad()
+    def _record_sent(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._sent += _local(output).detach().double().pow(2).sum()
+
+    def _forward_value(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step's forward for the SDC re-run: its loss, plus under pipeline parallelism
+        what its stages sent on (off the last stage the loss is 0)."""
+        return local_loss if self.schedule is None else local_loss.detach().double() + self._sent
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Runs this dp rank's batch through forward and backward; returns its mean loss (0 off the last stage)."""
         n_micro = self.derived.microbatches
         if self.schedule is not None:
+            self._sent.zero_()
             losses: list[torch.Tensor] | None = [] if self.has_last else None
             args = (inputs,) if self.has_first else ()
             with self._loss_ctx(), self.timer.phase("pp_step"):
@@ -374,9 +391,9 @@ class Trainer:
             self.sdc.check(
                 step=step,
                 suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
-                local_loss=local_loss,
+                forward_value=self._forward_value(local_loss),
                 parts=self.parts,
-                recompute=lambda: self._recompute(inputs, targets),
+                recompute=lambda: self._forward_value(self._recompute(inputs, targets)),
                 save=self._save_before_step,
             )
             with self.timer.phase("optimizer"):
