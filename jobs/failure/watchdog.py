@@ -172,14 +172,17 @@ class Watchdog:
     def _file_loop(self) -> None:
         """The file copy of this rank's beat, every heartbeat (a hung filesystem blocks only this thread)."""
         while True:
-            try:
-                write_beat(self.path, self.beat)
-            except OSError:
-                pass  # a full or flaky filesystem must not kill the rank; nothing of the watchdog reads it
+            self._write_file()
             if self._done.wait(self.heartbeat_s):
                 if self.beat.phase == ENDED:
-                    write_beat(self.path, self.beat)
+                    self._write_file()
                 return
+
+    def _write_file(self) -> None:
+        try:
+            write_beat(self.path, self.beat)
+        except OSError:
+            pass  # a full or flaky filesystem must not kill the rank; nothing of the watchdog reads it
 
     def _beat_loop(self) -> None:
         """Sends this rank's beat every heartbeat; while this rank waits, reads its watched peers' beats."""
