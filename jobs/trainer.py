@@ -394,7 +394,7 @@ class Trainer:
                 forward_value=self._forward_value(local_loss),
                 parts=self.parts,
                 recompute=lambda: self._forward_value(self._recompute(inputs, targets)),
-                save=self._save_before_step,
+                wait_for_saves=self._wait_for_saves,
             )
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
@@ -426,19 +426,6 @@ class Trainer:
         if not self.derived.dims.fsdp_enabled:
             _replicate_partial_grads(self.parts)
         return local_loss
-
-    def _save_before_step(self, this_step: bool) -> None:
-        """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
-        this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
-        self._wait_for_saves()
-        if (
-            this_step
-            and self.cfg.checkpoint.enabled
-            and self.state.step > 0
-            and not (self.ckpt.folder / f"step_{self.state.step}").is_dir()
-        ):
-            self._save(self.state.step)
-            self._wait_for_saves()
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the

@@ -19,10 +19,11 @@ One all-gather of the (world, 2, 2) table makes every rank decide alike (`verdic
   the first stage whose forward value differs (a later stage only received the fault), else the last
   whose gradient does (the backward runs from the last stage). When every rank differs the fault cannot
   be placed and nobody is named. With several stages per rank (interleaved schedules) a rank is placed by
-  its first stage, so a fault can be pinned on a rank holding an earlier stage that received it. The state before the step is saved as checkpoint `step` (it never
-  saw the corrupt values), then `SilentCorruption` carries the incident to the failure path, which
-  requeues without the suspects' nodes; the resumed run starts from that step, bitwise as if the
-  fault had not happened.
+  its first stage, so a fault can be pinned on a rank holding an earlier stage that received it.
+  The save in flight is committed (it was staged at an earlier step) and nothing more is saved: the state
+  before this step sits in the memory of a GPU just shown faulty. Then `SilentCorruption` carries the
+  incident to the failure path, which requeues without the suspects' nodes; the resumed run starts from
+  the last committed checkpoint, bitwise as if the fault had not happened.
 
 Replica hashes (`failure.replica_hash_every`, mesh.dp_replicate > 1): every that many steps, before
 the optimizer step, each rank hashes the bits of its local parameter and gradient shards (an int64
@@ -251,14 +252,19 @@ class SdcGuard:
         forward_value: torch.Tensor,
         parts: list[torch.nn.Module],
         recompute: Callable[[], torch.Tensor],
-        save: Callable[[bool], None],
+        wait_for_saves: Callable[[], None],
     ) -> None:
         """Before step `step`'s optimizer step: re-runs it when suspicious (or when the replicas' gradients
-        disagree); raises SilentCorruption when the values differ, after `save(True)` (the save in flight
-        committed, and the pre-step state saved) or, when the parameters diverged earlier, `save(False)`."""
+        disagree); raises SilentCorruption when the values differ, after `wait_for_saves()` (the save in flight
+        committed; the pre-step state of a GPU just shown faulty is not saved)."""
         trigger, odd = ("spike" if suspicious and self.cfg.sdc_rerun else None), []
         every = self.cfg.replica_hash_every
-        if self.groups and every > 0 and (step + 1) % every == 0 and self._replicas_disagree(step, parts, save):
+        if (
+            self.groups
+            and every > 0
+            and (step + 1) % every == 0
+            and self._replicas_disagree(step, parts, wait_for_saves)
+        ):
             trigger, odd = "replica_hash", self._odd
         if trigger is None:
             return
@@ -281,7 +287,7 @@ class SdcGuard:
             values={r: t for r, t in enumerate(table)},
         )
         if differ:
-            save(True)
+            wait_for_saves()
             raise SilentCorruption(
                 self._incident(
                     step,
@@ -297,7 +303,7 @@ class SdcGuard:
                 )
             )
 
-    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], save: Callable[[bool], None]) -> bool:
+    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], wait_for_saves: Callable[[], None]) -> bool:
         """Compares the replicas' parameter and gradient hashes: True when the gradients disagree (re-run
         the step); raises SilentCorruption when only the parameters do (they diverged at an earlier step)."""
         params = [_local(p) for part in parts for p in part.parameters()]
@@ -316,7 +322,7 @@ class SdcGuard:
         if self._bad:
             return True
         by = "parameter hash outside the replicas' majority" if odd_p else "two replicas disagree: no majority"
-        save(False)
+        wait_for_saves()
         raise SilentCorruption(
             self._incident(
                 step,

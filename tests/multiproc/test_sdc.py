@@ -103,3 +103,5 @@ def test_under_pipeline_parallel_the_rerun_compares_what_each_stage_sends(tmp_pa
     assert sent_first == sent_again > 0 and grad_first > 1e30 > grad_again, check["values"]
     (failure,) = _kind(run.run_dir, "failure")
     assert failure["cls"] == "sdc" and [s["rank"] for s in failure["suspects"]] == [0]
+    # The state before step 8 sits on the GPU just shown faulty: nothing of it is saved (before: step_7 was).
+    assert sorted(e["step"] for e in _kind(run.run_dir, "checkpoint_saved")) == [5]

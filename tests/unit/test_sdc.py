@@ -233,7 +233,7 @@ def test_once_flips_only_in_the_first_attempt_and_other_ranks_never(monkeypatch)
     assert torch.equal(m.weight.grad, clean)
 
 
-def test_a_step_that_differs_on_its_rerun_saves_the_state_and_raises_an_sdc_incident(monkeypatch):
+def test_a_step_that_differs_on_its_rerun_commits_the_save_in_flight_and_raises_an_sdc_incident(monkeypatch):
     m = _model()
     guard, events = _guard(monkeypatch, "0:3")
     guard.inject(2, [m])
@@ -246,10 +246,15 @@ def test_a_step_that_differs_on_its_rerun_saves_the_state_and_raises_an_sdc_inci
 
     with pytest.raises(SilentCorruption) as e:
         guard.check(
-            step=2, suspicious=True, forward_value=torch.tensor(2.5), parts=[m], recompute=recompute, save=saved.append
+            step=2,
+            suspicious=True,
+            forward_value=torch.tensor(2.5),
+            parts=[m],
+            recompute=recompute,
+            wait_for_saves=lambda: saved.append("waited"),
         )
     inc = e.value.incident
-    assert inc.cls == "sdc" and saved == [True]  # the save in flight, and the state before the step
+    assert inc.cls == "sdc" and saved == ["waited"]  # the save in flight, and nothing of the faulty GPU's state
     assert [(s["rank"], s["node"], s["step"]) for s in inc.suspects] == [(0, "node7", 3)]
     assert inc.evidence["differ"] == [0] and inc.evidence["named_by"] == "gradient"
     assert [(k, f["verdict"], f["step"]) for k, f in events] == [("sdc_check", "sdc", 3)]
@@ -270,7 +275,7 @@ def test_a_step_that_repeats_on_its_rerun_is_data_and_goes_on(monkeypatch):
         forward_value=torch.tensor(2.5),
         parts=[m],
         recompute=recompute,
-        save=lambda _: pytest.fail("saved"),
+        wait_for_saves=lambda: pytest.fail("saved"),
     )
     assert [(k, f["verdict"]) for k, f in events] == [("sdc_check", "data")]
 
@@ -285,7 +290,7 @@ def test_a_healthy_step_is_not_rerun_and_sdc_rerun_false_turns_it_off(monkeypatc
             forward_value=torch.tensor(2.5),
             parts=[m],
             recompute=lambda: pytest.fail("re-run"),
-            save=lambda _: pytest.fail("saved"),
+            wait_for_saves=lambda: pytest.fail("saved"),
         )
         assert events == []
 
