@@ -90,7 +90,7 @@ class CheckpointManager(
         total_steps: int | None = None,
         mtbf_s: float | None = None,
         attempt: str = "",
-        collective_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
         run_id: str = "",
         node: str = "",
         tier_shares: dict[str, float] | None = None,
@@ -111,7 +111,10 @@ class CheckpointManager(
         self.world_size = world_size
         self.total_steps = total_steps
         self.mtbf_s = mtbf_s
-        self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
+        # The bound of every checkpoint collective: this manager's groups (`process_groups`, set by the trainer) and
+        # DCP's background group (async_mode=process, RecordingWriter). A save on a slow filesystem waits in them for
+        # the slowest rank's write, so they get the checkpoint's limit, not failure.collective_timeout_s.
+        self.checkpoint_timeout_s = checkpoint_timeout_s
         self._emit_fn = emit
         self._init_memory_tier(run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}", node)
         self.manifest_extra = dict(manifest_extra or {})
@@ -323,7 +326,7 @@ class CheckpointManager(
         writer = RecordingWriter(
             tmp,
             thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
-            collective_timeout_s=self.collective_timeout_s,
+            collective_timeout_s=self.checkpoint_timeout_s,
         )
         if self.cfg.async_mode == "none":
             err = None
@@ -354,6 +357,12 @@ class CheckpointManager(
         self._overlap, self._excess_s = self.cfg.async_mode != "none", 0.0
         self._prev_blocking = blocking if self._overlap else None
         self._retune(step, cost)
+
+    @property
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """This manager's own process groups (the filesystem save's, the control's, the RAM tier's): their
+        timeout is `checkpoint_timeout_s`."""
+        return [pg for pg in (self._io_pg, self._ctl_pg, self._mem_pg) if pg is not None]
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed; raises CheckpointSaveError if it failed."""

@@ -216,9 +216,9 @@ class FailureConfig:
     init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
     collective_timeout_s: float = 300.0  # every process group once the first step has completed
     hang_timeout_s: float = 180.0  # watchdog: no step completes in this long (after the first) = a hang incident
-    heartbeat_s: float = 2.0  # period of each rank's heartbeat file (RUN_DIR/heartbeats/) and watchdog check
+    heartbeat_s: float = 2.0  # period of each rank's heartbeat (the rendezvous store; a copy in RUN_DIR/heartbeats/)
     missed_beats: int = (
-        5  # a waiting rank names a peer hung once its heartbeat is this many beats old (no TCP reset needed)
+        5  # a waiting rank names a peer hung once its beat has not changed for this many beats (no TCP reset needed)
     )
     checkpoint_timeout_s: float = (
         1800.0  # watchdog limit of a checkpoint write and of the wait for one (instead of hang_timeout_s)

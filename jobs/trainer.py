@@ -27,7 +27,7 @@ from jobs.data import BatchSource, sources_of
 from jobs.device import rank_device
 from jobs.evaluate import HeldoutEval
 from jobs.events import EventLog, read_events
-from jobs.failure.sdc import SdcGuard, replica_groups
+from jobs.failure.sdc import SdcGuard, pipeline_groups, replica_groups
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
@@ -180,6 +180,7 @@ class Trainer:
             first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
             emit=events.emit,
             groups=replica_groups(self.mesh),
+            pipelines=pipeline_groups(self.mesh),
         )
         self.lr_schedulers = [
             torch.optim.lr_scheduler.LambdaLR(
@@ -214,7 +215,9 @@ class Trainer:
         ] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
         self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
         self._build_observers(cfg, env, events)
-        set_pg_timeouts(cfg.failure.init_timeout_s)  # the mesh and checkpoint groups exist now
+        set_pg_timeouts(
+            cfg.failure.init_timeout_s, longer=self._checkpoint_pgs()
+        )  # the mesh and checkpoint groups exist now
 
     def _build_model(self, cfg: JobConfig, derived: Derived) -> None:
         """This rank's model parts built on meta, parallelized (the recipe of parallel/), materialised and
@@ -243,6 +246,7 @@ class Trainer:
             part.to_empty(device=self.device)
             init_weights(part, seed=cfg.train.seed)
             part.train()
+        self._sent = torch.zeros((), dtype=torch.float64, device=self.device)  # `_record_sent`
         self.has_first = 0 in self.stages
         self.has_last = (derived.num_stages - 1) in self.stages
         self.schedule = None
@@ -257,6 +261,11 @@ class Trainer:
                 device=self.device,
                 loss_fn=cross_entropy,
             )
+            # What each stage sends on (its output's sum of squares, float64, summed over microbatches; one
+            # reduction per microbatch): off the last stage the loss is 0, so the SDC re-run compares this.
+            for part, stage in zip(self.parts, self.stages):
+                if stage != derived.num_stages - 1:
+                    part.register_forward_hook(self._record_sent)
 
     def _build_observers(self, cfg: JobConfig, env: DistEnv, events: EventLog) -> None:
         """Per-rank phase timing and stragglers (jobs/telemetry), and TensorBoard on rank 0 when asked for."""
@@ -281,10 +290,20 @@ class Trainer:
     def _loss_ctx(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.use_loss_parallel else contextlib.nullcontext()
 
+    @torch.no_grad()
+    def _record_sent(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._sent += _local(output).detach().double().pow(2).sum()
+
+    def _forward_value(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step's forward for the SDC re-run: its loss, plus under pipeline parallelism
+        what its stages sent on (off the last stage the loss is 0)."""
+        return local_loss if self.schedule is None else local_loss.detach().double() + self._sent
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Runs this dp rank's batch through forward and backward; returns its mean loss (0 off the last stage)."""
         n_micro = self.derived.microbatches
         if self.schedule is not None:
+            self._sent.zero_()
             losses: list[torch.Tensor] | None = [] if self.has_last else None
             args = (inputs,) if self.has_first else ()
             with self._loss_ctx(), self.timer.phase("pp_step"):
@@ -372,10 +391,10 @@ class Trainer:
             self.sdc.check(
                 step=step,
                 suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
-                local_loss=local_loss,
+                forward_value=self._forward_value(local_loss),
                 parts=self.parts,
-                recompute=lambda: self._recompute(inputs, targets),
-                save=self._save_before_step,
+                recompute=lambda: self._forward_value(self._recompute(inputs, targets)),
+                wait_for_saves=self._wait_for_saves,
             )
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
@@ -407,19 +426,6 @@ class Trainer:
         if not self.derived.dims.fsdp_enabled:
             _replicate_partial_grads(self.parts)
         return local_loss
-
-    def _save_before_step(self, this_step: bool) -> None:
-        """Before an sdc ends the attempt: the save in flight committed and, when `this_step`, the state before
-        this step (no update applied) saved as checkpoint `state.step` (unless committed already, or step 0)."""
-        self._wait_for_saves()
-        if (
-            this_step
-            and self.cfg.checkpoint.enabled
-            and self.state.step > 0
-            and not (self.ckpt.folder / f"step_{self.state.step}").is_dir()
-        ):
-            self._save(self.state.step)
-            self._wait_for_saves()
 
     def fit(self) -> str:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
@@ -519,13 +525,17 @@ class Trainer:
             self.watchdog.progress(step)
         if not step_times:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
-            set_pg_timeouts(self.cfg.failure.collective_timeout_s)
+            set_pg_timeouts(self.cfg.failure.collective_timeout_s, longer=self._checkpoint_pgs())
         step_times.append(m["step_time_s"])
         self.trained_steps.append([step, round(time.time(), 4), round(m["step_time_s"], 6)])
         if self._interval_end(step):
             self._log_metrics(step, m, step_times)
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
             self.heldout.run(self, step)
+
+    def _checkpoint_pgs(self) -> dict[dist.ProcessGroup, float]:
+        """The checkpoint's process groups, each with failure.checkpoint_timeout_s (the watchdog's limit of a save)."""
+        return {pg: self.cfg.failure.checkpoint_timeout_s for pg in self.ckpt.process_groups}
 
     def _save(self, step: int, *, tier: str = "filesystem") -> None:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
@@ -617,7 +627,7 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         total_steps=cfg.train.steps,
         mtbf_s=mtbf_s,
         attempt=env.attempt,
-        collective_timeout_s=cfg.failure.collective_timeout_s,
+        checkpoint_timeout_s=cfg.failure.checkpoint_timeout_s,
         run_id=run_id(cfg.run.dir),
         # the RAM tier's node: Slurm's node name; the local launcher runs launcher.nodes simulated nodes on one
         # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)

@@ -341,6 +341,12 @@ def _check_failure(cfg: JobConfig) -> None:
         )
     _check_health(f)
     check_spike(f)
+    if f.sdc_rerun and f.sdc_rtol == 0 and not cfg.train.deterministic:
+        raise ValueError(
+            "failure.sdc_rtol(0.0) with train.deterministic=false: nondeterministic kernels compute a step's "
+            "re-run slightly differently, so every suspicious step would read as silent data corruption and send "
+            "its GPU's node away; set failure.sdc_rtol=1e-3, or train.deterministic=true, or failure.sdc_rerun=false"
+        )
     failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
 
 

@@ -1,9 +1,10 @@
-"""Heartbeats that peers and later attempts can read: one small JSON file per rank under the run dir.
+"""A rank's heartbeat, and its copy on the run dir that tools and later attempts read.
 
-Files, not the rendezvous TCPStore: the store lives in rank 0's process and dies with it, while a
-file on the run dir's shared filesystem outlives any rank, is read by `jobs.status` and by the next
-attempt, and needs no port. Each write is a temp file + rename, so a reader never sees half a beat.
-Layout: `RUN_DIR/heartbeats/<attempt>/rank<r>.json`.
+The watchdog's peers get the beats through the rendezvous store (`jobs.failure.beatboard`), judged on the
+watcher's own clock. The file copy (`RUN_DIR/heartbeats/<attempt>/rank<r>.json`, temp file + rename, written by a
+thread of its own that nothing waits on) is for what must outlive the ranks: `jobs.status` and the run report, the
+run-dir owner check (another job still live), the supervisor's and a failed rank's incident (who ran where, at
+which step).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Beat", "beat_path", "write_beat", "read_beat", "read_beats", "process_state"]
+__all__ = ["Beat", "ENDED", "beat_path", "write_beat", "read_beat", "read_beats", "process_state", "stuck"]
+
+# The phase of a rank's last beat when it ended its attempt cleanly: gone, not dead. A peer still in its own final
+# checkpoint wait once counted three such ranks as dead and restarted a completed attempt (CI, the partner case).
+ENDED = "ended"
 
 
 @dataclass(slots=True)
@@ -26,6 +31,17 @@ class Beat:
     step: int  # the last completed step (-1 before the first)
     phase: str  # what the rank is doing: rendezvous, build, load, train, checkpoint_save, ...
     progress_time: float  # wall time of the last completed step or phase change
+    beat: int = 0  # counts this rank's beats (its heartbeat thread advances it)
+    tick: int = 0  # counts this rank's progress: steps and phases (its main thread advances it)
+    idle_s: float = 0.0  # seconds since `tick` last moved, on this rank's own monotonic clock
+    limit_s: float = 0.0  # the limit of that wait in this phase (failure.hang_timeout_s, checkpoint_timeout_s, ...)
+    in_collective: bool = False  # the main thread was inside torch.distributed (a collective or a wait on one)
+
+
+def stuck(b: Beat) -> bool:
+    """A rank whose main thread, outside torch.distributed, has made no progress for longer than its phase's limit
+    (while its heartbeat thread goes on): stuck in a device call or a loop of its own, not waiting for a peer."""
+    return b.phase != ENDED and not b.in_collective and b.limit_s > 0 and b.idle_s > b.limit_s
 
 
 def beat_path(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Path:

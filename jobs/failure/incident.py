@@ -1,7 +1,8 @@
 """Incidents: what failed, which ranks and nodes are suspect, and the evidence, from the heartbeats.
 
-A surviving rank classifies from what it can see: every rank's heartbeat file (age, step, phase,
-pid and host), the liveness of peers on its own host, and the error it caught, if any. One JSON per
+A surviving rank classifies from what it can see: every rank's heartbeat (age on this rank's own clock, step,
+phase, pid and host, whether its main thread is stuck outside torch.distributed), the liveness of peers on its own
+host, and the error it caught, if any. One JSON per
 incident goes to `RUN_DIR/incidents/`, beside the stack dumps of the ranks that could still act.
 """
 
@@ -14,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jobs.failure.heartbeat import Beat, process_state, read_beats
+from jobs.failure.heartbeat import Beat, process_state, read_beats, stuck
 from jobs.log import get_logger
 
 __all__ = [
@@ -88,7 +89,7 @@ def error_class(e: BaseException | None) -> str | None:
     return None
 
 
-def _suspect(b: Beat, state: str, now: float) -> dict:
+def _suspect(b: Beat, state: str, age_s: float) -> dict:
     return {
         "rank": b.rank,
         "node": b.node,
@@ -97,7 +98,9 @@ def _suspect(b: Beat, state: str, now: float) -> dict:
         "state": state,
         "step": b.step,
         "phase": b.phase,
-        "beat_age_s": round(now - b.time, 2),
+        "beat_age_s": round(age_s, 2),
+        "idle_s": b.idle_s,
+        "in_collective": b.in_collective,
     }
 
 
@@ -110,15 +113,22 @@ def classify(
     heartbeat_s: float,
     error: BaseException | None = None,
     during: str = "train",
+    ages: dict[int, float] | None = None,
 ) -> Incident:
-    """Names the failure from the heartbeats of every rank and the error this rank caught (if any)."""
+    """Names the failure from the heartbeats of every rank and the error this rank caught (if any). `ages`: seconds
+    since each rank's beat last changed, on this rank's clock (`classify_settled`, the watchdog's board); without
+    them a beat's age is this clock minus the beat's own time (a skewed clock reads as age)."""
     now, stale_s = time.time(), 3 * heartbeat_s
+    age = dict(ages) if ages is not None else {r: now - b.time for r, b in beats.items()}
     hint = error_class(error)
     missing = [r for r in range(world_size) if r not in beats]
     ev = {
         "error": f"{type(error).__name__}: {error}"[:2000] if error else None,
         "during": during,
-        "beats": {r: {"step": b.step, "phase": b.phase, "age_s": round(now - b.time, 2)} for r, b in beats.items()},
+        "beats": {
+            r: {"step": b.step, "phase": b.phase, "age_s": round(age[r], 2), "idle_s": b.idle_s}
+            for r, b in beats.items()
+        },
     }
     if missing and during == "rendezvous":
         return Incident(
@@ -131,7 +141,7 @@ def classify(
         )
     states = {r: process_state(b) for r, b in beats.items() if r != me}
     dead = [r for r, s in states.items() if s == "dead"]
-    stale = [r for r, b in beats.items() if r != me and now - b.time > stale_s and r not in dead]
+    stale = [r for r in beats if r != me and age[r] > stale_s and r not in dead]
     if hint == "peer_gone":
         dead += [r for r in stale if states[r] == "unknown"]
         stale = [r for r in stale if r not in dead]
@@ -141,7 +151,7 @@ def classify(
             attempt,
             me,
             _names("dead", dead, beats),
-            [_suspect(beats[r], "dead", now) for r in sorted(dead)],
+            [_suspect(beats[r], "dead", age[r]) for r in sorted(dead)],
             ev,
         )
     if stale:
@@ -150,10 +160,26 @@ def classify(
             attempt,
             me,
             _names("hung (heartbeat stale, process alive or unseen)", stale, beats),
-            [_suspect(beats[r], states.get(r, "unknown"), now) for r in sorted(stale)],
+            [_suspect(beats[r], states.get(r, "unknown"), age[r]) for r in sorted(stale)],
             ev,
         )
-    return _all_alive(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, now=now)
+    # Alive, its beats going on, its main thread stuck outside a collective past its phase's limit while other ranks
+    # are not: a device call or a loop that never returns (its peers wait for it). All of them so: everything slow.
+    hung = [r for r, b in beats.items() if stuck(b)]
+    if hung and len(hung) < len(beats):
+        return Incident(
+            "hung_rank",
+            attempt,
+            me,
+            _names(
+                "hung (its main thread made no progress outside a collective past its limit; its heartbeat went on)",
+                hung,
+                beats,
+            ),
+            [_suspect(beats[r], "stuck", age[r]) for r in sorted(hung)],
+            ev,
+        )
+    return _all_alive(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, age=age)
 
 
 def _all_alive(
@@ -164,7 +190,7 @@ def _all_alive(
     hint: str | None,
     error: BaseException | None,
     ev: dict,
-    now: float,
+    age: dict[int, float],
 ) -> Incident:
     where = {(b.step, b.phase) for b in beats.values()}
     if len(where) > 1:  # ranks waiting in different places: they cannot be in the same collective
@@ -178,7 +204,7 @@ def _all_alive(
             me,
             "ranks stopped in different places: "
             + "; ".join(f"ranks {sorted(rs)} at step {s} ({p})" for (s, p), rs in sorted(groups.items())),
-            [_suspect(beats[r], "running", now) for r in sorted(minority)],
+            [_suspect(beats[r], "running", age[r]) for r in sorted(minority)],
             ev,
         )
     if hint == "collective_timeout" or hint == "peer_gone":
@@ -196,7 +222,7 @@ def _all_alive(
             attempt,
             me,
             f"rank {me}: {type(error).__name__}: {error}"[:300],
-            [_suspect(beats[me], hint, now)] if me in beats else [],
+            [_suspect(beats[me], hint, age[me])] if me in beats else [],
             ev,
         )
     if error is not None:
@@ -205,7 +231,7 @@ def _all_alive(
             attempt,
             me,
             f"rank {me} raised {type(error).__name__}: {error}"[:300],
-            [_suspect(beats[me], "crashed", now)] if me in beats else [],
+            [_suspect(beats[me], "crashed", age[me])] if me in beats else [],
             ev,
         )
     if error is None and ev["during"].startswith("checkpoint"):  # the watchdog's checkpoint_timeout_s passed
@@ -242,12 +268,20 @@ def classify_settled(
     error: BaseException | None = None,
     during: str = "train",
 ) -> Incident:
-    """`classify`, waiting up to three heartbeats for a dead or hung peer's beat to go stale (right
-    after a peer dies its last beat is still fresh, and on another host its pid cannot be checked)."""
-    deadline = time.monotonic() + 3.5 * heartbeat_s
+    """`classify`, waiting up to three heartbeats for a dead or hung peer's beat to go stale (right after a peer dies
+    its last beat is still fresh, and on another host its pid cannot be checked). A beat's age is how long, on this
+    rank's clock, it has not changed since the first read: a peer's skewed clock or a late file never reads as age
+    beyond that."""
+    deadline = time.monotonic() + 4 * heartbeat_s
+    changed: dict[int, tuple[tuple, float]] = {}  # rank -> (its beat's identity, when this rank saw it change)
     while True:
+        beats, now = read_beats(run_dir, attempt), time.monotonic()
+        for r, b in beats.items():
+            if changed.get(r, ((),))[0] != (b.beat, b.time):
+                changed[r] = ((b.beat, b.time), now)
         inc = classify(
-            beats=read_beats(run_dir, attempt),
+            beats=beats,
+            ages={r: now - changed[r][1] for r in beats},
             world_size=world_size,
             me=me,
             attempt=attempt,

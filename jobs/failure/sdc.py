@@ -7,17 +7,23 @@ step, so the parameters and optimizer state are still the pre-step state and the
 hand: nothing is snapshotted on the hot path, and a healthy step pays one comparison of two floats.
 
 On a suspicious step (`failure.sdc_rerun`), every rank takes a fingerprint of its own part of the
-first run (its local loss, the sum of squares of its local gradient shards, float64), the gradients
+first run (its forward value: its local loss, plus under pipeline parallelism the sum of squares of the
+activations its stages sent on, since off the last stage the loss is 0; and the sum of squares of its local
+gradient shards, float64), the gradients
 are zeroed, forward and backward run again on the same batch, and the re-run's fingerprint is taken.
 One all-gather of the (world, 2, 2) table makes every rank decide alike (`verdict`):
 - no rank differs (relative difference <= `failure.sdc_rtol`): data. The step goes on with the
   re-run's gradients (equal to the first's) to the spike check, which rolls back and skips data.
-- some ranks differ: `sdc`. Named are the ranks whose local loss differs (the forward is where a
-  fault shows first), else those whose gradient differs; when every rank differs the fault cannot
-  be placed and nobody is named. The state before the step is saved as checkpoint `step` (it never
-  saw the corrupt values), then `SilentCorruption` carries the incident to the failure path, which
-  requeues without the suspects' nodes; the resumed run starts from that step, bitwise as if the
-  fault had not happened.
+- some ranks differ: `sdc`. Named are the ranks whose forward value differs (the forward is where a
+  fault shows first), else those whose gradient differs; under pipeline parallelism, in each pipeline,
+  the first stage whose forward value differs (a later stage only received the fault), else the last
+  whose gradient does (the backward runs from the last stage). When every rank differs the fault cannot
+  be placed and nobody is named. With several stages per rank (interleaved schedules) a rank is placed by
+  its first stage, so a fault can be pinned on a rank holding an earlier stage that received it.
+  The save in flight is committed (it was staged at an earlier step) and nothing more is saved: the state
+  before this step sits in the memory of a GPU just shown faulty. Then `SilentCorruption` carries the
+  incident to the failure path, which requeues without the suspects' nodes; the resumed run starts from
+  the last committed checkpoint, bitwise as if the fault had not happened.
 
 Replica hashes (`failure.replica_hash_every`, mesh.dp_replicate > 1): every that many steps, before
 the optimizer step, each rank hashes the bits of its local parameter and gradient shards (an int64
@@ -59,6 +65,7 @@ __all__ = [
     "verdict",
     "replica_odd_ones",
     "replica_groups",
+    "pipeline_groups",
     "differs",
 ]
 
@@ -102,15 +109,35 @@ def differs(a: float, b: float, *, rtol: float) -> bool:
     return abs(a - b) > rtol * max(abs(a), abs(b))
 
 
-def verdict(first: list[list[float]], again: list[list[float]], *, rtol: float) -> tuple[list[int], list[int], str]:
-    """From every rank's [local loss, local grad sum of squares] of the two runs: (the ranks whose values
-    differ, the ranks named as suspects, how they were named). No rank differs: data ([], [], "same")."""
-    loss = [r for r, (a, b) in enumerate(zip(first, again)) if differs(a[0], b[0], rtol=rtol)]
+def verdict(
+    first: list[list[float]],
+    again: list[list[float]],
+    *,
+    rtol: float,
+    pipelines: list[list[int]] | None = None,
+) -> tuple[list[int], list[int], str]:
+    """From every rank's [forward value, local grad sum of squares] of the two runs: (the ranks whose values
+    differ, the ranks named as suspects, how they were named). No rank differs: data ([], [], "same").
+
+    The forward value is the local loss, and under pipeline parallelism, off the last stage (where the loss is 0),
+    what the rank sends to the next stage. `pipelines`: each pipeline's ranks in stage order; a fault travels with
+    the activations (forward: to later stages) and the gradients (backward: to earlier ones), so in each pipeline
+    the first rank whose forward value differs is named, else the last whose gradient does."""
+    fwd = [r for r, (a, b) in enumerate(zip(first, again)) if differs(a[0], b[0], rtol=rtol)]
     grad = [r for r, (a, b) in enumerate(zip(first, again)) if differs(a[1], b[1], rtol=rtol)]
-    differ = sorted(set(loss) | set(grad))
+    differ = sorted(set(fwd) | set(grad))
     if not differ:
         return [], [], "same"
-    named, by = (loss, "loss") if loss else (grad, "gradient")
+    if pipelines:
+        named = sorted(next(r for r in p if r in fwd) for p in pipelines if set(p) & set(fwd))
+        by = "forward (what its stage sends, or its loss)"
+        if not named:
+            named, by = (
+                sorted(next(r for r in reversed(p) if r in grad) for p in pipelines if set(p) & set(grad)),
+                ("gradient"),
+            )
+    else:
+        named, by = (fwd, "loss") if fwd else (grad, "gradient")
     if len(named) == len(first) and len(first) > 1:
         return differ, [], "every rank differs: the fault cannot be placed"
     return differ, named, by
@@ -129,6 +156,15 @@ def replica_odd_ones(values: list[Any], groups: list[list[int]]) -> tuple[list[l
         if 2 * n > len(g):
             odd += [r for r in g if values[r] != top]
     return bad, sorted(odd)
+
+
+def pipeline_groups(mesh: Any) -> list[list[int]]:
+    """Each pipeline's ranks in stage order (the ranks along the pp axis), [] without pipeline parallelism."""
+    names = list(mesh.mesh_dim_names)
+    if "pp" not in names or mesh["pp"].size() < 2:
+        return []
+    ranks = mesh.mesh.movedim(names.index("pp"), -1)
+    return ranks.reshape(-1, ranks.shape[-1]).tolist()
 
 
 def replica_groups(mesh: Any) -> list[list[int]]:
@@ -160,9 +196,9 @@ def _bits_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fingerprint(local_loss: torch.Tensor, parts: list[torch.nn.Module]) -> list[float]:
+def _fingerprint(forward_value: torch.Tensor, parts: list[torch.nn.Module]) -> list[float]:
     sq = sum((g.double().pow(2).sum() for g in _grads(parts)), torch.zeros((), dtype=torch.float64))
-    return [float(local_loss.detach().double().cpu()), float(sq.cpu())]
+    return [float(forward_value.detach().double().cpu()), float(sq.cpu())]
 
 
 class SdcGuard:
@@ -179,10 +215,11 @@ class SdcGuard:
         first_attempt: bool,
         emit: Callable[..., Any],
         groups: list[list[int]],
+        pipelines: list[list[int]] | None = None,
     ) -> None:
         check_config(cfg)
         self.cfg, self.rank, self.world_size, self.hostname, self.attempt = cfg, rank, world_size, hostname, attempt
-        self._emit_fn, self.groups = emit, groups
+        self._emit_fn, self.groups, self.pipelines = emit, groups, pipelines or []
         self._bad: list[list[int]] = []  # the last replica check's groups whose gradients disagree
         self._odd: list[int] = []  # and the ranks outside their majority
         flip = parse_flip(os.environ.get(FLIP_VAR, ""))
@@ -212,24 +249,31 @@ class SdcGuard:
         *,
         step: int,
         suspicious: bool,
-        local_loss: torch.Tensor,
+        forward_value: torch.Tensor,
         parts: list[torch.nn.Module],
         recompute: Callable[[], torch.Tensor],
-        save: Callable[[bool], None],
+        wait_for_saves: Callable[[], None],
     ) -> None:
         """Before step `step`'s optimizer step: re-runs it when suspicious (or when the replicas' gradients
-        disagree); raises SilentCorruption when the values differ, after `save(True)` (the save in flight
-        committed, and the pre-step state saved) or, when the parameters diverged earlier, `save(False)`."""
+        disagree); raises SilentCorruption when the values differ, after `wait_for_saves()` (the save in flight
+        committed; the pre-step state of a GPU just shown faulty is not saved)."""
         trigger, odd = ("spike" if suspicious and self.cfg.sdc_rerun else None), []
         every = self.cfg.replica_hash_every
-        if self.groups and every > 0 and (step + 1) % every == 0 and self._replicas_disagree(step, parts, save):
+        if (
+            self.groups
+            and every > 0
+            and (step + 1) % every == 0
+            and self._replicas_disagree(step, parts, wait_for_saves)
+        ):
             trigger, odd = "replica_hash", self._odd
         if trigger is None:
             return
-        first = _fingerprint(local_loss, parts)
+        first = _fingerprint(forward_value, parts)
         again = _fingerprint(recompute(), parts)
         table = self._gather(torch.tensor([first, again], dtype=torch.float64)).tolist()
-        differ, named, by = verdict([t[0] for t in table], [t[1] for t in table], rtol=self.cfg.sdc_rtol)
+        differ, named, by = verdict(
+            [t[0] for t in table], [t[1] for t in table], rtol=self.cfg.sdc_rtol, pipelines=self.pipelines
+        )
         if not differ and trigger == "replica_hash":  # the replicas disagree, reproducibly: the majority decides
             differ, named, by = odd or [r for g in self._bad for r in g], odd, "gradient hash outside the majority"
         self._emit(
@@ -243,7 +287,7 @@ class SdcGuard:
             values={r: t for r, t in enumerate(table)},
         )
         if differ:
-            save(True)
+            wait_for_saves()
             raise SilentCorruption(
                 self._incident(
                     step,
@@ -259,7 +303,7 @@ class SdcGuard:
                 )
             )
 
-    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], save: Callable[[bool], None]) -> bool:
+    def _replicas_disagree(self, step: int, parts: list[torch.nn.Module], wait_for_saves: Callable[[], None]) -> bool:
         """Compares the replicas' parameter and gradient hashes: True when the gradients disagree (re-run
         the step); raises SilentCorruption when only the parameters do (they diverged at an earlier step)."""
         params = [_local(p) for part in parts for p in part.parameters()]
@@ -278,7 +322,7 @@ class SdcGuard:
         if self._bad:
             return True
         by = "parameter hash outside the replicas' majority" if odd_p else "two replicas disagree: no majority"
-        save(False)
+        wait_for_saves()
         raise SilentCorruption(
             self._incident(
                 step,

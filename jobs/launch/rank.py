@@ -122,6 +122,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         env = rendezvous(
             env, run_dir=cfg.run.dir, timeout_s=cfg.failure.init_timeout_s, backend=backend_for(device_type)
         )
+        watchdog.attach(env.master_addr, env.master_port)  # beats through the store the ranks met at from now on
         if env.rank == 0:
             events.emit(
                 "rendezvous",
@@ -190,7 +191,7 @@ def _guards(
         missed_beats=f.missed_beats,
         on_hang=lambda idle: (
             dump_flight_recorder(trace_dir(cfg.run.dir, env.attempt), rank=env.rank),
-            _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step),
+            _fail(ctx, during=watchdog.beat.phase, step=watchdog.beat.step, incident=watchdog.incident),
         ),
         stop_received=stop.arrived,
         on_stop=lambda: _stop_now(ctx, stop, during=watchdog.beat.phase),

@@ -1,5 +1,6 @@
-"""checkpoint.async_mode=process: the gloo group of DCP's background process gets failure.collective_timeout_s
-(RecordingWriter sets it there), not gloo's 30-minute default, read back inside that process."""
+"""The checkpoint's process groups are bounded by failure.checkpoint_timeout_s: the manager's own groups once the
+collective timeout applies to the others, and, with checkpoint.async_mode=process, the gloo group of DCP's background
+process (RecordingWriter sets it there, not gloo's 30-minute default, read back inside that process)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,42 @@ def test_the_background_process_group_of_an_async_process_save_gets_the_collecti
     assert without[0] == with_[0] != parent  # the same background process, not this one nor the rank's
     assert without[1] == 1800.0  # gloo's default: what the group kept before RecordingWriter set it
     assert with_[1] == 7.0
+
+
+def _timeouts_after_the_first_step(rank: int, world_size: int, folder: str) -> dict[str, float]:
+    """A real CheckpointManager's groups, then the trainer's step bookkeeping of the first step."""
+    from types import SimpleNamespace
+
+    from checkpoint import CheckpointConfig, CheckpointManager
+    from jobs.config import FailureConfig
+    from jobs.trainer import Trainer
+
+    manager = CheckpointManager(
+        Path(folder), cfg=CheckpointConfig(), rank=rank, world_size=world_size, checkpoint_timeout_s=1234.0
+    )
+    stub = SimpleNamespace(
+        watchdog=None,
+        cfg=SimpleNamespace(failure=FailureConfig(collective_timeout_s=42.0, checkpoint_timeout_s=1234.0)),
+        ckpt=manager,
+        events=SimpleNamespace(emit=lambda kind, **f: None),
+        _interval_end=lambda step: False,
+        heldout=SimpleNamespace(due=lambda step: False),
+        trained_steps=[],
+    )
+    stub._checkpoint_pgs = lambda: Trainer._checkpoint_pgs(stub)
+    Trainer._after_step(stub, 1, {"step_time_s": 0.5}, [])
+    seconds = {"world": _timeout_s(torch.distributed.group.WORLD)}
+    seconds.update({f"checkpoint{i}": _timeout_s(pg) for i, pg in enumerate(manager.process_groups)})
+    manager.close()
+    return seconds
+
+
+def _timeout_s(pg) -> float:
+    return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def test_the_checkpoint_groups_keep_the_checkpoint_timeout_once_the_collective_timeout_applies(tmp_path: Path) -> None:
+    """A save on a slow filesystem waits in the checkpoint's groups for the slowest rank's write: they are bounded by
+    failure.checkpoint_timeout_s (the watchdog's limit of a save), the other groups by failure.collective_timeout_s."""
+    res = run_ranks(_timeouts_after_the_first_step, 2, str(tmp_path), timeout=120.0)
+    assert res.results[0] == res.results[1] == {"world": 42.0, "checkpoint0": 1234.0, "checkpoint1": 1234.0}

@@ -80,3 +80,28 @@ def test_replica_hashes_name_the_replica_whose_gradient_diverged(tmp_path: Path,
     (failure,) = _kind(run.run_dir, "failure")
     assert failure["cls"] == "sdc" and failure["suspects"] == [] and _kind(run.run_dir, "sdc_check") == []
     assert sorted(e["step"] for e in _kind(run.run_dir, "checkpoint_saved")) == [5]
+
+
+def test_under_pipeline_parallel_the_rerun_compares_what_each_stage_sends(tmp_path: Path, data_path: str):
+    """Off the last stage the local loss is 0: stage 0's forward value is the sum of squares of what it sent on,
+    computed alike twice by a healthy forward; its flipped gradient names it (the last stage whose gradient differs)."""
+    run = run_train(
+        [*COMMON, "mesh.pp=2", "failure.spike_grad_norm=1000", f"data.path={data_path}"],
+        tmp_path / "pp",
+        env={FLIP_VAR: "0:8"},
+    )
+    assert run.returncode == exitcodes.REQUEUE, run.stderr[-3000:]
+    (check,) = _kind(run.run_dir, "sdc_check")
+    assert (check["step"], check["verdict"], check["differ"], check["suspects"], check["named_by"]) == (
+        8,
+        "sdc",
+        [0],
+        [0],
+        "gradient",
+    ), check
+    (sent_first, grad_first), (sent_again, grad_again) = check["values"]["0"]
+    assert sent_first == sent_again > 0 and grad_first > 1e30 > grad_again, check["values"]
+    (failure,) = _kind(run.run_dir, "failure")
+    assert failure["cls"] == "sdc" and [s["rank"] for s in failure["suspects"]] == [0]
+    # The state before step 8 sits on the GPU just shown faulty: nothing of it is saved (before: step_7 was).
+    assert sorted(e["step"] for e in _kind(run.run_dir, "checkpoint_saved")) == [5]

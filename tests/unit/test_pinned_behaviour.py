@@ -46,10 +46,11 @@ def test_set_pg_timeouts_sets_every_group_of_this_rank_including_new_ones(tmp_pa
 
 def test_the_trainer_applies_collective_timeout_s_after_the_first_step_only(monkeypatch) -> None:
     calls: list[float] = []
-    monkeypatch.setattr(trainer_mod, "set_pg_timeouts", calls.append)
+    monkeypatch.setattr(trainer_mod, "set_pg_timeouts", lambda seconds, longer: calls.append(seconds))
     emitted: list[tuple] = []
     stub = SimpleNamespace(
         watchdog=None,
+        _checkpoint_pgs=dict,
         cfg=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=42.0)),
         events=SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f))),
         _interval_end=lambda step: False,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from jobs.config import FailureConfig
+from jobs.config import FailureConfig, compose
 from jobs.failure.policy import decide
 from jobs.failure.sdc import (
     FLIP_VAR,
@@ -18,12 +18,14 @@ from jobs.failure.sdc import (
     check_config,
     differs,
     parse_flip,
+    pipeline_groups,
     replica_groups,
     replica_odd_ones,
     verdict,
 )
 from jobs.failure.spike import check_config as check_spike
 from jobs.failure.spike import new_detector, observe, suspicious
+from jobs.validate import validate
 
 NAN, INF = float("nan"), float("inf")
 
@@ -44,6 +46,34 @@ def test_a_rank_whose_loss_differs_is_named_before_the_ranks_its_fault_spread_to
     first = [[5.6, 0.15], [5.4, 0.16], [9.9, 0.2]]
     again = [[5.6, 0.25], [5.4, 0.26], [5.5, 0.3]]
     assert verdict(first, again, rtol=1e-3) == ([0, 1, 2], [2], "loss")
+
+
+def test_under_pipeline_parallel_a_forward_fault_is_placed_on_the_first_stage_that_sent_different_values():
+    # Two pipelines of two stages: ranks [0, 1] and [2, 3] (stage 0 first). Rank 0's forward went wrong: what it
+    # sent differs, so does the loss of rank 1, the last stage it fed (off the last stage the loss is 0); the
+    # backward carried it into both stages' gradients.
+    first = [[40.0, 0.15], [5.6, 0.16], [31.0, 0.2], [5.4, 0.21]]
+    again = [[31.0, 0.25], [5.5, 0.26], [31.0, 0.2], [5.4, 0.21]]
+    pipelines = [[0, 1], [2, 3]]
+    assert verdict(first, again, rtol=1e-3, pipelines=pipelines)[:2] == ([0, 1], [0])
+    assert verdict(first, again, rtol=1e-3)[:2] == ([0, 1], [0, 1])  # what the loss rule alone cannot tell apart
+    # Before, only the loss was compared (0.0 on every stage but the last): the last stage was named.
+    losses_only = [[0.0, a[1]] if r in (0, 2) else a for r, a in enumerate(first)]
+    again_only = [[0.0, a[1]] if r in (0, 2) else a for r, a in enumerate(again)]
+    assert verdict(losses_only, again_only, rtol=1e-3)[1] == [1]
+
+
+def test_under_pipeline_parallel_a_backward_fault_is_placed_on_the_last_stage_whose_gradient_differs():
+    # Rank 1 (the last stage of the first pipeline) computed a wrong gradient; the backward sent it on to rank 0.
+    first = [[31.0, 0.15], [5.6, 0.96], [31.0, 0.2], [5.4, 0.21]]
+    again = [[31.0, 0.25], [5.6, 0.16], [31.0, 0.2], [5.4, 0.21]]
+    assert verdict(first, again, rtol=1e-3, pipelines=[[0, 1], [2, 3]]) == ([0, 1], [1], "gradient")
+
+
+def test_pipelines_are_the_ranks_along_the_pp_axis_in_stage_order():
+    mesh = _Mesh({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})
+    assert pipeline_groups(mesh) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert pipeline_groups(_Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 4})) == []
 
 
 def test_when_every_rank_differs_the_fault_is_not_placed_on_anyone():
@@ -122,6 +152,17 @@ def test_config_errors_name_the_override_and_are_checked_with_the_spike_keys():
         check_spike(FailureConfig(replica_hash_every=-1))  # jobs/validate.py calls it on the login node
 
 
+def test_nondeterministic_kernels_with_a_zero_sdc_tolerance_are_refused_with_the_fix_in_the_message():
+    """Every real spike's re-run would differ a little and read as silent data corruption (a node sent away)."""
+    with pytest.raises(
+        ValueError, match=r"failure\.sdc_rtol\(0\.0\) with train\.deterministic=false.*failure\.sdc_rtol=1e-3"
+    ):
+        validate(compose(["run.dir=/nonexistent", "train.deterministic=false"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=false", "failure.sdc_rtol=1e-3"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=false", "failure.sdc_rerun=false"]))
+    validate(compose(["run.dir=/nonexistent", "train.deterministic=true"]))
+
+
 def test_suspicious_agrees_with_observe_and_changes_nothing():
     cfg = FailureConfig(spike_factor=2.0, spike_window=3, spike_grad_norm=10.0, spike_patience=2)
     det = new_detector()
@@ -192,7 +233,7 @@ def test_once_flips_only_in_the_first_attempt_and_other_ranks_never(monkeypatch)
     assert torch.equal(m.weight.grad, clean)
 
 
-def test_a_step_that_differs_on_its_rerun_saves_the_state_and_raises_an_sdc_incident(monkeypatch):
+def test_a_step_that_differs_on_its_rerun_commits_the_save_in_flight_and_raises_an_sdc_incident(monkeypatch):
     m = _model()
     guard, events = _guard(monkeypatch, "0:3")
     guard.inject(2, [m])
@@ -205,10 +246,15 @@ def test_a_step_that_differs_on_its_rerun_saves_the_state_and_raises_an_sdc_inci
 
     with pytest.raises(SilentCorruption) as e:
         guard.check(
-            step=2, suspicious=True, local_loss=torch.tensor(2.5), parts=[m], recompute=recompute, save=saved.append
+            step=2,
+            suspicious=True,
+            forward_value=torch.tensor(2.5),
+            parts=[m],
+            recompute=recompute,
+            wait_for_saves=lambda: saved.append("waited"),
         )
     inc = e.value.incident
-    assert inc.cls == "sdc" and saved == [True]  # the save in flight, and the state before the step
+    assert inc.cls == "sdc" and saved == ["waited"]  # the save in flight, and nothing of the faulty GPU's state
     assert [(s["rank"], s["node"], s["step"]) for s in inc.suspects] == [(0, "node7", 3)]
     assert inc.evidence["differ"] == [0] and inc.evidence["named_by"] == "gradient"
     assert [(k, f["verdict"], f["step"]) for k, f in events] == [("sdc_check", "sdc", 3)]
@@ -226,10 +272,10 @@ def test_a_step_that_repeats_on_its_rerun_is_data_and_goes_on(monkeypatch):
     guard.check(
         step=4,
         suspicious=True,
-        local_loss=torch.tensor(2.5),
+        forward_value=torch.tensor(2.5),
         parts=[m],
         recompute=recompute,
-        save=lambda _: pytest.fail("saved"),
+        wait_for_saves=lambda: pytest.fail("saved"),
     )
     assert [(k, f["verdict"]) for k, f in events] == [("sdc_check", "data")]
 
@@ -241,10 +287,10 @@ def test_a_healthy_step_is_not_rerun_and_sdc_rerun_false_turns_it_off(monkeypatc
         guard.check(
             step=4,
             suspicious=suspicious_,
-            local_loss=torch.tensor(2.5),
+            forward_value=torch.tensor(2.5),
             parts=[m],
             recompute=lambda: pytest.fail("re-run"),
-            save=lambda _: pytest.fail("saved"),
+            wait_for_saves=lambda: pytest.fail("saved"),
         )
         assert events == []
 

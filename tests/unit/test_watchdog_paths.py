@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from jobs.config import compose
 from jobs.failure import incident
+from jobs.failure.beatboard import BeatBoard
 from jobs.failure.heartbeat import Beat, beat_path, read_beats, write_beat
 from jobs.failure.watchdog import Watchdog, watched_peers
 from jobs.validate import check_checkpoint_timeout, stop_path_s, validate
@@ -19,7 +22,15 @@ from jobs.validate import check_checkpoint_timeout, stop_path_s, validate
 HB = 0.1  # heartbeat of these tests; the watchdog thread checks every heartbeat
 
 
-def _wd(tmp_path: Path, fired: list[float], **kw) -> Watchdog:
+@pytest.fixture
+def store() -> dist.TCPStore:
+    """The rendezvous store (what rank 0 hosts in a job), here in this process on a port the kernel picks."""
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    yield s
+    del s
+
+
+def _wd(tmp_path: Path, fired: list[float], store: dist.TCPStore | None = None, **kw) -> Watchdog:
     args = dict(
         run_dir=str(tmp_path),
         attempt="a",
@@ -32,22 +43,33 @@ def _wd(tmp_path: Path, fired: list[float], **kw) -> Watchdog:
         world_size=2,
         missed_beats=3,
     )
-    return Watchdog(**{**args, **kw})
+    wd = Watchdog(**{**args, **kw})
+    if store is not None:
+        wd.attach("127.0.0.1", store.port)
+    return wd
 
 
-def _peer_beat(tmp_path: Path, rank: int = 1) -> Beat:
-    b = Beat(
-        rank=rank,
-        pid=1,
-        host="elsewhere",
-        node=f"n{rank}",
-        time=time.time(),
-        step=5,
-        phase="train",
-        progress_time=time.time(),
-    )
-    write_beat(beat_path(tmp_path, "a", rank), b)
-    return b
+def _peer(store: dist.TCPStore, rank: int = 1, **fields) -> tuple[BeatBoard, Beat]:
+    """A peer on another host (its pid cannot be looked at) and its board; `fields` change its beat."""
+    now = time.time()
+    beat = Beat(rank=rank, pid=1, host="elsewhere", node=f"n{rank}", time=now, step=5, phase="train", progress_time=now)
+    for k, v in fields.items():
+        setattr(beat, k, v)
+    return BeatBoard("127.0.0.1", store.port, attempt="a", timeout_s=5.0), beat
+
+
+def _beating(board: BeatBoard, beat: Beat) -> tuple[threading.Event, threading.Thread]:
+    """The peer's heartbeat thread: its beat counter advances every heartbeat until the event is set."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(HB):
+            beat.beat += 1
+            board.post(beat)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return done, t
 
 
 def _wait_for(pred, timeout_s: float) -> float | None:
@@ -71,34 +93,31 @@ def test_every_rank_is_watched_by_about_log2_of_the_world_size_peers() -> None:
 
 
 def test_a_peer_whose_heartbeat_stopped_fires_the_watchdog_after_missed_beats_not_the_hang_timeout(
-    tmp_path: Path,
+    tmp_path: Path, store: dist.TCPStore
 ) -> None:
     fired: list[float] = []
-    _peer_beat(tmp_path)  # written once, never again: the peer is stopped (its socket stays open)
-    wd = _wd(tmp_path, fired).start()
+    board, beat = _peer(store)
+    board.post(beat)  # posted once, never again: the peer is stopped (its socket stays open)
+    wd = _wd(tmp_path, fired, store).start()
     try:
         wd.progress(5)
+        wd.phase("train")
         after = _wait_for(lambda: fired, 10.0)
     finally:
         wd.stop()
     # (missed_beats + 1) heartbeats to notice, checked every heartbeat: ~0.4-0.6 s; the hang timeout is 30 s
     assert after is not None and after < 2.0, after
     assert len(fired) == 1 and "rank(s) [1]" in wd.fired_because
+    assert (wd.incident.cls, [s["rank"] for s in wd.incident.suspects]) == ("hung_rank", [1])
 
 
-def test_a_peer_that_keeps_beating_is_never_named_while_this_rank_waits(tmp_path: Path) -> None:
+def test_a_peer_that_keeps_beating_is_never_named_while_this_rank_waits(tmp_path: Path, store: dist.TCPStore) -> None:
     fired: list[float] = []
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(HB):
-            _peer_beat(tmp_path)
-
-    t = threading.Thread(target=beat, daemon=True)
-    t.start()
-    wd = _wd(tmp_path, fired).start()
+    done, _ = _beating(*_peer(store))
+    wd = _wd(tmp_path, fired, store).start()
     try:
         wd.progress(5)
+        wd.phase("train")
         time.sleep(1.5)  # this rank waits (no progress) 15 heartbeats; its peer is alive
     finally:
         wd.stop()
@@ -106,18 +125,85 @@ def test_a_peer_that_keeps_beating_is_never_named_while_this_rank_waits(tmp_path
     assert fired == []
 
 
-def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_its_final_wait(tmp_path: Path) -> None:
-    # CI: three ranks ended a completed attempt and exited while the fourth was still in its final checkpoint wait;
-    # their beats stopped, so it counted them dead and restarted a finished run. A clean end writes a last beat.
+def test_a_peer_whose_clock_is_6_s_behind_is_not_named_hung(tmp_path: Path, store: dist.TCPStore) -> None:
+    """The watcher ages a beat on its own clock (when its counter last changed), never by the peer's timestamp."""
     fired: list[float] = []
-    peer = _wd(tmp_path, [], rank=1).start()
-    peer.progress(8)
-    peer.stop(ended=True)  # its last beat says `ended`; it never beats again
-    last = read_beats(tmp_path, "a")[1]
-    assert last.phase == "ended"
-    last.host, last.pid = "elsewhere", 1  # as seen from another node: gone (this process's pid would look busy)
-    write_beat(beat_path(tmp_path, "a", 1), last)
-    wd = _wd(tmp_path, fired).start()
+    board, beat = _peer(store)
+    skewed = threading.Event()
+
+    def run() -> None:  # every beat stamped with a wall clock 6 s behind this host's
+        while not skewed.wait(HB):
+            beat.beat, beat.time = beat.beat + 1, time.time() - 6.0
+            board.post(beat)
+            write_beat(beat_path(tmp_path, "a", 1), beat)
+
+    threading.Thread(target=run, daemon=True).start()
+    wd = _wd(tmp_path, fired, store).start()
+    try:
+        wd.progress(5)
+        wd.phase("train")
+        time.sleep(1.5)
+        settled = incident.classify_settled(run_dir=str(tmp_path), world_size=2, me=0, attempt="a", heartbeat_s=HB)
+    finally:
+        wd.stop()
+        skewed.set()
+    assert fired == []
+    assert settled.cls == "everything_slow" and settled.suspects == [], settled.summary
+    # what the clock alone would have said (6 s > 3 heartbeats): a healthy rank named hung
+    assert incident.classify(beats=read_beats(tmp_path, "a"), world_size=2, me=0, attempt="a", heartbeat_s=HB).cls == (
+        "hung_rank"
+    )
+
+
+def test_a_peer_that_beats_while_its_main_thread_is_stuck_past_its_limit_is_named(
+    tmp_path: Path, store: dist.TCPStore
+) -> None:
+    fired: list[float] = []
+    board, beat = _peer(store, idle_s=31.0, limit_s=30.0)  # its main thread: no progress for 31 s, in train (30 s)
+    done, _ = _beating(board, beat)
+    wd = _wd(tmp_path, fired, store).start()
+    try:
+        wd.progress(5)
+        wd.phase("train")
+        after = _wait_for(lambda: fired, 5.0)
+    finally:
+        wd.stop()
+        done.set()
+    assert after is not None and after < 1.0, after
+    assert "rank(s) [1] beat while their main thread is stuck" in wd.fired_because
+    assert (wd.incident.cls, [s["rank"] for s in wd.incident.suspects]) == ("hung_rank", [1])
+
+
+def test_a_peer_in_a_checkpoint_save_longer_than_the_hang_timeout_holds_this_ranks_limit(
+    tmp_path: Path, store: dist.TCPStore
+) -> None:
+    """A save on a slow filesystem holds its peers up in their next collective: theirs is the save's limit."""
+    fired: list[float] = []
+    board, beat = _peer(store, phase="checkpoint_save", idle_s=0.0, limit_s=1800.0)
+    done, _ = _beating(board, beat)
+    wd = _wd(tmp_path, fired, store, hang_timeout_s=0.3).start()
+    try:
+        wd.progress(5)
+        wd.phase("train")
+        time.sleep(1.5)  # five hang timeouts: the peer saves, alive and within checkpoint_timeout_s
+        assert fired == [], wd.fired_because
+        beat.phase, beat.limit_s, beat.idle_s = "train", 0.3, 0.0  # the save is done: the hang timeout is back
+        after = _wait_for(lambda: fired, 3.0)
+    finally:
+        wd.stop()
+        done.set()
+    assert after is not None and "no progress in train" in wd.fired_because
+
+
+def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_its_final_wait(
+    tmp_path: Path, store: dist.TCPStore
+) -> None:
+    # CI: three ranks ended a completed attempt and exited while the fourth was still in its final checkpoint wait;
+    # their beats stopped, so it counted them dead and restarted a finished run. A clean end sends a last beat.
+    fired: list[float] = []
+    board, beat = _peer(store, phase="ended")  # as seen from another node: gone, its last beat says `ended`
+    board.post(beat)
+    wd = _wd(tmp_path, fired, store).start()
     try:
         wd.progress(8)
         wd.phase("checkpoint_wait", limit_s=30.0)
@@ -125,6 +211,15 @@ def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_i
     finally:
         wd.stop()
     assert fired == []
+
+
+def test_a_rank_that_ends_cleanly_sends_a_last_beat_saying_so(tmp_path: Path, store: dist.TCPStore) -> None:
+    peer = _wd(tmp_path, [], store, rank=1).start()
+    peer.progress(8)
+    peer.stop(ended=True)
+    board, _ = _peer(store)
+    assert board.read([1])[1].phase == "ended"
+    assert read_beats(tmp_path, "a")[1].phase == "ended"  # and its file copy, for the tools
 
 
 def _hung_write(tmp_path: Path, rank: int) -> Path:
@@ -144,7 +239,7 @@ def _release(fifo: Path) -> None:
     fifo.unlink(missing_ok=True)
 
 
-def test_a_hung_heartbeat_write_does_not_stop_the_watchdog(tmp_path: Path) -> None:
+def test_a_hung_heartbeat_file_write_does_not_stop_the_watchdog(tmp_path: Path) -> None:
     fired: list[float] = []
     fifo = _hung_write(tmp_path, 0)
     holder: list[Watchdog] = []
@@ -162,19 +257,38 @@ def test_a_hung_heartbeat_write_does_not_stop_the_watchdog(tmp_path: Path) -> No
             wd.stop()
 
 
-def test_a_stale_peer_is_not_named_while_this_ranks_own_heartbeat_cannot_be_written(tmp_path: Path) -> None:
-    """A hung shared filesystem makes every peer's beat look stale: the peers are not blamed for it."""
+def test_a_hung_shared_filesystem_makes_no_peer_look_stale(tmp_path: Path, store: dist.TCPStore) -> None:
+    """Every beat file stalls (the peer's and this rank's own); the beats through the store go on."""
     fired: list[float] = []
-    _peer_beat(tmp_path)
-    fifo = _hung_write(tmp_path, 0)  # this rank's own writes hang
-    wd = _wd(tmp_path, fired).start()
+    fifos = [_hung_write(tmp_path, r) for r in (0, 1)]
+    done, _ = _beating(*_peer(store))
+    wd = _wd(tmp_path, fired, store).start()
     try:
         wd.progress(5)
+        wd.phase("train")
         time.sleep(1.5)
     finally:
-        _release(fifo)
+        for fifo in fifos:
+            _release(fifo)
         wd.stop()
+        done.set()
     assert fired == [], wd.fired_because
+
+
+def test_the_stores_host_is_named_when_the_store_stops_answering(tmp_path: Path) -> None:
+    fired: list[float] = []
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    wd = _wd(tmp_path, fired, host, rank=1).start()
+    try:
+        wd.progress(5)
+        wd.phase("train")
+        time.sleep(3 * HB)
+        del host  # rank 0's process, which hosts the store, is gone
+        after = _wait_for(lambda: fired, 10.0)
+    finally:
+        wd.stop()
+    assert after is not None, "the watchdog never named the store's host"
+    assert "rank(s) [0]" in wd.fired_because
 
 
 def test_a_checkpoint_phase_has_its_own_limit_and_the_hang_timeout_returns_after_it(tmp_path: Path) -> None:
