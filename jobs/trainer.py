@@ -204,6 +204,7 @@ class Trainer:
             seq_positions=positions,
             sample_overlap=cfg.data.sample_overlap,
         )
+        self.health.bind(self.data)  # a rollback skips its data by global sample (jobs/failure/spike.py)
         self.heldout = HeldoutEval(
             cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy, seq_positions=positions
         )

@@ -20,7 +20,9 @@ checkpoint `s0 <= first` (its state predates the spike's first update) and skips
 that preceded the spike: the data steps that steps `w0..last` read, where
 `w0 = max(s0, min(first, last - failure.spike_skip_steps + 1))` (the spike itself and up to
 `spike_skip_steps - 1` steps before it, never past the checkpoint). Steps from `w0` on then read
-the data after the spike; steps `s0..w0-1` are redone on the same data as before.
+the data after the spike; steps `s0..w0-1` are redone on the same data as before. The record also keeps the
+global samples those data steps read (`skip_samples`, [start, end)), and the data reads past them by position
+(jobs/data/sampler.py), so that a resume with another train.global_batch skips exactly those samples.
 
 Every rollback is one record, in the run's order: written to `events.jsonl` (kind `rollback`) before
 training goes on, and kept in `TrainState.health` (so every later checkpoint carries it). A resume
@@ -60,6 +62,7 @@ __all__ = [
     "suspicious",
     "data_step",
     "skip_entries",
+    "skip_ranges",
     "parse_corrupt",
     "check_config",
     "CORRUPT_VAR",
@@ -209,6 +212,16 @@ def skip_entries(records: list[dict]) -> list[tuple[int, int]]:
     return entries
 
 
+def skip_ranges(records: list[dict]) -> list[tuple[int, int, int, int]]:
+    """The data skips of the rollback records that still hold (replayed as `skip_entries`): (first data step
+    jumped, the data step read after the jump, first global sample skipped, end of the range). Records from
+    before the skip was kept as a sample range (no `skip_samples`) skip by data step only, as then."""
+    kept: list[dict] = []
+    for r in records:
+        kept = [k for k in kept if k["from_step"] < r["from_step"]] + [r]
+    return [(min(r["skipped_data_steps"]), r["data_step"], *r["skip_samples"]) for r in kept if "skip_samples" in r]
+
+
 def data_step(step: int, entries: list[tuple[int, int]]) -> int:
     """The data step that step `step` reads under the skip entries."""
     base = next((e for e in reversed(entries) if e[0] <= step), None)
@@ -248,6 +261,13 @@ class TrainingHealth:
         self.entries: list[tuple[int, int]] = []
         self.lr_scale = 1.0  # read by the trainer's LR schedule: the product of the rollbacks' scales
         self.corrupt = parse_corrupt(os.environ.get(CORRUPT_VAR, ""))
+        self.data: Any = None  # the training BatchSource (`bind`): a rollback's skip is its sample range
+
+    def bind(self, data: Any) -> None:
+        """The training data (jobs.data.BatchSource): every rollback's skip is recorded as the global samples it
+        jumps over (`skip_samples`) and the data reads past them by position, under any train.global_batch."""
+        self.data = data
+        data.skips = skip_ranges(self.records)
 
     def data_step(self, step: int) -> int:
         return data_step(step, self.entries)
@@ -315,6 +335,7 @@ class TrainingHealth:
             )
         w0 = max(target, min(spike.first, spike.last - self.cfg.spike_skip_steps + 1))
         skipped = [self.data_step(i) for i in range(w0, spike.last + 1)]
+        span = {} if self.data is None else {"skip_samples": list(self.data.sample_span(min(skipped), max(skipped)))}
         record = {
             "rollback": n,
             "cls": spike.cls,
@@ -325,6 +346,7 @@ class TrainingHealth:
             "data_step": max(skipped) + 1,
             "skipped_data_steps": skipped,
             "lr_scale": self.cfg.spike_lr_scale,
+            **span,
         }
         self._apply(st, [*self.records, record], schedulers)
         self._emit("rollback", record=record, max_rollbacks=self.cfg.max_rollbacks, lr_scale_total=self.lr_scale)
@@ -378,6 +400,8 @@ class TrainingHealth:
     def _apply(self, st: Any, records: list[dict], schedulers: list[Any]) -> None:
         self.records = [dict(r) for r in records]
         self.entries = skip_entries(self.records)
+        if self.data is not None:
+            self.data.skips = skip_ranges(self.records)
         st.health["rollbacks"] = [dict(r) for r in self.records]
         scale = math.prod(r["lr_scale"] for r in self.records)
         if scale != self.lr_scale or scale != 1.0:
