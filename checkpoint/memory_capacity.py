@@ -28,8 +28,8 @@ def capacity_error(
     partners: list[int] | None = None,
     auto: bool = False,
 ) -> str | None:
-    """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
-    memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
+    """Why the RAM tier does not fit, or None: per rank (host, bytes of its state, bytes the host's memory_dir
+    offers the tier: its free bytes plus this run's copies there, the same for every rank of the host); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
     whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
     is on through checkpoint.memory_interval=auto (the message names that override)."""
     need: dict[str, int] = {}
@@ -67,7 +67,7 @@ def capacity_error(
 
 class MemoryCapacityMixin:
     """CheckpointManager's capacity check of the RAM tier (`self._bound`, `self.cfg`, `self.memory_root`,
-    `self._rank_dir`, `self._held_dir`, `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
+    `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
 
     def local_state_bytes(self) -> int:
         """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
@@ -84,16 +84,23 @@ class MemoryCapacityMixin:
                 nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
         return nbytes
 
+    def memory_available(self) -> int:
+        """Bytes this host's checkpoint.memory_dir offers the tier: its free bytes plus every copy of this run held
+        there already (all its nodes' own and partner copies, `memory_dir/meshjob-<run id>/`): the new saves replace
+        them. The same for every rank of a host (measured when none writes), so a host counts its copies once."""
+        self.memory_root.mkdir(parents=True, exist_ok=True)
+        run_root = self.memory_root.parent
+        return shutil.disk_usage(run_root).free + _tree_bytes(run_root)
+
     def check_memory_capacity(self, nbytes: int) -> None:
         """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
-        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
-        holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
+        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); every copy of
+        this run held there already counts as free (`memory_available`), so a restart passes whenever the first
+        start did. Hosts by their real name: simulated nodes on one host share its memory."""
         if not self.cfg.memory_on:
             return
         try:
-            self.memory_root.mkdir(parents=True, exist_ok=True)
-            mine = _tree_bytes(self._rank_dir) + (_tree_bytes(self._held_dir) if self._replicas else 0)
-            avail = shutil.disk_usage(self.memory_root).free + mine
+            avail = self.memory_available()
         except OSError as e:
             avail = -1
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
