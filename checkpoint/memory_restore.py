@@ -39,7 +39,7 @@ class MemoryRestoreMixin:
         """The steps complete in the RAM tier (every rank can get a copy of its state from the same save, held on
         any node of the job), newest first; agreed. Remembers where each rank reads (`self._memory_plan`)."""
         self._memory_plan = {}
-        if not self.cfg.memory_on:
+        if not self.cfg.memory_on or not self.cfg.memory_load:
             return []
         gathered = self._all_gather((self.node, self._list_node() if self._speaker else None), self._ctl_pg)
         self._held = {n: listing for n, listing in gathered if listing is not None}
@@ -50,7 +50,13 @@ class MemoryRestoreMixin:
     def _list_node(self) -> dict[str, dict[int, str]]:
         """{folder: {step: saving attempt}} of the committed copies in this node's folder (own saves and partner
         copies of any rank) whose manifest names this run, the folder's rank, the world size and the mesh."""
-        ids = {"run_id": self.run_id, "world_size": self.world_size, "mesh": self.manifest_extra.get("mesh")}
+        ids = {
+            "run_id": self.run_id,
+            "world_size": self.world_size,
+            "mesh": self.manifest_extra.get("mesh"),
+            "config_hash": self.manifest_extra.get("config_hash"),
+            "rollbacks": self._known_rollbacks,
+        }
         out: dict[str, dict[int, str]] = {}
         try:
             for d in sorted(self.memory_root.iterdir()) if self.memory_root.is_dir() else []:

@@ -75,16 +75,27 @@ log = logging.getLogger("meshjob.checkpoint")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-def local_steps(rank_dir: Path, *, run_id: str, rank: int, world_size: int, mesh: Any) -> dict[int, str]:
+def local_steps(
+    rank_dir: Path,
+    *,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    mesh: Any,
+    config_hash: Any = None,
+    rollbacks: int = 0,
+) -> dict[int, str]:
     """{step: the attempt that saved it} of every committed step under `rank_dir` whose manifest reads and
-    belongs to this run, rank, world size and mesh (files are not read here)."""
+    belongs to this run, rank, world size, mesh and config hash, and knows at least `rollbacks` rollbacks (a
+    step saved before a rollback belongs to the abandoned timeline); files are not read here."""
     out: dict[int, str] = {}
     for step, d in step_dirs(rank_dir):
         try:
             m = read_manifest(d, step=step)
         except (ManifestError, OSError):
             continue
-        if (m.get("run_id"), m.get("rank"), m.get("world_size"), m.get("mesh")) == (run_id, rank, world_size, mesh):
+        ids = (m.get("run_id"), m.get("rank"), m.get("world_size"), m.get("mesh"), m.get("config_hash"))
+        if ids == (run_id, rank, world_size, mesh, config_hash) and int(m.get("rollbacks", 0)) >= rollbacks:
             out[step] = str(m.get("attempt", ""))
     return out
 
@@ -123,6 +134,13 @@ class MemoryTierMixin:
         self._partner_used: list[int] = []
         self._nodes = [self.node]  # every rank's node (_init_partners)
         self._replicas, self._partners, self._sources, self._mem_pg = 0, [], [], None
+        self._save_rollbacks = 0  # rollbacks the bound state knows at the RAM save in flight (its manifest)
+        self._known_rollbacks = 0  # rollbacks the run knows at a load (load_latest): fewer = a stale RAM step
+
+    def _rollbacks_in_state(self) -> int:
+        """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py)."""
+        health = getattr((self._bound or {}).get("train_state"), "health", None) or {}
+        return len(health.get("rollbacks", []))
 
     def _init_partners(self) -> None:
         """Collective: the nodes of all ranks -> the partner ring (checkpoint.memory_replicas), and the tier's own
@@ -189,6 +207,7 @@ class MemoryTierMixin:
         self._settle_memory_interval()
         self._last_memory_step = step
         tree = _local_tree(self._state_dict())
+        self._save_rollbacks = self._rollbacks_in_state()  # the timeline the step belongs to, in its manifest
         if self.cfg.async_mode == "none":
             self._memory_job(step, tree, t0, None, None)
             self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
@@ -300,6 +319,8 @@ class MemoryTierMixin:
                 "world_size": self.world_size,
                 "attempt": self.attempt,
                 "mesh": self.manifest_extra.get("mesh"),
+                "config_hash": self.manifest_extra.get("config_hash"),
+                "rollbacks": self._save_rollbacks,
                 "node": self.node,
                 "files": files,
                 "bytes": nbytes,

@@ -492,6 +492,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             train_state=self.state,
             before_step=before_step,
+            rollbacks=self.health.known_rollbacks(),  # a RAM step of an abandoned timeline is never loaded
         )
         for note in self.data.restore(
             self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files

@@ -261,6 +261,7 @@ class TrainingHealth:
         self.entries: list[tuple[int, int]] = []
         self.lr_scale = 1.0  # read by the trainer's LR schedule: the product of the rollbacks' scales
         self.corrupt = parse_corrupt(os.environ.get(CORRUPT_VAR, ""))
+        self._ledger_count: int | None = None  # rollback records in events.jsonl at the first load (rank 0)
         self.data: Any = None  # the training BatchSource (`bind`): a rollback's skip is its sample range
 
     def bind(self, data: Any) -> None:
@@ -411,6 +412,13 @@ class TrainingHealth:
                 for g, lr in zip(sched.optimizer.param_groups, lrs):
                     g["lr"] = lr
                 sched._last_lr = lrs
+
+    def known_rollbacks(self) -> int:
+        """The rollbacks this run has recorded: in this process, and (rank 0, before the first resume) in
+        events.jsonl. A checkpoint load passes it on: a RAM step that knows fewer belongs to an abandoned timeline."""
+        if self.rank == 0 and self._ledger_count is None:
+            self._ledger_count = len({r["rollback"] for r in self._ledger_records()})
+        return max(len(self.records), self._ledger_count or 0)
 
     def _ledger_records(self) -> list[dict]:
         return [e["record"] for e in read_events(self.events_path, "rollback") if e.get("rank") == 0 and "record" in e]

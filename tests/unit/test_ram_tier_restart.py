@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import shutil
 
-from checkpoint import CheckpointConfig, CheckpointManager
+import torch
+
+from checkpoint import CheckpointConfig, CheckpointManager, TrainState
 from checkpoint.memory_capacity import capacity_error
 from checkpoint.partner import partner_ranks
+from tests.unit.test_memory_tier import _fresh, _state, _train
+from tests.unit.test_spike import _health
 
 GIB = 2**30
 S = 10 * GIB  # one rank's state
@@ -59,3 +63,89 @@ def test_copies_of_other_runs_do_not_count_as_free(tmp_path, monkeypatch) -> Non
     assert ck.memory_available() == 24 * S
     other.close()
     ck.close()
+
+
+def _manager(tmp_path, events: list, *, memory: bool = True, config_hash: str = "c1", **kw) -> CheckpointManager:
+    cfg = CheckpointConfig(
+        every_steps=2,
+        memory_every_steps=1 if memory else 0,
+        memory_dir=str(tmp_path / "shm"),
+        async_mode="none",
+        **kw,
+    )
+    return CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=cfg,
+        run_id="runA",
+        total_steps=100,
+        manifest_extra={"config_hash": config_hash},
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
+
+
+def _old_timeline(tmp_path) -> None:
+    """Steps 1..5 without a rollback: the filesystem tier at 2 and 4, the RAM tier at every step (5 is newest)."""
+    model, opt = _fresh()
+    ck = _manager(tmp_path, [])
+    ck.load_latest(model_parts=[model], optimizers=[opt], train_state=TrainState())
+    for step in range(1, 6):
+        _train(model, opt, step)
+        ck.save_memory(step)
+        if step % 2 == 0:
+            ck.save(step)
+    ck.close()
+
+
+def _loaded(events: list) -> list[tuple[int, str]]:
+    return [(f["step"], f["tier"]) for k, f in events if k == "checkpoint_loaded"]
+
+
+def test_a_ram_step_saved_before_a_rollback_is_never_loaded_after_it(tmp_path) -> None:
+    _old_timeline(tmp_path)
+    # Another attempt (on other nodes: no RAM tier there) rolls back to step 2 and saves step 3 of the new timeline.
+    model, opt, st = *_fresh(), TrainState()
+    ev: list = []
+    ck = _manager(tmp_path, ev, memory=False)
+    assert ck.load_latest(model_parts=[model], optimizers=[opt], train_state=st, before_step=3) == 2
+    st.health["rollbacks"] = [{"rollback": 1, "target_step": 2, "from_step": 2}]
+    _train(model, opt, 103)
+    ck.save(3)
+    ck.close()
+    want = _state(model, opt)
+    # Back on the first nodes, which still hold the old timeline's RAM step 5: the run knows one rollback.
+    model, opt, st = *_fresh(), TrainState()
+    ev = []
+    ck = _manager(tmp_path, ev)
+    got = ck.load_latest(model_parts=[model], optimizers=[opt], train_state=st, rollbacks=1)
+    ck.close()
+    assert (got, _loaded(ev)) == (3, [(3, "filesystem")])  # before: (5, memory), then step 3 moved aside
+    assert st.health["rollbacks"][0]["rollback"] == 1 and all(
+        torch.equal(a, b) for a, b in zip(want, _state(model, opt))
+    )
+
+
+def test_a_ram_step_of_another_config_or_with_memory_load_false_is_not_loaded(tmp_path) -> None:
+    cases = [
+        ({"config_hash": "c2"}, (4, "filesystem")),
+        ({"memory_load": False}, (4, "filesystem")),
+        ({}, (5, "memory")),
+    ]
+    for i, (kw, want) in enumerate(cases):
+        _old_timeline(tmp_path / str(i))
+        ev: list = []
+        model, opt = _fresh()
+        ck = _manager(tmp_path / str(i), ev, **kw)
+        assert ck.load_latest(model_parts=[model], optimizers=[opt], train_state=TrainState()) == want[0], kw
+        ck.close()
+        assert _loaded(ev) == [want], kw
+        # a step newer than the one loaded is of no use any more: the RAM tier drops it (as before)
+        assert [p.name for p in (ck.memory_root / "rank_0").iterdir()] == [f"step_{want[0]}"] * (want[1] == "memory")
+
+
+def test_the_run_knows_the_rollbacks_in_its_ledger_before_the_first_load(tmp_path) -> None:
+    h = _health(tmp_path)
+    assert h.known_rollbacks() == 0
+    h2 = _health(tmp_path)
+    h2._emit_fn("rollback", record={"rollback": 1, "target_step": 2})
+    h2._emit_fn("rollback", record={"rollback": 2, "target_step": 5})
+    assert h2.known_rollbacks() == 2  # what the trainer's load passes as `rollbacks`
