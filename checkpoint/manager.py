@@ -94,6 +94,7 @@ class CheckpointManager(
         run_id: str = "",
         node: str = "",
         tier_shares: dict[str, float] | None = None,
+        domain: str = "",
     ) -> None:
         for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
             if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
@@ -113,7 +114,10 @@ class CheckpointManager(
         self.mtbf_s = mtbf_s
         self.collective_timeout_s = collective_timeout_s  # DCP's background group, async_mode=process (RecordingWriter)
         self._emit_fn = emit
+        # `domain`: this node's failure domain (its leaf switch, else its physical host; "" unknown): partner
+        # copies go to a node of another one where the nodes allow (checkpoint/partner.py, spread_ring)
         self._init_memory_tier(run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}", node)
+        self.domain = domain
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
         if self._dist and not (dist.is_available() and dist.is_initialized()):

@@ -64,6 +64,7 @@ from checkpoint.partner import (
     pack_folder,
     partner_ranks,
     replicas_for,
+    shared_domains,
 )
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
@@ -147,9 +148,18 @@ class MemoryTierMixin:
         gloo group for its background commit. Raises CheckpointConfigError alike on every rank."""
         if not self.cfg.enabled or not self.cfg.memory_on:
             return
-        self._nodes = nodes = self._all_gather(self.node, self._ctl_pg)
+        gathered = self._all_gather((self.node, self.domain), self._ctl_pg)
+        self._nodes = nodes = [n for n, _ in gathered]
+        domains = [d for _, d in gathered]
         self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)), memory_on=self.cfg.memory_on)
-        self._partners = partner_ranks(nodes) if self._replicas else list(range(self.world_size))
+        self._partners = partner_ranks(nodes, domains) if self._replicas else list(range(self.world_size))
+        shared = shared_domains(nodes, self._partners, domains) if self._replicas else []
+        if shared and self.rank == 0:
+            log.warning(
+                "partner copies stay in their failure domain (same physical host or leaf switch): %s; a failure "
+                "there loses both copies (the filesystem tier covers it)",
+                ", ".join(f"{a} -> {b}" for a, b in shared),
+            )
         self._sources = [self._partners.index(r) for r in range(self.world_size)]
         self._mem_pg = dist.new_group(backend="gloo") if self._dist else None
 
