@@ -58,14 +58,12 @@ from checkpoint.errors import describe_error
 from checkpoint.manifest import ManifestError, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
 from checkpoint.partner import (
     MemoryLoad,
-    commit_folder,
-    exchange,
     folder_rank,
-    pack_folder,
     partner_ranks,
     replicas_for,
     shared_domains,
 )
+from checkpoint.stream import stream_folder
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
 
@@ -343,29 +341,24 @@ class MemoryTierMixin:
         return nbytes
 
     def _copy_to_partner(self, step: int, *, sent: bool) -> str | None:
-        """Sends this rank's committed folder of `step` to its partner and commits the one its source sends
-        (point-to-point on the tier's group; every rank takes part, with nothing to send after a failed write).
-        Returns what went wrong here, or None."""
-        payload, err = None, None
-        if sent:
-            try:
-                payload = pack_folder(self._rank_dir / f"step_{step}")
-            except OSError as e:
-                err = describe_error(e, self.memory_root)
+        """Sends this rank's committed folder of `step` to its partner and commits the one its source sends, file by
+        file in chunks (checkpoint/stream.py: two chunk buffers of process memory, never the folder), point-to-point
+        on the tier's group; every rank takes part, with nothing to send after a failed write. Returns what went
+        wrong here, or None."""
         src = self._sources[self.rank]
-        got = exchange(payload, send_to=self._partners[self.rank], recv_from=src, pg=self._mem_pg)
-        if got is None:
-            return err or f"rank {src} sent no copy of step {step}"
         try:
-            commit_folder(
-                got,
+            got = stream_folder(
+                self._rank_dir / f"step_{step}" if sent else None,
+                send_to=self._partners[self.rank],
+                recv_from=src,
                 tmp=self._held_dir / f"step_{step}.{self.attempt}.tmp",
                 final=self._held_dir / f"step_{step}",
                 step=step,
+                pg=self._mem_pg,
             )
         except Exception as e:  # noqa: BLE001 - agreed on by the caller
             return describe_error(e, self.memory_root)
-        return err
+        return None if got is not None else f"rank {src} sent no copy of step {step}"
 
     def _retire_memory(self, *, keep: int) -> None:
         """Deletes this rank's RAM steps (own and held partner copies) other than `keep`, and leftover temporary
