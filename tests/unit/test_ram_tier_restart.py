@@ -7,8 +7,8 @@ import shutil
 
 import torch
 
-from checkpoint import CheckpointConfig, CheckpointManager, TrainState
-from checkpoint.memory_capacity import capacity_error
+from checkpoint import CheckpointConfig, CheckpointManager, TrainState, memory_capacity
+from checkpoint.memory_capacity import HEADROOM, capacity_error, cgroup_room
 from checkpoint.partner import partner_ranks
 from tests.unit.test_memory_tier import _fresh, _state, _train
 from tests.unit.test_spike import _health
@@ -40,14 +40,14 @@ def test_a_restart_passes_the_capacity_check_whenever_the_first_start_passed(tmp
         run_id="runA",
     )
     start = ck.memory_available()
-    assert start == 40 * S
+    assert start == 40 * S - HEADROOM
     per_host = [(n, S, start) for n in nodes]  # every rank of a host measures the same
     assert capacity_error(per_host, memory_dir="/dev/shm", every=1, partners=partners) is None
     # The restart: this host holds 8 own and 8 partner copies of this run (16 S), so 24 S are free.
     _copies(ck.memory_root, [f"rank_{r}" for r in range(8)] + [f"partner_of_rank_{r}" for r in range(8, 16)])
     free["free"] = 24 * S
     again = ck.memory_available()
-    assert again == 40 * S  # before: 24 S + this rank's own and held copy = 26 S (266,240 MiB) -> exit 2
+    assert again == 40 * S - HEADROOM  # before: 24 S + this rank's own and held copy = 26 S (266,240 MiB) -> exit 2
     per_host = [(n, S, again) for n in nodes]
     assert capacity_error(per_host, memory_dir="/dev/shm", every=1, partners=partners) is None
     ck.close()
@@ -60,7 +60,7 @@ def test_copies_of_other_runs_do_not_count_as_free(tmp_path, monkeypatch) -> Non
     other = CheckpointManager(tmp_path / "other", cfg=cfg, run_id="runB")
     _copies(other.memory_root, ["rank_0", "partner_of_rank_8"])
     ck = CheckpointManager(tmp_path / "ckpt", cfg=cfg, run_id="runA")
-    assert ck.memory_available() == 24 * S
+    assert ck.memory_available() == 24 * S - HEADROOM
     other.close()
     ck.close()
 
@@ -149,3 +149,34 @@ def test_the_run_knows_the_rollbacks_in_its_ledger_before_the_first_load(tmp_pat
     h2._emit_fn("rollback", record={"rollback": 1, "target_step": 2})
     h2._emit_fn("rollback", record={"rollback": 2, "target_step": 5})
     assert h2.known_rollbacks() == 2  # what the trainer's load passes as `rollbacks`
+
+
+def test_the_memory_cgroup_bounds_what_the_ram_tier_may_use(tmp_path, monkeypatch) -> None:
+    # cgroup v2 (Slurm's ConstrainRAMSpace: the job's cgroup holds the limit, its step the process)
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/slurm/job_7/step_0\n")
+    job = tmp_path / "fs/slurm/job_7"
+    (job / "step_0").mkdir(parents=True)
+    (job / "memory.max").write_text(f"{30 * S}\n")
+    (job / "memory.current").write_text(f"{4 * S}\n")
+    (job / "step_0/memory.max").write_text("max\n")
+    (job / "step_0/memory.current").write_text(f"{4 * S}\n")
+    assert cgroup_room(proc=proc, root=tmp_path / "fs") == 26 * S
+    # v1, no limit (the page-rounded 2**63 - 1): none
+    proc.write_text("4:memory:/process_api/x\n0::/\n")
+    v1 = tmp_path / "fs/memory/process_api/x"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory.usage_in_bytes").write_text("1000\n")
+    assert cgroup_room(proc=proc, root=tmp_path / "fs") is None
+    # the check takes the smaller of the tmpfs's free bytes and the cgroup's room, less the headroom
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=40 * S))
+    monkeypatch.setattr(memory_capacity, "cgroup_room", lambda: 26 * S)
+    ck = CheckpointManager(
+        tmp_path / "ckpt",
+        cfg=CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none"),
+        run_id="runA",
+    )
+    assert ck.memory_available() == 26 * S - HEADROOM  # before: 40 S, and need == free passed with no headroom
+    ck.close()
