@@ -24,9 +24,13 @@ import torch.distributed as dist
 from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 from checkpoint.partner import exchange
 
-__all__ = ["CHUNK", "stream_folder"]
+__all__ = ["CHUNK", "SendError", "stream_folder"]
 
 CHUNK = 8 << 20  # bytes per message: the most process memory a copy holds per direction
+
+
+class SendError(OSError):
+    """The sending side of a copy failed (its folder could not be read); the receiver's check refuses the copy."""
 
 
 def _chunks(files: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
@@ -132,17 +136,25 @@ class _Reader:
 
 
 def stream_folder(
-    src: Path | None, *, send_to: int, recv_from: int, tmp: Path, final: Path, step: int, pg: Any
+    src: Path | None,
+    *,
+    send_to: int | None,
+    recv_from: int | None,
+    tmp: Path,
+    final: Path,
+    step: int,
+    pg: Any,
 ) -> dict[str, Any] | None:
     """Sends the committed folder `src` (None: nothing to send) to rank `send_to` while receiving rank `recv_from`'s
-    folder of `step`, committed as `final` (written in `tmp`). Returns the received manifest; None when the other
-    rank sent nothing; raises ValueError (a damaged copy) or OSError, leaving no `final`, once both streams ended."""
+    folder of `step`, committed as `final` (written in `tmp`); either rank may be None (one direction only). Returns
+    the received manifest; None when nothing was received; raises ValueError (a damaged copy), OSError, or
+    SendError (this side's folder unreadable), leaving no `final`, once both streams ended."""
     errors: list[Exception] = []
     try:
-        mine = (src / MANIFEST).read_bytes() if src is not None else None
+        mine = (src / MANIFEST).read_bytes() if src is not None and send_to is not None else None
     except OSError as e:
         mine = None
-        errors.append(e)
+        errors.append(SendError(f"{src}: {e}"))
     got = exchange(mine, send_to=send_to, recv_from=recv_from, pg=pg)
     out = _chunks(_files(json.loads(mine))) if mine is not None else []
     theirs = json.loads(got) if got is not None else None
@@ -171,7 +183,7 @@ def stream_folder(
         if reader is not None:
             reader.close()
     if reader is not None and reader.error is not None:
-        errors.append(reader.error)
+        errors.append(SendError(f"{src}: {reader.error}"))
     if errors:
         if writer is not None:
             writer.discard()
