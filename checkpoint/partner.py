@@ -71,9 +71,13 @@ def partner_ranks(nodes: list[str], domains: list[str] | None = None) -> list[in
 def spread_ring(order: list[str], domain: dict[str, str]) -> list[str]:
     """`order` itself when no two neighbours of its ring (the last node's neighbour: the first) share a failure
     domain; else the nodes grouped by domain, largest group first, laid on the even places of the ring and then
-    the odd ones, which parts every domain of at most half the nodes from itself."""
-    ring = zip(order, order[1:] + order[:1])
-    if not any(domain.get(a, "") and domain.get(a, "") == domain.get(b, "") for a, b in ring):
+    the odd ones, which parts every domain of at most half the nodes from itself (kept only when it leaves fewer
+    neighbours sharing one: nodes all of one domain keep their order)."""
+
+    def shared(ring: list[str]) -> int:
+        return sum(1 for a, b in zip(ring, ring[1:] + ring[:1]) if domain.get(a, "") and domain[a] == domain.get(b))
+
+    if not shared(order):
         return order
     groups: dict[str, list[str]] = {}
     for n in order:
@@ -83,7 +87,7 @@ def spread_ring(order: list[str], domain: dict[str, str]) -> list[str]:
     out = [""] * len(flat)
     for n, p in zip(flat, places):
         out[p] = n
-    return out
+    return out if shared(out) < shared(order) else order
 
 
 def shared_domains(nodes: list[str], partners: list[int], domains: list[str]) -> list[tuple[str, str]]:

@@ -67,3 +67,8 @@ def test_a_nodes_domain_is_its_leaf_switch_else_its_physical_host(tmp_path) -> N
     assert failure_domain("other", topology=topo, boot_id=boot) == "host:6f1c"
     assert failure_domain("node2", topology=tmp_path / "none", boot_id=boot) == "host:6f1c"
     assert failure_domain("node2", topology=None, boot_id=tmp_path / "missing") == "host:node2"
+
+
+def test_nodes_all_of_one_domain_keep_their_ring() -> None:
+    nodes = ["n0", "n1", "n2"]  # the local Slurm cluster: three slurmd on one machine
+    assert partner_ranks(nodes, ["A", "A", "A"]) == partner_ranks(nodes) == [1, 2, 0]
