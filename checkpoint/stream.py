@@ -150,13 +150,15 @@ def stream_folder(
     the received manifest; None when nothing was received; raises ValueError (a damaged copy), OSError, or
     SendError (this side's folder unreadable), leaving no `final`, once both streams ended."""
     errors: list[Exception] = []
-    try:
-        mine = (src / MANIFEST).read_bytes() if src is not None and send_to is not None else None
-    except OSError as e:
-        mine = None
+    mine, out = None, []
+    try:  # a manifest this side cannot read is not sent (the other side then knows there is nothing to receive)
+        if src is not None and send_to is not None:
+            mine = (src / MANIFEST).read_bytes()
+            out = _chunks(_files(json.loads(mine)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        mine, out = None, []
         errors.append(SendError(f"{src}: {e}"))
     got = exchange(mine, send_to=send_to, recv_from=recv_from, pg=pg)
-    out = _chunks(_files(json.loads(mine))) if mine is not None else []
     theirs = json.loads(got) if got is not None else None
     inc = _chunks(_files(theirs)) if theirs is not None else []
     writer = None

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from checkpoint.manifest import file_record, write_manifest
 from checkpoint.partner import commit_folder, exchange, pack_folder
-from checkpoint.stream import CHUNK, stream_folder
+from checkpoint.stream import CHUNK, SendError, stream_folder
 from tests.multiproc._ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -100,3 +100,23 @@ def test_a_damaged_file_fails_the_copy_on_the_receiver_and_leaves_no_folder(tmp_
     res = run_ranks(damaged, 2, str(tmp_path)).results
     assert res[1] == "__0_0.distcp of the copy does not match its manifest (size or crc32) | []"
     assert res[0] == "ok | ['step_3']"
+
+
+def _unreadable(rank: int, world: int, root: str) -> str:
+    d = Path(root) / f"r{rank}" / "step_3"
+    _folder(d, rank)
+    if rank == 0:
+        (d / "manifest.json").write_text("{not json")
+    held = Path(root) / f"held{rank}"
+    try:
+        got = stream_folder(
+            d, send_to=1 - rank, recv_from=1 - rank, tmp=held / "t.tmp", final=held / "step_3", step=3, pg=None
+        )
+    except SendError as e:
+        return f"SendError {'manifest.json' in str(e) or 'Expecting' in str(e)}"
+    return f"received {got}"
+
+
+def test_a_side_whose_folder_cannot_be_read_sends_nothing_and_neither_side_waits(tmp_path) -> None:
+    res = run_ranks(_unreadable, 2, str(tmp_path), timeout=120).results
+    assert res == {0: "SendError True", 1: "received None"}
