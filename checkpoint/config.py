@@ -28,6 +28,7 @@ class CheckpointConfig:
     memory_replicas: int | None = (
         None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
     )
+    memory_load: bool = True  # RAM tier: false = a restart reads the filesystem tier only (a manual rollback)
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):

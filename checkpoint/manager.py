@@ -94,6 +94,7 @@ class CheckpointManager(
         run_id: str = "",
         node: str = "",
         tier_shares: dict[str, float] | None = None,
+        domain: str = "",
     ) -> None:
         for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
             if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
@@ -116,7 +117,10 @@ class CheckpointManager(
         # the slowest rank's write, so they get the checkpoint's limit, not failure.collective_timeout_s.
         self.checkpoint_timeout_s = checkpoint_timeout_s
         self._emit_fn = emit
+        # `domain`: this node's failure domain (its leaf switch, else its physical host; "" unknown): partner
+        # copies go to a node of another one where the nodes allow (checkpoint/partner.py, spread_ring)
         self._init_memory_tier(run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}", node)
+        self.domain = domain
         self.manifest_extra = dict(manifest_extra or {})
         self._dist = world_size > 1
         if self._dist and not (dist.is_available() and dist.is_initialized()):
@@ -152,6 +156,7 @@ class CheckpointManager(
         lr_schedulers: Sequence[Any] = (),
         train_state: Any | None = None,
         before_step: int | None = None,
+        rollbacks: int = 0,
     ) -> int:
         """Restores the newest valid checkpoint into the given objects and returns its step (0 when
         none). Damaged ones are reported (`checkpoint_skipped`) and passed over, never deleted. Binds
@@ -159,7 +164,9 @@ class CheckpointManager(
         candidate that fails to validate or load on any one rank is skipped by all. `before_step`:
         only checkpoints of a step < before_step are candidates (a rollback past a loss spike); the
         checkpoints above the step loaded then belong to the abandoned timeline and are moved aside to
-        `abandoned/` (`checkpoint_abandoned`), so that neither retention nor a later load counts them."""
+        `abandoned/` (`checkpoint_abandoned`), so that neither retention nor a later load counts them.
+        `rollbacks`: the rollbacks the run has recorded (rank 0's count for all): a RAM step whose manifest
+        knows fewer was saved on an abandoned timeline and is never loaded (checkpoint.memory_load=false: none is)."""
         if len(model_parts) != len(optimizers):
             raise ValueError(
                 f"{len(model_parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per part"
@@ -167,6 +174,7 @@ class CheckpointManager(
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
+        self._known_rollbacks = int(self._bcast(rollbacks, self._ctl_pg))
         if not self._capacity_checked:  # the RAM tier's bytes per node against free memory, once per attempt
             self.check_memory_capacity(self.local_state_bytes())
             self._capacity_checked = True

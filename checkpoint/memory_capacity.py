@@ -15,9 +15,10 @@ from checkpoint.statedict import local_tensor
 
 log = logging.getLogger("meshjob.checkpoint")
 
-__all__ = ["COPIES", "MemoryCapacityMixin", "capacity_error"]
+__all__ = ["COPIES", "HEADROOM", "MemoryCapacityMixin", "capacity_error", "cgroup_room"]
 
 COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
+HEADROOM = 1 << 30  # bytes per host the tier leaves free: NCCL's shm segments, the processes' own growth
 
 
 def capacity_error(
@@ -28,8 +29,8 @@ def capacity_error(
     partners: list[int] | None = None,
     auto: bool = False,
 ) -> str | None:
-    """Why the RAM tier does not fit, or None: per rank (node, bytes of its state, bytes free for the tier in
-    memory_dir there); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
+    """Why the RAM tier does not fit, or None: per rank (host, bytes of its state, bytes the host's memory_dir
+    offers the tier: its free bytes plus this run's copies there, the same for every rank of the host); a node needs COPIES x the sum of its ranks' states, plus COPIES x the states of the ranks
     whose partner copies it holds (`partners[r]`: rank r's partner; None = no partner copies). `auto`: the tier
     is on through checkpoint.memory_interval=auto (the message names that override)."""
     need: dict[str, int] = {}
@@ -67,7 +68,7 @@ def capacity_error(
 
 class MemoryCapacityMixin:
     """CheckpointManager's capacity check of the RAM tier (`self._bound`, `self.cfg`, `self.memory_root`,
-    `self._rank_dir`, `self._held_dir`, `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
+    `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
 
     def local_state_bytes(self) -> int:
         """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
@@ -84,16 +85,26 @@ class MemoryCapacityMixin:
                 nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
         return nbytes
 
+    def memory_available(self) -> int:
+        """Bytes this host's checkpoint.memory_dir offers the tier: its free bytes (at most what the memory cgroup
+        still allows: under Slurm's ConstrainRAMSpace tmpfs pages count against the job) plus every copy of this
+        run held there already (all its nodes' own and partner copies, `memory_dir/meshjob-<run id>/`: the new
+        saves replace them), less HEADROOM. The same for every rank of a host (measured when none writes), so a
+        host counts its copies once."""
+        self.memory_root.mkdir(parents=True, exist_ok=True)
+        run_root = self.memory_root.parent
+        free, room = shutil.disk_usage(run_root).free, cgroup_room()
+        return (free if room is None else min(free, room)) + _tree_bytes(run_root) - HEADROOM
+
     def check_memory_capacity(self, nbytes: int) -> None:
         """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
-        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); what this run
-        holds there already counts as free. Hosts by their real name: simulated nodes on one host share its memory."""
+        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); every copy of
+        this run held there already counts as free (`memory_available`), so a restart passes whenever the first
+        start did. Hosts by their real name: simulated nodes on one host share its memory."""
         if not self.cfg.memory_on:
             return
         try:
-            self.memory_root.mkdir(parents=True, exist_ok=True)
-            mine = _tree_bytes(self._rank_dir) + (_tree_bytes(self._held_dir) if self._replicas else 0)
-            avail = shutil.disk_usage(self.memory_root).free + mine
+            avail = self.memory_available()
         except OSError as e:
             avail = -1
             log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
@@ -107,6 +118,42 @@ class MemoryCapacityMixin:
         )
         if why is not None:
             raise CheckpointConfigError(why)
+
+
+def cgroup_room(*, proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process's memory cgroups still allow (the tightest of its cgroup and their ancestors: limit less
+    usage, tmpfs pages included), cgroup v2 or v1; None when no limit is set or none can be read."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "":
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in ctrl.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        d = base / path.lstrip("/")
+        while True:
+            rooms.append(_room(d / files[0], d / files[1]))
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    known = [r for r in rooms if r is not None]
+    return min(known) if known else None
+
+
+def _room(limit: Path, usage: Path) -> int | None:
+    try:
+        text, used = limit.read_text().strip(), int(usage.read_text())
+    except (OSError, ValueError):
+        return None
+    if text == "max" or int(text) >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
+        return None
+    return max(0, int(text) - used)
 
 
 def _tree_bytes(path: Path) -> int:

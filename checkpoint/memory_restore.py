@@ -14,14 +14,12 @@ from checkpoint.manifest import ManifestError, check_files, read_manifest
 from checkpoint.memory_tier import local_steps
 from checkpoint.partner import (
     MemoryLoad,
-    commit_folder,
-    exchange,
     folder_rank,
-    pack_folder,
     plan_memory_load,
     plan_step,
     transfers,
 )
+from checkpoint.stream import SendError, stream_folder
 from checkpoint.tiers import MEMORY, PARTNER
 
 __all__ = ["MemoryRestoreMixin"]
@@ -39,7 +37,7 @@ class MemoryRestoreMixin:
         """The steps complete in the RAM tier (every rank can get a copy of its state from the same save, held on
         any node of the job), newest first; agreed. Remembers where each rank reads (`self._memory_plan`)."""
         self._memory_plan = {}
-        if not self.cfg.memory_on:
+        if not self.cfg.memory_on or not self.cfg.memory_load:
             return []
         gathered = self._all_gather((self.node, self._list_node() if self._speaker else None), self._ctl_pg)
         self._held = {n: listing for n, listing in gathered if listing is not None}
@@ -50,7 +48,13 @@ class MemoryRestoreMixin:
     def _list_node(self) -> dict[str, dict[int, str]]:
         """{folder: {step: saving attempt}} of the committed copies in this node's folder (own saves and partner
         copies of any rank) whose manifest names this run, the folder's rank, the world size and the mesh."""
-        ids = {"run_id": self.run_id, "world_size": self.world_size, "mesh": self.manifest_extra.get("mesh")}
+        ids = {
+            "run_id": self.run_id,
+            "world_size": self.world_size,
+            "mesh": self.manifest_extra.get("mesh"),
+            "config_hash": self.manifest_extra.get("config_hash"),
+            "rollbacks": self._known_rollbacks,
+        }
         out: dict[str, dict[int, str]] = {}
         try:
             for d in sorted(self.memory_root.iterdir()) if self.memory_root.is_dir() else []:
@@ -124,24 +128,22 @@ class MemoryRestoreMixin:
         for t in range(max(k for k, _, _ in moves) + 1):
             send_to = next((r for k, s, r in moves if k == t and s == self.rank), None)
             recv_from = next((s for k, s, r in moves if k == t and r == self.rank), None)
-            payload = None
-            if send_to is not None:
-                try:
-                    payload = pack_folder(self.memory_root / plan.sources[send_to][1] / f"step_{step}")
-                except OSError as e:
-                    mine.append(f"rank {self.rank}: the copy for rank {send_to}: {describe_error(e, self.memory_root)}")
-            got = exchange(payload, send_to=send_to, recv_from=recv_from, pg=self._mem_pg)
-            if recv_from is None:
-                continue
-            try:
-                if got is None:
-                    raise ValueError(f"rank {recv_from} sent no copy")
-                manifest = commit_folder(
-                    got,
+            src = self.memory_root / plan.sources[send_to][1] / f"step_{step}" if send_to is not None else None
+            try:  # file by file in chunks (checkpoint/stream.py), as the RAM saves send theirs
+                got = stream_folder(
+                    src,
+                    send_to=send_to,
+                    recv_from=recv_from,
                     tmp=self._rank_dir / f"step_{step}.{self.attempt}.tmp",
                     final=self._rank_dir / f"step_{step}",
                     step=step,
+                    pg=self._mem_pg,
                 )
+                if recv_from is not None and got is None:
+                    raise ValueError(f"rank {recv_from} sent no copy")
+                manifest = got or manifest
+            except SendError as e:
+                mine.append(f"rank {self.rank}: the copy for rank {send_to}: {describe_error(e, self.memory_root)}")
             except Exception as e:  # noqa: BLE001 - agreed on below
                 mine.append(f"rank {self.rank}: the copy from rank {recv_from}: {describe_error(e, self.memory_root)}")
         return sorted({p for ps in self._all_gather(mine, self._ctl_pg) for p in ps}), manifest

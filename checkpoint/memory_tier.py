@@ -58,13 +58,12 @@ from checkpoint.errors import describe_error
 from checkpoint.manifest import ManifestError, file_record, fsync_dir, read_manifest, step_dirs, write_manifest
 from checkpoint.partner import (
     MemoryLoad,
-    commit_folder,
-    exchange,
     folder_rank,
-    pack_folder,
     partner_ranks,
     replicas_for,
+    shared_domains,
 )
+from checkpoint.stream import stream_folder
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
 
@@ -75,16 +74,27 @@ log = logging.getLogger("meshjob.checkpoint")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-def local_steps(rank_dir: Path, *, run_id: str, rank: int, world_size: int, mesh: Any) -> dict[int, str]:
+def local_steps(
+    rank_dir: Path,
+    *,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    mesh: Any,
+    config_hash: Any = None,
+    rollbacks: int = 0,
+) -> dict[int, str]:
     """{step: the attempt that saved it} of every committed step under `rank_dir` whose manifest reads and
-    belongs to this run, rank, world size and mesh (files are not read here)."""
+    belongs to this run, rank, world size, mesh and config hash, and knows at least `rollbacks` rollbacks (a
+    step saved before a rollback belongs to the abandoned timeline); files are not read here."""
     out: dict[int, str] = {}
     for step, d in step_dirs(rank_dir):
         try:
             m = read_manifest(d, step=step)
         except (ManifestError, OSError):
             continue
-        if (m.get("run_id"), m.get("rank"), m.get("world_size"), m.get("mesh")) == (run_id, rank, world_size, mesh):
+        ids = (m.get("run_id"), m.get("rank"), m.get("world_size"), m.get("mesh"), m.get("config_hash"))
+        if ids == (run_id, rank, world_size, mesh, config_hash) and int(m.get("rollbacks", 0)) >= rollbacks:
             out[step] = str(m.get("attempt", ""))
     return out
 
@@ -123,15 +133,31 @@ class MemoryTierMixin:
         self._partner_used: list[int] = []
         self._nodes = [self.node]  # every rank's node (_init_partners)
         self._replicas, self._partners, self._sources, self._mem_pg = 0, [], [], None
+        self._save_rollbacks = 0  # rollbacks the bound state knows at the RAM save in flight (its manifest)
+        self._known_rollbacks = 0  # rollbacks the run knows at a load (load_latest): fewer = a stale RAM step
+
+    def _rollbacks_in_state(self) -> int:
+        """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py)."""
+        health = getattr((self._bound or {}).get("train_state"), "health", None) or {}
+        return len(health.get("rollbacks", []))
 
     def _init_partners(self) -> None:
         """Collective: the nodes of all ranks -> the partner ring (checkpoint.memory_replicas), and the tier's own
         gloo group for its background commit. Raises CheckpointConfigError alike on every rank."""
         if not self.cfg.enabled or not self.cfg.memory_on:
             return
-        self._nodes = nodes = self._all_gather(self.node, self._ctl_pg)
+        gathered = self._all_gather((self.node, self.domain), self._ctl_pg)
+        self._nodes = nodes = [n for n, _ in gathered]
+        domains = [d for _, d in gathered]
         self._replicas = replicas_for(self.cfg.memory_replicas, nodes=len(set(nodes)), memory_on=self.cfg.memory_on)
-        self._partners = partner_ranks(nodes) if self._replicas else list(range(self.world_size))
+        self._partners = partner_ranks(nodes, domains) if self._replicas else list(range(self.world_size))
+        shared = shared_domains(nodes, self._partners, domains) if self._replicas else []
+        if shared and self.rank == 0:
+            log.warning(
+                "partner copies stay in their failure domain (same physical host or leaf switch): %s; a failure "
+                "there loses both copies (the filesystem tier covers it)",
+                ", ".join(f"{a} -> {b}" for a, b in shared),
+            )
         self._sources = [self._partners.index(r) for r in range(self.world_size)]
         self._mem_pg = dist.new_group(backend="gloo") if self._dist else None
 
@@ -189,6 +215,7 @@ class MemoryTierMixin:
         self._settle_memory_interval()
         self._last_memory_step = step
         tree = _local_tree(self._state_dict())
+        self._save_rollbacks = self._rollbacks_in_state()  # the timeline the step belongs to, in its manifest
         if self.cfg.async_mode == "none":
             self._memory_job(step, tree, t0, None, None)
             self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
@@ -300,6 +327,8 @@ class MemoryTierMixin:
                 "world_size": self.world_size,
                 "attempt": self.attempt,
                 "mesh": self.manifest_extra.get("mesh"),
+                "config_hash": self.manifest_extra.get("config_hash"),
+                "rollbacks": self._save_rollbacks,
                 "node": self.node,
                 "files": files,
                 "bytes": nbytes,
@@ -312,29 +341,24 @@ class MemoryTierMixin:
         return nbytes
 
     def _copy_to_partner(self, step: int, *, sent: bool) -> str | None:
-        """Sends this rank's committed folder of `step` to its partner and commits the one its source sends
-        (point-to-point on the tier's group; every rank takes part, with nothing to send after a failed write).
-        Returns what went wrong here, or None."""
-        payload, err = None, None
-        if sent:
-            try:
-                payload = pack_folder(self._rank_dir / f"step_{step}")
-            except OSError as e:
-                err = describe_error(e, self.memory_root)
+        """Sends this rank's committed folder of `step` to its partner and commits the one its source sends, file by
+        file in chunks (checkpoint/stream.py: two chunk buffers of process memory, never the folder), point-to-point
+        on the tier's group; every rank takes part, with nothing to send after a failed write. Returns what went
+        wrong here, or None."""
         src = self._sources[self.rank]
-        got = exchange(payload, send_to=self._partners[self.rank], recv_from=src, pg=self._mem_pg)
-        if got is None:
-            return err or f"rank {src} sent no copy of step {step}"
         try:
-            commit_folder(
-                got,
+            got = stream_folder(
+                self._rank_dir / f"step_{step}" if sent else None,
+                send_to=self._partners[self.rank],
+                recv_from=src,
                 tmp=self._held_dir / f"step_{step}.{self.attempt}.tmp",
                 final=self._held_dir / f"step_{step}",
                 step=step,
+                pg=self._mem_pg,
             )
         except Exception as e:  # noqa: BLE001 - agreed on by the caller
             return describe_error(e, self.memory_root)
-        return err
+        return None if got is not None else f"rank {src} sent no copy of step {step}"
 
     def _retire_memory(self, *, keep: int) -> None:
         """Deletes this rank's RAM steps (own and held partner copies) other than `keep`, and leftover temporary

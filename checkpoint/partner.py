@@ -24,6 +24,8 @@ from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 __all__ = [
     "replicas_for",
     "partner_ranks",
+    "spread_ring",
+    "shared_domains",
     "folder_rank",
     "MemoryLoad",
     "plan_memory_load",
@@ -35,11 +37,16 @@ __all__ = [
 ]
 
 
-def partner_ranks(nodes: list[str]) -> list[int]:
+def partner_ranks(nodes: list[str], domains: list[str] | None = None) -> list[int]:
     """Rank r's partner, for every r (`nodes[r]`: rank r's node): the same local rank (r's index among its node's
     ranks) on the next node, nodes taken in the order of their first rank, the last node's partners on the first.
-    Raises CheckpointConfigError when there is one node, or the nodes hold different numbers of ranks."""
+    `domains[r]`: the failure domain of rank r's node (its physical host and leaf switch, "" unknown): when two
+    neighbours of that ring share one, the nodes are laid out again so that no neighbours do where that is possible
+    (two slurmd on one host, or two hosts on one switch, never hold each other's copies; `shared_domains` names
+    what is left). Raises CheckpointConfigError when there is one node, or the nodes hold different numbers of ranks."""
     order = list(dict.fromkeys(nodes))
+    if domains is not None:
+        order = spread_ring(order, {n: d for n, d in zip(nodes, domains)})
     groups = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
     if len(order) < 2:
         raise CheckpointConfigError(
@@ -59,6 +66,33 @@ def partner_ranks(nodes: list[str]) -> list[int]:
         for i, r in enumerate(groups[n]):
             out[r] = nxt[i]
     return out
+
+
+def spread_ring(order: list[str], domain: dict[str, str]) -> list[str]:
+    """`order` itself when no two neighbours of its ring (the last node's neighbour: the first) share a failure
+    domain; else the nodes grouped by domain, largest group first, laid on the even places of the ring and then
+    the odd ones, which parts every domain of at most half the nodes from itself (kept only when it leaves fewer
+    neighbours sharing one: nodes all of one domain keep their order)."""
+
+    def shared(ring: list[str]) -> int:
+        return sum(1 for a, b in zip(ring, ring[1:] + ring[:1]) if domain.get(a, "") and domain[a] == domain.get(b))
+
+    if not shared(order):
+        return order
+    groups: dict[str, list[str]] = {}
+    for n in order:
+        groups.setdefault(domain.get(n, "") or n, []).append(n)
+    flat = [n for g in sorted(groups.values(), key=len, reverse=True) for n in g]
+    places = [*range(0, len(flat), 2), *range(1, len(flat), 2)]
+    out = [""] * len(flat)
+    for n, p in zip(flat, places):
+        out[p] = n
+    return out if shared(out) < shared(order) else order
+
+
+def shared_domains(nodes: list[str], partners: list[int], domains: list[str]) -> list[tuple[str, str]]:
+    """(node, the node holding its partner copies) for every node whose copies stay in its own failure domain."""
+    return sorted({(nodes[r], nodes[p]) for r, p in enumerate(partners) if domains[r] and domains[r] == domains[p]})
 
 
 _FOLDER = re.compile(r"^(?:rank|partner_of_rank)_(\d+)$")

@@ -43,6 +43,7 @@ __all__ = [
     "tiers_on",
     "covering_tier",
     "tier_shares",
+    "spare_coverage",
     "tier_mtbf_s",
     "tier_interval_s",
     "cadence_share",
@@ -94,11 +95,39 @@ def covering_tier(failure: str, *, memory: bool, partner: bool) -> str:
     return FILESYSTEM
 
 
-def tier_shares(*, process_share: float, node_share: float, memory: bool, partner: bool) -> dict[str, float]:
-    """{tier: the share of all failures it is read after}, over TIERS (a tier off, or covering none, has 0)."""
+def spare_coverage(*, node_share: float, job_share: float, spare_nodes: int | None) -> float:
+    """The fraction of node failures a run survives inside its allocation on its `spare_nodes` hot spares (None: as
+    many as it needs). Spares are finite per allocation: an allocation ends at a job failure or at the node failure
+    that finds no spare left (a requeue brings fresh spares), and process failures use none. With q = node /
+    (node + job), the chance that the next of those two is a node failure, an allocation sees k node failures
+    before its end with chance q^k (1 - q), so the spares cover sum_{k=1..s} q^k node failures per allocation and
+    q^(s+1) more are read from the filesystem: 1 spare covers 1 / (1 + q) of them (0.52 at the default 0.77 / 0.08),
+    not all."""
+    if spare_nodes is None:
+        return 1.0
+    if spare_nodes <= 0 or node_share <= 0:
+        return 0.0
+    q = node_share / (node_share + job_share)
+    covered = sum(q**k for k in range(1, spare_nodes + 1))
+    return covered / (covered + q ** (spare_nodes + 1))
+
+
+def tier_shares(
+    *, process_share: float, node_share: float, memory: bool, partner: bool, spare_nodes: int | None = None
+) -> dict[str, float]:
+    """{tier: the share of all failures it is read after}, over TIERS (a tier off, or covering none, has 0). With
+    partner copies, the node failures that `spare_nodes` hot spares absorb (`spare_coverage`; None: all) are read
+    from the partner tier, the rest from the filesystem (a requeue)."""
     out = dict.fromkeys(TIERS, 0.0)
-    for failure, share in failure_split(process_share=process_share, node_share=node_share).items():
+    split = failure_split(process_share=process_share, node_share=node_share)
+    for failure, share in split.items():
         out[covering_tier(failure, memory=memory, partner=partner and memory)] += share
+    if out[PARTNER] > 0:
+        lost = split["node"] * (
+            1.0 - spare_coverage(node_share=node_share, job_share=split["job"], spare_nodes=spare_nodes)
+        )
+        out[PARTNER] -= lost
+        out[FILESYSTEM] += lost
     return out
 
 
@@ -169,16 +198,20 @@ def plan_tiers(
     costs: dict[str, tuple[float, float]],
     intervals: dict[str, float] | None = None,
     sources: dict[str, str] | None = None,
+    spare_nodes: int | None = None,
 ) -> list[TierPlan]:
     """One TierPlan per tier that is on (`costs`: {tier: (save_s, restart_s)}; the filesystem tier is always on).
     `intervals` fixes a tier's interval (seconds, e.g. every_steps x step time); otherwise it is the tier's optimum.
+    `spare_nodes`: the hot spares per allocation (`spare_coverage`; None: as many as the node failures need).
     The partner tier rides on the RAM tier (rides_on): the memory row carries the cadence's interval and goodput."""
     if FILESYSTEM not in costs:
         raise ValueError("the filesystem tier is always on: give its (save_s, restart_s)")
     if PARTNER in costs and MEMORY not in costs:
         raise ValueError("partner copies ride on RAM saves: give the memory tier's (save_s, restart_s) too")
     memory, partner = MEMORY in costs, PARTNER in costs
-    shares = tier_shares(process_share=process_share, node_share=node_share, memory=memory, partner=partner)
+    shares = tier_shares(
+        process_share=process_share, node_share=node_share, memory=memory, partner=partner, spare_nodes=spare_nodes
+    )
     split = failure_split(process_share=process_share, node_share=node_share)
     fixed = intervals or {}
     out = []
@@ -188,7 +221,15 @@ def plan_tiers(
         save_s, restart_s = costs[tier]
         m = tier_mtbf_s(mtbf_s=mtbf_s, share=shares[tier])
         failures = tuple(
-            f for f in FAILURE_CLASSES if split[f] > 0 and covering_tier(f, memory=memory, partner=partner) == tier
+            f
+            for f in FAILURE_CLASSES
+            if split[f] > 0
+            and (
+                covering_tier(f, memory=memory, partner=partner) == tier
+                or (f, tier) == ("node", FILESYSTEM)
+                and partner
+                and shares[PARTNER] < split["node"] - 1e-12
+            )
         )
         if tier == FILESYSTEM:
             tau = fixed.get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)

@@ -77,6 +77,7 @@ class DataConfig:
     doc_per: str = (
         "paragraph"  # jobs.prepare_data, plain text: one document per line | paragraph (blank-line separated) | file
     )
+    tokenizer_sample_mb: float = 32.0  # jobs.prepare_data: a BPE trained on the inputs sees at most this many MB of them, spread evenly (memory bounded)
     accept_changed_files: bool = False  # resume over a data file whose size or header changed since the checkpoint
     sample_overlap: bool = False  # tokenized: consecutive samples share one token (sample i starts at token i * train.seq_len), so every transition is a target; false: non-overlapping samples of train.seq_len + 1
 
@@ -230,8 +231,12 @@ class FailureConfig:
     health_failing_xids: list[int] = field(
         default_factory=lambda: [48, 63, 64, 74, 79, 92, 94, 95, 119, 120]
     )  # XIDs that fail the GPU (others warn)
-    spike_factor: float = 1.5  # a spike's loss is above this x the median of the last spike_window losses; 0 = off
-    spike_mad_k: float = 8.0  # ... and above that median + this x their median absolute deviation; 0 = ratio only
+    spike_factor: float = (
+        1.5  # a spike's loss is above this x the baseline of the last spike_window losses (trend removed); 0 = off
+    )
+    spike_mad_k: float = (
+        8.0  # ... and above that baseline + this x their median absolute deviation (trend removed); 0 = ratio only
+    )
     spike_window: int = 50  # healthy losses in the running median (the check is armed once it is full)
     spike_grad_norm: float = 0.0  # a global grad norm above this is a spike too, once the window is full; 0 = off
     spike_patience: int = 1  # consecutive spiking steps that trigger a rollback (a non-finite loss: at once)

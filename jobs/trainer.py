@@ -32,6 +32,7 @@ from jobs.failure.signals import StopSignals
 from jobs.failure.spike import TrainingHealth
 from jobs.failure.timeouts import set_pg_timeouts
 from jobs.failure.watchdog import Watchdog
+from jobs.launch.domain import failure_domain, topology_path
 from jobs.launch.env import DistEnv
 from jobs.launch.rundir import run_id
 from jobs.log import get_logger
@@ -205,6 +206,7 @@ class Trainer:
             seq_positions=positions,
             sample_overlap=cfg.data.sample_overlap,
         )
+        self.health.bind(self.data)  # a rollback skips its data by global sample (jobs/failure/spike.py)
         self.heldout = HeldoutEval(
             cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy, seq_positions=positions
         )
@@ -497,6 +499,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             train_state=self.state,
             before_step=before_step,
+            rollbacks=self.health.known_rollbacks(),  # a RAM step of an abandoned timeline is never loaded
         )
         for note in self.data.restore(
             self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files
@@ -633,16 +636,21 @@ def build_checkpoint_manager(cfg: JobConfig, derived: Derived, env: DistEnv, *, 
         # host, told apart by their node rank (so "a node lost" = that node's folder of the tier removed)
         node=env.hostname if env.job_id is not None else f"{env.hostname}.node{env.node_rank}",
         tier_shares=_tier_shares(cfg),
+        # under Slurm, partner copies go to another physical host (or leaf switch) where the nodes allow
+        domain=failure_domain(env.hostname, topology=topology_path()) if env.job_id is not None else "",
     )
 
 
 def _tier_shares(cfg: JobConfig) -> dict[str, float]:
     """{checkpoint tier: share of all failures it is read after} (checkpoint/tiers.py), the same rule as jobs.plan's."""
-    memory, partner = tiers_on(
-        cfg.checkpoint, spare_nodes=getattr(cfg.launcher, "spare_nodes", 0), nodes=cfg.launcher.nodes
-    )
+    spares = getattr(cfg.launcher, "spare_nodes", 0)
+    memory, partner = tiers_on(cfg.checkpoint, spare_nodes=spares, nodes=cfg.launcher.nodes)
     return tier_shares(
-        process_share=cfg.failure.process_share, node_share=cfg.failure.node_share, memory=memory, partner=partner
+        process_share=cfg.failure.process_share,
+        node_share=cfg.failure.node_share,
+        memory=memory,
+        partner=partner,
+        spare_nodes=spares,  # finite per allocation: the node failures past them are read from the filesystem
     )
 
 

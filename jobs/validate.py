@@ -299,6 +299,7 @@ def _check_failure(cfg: JobConfig) -> None:
     """The failure policy: signals that exist, timeouts that can fire, budgets that can be met."""
     from jobs.failure.signals import parse_signals
     from jobs.failure.spike import check_config as check_spike
+    from jobs.failure.spike import check_retention
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
@@ -347,6 +348,8 @@ def _check_failure(cfg: JobConfig) -> None:
             "re-run slightly differently, so every suspicious step would read as silent data corruption and send "
             "its GPU's node away; set failure.sdc_rtol=1e-3, or train.deterministic=true, or failure.sdc_rerun=false"
         )
+    c = cfg.checkpoint
+    check_retention(f, enabled=c.enabled, interval=c.interval, every_steps=c.every_steps, keep=c.keep)
     failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
 
 

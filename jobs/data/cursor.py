@@ -8,8 +8,9 @@ on from counts saved in a checkpoint reads exactly what an uninterrupted run rea
 realised count stays within one sample of `w_s * i` at every prefix.
 
 The cursor a checkpoint carries (`TrainState.data`): the data step the run reads next, the global
-samples consumed before it, each source's consumed count, and each file's identity (size and a hash of
-its header). Data step `d` reads the `train.global_batch` samples from
+samples consumed before it, each source's consumed count, each file's identity (size and a hash of
+its header) and its permutation stream (kept for the file, found by its identity, when sources are added,
+removed or reordered: none of a file's samples repeats within its epoch). Data step `d` reads the `train.global_batch` samples from
 `position + (d - data_step) * train.global_batch` on, so a changed batch size goes on at the next
 unread sample.
 """
@@ -26,9 +27,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-__all__ = ["Anchor", "DataChanged", "blend", "file_identity", "restore_anchor", "VERSION"]
+__all__ = ["Anchor", "DataChanged", "blend", "default_streams", "file_identity", "restore_anchor", "VERSION"]
 
-VERSION = 1  # of the cursor dict kept in TrainState.data
+VERSION = 2  # of the cursor dict kept in TrainState.data (2: each file's permutation stream, `streams`)
 
 
 class DataChanged(ValueError):
@@ -44,6 +45,29 @@ class Anchor:
     position: int = 0
     consumed: list[int] = field(default_factory=list)
     base: list[int] = field(default_factory=list)
+    streams: list[int] = field(default_factory=list)  # each file's permutation stream (`default_streams`)
+
+
+def default_streams(n: int) -> list[int]:
+    """The permutation streams of a fresh run's `n` files: 0 for one file, 1..n for a mixture. A file keeps its
+    stream for the whole run (the cursor carries it, matched by the file's identity), so adding, removing or
+    reordering sources never restarts a file's permutation within an epoch."""
+    return [0] if n == 1 else list(range(1, n + 1))
+
+
+def _match(old: list[dict], files: list[dict]) -> list[int | None]:
+    """For each file now, the index of the same file in a checkpoint's list, or None (a new source): by
+    identity, then by path (a changed file), then by place for a list of the same length (a replaced file)."""
+    match: list[int | None] = [None] * len(files)
+    for key in ("id", "path"):
+        for i, f in enumerate(files):
+            if match[i] is None:
+                match[i] = next((k for k, o in enumerate(old) if o[key] == f[key] and k not in match), None)
+    if len(old) == len(files):
+        for i in range(len(files)):
+            if match[i] is None and i not in match:
+                match[i] = i
+    return match
 
 
 def blend(
@@ -121,13 +145,13 @@ def restore_anchor(
     if not saved:
         position = data_step * global_batch
         consumed = _apportion(position, weights)
-        return Anchor(data_step, position, consumed, list(consumed)), []
+        return Anchor(data_step, position, consumed, list(consumed), default_streams(len(files))), []
     old = saved["files"]
-    if len(old) == len(files):
-        match = list(range(len(files)))
-    else:  # sources added or removed: matched by path, a new one starts at 0 consumed
-        by_path = {f["path"]: k for k, f in enumerate(old)}
-        match = [by_path.get(f["path"]) for f in files]
+    match = _match(old, files)  # sources added, removed or reordered: a new one starts at 0 consumed
+    old_streams = [int(x) for x in saved.get("streams") or default_streams(len(old))]  # version 1: by place, as then
+    streams = [old_streams[k] if k is not None else None for k in match]
+    fresh = iter(range(max([*old_streams, *(x for x in streams if x is not None)]) + 1, 2**31))
+    streams = [x if x is not None else next(fresh) for x in streams]  # a new file: a stream no file used
     changed = [
         f"{f['path']} (size {old[k]['size']} -> {f['size']} bytes, header {old[k]['id']} -> {f['id']})"
         for f, k in zip(files, match)
@@ -151,4 +175,4 @@ def restore_anchor(
             f"data mixture changed (weights {saved['weights']} -> {weights}, {len(old)} -> {len(files)} "
             "sources): the new shares apply from this sample on"
         )
-    return Anchor(int(saved["data_step"]), int(saved["position"]), consumed, base), notes
+    return Anchor(int(saved["data_step"]), int(saved["position"]), consumed, base, streams), notes

@@ -115,10 +115,19 @@ def _new_files(inputs: list[Path], old: dict | None, say: Callable[[str], None])
     return new
 
 
-def _all_texts(paths: list[Path], doc_per: str) -> Iterator[str]:
+def sample_texts(paths: list[Path], doc_per: str, *, limit_bytes: int) -> Iterator[str]:
+    """The pieces of the inputs a BPE is trained on: all of them up to `limit_bytes` in all, else an even spread
+    of them (a piece is kept while the characters kept stay below limit / total x those read), so that the
+    trainer's word counts, which grow with the distinct words it sees, stay bounded whatever the corpus size."""
+    total = sum(p.stat().st_size for p in paths)
+    share = min(1.0, limit_bytes / total) if total else 1.0
+    seen = kept = 0
     for p in paths:
         for text, _ in pieces(p, doc_per=doc_per):
-            yield text
+            seen += len(text)
+            if kept + len(text) <= share * seen:
+                kept += len(text)
+                yield text
 
 
 def load_tokenizer(spec: str):
@@ -186,8 +195,14 @@ def _tokenizer(
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    say(f"training a byte-level BPE of model.vocab_size={vocab_size} tokens on {len(new)} file(s)")
-    tok.train_from_iterator(_all_texts(new, cfg.doc_per), trainer)
+    if cfg.tokenizer_sample_mb <= 0:
+        raise ValueError(f"data.tokenizer_sample_mb({cfg.tokenizer_sample_mb}) must be > 0; e.g. 32")
+    say(
+        f"training a byte-level BPE of model.vocab_size={vocab_size} tokens on {len(new)} file(s) "
+        f"(at most data.tokenizer_sample_mb={cfg.tokenizer_sample_mb:g} MB of them)"
+    )
+    limit = int(cfg.tokenizer_sample_mb * 1e6)
+    tok.train_from_iterator(sample_texts(new, cfg.doc_per, limit_bytes=limit), trainer)
     return tok
 
 

@@ -9,10 +9,12 @@ Two layouts of a split (`tokens` for training, `heldout` for evaluation) are rea
   sample `i` starts at token `i * seq_len`, consecutive samples share one token and every transition
   of the stream is a target exactly once (Megatron's and nanoGPT's layout).
 
-Data step `d` reads global samples `position + (d - data_step) * global_batch` onward, from the cursor's
-anchor (jobs/data/cursor.py: zero for a fresh run, a checkpoint's cursor on resume). A mixture blends its
-sources exactly (each global sample to the source that lags its weight most); each source reads its own
-consumed count through epoch-wise permutations keyed by (seed, epoch[, stream]). Nothing depends on the mesh.
+Data step `d` reads the `global_batch` global samples after the `(d - data_step) * global_batch` read since the
+cursor's anchor (jobs/data/cursor.py: zero for a fresh run, a checkpoint's cursor on resume), jumping over the
+global sample ranges that rollbacks skipped (`skips`, and the data steps they jumped, do not count): the skipped
+samples are the same under any train.global_batch. A mixture blends its sources exactly (each global sample to the
+source that lags its weight most); each source reads its own consumed count through epoch-wise permutations keyed
+by (seed, epoch[, stream]), a file's stream kept in the cursor. Nothing depends on the mesh.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: the login node prepares the data file (jobs.data) without torch
     import torch
 
-from jobs.data.cursor import VERSION, Anchor, DataChanged, blend, file_identity, restore_anchor
+from jobs.data.cursor import VERSION, Anchor, DataChanged, blend, default_streams, file_identity, restore_anchor
 
 __all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS"]
 
@@ -66,18 +68,25 @@ def global_batch_indices(*, seed: int, step: int, global_batch: int, num_samples
 
 
 def _mix(
-    *, seed: int, consumed: Sequence[int], base: Sequence[int], n: int, sizes: Sequence[int], weights: Sequence[float]
+    *,
+    seed: int,
+    consumed: Sequence[int],
+    base: Sequence[int],
+    n: int,
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    streams: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(source, sample) of the next `n` global samples after the sources consumed `consumed`."""
+    """(source, sample) of the next `n` global samples after the sources consumed `consumed` (`streams`: each
+    source's permutation stream, jobs/data/cursor.default_streams when None)."""
+    streams = default_streams(len(sizes)) if streams is None else streams
     src = blend(consumed=consumed, weights=weights, n=n, base=base)
     sample = np.zeros(n, dtype=np.int64)
     for s, size in enumerate(sizes):
         sel = np.flatnonzero(src == s)
         if len(sel):
             pos = consumed[s] + np.arange(len(sel))
-            sample[sel] = epoch_samples(
-                seed=seed, num_samples=size, positions=pos, stream=0 if len(sizes) == 1 else s + 1
-            )
+            sample[sel] = epoch_samples(seed=seed, num_samples=size, positions=pos, stream=streams[s])
     return src, sample
 
 
@@ -180,9 +189,13 @@ class BatchSource:
         self.seq_positions, self.sample_overlap = seq_positions, sample_overlap
         self._splits: list[_Split] | None = None
         zeros = [0] * len(self.paths)
-        self.anchor = Anchor(0, 0, list(zeros), list(zeros))
+        self.anchor = Anchor(0, 0, list(zeros), list(zeros), default_streams(len(self.paths)))
         self._at: tuple[int, list[int]] = (0, list(zeros))  # (global position, consumed) last computed
         self._files: list[dict] | None = None  # the files' identity, taken once (file_identity)
+        # A rollback's data skip (jobs/failure/spike.py, set through TrainingHealth.bind): (first data step jumped,
+        # the data step read after the jump, first global sample skipped, end of the range). Reading jumps over the
+        # samples by position, so the same samples stay skipped under another train.global_batch.
+        self.skips: list[tuple[int, int, int, int]] = []
 
     def _open(self) -> list[_Split]:
         if self._splits is None:
@@ -196,7 +209,39 @@ class BatchSource:
                 f"data step {data_step} precedes the cursor's data step {a.data_step} (restored "
                 "from the checkpoint); the run's data steps only go forward"
             )
-        return a.position + (data_step - a.data_step) * self.global_batch
+        jumped = sum(max(0, min(b, data_step) - max(j, a.data_step)) for j, b, _, _ in self.skips)
+        runs = self._runs(a.position, (data_step - a.data_step - jumped) * self.global_batch)
+        return self._unskipped(runs[-1][1] if runs else a.position)
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        """The skipped global sample ranges [start, end) ahead of the anchor, in order."""
+        return sorted((s, e) for _, _, s, e in self.skips if e > self.anchor.position)
+
+    def _unskipped(self, pos: int) -> int:
+        """The first global position at or after `pos` outside every skipped range."""
+        for s, e in self._ranges():
+            if s <= pos < e:
+                pos = e
+        return pos
+
+    def _runs(self, pos: int, n: int) -> list[tuple[int, int]]:
+        """The runs [start, end) of global positions that the next `n` unskipped samples from `pos` occupy."""
+        runs: list[tuple[int, int]] = []
+        for s, e in self._ranges():
+            if e <= pos:
+                continue
+            if s > pos:
+                if n <= s - pos:
+                    break
+                runs.append((pos, s))
+                n -= s - pos
+            pos = max(pos, e)
+        return [*runs, (pos, pos + n)] if n > 0 else runs
+
+    def sample_span(self, first: int, last: int) -> tuple[int, int]:
+        """The global sample range [start, end) that data steps `first..last` read (a rollback's skip)."""
+        end = self._runs(self._position(last), self.global_batch)[-1][1]
+        return self._position(first), end
 
     def _consumed_at(self, position: int) -> list[int]:
         """Each source's consumed count when `position` global samples are consumed (from the anchor on)."""
@@ -221,6 +266,7 @@ class BatchSource:
             "global_batch": self.global_batch,
             "weights": list(self.weights),
             "files": self._identities(),
+            "streams": list(self.anchor.streams),
             "sample_overlap": self.sample_overlap,
         }
 
@@ -256,20 +302,21 @@ class BatchSource:
         """The global samples of a data step: (its global position, source of each, sample within its source)."""
         splits = self._open()
         start = self._position(data_step)
-        consumed = self._consumed_at(start)
-        src, sample = _mix(
-            seed=self.seed,
-            consumed=consumed,
-            base=self.anchor.base,
-            n=self.global_batch,
-            sizes=[s.num_samples for s in splits],
-            weights=self.weights,
-        )
-        self._at = (
-            start + self.global_batch,
-            [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))],
-        )
-        return start, src, sample
+        parts = []
+        for a, b in self._runs(start, self.global_batch):  # one run unless a skipped range cuts the batch
+            consumed = self._consumed_at(a)
+            src, sample = _mix(
+                seed=self.seed,
+                consumed=consumed,
+                base=self.anchor.base,
+                n=b - a,
+                sizes=[s.num_samples for s in splits],
+                weights=self.weights,
+                streams=self.anchor.streams,
+            )
+            self._at = (b, [c + int(k) for c, k in zip(consumed, np.bincount(src, minlength=len(consumed)))])
+            parts.append((src, sample))
+        return start, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def batch(self, data_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         splits = self._open()

@@ -4,9 +4,11 @@ Decided at the step boundary from the step's global loss and grad norm, which th
 all-reduce makes identical on every rank (bit for bit), so every rank decides alike with no collective.
 
 Detection (`observe`, a pure function of the detector state and the step's numbers): a step is
-suspicious when its loss is above both `failure.spike_factor` x the median of the last `failure.spike_window`
-healthy losses and that median + `failure.spike_mad_k` x their median absolute deviation (a robust
-z-score: a noisy curve widens the bar, a quiet one narrows it to the ratio), or its grad norm above
+suspicious when its loss is above both `failure.spike_factor` x the baseline and that baseline +
+`failure.spike_mad_k` x the MAD, both of the last `failure.spike_window` healthy losses without their trend
+(`trend`: a robust line's value now, and the median absolute deviation from it; a robust z-score that follows a
+falling curve: a noisy curve widens the bar, a quiet or smoothly falling one narrows it to the ratio), or its
+grad norm above
 `failure.spike_grad_norm`; both checks are armed once the window holds `spike_window` healthy steps (the
 warm-up: early losses fall fast, early grad norms run high);
 `failure.spike_patience` suspicious steps in a row are a `loss_spike`. A non-finite loss or grad norm
@@ -20,7 +22,9 @@ checkpoint `s0 <= first` (its state predates the spike's first update) and skips
 that preceded the spike: the data steps that steps `w0..last` read, where
 `w0 = max(s0, min(first, last - failure.spike_skip_steps + 1))` (the spike itself and up to
 `spike_skip_steps - 1` steps before it, never past the checkpoint). Steps from `w0` on then read
-the data after the spike; steps `s0..w0-1` are redone on the same data as before.
+the data after the spike; steps `s0..w0-1` are redone on the same data as before. The record also keeps the
+global samples those data steps read (`skip_samples`, [start, end)), and the data reads past them by position
+(jobs/data/sampler.py), so that a resume with another train.global_batch skips exactly those samples.
 
 Every rollback is one record, in the run's order: written to `events.jsonl` (kind `rollback`) before
 training goes on, and kept in `TrainState.health` (so every later checkpoint carries it). A resume
@@ -60,8 +64,10 @@ __all__ = [
     "suspicious",
     "data_step",
     "skip_entries",
+    "skip_ranges",
     "parse_corrupt",
     "check_config",
+    "check_retention",
     "CORRUPT_VAR",
     "DIVERGED_CLASSES",
 ]
@@ -123,6 +129,22 @@ def check_config(f: FailureConfig) -> None:
         raise ValueError(f"failure.spike_lr_scale({f.spike_lr_scale}) must be in (0, 1]; 1 leaves the LR alone")
 
 
+def check_retention(f: FailureConfig, *, enabled: bool, interval: str, every_steps: int, keep: int) -> None:
+    """A spike is confirmed failure.spike_patience steps after its first step, and the checkpoints saved in
+    between hold spiking updates; retention keeps checkpoint.keep of them, so with more than keep - 1 saves in
+    that streak no checkpoint from before the spike is left to roll back to (checked for a fixed interval)."""
+    if not enabled or interval != "steps" or every_steps <= 0 or f.spike_factor <= 0 and f.spike_grad_norm <= 0:
+        return
+    most = (keep - 1) * every_steps
+    if f.spike_patience > most:
+        raise ValueError(
+            f"failure.spike_patience({f.spike_patience}) > (checkpoint.keep({keep}) - 1) x checkpoint.every_steps"
+            f"({every_steps}) = {most}: while a spike is confirmed, retention deletes every checkpoint from before "
+            f"it, leaving none to roll back to; set failure.spike_patience={most} (or less) or checkpoint.keep="
+            f"{-(-f.spike_patience // every_steps) + 1}"
+        )
+
+
 def new_detector() -> dict[str, Any]:
     """The detector's state: recent healthy losses and the current streak of suspicious steps."""
     return {"history": [], "streak": []}
@@ -172,20 +194,41 @@ def _reasons(
     norms run high (at initialisation, during the LR warm-up), and neither is a spike."""
     hist = det["history"]
     armed = len(hist) >= cfg.spike_window
-    median = statistics.median(hist) if armed else None
+    median, mad = trend(hist) if armed else (None, 0.0)
     why = []
     if cfg.spike_factor > 0 and median is not None:
-        mad = statistics.median(abs(x - median) for x in hist)
         bar = max(cfg.spike_factor * median, median + cfg.spike_mad_k * mad)
         if loss > bar:
             why.append(
-                f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x median, median + "
-                f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (median {median:.4g} "
-                f"of the last failure.spike_window({cfg.spike_window}) losses)"
+                f"loss {loss:.4g} > max(failure.spike_factor({cfg.spike_factor}) x baseline, baseline + "
+                f"failure.spike_mad_k({cfg.spike_mad_k}) x MAD {mad:.3g}) = {bar:.4g} (baseline {median:.4g} and MAD "
+                f"of the last failure.spike_window({cfg.spike_window}) losses, without their trend)"
             )
     if cfg.spike_grad_norm > 0 and armed and grad_norm > cfg.spike_grad_norm:
         why.append(f"grad norm {grad_norm:.4g} > failure.spike_grad_norm({cfg.spike_grad_norm})")
     return median, why
+
+
+def trend(hist: list[float]) -> tuple[float, float]:
+    """(baseline, noise) of the healthy losses without their trend. A robust line through them (its slope the
+    median of the slopes between each loss and the one half the window later, its offset the median residual)
+    gives the baseline, its value at the step being judged; the noise is the larger of two trend-free median
+    absolute deviations: of the residuals, and of the first differences over sqrt(2) (false alarms cost a
+    rollback each). A flat window gives its median and MAD; a falling one its level now (6 -> 3.5 over 60
+    steps: 3.46, where the window's median, 4.5, lagged and the trend's spread, 0.52, let 7.06 pass)."""
+    n = len(hist)
+    if n < 2:
+        return (hist[0] if hist else 0.0), 0.0
+    h = max(1, n // 2)
+    slope = statistics.median((hist[i + h] - hist[i]) / h for i in range(n - h))
+    res = [x - slope * i for i, x in enumerate(hist)]
+    mid = statistics.median(res)
+    diffs = [b - a for a, b in zip(hist, hist[1:])]
+    dmid = statistics.median(diffs)
+    noise = max(
+        statistics.median(abs(r - mid) for r in res), statistics.median(abs(d - dmid) for d in diffs) / math.sqrt(2)
+    )
+    return mid + slope * n, noise
 
 
 def _spike(cls: str, streak: list, median: float | None, reason: str) -> Spike:
@@ -207,6 +250,16 @@ def skip_entries(records: list[dict]) -> list[tuple[int, int]]:
     for r in records:
         entries = [e for e in entries if e[0] < r["from_step"]] + [(r["from_step"], r["data_step"])]
     return entries
+
+
+def skip_ranges(records: list[dict]) -> list[tuple[int, int, int, int]]:
+    """The data skips of the rollback records that still hold (replayed as `skip_entries`): (first data step
+    jumped, the data step read after the jump, first global sample skipped, end of the range). Records from
+    before the skip was kept as a sample range (no `skip_samples`) skip by data step only, as then."""
+    kept: list[dict] = []
+    for r in records:
+        kept = [k for k in kept if k["from_step"] < r["from_step"]] + [r]
+    return [(min(r["skipped_data_steps"]), r["data_step"], *r["skip_samples"]) for r in kept if "skip_samples" in r]
 
 
 def data_step(step: int, entries: list[tuple[int, int]]) -> int:
@@ -248,6 +301,14 @@ class TrainingHealth:
         self.entries: list[tuple[int, int]] = []
         self.lr_scale = 1.0  # read by the trainer's LR schedule: the product of the rollbacks' scales
         self.corrupt = parse_corrupt(os.environ.get(CORRUPT_VAR, ""))
+        self._ledger_count: int | None = None  # rollback records in events.jsonl at the first load (rank 0)
+        self.data: Any = None  # the training BatchSource (`bind`): a rollback's skip is its sample range
+
+    def bind(self, data: Any) -> None:
+        """The training data (jobs.data.BatchSource): every rollback's skip is recorded as the global samples it
+        jumps over (`skip_samples`) and the data reads past them by position, under any train.global_batch."""
+        self.data = data
+        data.skips = skip_ranges(self.records)
 
     def data_step(self, step: int) -> int:
         return data_step(step, self.entries)
@@ -315,6 +376,7 @@ class TrainingHealth:
             )
         w0 = max(target, min(spike.first, spike.last - self.cfg.spike_skip_steps + 1))
         skipped = [self.data_step(i) for i in range(w0, spike.last + 1)]
+        span = {} if self.data is None else {"skip_samples": list(self.data.sample_span(min(skipped), max(skipped)))}
         record = {
             "rollback": n,
             "cls": spike.cls,
@@ -325,6 +387,7 @@ class TrainingHealth:
             "data_step": max(skipped) + 1,
             "skipped_data_steps": skipped,
             "lr_scale": self.cfg.spike_lr_scale,
+            **span,
         }
         self._apply(st, [*self.records, record], schedulers)
         self._emit("rollback", record=record, max_rollbacks=self.cfg.max_rollbacks, lr_scale_total=self.lr_scale)
@@ -378,6 +441,8 @@ class TrainingHealth:
     def _apply(self, st: Any, records: list[dict], schedulers: list[Any]) -> None:
         self.records = [dict(r) for r in records]
         self.entries = skip_entries(self.records)
+        if self.data is not None:
+            self.data.skips = skip_ranges(self.records)
         st.health["rollbacks"] = [dict(r) for r in self.records]
         scale = math.prod(r["lr_scale"] for r in self.records)
         if scale != self.lr_scale or scale != 1.0:
@@ -387,6 +452,13 @@ class TrainingHealth:
                 for g, lr in zip(sched.optimizer.param_groups, lrs):
                     g["lr"] = lr
                 sched._last_lr = lrs
+
+    def known_rollbacks(self) -> int:
+        """The rollbacks this run has recorded: in this process, and (rank 0, before the first resume) in
+        events.jsonl. A checkpoint load passes it on: a RAM step that knows fewer belongs to an abandoned timeline."""
+        if self.rank == 0 and self._ledger_count is None:
+            self._ledger_count = len({r["rollback"] for r in self._ledger_records()})
+        return max(len(self.records), self._ledger_count or 0)
 
     def _ledger_records(self) -> list[dict]:
         return [e["record"] for e in read_events(self.events_path, "rollback") if e.get("rank") == 0 and "record" in e]

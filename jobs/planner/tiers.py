@@ -35,7 +35,10 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
     costs, sources, known = {FILESYSTEM: (ckpt["blocking_s"], ckpt["restart_s"])}, {}, ckpt["restart_known"]
     sources[FILESYSTEM] = f"save: {ckpt['blocking_source']}; restart: {ckpt['restart_source']}"
     intervals = {FILESYSTEM: ckpt["interval_s"]} if ck.interval == "steps" else {}
-    shares = tier_shares(process_share=f.process_share, node_share=f.node_share, memory=memory, partner=partner)
+    spares = getattr(cfg.launcher, "spare_nodes", 0)
+    shares = tier_shares(
+        process_share=f.process_share, node_share=f.node_share, memory=memory, partner=partner, spare_nodes=spares
+    )
     if ck.interval == "auto" and ck.async_mode != "none":  # as the single-tier plan: no sooner than a write ends
         tau = tier_interval_s(
             save_s=ckpt["blocking_s"], mtbf_s=tier_mtbf_s(mtbf_s=ckpt["mtbf_s"], share=shares[FILESYSTEM])
@@ -53,7 +56,7 @@ def tier_section(cfg: JobConfig, *, ckpt: dict, step_s: float | None) -> dict:
             cfg, bytes_per_rank=ckpt["bytes_per_rank"], measured=measured
         )
         known = known and k
-    kw = dict(mtbf_s=ckpt["mtbf_s"], process_share=f.process_share, node_share=f.node_share)
+    kw = dict(mtbf_s=ckpt["mtbf_s"], process_share=f.process_share, node_share=f.node_share, spare_nodes=spares)
     rows = plan_tiers(costs=costs, intervals=intervals, sources=sources, **kw)
     alone = plan_tiers(costs={FILESYSTEM: costs[FILESYSTEM]}, intervals={FILESYSTEM: ckpt["interval_s"]}, **kw)
     return {

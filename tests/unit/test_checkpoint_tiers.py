@@ -158,7 +158,8 @@ def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) ->
 
 def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys) -> None:
     # A spare's ranks read the lost node's state from the nodes that hold its copies (checkpoint/memory_tier.py), so
-    # node failures are the partner tier's and the filesystem tier is read after job losses only.
+    # the node failures the spare absorbs are the partner tier's; one spare absorbs only the first node failure of
+    # an allocation (issue 37 item 9): 1 / (1 + q) of them, q = 0.5 / 0.6; the rest are read from the filesystem.
     args = [
         "+experiment=llama3_8b",
         "plan.fake_backend=false",
@@ -174,10 +175,16 @@ def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys)
     assert main([*args, "launcher.spare_nodes=1"]) in (0, 1)
     plan = json.loads(capsys.readouterr().out)
     rows = {r["tier"]: r for r in plan["tiers"]["tiers"]}
-    assert {t: r["failures"] for t, r in rows.items()} == {MEMORY: ["process"], PARTNER: ["node"], FILESYSTEM: ["job"]}
-    assert rows[FILESYSTEM]["share"] == pytest.approx(0.1)
-    # The RAM saves' one cadence covers both classes: MTBF = job MTBF / (0.4 + 0.5), printed under the table.
-    cadence_h = plan["checkpoint"]["mtbf_s"] / 0.9 / 3600
+    assert {t: r["failures"] for t, r in rows.items()} == {
+        MEMORY: ["process"],
+        PARTNER: ["node"],
+        FILESYSTEM: ["node", "job"],
+    }
+    q = 0.5 / 0.6
+    assert rows[PARTNER]["share"] == pytest.approx(0.5 / (1 + q))
+    assert rows[FILESYSTEM]["share"] == pytest.approx(0.1 + 0.5 * q / (1 + q))
+    # The RAM saves' one cadence covers both: MTBF = job MTBF / (0.4 + the partner's share), printed under the table.
+    cadence_h = plan["checkpoint"]["mtbf_s"] / (0.4 + 0.5 / (1 + q)) / 3600
     assert plan["tiers"]["cadence_mtbf_s"] / 3600 == pytest.approx(cadence_h)
     assert main([a for a in args if a != "plan.json=true"] + ["launcher.spare_nodes=1"]) in (0, 1)
     assert f"read from either (MTBF {cadence_h:.2f} h)" in capsys.readouterr().out
@@ -284,7 +291,9 @@ def test_plan_prints_the_partner_row_riding_on_the_ram_interval(capsys, tmp_path
     assert par["rides_on"] == MEMORY and par["interval_s"] == mem["interval_s"] and par["goodput"] == 1.0
     assert mem["interval_s"] == pytest.approx(
         memory_interval_s(
-            mtbf_s=mem["mtbf_s"] * 0.4, save_s=mem["save_s"] + par["save_s"], shares={MEMORY: 0.4, PARTNER: 0.5}
+            mtbf_s=mem["mtbf_s"] * 0.4,
+            save_s=mem["save_s"] + par["save_s"],
+            shares={MEMORY: 0.4, PARTNER: par["share"]},  # one spare: the first node failure per allocation
         )
     )
     assert tiers["goodput"] == pytest.approx(mem["goodput"] * fs["goodput"])  # the partner's factor is in memory's
@@ -315,5 +324,7 @@ def test_plan_prints_the_partner_row_riding_on_the_ram_interval(capsys, tmp_path
     rows = {r["tier"]: r for r in json.loads(capsys.readouterr().out)["tiers"]["tiers"]}
     assert rows[MEMORY]["save_s"] == 0.25 and rows[PARTNER]["save_s"] == 0.0
     assert rows[MEMORY]["interval_s"] == pytest.approx(
-        memory_interval_s(mtbf_s=rows[MEMORY]["mtbf_s"] * 0.4, save_s=0.25, shares={MEMORY: 0.4, PARTNER: 0.5})
+        memory_interval_s(
+            mtbf_s=rows[MEMORY]["mtbf_s"] * 0.4, save_s=0.25, shares={MEMORY: 0.4, PARTNER: rows[PARTNER]["share"]}
+        )
     )
