@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jobs import exitcodes
@@ -67,6 +67,7 @@ class Decision:
     requeues_used: int
     max_requeues: int
     attempts_without_progress: int
+    excluded: list[str] = field(default_factory=list)  # the nodes a requeue excludes (the quarantine list)
 
 
 def requeues_used(events: list[dict], *, restart_count: int) -> int:

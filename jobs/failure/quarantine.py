@@ -59,11 +59,44 @@ def _path(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def quarantined(run_dir: str | os.PathLike[str]) -> list[dict]:
-    """The run's quarantine list ([] when there is none)."""
+    """The run's quarantine list ([] when there is none). The file is edited by hand too: what cannot be read
+    (not JSON, not a list, an entry without a node name) is left out with a warning that names the file and the
+    fix, never raised (the decision path reads it before `scontrol requeue`); a bare node name (`["node3"]`) is
+    taken as that node."""
+    path = _path(run_dir)
     try:
-        return json.loads(_path(run_dir).read_text())
+        listed = json.loads(path.read_text())
     except FileNotFoundError:
         return []
+    except (OSError, ValueError) as e:
+        _bad_quarantine(path, f"cannot be read ({e}); no node is excluded by it")
+        return []
+    if not isinstance(listed, list):
+        _bad_quarantine(path, f"holds a {type(listed).__name__}, not a list; no node is excluded by it")
+        return []
+    entries, bare, skipped = [], [], []
+    for e in listed:
+        if isinstance(e, str) and e:
+            entries.append({"node": e, "reason": "listed by hand"})
+            bare.append(e)
+        elif isinstance(e, dict) and isinstance(e.get("node"), str) and e["node"]:
+            entries.append(e)
+        else:
+            skipped.append(e)
+    if skipped or bare:
+        said = [f"bare node name(s) {', '.join(bare)} taken as quarantined"] if bare else []
+        said += [f"entries without a node name left out: {json.dumps(skipped, default=str)[:200]}"] if skipped else []
+        _bad_quarantine(path, "; ".join(said))
+    return entries
+
+
+def _bad_quarantine(path: Path, what: str) -> None:
+    get_logger().warning(
+        "%s %s: write it as a JSON list of objects, one per node, e.g. "
+        '[{"node": "node3", "reason": "bad DIMM"}], or delete it to exclude no node',
+        path,
+        what,
+    )
 
 
 def add_to_quarantine(

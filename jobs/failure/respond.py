@@ -101,7 +101,42 @@ def conclude(
 def _conclude(
     ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None, recorded: bool
 ) -> Decision:
-    """`conclude`, returning the decision."""
+    """`conclude`, returning the decision. Whatever raises between the claim and the publish (a hand-edited file,
+    a full disk, a bug) ends in `_last_resort`: the job is requeued and a decision published all the same."""
+    done: dict = {}  # what has been done so far: slurm (its intent, once asked), requeued
+    try:
+        d = _decide(ctx, cause=cause, step=step, incident=incident, recorded=recorded, done=done)
+        if d.action == "requeue" and ctx.job_id:
+            excluded = d.excluded
+            ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
+            done["requeued"] = ok
+            # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
+            # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
+            ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
+    except Exception as e:  # noqa: BLE001 - the decision must be published and the job must not be lost
+        d = _last_resort(ctx, cause=cause, error=e, done=done)
+    # Only now: the supervisor ends the step on a published decision, and its batch script then ends
+    # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
+    _publish(ctx, d)
+    log = get_logger()
+    (log.error if d.action == "stop" else log.warning)(
+        "attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt, cause, d.action, d.reason, d.exit_code
+    )
+    if d.action == "stop":
+        try:
+            print(
+                render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
+                flush=True,
+            )
+        except Exception as e:  # noqa: BLE001 - the summary is for reading only
+            log.error("no summary of the attempts: %s", e)
+    return d
+
+
+def _decide(
+    ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None, recorded: bool, done: dict
+) -> Decision:
+    """The incident and ledger records, and the decision (with its `excluded` nodes), before any Slurm action."""
     if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
         ctx.events.emit(
@@ -113,7 +148,7 @@ def _conclude(
         )
     # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
     # back, and one that Slurm already requeues is not requeued twice.
-    slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
+    slurm = done["slurm"] = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
     restart = _restart(ctx, suspects, slurm, cause=cause)
@@ -126,29 +161,56 @@ def _conclude(
         restart=restart,
         suspect_nodes=suspects,
     )
-    excluded = _quarantine(ctx, d, incident, restart)
-    ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
+    d.excluded = _quarantine(ctx, d, incident, restart)
+    ctx.events.emit("decision", cause=cause, **asdict(d))
+    done["decision"] = d
     swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
     if swapped:  # the supervisor's next placement leaves the quarantined nodes out and takes these spares
-        ctx.events.emit("spare_swap", swapped=swapped, excluded=excluded)
+        ctx.events.emit("spare_swap", swapped=swapped, excluded=d.excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
-    try:
-        if d.action == "requeue" and ctx.job_id:
-            ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
-            # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
-            # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
-            ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
-    finally:
-        # Only now: the supervisor ends the step on a published decision, and its batch script then ends
-        # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
-        _publish(ctx, d)
-    log = get_logger()
-    (log.error if d.action == "stop" else log.warning)(
-        "attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt, cause, d.action, d.reason, d.exit_code
-    )
-    if d.action == "stop":
-        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"), flush=True)
     return d
+
+
+def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dict) -> Decision:
+    """The decision when the decision path raised: a requeue (exit 75) unless Slurm is already cancelling or
+    requeueing the job, or this job's own restart count has spent failure.max_requeues (a path that always
+    fails must not requeue forever); recorded where it can be (the ledger, else the job log)."""
+    log, f = get_logger(), ctx.cfg
+    log.error("attempt %s: the decision path failed (%s: %s)", ctx.attempt, type(error).__name__, error, exc_info=True)
+    why = f"{cause}: the decision path failed ({type(error).__name__}: {error})"
+    facts = dict(requeues_used=ctx.restart_count, max_requeues=f.max_requeues, attempts_without_progress=0)
+    slurm, d = done.get("slurm"), done.get("decision")
+    if d is not None:  # recorded already: only its requeue is left to do
+        if d.action == "requeue" and ctx.job_id and not done.get("requeued"):
+            ok, said = requeue_job(ctx.job_id)
+            _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
+        return d
+    if slurm == "cancelled":
+        d = Decision("none", f"{why}; the job is being cancelled: not requeued", exitcodes.REQUEUE, **facts)
+    elif slurm == "requeued" or done.get("requeued"):
+        d = Decision("requeued_by_slurm", f"{why}; the job is requeued already", exitcodes.REQUEUE, **facts)
+    elif ctx.restart_count >= f.max_requeues:
+        d = Decision(
+            "stop",
+            f"{why}; restart count {ctx.restart_count} >= failure.max_requeues({f.max_requeues}): stopped",
+            exitcodes.STOPPED,
+            **facts,
+        )
+    else:
+        d = Decision("requeue", f"{why}; requeued as a last resort, without exclusions", exitcodes.REQUEUE, **facts)
+        if ctx.job_id:
+            ok, said = requeue_job(ctx.job_id)
+            _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
+    _emit_or_log(ctx, "decision", cause=cause, **asdict(d))
+    _emit_or_log(ctx, "attempt_end", cause=cause, action=d.action, step=None)
+    return d
+
+
+def _emit_or_log(ctx: AttemptContext, kind: str, **fields) -> None:
+    try:
+        ctx.events.emit(kind, **fields)
+    except Exception as e:  # noqa: BLE001 - the ledger may be what failed
+        get_logger().error("ledger record %s not written (%s): %s", kind, e, json.dumps(fields, default=str))
 
 
 def _publish(ctx: AttemptContext, d: Decision) -> None:
@@ -245,17 +307,37 @@ def on_failure(
             d = read_decision(ctx.run_dir, ctx.attempt, wait_s=decision_wait_s(ctx.cfg))
             return int(d["exit_code"]) if d else exitcodes.REQUEUE
         if incident is None:
-            incident = classify_settled(
-                run_dir=ctx.run_dir,
-                world_size=ctx.world_size,
-                me=ctx.rank,
-                attempt=ctx.attempt,
-                heartbeat_s=ctx.cfg.heartbeat_s,
-                error=error,
-                during=during,
-            )
+            incident = _classified(ctx, error=error, during=during)
         get_logger().error("incident %s: %s", incident.cls, incident.summary)
         return conclude(ctx, cause=incident.cls, step=step, incident=incident)
+
+
+def _classified(ctx: AttemptContext, *, error: BaseException | None, during: str) -> Incident:
+    """`classify_settled`; when classifying itself fails (unreadable heartbeats), a `rank_crashed` incident
+    without suspects that says so: the claim is held, so a decision must follow."""
+    try:
+        return classify_settled(
+            run_dir=ctx.run_dir,
+            world_size=ctx.world_size,
+            me=ctx.rank,
+            attempt=ctx.attempt,
+            heartbeat_s=ctx.cfg.heartbeat_s,
+            error=error,
+            during=during,
+        )
+    except Exception as e:  # noqa: BLE001 - see above
+        get_logger().error(
+            "attempt %s: the incident could not be classified (%s: %s)", ctx.attempt, type(e).__name__, e
+        )
+        what = f"{type(error).__name__}: {error}" if error is not None else "a failure"
+        return Incident(
+            "rank_crashed",
+            ctx.attempt,
+            ctx.rank,
+            f"rank {ctx.rank} met {what} during {during}; not classified ({type(e).__name__}: {e})",
+            [],
+            {"classify_error": f"{type(e).__name__}: {e}"},
+        )
 
 
 def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | None:
