@@ -201,7 +201,7 @@ class FailureConfig:
     node_share: float = (
         0.77  # assumed share that lose one node (partner tier); the rest (1 - both) loses the allocation (filesystem)
     )
-    max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
+    max_requeues: int = 10  # requeues before the job stops for good; a stop notice after a new checkpoint is free
     restarts_in_allocation: int = (
         3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
     )

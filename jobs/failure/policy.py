@@ -37,6 +37,7 @@ __all__ = [
     "requeue_job",
     "requeues_used",
     "slurm_intent",
+    "stop_notice",
     "suspects_again",
 ]
 
@@ -68,13 +69,23 @@ class Decision:
     max_requeues: int
     attempts_without_progress: int
     excluded: list[str] = field(default_factory=list)  # the nodes a requeue excludes (the quarantine list)
+    free: bool = False  # a requeue that failure.max_requeues does not count: a stop notice after committed progress
 
 
 def requeues_used(events: list[dict], *, restart_count: int) -> int:
-    """Requeues so far: Slurm's restart count of this job (it also counts Slurm's own and an admin's
-    requeues) or the run's ledger (it also counts earlier jobs of the same run dir), the larger."""
-    ours = sum(1 for e in events if e.get("kind") == "decision" and e.get("action") == "requeue")
-    return max(restart_count, ours)
+    """Requeues that count against failure.max_requeues so far: Slurm's restart count of this job (it also
+    counts Slurm's own and an admin's requeues) or the run's ledger (it also counts earlier jobs of the same run
+    dir), the larger; either without the free ones (`Decision.free`: a time limit or a preemption after
+    committed progress, as submitit spends its countdown on timeouts only)."""
+    decisions = [e for e in events if e.get("kind") == "decision"]
+    free = sum(1 for e in decisions if e.get("free") and e.get("action") in ("requeue", "requeued_by_slurm"))
+    ours = sum(1 for e in decisions if e.get("action") == "requeue" and not e.get("free"))
+    return max(restart_count - free, ours)
+
+
+def stop_notice(cause: str) -> bool:
+    """A cause that is a stop notice (the time limit's or a preemption's signal), not a fault."""
+    return cause.startswith("SIG") or cause in ("stop_signal", "preempted")
 
 
 # scontrol's Reason of a job whose batch script ended by itself with an error (Slurm 22.05 FAIL_EXIT_CODE,
@@ -125,7 +136,8 @@ def decide(
         cause = "supervisor_died"  # nobody will start the ranks again: only a requeue brings the job back
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
-    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
+    free = stop_notice(cause) and fruitless == 0  # this attempt committed a checkpoint before the notice
+    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless, free=free)
     if slurm == "requeued":
         return Decision(
             "requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts
@@ -163,6 +175,14 @@ def decide(
                 **facts,
             )
         cause = f"{cause} ({why})"
+    if free:
+        return Decision(
+            "requeue",
+            f"{cause}: requeue after committed progress, not counted against failure.max_requeues"
+            f"({cfg.max_requeues}) ({used} counted so far)",
+            exitcodes.REQUEUE,
+            **facts,
+        )
     if used >= cfg.max_requeues:
         return Decision(
             "stop",

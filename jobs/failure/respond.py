@@ -30,6 +30,7 @@ from jobs.failure.policy import (
     publish,
     read_decision,
     requeue_job,
+    requeues_used,
     slurm_intent,
 )
 from jobs.failure.quarantine import (
@@ -173,12 +174,16 @@ def _decide(
 
 def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dict) -> Decision:
     """The decision when the decision path raised: a requeue (exit 75) unless Slurm is already cancelling or
-    requeueing the job, or this job's own restart count has spent failure.max_requeues (a path that always
+    requeueing the job, or the requeues counted so far spend failure.max_requeues (a path that always
     fails must not requeue forever); recorded where it can be (the ledger, else the job log)."""
     log, f = get_logger(), ctx.cfg
     log.error("attempt %s: the decision path failed (%s: %s)", ctx.attempt, type(error).__name__, error, exc_info=True)
     why = f"{cause}: the decision path failed ({type(error).__name__}: {error})"
-    facts = dict(requeues_used=ctx.restart_count, max_requeues=f.max_requeues, attempts_without_progress=0)
+    try:
+        used = requeues_used(read_events(ctx.events.path), restart_count=ctx.restart_count)
+    except Exception:  # noqa: BLE001 - the ledger may be what failed: Slurm's count, free requeues included
+        used = ctx.restart_count
+    facts = dict(requeues_used=used, max_requeues=f.max_requeues, attempts_without_progress=0)
     slurm, d = done.get("slurm"), done.get("decision")
     if d is not None:  # recorded already: only its requeue is left to do
         if d.action == "requeue" and ctx.job_id and not done.get("requeued"):
@@ -189,10 +194,10 @@ def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dic
         d = Decision("none", f"{why}; the job is being cancelled: not requeued", exitcodes.REQUEUE, **facts)
     elif slurm == "requeued" or done.get("requeued"):
         d = Decision("requeued_by_slurm", f"{why}; the job is requeued already", exitcodes.REQUEUE, **facts)
-    elif ctx.restart_count >= f.max_requeues:
+    elif used >= f.max_requeues:
         d = Decision(
             "stop",
-            f"{why}; restart count {ctx.restart_count} >= failure.max_requeues({f.max_requeues}): stopped",
+            f"{why}; {used} requeues >= failure.max_requeues({f.max_requeues}): stopped",
             exitcodes.STOPPED,
             **facts,
         )
