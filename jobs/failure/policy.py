@@ -136,7 +136,7 @@ def decide(
         cause = "supervisor_died"  # nobody will start the ranks again: only a requeue brings the job back
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
-    free = stop_notice(cause) and fruitless == 0  # this attempt committed a checkpoint before the notice
+    free = stop_notice(cause) and fruitless == 0 and not _failed(events)  # a checkpoint committed, no fault seen
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless, free=free)
     if slurm == "requeued":
         return Decision(
@@ -215,6 +215,13 @@ def decide(
         exitcodes.REQUEUE,
         **facts,
     )
+
+
+def _failed(events: list[dict]) -> bool:
+    """Whether the newest attempt recorded a failure (the guard's `supervisor_died` before the USR2 it sends)."""
+    every = attempts(events)
+    newest = every[-1].attempt if every else None
+    return any(e.get("kind") == "failure" and e.get("attempt") == newest for e in events)
 
 
 def suspects_again(events: list[dict], nodes: list[str]) -> list[str]:

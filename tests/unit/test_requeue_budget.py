@@ -96,3 +96,16 @@ def test_faults_and_a_dead_supervisor_still_spend_the_budget() -> None:
     assert (d.action, d.free) == ("stop", False), d
     # Slurm's count of a job whose earlier requeues the ledger does not hold (lost attempts) still counts.
     assert requeues_used([], restart_count=4) == 4
+
+
+def test_the_guards_usr2_after_a_dead_supervisor_is_a_fault_and_counts() -> None:
+    # The guard records `supervisor_died` and sends the ranks USR2; their decider sees a stop notice.
+    events = [
+        {"kind": "attempt_start", "attempt": "9.0", "time": 0},
+        {"kind": "train_start", "attempt": "9.0", "time": 0, "step": 0},
+        {"kind": "checkpoint_saved", "attempt": "9.0", "time": 1, "step": 20},
+        {"kind": "failure", "attempt": "9.0", "time": 2, "cls": "supervisor_died", "suspects": []},
+    ]
+    d = decide(events, cause="SIGUSR2", cfg=FailureConfig(max_requeues=1), restart_count=0)
+    assert (d.action, d.free, d.reason) == ("requeue", False, "SIGUSR2: requeue 1 of failure.max_requeues(1)"), d
+    assert decide(events, cause="SIGUSR2", cfg=FailureConfig(max_requeues=1), restart_count=1).action == "stop"
