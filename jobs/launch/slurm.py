@@ -147,8 +147,6 @@ def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
 
 # torchrun's agent handles these itself (its default is SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM is left out.
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
-# The ranks' codes that say more than "failed", the most final first.
-_RANK_CODES = (exitcodes.DIVERGED, exitcodes.STOPPED, exitcodes.CONFIG_ERROR, exitcodes.REQUEUE)
 
 
 def agent_main(argv: list[str]) -> int:
@@ -169,13 +167,8 @@ def agent_main(argv: list[str]) -> int:
 
 
 def agent_exit_code(codes: list[int]) -> int:
-    """One exit code for a node's failed ranks (their last start): a "do not requeue" code first, then
-    REQUEUE, else the first failure's (a death by signal N as 128 + N, as a shell reports it)."""
-    for code in _RANK_CODES:
-        if code in codes:
-            return code
-    first = codes[0] if codes else exitcodes.FAILED
-    return 128 - first if first < 0 else first or exitcodes.FAILED
+    """One exit code for a node's failed ranks (their last start): `exitcodes.most_final`."""
+    return exitcodes.most_final(codes)
 
 
 class SlurmJob:
@@ -366,18 +359,29 @@ def submit(cfg: JobConfig) -> int:
     return wait_for_job(job.job_id, run_dir)
 
 
+_MODES = ("--supervise", "--rank-config", "--prepare", "--rank", "--agent", "--after-agents")
+
+
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
     prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
     rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once),
-    `--agent TORCHRUN_ARGS` (one per node) and `--rank OVERRIDES` (every rank, started by the agent)."""
+    `--agent TORCHRUN_ARGS` (one per node), `--rank OVERRIDES` (every rank, started by the agent) and
+    `--after-agents CODE OVERRIDES` (the batch step again, with the agents' srun exit code: the job's exit code)."""
     from jobs.config import compose
-    from jobs.launch.supervise import guarded, load_rank_config
+    from jobs.launch.supervise import after_agents, guarded, load_rank_config
 
     if mode == "--agent":
         return agent_main(argv)
     if mode == "--rank-config":
         return rank_main(load_rank_config(argv[0]), stop)
+    if mode == "--after-agents":  # the agents' srun exit code, then the overrides
+        try:
+            code, cfg = int(argv[0]), compose(argv[1:])
+        except Exception as e:  # noqa: BLE001 - as below
+            print(f"config error: {e}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
+        return after_agents(cfg, step_code=code)
     try:
         cfg = compose(argv)
         if mode != "--rank":
@@ -401,10 +405,10 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank", "--agent"):
+    if len(sys.argv) < 3 or sys.argv[1] not in _MODES:
         print(
             "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
-            "--agent TORCHRUN_ARGS...  "
+            "--agent TORCHRUN_ARGS... | --after-agents SRUN_EXIT_CODE [OVERRIDES...]  "
             "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
             "`python -m jobs.train launcher=slurm`)",
             file=sys.stderr,

@@ -53,7 +53,7 @@ from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
-__all__ = ["guarded", "supervise", "rank_config_path", "load_rank_config"]
+__all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_rank_config", "task_code"]
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
@@ -273,16 +273,21 @@ def _run_step(
 
 
 class _RankExits:
-    """srun's own stderr, passed through, watched for its line about a rank that ended (`srun: error:
-    node1: task 1: Exited with exit code 75`; srun prints it when the task ends, while the step goes on
-    under --kill-on-bad-exit=0): a rank that left without a decision (its failure path could not write
-    to a full or read-only disk) must not leave the others waiting until the time limit."""
+    """srun's own stderr, passed through, watched for its lines about tasks that ended (`srun: error: node1:
+    task 1: Exited with exit code 75`, `... tasks 0-3: Killed`, `... task 2: Out Of Memory`, `... task 0: Bus
+    error`; srun prints one when a task ends badly, while the step goes on under --kill-on-bad-exit=0): a rank that
+    left without a decision (its failure path could not write to a full or read-only disk) must not leave the
+    others waiting until the time limit. Any text after the task list counts as an end (srun words a death by
+    signal with strsignal, whose text varies); `codes` keeps each task's exit code as far as the text says it
+    (128 + N for signal N, 137 for Out Of Memory, FAILED when it cannot be told)."""
 
-    _ENDED = re.compile(r"tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated|Aborted|Segmentation fault)")
+    _ENDED = re.compile(r"srun: error: [^:\s]+: tasks? ([\d,\-]+): (.+)$")
+    _EXITED = re.compile(r"Exited with exit code (\d+)")
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.first: str | None = None
         self.first_at: float | None = None
+        self.codes: dict[int, int] = {}  # task -> exit code, for the tasks srun reported ended badly
         self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True)
         self._thread.start()
 
@@ -295,9 +300,37 @@ class _RankExits:
         for line in stream:
             sys.stderr.write(line)
             sys.stderr.flush()
-            m = self._ENDED.search(line)
-            if m and self.first_at is None:
+            m = self._ENDED.search(line.strip())
+            if m is None:
+                continue
+            for task in _task_list(m.group(1)):
+                self.codes[task] = task_code(m.group(2))
+            if self.first_at is None:
                 self.first, self.first_at = line.strip(), time.monotonic()
+
+
+_SIGNAL_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
+
+
+def task_code(text: str) -> int:
+    """The exit code of a task from srun's words for its end: `Exited with exit code N` -> N, a signal's
+    strsignal text -> 128 + N, `Out Of Memory` -> 137 (the OOM killer's SIGKILL), else FAILED."""
+    m = _RankExits._EXITED.search(text)
+    if m:
+        return int(m.group(1))
+    if text.strip().lower().startswith("out of memory"):
+        return 128 + signal.SIGKILL
+    sig = _SIGNAL_TEXT.get(text.strip().removesuffix(" (core dumped)"))
+    return 128 + sig if sig else exitcodes.FAILED
+
+
+def _task_list(spec: str) -> list[int]:
+    """`0,2-4` -> [0, 2, 3, 4]."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 def _numbered_steps() -> list[str]:
@@ -354,6 +387,32 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
         events=events,
     )
     return conclude(ctx, cause="supervisor_died", step=None)
+
+
+def after_agents(cfg: JobConfig, *, step_code: int) -> int:
+    """The torchrun style's batch step once its agents' srun step ended: the job's exit code is the allocation's
+    newest decision's, not srun's (the highest of the agents' codes: a SIGKILLed node's 137 would beat 76, "do not
+    requeue"); and, as the supervisor does, decided here when that attempt's decider died between claim and publish,
+    or when the step failed and no rank could claim it. No restart follows here: the agents are gone."""
+    job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    attempt, n = _current_attempt(cfg.run.dir, job_id, restart)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
+        restart_in_allocation=n,
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+    )
+    d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
+    if d is None and step_code != exitcodes.OK:
+        d = decide_for_silent_attempt(ctx, step_code=step_code, why=f"the agents' srun step exited {step_code}")
+    return step_code if d is None else int(d["exit_code"])
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:
