@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from jobs.events import exclusive
 from jobs.log import get_logger
 
 __all__ = [
@@ -107,8 +108,16 @@ def add_to_quarantine(
     incident: str,
     evidence: dict[str, dict] | None = None,
 ) -> list[dict]:
-    """Adds the nodes not yet on the list (temp file + rename), each with its `evidence[node]` when given;
-    returns the whole list."""
+    """Adds the nodes not yet on the list (temp file + rename, read and written under `exclusive`: deciders and
+    straggler checks on several hosts may add at once), each with its `evidence[node]` when given; returns the
+    whole list."""
+    with exclusive(_path(run_dir)):
+        return _add(run_dir, nodes, reason=reason, incident=incident, evidence=evidence)
+
+
+def _add(
+    run_dir: str | os.PathLike[str], nodes: list[str], *, reason: str, incident: str, evidence: dict[str, dict] | None
+) -> list[dict]:
     entries = quarantined(run_dir)
     known = {e["node"] for e in entries}
     entries += [
