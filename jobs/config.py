@@ -206,6 +206,9 @@ class FailureConfig:
         3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
     )
     node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
+    quarantine_ttl_h: float = (
+        24.0  # a quarantined node is excluded this many hours after it was listed; 0 = until removed
+    )
     max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
     init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
     collective_timeout_s: float = 300.0  # every process group once the first step has completed

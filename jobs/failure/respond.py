@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
@@ -32,11 +32,12 @@ from jobs.failure.policy import (
     requeue_job,
     requeues_used,
     slurm_intent,
+    suspects_again,
 )
 from jobs.failure.quarantine import (
     QUARANTINE_CLASSES,
     add_to_quarantine,
-    node_answers,
+    probe_nodes,
     quarantined,
     requeue_excluding,
     usable_nodes,
@@ -72,6 +73,7 @@ class AttemptContext:
     restart_in_allocation: int = 0  # restarts inside this allocation before this attempt
     partition: str | None = None  # where a requeued job must find `nodes_needed` usable nodes
     nodes_needed: int = 1
+    always_excluded: list[str] = field(default_factory=list)  # cluster.exclude, expanded: in every ExcNodeList
 
 
 def open_attempt(ctx: AttemptContext, **facts) -> None:
@@ -108,8 +110,9 @@ def _conclude(
     try:
         d = _decide(ctx, cause=cause, step=step, incident=incident, recorded=recorded, done=done)
         if d.action == "requeue" and ctx.job_id:
-            excluded = d.excluded
-            ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
+            excluded = d.excluded  # an update replaces the job's exclusion: cluster.exclude goes in again
+            exclude = list(dict.fromkeys([*excluded, *ctx.always_excluded]))
+            ok, said = requeue_excluding(ctx.job_id, exclude) if excluded else requeue_job(ctx.job_id)
             done["requeued"] = ok
             # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
             # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
@@ -152,7 +155,8 @@ def _decide(
     slurm = done["slurm"] = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
-    restart = _restart(ctx, suspects, slurm, cause=cause)
+    probes: dict[str, tuple[str, str]] = {}  # node -> (verdict, what was seen): `probe_nodes`
+    restart = _restart(ctx, suspects, slurm, cause=cause, probes=probes)
     d = decide(
         read_events(ctx.events.path),
         cause=cause,
@@ -162,7 +166,7 @@ def _decide(
         restart=restart,
         suspect_nodes=suspects,
     )
-    d.excluded = _quarantine(ctx, d, incident, restart)
+    d.excluded = _quarantine(ctx, d, incident, restart, probes=probes)
     ctx.events.emit("decision", cause=cause, **asdict(d))
     done["decision"] = d
     swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
@@ -228,11 +232,14 @@ def _publish(ctx: AttemptContext, d: Decision) -> None:
         get_logger().error("decision of attempt %s not published (%s): %s", ctx.attempt, e, json.dumps(asdict(d)))
 
 
-def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cause: str) -> Restart | None:
-    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed only
-    when a restart is possible at all), and the allocation's idle spares (`jobs.failure.spares`). A
-    node-pointing class that a restart does not cure (an unhealthy GPU, SDC) restarts only with its suspects'
-    nodes swapped for spares; None when it cannot."""
+def _restart(
+    ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cause: str, probes: dict | None = None
+) -> Restart | None:
+    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed, all at once,
+    only when a restart is possible at all; a probe that slurmctld failed is no evidence: `probe_node`), and the
+    allocation's idle spares (`jobs.failure.spares`). A node-pointing class that a restart does not cure (an
+    unhealthy GPU, SDC) restarts only with its suspects' nodes swapped for spares; None when it cannot.
+    `probes` receives what each probe found."""
     spares = spares_of(read_events(ctx.events.path), ctx.attempt)
     if cause not in RESTART_CLASSES:
         bad = list(dict.fromkeys(suspects))
@@ -240,33 +247,37 @@ def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cau
         return Restart(True, ctx.restart_in_allocation, bad, spares) if ok else None
     if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
         return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [], spares)
-    bad = [
-        n
-        for n in dict.fromkeys(suspects)
-        if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)
-    ]
+    found = probe_nodes(ctx.job_id, suspects, timeout_s=ctx.cfg.node_probe_timeout_s) if ctx.job_id else {}
+    if probes is not None:
+        probes.update(found)
+    bad = [n for n in dict.fromkeys(suspects) if found.get(n, ("answers",))[0] == "silent"]
     return Restart(True, ctx.restart_in_allocation, bad, spares)
 
 
-def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None) -> list[str]:
+def _quarantine(
+    ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None, *, probes: dict | None = None
+) -> list[str]:
     """A requeue after an incident that points at nodes (`QUARANTINE_CLASSES`) puts its suspects' nodes on
-    the run's quarantine list, each with its evidence; every requeue excludes the whole list. When that
-    leaves too few usable nodes, the decision becomes a stop that says so (not when Slurm cannot say).
-    A restart that swaps spares in for bad nodes quarantines those nodes (whatever the class) and no others.
-    Returns the list."""
+    the run's quarantine list, each with its evidence from the node itself (`_evidence`); every requeue excludes
+    the whole list. When that leaves too few usable nodes, the decision becomes a stop that says so (not when
+    Slurm cannot say). A restart that swaps spares in for bad nodes quarantines those nodes (whatever the class)
+    and no others. Returns the list."""
     swapping = d.action == "restart" and restart is not None and bool(restart.bad_nodes)
     if d.action not in ("requeue", "requeued_by_slurm") and not swapping or not ctx.job_id:
         return []
     if incident is not None and (incident.cls in QUARANTINE_CLASSES or swapping):
-        evidence = _evidence(incident, restart, probe_timeout_s=ctx.cfg.node_probe_timeout_s)
-        add_to_quarantine(
-            ctx.run_dir,
-            restart.bad_nodes if swapping else list(evidence),
-            reason=f"suspect of a {incident.cls} incident",
-            incident=ctx.attempt,
-            evidence=evidence,
-        )
-    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
+        evidence = _evidence(ctx, incident, {} if probes is None else probes)
+        nodes = restart.bad_nodes if swapping else list(evidence)
+        if nodes:
+            add_to_quarantine(
+                ctx.run_dir,
+                nodes,
+                reason=f"suspect of a {incident.cls} incident",
+                incident=ctx.attempt,
+                evidence=evidence,
+                ttl_h=ctx.cfg.quarantine_ttl_h,
+            )
+    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir, ttl_h=ctx.cfg.quarantine_ttl_h)})
     if excluded and d.action == "requeue":
         usable = usable_nodes(ctx.partition, set(excluded))
         if usable is None:
@@ -281,17 +292,58 @@ def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, res
     return excluded
 
 
-def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: float) -> dict[str, dict]:
-    """node -> why it is suspect: the incident's class and summary, its suspects on that node (rank, pid,
-    state, step, beat age, GPU...) and what the probe found, when it was probed."""
+# A dead or hung rank is evidence against its process, not its node: its node is quarantined only when the node
+# itself says so (a probe it did not answer while slurmctld did), or when the fault recurs on that node.
+_PROCESS_CLASSES = frozenset({"dead_rank", "hung_rank"})
+
+
+def _evidence(ctx: AttemptContext, incident: Incident, probes: dict[str, tuple[str, str]]) -> dict[str, dict]:
+    """node -> why it is suspect: the incident's class and summary, its suspects on that node (rank, pid, state,
+    step, beat age, GPU...) and, for a dead or hung rank, the evidence from the node itself: its probe (run now,
+    all at once, when the restart decision did not), or the same node suspect in an earlier attempt of the streak
+    (`suspects_again`). Never a node whose suspect rank was a suspect on another node before: the fault follows
+    the rank (its data, its code path), not the node."""
     out: dict[str, dict] = {}
     for s in incident.suspects:
         if s.get("node"):
             entry = out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})
             entry["suspects"].append(s)
-    for node in restart.bad_nodes if restart and incident.cls in RESTART_CLASSES else []:
-        if node in out:
-            out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s({probe_timeout_s})"
+    if incident.cls not in _PROCESS_CLASSES:
+        return out
+    events = read_events(ctx.events.path)
+    followed, again = _followed_rank(events, incident), set(suspects_again(events, list(out)))
+    unprobed = [n for n in out if n not in probes and n not in followed]
+    if unprobed and ctx.job_id:
+        probes.update(probe_nodes(ctx.job_id, unprobed, timeout_s=ctx.cfg.node_probe_timeout_s))
+    for node in list(out):
+        verdict, said = probes.get(node, ("unknown", "not probed"))
+        if node not in followed and verdict == "silent":
+            out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s: {said}"
+        elif node not in followed and node in again:
+            out[node]["recurring"] = "suspect of an earlier attempt without progress as well"
+        else:
+            why = followed.get(node) or f"its probe: {verdict} ({said})"
+            get_logger().warning("node %s not quarantined after a %s incident: %s", node, incident.cls, why)
+            del out[node]
+    return out
+
+
+def _followed_rank(events: list[dict], incident: Incident) -> dict[str, str]:
+    """node -> why: the incident's suspect nodes whose suspect rank was a dead or hung suspect of an earlier
+    attempt on another node (the same rank failing on different nodes)."""
+    earlier: dict[int, set[str]] = {}
+    for e in events:
+        if e.get("kind") == "failure" and e.get("cls") in _PROCESS_CLASSES and e.get("attempt") != incident.attempt:
+            for s in e.get("suspects") or []:
+                if s.get("rank") is not None and s.get("node"):
+                    earlier.setdefault(s["rank"], set()).add(s["node"])
+    out = {}
+    for s in incident.suspects:
+        others = earlier.get(s.get("rank"), set()) - {s.get("node")}
+        if s.get("node") and others:
+            out[s["node"]] = (
+                f"rank {s['rank']} failed on {', '.join(sorted(others))} before: the fault follows the rank"
+            )
     return out
 
 

@@ -29,7 +29,7 @@ from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, always_excluded
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import get_logger, setup_logging
 from jobs.telemetry.health import GpuHealth, rank_health
@@ -58,6 +58,7 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
         restart_in_allocation=env.restart_in_allocation,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
     )
 
 

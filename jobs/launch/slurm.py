@@ -290,7 +290,14 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
         array_parallelism=ln.array_parallelism or 256,
     )
     # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
-    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")), *_known_quarantined(cfg.run.dir)]))
+    exclude = ",".join(
+        dict.fromkeys(
+            [
+                *filter(None, (cl.exclude or "").split(",")),
+                *_known_quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h),
+            ]
+        )
+    )
     optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint, exclude=exclude)
     params.update({k: v for k, v in optional.items() if v})
     if cl.gpus_per_node:
@@ -301,11 +308,11 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     return ex
 
 
-def _known_quarantined(run_dir: str) -> list[str]:
+def _known_quarantined(run_dir: str, *, ttl_h: float = 0.0) -> list[str]:
     """The run's quarantined nodes that Slurm knows: sbatch refuses a job whose --exclude names a node it does
     not know (one since removed or renamed), so those are left out and named on stderr; all of them when
     sinfo cannot say."""
-    listed = list(dict.fromkeys(e["node"] for e in quarantined(run_dir)))
+    listed = list(dict.fromkeys(e["node"] for e in quarantined(run_dir, ttl_h=ttl_h)))
     known = known_nodes() if listed else None
     if known is None:
         return listed

@@ -50,7 +50,7 @@ from jobs.failure.respond import (
 )
 from jobs.failure.signals import parse_signals
 from jobs.failure.spares import place
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_name, expand_nodelist, slurm_job_id
 from jobs.log import get_logger
 
 __all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_rank_config", "task_code"]
@@ -137,6 +137,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             restart_in_allocation=n,
             partition=cfg.cluster.partition,
             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+            always_excluded=always_excluded(cfg),
         )
         placed = _placement(cfg, nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
@@ -176,7 +177,8 @@ def _placement(cfg: JobConfig, nodes: list[str]) -> dict[str, list[str]]:
     nodes off quarantine) and its idle `spares`, for its `attempt_start` and srun; {} without spares."""
     if not cfg.launcher.spare_nodes:
         return {}
-    step_nodes, spares = place(nodes, excluded={e["node"] for e in quarantined(cfg.run.dir)}, nodes=cfg.launcher.nodes)
+    listed = quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h)
+    step_nodes, spares = place(nodes, excluded={e["node"] for e in listed}, nodes=cfg.launcher.nodes)
     return {"step_nodes": step_nodes, "spares": spares}
 
 
@@ -187,7 +189,7 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     forever): a `decision` of cause `quarantined_node` in the ledger, and the exit code; None when no
     quarantined node is in the allocation, or when its other nodes still hold launcher.nodes (spares: the
     ranks run on those, `_placement`)."""
-    listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
+    listed = sorted({e["node"] for e in quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h)})
     bad = sorted(set(nodes) & set(listed))
     if not bad or cfg.launcher.spare_nodes and len(set(nodes) - set(bad)) >= cfg.launcher.nodes:
         return None
@@ -208,7 +210,7 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
         return exitcodes.STOPPED
     reason = f"{what}: requeue {used + 1} of failure.max_requeues({f.max_requeues}) without them"
     events.emit("decision", action="requeue", reason=reason, exit_code=exitcodes.REQUEUE, **facts)
-    ok, said = requeue_excluding(job_id, listed)
+    ok, said = requeue_excluding(job_id, list(dict.fromkeys([*listed, *always_excluded(cfg)])))
     events.emit("requeue", job_id=job_id, ok=ok, scontrol=said, excluded=listed)
     log.error("%s (%s)", reason, said)
     return exitcodes.REQUEUE
@@ -385,6 +387,7 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
         restart_count=restart,
         cfg=cfg.failure,
         events=events,
+        always_excluded=always_excluded(cfg),
     )
     return conclude(ctx, cause="supervisor_died", step=None)
 
@@ -408,6 +411,7 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
         restart_in_allocation=n,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
     )
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:

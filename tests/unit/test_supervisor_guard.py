@@ -57,7 +57,10 @@ def test_a_dead_supervisor_is_requeued_within_the_budget_then_stopped(cause: str
 
 def _cfg(tmp_path: Path, **failure) -> SimpleNamespace:
     return SimpleNamespace(
-        run=SimpleNamespace(dir=str(tmp_path)), world_size=2, failure=FailureConfig(heartbeat_s=0.05, **failure)
+        run=SimpleNamespace(dir=str(tmp_path)),
+        world_size=2,
+        failure=FailureConfig(heartbeat_s=0.05, **failure),
+        cluster=SimpleNamespace(exclude=None),
     )
 
 
