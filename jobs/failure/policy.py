@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
 from jobs.failure.ledger import attempts, attempts_without_progress
-from jobs.failure.quarantine import QUARANTINE_CLASSES
+from jobs.failure.quarantine import QUARANTINE_CLASSES, scontrol
 from jobs.failure.spares import swap
 from jobs.launch.slurm_state import job_state
 
@@ -306,9 +305,6 @@ def read_decision(run_dir: str | os.PathLike[str], attempt: str, *, wait_s: floa
 
 
 def requeue_job(job_id: str) -> tuple[bool, str]:
-    """`scontrol requeue JOB` (an array element as ARRAY_TASK); (ok, what scontrol said)."""
-    try:
-        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return False, str(e)
-    return out.returncode == 0, (out.stdout + out.stderr).strip()
+    """`scontrol requeue JOB` (an array element as ARRAY_TASK), tried again while slurmctld does not answer;
+    (ok, what scontrol said)."""
+    return scontrol(["requeue", job_id])

@@ -37,6 +37,7 @@ __all__ = [
     "known_nodes",
     "usable_nodes",
     "requeue_excluding",
+    "scontrol",
 ]
 
 # Incident classes whose suspects' nodes are quarantined when the job is requeued: the ones whose evidence
@@ -268,18 +269,34 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+# `scontrol` tries: a failure in slurmctld's words (`_CONTROLLER`) or a timeout is tried again after these pauses
+_RETRY_PAUSES_S = (1.0, 3.0, 9.0)
+
+
 def _scontrol(args: list[str], said: list[str]) -> bool:
     """Runs `scontrol ARGS` ignoring SIGTERM (a requeue SIGTERMs every process of the job, the caller's
-    scontrol calls included; the SIGKILL comes KillWait later); appends what it said; True on rc 0."""
-    try:
-        out = subprocess.run(
-            ["scontrol", *args], capture_output=True, text=True, timeout=60, preexec_fn=_ignore_sigterm
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        said.append(f"scontrol {args[0]}: {e}")
-        return False
-    said.append(f"scontrol {args[0]}: rc {out.returncode} {(out.stdout + out.stderr).strip()}".strip())
-    return out.returncode == 0
+    scontrol calls included; the SIGKILL comes KillWait later), again after `_RETRY_PAUSES_S` while slurmctld
+    does not answer (busy, restarting: a requeue that fails once must not end the job); appends what it said;
+    True on rc 0."""
+    for pause in (*_RETRY_PAUSES_S, None):
+        try:
+            out = subprocess.run(
+                ["scontrol", *args], capture_output=True, text=True, timeout=30, preexec_fn=_ignore_sigterm
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            said.append(f"scontrol {args[0]}: {e}")
+            transient = isinstance(e, subprocess.TimeoutExpired)
+        else:
+            text = (out.stdout + out.stderr).strip()
+            said.append(f"scontrol {args[0]}: rc {out.returncode} {text}".strip())
+            if out.returncode == 0:
+                return True
+            transient = any(c in text for c in _CONTROLLER)
+        if not transient or pause is None:
+            return False
+        get_logger().warning("%s; trying again in %.0f s", said[-1], pause)
+        time.sleep(pause)
+    return False
 
 
 def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
@@ -301,3 +318,9 @@ def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
     if nodes and not _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={','.join(names)}"], said):
         said.append("requeued without the new exclusion")
     return True, "; ".join(said)
+
+
+def scontrol(args: list[str]) -> tuple[bool, str]:
+    """`_scontrol` for one call: (ok, what it said)."""
+    said: list[str] = []
+    return _scontrol(args, said), "; ".join(said)

@@ -461,13 +461,14 @@ def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
     )
 
 
-def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) -> dict | None:
+def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str, cls: str = "dead_rank") -> dict | None:
     """The supervisor's part when srun reported a rank of the step gone (`why`: srun's line) and the step ended
     with nobody having claimed the attempt: the ranks' failure path could not even claim it (a full or
     read-only incidents folder). Decides in their place, as a `dead_rank` without suspects (a rank that could
     not write is no evidence against its node), with the ranks' policy and budgets: a restart in the
-    allocation, a requeue or a stop. Records what it can (the ledger, else the job log) and returns the
-    decision even when it could not be published; None when someone claimed or decided the attempt."""
+    allocation, a requeue or a stop (`cls` names another class: `step_launch_failure`). Records what it can
+    (the ledger, else the job log) and returns the decision even when it could not be published; None when
+    someone claimed or decided the attempt."""
     if claimant(ctx.run_dir, ctx.attempt) is not None or read_decision(ctx.run_dir, ctx.attempt, wait_s=0) is not None:
         return None
     try:
@@ -478,7 +479,7 @@ def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) 
     beats = read_beats(ctx.run_dir, ctx.attempt)
     step = max((b.step for b in beats.values() if b.step >= 0), default=None)
     incident = Incident(
-        "dead_rank",
+        cls,
         ctx.attempt,
         ctx.rank,
         f"{why}, and no rank claimed or published a decision (their failure path could not write?)",

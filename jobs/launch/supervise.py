@@ -57,6 +57,7 @@ __all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_ran
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
+_SQUEUE_S = 20.0  # one squeue call's bound
 _CRASHED = 70  # the forked supervisor raised (sysexits' EX_SOFTWARE); supervise() never returns it
 
 
@@ -147,7 +148,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
             step_nodes=placed.get("step_nodes"),
         )
-        code, gone = _run_step(
+        code, gone, srun_said = _run_step(
             cmd,
             {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
             cfg.run.dir,
@@ -160,6 +161,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             read_decision(cfg.run.dir, attempt, wait_s=0)
             or decide_for_lost_decider(ctx, step_code=code)
             or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None)
+            or (_step_failed(ctx, code, exits_said=srun_said) if code != exitcodes.OK and not gone else None)
         )
         if d is None or d["action"] != "restart" or stopping:
             return code if d is None else int(d["exit_code"])
@@ -170,6 +172,14 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             job_id,
         )
         n += 1
+
+
+def _step_failed(ctx: AttemptContext, code: int, *, exits_said: str | None) -> dict | None:
+    """A step that ended badly with no task reported ended and no decision: srun could not create or launch it (a
+    busy slurmctld, a node lost between the decision and the restart). Not FAILED: a `step_launch_failure`,
+    requeued within the budgets (never restarted in the allocation again: that is what just failed)."""
+    why = f"srun exited {code} before any rank ran" + (f" ({exits_said})" if exits_said else "")
+    return decide_for_silent_attempt(ctx, step_code=code, why=why, cls="step_launch_failure")
 
 
 def _placement(cfg: JobConfig, nodes: list[str]) -> dict[str, list[str]]:
@@ -246,8 +256,9 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: lis
 
 def _run_step(
     cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float
-) -> tuple[int, str | None]:
-    """One srun step: its exit code and srun's line about the first rank that ended (None: none did); killed
+) -> tuple[int, str | None, str | None]:
+    """One srun step: its exit code, srun's line about the first rank that ended (None: none did) and srun's last
+    error line (None: none); killed
     `_GRACE_S` after a published decision if still running, or `no_decision_s` after a rank left without any
     decision (see `_RankExits`)."""
     get_logger().info("starting attempt %s: %s", attempt, shlex.join(cmd))
@@ -256,7 +267,8 @@ def _run_step(
     decided_at = None
     while True:
         try:
-            return proc.wait(timeout=_POLL_S), exits.settled()
+            code = proc.wait(timeout=_POLL_S)
+            return code, exits.settled(), exits.last_error
         except subprocess.TimeoutExpired:
             pass
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
@@ -290,6 +302,7 @@ class _RankExits:
         self.first: str | None = None
         self.first_at: float | None = None
         self.codes: dict[int, int] = {}  # task -> exit code, for the tasks srun reported ended badly
+        self.last_error: str | None = None  # srun's last `srun: error: ...` line
         self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True)
         self._thread.start()
 
@@ -302,6 +315,8 @@ class _RankExits:
         for line in stream:
             sys.stderr.write(line)
             sys.stderr.flush()
+            if line.startswith("srun: error:"):
+                self.last_error = line.strip()
             m = self._ENDED.search(line.strip())
             if m is None:
                 continue
@@ -335,12 +350,23 @@ def _task_list(spec: str) -> list[int]:
     return out
 
 
-def _numbered_steps() -> list[str]:
-    """The running steps of this job but the batch step: the ranks' srun step and any probe step."""
-    out = subprocess.run(
-        ["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"], capture_output=True, text=True
-    ).stdout
-    return [s for s in out.split() if s.split(".")[-1].isdigit()]
+def _numbered_steps(tries: int = 3) -> list[str]:
+    """The running steps of this job but the batch step: the ranks' srun step and any probe step. `squeue` is
+    bounded by `_SQUEUE_S` and tried `tries` times (a busy slurmctld); [] when it never answered (logged)."""
+    cmd = ["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"]
+    for n in range(tries):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=_SQUEUE_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            said = str(e)
+        else:
+            if out.returncode == 0:
+                return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()]
+            said = f"rc {out.returncode} {out.stderr.strip()}"
+        get_logger().warning("squeue (try %d of %d): %s", n + 1, tries, said)
+        if n + 1 < tries:
+            time.sleep(min(2.0**n, 5.0))
+    return []
 
 
 def _kill_steps(why: str = f"still running {_GRACE_S:.0f} s after the decision") -> None:

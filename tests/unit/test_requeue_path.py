@@ -50,6 +50,9 @@ if verb == "ping":
     down = job.get("ctl_down")
     end(1 if down else 0, "Slurmctld(primary) at ctl is " + ("DOWN" if down else "UP"))
 if verb in ("requeue", "requeuehold"):
+    if job.get("requeue_fails"):  # slurmctld busy this many times
+        job["requeue_fails"] -= 1
+        end(1, "scontrol: error: slurm_requeue error: Socket timed out on send/recv operation")
     job.update(state="COMPLETING", restarts=job["restarts"] + 1, held=verb == "requeuehold")
     end(0)
 if verb == "update":
