@@ -401,9 +401,6 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     if d is not None:  # the ranks asked for a restart that nobody will start: the attempt after it decides
         attempt = attempt_name(job_id, restart, n + 1)
         events = EventLog(events.path, rank=-1, restart=restart, attempt=attempt)
-    if not claim(cfg.run.dir, attempt):
-        d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
-        return int(d["exit_code"]) if d else exitcodes.REQUEUE
     ctx = AttemptContext(
         run_dir=cfg.run.dir,
         attempt=attempt,
@@ -415,7 +412,22 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
         events=events,
         always_excluded=always_excluded(cfg),
     )
-    return conclude(ctx, cause="supervisor_died", step=None)
+    if _claimed(cfg.run.dir, attempt):
+        return conclude(ctx, cause="supervisor_died", step=None)
+    # A decider claimed it: it publishes soon, or it died as well (the double fault): then decide in its place,
+    # as the supervisor would have (`decide_for_lost_decider`: a requeue within the budget), never a bare 75.
+    d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+    d = d or decide_for_lost_decider(ctx, step_code=exitcodes.REQUEUE)
+    return int(d["exit_code"]) if d else conclude(ctx, cause="supervisor_died", step=None)
+
+
+def _claimed(run_dir: str, attempt: str) -> bool:
+    """`claim`; an incidents folder that refuses the claim leaves nobody else to decide: True."""
+    try:
+        return claim(run_dir, attempt)
+    except OSError as e:
+        get_logger().error("attempt %s: cannot claim its decision (%s); deciding without a claim", attempt, e)
+        return True
 
 
 def after_agents(cfg: JobConfig, *, step_code: int) -> int:
