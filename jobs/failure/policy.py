@@ -84,7 +84,7 @@ def requeues_used(events: list[dict], *, restart_count: int) -> int:
 
 def stop_notice(cause: str) -> bool:
     """A cause that is a stop notice (the time limit's or a preemption's signal), not a fault."""
-    return cause.startswith("SIG") or cause in ("stop_signal", "preempted")
+    return cause.startswith("SIG") or cause in ("stop_signal", "preempted", "walltime")
 
 
 # scontrol's Reason of a job whose batch script ended by itself with an error (Slurm 22.05 FAIL_EXIT_CODE,
@@ -148,7 +148,7 @@ def decide(
             exitcodes.REQUEUE,
             **facts,
         )
-    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause not in ("stop_signal", "supervisor_died"):
+    if cause not in REQUEUE_CLASSES and not stop_notice(cause) and cause != "supervisor_died":
         code = {
             "config_error": exitcodes.CONFIG_ERROR,
             "loss_spike": exitcodes.DIVERGED,

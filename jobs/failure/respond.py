@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from jobs import exitcodes
@@ -74,6 +75,7 @@ class AttemptContext:
     partition: str | None = None  # where a requeued job must find `nodes_needed` usable nodes
     nodes_needed: int = 1
     always_excluded: list[str] = field(default_factory=list)  # cluster.exclude, expanded: in every ExcNodeList
+    pending_stop: Callable[[], str | None] | None = None  # the stop signal that arrived (its name), if any
 
 
 def open_attempt(ctx: AttemptContext, **facts) -> None:
@@ -166,6 +168,10 @@ def _decide(
         restart=restart,
         suspect_nodes=suspects,
     )
+    sig = ctx.pending_stop() if ctx.pending_stop is not None and d.action == "restart" else None
+    if sig:  # the time limit or a preemption is coming: a restarted step would start without the notice
+        d = decide(read_events(ctx.events.path), cause=sig, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm)
+        d.reason = f"{cause}, and {sig} arrived: no restart inside the allocation; {d.reason}"
     d.excluded = _quarantine(ctx, d, incident, restart, probes=probes)
     ctx.events.emit("decision", cause=cause, **asdict(d))
     done["decision"] = d

@@ -110,6 +110,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     log = setup_logging(env.rank)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count, attempt=env.attempt)
     ctx = attempt_context(cfg, env, events, rank=env.rank)
+    ctx.pending_stop = lambda: stop.name if stop.arrived() else None  # a stop turns a restart into a requeue
     try:
         derived = validate(cfg)
         device_type, _ = check_device(cfg, per_task=True)  # and the GPUs this rank sees

@@ -51,6 +51,7 @@ from jobs.failure.respond import (
 from jobs.failure.signals import parse_signals
 from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.slurm_state import seconds_left
 from jobs.log import get_logger
 
 __all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_rank_config", "task_code"]
@@ -163,8 +164,11 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None)
             or (_step_failed(ctx, code, exits_said=srun_said) if code != exitcodes.OK and not gone else None)
         )
-        if d is None or d["action"] != "restart" or stopping:
+        if d is None or d["action"] != "restart":
             return code if d is None else int(d["exit_code"])
+        why = _no_restart_now(cfg, job_id, stopping)
+        if why is not None:  # a restarted step would start without the notice, or be killed by the time limit
+            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why)
         get_logger().warning(
             "attempt %s ended by a restart decision: starting the ranks again (restart %d inside job %s)",
             attempt,
@@ -172,6 +176,48 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             job_id,
         )
         n += 1
+
+
+def _no_restart_now(cfg: JobConfig, job_id: str, stopping: list[int]) -> str | None:
+    """Why the ranks are not started again in this allocation (the cause of the requeue instead), or None: a stop
+    signal reached this supervisor (a scancel or a requeue: the ranks' step saw it or was already gone), or the
+    job is inside its time-limit warning (launcher.signal_delay_s before EndTime: the warning may have come while
+    no rank was there to get it)."""
+    if stopping:
+        return signal.Signals(stopping[0]).name
+    left = seconds_left(job_id)
+    if left is not None and left <= cfg.launcher.signal_delay_s:
+        get_logger().warning(
+            "job %s ends in %.0f s <= launcher.signal_delay_s(%d): requeue instead of a restart",
+            job_id,
+            left,
+            cfg.launcher.signal_delay_s,
+        )
+        return "walltime"
+    return None
+
+
+def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str) -> int:
+    """The restart that will not happen is decided as the attempt after it (as the guard does): a requeue
+    within the budgets, nothing when Slurm is cancelling the job."""
+    attempt = attempt_name(job_id, restart, n)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
+    )
+    if not _claimed(cfg.run.dir, attempt):
+        d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+        return int(d["exit_code"]) if d else exitcodes.REQUEUE
+    return conclude(ctx, cause=cause, step=None)
 
 
 def _step_failed(ctx: AttemptContext, code: int, *, exits_said: str | None) -> dict | None:

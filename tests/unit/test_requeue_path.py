@@ -44,7 +44,7 @@ if name == "srun":
     end(1, job.get("srun_error") or "srun: error: Unable to create step: node does not answer")
 if args[:2] == ["-o", "show"]:
     end(0, f"JobId={{job['id']}} JobState={{job['state']}} Reason=None Restarts={{job['restarts']}} "
-           f"ExcNodeList={{job['exc']}}")
+           f"ExcNodeList={{job['exc']}} EndTime={{job.get('end', 'Unknown')}}")
 verb = args[0]
 if verb == "ping":
     down = job.get("ctl_down")
