@@ -32,6 +32,7 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
-from jobs.launch.slurm_state import job_state, wait_for_job
+from jobs.launch.slurm_state import job_state, seconds_left, wait_for_job
 
 __all__ = [
     "submit",
@@ -112,6 +113,7 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
         ended = _ended_for_good(cfg, env)
         if ended is not None:
             return ended
+        _missed_warning(cfg, env, stop)
         if env.rank == 0:
             events = EventLog(
                 Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt
@@ -123,6 +125,24 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
                 restart_in_allocation=env.restart_in_allocation,
             )
     return run_rank(cfg, env, stop=stop)
+
+
+def _missed_warning(cfg: JobConfig, env: DistEnv, stop: StopSignals) -> None:
+    """Under torchrun, ranks restarted inside the time limit's warning lead (launcher.signal_delay_s before EndTime)
+    may have missed the warning: while torchrun restarted them, no process took USR2 (the agent ignores it, the
+    new ranks inherit that until their handlers are in place). Rank 0 then records it as arrived; the ranks agree
+    on it at their first step (or the watchdog's stop path during start-up) and requeue, as the supervisor of the
+    srun style refuses such a restart."""
+    if env.rank != 0 or env.restart_in_allocation == 0 or not env.job_id:
+        return
+    left = seconds_left(env.job_id)
+    if left is not None and left <= cfg.launcher.signal_delay_s:
+        print(
+            f"meshjob: restarted {left:.0f} s before the time limit <= launcher.signal_delay_s"
+            f"({cfg.launcher.signal_delay_s}): taken as its warning (SIGUSR2)",
+            flush=True,
+        )
+        stop.note(signal.SIGUSR2)
 
 
 def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:

@@ -108,3 +108,41 @@ def test_far_from_the_time_limit_the_supervisor_restarts_the_ranks(
     _job(slurm, end=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 3600)))
     assert supervise.supervise(_cfg(run_dir, "launcher.signal_delay_s=120"), logs=("o", "e")) == exitcodes.OK
     assert _steps(slurm) == 2 and _job(slurm)["restarts"] == 0
+
+
+def test_ranks_torchrun_restarts_inside_the_warnings_lead_take_the_warning_as_arrived(
+    tmp_path: Path,
+    slurm: Path,  # noqa: F811
+) -> None:
+    # Before: USR2 sent while torchrun restarted the ranks reached no process that handles it (the agent ignores
+    # it, new ranks inherit that): the restarted ranks trained into the time limit, TIMEOUT, never requeued.
+    from jobs.config import compose
+    from jobs.failure.signals import StopSignals
+    from jobs.launch import slurm as slurm_launch
+    from jobs.launch.env import DistEnv
+
+    cfg = compose(["launcher=slurm", f"run.dir={tmp_path}", "launcher.signal_delay_s=120"])
+    _job(slurm, end=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60)))
+
+    def env(rank: int, restart_in_allocation: int) -> DistEnv:
+        return DistEnv(
+            rank=rank,
+            local_rank=rank,
+            world_size=2,
+            local_world_size=2,
+            node_rank=0,
+            nodes=1,
+            master_addr="a",
+            master_port=1,
+            restart_in_allocation=restart_in_allocation,
+            job_id="9",
+        )
+
+    stops = {(r, n): StopSignals() for r in (0, 1) for n in (0, 1)}
+    for (r, n), stop in stops.items():
+        slurm_launch._missed_warning(cfg, env(r, n), stop)
+    assert {k: s.name for k, s in stops.items()} == {(0, 0): None, (1, 0): None, (0, 1): "SIGUSR2", (1, 1): None}
+    _job(slurm, end=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 3600)))
+    far = StopSignals()
+    slurm_launch._missed_warning(cfg, env(0, 1), far)
+    assert far.name is None
