@@ -33,10 +33,21 @@ def exclusive(path: str | os.PathLike[str]) -> Iterator[bool]:
     """Holds `PATH.lock`, a file created with O_CREAT|O_EXCL (atomic on NFSv3+ and parallel filesystems, where
     fcntl/flock locks are not reliable; the run's decision claim relies on the same), while the caller writes
     `path`; the next opener then sees its whole size (NFS close-to-open). Yields True when held; after
-    `_LOCK_WAIT_S` it yields False and the caller writes unlocked (a ledger record is worth more than its order).
-    A lock whose holder left it unchanged for `_LOCK_STALE_S` is broken (its holder died in between)."""
+    `_LOCK_WAIT_S`, or when the lock cannot be created at all (a full or read-only disk), it yields False and the
+    caller writes unlocked (a ledger record is worth more than its order). A lock whose holder left it unchanged
+    for `_LOCK_STALE_S` is broken (its holder died in between)."""
     lock = Path(f"{path}.lock")
     token = f"{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}".encode()
+    held = _acquire(lock, token)
+    try:
+        yield held
+    finally:
+        if held and _read(lock) == token:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+
+
+def _acquire(lock: Path, token: bytes) -> bool:
     start = seen_since = time.monotonic()
     seen, pause = None, 0.002
     while True:
@@ -52,25 +63,21 @@ def exclusive(path: str | os.PathLike[str]) -> Iterator[bool]:
                 logging.getLogger("meshjob").warning(
                     "%s held by %r for %.0f s: writing without it", lock, seen, _LOCK_WAIT_S
                 )
-                yield False
-                return
+                return False
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             continue
         except FileNotFoundError:  # the folder is not there yet
             lock.parent.mkdir(parents=True, exist_ok=True)
             continue
+        except OSError as e:
+            logging.getLogger("meshjob").warning("%s cannot be created (%s): writing without it", lock, e)
+            return False
         try:
             os.write(fd, token)
         finally:
             os.close(fd)
-        break
-    try:
-        yield True
-    finally:
-        if _read(lock) == token:
-            with contextlib.suppress(OSError):
-                os.unlink(lock)
+        return True
 
 
 def _read(lock: Path) -> bytes | None:
