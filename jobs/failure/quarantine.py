@@ -158,11 +158,12 @@ def _add(
 
 
 # srun's words when it is slurmctld that did not answer (busy, restarting, unreachable), not the node: such a probe
-# says nothing about the node (slurm 22.05: src/common/slurm_protocol_api.c, src/api/step_ctx.c).
-_CONTROLLER = (
+# says nothing about the node (slurm 22.05: src/common/slurm_protocol_api.c, src/api/step_ctx.c). A communication
+# error counts only at step creation (slurmctld's part); at task launch ("Task launch for StepId=... failed on node
+# X: ...") it is the node's slurmd that did not answer.
+_CONTROLLER = ("Unable to contact slurm controller", "temporarily unable to accept")
+_COMM_ERRORS = (
     "Socket timed out",
-    "Unable to contact slurm controller",
-    "temporarily unable",
     "Zero Bytes were transmitted",
     "Connection refused",
     "Connection timed out",
@@ -170,11 +171,20 @@ _CONTROLLER = (
 )
 
 
+def _controller_failed(text: str) -> bool:
+    """Whether srun's or scontrol's words say that slurmctld, not the node, did not answer."""
+    return any(
+        any(c in line for c in _CONTROLLER)
+        or (("Unable to create step" in line or "slurm_" in line) and any(c in line for c in _COMM_ERRORS))
+        for line in text.splitlines()
+    )
+
+
 def probe_node(job_id: str, node: str, *, timeout_s: float) -> tuple[str, str]:
     """("answers" | "silent" | "unknown", what was seen): "answers" when a one-task step of `job_id` runs on `node`
     within `timeout_s` (its slurmd answers and starts processes); "silent" when it did not while slurmctld answers
-    (`scontrol ping`); "unknown" when srun's failure was slurmctld's (busy, unreachable: see `_CONTROLLER`), which
-    is no evidence against the node. Called from inside a step, so that step's variables are dropped first."""
+    (`scontrol ping`); "unknown" when srun's failure was slurmctld's (busy, unreachable: `_controller_failed`),
+    which is no evidence against the node. Called from inside a step, so that step's variables are dropped first."""
     env = {k: v for k, v in os.environ.items() if k not in _STEP_VARS}
     # --mem=0: the ranks' step holds all of the job's memory, and a step asking for any is refused
     # ("Memory required by task is not available") however healthy the node is.
@@ -199,7 +209,7 @@ def probe_node(job_id: str, node: str, *, timeout_s: float) -> tuple[str, str]:
         if out.returncode == 0:
             return "answers", "a one-task step ran on it"
         said = f"srun exited {out.returncode}: {out.stderr.strip()}"
-        if any(c in out.stderr for c in _CONTROLLER):
+        if _controller_failed(out.stderr):
             return _unknown(node, said)
     if not controller_answers():
         return _unknown(node, f"{said}; slurmctld does not answer `scontrol ping` either")
@@ -269,7 +279,7 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-# `scontrol` tries: a failure in slurmctld's words (`_CONTROLLER`) or a timeout is tried again after these pauses
+# `scontrol` tries: a failure in slurmctld's words (`_controller_failed`) or a timeout is tried again after these pauses
 _RETRY_PAUSES_S = (1.0, 3.0, 9.0)
 
 
@@ -291,7 +301,7 @@ def _scontrol(args: list[str], said: list[str]) -> bool:
             said.append(f"scontrol {args[0]}: rc {out.returncode} {text}".strip())
             if out.returncode == 0:
                 return True
-            transient = any(c in text for c in _CONTROLLER)
+            transient = _controller_failed(text)
         if not transient or pause is None:
             return False
         get_logger().warning("%s; trying again in %.0f s", said[-1], pause)

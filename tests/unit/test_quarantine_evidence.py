@@ -52,6 +52,14 @@ def test_a_probe_that_slurmctld_failed_is_no_evidence_against_the_node(tmp_path:
     assert quarantine.quarantined(tmp_path) == []
 
 
+def test_a_node_whose_slurmd_fails_the_task_launch_is_silent_whatever_the_words(tmp_path: Path, slurm: Path) -> None:
+    # A communication error at task launch is the node's slurmd, not slurmctld: still evidence against the node.
+    _job(
+        slurm, srun_error="srun: error: Task launch for StepId=9.3 failed on node node2: Socket timed out on send/recv"
+    )
+    assert quarantine.probe_node("9", "node2", timeout_s=5)[0] == "silent"
+
+
 def test_a_failed_probe_while_slurmctld_does_not_answer_ping_is_no_evidence(tmp_path: Path, slurm: Path) -> None:
     _job(slurm, ctl_down=True)
     assert quarantine.probe_node("9", "node2", timeout_s=5)[0] == "unknown"
