@@ -104,6 +104,9 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
         if d is None and code != exitcodes.OK:  # as the Slurm supervisor does (jobs.launch.supervise)
             d = _decide_in_their_place(ctx, code)
             code = code if d is None else int(d["exit_code"])
+        if d is not None and d["action"] == "restart" and ctx.pending_stop and ctx.pending_stop():
+            get_logger().warning("attempt %s: a stop signal arrived; not restarting the ranks", attempt)
+            d, code = None, exitcodes.REQUEUE  # "run again": the ranks' step was already told to stop
         if d is None or d["action"] != "restart":
             _drop_memory_tier(cfg)
             return code
@@ -211,6 +214,8 @@ def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
         stopping = True
         for p in pids:
             _kill(p, signal.SIGUSR2 if signals_seen == 1 else signal.SIGKILL)
+
+    ctx.pending_stop = lambda: "SIGUSR2" if stopping else None  # a stop turns this launcher's restart into a requeue
 
     old = {s: signal.signal(s, _forward) for s in _FORWARDED}
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)

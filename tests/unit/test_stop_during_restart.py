@@ -146,3 +146,38 @@ def test_ranks_torchrun_restarts_inside_the_warnings_lead_take_the_warning_as_ar
     far = StopSignals()
     slurm_launch._missed_warning(cfg, env(0, 1), far)
     assert far.name is None
+
+
+def test_the_local_launcher_does_not_restart_the_ranks_after_a_stop_signal(tmp_path: Path, monkeypatch) -> None:
+    # Before: Ctrl-C (or USR2) while a rank died and the decider restarted: the launcher started the ranks again.
+    from jobs.config import compose
+    from jobs.failure import policy
+    from jobs.failure.policy import Decision
+    from jobs.failure.respond import AttemptContext
+    from jobs.launch import local
+
+    cfg = compose([f"run.dir={tmp_path}", "launcher.tasks_per_node=2"])
+    starts: list[int] = []
+
+    def launch_once(cfg, events, *, restart, restart_in_allocation, early):
+        starts.append(restart_in_allocation)
+        ctx = AttemptContext(
+            run_dir=cfg.run.dir,
+            attempt="local.0",
+            rank=-1,
+            world_size=2,
+            job_id=None,
+            restart_count=0,
+            cfg=cfg.failure,
+            events=events,
+            supervised=True,
+        )
+        if restart_in_allocation:  # (before the fix) the restarted ranks finish
+            ctx.attempt = "local.0.1"
+            return exitcodes.OK, ctx
+        policy.publish(tmp_path, "local.0", Decision("restart", "dead_rank: restart 1", 75, 0, 10, 0))
+        ctx.pending_stop = lambda: "SIGUSR2"  # as `_supervise` sets it once a signal reached the launcher
+        return exitcodes.RANK_DIED, ctx
+
+    monkeypatch.setattr(local, "_launch_once", launch_once)
+    assert local.launch(cfg) == exitcodes.REQUEUE and starts == [0]
