@@ -208,11 +208,14 @@ class FailureConfig:
     node_share: float = (
         0.77  # assumed share that lose one node (partner tier); the rest (1 - both) loses the allocation (filesystem)
     )
-    max_requeues: int = 10  # requeues (any cause) before the job stops for good: SLURM_RESTART_COUNT and the ledger
+    max_requeues: int = 10  # requeues before the job stops for good; a stop notice after a new checkpoint is free
     restarts_in_allocation: int = (
         3  # a dead/hung rank on a node that answers: ranks restarted inside the job, this often
     )
     node_probe_timeout_s: float = 15.0  # a suspect's node "answers" when a one-task srun step runs on it within this
+    quarantine_ttl_h: float = (
+        24.0  # a quarantined node is excluded this many hours after it was listed; 0 = until removed
+    )
     max_attempts_without_progress: int = 3  # consecutive attempts that commit no new checkpoint before the job stops
     init_timeout_s: float = 600.0  # every process group, from rendezvous until the first step completes
     collective_timeout_s: float = 300.0  # every process group once the first step has completed

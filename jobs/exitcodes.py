@@ -10,3 +10,17 @@ STOPPED = (
     76  # stopped for good: the requeue budget or the no-progress breaker ran out; do NOT requeue (see jobs.status)
 )
 DIVERGED = 77  # stopped for good: the loss diverged past failure.max_rollbacks (or no checkpoint before the spike); do NOT requeue
+
+
+# The ranks' codes that say more than "failed", the most final first.
+_MOST_FINAL = (DIVERGED, STOPPED, CONFIG_ERROR, REQUEUE)
+
+
+def most_final(codes: list[int]) -> int:
+    """One exit code for several processes' codes: a "do not requeue" code first, then REQUEUE, else the first
+    failure's (a death by signal N, given as -N, as 128 + N, as a shell reports it); FAILED for none."""
+    for code in _MOST_FINAL:
+        if code in codes:
+            return code
+    first = next((c for c in codes if c), FAILED)
+    return 128 - first if first < 0 else first

@@ -335,6 +335,11 @@ def _check_failure(cfg: JobConfig) -> None:
             f"failure.restarts_in_allocation({f.restarts_in_allocation}) must be >= 0 "
             "(0: every dead or hung rank sends the job back to the queue)"
         )
+    if f.quarantine_ttl_h < 0:
+        raise ValueError(
+            f"failure.quarantine_ttl_h({f.quarantine_ttl_h}) must be >= 0 (hours a quarantined node stays excluded; "
+            "0 = until removed from quarantine.json by hand)"
+        )
     if f.max_requeues < 0 or f.max_attempts_without_progress < 1:
         raise ValueError(
             f"failure.max_requeues({f.max_requeues}) must be >= 0 and "

@@ -45,6 +45,7 @@ REQUEUE_CLASSES = frozenset(
         "checkpoint_error",
         "unhealthy_gpu",
         "sdc",
+        "step_launch_failure",  # srun could not create or launch the ranks' step (jobs.launch.supervise)
     }
 )
 

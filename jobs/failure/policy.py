@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
 from jobs.failure.incident import REQUEUE_CLASSES, RESTART_CLASSES, incident_dir
 from jobs.failure.ledger import attempts, attempts_without_progress
-from jobs.failure.quarantine import QUARANTINE_CLASSES
+from jobs.failure.quarantine import QUARANTINE_CLASSES, scontrol
 from jobs.failure.spares import swap
 from jobs.launch.slurm_state import job_state
 
@@ -37,6 +36,7 @@ __all__ = [
     "requeue_job",
     "requeues_used",
     "slurm_intent",
+    "stop_notice",
     "suspects_again",
 ]
 
@@ -67,13 +67,24 @@ class Decision:
     requeues_used: int
     max_requeues: int
     attempts_without_progress: int
+    excluded: list[str] = field(default_factory=list)  # the nodes a requeue excludes (the quarantine list)
+    free: bool = False  # a requeue that failure.max_requeues does not count: a stop notice after committed progress
 
 
 def requeues_used(events: list[dict], *, restart_count: int) -> int:
-    """Requeues so far: Slurm's restart count of this job (it also counts Slurm's own and an admin's
-    requeues) or the run's ledger (it also counts earlier jobs of the same run dir), the larger."""
-    ours = sum(1 for e in events if e.get("kind") == "decision" and e.get("action") == "requeue")
-    return max(restart_count, ours)
+    """Requeues that count against failure.max_requeues so far: Slurm's restart count of this job (it also
+    counts Slurm's own and an admin's requeues) or the run's ledger (it also counts earlier jobs of the same run
+    dir), the larger; either without the free ones (`Decision.free`: a time limit or a preemption after
+    committed progress, as submitit spends its countdown on timeouts only)."""
+    decisions = [e for e in events if e.get("kind") == "decision"]
+    free = sum(1 for e in decisions if e.get("free") and e.get("action") in ("requeue", "requeued_by_slurm"))
+    ours = sum(1 for e in decisions if e.get("action") == "requeue" and not e.get("free"))
+    return max(restart_count - free, ours)
+
+
+def stop_notice(cause: str) -> bool:
+    """A cause that is a stop notice (the time limit's or a preemption's signal), not a fault."""
+    return cause.startswith("SIG") or cause in ("stop_signal", "preempted", "walltime")
 
 
 # scontrol's Reason of a job whose batch script ended by itself with an error (Slurm 22.05 FAIL_EXIT_CODE,
@@ -124,7 +135,8 @@ def decide(
         cause = "supervisor_died"  # nobody will start the ranks again: only a requeue brings the job back
     used = requeues_used(events, restart_count=restart_count)
     fruitless = attempts_without_progress(events)
-    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless)
+    free = stop_notice(cause) and fruitless == 0 and not _failed(events)  # a checkpoint committed, no fault seen
+    facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless, free=free)
     if slurm == "requeued":
         return Decision(
             "requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts
@@ -136,7 +148,7 @@ def decide(
             exitcodes.REQUEUE,
             **facts,
         )
-    if cause not in REQUEUE_CLASSES and not cause.startswith("SIG") and cause not in ("stop_signal", "supervisor_died"):
+    if cause not in REQUEUE_CLASSES and not stop_notice(cause) and cause != "supervisor_died":
         code = {
             "config_error": exitcodes.CONFIG_ERROR,
             "loss_spike": exitcodes.DIVERGED,
@@ -162,6 +174,14 @@ def decide(
                 **facts,
             )
         cause = f"{cause} ({why})"
+    if free:
+        return Decision(
+            "requeue",
+            f"{cause}: requeue after committed progress, not counted against failure.max_requeues"
+            f"({cfg.max_requeues}) ({used} counted so far)",
+            exitcodes.REQUEUE,
+            **facts,
+        )
     if used >= cfg.max_requeues:
         return Decision(
             "stop",
@@ -194,6 +214,13 @@ def decide(
         exitcodes.REQUEUE,
         **facts,
     )
+
+
+def _failed(events: list[dict]) -> bool:
+    """Whether the newest attempt recorded a failure (the guard's `supervisor_died` before the USR2 it sends)."""
+    every = attempts(events)
+    newest = every[-1].attempt if every else None
+    return any(e.get("kind") == "failure" and e.get("attempt") == newest for e in events)
 
 
 def suspects_again(events: list[dict], nodes: list[str]) -> list[str]:
@@ -278,9 +305,6 @@ def read_decision(run_dir: str | os.PathLike[str], attempt: str, *, wait_s: floa
 
 
 def requeue_job(job_id: str) -> tuple[bool, str]:
-    """`scontrol requeue JOB` (an array element as ARRAY_TASK); (ok, what scontrol said)."""
-    try:
-        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return False, str(e)
-    return out.returncode == 0, (out.stdout + out.stderr).strip()
+    """`scontrol requeue JOB` (an array element as ARRAY_TASK), tried again while slurmctld does not answer;
+    (ok, what scontrol said)."""
+    return scontrol(["requeue", job_id])

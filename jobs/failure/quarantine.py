@@ -18,9 +18,12 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jobs.events import exclusive
 from jobs.log import get_logger
 
 __all__ = [
@@ -28,9 +31,13 @@ __all__ = [
     "quarantined",
     "add_to_quarantine",
     "node_answers",
+    "probe_node",
+    "probe_nodes",
+    "controller_answers",
     "known_nodes",
     "usable_nodes",
     "requeue_excluding",
+    "scontrol",
 ]
 
 # Incident classes whose suspects' nodes are quarantined when the job is requeued: the ones whose evidence
@@ -58,12 +65,51 @@ def _path(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "quarantine.json"
 
 
-def quarantined(run_dir: str | os.PathLike[str]) -> list[dict]:
-    """The run's quarantine list ([] when there is none)."""
+def quarantined(run_dir: str | os.PathLike[str], *, ttl_h: float = 0.0) -> list[dict]:
+    """The run's quarantine list ([] when there is none), without the entries listed more than `ttl_h` hours ago
+    (failure.quarantine_ttl_h; 0: none expire; an entry without a time does not). The file is edited by hand too: what cannot be read
+    (not JSON, not a list, an entry without a node name) is left out with a warning that names the file and the
+    fix, never raised (the decision path reads it before `scontrol requeue`); a bare node name (`["node3"]`) is
+    taken as that node."""
+    path = _path(run_dir)
     try:
-        return json.loads(_path(run_dir).read_text())
+        listed = json.loads(path.read_text())
     except FileNotFoundError:
         return []
+    except (OSError, ValueError) as e:
+        _bad_quarantine(path, f"cannot be read ({e}); no node is excluded by it")
+        return []
+    if not isinstance(listed, list):
+        _bad_quarantine(path, f"holds a {type(listed).__name__}, not a list; no node is excluded by it")
+        return []
+    entries, bare, skipped = [], [], []
+    for e in listed:
+        if isinstance(e, str) and e:
+            entries.append({"node": e, "reason": "listed by hand"})
+            bare.append(e)
+        elif isinstance(e, dict) and isinstance(e.get("node"), str) and e["node"]:
+            entries.append(e)
+        else:
+            skipped.append(e)
+    if skipped or bare:
+        said = [f"bare node name(s) {', '.join(bare)} taken as quarantined"] if bare else []
+        said += [f"entries without a node name left out: {json.dumps(skipped, default=str)[:200]}"] if skipped else []
+        _bad_quarantine(path, "; ".join(said))
+    return [e for e in entries if not _expired(e, ttl_h)]
+
+
+def _expired(entry: dict, ttl_h: float) -> bool:
+    t = entry.get("time")
+    return bool(ttl_h) and isinstance(t, int | float) and time.time() - t > ttl_h * 3600
+
+
+def _bad_quarantine(path: Path, what: str) -> None:
+    get_logger().warning(
+        "%s %s: write it as a JSON list of objects, one per node, e.g. "
+        '[{"node": "node3", "reason": "bad DIMM"}], or delete it to exclude no node',
+        path,
+        what,
+    )
 
 
 def add_to_quarantine(
@@ -73,10 +119,25 @@ def add_to_quarantine(
     reason: str,
     incident: str,
     evidence: dict[str, dict] | None = None,
+    ttl_h: float = 0.0,
 ) -> list[dict]:
-    """Adds the nodes not yet on the list (temp file + rename), each with its `evidence[node]` when given;
-    returns the whole list."""
-    entries = quarantined(run_dir)
+    """Adds the nodes not yet on the list, or whose entry expired (`ttl_h`), each with its `evidence[node]` when
+    given (temp file + rename, read and written under `exclusive`: deciders and straggler checks on several hosts
+    may add at once); returns the whole list."""
+    with exclusive(_path(run_dir)):
+        return _add(run_dir, nodes, reason=reason, incident=incident, evidence=evidence, ttl_h=ttl_h)
+
+
+def _add(
+    run_dir: str | os.PathLike[str],
+    nodes: list[str],
+    *,
+    reason: str,
+    incident: str,
+    evidence: dict[str, dict] | None,
+    ttl_h: float,
+) -> list[dict]:
+    entries = [e for e in quarantined(run_dir) if not (e["node"] in nodes and _expired(e, ttl_h))]
     known = {e["node"] for e in entries}
     entries += [
         {
@@ -90,15 +151,40 @@ def add_to_quarantine(
         if n and n not in known
     ]
     path = _path(run_dir)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(entries, indent=1, default=str))
     os.replace(tmp, path)
     return entries
 
 
-def node_answers(job_id: str, node: str, *, timeout_s: float) -> bool:
-    """True when a one-task step of `job_id` runs on `node` within `timeout_s` (its slurmd answers and
-    starts processes). Called from inside a step, so that step's variables are dropped first."""
+# srun's words when it is slurmctld that did not answer (busy, restarting, unreachable), not the node: such a probe
+# says nothing about the node (slurm 22.05: src/common/slurm_protocol_api.c, src/api/step_ctx.c). A communication
+# error counts only at step creation (slurmctld's part); at task launch ("Task launch for StepId=... failed on node
+# X: ...") it is the node's slurmd that did not answer.
+_CONTROLLER = ("Unable to contact slurm controller", "temporarily unable to accept")
+_COMM_ERRORS = (
+    "Socket timed out",
+    "Zero Bytes were transmitted",
+    "Connection refused",
+    "Connection timed out",
+    "Transport endpoint is not connected",
+)
+
+
+def _controller_failed(text: str) -> bool:
+    """Whether srun's or scontrol's words say that slurmctld, not the node, did not answer."""
+    return any(
+        any(c in line for c in _CONTROLLER)
+        or (("Unable to create step" in line or "slurm_" in line) and any(c in line for c in _COMM_ERRORS))
+        for line in text.splitlines()
+    )
+
+
+def probe_node(job_id: str, node: str, *, timeout_s: float) -> tuple[str, str]:
+    """("answers" | "silent" | "unknown", what was seen): "answers" when a one-task step of `job_id` runs on `node`
+    within `timeout_s` (its slurmd answers and starts processes); "silent" when it did not while slurmctld answers
+    (`scontrol ping`); "unknown" when srun's failure was slurmctld's (busy, unreachable: `_controller_failed`),
+    which is no evidence against the node. Called from inside a step, so that step's variables are dropped first."""
     env = {k: v for k, v in os.environ.items() if k not in _STEP_VARS}
     # --mem=0: the ranks' step holds all of the job's memory, and a step asking for any is refused
     # ("Memory required by task is not available") however healthy the node is.
@@ -118,11 +204,46 @@ def node_answers(job_id: str, node: str, *, timeout_s: float) -> bool:
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
-        get_logger().warning("node %s does not answer: %s", node, e)
+        said = f"no one-task step ran on it within failure.node_probe_timeout_s({timeout_s}) ({e})"
+    else:
+        if out.returncode == 0:
+            return "answers", "a one-task step ran on it"
+        said = f"srun exited {out.returncode}: {out.stderr.strip()}"
+        if _controller_failed(out.stderr):
+            return _unknown(node, said)
+    if not controller_answers():
+        return _unknown(node, f"{said}; slurmctld does not answer `scontrol ping` either")
+    get_logger().warning("node %s does not answer: %s", node, said)
+    return "silent", said
+
+
+def _unknown(node: str, said: str) -> tuple[str, str]:
+    get_logger().warning("node %s not judged: slurmctld did not answer (%s)", node, said)
+    return "unknown", f"not judged, slurmctld did not answer: {said}"
+
+
+def controller_answers(timeout_s: float = 10.0) -> bool:
+    """Whether slurmctld answers `scontrol ping` with UP within `timeout_s`."""
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
         return False
-    if out.returncode != 0:
-        get_logger().warning("node %s does not answer: srun exited %d: %s", node, out.returncode, out.stderr.strip())
-    return out.returncode == 0
+    return out.returncode == 0 and " is UP" in out.stdout
+
+
+def probe_nodes(job_id: str, nodes: list[str], *, timeout_s: float) -> dict[str, tuple[str, str]]:
+    """`probe_node` for every node at once (8 lost nodes take one timeout, not eight)."""
+    nodes = list(dict.fromkeys(nodes))
+    if not nodes:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(nodes), 32), thread_name_prefix="probe") as pool:
+        futures = {n: pool.submit(probe_node, job_id, n, timeout_s=timeout_s) for n in nodes}
+    return {n: f.result() for n, f in futures.items()}
+
+
+def node_answers(job_id: str, node: str, *, timeout_s: float) -> bool:
+    """False only when the node did not run a one-task step while slurmctld answers (`probe_node`)."""
+    return probe_node(job_id, node, timeout_s=timeout_s)[0] != "silent"
 
 
 def _sinfo(args: list[str]) -> str | None:
@@ -158,18 +279,34 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+# `scontrol` tries: a failure in slurmctld's words (`_controller_failed`) or a timeout is tried again after these pauses
+_RETRY_PAUSES_S = (1.0, 3.0, 9.0)
+
+
 def _scontrol(args: list[str], said: list[str]) -> bool:
     """Runs `scontrol ARGS` ignoring SIGTERM (a requeue SIGTERMs every process of the job, the caller's
-    scontrol calls included; the SIGKILL comes KillWait later); appends what it said; True on rc 0."""
-    try:
-        out = subprocess.run(
-            ["scontrol", *args], capture_output=True, text=True, timeout=60, preexec_fn=_ignore_sigterm
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        said.append(f"scontrol {args[0]}: {e}")
-        return False
-    said.append(f"scontrol {args[0]}: rc {out.returncode} {(out.stdout + out.stderr).strip()}".strip())
-    return out.returncode == 0
+    scontrol calls included; the SIGKILL comes KillWait later), again after `_RETRY_PAUSES_S` while slurmctld
+    does not answer (busy, restarting: a requeue that fails once must not end the job); appends what it said;
+    True on rc 0."""
+    for pause in (*_RETRY_PAUSES_S, None):
+        try:
+            out = subprocess.run(
+                ["scontrol", *args], capture_output=True, text=True, timeout=30, preexec_fn=_ignore_sigterm
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            said.append(f"scontrol {args[0]}: {e}")
+            transient = isinstance(e, subprocess.TimeoutExpired)
+        else:
+            text = (out.stdout + out.stderr).strip()
+            said.append(f"scontrol {args[0]}: rc {out.returncode} {text}".strip())
+            if out.returncode == 0:
+                return True
+            transient = _controller_failed(text)
+        if not transient or pause is None:
+            return False
+        get_logger().warning("%s; trying again in %.0f s", said[-1], pause)
+        time.sleep(pause)
+    return False
 
 
 def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
@@ -191,3 +328,9 @@ def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:
     if nodes and not _scontrol(["update", f"JobId={job_id}", f"ExcNodeList={','.join(names)}"], said):
         said.append("requeued without the new exclusion")
     return True, "; ".join(said)
+
+
+def scontrol(args: list[str]) -> tuple[bool, str]:
+    """`_scontrol` for one call: (ok, what it said)."""
+    said: list[str] = []
+    return _scontrol(args, said), "; ".join(said)

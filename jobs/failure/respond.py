@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
 from jobs import exitcodes
 from jobs.config import FailureConfig
@@ -30,12 +31,14 @@ from jobs.failure.policy import (
     publish,
     read_decision,
     requeue_job,
+    requeues_used,
     slurm_intent,
+    suspects_again,
 )
 from jobs.failure.quarantine import (
     QUARANTINE_CLASSES,
     add_to_quarantine,
-    node_answers,
+    probe_nodes,
     quarantined,
     requeue_excluding,
     usable_nodes,
@@ -71,6 +74,8 @@ class AttemptContext:
     restart_in_allocation: int = 0  # restarts inside this allocation before this attempt
     partition: str | None = None  # where a requeued job must find `nodes_needed` usable nodes
     nodes_needed: int = 1
+    always_excluded: list[str] = field(default_factory=list)  # cluster.exclude, expanded: in every ExcNodeList
+    pending_stop: Callable[[], str | None] | None = None  # the stop signal that arrived (its name), if any
 
 
 def open_attempt(ctx: AttemptContext, **facts) -> None:
@@ -101,7 +106,43 @@ def conclude(
 def _conclude(
     ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None, recorded: bool
 ) -> Decision:
-    """`conclude`, returning the decision."""
+    """`conclude`, returning the decision. Whatever raises between the claim and the publish (a hand-edited file,
+    a full disk, a bug) ends in `_last_resort`: the job is requeued and a decision published all the same."""
+    done: dict = {}  # what has been done so far: slurm (its intent, once asked), requeued
+    try:
+        d = _decide(ctx, cause=cause, step=step, incident=incident, recorded=recorded, done=done)
+        if d.action == "requeue" and ctx.job_id:
+            excluded = d.excluded  # an update replaces the job's exclusion: cluster.exclude goes in again
+            exclude = list(dict.fromkeys([*excluded, *ctx.always_excluded]))
+            ok, said = requeue_excluding(ctx.job_id, exclude) if excluded else requeue_job(ctx.job_id)
+            done["requeued"] = ok
+            # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
+            # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
+            ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
+    except Exception as e:  # noqa: BLE001 - the decision must be published and the job must not be lost
+        d = _last_resort(ctx, cause=cause, error=e, done=done)
+    # Only now: the supervisor ends the step on a published decision, and its batch script then ends
+    # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
+    _publish(ctx, d)
+    log = get_logger()
+    (log.error if d.action == "stop" else log.warning)(
+        "attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt, cause, d.action, d.reason, d.exit_code
+    )
+    if d.action == "stop":
+        try:
+            print(
+                render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"),
+                flush=True,
+            )
+        except Exception as e:  # noqa: BLE001 - the summary is for reading only
+            log.error("no summary of the attempts: %s", e)
+    return d
+
+
+def _decide(
+    ctx: AttemptContext, *, cause: str, step: int | None, incident: Incident | None, recorded: bool, done: dict
+) -> Decision:
+    """The incident and ledger records, and the decision (with its `excluded` nodes), before any Slurm action."""
     if incident is not None and not recorded:
         write_incident(ctx.run_dir, incident)
         ctx.events.emit(
@@ -113,10 +154,11 @@ def _conclude(
         )
     # Whatever ended the attempt, a job that Slurm is cancelling (scancel, time limit) is not brought
     # back, and one that Slurm already requeues is not requeued twice.
-    slurm = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
+    slurm = done["slurm"] = slurm_intent(ctx.job_id, restart_count=ctx.restart_count)
     suspects = [s["node"] for s in (incident.suspects if incident else []) if s.get("node")]
     # Only a class a restart can cure probes the suspects' nodes (an unhealthy GPU's node answers, and is still bad).
-    restart = _restart(ctx, suspects, slurm, cause=cause)
+    probes: dict[str, tuple[str, str]] = {}  # node -> (verdict, what was seen): `probe_nodes`
+    restart = _restart(ctx, suspects, slurm, cause=cause, probes=probes)
     d = decide(
         read_events(ctx.events.path),
         cause=cause,
@@ -126,29 +168,64 @@ def _conclude(
         restart=restart,
         suspect_nodes=suspects,
     )
-    excluded = _quarantine(ctx, d, incident, restart)
-    ctx.events.emit("decision", cause=cause, **asdict(d), excluded=excluded)
+    sig = ctx.pending_stop() if ctx.pending_stop is not None and d.action == "restart" else None
+    if sig:  # the time limit or a preemption is coming: a restarted step would start without the notice
+        d = decide(read_events(ctx.events.path), cause=sig, cfg=ctx.cfg, restart_count=ctx.restart_count, slurm=slurm)
+        d.reason = f"{cause}, and {sig} arrived: no restart inside the allocation; {d.reason}"
+    d.excluded = _quarantine(ctx, d, incident, restart, probes=probes)
+    ctx.events.emit("decision", cause=cause, **asdict(d))
+    done["decision"] = d
     swapped = restart and d.action == "restart" and restart.bad_nodes and swap(restart.bad_nodes, restart.spares)
     if swapped:  # the supervisor's next placement leaves the quarantined nodes out and takes these spares
-        ctx.events.emit("spare_swap", swapped=swapped, excluded=excluded)
+        ctx.events.emit("spare_swap", swapped=swapped, excluded=d.excluded)
     ctx.events.emit("attempt_end", cause=cause, action=d.action, step=step)
-    try:
-        if d.action == "requeue" and ctx.job_id:
-            ok, said = requeue_excluding(ctx.job_id, excluded) if excluded else requeue_job(ctx.job_id)
-            # A refusal is not turned into "stop": Slurm itself may be requeueing the job already (an
-            # admin's `scontrol requeue`, preemption); otherwise exit 75 still says "run again".
-            ctx.events.emit("requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=excluded)
-    finally:
-        # Only now: the supervisor ends the step on a published decision, and its batch script then ends
-        # the job; published before the requeue reached Slurm, a "requeue" could end the job for good.
-        _publish(ctx, d)
-    log = get_logger()
-    (log.error if d.action == "stop" else log.warning)(
-        "attempt %s ended by %s -> %s (%s); exit %d", ctx.attempt, cause, d.action, d.reason, d.exit_code
-    )
-    if d.action == "stop":
-        print(render_summary(read_events(ctx.events.path), title=f"stopped for good: {d.reason}; attempts"), flush=True)
     return d
+
+
+def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dict) -> Decision:
+    """The decision when the decision path raised: a requeue (exit 75) unless Slurm is already cancelling or
+    requeueing the job, or the requeues counted so far spend failure.max_requeues (a path that always
+    fails must not requeue forever); recorded where it can be (the ledger, else the job log)."""
+    log, f = get_logger(), ctx.cfg
+    log.error("attempt %s: the decision path failed (%s: %s)", ctx.attempt, type(error).__name__, error, exc_info=True)
+    why = f"{cause}: the decision path failed ({type(error).__name__}: {error})"
+    try:
+        used = requeues_used(read_events(ctx.events.path), restart_count=ctx.restart_count)
+    except Exception:  # noqa: BLE001 - the ledger may be what failed: Slurm's count, free requeues included
+        used = ctx.restart_count
+    facts = dict(requeues_used=used, max_requeues=f.max_requeues, attempts_without_progress=0)
+    slurm, d = done.get("slurm"), done.get("decision")
+    if d is not None:  # recorded already: only its requeue is left to do
+        if d.action == "requeue" and ctx.job_id and not done.get("requeued"):
+            ok, said = requeue_job(ctx.job_id)
+            _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
+        return d
+    if slurm == "cancelled":
+        d = Decision("none", f"{why}; the job is being cancelled: not requeued", exitcodes.REQUEUE, **facts)
+    elif slurm == "requeued" or done.get("requeued"):
+        d = Decision("requeued_by_slurm", f"{why}; the job is requeued already", exitcodes.REQUEUE, **facts)
+    elif used >= f.max_requeues:
+        d = Decision(
+            "stop",
+            f"{why}; {used} requeues >= failure.max_requeues({f.max_requeues}): stopped",
+            exitcodes.STOPPED,
+            **facts,
+        )
+    else:
+        d = Decision("requeue", f"{why}; requeued as a last resort, without exclusions", exitcodes.REQUEUE, **facts)
+        if ctx.job_id:
+            ok, said = requeue_job(ctx.job_id)
+            _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
+    _emit_or_log(ctx, "decision", cause=cause, **asdict(d))
+    _emit_or_log(ctx, "attempt_end", cause=cause, action=d.action, step=None)
+    return d
+
+
+def _emit_or_log(ctx: AttemptContext, kind: str, **fields) -> None:
+    try:
+        ctx.events.emit(kind, **fields)
+    except Exception as e:  # noqa: BLE001 - the ledger may be what failed
+        get_logger().error("ledger record %s not written (%s): %s", kind, e, json.dumps(fields, default=str))
 
 
 def _publish(ctx: AttemptContext, d: Decision) -> None:
@@ -161,11 +238,14 @@ def _publish(ctx: AttemptContext, d: Decision) -> None:
         get_logger().error("decision of attempt %s not published (%s): %s", ctx.attempt, e, json.dumps(asdict(d)))
 
 
-def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cause: str) -> Restart | None:
-    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed only
-    when a restart is possible at all), and the allocation's idle spares (`jobs.failure.spares`). A
-    node-pointing class that a restart does not cure (an unhealthy GPU, SDC) restarts only with its suspects'
-    nodes swapped for spares; None when it cannot."""
+def _restart(
+    ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cause: str, probes: dict | None = None
+) -> Restart | None:
+    """The facts for a restart inside the allocation: which suspects' nodes do not answer (probed, all at once,
+    only when a restart is possible at all; a probe that slurmctld failed is no evidence: `probe_node`), and the
+    allocation's idle spares (`jobs.failure.spares`). A node-pointing class that a restart does not cure (an
+    unhealthy GPU, SDC) restarts only with its suspects' nodes swapped for spares; None when it cannot.
+    `probes` receives what each probe found."""
     spares = spares_of(read_events(ctx.events.path), ctx.attempt)
     if cause not in RESTART_CLASSES:
         bad = list(dict.fromkeys(suspects))
@@ -173,33 +253,37 @@ def _restart(ctx: AttemptContext, suspects: list[str], slurm: str | None, *, cau
         return Restart(True, ctx.restart_in_allocation, bad, spares) if ok else None
     if not ctx.supervised or slurm is not None or ctx.restart_in_allocation >= ctx.cfg.restarts_in_allocation:
         return Restart(ctx.supervised and slurm is None, ctx.restart_in_allocation, [], spares)
-    bad = [
-        n
-        for n in dict.fromkeys(suspects)
-        if ctx.job_id and not node_answers(ctx.job_id, n, timeout_s=ctx.cfg.node_probe_timeout_s)
-    ]
+    found = probe_nodes(ctx.job_id, suspects, timeout_s=ctx.cfg.node_probe_timeout_s) if ctx.job_id else {}
+    if probes is not None:
+        probes.update(found)
+    bad = [n for n in dict.fromkeys(suspects) if found.get(n, ("answers",))[0] == "silent"]
     return Restart(True, ctx.restart_in_allocation, bad, spares)
 
 
-def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None) -> list[str]:
+def _quarantine(
+    ctx: AttemptContext, d: Decision, incident: Incident | None, restart: Restart | None, *, probes: dict | None = None
+) -> list[str]:
     """A requeue after an incident that points at nodes (`QUARANTINE_CLASSES`) puts its suspects' nodes on
-    the run's quarantine list, each with its evidence; every requeue excludes the whole list. When that
-    leaves too few usable nodes, the decision becomes a stop that says so (not when Slurm cannot say).
-    A restart that swaps spares in for bad nodes quarantines those nodes (whatever the class) and no others.
-    Returns the list."""
+    the run's quarantine list, each with its evidence from the node itself (`_evidence`); every requeue excludes
+    the whole list. When that leaves too few usable nodes, the decision becomes a stop that says so (not when
+    Slurm cannot say). A restart that swaps spares in for bad nodes quarantines those nodes (whatever the class)
+    and no others. Returns the list."""
     swapping = d.action == "restart" and restart is not None and bool(restart.bad_nodes)
     if d.action not in ("requeue", "requeued_by_slurm") and not swapping or not ctx.job_id:
         return []
     if incident is not None and (incident.cls in QUARANTINE_CLASSES or swapping):
-        evidence = _evidence(incident, restart, probe_timeout_s=ctx.cfg.node_probe_timeout_s)
-        add_to_quarantine(
-            ctx.run_dir,
-            restart.bad_nodes if swapping else list(evidence),
-            reason=f"suspect of a {incident.cls} incident",
-            incident=ctx.attempt,
-            evidence=evidence,
-        )
-    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir)})
+        evidence = _evidence(ctx, incident, {} if probes is None else probes)
+        nodes = restart.bad_nodes if swapping else list(evidence)
+        if nodes:
+            add_to_quarantine(
+                ctx.run_dir,
+                nodes,
+                reason=f"suspect of a {incident.cls} incident",
+                incident=ctx.attempt,
+                evidence=evidence,
+                ttl_h=ctx.cfg.quarantine_ttl_h,
+            )
+    excluded = sorted({e["node"] for e in quarantined(ctx.run_dir, ttl_h=ctx.cfg.quarantine_ttl_h)})
     if excluded and d.action == "requeue":
         usable = usable_nodes(ctx.partition, set(excluded))
         if usable is None:
@@ -214,17 +298,58 @@ def _quarantine(ctx: AttemptContext, d: Decision, incident: Incident | None, res
     return excluded
 
 
-def _evidence(incident: Incident, restart: Restart | None, *, probe_timeout_s: float) -> dict[str, dict]:
-    """node -> why it is suspect: the incident's class and summary, its suspects on that node (rank, pid,
-    state, step, beat age, GPU...) and what the probe found, when it was probed."""
+# A dead or hung rank is evidence against its process, not its node: its node is quarantined only when the node
+# itself says so (a probe it did not answer while slurmctld did), or when the fault recurs on that node.
+_PROCESS_CLASSES = frozenset({"dead_rank", "hung_rank"})
+
+
+def _evidence(ctx: AttemptContext, incident: Incident, probes: dict[str, tuple[str, str]]) -> dict[str, dict]:
+    """node -> why it is suspect: the incident's class and summary, its suspects on that node (rank, pid, state,
+    step, beat age, GPU...) and, for a dead or hung rank, the evidence from the node itself: its probe (run now,
+    all at once, when the restart decision did not), or the same node suspect in an earlier attempt of the streak
+    (`suspects_again`). Never a node whose suspect rank was a suspect on another node before: the fault follows
+    the rank (its data, its code path), not the node."""
     out: dict[str, dict] = {}
     for s in incident.suspects:
         if s.get("node"):
             entry = out.setdefault(s["node"], {"cls": incident.cls, "summary": incident.summary, "suspects": []})
             entry["suspects"].append(s)
-    for node in restart.bad_nodes if restart and incident.cls in RESTART_CLASSES else []:
-        if node in out:
-            out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s({probe_timeout_s})"
+    if incident.cls not in _PROCESS_CLASSES:
+        return out
+    events = read_events(ctx.events.path)
+    followed, again = _followed_rank(events, incident), set(suspects_again(events, list(out)))
+    unprobed = [n for n in out if n not in probes and n not in followed]
+    if unprobed and ctx.job_id:
+        probes.update(probe_nodes(ctx.job_id, unprobed, timeout_s=ctx.cfg.node_probe_timeout_s))
+    for node in list(out):
+        verdict, said = probes.get(node, ("unknown", "not probed"))
+        if node not in followed and verdict == "silent":
+            out[node]["probe"] = f"no one-task step ran on it within failure.node_probe_timeout_s: {said}"
+        elif node not in followed and node in again:
+            out[node]["recurring"] = "suspect of an earlier attempt without progress as well"
+        else:
+            why = followed.get(node) or f"its probe: {verdict} ({said})"
+            get_logger().warning("node %s not quarantined after a %s incident: %s", node, incident.cls, why)
+            del out[node]
+    return out
+
+
+def _followed_rank(events: list[dict], incident: Incident) -> dict[str, str]:
+    """node -> why: the incident's suspect nodes whose suspect rank was a dead or hung suspect of an earlier
+    attempt on another node (the same rank failing on different nodes)."""
+    earlier: dict[int, set[str]] = {}
+    for e in events:
+        if e.get("kind") == "failure" and e.get("cls") in _PROCESS_CLASSES and e.get("attempt") != incident.attempt:
+            for s in e.get("suspects") or []:
+                if s.get("rank") is not None and s.get("node"):
+                    earlier.setdefault(s["rank"], set()).add(s["node"])
+    out = {}
+    for s in incident.suspects:
+        others = earlier.get(s.get("rank"), set()) - {s.get("node")}
+        if s.get("node") and others:
+            out[s["node"]] = (
+                f"rank {s['rank']} failed on {', '.join(sorted(others))} before: the fault follows the rank"
+            )
     return out
 
 
@@ -245,17 +370,37 @@ def on_failure(
             d = read_decision(ctx.run_dir, ctx.attempt, wait_s=decision_wait_s(ctx.cfg))
             return int(d["exit_code"]) if d else exitcodes.REQUEUE
         if incident is None:
-            incident = classify_settled(
-                run_dir=ctx.run_dir,
-                world_size=ctx.world_size,
-                me=ctx.rank,
-                attempt=ctx.attempt,
-                heartbeat_s=ctx.cfg.heartbeat_s,
-                error=error,
-                during=during,
-            )
+            incident = _classified(ctx, error=error, during=during)
         get_logger().error("incident %s: %s", incident.cls, incident.summary)
         return conclude(ctx, cause=incident.cls, step=step, incident=incident)
+
+
+def _classified(ctx: AttemptContext, *, error: BaseException | None, during: str) -> Incident:
+    """`classify_settled`; when classifying itself fails (unreadable heartbeats), a `rank_crashed` incident
+    without suspects that says so: the claim is held, so a decision must follow."""
+    try:
+        return classify_settled(
+            run_dir=ctx.run_dir,
+            world_size=ctx.world_size,
+            me=ctx.rank,
+            attempt=ctx.attempt,
+            heartbeat_s=ctx.cfg.heartbeat_s,
+            error=error,
+            during=during,
+        )
+    except Exception as e:  # noqa: BLE001 - see above
+        get_logger().error(
+            "attempt %s: the incident could not be classified (%s: %s)", ctx.attempt, type(e).__name__, e
+        )
+        what = f"{type(error).__name__}: {error}" if error is not None else "a failure"
+        return Incident(
+            "rank_crashed",
+            ctx.attempt,
+            ctx.rank,
+            f"rank {ctx.rank} met {what} during {during}; not classified ({type(e).__name__}: {e})",
+            [],
+            {"classify_error": f"{type(e).__name__}: {e}"},
+        )
 
 
 def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | None:
@@ -322,13 +467,14 @@ def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
     )
 
 
-def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) -> dict | None:
+def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str, cls: str = "dead_rank") -> dict | None:
     """The supervisor's part when srun reported a rank of the step gone (`why`: srun's line) and the step ended
     with nobody having claimed the attempt: the ranks' failure path could not even claim it (a full or
     read-only incidents folder). Decides in their place, as a `dead_rank` without suspects (a rank that could
     not write is no evidence against its node), with the ranks' policy and budgets: a restart in the
-    allocation, a requeue or a stop. Records what it can (the ledger, else the job log) and returns the
-    decision even when it could not be published; None when someone claimed or decided the attempt."""
+    allocation, a requeue or a stop (`cls` names another class: `step_launch_failure`). Records what it can
+    (the ledger, else the job log) and returns the decision even when it could not be published; None when
+    someone claimed or decided the attempt."""
     if claimant(ctx.run_dir, ctx.attempt) is not None or read_decision(ctx.run_dir, ctx.attempt, wait_s=0) is not None:
         return None
     try:
@@ -339,7 +485,7 @@ def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str) 
     beats = read_beats(ctx.run_dir, ctx.attempt)
     step = max((b.step for b in beats.values() if b.step >= 0), default=None)
     incident = Incident(
-        "dead_rank",
+        cls,
         ctx.attempt,
         ctx.rank,
         f"{why}, and no rank claimed or published a decision (their failure path could not write?)",

@@ -74,6 +74,10 @@ class StopSignals:
         for sig in self._installed:
             signal.signal(sig, signal.SIG_IGN)
 
+    def note(self, signum: int) -> None:
+        """Records `signum` as if it had arrived (a warning that was sent while no process could take it)."""
+        self._on_signal(signum, None)
+
     def _on_signal(self, signum: int, _frame) -> None:
         if self.received is None:
             self.received = signum

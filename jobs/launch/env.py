@@ -125,6 +125,12 @@ def slurm_job_id(env: Mapping[str, str]) -> str:
     return f"{array_job}_{array_task}" if array_job and array_task else env["SLURM_JOB_ID"]
 
 
+def always_excluded(cfg) -> list[str]:
+    """cluster.exclude as node names: the exclusion every `scontrol update ExcNodeList=` must keep (it replaces
+    the job's whole list, the one sbatch got included)."""
+    return expand_nodelist(cfg.cluster.exclude) if cfg.cluster.exclude else []
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expands a Slurm hostlist (`node[1-3,7],gpu01`) into host names, in Slurm's order.
 

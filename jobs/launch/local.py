@@ -25,7 +25,13 @@ from jobs.events import EventLog, read_events
 from jobs.failure.incident import Incident
 from jobs.failure.ledger import attempts
 from jobs.failure.policy import read_decision
-from jobs.failure.respond import AttemptContext, on_failure, open_attempt
+from jobs.failure.respond import (
+    AttemptContext,
+    decide_for_lost_decider,
+    decide_for_silent_attempt,
+    on_failure,
+    open_attempt,
+)
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rundir import memory_root
@@ -92,8 +98,15 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     restart, n = _attempt_number(events), 0
     while True:
         os.environ[RESTART_IN_ALLOCATION_VAR] = str(n)  # the forked ranks may decide "restart"
-        code, attempt = _launch_once(cfg, events, restart=restart, restart_in_allocation=n, early=early)
+        code, ctx = _launch_once(cfg, events, restart=restart, restart_in_allocation=n, early=early)
+        attempt = ctx.attempt
         d = read_decision(cfg.run.dir, attempt, wait_s=0)
+        if d is None and code != exitcodes.OK:  # as the Slurm supervisor does (jobs.launch.supervise)
+            d = _decide_in_their_place(ctx, code)
+            code = code if d is None else int(d["exit_code"])
+        if d is not None and d["action"] == "restart" and ctx.pending_stop and ctx.pending_stop():
+            get_logger().warning("attempt %s: a stop signal arrived; not restarting the ranks", attempt)
+            d, code = None, exitcodes.REQUEUE  # "run again": the ranks' step was already told to stop
         if d is None or d["action"] != "restart":
             _drop_memory_tier(cfg)
             return code
@@ -106,6 +119,14 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
         n, early = n + 1, None
 
 
+def _decide_in_their_place(ctx: AttemptContext, code: int) -> dict | None:
+    """An attempt that ended badly without a decision: its decider died between claim and publish, or no rank
+    could even claim it (a full or read-only run dir): decided here, with the ranks' policy."""
+    return decide_for_lost_decider(ctx, step_code=code) or decide_for_silent_attempt(
+        ctx, step_code=code, why=f"a rank exited with code {code}"
+    )
+
+
 def _drop_memory_tier(cfg: JobConfig) -> None:
     """No restart follows: the run's RAM checkpoint tier on this machine is deleted (its ranks delete their own
     copies when they finish or stop; this covers ranks that died). Best effort."""
@@ -115,7 +136,7 @@ def _drop_memory_tier(cfg: JobConfig) -> None:
 
 def _launch_once(
     cfg: JobConfig, events: EventLog, *, restart: int, restart_in_allocation: int, early: StopSignals | None
-) -> tuple[int, str]:
+) -> tuple[int, AttemptContext]:
     envs = [
         DistEnv(
             rank=r,
@@ -157,7 +178,7 @@ def _launch_once(
     if early is not None and early.received is not None:
         for p in pids:
             _kill(p, signal.SIGUSR2)
-    return _supervise(pids, ctx), ctx.attempt
+    return _supervise(pids, ctx), ctx
 
 
 def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:
@@ -193,6 +214,8 @@ def _supervise(pids: dict[int, int], ctx: AttemptContext) -> int:
         stopping = True
         for p in pids:
             _kill(p, signal.SIGUSR2 if signals_seen == 1 else signal.SIGKILL)
+
+    ctx.pending_stop = lambda: "SIGUSR2" if stopping else None  # a stop turns this launcher's restart into a requeue
 
     old = {s: signal.signal(s, _forward) for s in _FORWARDED}
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)

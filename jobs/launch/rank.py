@@ -29,7 +29,7 @@ from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, always_excluded
 from jobs.launch.rendezvous import rendezvous
 from jobs.log import get_logger, setup_logging
 from jobs.telemetry.health import GpuHealth, rank_health
@@ -58,6 +58,7 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
         restart_in_allocation=env.restart_in_allocation,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
     )
 
 
@@ -109,6 +110,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     log = setup_logging(env.rank)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count, attempt=env.attempt)
     ctx = attempt_context(cfg, env, events, rank=env.rank)
+    ctx.pending_stop = lambda: stop.name if stop.arrived() else None  # a stop turns a restart into a requeue
     try:
         derived = validate(cfg)
         device_type, _ = check_device(cfg, per_task=True)  # and the GPUs this rank sees

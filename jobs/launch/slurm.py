@@ -32,6 +32,7 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
-from jobs.launch.slurm_state import job_state, wait_for_job
+from jobs.launch.slurm_state import job_state, seconds_left, wait_for_job
 
 __all__ = [
     "submit",
@@ -112,6 +113,7 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
         ended = _ended_for_good(cfg, env)
         if ended is not None:
             return ended
+        _missed_warning(cfg, env, stop)
         if env.rank == 0:
             events = EventLog(
                 Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt
@@ -123,6 +125,24 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
                 restart_in_allocation=env.restart_in_allocation,
             )
     return run_rank(cfg, env, stop=stop)
+
+
+def _missed_warning(cfg: JobConfig, env: DistEnv, stop: StopSignals) -> None:
+    """Under torchrun, ranks restarted inside the time limit's warning lead (launcher.signal_delay_s before EndTime)
+    may have missed the warning: while torchrun restarted them, no process took USR2 (the agent ignores it, the
+    new ranks inherit that until their handlers are in place). Rank 0 then records it as arrived; the ranks agree
+    on it at their first step (or the watchdog's stop path during start-up) and requeue, as the supervisor of the
+    srun style refuses such a restart."""
+    if env.rank != 0 or env.restart_in_allocation == 0 or not env.job_id:
+        return
+    left = seconds_left(env.job_id)
+    if left is not None and left <= cfg.launcher.signal_delay_s:
+        print(
+            f"meshjob: restarted {left:.0f} s before the time limit <= launcher.signal_delay_s"
+            f"({cfg.launcher.signal_delay_s}): taken as its warning (SIGUSR2)",
+            flush=True,
+        )
+        stop.note(signal.SIGUSR2)
 
 
 def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
@@ -147,8 +167,6 @@ def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
 
 # torchrun's agent handles these itself (its default is SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM is left out.
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
-# The ranks' codes that say more than "failed", the most final first.
-_RANK_CODES = (exitcodes.DIVERGED, exitcodes.STOPPED, exitcodes.CONFIG_ERROR, exitcodes.REQUEUE)
 
 
 def agent_main(argv: list[str]) -> int:
@@ -169,13 +187,8 @@ def agent_main(argv: list[str]) -> int:
 
 
 def agent_exit_code(codes: list[int]) -> int:
-    """One exit code for a node's failed ranks (their last start): a "do not requeue" code first, then
-    REQUEUE, else the first failure's (a death by signal N as 128 + N, as a shell reports it)."""
-    for code in _RANK_CODES:
-        if code in codes:
-            return code
-    first = codes[0] if codes else exitcodes.FAILED
-    return 128 - first if first < 0 else first or exitcodes.FAILED
+    """One exit code for a node's failed ranks (their last start): `exitcodes.most_final`."""
+    return exitcodes.most_final(codes)
 
 
 class SlurmJob:
@@ -297,7 +310,14 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
         array_parallelism=ln.array_parallelism or 256,
     )
     # The run's quarantine list (jobs.failure.quarantine) is excluded from every later submission too.
-    exclude = ",".join(dict.fromkeys([*filter(None, (cl.exclude or "").split(",")), *_known_quarantined(cfg.run.dir)]))
+    exclude = ",".join(
+        dict.fromkeys(
+            [
+                *filter(None, (cl.exclude or "").split(",")),
+                *_known_quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h),
+            ]
+        )
+    )
     optional = dict(partition=cl.partition, account=cl.account, qos=cl.qos, constraint=cl.constraint, exclude=exclude)
     params.update({k: v for k, v in optional.items() if v})
     if cl.gpus_per_node:
@@ -308,11 +328,11 @@ def make_executor(cfg: JobConfig, folder: str | Path, *, job_name: str = "meshjo
     return ex
 
 
-def _known_quarantined(run_dir: str) -> list[str]:
+def _known_quarantined(run_dir: str, *, ttl_h: float = 0.0) -> list[str]:
     """The run's quarantined nodes that Slurm knows: sbatch refuses a job whose --exclude names a node it does
     not know (one since removed or renamed), so those are left out and named on stderr; all of them when
     sinfo cannot say."""
-    listed = list(dict.fromkeys(e["node"] for e in quarantined(run_dir)))
+    listed = list(dict.fromkeys(e["node"] for e in quarantined(run_dir, ttl_h=ttl_h)))
     known = known_nodes() if listed else None
     if known is None:
         return listed
@@ -366,18 +386,29 @@ def submit(cfg: JobConfig) -> int:
     return wait_for_job(job.job_id, run_dir)
 
 
+_MODES = ("--supervise", "--rank-config", "--prepare", "--rank", "--agent", "--after-agents")
+
+
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
     prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
     rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once),
-    `--agent TORCHRUN_ARGS` (one per node) and `--rank OVERRIDES` (every rank, started by the agent)."""
+    `--agent TORCHRUN_ARGS` (one per node), `--rank OVERRIDES` (every rank, started by the agent) and
+    `--after-agents CODE OVERRIDES` (the batch step again, with the agents' srun exit code: the job's exit code)."""
     from jobs.config import compose
-    from jobs.launch.supervise import guarded, load_rank_config
+    from jobs.launch.supervise import after_agents, guarded, load_rank_config
 
     if mode == "--agent":
         return agent_main(argv)
     if mode == "--rank-config":
         return rank_main(load_rank_config(argv[0]), stop)
+    if mode == "--after-agents":  # the agents' srun exit code, then the overrides
+        try:
+            code, cfg = int(argv[0]), compose(argv[1:])
+        except Exception as e:  # noqa: BLE001 - as below
+            print(f"config error: {e}", file=sys.stderr)
+            return exitcodes.CONFIG_ERROR
+        return after_agents(cfg, step_code=code)
     try:
         cfg = compose(argv)
         if mode != "--rank":
@@ -401,10 +432,10 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--supervise", "--rank-config", "--prepare", "--rank", "--agent"):
+    if len(sys.argv) < 3 or sys.argv[1] not in _MODES:
         print(
             "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
-            "--agent TORCHRUN_ARGS...  "
+            "--agent TORCHRUN_ARGS... | --after-agents SRUN_EXIT_CODE [OVERRIDES...]  "
             "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
             "`python -m jobs.train launcher=slurm`)",
             file=sys.stderr,

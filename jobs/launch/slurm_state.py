@@ -22,6 +22,7 @@ __all__ = [
     "job_state",
     "sacct_attempts",
     "exit_code_of",
+    "seconds_left",
     "wait_for_job",
 ]
 
@@ -155,6 +156,17 @@ def job_state(job_id: str) -> JobState:
         return _from_scontrol(job_id, fields)
     attempts = sacct_attempts(job_id)
     return _from_sacct(job_id, attempts) if attempts else JobState(job_id, "UNKNOWN")
+
+
+def seconds_left(job_id: str) -> float | None:
+    """Seconds until the job's EndTime (its time limit) as slurmctld says now; None when it cannot say (no
+    limit, an unknown job, no answer)."""
+    out = _run(["scontrol", "-o", "show", "job", job_id])
+    end = parse_scontrol_job(out).get("EndTime", "") if out else ""
+    try:
+        return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - time.time()
+    except ValueError:  # Unknown, None, empty
+        return None
 
 
 def exit_code_of(js: JobState) -> int:

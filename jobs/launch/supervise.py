@@ -50,13 +50,15 @@ from jobs.failure.respond import (
 )
 from jobs.failure.signals import parse_signals
 from jobs.failure.spares import place
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.slurm_state import seconds_left
 from jobs.log import get_logger
 
-__all__ = ["guarded", "supervise", "rank_config_path", "load_rank_config"]
+__all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_rank_config", "task_code"]
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
+_SQUEUE_S = 20.0  # one squeue call's bound
 _CRASHED = 70  # the forked supervisor raised (sysexits' EX_SOFTWARE); supervise() never returns it
 
 
@@ -137,6 +139,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             restart_in_allocation=n,
             partition=cfg.cluster.partition,
             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+            always_excluded=always_excluded(cfg),
         )
         placed = _placement(cfg, nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
@@ -146,7 +149,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
             step_nodes=placed.get("step_nodes"),
         )
-        code, gone = _run_step(
+        code, gone, srun_said = _run_step(
             cmd,
             {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
             cfg.run.dir,
@@ -159,9 +162,13 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             read_decision(cfg.run.dir, attempt, wait_s=0)
             or decide_for_lost_decider(ctx, step_code=code)
             or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None)
+            or (_step_failed(ctx, code, exits_said=srun_said) if code != exitcodes.OK and not gone else None)
         )
-        if d is None or d["action"] != "restart" or stopping:
+        if d is None or d["action"] != "restart":
             return code if d is None else int(d["exit_code"])
+        why = _no_restart_now(cfg, job_id, stopping)
+        if why is not None:  # a restarted step would start without the notice, or be killed by the time limit
+            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why)
         get_logger().warning(
             "attempt %s ended by a restart decision: starting the ranks again (restart %d inside job %s)",
             attempt,
@@ -171,12 +178,63 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
         n += 1
 
 
+def _no_restart_now(cfg: JobConfig, job_id: str, stopping: list[int]) -> str | None:
+    """Why the ranks are not started again in this allocation (the cause of the requeue instead), or None: a stop
+    signal reached this supervisor (a scancel or a requeue: the ranks' step saw it or was already gone), or the
+    job is inside its time-limit warning (launcher.signal_delay_s before EndTime: the warning may have come while
+    no rank was there to get it)."""
+    if stopping:
+        return signal.Signals(stopping[0]).name
+    left = seconds_left(job_id)
+    if left is not None and left <= cfg.launcher.signal_delay_s:
+        get_logger().warning(
+            "job %s ends in %.0f s <= launcher.signal_delay_s(%d): requeue instead of a restart",
+            job_id,
+            left,
+            cfg.launcher.signal_delay_s,
+        )
+        return "walltime"
+    return None
+
+
+def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str) -> int:
+    """The restart that will not happen is decided as the attempt after it (as the guard does): a requeue
+    within the budgets, nothing when Slurm is cancelling the job."""
+    attempt = attempt_name(job_id, restart, n)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
+    )
+    if not _claimed(cfg.run.dir, attempt):
+        d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+        return int(d["exit_code"]) if d else exitcodes.REQUEUE
+    return conclude(ctx, cause=cause, step=None)
+
+
+def _step_failed(ctx: AttemptContext, code: int, *, exits_said: str | None) -> dict | None:
+    """A step that ended badly with no task reported ended and no decision: srun could not create or launch it (a
+    busy slurmctld, a node lost between the decision and the restart). Not FAILED: a `step_launch_failure`,
+    requeued within the budgets (never restarted in the allocation again: that is what just failed)."""
+    why = f"srun exited {code} before any rank ran" + (f" ({exits_said})" if exits_said else "")
+    return decide_for_silent_attempt(ctx, step_code=code, why=why, cls="step_launch_failure")
+
+
 def _placement(cfg: JobConfig, nodes: list[str]) -> dict[str, list[str]]:
     """With spares (launcher.spare_nodes): the attempt's `step_nodes` (the allocation's first launcher.nodes
     nodes off quarantine) and its idle `spares`, for its `attempt_start` and srun; {} without spares."""
     if not cfg.launcher.spare_nodes:
         return {}
-    step_nodes, spares = place(nodes, excluded={e["node"] for e in quarantined(cfg.run.dir)}, nodes=cfg.launcher.nodes)
+    listed = quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h)
+    step_nodes, spares = place(nodes, excluded={e["node"] for e in listed}, nodes=cfg.launcher.nodes)
     return {"step_nodes": step_nodes, "spares": spares}
 
 
@@ -187,7 +245,7 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     forever): a `decision` of cause `quarantined_node` in the ledger, and the exit code; None when no
     quarantined node is in the allocation, or when its other nodes still hold launcher.nodes (spares: the
     ranks run on those, `_placement`)."""
-    listed = sorted({e["node"] for e in quarantined(cfg.run.dir)})
+    listed = sorted({e["node"] for e in quarantined(cfg.run.dir, ttl_h=cfg.failure.quarantine_ttl_h)})
     bad = sorted(set(nodes) & set(listed))
     if not bad or cfg.launcher.spare_nodes and len(set(nodes) - set(bad)) >= cfg.launcher.nodes:
         return None
@@ -208,7 +266,7 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
         return exitcodes.STOPPED
     reason = f"{what}: requeue {used + 1} of failure.max_requeues({f.max_requeues}) without them"
     events.emit("decision", action="requeue", reason=reason, exit_code=exitcodes.REQUEUE, **facts)
-    ok, said = requeue_excluding(job_id, listed)
+    ok, said = requeue_excluding(job_id, list(dict.fromkeys([*listed, *always_excluded(cfg)])))
     events.emit("requeue", job_id=job_id, ok=ok, scontrol=said, excluded=listed)
     log.error("%s (%s)", reason, said)
     return exitcodes.REQUEUE
@@ -244,8 +302,9 @@ def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: lis
 
 def _run_step(
     cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float
-) -> tuple[int, str | None]:
-    """One srun step: its exit code and srun's line about the first rank that ended (None: none did); killed
+) -> tuple[int, str | None, str | None]:
+    """One srun step: its exit code, srun's line about the first rank that ended (None: none did) and srun's last
+    error line (None: none); killed
     `_GRACE_S` after a published decision if still running, or `no_decision_s` after a rank left without any
     decision (see `_RankExits`)."""
     get_logger().info("starting attempt %s: %s", attempt, shlex.join(cmd))
@@ -254,7 +313,8 @@ def _run_step(
     decided_at = None
     while True:
         try:
-            return proc.wait(timeout=_POLL_S), exits.settled()
+            code = proc.wait(timeout=_POLL_S)
+            return code, exits.settled(), exits.last_error
         except subprocess.TimeoutExpired:
             pass
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
@@ -273,16 +333,22 @@ def _run_step(
 
 
 class _RankExits:
-    """srun's own stderr, passed through, watched for its line about a rank that ended (`srun: error:
-    node1: task 1: Exited with exit code 75`; srun prints it when the task ends, while the step goes on
-    under --kill-on-bad-exit=0): a rank that left without a decision (its failure path could not write
-    to a full or read-only disk) must not leave the others waiting until the time limit."""
+    """srun's own stderr, passed through, watched for its lines about tasks that ended (`srun: error: node1:
+    task 1: Exited with exit code 75`, `... tasks 0-3: Killed`, `... task 2: Out Of Memory`, `... task 0: Bus
+    error`; srun prints one when a task ends badly, while the step goes on under --kill-on-bad-exit=0): a rank that
+    left without a decision (its failure path could not write to a full or read-only disk) must not leave the
+    others waiting until the time limit. Any text after the task list counts as an end (srun words a death by
+    signal with strsignal, whose text varies); `codes` keeps each task's exit code as far as the text says it
+    (128 + N for signal N, 137 for Out Of Memory, FAILED when it cannot be told)."""
 
-    _ENDED = re.compile(r"tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated|Aborted|Segmentation fault)")
+    _ENDED = re.compile(r"srun: error: [^:\s]+: tasks? ([\d,\-]+): (.+)$")
+    _EXITED = re.compile(r"Exited with exit code (\d+)")
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.first: str | None = None
         self.first_at: float | None = None
+        self.codes: dict[int, int] = {}  # task -> exit code, for the tasks srun reported ended badly
+        self.last_error: str | None = None  # srun's last `srun: error: ...` line
         self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True)
         self._thread.start()
 
@@ -295,17 +361,58 @@ class _RankExits:
         for line in stream:
             sys.stderr.write(line)
             sys.stderr.flush()
-            m = self._ENDED.search(line)
-            if m and self.first_at is None:
+            if line.startswith("srun: error:"):
+                self.last_error = line.strip()
+            m = self._ENDED.search(line.strip())
+            if m is None:
+                continue
+            for task in _task_list(m.group(1)):
+                self.codes[task] = task_code(m.group(2))
+            if self.first_at is None:
                 self.first, self.first_at = line.strip(), time.monotonic()
 
 
-def _numbered_steps() -> list[str]:
-    """The running steps of this job but the batch step: the ranks' srun step and any probe step."""
-    out = subprocess.run(
-        ["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"], capture_output=True, text=True
-    ).stdout
-    return [s for s in out.split() if s.split(".")[-1].isdigit()]
+_SIGNAL_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
+
+
+def task_code(text: str) -> int:
+    """The exit code of a task from srun's words for its end: `Exited with exit code N` -> N, a signal's
+    strsignal text -> 128 + N, `Out Of Memory` -> 137 (the OOM killer's SIGKILL), else FAILED."""
+    m = _RankExits._EXITED.search(text)
+    if m:
+        return int(m.group(1))
+    if text.strip().lower().startswith("out of memory"):
+        return 128 + signal.SIGKILL
+    sig = _SIGNAL_TEXT.get(text.strip().removesuffix(" (core dumped)"))
+    return 128 + sig if sig else exitcodes.FAILED
+
+
+def _task_list(spec: str) -> list[int]:
+    """`0,2-4` -> [0, 2, 3, 4]."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def _numbered_steps(tries: int = 3) -> list[str]:
+    """The running steps of this job but the batch step: the ranks' srun step and any probe step. `squeue` is
+    bounded by `_SQUEUE_S` and tried `tries` times (a busy slurmctld); [] when it never answered (logged)."""
+    cmd = ["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i"]
+    for n in range(tries):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=_SQUEUE_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            said = str(e)
+        else:
+            if out.returncode == 0:
+                return [s for s in out.stdout.split() if s.split(".")[-1].isdigit()]
+            said = f"rc {out.returncode} {out.stderr.strip()}"
+        get_logger().warning("squeue (try %d of %d): %s", n + 1, tries, said)
+        if n + 1 < tries:
+            time.sleep(min(2.0**n, 5.0))
+    return []
 
 
 def _kill_steps(why: str = f"still running {_GRACE_S:.0f} s after the decision") -> None:
@@ -340,9 +447,6 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     if d is not None:  # the ranks asked for a restart that nobody will start: the attempt after it decides
         attempt = attempt_name(job_id, restart, n + 1)
         events = EventLog(events.path, rank=-1, restart=restart, attempt=attempt)
-    if not claim(cfg.run.dir, attempt):
-        d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
-        return int(d["exit_code"]) if d else exitcodes.REQUEUE
     ctx = AttemptContext(
         run_dir=cfg.run.dir,
         attempt=attempt,
@@ -352,8 +456,51 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
         restart_count=restart,
         cfg=cfg.failure,
         events=events,
+        always_excluded=always_excluded(cfg),
     )
-    return conclude(ctx, cause="supervisor_died", step=None)
+    if _claimed(cfg.run.dir, attempt):
+        return conclude(ctx, cause="supervisor_died", step=None)
+    # A decider claimed it: it publishes soon, or it died as well (the double fault): then decide in its place,
+    # as the supervisor would have (`decide_for_lost_decider`: a requeue within the budget), never a bare 75.
+    d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
+    d = d or decide_for_lost_decider(ctx, step_code=exitcodes.REQUEUE)
+    return int(d["exit_code"]) if d else conclude(ctx, cause="supervisor_died", step=None)
+
+
+def _claimed(run_dir: str, attempt: str) -> bool:
+    """`claim`; an incidents folder that refuses the claim leaves nobody else to decide: True."""
+    try:
+        return claim(run_dir, attempt)
+    except OSError as e:
+        get_logger().error("attempt %s: cannot claim its decision (%s); deciding without a claim", attempt, e)
+        return True
+
+
+def after_agents(cfg: JobConfig, *, step_code: int) -> int:
+    """The torchrun style's batch step once its agents' srun step ended: the job's exit code is the allocation's
+    newest decision's, not srun's (the highest of the agents' codes: a SIGKILLed node's 137 would beat 76, "do not
+    requeue"); and, as the supervisor does, decided here when that attempt's decider died between claim and publish,
+    or when the step failed and no rank could claim it. No restart follows here: the agents are gone."""
+    job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    attempt, n = _current_attempt(cfg.run.dir, job_id, restart)
+    ctx = AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
+        restart_in_allocation=n,
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+        always_excluded=always_excluded(cfg),
+    )
+    d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
+    if d is None and step_code != exitcodes.OK:
+        d = decide_for_silent_attempt(ctx, step_code=step_code, why=f"the agents' srun step exited {step_code}")
+    return step_code if d is None else int(d["exit_code"])
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:

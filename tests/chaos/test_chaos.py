@@ -80,9 +80,10 @@ def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishe
     assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
     (d,) = events(run_root, "decision")
     assert d["action"] == "requeue" and "failure.restarts_in_allocation(0) spent" in d["reason"], d
-    # The suspect's node goes on the quarantine list and the requeued job runs without it.
-    assert [q["node"] for q in json.loads((run_root / "quarantine.json").read_text())] == ["node2"]
-    assert scontrol_job(job)["ExcNodeList"] == "node2" and recs[-1]["NodeList"] == "node[1,3]", recs
+    # A killed process on a node that answers its probe is no evidence against the node (issue 34, 3.4): the
+    # requeue quarantines nobody (before: node2 went on the list unprobed once the restarts were spent).
+    assert not (run_root / "quarantine.json").exists()
+    assert "node2" not in scontrol_job(job)["ExcNodeList"], scontrol_job(job)
     assert [e["cause"] for e in events(run_root, "attempt_end")] == ["dead_rank", "completed"]
     assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
 

@@ -61,7 +61,10 @@ def test_a_stop_signal_is_requeued_with_exit_75_while_budgets_last() -> None:
     events = saved_attempt("j.0", 100, start=0, saved=10)
     d = policy.decide(events, cause="SIGUSR2", cfg=FailureConfig(max_requeues=10), restart_count=0)
     assert (d.action, d.exit_code, d.requeues_used, d.attempts_without_progress) == ("requeue", 75, 1, 0)
-    assert d.reason == "SIGUSR2: requeue 2 of failure.max_requeues(10)"
+    # after committed progress a stop notice's requeue is free (issue 34, 3.3: tests/unit/test_requeue_budget.py)
+    assert d.free and d.reason == (
+        "SIGUSR2: requeue after committed progress, not counted against failure.max_requeues(10) (1 counted so far)"
+    )
 
 
 def test_a_dead_rank_is_requeued_with_exit_75() -> None:
@@ -77,10 +80,10 @@ def test_a_dead_rank_is_requeued_with_exit_75() -> None:
 def test_the_requeue_budget_counts_slurm_restarts_when_they_exceed_the_ledger() -> None:
     events = saved_attempt("j.3", 100, start=0, saved=10)  # one ledger requeue, Slurm says 3
     cfg = FailureConfig(max_requeues=3)
-    d = policy.decide(events, cause="SIGUSR2", cfg=cfg, restart_count=3)
+    d = policy.decide(events, cause="dead_rank", cfg=cfg, restart_count=3)
     assert (d.action, d.exit_code, d.requeues_used, d.max_requeues) == ("stop", exitcodes.STOPPED, 3, 3)
     assert "3 requeues >= failure.max_requeues(3)" in d.reason
-    assert policy.decide(events, cause="SIGUSR2", cfg=cfg, restart_count=2).action == "requeue"
+    assert policy.decide(events, cause="dead_rank", cfg=cfg, restart_count=2).action == "requeue"
 
 
 def test_the_requeue_budget_counts_ledger_decisions_when_they_exceed_slurm_restarts() -> None:

@@ -227,7 +227,7 @@ def test_an_unhealthy_gpu_requeues_the_job_with_its_node_quarantined_without_pro
 ) -> None:
     calls: list = []
     monkeypatch.setattr(respond, "slurm_intent", lambda job, restart_count: None)
-    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: calls.append(f"probe {node}") or True)
+    monkeypatch.setattr(respond, "probe_nodes", lambda job, nodes, timeout_s: calls.append(f"probe {nodes}") or {})
     monkeypatch.setattr(respond, "requeue_excluding", lambda job, nodes: calls.append(nodes) or (True, ""))
     monkeypatch.setattr(respond, "usable_nodes", lambda partition, excluded: ["node1", "node3"])
     incidents: list = []

@@ -39,12 +39,20 @@ if name == "sinfo":
         end(1, "sinfo: error: Unable to contact slurm controller (connect failure)")
     end(0, "\\n".join(n + (" idle" if "%N %t" in args else "") for n in job["nodes"]))
 if name == "srun":
-    end(1, "srun: error: Unable to create step: node does not answer")
+    if any(a == "-w" + n for n in job.get("answering", []) for a in args):
+        end(0)
+    end(1, job.get("srun_error") or "srun: error: Unable to create step: node does not answer")
 if args[:2] == ["-o", "show"]:
     end(0, f"JobId={{job['id']}} JobState={{job['state']}} Reason=None Restarts={{job['restarts']}} "
-           f"ExcNodeList={{job['exc']}}")
+           f"ExcNodeList={{job['exc']}} EndTime={{job.get('end', 'Unknown')}}")
 verb = args[0]
+if verb == "ping":
+    down = job.get("ctl_down")
+    end(1 if down else 0, "Slurmctld(primary) at ctl is " + ("DOWN" if down else "UP"))
 if verb in ("requeue", "requeuehold"):
+    if job.get("requeue_fails"):  # slurmctld busy this many times
+        job["requeue_fails"] -= 1
+        end(1, "scontrol: error: slurm_requeue error: Socket timed out on send/recv operation")
     job.update(state="COMPLETING", restarts=job["restarts"] + 1, held=verb == "requeuehold")
     end(0)
 if verb == "update":
@@ -232,7 +240,7 @@ def test_a_quarantined_node_carries_its_evidence(tmp_path: Path, slurm: Path) ->
     assert (entry["node"], entry["incident"], ev["cls"]) == ("node2", "9.0", "hung_rank")
     assert ev["summary"] == "a hung_rank incident"
     assert [(s["rank"], s["pid"], s["step"], s["beat_age_s"]) for s in ev["suspects"]] == [(1, 77, 12, 9.5)]
-    assert "failure.node_probe_timeout_s(5" in ev["probe"]
+    assert ev["probe"].startswith("no one-task step ran on it within failure.node_probe_timeout_s: srun exited 1")
     assert "srun" in _verbs(slurm) and _job(slurm)["exc"] == "node2"
 
 

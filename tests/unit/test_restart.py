@@ -120,10 +120,15 @@ def slurm(monkeypatch):
     return calls
 
 
+def _probes(answers):
+    """A stand-in for `quarantine.probe_nodes`: each node answers or is silent as `answers(node)` says."""
+    return lambda job, nodes, timeout_s: {n: ("answers", "ok") if answers(n) else ("silent", "rc 1") for n in nodes}
+
+
 def test_a_dead_rank_whose_node_does_not_answer_is_quarantined_and_excluded_from_the_requeue(
     tmp_path: Path, slurm, monkeypatch
 ) -> None:
-    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: node != "node2")
+    monkeypatch.setattr(respond, "probe_nodes", _probes(lambda node: node != "node2"))
     assert conclude(_ctx(tmp_path), cause="dead_rank", step=12, incident=_dead("node2")) == exitcodes.REQUEUE
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node2"]
     assert slurm == {"requeue_excluding": [["node2"]], "requeue": []}
@@ -133,7 +138,7 @@ def test_a_dead_rank_whose_node_does_not_answer_is_quarantined_and_excluded_from
 
 def test_a_dead_rank_whose_node_answers_restarts_and_quarantines_nothing(tmp_path: Path, slurm, monkeypatch) -> None:
     probed = []
-    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: probed.append(node) or True)
+    monkeypatch.setattr(respond, "probe_nodes", _probes(lambda node: probed.append(node) or True))
     assert conclude(_ctx(tmp_path), cause="dead_rank", step=12, incident=_dead("node2")) == exitcodes.REQUEUE
     assert probed == ["node2"] and quarantine.quarantined(tmp_path) == []
     assert slurm == {"requeue_excluding": [], "requeue": []}  # the supervisor starts the ranks again
@@ -149,7 +154,7 @@ def test_a_requeue_honours_the_quarantine_of_earlier_incidents(tmp_path: Path, s
 def test_when_the_quarantine_leaves_too_few_nodes_the_job_stops_and_says_why(
     tmp_path: Path, slurm, monkeypatch
 ) -> None:
-    monkeypatch.setattr(respond, "node_answers", lambda job, node, timeout_s: False)
+    monkeypatch.setattr(respond, "probe_nodes", _probes(lambda node: False))
     quarantine.add_to_quarantine(tmp_path, ["node3"], reason="earlier", incident="8.0")
     assert conclude(_ctx(tmp_path), cause="dead_rank", step=12, incident=_dead("node2")) == exitcodes.STOPPED
     (d,) = read_events(tmp_path / "events.jsonl", "decision")

@@ -166,7 +166,7 @@ def test_every_step_a_rendered_script_runs_is_one_jobs_launch_slurm_accepts(styl
 
     commands = "\n".join(l for l in _rendered(LOCAL, style).splitlines() if not l.lstrip().startswith("#"))
     modes = set(re.findall(r"-m jobs\.launch\.slurm (--[a-z-]+)", commands))
-    assert modes == ({"--supervise"} if style == "srun" else {"--prepare", "--agent", "--rank"})
+    assert modes == ({"--supervise"} if style == "srun" else {"--prepare", "--agent", "--rank", "--after-agents"})
     for mode in modes - {"--agent"}:  # the agent takes torchrun's arguments, not overrides
         r = subprocess.run(
             [sys.executable, "-m", "jobs.launch.slurm", mode, "no_such_group.key=1"],

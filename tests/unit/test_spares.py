@@ -134,14 +134,14 @@ def test_silent_data_corruption_swaps_its_node_for_a_spare_without_probing_it(tm
 # The ranks' step, twice: the first time its decider swaps node2 for the spare (quarantine, decision "restart"), as
 # conclude does; the second time it finishes. Each call's arguments are kept.
 _SRUN = """#!{python}
-import json, os, sys
+import json, os, sys, time
 d = os.environ["FAKE_SLURM"]
 os.makedirs(os.path.join(d, "steps"), exist_ok=True)
 n = len(os.listdir(os.path.join(d, "steps")))
 json.dump(sys.argv[1:], open(os.path.join(d, "steps", str(n)), "w"))
 if n == 0:
     run = os.environ["RUN"]
-    json.dump([{{"node": "node2", "reason": "x", "incident": "9.0", "time": 0}}], open(run + "/quarantine.json", "w"))
+    json.dump([{{"node": "node2", "reason": "x", "incident": "9.0", "time": time.time()}}], open(run + "/quarantine.json", "w"))
     os.makedirs(run + "/incidents/9.0", exist_ok=True)
     json.dump({{"action": "restart", "reason": "x", "exit_code": 75}}, open(run + "/incidents/9.0/decision.json", "w"))
     sys.exit(75)

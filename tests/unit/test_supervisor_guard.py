@@ -57,7 +57,10 @@ def test_a_dead_supervisor_is_requeued_within_the_budget_then_stopped(cause: str
 
 def _cfg(tmp_path: Path, **failure) -> SimpleNamespace:
     return SimpleNamespace(
-        run=SimpleNamespace(dir=str(tmp_path)), world_size=2, failure=FailureConfig(heartbeat_s=0.05, **failure)
+        run=SimpleNamespace(dir=str(tmp_path)),
+        world_size=2,
+        failure=FailureConfig(heartbeat_s=0.05, **failure),
+        cluster=SimpleNamespace(exclude=None),
     )
 
 
@@ -145,3 +148,26 @@ def test_restarted_ranks_under_torchrun_find_the_stop_past_attempts_that_only_re
     assert slurm_mod._ended_for_good(cfg, env) is None
     publish(tmp_path, "9.0.1", Decision("stop", "2 attempts in a row", 76, 0, 4, 2))
     assert slurm_mod._ended_for_good(cfg, env) == exitcodes.STOPPED
+
+
+def test_when_the_decider_and_then_the_supervisor_die_the_guard_requeues(tmp_path: Path, monkeypatch) -> None:
+    # The double fault: rank 1 claimed the decision of 41.0 and died; then the supervisor died. Before: the guard
+    # waited for a decision that never came and returned 75 without requeueing (the job ended FAILED).
+    from jobs.failure import respond
+
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    EventLog(tmp_path / "events.jsonl", rank=-1, restart=0, attempt="41.0").emit("attempt_start", job_id="41")
+    assert policy.claim(tmp_path, "41.0", rank=1)
+    asked: list[str] = []
+    monkeypatch.setattr(supervise, "_numbered_steps", lambda: [])
+    monkeypatch.setattr(respond, "slurm_intent", lambda job_id, restart_count: None)
+    monkeypatch.setattr(respond, "requeue_job", lambda job_id: asked.append(job_id) or (True, ""))
+    code = supervise._after_supervisor_death(_cfg(tmp_path), pid=7, how="was killed by SIGKILL")
+    assert (code, asked) == (exitcodes.REQUEUE, ["41"])
+    d = policy.read_decision(tmp_path, "41.0", wait_s=0)
+    assert (d["action"], d["reason"]) == ("requeue", "dead_rank: requeue 1 of failure.max_requeues(10)"), d
+    assert (
+        "claimed the decision of attempt 41.0 and died"
+        in read_events(tmp_path / "events.jsonl", "failure")[-1]["summary"]
+    )
