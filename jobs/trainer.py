@@ -349,12 +349,18 @@ class Trainer:
 
     def _moe_group(self):
         """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
-        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model."""
-        if not self.moe_layers or self.env.world_size == 1:
+        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model.
+
+        Every rank of an MoE model builds the stage group, a dense-only stage too (DeepSeek-V3's split: the dense
+        blocks alone on stage 0): torch names groups by a per-process counter, so a rank that skipped it would give
+        every later group (the checkpoint manager's, the RAM tier's) another name than its peers and hang in them."""
+        model = self.cfg.model
+        if model.n_routed_experts == 0 or model.n_dense_layers >= model.n_layers or self.env.world_size == 1:
             return None
         if not self.derived.dims.pp_enabled:
             return dist.group.WORLD
-        return self.mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("moe_stage").get_group()
+        group = self.mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("moe_stage").get_group()
+        return group if self.moe_layers else None
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
