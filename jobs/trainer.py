@@ -36,7 +36,7 @@ from jobs.launch.env import DistEnv
 from jobs.launch.rundir import run_id
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
-from jobs.moe import moe_layers, update_expert_bias
+from jobs.moe import moe_layers, set_aux_loss_scale, update_expert_bias
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
@@ -154,6 +154,8 @@ class Trainer:
         self._build_model(cfg, derived)
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.moe_layers = moe_layers(self.parts)
+        # The balance loss's gradient as the main loss's: 1 / microbatches (the pipeline schedule scales all itself).
+        set_aux_loss_scale(self.moe_layers, 1.0 if dims.pp_enabled else 1.0 / derived.microbatches)
         self.moe_group = self._moe_group()  # the router counts' all-reduce (bias balancing)
         if dims.ep_enabled:  # the MoE layers' mesh folded over the attention layers' ranks, said once at start
             self.log.info("meshes: %s", dims.describe_meshes())
