@@ -128,11 +128,10 @@ def grouped_swiglu(
 
 
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs these operands: a torch build that has it (2.8+), in bf16 (its CUDA kernels'
-    and torch.compile's one dtype), or fp32 in eager on CPU (torch 2.13's CPU kernel), rows 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
-        return False
-    if x.dtype != torch.bfloat16 and not (x.device.type == "cpu" and not torch.compiler.is_compiling()):
+    """Whether `torch._grouped_mm` runs these operands: a torch build that has it (2.8+), bf16 (the one dtype of its
+    CUDA kernels and of its torch.compile meta function; torch 2.13 also runs it on CPU), rows 16-byte aligned. The
+    same rule on every device, so the planner prices what runs (jobs.planner.memory.expert_padding)."""
+    if not hasattr(torch, "_grouped_mm") or any(t.dtype != torch.bfloat16 for t in (x, *weights)):
         return False
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, *weights))
 

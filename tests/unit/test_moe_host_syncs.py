@@ -27,21 +27,20 @@ def _layer(overrides: list[str]) -> MoE:
 
 
 @pytest.mark.parametrize(
-    "overrides,grouped,expected",
+    "dtype,expected",
     [
-        ([], True, {}),  # torch._grouped_mm: the counts stay on the device
-        (["model.moe_ffn_dim=30"], False, {"to_host": 1}),  # 120-byte rows: the padded bmm, its counts read once
+        (torch.bfloat16, {}),  # torch._grouped_mm: the counts stay on the device
+        (torch.float32, {"to_host": 1}),  # the padded bmm: its counts read once
     ],
-    ids=["grouped_mm", "padded"],
+    ids=["bf16_grouped_mm", "fp32_padded"],
 )
-def test_one_moe_layer_forward_and_backward_syncs_the_host_at_most_once(
-    overrides: list[str], grouped: bool, expected: dict
-) -> None:
-    layer = _layer(overrides)
-    x = torch.randn(2, 16, layer.experts.w1.shape[1], generator=torch.Generator().manual_seed(0), requires_grad=True)
-    assert grouped_mm_available(x, layer.experts.w1, layer.experts.w2, layer.experts.w3) is grouped
+def test_one_moe_layer_forward_and_backward_syncs_the_host_at_most_once(dtype: torch.dtype, expected: dict) -> None:
+    layer = _layer([]).to(dtype)
+    x = torch.randn(2, 16, layer.experts.w1.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    x.requires_grad_()
+    assert grouped_mm_available(x, layer.experts.w1, layer.experts.w2, layer.experts.w3) is (dtype == torch.bfloat16)
     syncs = HostSyncs()
     with syncs:
-        layer(x).square().mean().backward()
+        layer(x).float().square().mean().backward()
     assert dict(syncs.calls) == expected
     assert int(layer.router.tokens_per_expert.sum()) == 2 * 16 * 2  # counted on the device: every token's top-2
