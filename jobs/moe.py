@@ -120,11 +120,27 @@ def grouped_swiglu(
     groups are padded to the largest one, which needs the counts on the host (`host_counts`, or one read through
     `parallel.ep.to_host`).
     """
+    if (
+        x.shape[0] == 0
+    ):  # no rows: x and the weights stay in the graph, so every ep rank runs the same backward all-to-alls
+        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (x.sum() + w1.sum() + w2.sum() + w3.sum())
     if grouped_mm_available(x, w1, w2, w3):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs)
+        return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
     return padded_swiglu(x, counts, _ep.to_host(counts) if host_counts is None else host_counts, w1, w2, w3)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: the grouped GEMM's backward refuses stride-0 (expanded) ones."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -143,10 +159,7 @@ def padded_swiglu(
     one (experts, max count, dim), multiplied by (experts, dim, hidden) weights with `torch.bmm`, and the padding
     dropped again. Padding rows are zeros and never reach the output or the gradients. The FLOPs and memory grow
     with the imbalance (experts x max count rows); the planner prices them (jobs/planner)."""
-    n_exp, cap = len(host_counts), max(host_counts, default=0)
-    if cap == 0:  # no rows: x and the weights stay in the graph, so every ep rank runs the same backward all-to-alls
-        return x.new_zeros(0, w2.shape[-1]) + 0.0 * (x.sum() + w1.sum() + w2.sum() + w3.sum())
-    rows = x.shape[0]
+    n_exp, cap, rows = len(host_counts), max(host_counts, default=0), x.shape[0]
     expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), counts, output_size=rows)
     starts = torch.cumsum(counts, 0) - counts
     slot = expert * cap + torch.arange(rows, device=x.device) - starts[expert]

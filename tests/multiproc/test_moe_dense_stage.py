@@ -37,8 +37,8 @@ DENSE_STAGE = [
 ]
 
 
-def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_moe_model_with_a_dense_only_first_stage_checkpoints_and_resumes(tmp_path: Path, data_path: str) -> None:
@@ -53,6 +53,14 @@ def test_moe_model_with_a_dense_only_first_stage_checkpoints_and_resumes(tmp_pat
         assert again.returncode == 0, again.stderr[-3000:]
         loaded = read_events(run_dir / "events.jsonl", "checkpoint_loaded")
         assert [e["step"] for e in loaded] == [2]
-        assert _steps(run_dir) == [1, 2, 3, 4]
+        metrics = _metrics(run_dir)
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+        # Rank 0 (the dense stage) writes the MoE stage's balance too: blocks 2 and 3, gathered over the stages.
+        for m in metrics:
+            assert sorted(k for k in m if k.startswith("moe_load_imbalance/")) == [
+                "moe_load_imbalance/2",
+                "moe_load_imbalance/3",
+            ]
+            assert all(1.0 <= m[f"moe_load_imbalance/{b}"] <= 4.0 for b in (2, 3)), m
     finally:
         shutil.rmtree(memory_root("/dev/shm", run_id(run_dir)), ignore_errors=True)

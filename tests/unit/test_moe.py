@@ -37,6 +37,17 @@ def test_trainer_parameter_count_equals_the_planners_for_tiny_moe(overrides: lis
     assert sum(isinstance(mod, MoE) for mod in model.modules()) == m.n_layers - m.n_dense_layers
 
 
+def _loop(x: torch.Tensor, counts: list[int], w1, w2, w3) -> torch.Tensor:
+    """One SwiGLU per expert over its rows, in a Python loop."""
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    return torch.cat(
+        [
+            (F.silu(x[s : s + c] @ w1[e]) * (x[s : s + c] @ w3[e])) @ w2[e]
+            for e, (s, c) in enumerate(zip(starts, counts))
+        ]
+    )
+
+
 @pytest.mark.parametrize("path", ["grouped_mm", "padded"])
 def test_grouped_experts_equal_one_swiglu_per_expert(path: str) -> None:
     g = torch.Generator().manual_seed(0)
@@ -45,19 +56,19 @@ def test_grouped_experts_equal_one_swiglu_per_expert(path: str) -> None:
     x = torch.randn(sum(counts), 8, generator=g).to(dtype)
     w1, w3 = torch.randn(4, 8, 8, generator=g).to(dtype), torch.randn(4, 8, 8, generator=g).to(dtype)
     w2 = torch.randn(4, 8, 8, generator=g).to(dtype)
-    starts = [sum(counts[:e]) for e in range(4)]
-    loop = torch.cat(
-        [
-            (F.silu(x[s : s + c] @ w1[e]) * (x[s : s + c] @ w3[e])) @ w2[e]
-            for e, (s, c) in enumerate(zip(starts, counts))
-        ]
-    )
+    loop = _loop(x, counts, w1, w2, w3)
     assert grouped_mm_available(x, w1, w2, w3) is (path == "grouped_mm")  # torch 2.13's CPU kernel: bf16 rows of 16 B
     c = torch.tensor(counts)
     out = grouped_swiglu(x, c, w1, w2, w3) if path == "grouped_mm" else padded_swiglu(x, c, counts, w1, w2, w3)
     torch.testing.assert_close(
         out, loop, rtol=2e-2 if dtype == torch.bfloat16 else 1.3e-6, atol=2e-2 if dtype == torch.bfloat16 else 1e-5
     )
+    x.requires_grad_()
+    out = grouped_swiglu(x, c, w1, w2, w3) if path == "grouped_mm" else padded_swiglu(x, c, counts, w1, w2, w3)
+    out.sum().backward()  # an expanded (stride-0) gradient, which the grouped GEMM's backward refuses as it comes
+    ref = torch.func.grad(lambda t: _loop(t, counts, *(w.float() for w in (w1, w2, w3))).sum())(x.detach().float())
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.float(), ref, rtol=5e-2 if bf16 else 1e-5, atol=1e-1 if bf16 else 1e-5)
 
 
 def _skewed_router(overrides: list[str]) -> tuple[Router, torch.Tensor]:
