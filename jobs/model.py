@@ -142,7 +142,7 @@ class Transformer(nn.Module):
             self.rope = table[self.rope_positions].to(self.rope.device)
         for m in self.modules():
             if isinstance(m, MoE):
-                m.router.reset_buffers()
+                m.reset_buffers()
 
 
 def _init_std(fqn: str, cfg: ModelConfig) -> float | None:

@@ -37,7 +37,7 @@ from jobs.launch.env import DistEnv
 from jobs.launch.rundir import run_id
 from jobs.log import get_logger
 from jobs.model import Transformer, init_weights
-from jobs.moe import moe_layers, update_expert_bias
+from jobs.moe import BALANCE_FIELDS, moe_layer_ids, moe_layers, set_aux_loss_scale, update_expert_bias
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
@@ -155,7 +155,10 @@ class Trainer:
         self._build_model(cfg, derived)
         self.optimizers = build_optimizers(self.parts, cfg.optim, device_type=self.device.type)
         self.moe_layers = moe_layers(self.parts)
+        # The balance loss's gradient as the main loss's: 1 / microbatches (the pipeline schedule scales all itself).
+        set_aux_loss_scale(self.moe_layers, 1.0 if dims.pp_enabled else 1.0 / derived.microbatches)
         self.moe_group = self._moe_group()  # the router counts' all-reduce (bias balancing)
+        self.moe_balance: torch.Tensor | None = None  # the last step's balance per MoE layer (update_expert_bias)
         if dims.ep_enabled:  # the MoE layers' mesh folded over the attention layers' ranks, said once at start
             self.log.info("meshes: %s", dims.describe_meshes())
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
@@ -365,17 +368,44 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        update_expert_bias(self.moe_layers, rate=self.cfg.model.moe_bias_rate, group=self.moe_group)
+        self.moe_balance = update_expert_bias(self.moe_layers, rate=self.cfg.model.moe_bias_rate, group=self.moe_group)
         return lr
 
     def _moe_group(self):
         """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
-        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model."""
-        if not self.moe_layers or self.env.world_size == 1:
+        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model.
+
+        Every rank of an MoE model builds the stage group, a dense-only stage too (DeepSeek-V3's split: the dense
+        blocks alone on stage 0): torch names groups by a per-process counter, so a rank that skipped it would give
+        every later group (the checkpoint manager's, the RAM tier's) another name than its peers and hang in them."""
+        model = self.cfg.model
+        if model.n_routed_experts == 0 or model.n_dense_layers >= model.n_layers or self.env.world_size == 1:
             return None
         if not self.derived.dims.pp_enabled:
             return dist.group.WORLD
-        return self.mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("moe_stage").get_group()
+        group = self.mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("moe_stage").get_group()
+        return group if self.moe_layers else None
+
+    def _moe_balance_fields(self) -> dict[str, float]:
+        """The last step's balance of every MoE layer as metrics fields `<BALANCE_FIELDS name>/<block>`, on every
+        rank: one all-reduce of a (MoE layers, 3) table to which each rank adds its own layers' share (a stage's
+        ranks hold the same loads and biases; the balance loss is averaged over the ranks and microbatches)."""
+        model = self.cfg.model
+        if model.n_routed_experts == 0 or model.n_dense_layers >= model.n_layers:
+            return {}
+        first, holders = model.n_dense_layers, self.env.world_size // self.derived.dims.pp
+        table = torch.zeros(model.n_layers - first, len(BALANCE_FIELDS), dtype=torch.float64, device=self.device)
+        if self.moe_balance is not None:
+            share = self.moe_balance.double() / holders
+            share[:, 2] /= self.derived.microbatches
+            table[[i - first for i in moe_layer_ids(self.parts)]] = share
+        if self.env.world_size > 1:
+            dist.all_reduce(table)
+        return {
+            f"{name}/{first + i}": float(v)
+            for i, row in enumerate(table.tolist())
+            for name, v in zip(BALANCE_FIELDS, row)
+        }
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -564,7 +594,7 @@ class Trainer:
             self.watchdog.phase(name, limit_s=limit_s)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
-        m = {**m, **self.memory.read()}  # every rank ends its memory window
+        m = {**m, **self.memory.read(), **self._moe_balance_fields()}  # every rank ends its memory window
         trained, self.trained_steps = self.trained_steps, []
         if self.env.rank != 0:
             return

@@ -11,8 +11,9 @@ model on its 2 chunks; only attention looks across ranks. RoPE uses the chunks' 
 (FSDP's gradient average over dp_shard*cp, the trainer's loss all-reduce) is the global mean.
 
 - allgather: K and V (before the GQA repeat, so n_kv_heads cross the wire) are all-gathered over cp
-  and each query attends to the keys at global positions <= its own; backward reduce-scatters the
-  K/V gradients. One collective each way per layer; every rank computes (2cp chunks) x (2 chunks).
+  and each query chunk attends to the chunks up to its own (a lower-right causal SDPA: no mask on CUDA);
+  backward reduce-scatters the K/V gradients. One collective each way per layer; per rank the same
+  2 causal + 2cp-1 full chunk blocks as the ring.
 - ring: cp steps; at step s a rank holds the K/V of rank (r - s) mod cp and passes it on to r + 1
   (batch_isend_irecv, whose backward passes the gradient the other way). A (query chunk, key chunk)
   block is full when the key chunk is earlier, causal on the diagonal and skipped when later; the
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from parallel.config import CP_IMPLS
 
@@ -190,7 +192,7 @@ class ContextParallelAttention:
     (batch, seq/cp, heads, head_dim) (k/v with n_kv_heads) -> (batch, seq/cp, heads, head_dim).
     `blocks` counts the attention blocks this rank computed ("full", "causal"), for tests and benchmarks."""
 
-    def __init__(self, cp_mesh: DeviceMesh, *, impl: str) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, *, impl: str, seq_len: int = 0) -> None:
         if impl not in CP_IMPLS:
             raise ValueError(f"mesh.cp_impl={impl!r} is not one of {', '.join(CP_IMPLS)}")
         self.impl, self.group = impl, cp_mesh.get_group()
@@ -201,23 +203,41 @@ class ContextParallelAttention:
         self.fused = (
             True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
         )
+        # The all-gather's causal biases by (query, key) length, made before any forward (a CausalBias is a tensor
+        # subclass: made under a dispatch mode, e.g. a test's counter, it fails); a `seq_len`-token sample's here.
+        self.biases: dict[tuple[int, int], object] = {}
+        for qc in _chunks(self.rank, self.cp) if seq_len else ():
+            self._bias(seq_len // (2 * self.cp), (qc + 1) * seq_len // (2 * self.cp))
+
+    def _bias(self, c: int, t: int):
+        """The lower-right causal bias of c queries over t keys (each query sees the keys up to its own position)."""
+        if (c, t) not in self.biases:
+            self.biases[c, t] = causal_lower_right(c, t)
+        return self.biases[c, t]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = self._allgather(q, k, v) if self.impl == "allgather" else self._ring(q, k, v)
         return out.type_as(q)
 
     def _allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        seq = q.shape[1]
+        """K/V all-gathered over cp and put in sequence order (chunk g is rank g's first chunk for g < cp, else rank
+        2cp-1-g's second); each of this rank's query chunks qc attends to chunks 0..qc, causal on its own: one SDPA
+        with a lower-right causal bias (flash / memory-efficient kernels on CUDA; no mask is built there, and the
+        causal structure costs no host work: it follows from the chunk layout)."""
+        c = q.shape[1] // 2
         kv = torch.stack([k, v]).transpose(0, 2)  # (seq, b, 2, kv_heads, d): gathered along seq
-        kv = _AllGatherSeq.apply(kv, self.group).transpose(0, 2)
-        keys = torch.cat([zigzag_positions(seq * self.cp, cp=self.cp, cp_rank=r) for r in range(self.cp)])
-        mine = zigzag_positions(seq * self.cp, cp=self.cp, cp_rank=self.rank)
-        mask = (mine[:, None] >= keys[None, :]).to(q.device)
+        per_rank = _AllGatherSeq.apply(kv, self.group).unflatten(0, (self.cp, 2, c))
+        ordered = torch.cat([per_rank[:, 0], per_rank.flip(0)[:, 1]]).flatten(0, 1)  # (2cp * c, b, 2, kv_heads, d)
         rep = q.shape[2] // k.shape[2]
-        kf, vf = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kv[0], kv[1]))
-        self.blocks["full"] += 2 * 2 * self.cp  # two query chunks against every chunk, masked or not
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask)
-        return out.transpose(1, 2)
+        outs = []
+        for i, qc in enumerate(_chunks(self.rank, self.cp)):
+            keys = ordered[: (qc + 1) * c].permute(2, 1, 3, 0, 4)  # (2, b, kv_heads, (qc+1) c, d)
+            kf, vf = (t.repeat_interleave(rep, dim=1) for t in (keys[0], keys[1]))
+            qi = q[:, i * c : (i + 1) * c].transpose(1, 2)
+            outs.append(F.scaled_dot_product_attention(qi, kf, vf, attn_mask=self._bias(c, kf.shape[2])))
+            self.blocks["full"] += qc
+            self.blocks["causal"] += 1
+        return torch.cat(outs, dim=2).transpose(1, 2)
 
     def ring_steps(self, *, count: bool = False) -> list[tuple[int, list[tuple[int, int, str]]]]:
         """`ring_blocks` grouped by step, (step, [(query chunk, key chunk, kind)]); `count`: adds them to `blocks`."""
@@ -256,7 +276,10 @@ class ContextParallelAttention:
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, seq_len: int) -> None:
     """Makes `model` (or a pipeline stage of it) a cp rank's model: every attention layer attends over the
-    cp axis and RoPE uses this rank's zig-zag positions of a `seq_len`-token sample. No parameters change."""
+    cp axis and RoPE uses this rank's zig-zag positions of a `seq_len`-token sample; an MoE block's sequence-wise
+    balance loss sums its expert counts over the cp axis (`seq_group`). No parameters change."""
     model.rope_positions = zigzag_positions(seq_len, cp=cp_mesh.size(), cp_rank=cp_mesh.get_local_rank())
     for block in model.layers.values():
-        block.attention.context_parallel = ContextParallelAttention(cp_mesh, impl=impl)
+        block.attention.context_parallel = ContextParallelAttention(cp_mesh, impl=impl, seq_len=seq_len)
+        if hasattr(block.feed_forward, "seq_group"):  # an MoE block: its balance loss counts whole sequences
+            block.feed_forward.seq_group = cp_mesh.get_group()

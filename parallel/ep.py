@@ -3,7 +3,7 @@
 `apply_ep` makes each MoE block's `GroupedExperts` weights DTensors sharded on dim 0 (whole experts)
 over the ep axis of the MoE mesh, and wraps the experts' forward with two hooks:
   dispatch (pre-hook): the per-expert token counts are exchanged (one small all_to_all_single of
-    ints), then the tokens go to the ranks owning their experts (all_to_all_single, uneven splits),
+    ints on the tokens' device) and read on the host once (`to_host`, the layer's one sync), then the tokens go to the ranks owning their experts (all_to_all_single, uneven splits),
     and are regrouped by local expert;
   combine (post-hook): the expert outputs go back to where their tokens came from (all_to_all_single).
 Both token all-to-alls are `_AllToAll` (autograd: each one's backward is the reverse all-to-all), so a
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-__all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "is_grouped_experts"]
+__all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "is_grouped_experts", "to_host"]
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -59,6 +59,12 @@ def all_to_all(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int], 
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def to_host(counts: torch.Tensor) -> list[int]:
+    """The MoE path's one device-to-host read per layer and forward (torchtitan's count): the token counts that size
+    the all-to-alls (and the padded expert matmul). Every host read of routing data goes through here."""
+    return counts.tolist()
+
+
 class _Dispatcher:
     """The two hooks of one GroupedExperts module; `state` carries the splits from dispatch to combine."""
 
@@ -67,23 +73,30 @@ class _Dispatcher:
         self.state: tuple | None = None
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple:
-        x, counts = args
-        n_local = len(counts) // self.ep
-        send_counts = torch.tensor(counts, dtype=torch.int64).view(self.ep, n_local)
+        """(x grouped by expert, counts per expert on x's device) -> (the rows of this rank's experts grouped by
+        local expert, their counts on the device, the same on the host). The counts travel on x's device (the
+        group's own backend), and are read on the host once, in one piece."""
+        x, counts = args[:2]
+        n_local = counts.shape[0] // self.ep
+        send_counts = counts.view(self.ep, n_local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        local = recv_counts.sum(0)
+        host = to_host(torch.cat([send_counts.sum(1), recv_counts.sum(1), local]))
+        send, recv, local_host = host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :]
         x_recv = all_to_all(x, out_splits=recv, in_splits=send, group=self.group)
         # Received rows are ordered by (source rank, local expert): regroup them by local expert.
-        expert = torch.repeat_interleave(torch.arange(n_local).repeat(self.ep), recv_counts.flatten())
-        perm = expert.argsort(stable=True).to(x.device)
+        expert = torch.arange(n_local, device=x.device).repeat(self.ep)
+        expert = torch.repeat_interleave(expert, recv_counts.flatten(), output_size=sum(recv))
+        perm = expert.argsort(stable=True)
         self.state = (perm, send, recv)
-        return x_recv.index_select(0, perm), recv_counts.sum(0).tolist()
+        return x_recv.index_select(0, perm), local, local_host
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         perm, send, recv = self.state
         self.state = None
-        back = out.index_select(0, perm.argsort())
+        inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        back = out.index_select(0, inverse)
         return all_to_all(back, out_splits=send, in_splits=recv, group=self.group)
 
 

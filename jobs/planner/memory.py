@@ -27,6 +27,8 @@ __all__ = [
     "layers_in_flight",
     "checkpointed_layers",
     "layer_activation_bytes",
+    "expert_padding",
+    "PADDED_LOAD",
     "logits_bytes",
     "activation_bytes",
     "StageShape",
@@ -87,6 +89,20 @@ def layers_in_flight(
 # ---------------------------------------------------------------------------------------- activations
 
 
+# The padded expert matmul (jobs.moe.padded_swiglu), where torch._grouped_mm does not run (fp32, expert rows not
+# 16-byte aligned), pads every local expert's rows to the busiest one's: its routed activations (and FLOPs) grow by
+# the max / mean tokens per expert, which the bias balancing holds below 1.25 (tests/unit/test_moe.py).
+PADDED_LOAD = 1.25
+
+
+def expert_padding(m: ModelConfig, *, tp: int = 1, compute_bytes: int = COMPUTE_BYTES) -> float:
+    """The routed experts' rows computed and kept per routed token copy: 1 on the grouped GEMM (bf16, the rows of the
+    tokens and of the experts' tp-split hidden dim 16-byte aligned: jobs.moe.grouped_mm_available), else PADDED_LOAD."""
+    rows = (m.dim, m.moe_ffn_dim // max(tp, 1))
+    grouped = compute_bytes == 2 and all(n * compute_bytes % 16 == 0 for n in rows)
+    return 1.0 if grouped else PADDED_LOAD
+
+
 def layer_activation_bytes(
     m: ModelConfig,
     *,
@@ -109,7 +125,8 @@ def layer_activation_bytes(
     block with saved_tensors_hooks (tests/unit/test_planner_memory_published.py), MHA and GQA alike. The
     per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
-    does not divide it. Context parallel divides the sequence. `compute_bytes`: 2 for bf16 compute,
+    does not divide it; the padded expert matmul keeps `expert_padding` times the routed rows. Context parallel
+    divides the sequence. `compute_bytes`: 2 for bf16 compute,
     4 for an fp32 run (the norm inputs and the logsumexp are fp32 either way).
     """
     s = seq_len // cp
@@ -134,7 +151,7 @@ def layer_activation_bytes(
         attn = sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
         f = m.moe_ffn_dim
-        routed = cb * sb * m.experts_per_token * (h + 4 * f) // t
+        routed = int(cb * sb * m.experts_per_token * (h + 4 * f) * expert_padding(m, tp=t, compute_bytes=cb)) // t
         shared = cb * sb * m.n_shared_experts * 4 * f // t
         router = 4 * sb * m.n_routed_experts
         ffn = routed + shared + router

@@ -36,6 +36,8 @@ __all__ = [
     "goodput_table",
     "phase_table",
     "straggler_table",
+    "moe_balance",
+    "moe_balance_table",
     "health_table",
     "render_text",
     "write_report",
@@ -304,7 +306,10 @@ def render_text(d: RunData) -> str:
         goodput_table(d.goodput, sacct=d.sacct, expected_why=d.expected_why),
     ]
     parts.append(phase_table(d.phases) if d.phases else "phases: no telemetry/ in this run dir")
-    parts.append(straggler_table(d.events))
+    balance = moe_balance(d.metrics)
+    if balance:
+        parts.append(moe_balance_table(balance))
+    parts.append(straggler_table(d.events, persistent_imbalance=any(b["persistent"] for b in balance.values())))
     parts.append(health_table(d.events))
     return "\n\n".join(parts)
 
@@ -341,14 +346,61 @@ def health_table(events: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def straggler_table(events: list[dict]) -> str:
+# A MoE layer whose busiest expert takes this many times the mean tokens in PERSISTENT_SHARE of the logged steps is
+# persistently imbalanced: the ranks holding its busy experts are slow every step, by routing, not by their hardware.
+PERSISTENT_IMBALANCE = 1.5
+PERSISTENT_SHARE = 0.8
+
+
+def moe_balance(metrics: list[dict]) -> dict[int, dict]:
+    """Per MoE layer (block index), from metrics.jsonl's `moe_load_imbalance/<block>` fields (jobs.moe.BALANCE_FIELDS):
+    the last logged step's values, the median imbalance, and whether the imbalance is persistent."""
+    out = {}
+    layers = sorted({int(k.split("/")[1]) for m in metrics for k in m if k.startswith("moe_load_imbalance/")})
+    for layer in layers:
+        rows = [m for m in metrics if f"moe_load_imbalance/{layer}" in m]
+        seen = sorted(m[f"moe_load_imbalance/{layer}"] for m in rows)
+        high = sum(v >= PERSISTENT_IMBALANCE for v in seen)
+        out[layer] = {
+            "imbalance": rows[-1][f"moe_load_imbalance/{layer}"],
+            "median": seen[len(seen) // 2],
+            "bias_spread": rows[-1].get(f"moe_bias_spread/{layer}", 0.0),
+            "aux_loss": rows[-1].get(f"moe_aux_loss/{layer}", 0.0),
+            "persistent": len(seen) >= 3 and high >= PERSISTENT_SHARE * len(seen),
+        }
+    return out
+
+
+def moe_balance_table(balance: dict[int, dict]) -> str:
+    """Tokens per expert (max / mean) per MoE layer, last and median over the logged steps, the router biases'
+    spread and the balance loss; a persistent imbalance is labelled as such."""
+    lines = [
+        "MoE balance (tokens per expert max / mean; 1.00 = even)",
+        f"  {'block':>5} {'last':>6} {'median':>7} {'bias spread':>12} {'aux loss':>10}  verdict",
+    ]
+    for layer, b in balance.items():
+        verdict = f"persistent imbalance (>= {PERSISTENT_IMBALANCE} in {PERSISTENT_SHARE:.0%} of steps)"
+        lines.append(
+            f"  {layer:>5} {b['imbalance']:>6.2f} {b['median']:>7.2f} {b['bias_spread']:>12.3g} {b['aux_loss']:>10.3g}  "
+            + (verdict if b["persistent"] else "ok")
+        )
+    return "\n".join(lines)
+
+
+def straggler_table(events: list[dict], *, persistent_imbalance: bool = False) -> str:
     """The run's `straggler` events: when, which check, phase, ranks and nodes, how much slower than what
-    (ms per step on the detector's clock: work time on CPU ranks, compute kernel or CUDA event time on GPUs)."""
+    (ms per step on the detector's clock: work time on CPU ranks, compute kernel or CUDA event time on GPUs).
+    With a persistent MoE imbalance, the compute phases' findings are labelled as that, not as slow ranks."""
     found = [e for e in events if e.get("kind") == "straggler"]
     if not found:
         return "stragglers: none found"
     lines = [
-        f"stragglers: {len(found)}",
+        f"stragglers: {len(found)}"
+        + (
+            " (a persistent MoE imbalance, see MoE balance: ranks slow in forward/backward may be the busy experts')"
+            if persistent_imbalance
+            else ""
+        ),
         f"  {'attempt':<12} {'step':>5} {'check':<9} {'phase':<10} {'ranks':<8} "
         f"{'ratio':>6} {'ms':>9} {'vs ms':>9} {'clock':<7}  nodes",
     ]

@@ -16,9 +16,10 @@ from jobs.config import ModelConfig
 from jobs.model import Transformer, init_weights
 from jobs.moe import MoE, moe_layers, update_expert_bias
 from jobs.trainer import cross_entropy
+from parallel import ep
 from parallel.recipe import parallelize
 
-__all__ = ["batch", "reference", "parallel_model", "full_grads", "biases", "GroupCollectives"]
+__all__ = ["batch", "reference", "parallel_model", "full_grads", "biases", "GroupCollectives", "HostSyncs"]
 
 
 def batch(*, seed: int, global_batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,3 +107,41 @@ class GroupCollectives(TorchDispatchMode):
                 except RuntimeError:
                     continue
         return None
+
+
+# Ops whose CUDA kernels read device data on the host (a device-to-host sync): `.item()` and friends, and the ops whose
+# output size depends on the data unless told it (`repeat_interleave` without `output_size`, `bincount` reads min/max).
+_SYNCING = ("_local_scalar_dense", "bincount", "nonzero", "unique", "masked_select")
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the device-to-host syncs inside its window: the host reads through the MoE path's one seam
+    (`parallel.ep.to_host`, counted as "to_host"), and every op that would read device data on the host on CUDA
+    (by its name; `repeat_interleave` only without `output_size`), counted by name. CPU runs the same ops, so a
+    count here is the count a GPU would see (tests/gpu checks it there with torch.cuda.set_sync_debug_mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+        self._real = ep.to_host
+
+    def __enter__(self):
+        def counted(t):
+            self.calls["to_host"] += 1
+            return self._real(t)
+
+        ep.to_host = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ep.to_host = self._real
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        kwargs = kwargs or {}
+        if any(s in name for s in _SYNCING) or (
+            name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3
+        ):
+            self.calls[name] += 1
+        return func(*args, **kwargs)

@@ -1,7 +1,8 @@
 """Expert parallelism beside pipeline parallelism trains like one process: the DeepSeek-V3-shaped small model
 (tiny_mla_moe: MLA, 1 dense block then MoE blocks) on pp2 * dp_shard2 with ep2 folded over dp_shard gives the
 single-process loss, every gradient and, after the bias update over the trainer's group of each stage's ranks,
-the same router biases. The split mesh.pp_layers_per_stage=[1,3] leaves stage 0 with only the dense block (no
+the same router biases, with the sequence-wise balance loss on (each microbatch's weighed like its main loss by the
+schedule's gradient scaling). The split mesh.pp_layers_per_stage=[1,3] leaves stage 0 with only the dense block (no
 router to update; the MoE blocks' ranks sum their counts over their own stage's ranks).
 
 It used to hang: torch's pipeline infers the stage shapes at the first step by one real forward/backward on
@@ -36,7 +37,7 @@ SPLIT = [1, 3]  # blocks per stage: the dense block 0 alone, then the three MoE 
 
 
 def _model_cfg():
-    return compose(["model=tiny_mla_moe"]).model
+    return compose(["model=tiny_mla_moe", "model.moe_aux_loss_coef=0.1"]).model  # the balance loss on, alpha large
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,15 @@ import torch.nn.functional as F
 
 from jobs.config import compose
 from jobs.model import Transformer, init_weights
-from jobs.moe import MoE, Router, grouped_swiglu, update_expert_bias
+from jobs.moe import (
+    BALANCE_FIELDS,
+    MoE,
+    Router,
+    grouped_mm_available,
+    grouped_swiglu,
+    padded_swiglu,
+    update_expert_bias,
+)
 from jobs.planner.params import count_params
 from jobs.validate import validate
 
@@ -29,20 +37,38 @@ def test_trainer_parameter_count_equals_the_planners_for_tiny_moe(overrides: lis
     assert sum(isinstance(mod, MoE) for mod in model.modules()) == m.n_layers - m.n_dense_layers
 
 
-def test_grouped_experts_equal_one_swiglu_per_expert() -> None:
-    g = torch.Generator().manual_seed(0)
-    counts = [3, 0, 5, 1]
-    x = torch.randn(sum(counts), 8, generator=g)
-    w1, w3 = torch.randn(4, 8, 6, generator=g), torch.randn(4, 8, 6, generator=g)
-    w2 = torch.randn(4, 6, 8, generator=g)
-    starts = [sum(counts[:e]) for e in range(4)]
-    loop = torch.cat(
+def _loop(x: torch.Tensor, counts: list[int], w1, w2, w3) -> torch.Tensor:
+    """One SwiGLU per expert over its rows, in a Python loop."""
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    return torch.cat(
         [
             (F.silu(x[s : s + c] @ w1[e]) * (x[s : s + c] @ w3[e])) @ w2[e]
             for e, (s, c) in enumerate(zip(starts, counts))
         ]
     )
-    torch.testing.assert_close(grouped_swiglu(x, counts, w1, w2, w3), loop)
+
+
+@pytest.mark.parametrize("path", ["grouped_mm", "padded"])
+def test_grouped_experts_equal_one_swiglu_per_expert(path: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 1]
+    dtype = torch.bfloat16 if path == "grouped_mm" else torch.float32  # the grouped GEMM's one dtype
+    x = torch.randn(sum(counts), 8, generator=g).to(dtype)
+    w1, w3 = torch.randn(4, 8, 8, generator=g).to(dtype), torch.randn(4, 8, 8, generator=g).to(dtype)
+    w2 = torch.randn(4, 8, 8, generator=g).to(dtype)
+    loop = _loop(x, counts, w1, w2, w3)
+    assert grouped_mm_available(x, w1, w2, w3) is (path == "grouped_mm")  # torch 2.13's CPU kernel: bf16 rows of 16 B
+    c = torch.tensor(counts)
+    out = grouped_swiglu(x, c, w1, w2, w3) if path == "grouped_mm" else padded_swiglu(x, c, counts, w1, w2, w3)
+    torch.testing.assert_close(
+        out, loop, rtol=2e-2 if dtype == torch.bfloat16 else 1.3e-6, atol=2e-2 if dtype == torch.bfloat16 else 1e-5
+    )
+    x.requires_grad_()
+    out = grouped_swiglu(x, c, w1, w2, w3) if path == "grouped_mm" else padded_swiglu(x, c, counts, w1, w2, w3)
+    out.sum().backward()  # an expanded (stride-0) gradient, which the grouped GEMM's backward refuses as it comes
+    ref = torch.func.grad(lambda t: _loop(t, counts, *(w.float() for w in (w1, w2, w3))).sum())(x.detach().float())
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.float(), ref, rtol=5e-2 if bf16 else 1e-5, atol=1e-1 if bf16 else 1e-5)
 
 
 def _skewed_router(overrides: list[str]) -> tuple[Router, torch.Tensor]:
@@ -70,9 +96,10 @@ def _imbalance(router: Router, x: torch.Tensor) -> float:
 def test_bias_balancing_evens_a_skewed_router_below_1_25() -> None:
     router, x = _skewed_router(["model.moe_max_nodes=0"])
     before = _imbalance(router, x)
-    layer = MoE.__new__(MoE)  # update_expert_bias only reads .router
+    layer = MoE.__new__(MoE)  # update_expert_bias only reads .router and the balance loss's sum
     torch.nn.Module.__init__(layer)
     layer.router = router
+    layer.register_buffer("aux_loss_sum", torch.zeros(()))
     for _ in range(300):
         router(x)
         update_expert_bias([layer], rate=1e-3)
@@ -185,3 +212,41 @@ def test_tiny_moe_with_ep2_validates() -> None:
     )
     assert (d.dims.dp_shard, d.dims.ep) == (4, 2)
     assert d.dims.describe() == "dp_shard4 (ep2 within dp_shard)"
+
+
+def test_balance_loss_counts_the_plain_top_k_of_the_affinities_not_the_biased_choices() -> None:
+    """DeepSeek-V3 eq. 17-20: f_i = N / (K T) * #tokens whose top-K affinities hold i, P_i = mean normalised affinity;
+    the biases (which steer the routing to experts 0 and 1 here) and the node limit do not enter it."""
+    cfg = compose(["model=tiny_moe", "model.moe_aux_loss_coef=0.5"]).model
+    model = Transformer(cfg)
+    init_weights(model, seed=0)
+    layer = model.layers["1"].feed_forward
+    with torch.no_grad():
+        layer.router.expert_bias[:2] = 1.0  # every token routed to experts 0 and 1
+    x = torch.randn(2, 16, cfg.dim, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    scores = layer.router.gate(x).float().sigmoid()  # (batch, seq, experts)
+    n, k = cfg.n_routed_experts, cfg.experts_per_token
+    f = torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0).mean(1) * n / k
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    expected = 0.5 * float((f * p).sum(-1).mean())
+    assert float(layer.aux_loss_sum) == pytest.approx(expected, rel=1e-6)
+    biased = torch.zeros(n).scatter_(0, torch.tensor([0, 1]), 1.0).expand(2, n) * n / k  # the biased choices' f
+    assert abs(0.5 * float((biased * p).sum(-1).mean()) - expected) > 1e-3  # which the old definition counted
+
+
+def test_bias_update_returns_each_layers_load_imbalance_bias_spread_and_balance_loss() -> None:
+    model = Transformer(compose(["model=tiny_moe", "model.moe_aux_loss_coef=0.1", "model.moe_max_nodes=0"]).model)
+    init_weights(model, seed=0)
+    layers = [model.layers[str(i)].feed_forward for i in (1, 2, 3)]
+    with torch.no_grad():
+        layers[0].router.expert_bias[:2] = 1.0  # block 1: every token to experts 0 and 1 (4x the mean load)
+    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    aux = [float(m.aux_loss_sum) for m in layers]
+    table = update_expert_bias(layers, rate=0.01)
+    assert table.shape == (3, len(BALANCE_FIELDS))
+    assert float(table[0, 0]) == 4.0  # 64 choices on 2 of 8 experts: max 32 / mean 8
+    assert all(1.0 <= float(v) < 4.0 for v in table[1:, 0])
+    assert float(table[0, 1]) == pytest.approx(1.0 - 0.02)  # (1 - rate) - (0 + rate): the favoured were pushed down
+    assert table[:, 2].tolist() == pytest.approx(aux) and min(aux) > 0
+    assert all(float(m.aux_loss_sum) == 0 and float(m.router.tokens_per_expert.sum()) == 0 for m in layers)

@@ -5,21 +5,24 @@ backward like its peers)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from jobs.config import compose
-from jobs.moe import grouped_swiglu
+from jobs.moe import grouped_mm_available, grouped_swiglu
 from jobs.planner.gate import validate_for_planning
 from jobs.validate import validate
 
 PP_EP = ["model=tiny_mla_moe", "mesh=single", "mesh.pp=2", "mesh.dp_shard=2", "mesh.ep=2", "launcher.tasks_per_node=4"]
 
 
-def test_experts_that_get_no_rows_still_pass_a_gradient_to_the_dispatched_rows() -> None:
-    x = torch.zeros(0, 8, requires_grad=True)  # what the dispatch all-to-all brought this rank: nothing
-    w1, w3 = (torch.randn(2, 8, 4, requires_grad=True) for _ in range(2))
-    w2 = torch.randn(2, 4, 8, requires_grad=True)
-    out = grouped_swiglu(x, [0, 0], w1, w2, w3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["padded", "grouped_mm"])
+def test_experts_that_get_no_rows_still_pass_a_gradient_to_the_dispatched_rows(dtype: torch.dtype) -> None:
+    x = torch.zeros(0, 8, dtype=dtype, requires_grad=True)  # what the dispatch all-to-all brought this rank: nothing
+    w1, w3 = (torch.randn(2, 8, 8).to(dtype).requires_grad_() for _ in range(2))
+    w2 = torch.randn(2, 8, 8).to(dtype).requires_grad_()
+    assert grouped_mm_available(x, w1, w2, w3) is (dtype == torch.bfloat16)
+    out = grouped_swiglu(x, torch.zeros(2, dtype=torch.int64), w1, w2, w3)
     assert out.shape == (0, 8)
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == (0, 8)  # the autograd path to the dispatch's backward exists
