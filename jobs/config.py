@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from omegaconf import MISSING
 from checkpoint.config import CheckpointConfig
 from parallel.config import MeshConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# conf/ installs as the package jobs._conf (pyproject's package-dir): the same path in a wheel and an editable install
+CONF_DIR = Path(str(files("jobs._conf")))
 
 
 @dataclass
@@ -329,10 +331,18 @@ def config_hash(cfg: JobConfig) -> str:
 
 
 def register_configs() -> None:
-    """Registers the root schema so `conf/train.yaml` is type-checked on composition."""
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition, and the meshjob launchers
+    (`hydra/launcher=meshjob_local|meshjob_slurm`) with Hydra: an editable install hides the `hydra_plugins`
+    namespace from Hydra's plugin scan, so they are registered here rather than found."""
     from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.meshjob_local_launcher import MeshjobLocalLauncher  # importing stores its ConfigStore node
+    from hydra_plugins.meshjob_slurm_launcher import MeshjobSlurmLauncher
 
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    for launcher in (MeshjobLocalLauncher, MeshjobSlurmLauncher):
+        Plugins.instance().register(launcher)
 
 
 def to_job_config(cfg: Any) -> JobConfig:

@@ -13,6 +13,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
+from importlib.resources import files
 from pathlib import Path
 
 from jobs import exitcodes
@@ -21,7 +22,7 @@ from jobs.config import JobConfig
 __all__ = ["render", "render_for", "main", "STYLES"]
 
 STYLES = ("srun", "torchrun")
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "sbatch"
+TEMPLATE_DIR = Path(str(files("jobs._sbatch")))  # sbatch/ installs as the package jobs._sbatch (pyproject)
 
 
 def _q(value: object) -> str:
