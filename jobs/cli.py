@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.config import CONF_DIR, JobConfig, compose, register_configs, to_job_config
 
 __all__ = [
@@ -147,13 +148,17 @@ def main_for(
     run: Callable[[JobConfig], int],
     argv: Sequence[str] | None = None,
     *,
+    command: str,
     sweep_continues: bool = False,
     point_run_dirs: bool = False,
 ) -> int:
     """A command's main(): plain overrides are composed here (errors exit 2, nothing written); Hydra's
     flags and `-m` sweeps go through @hydra.main. `sweep_continues`: a failing point does not stop a sweep.
-    `point_run_dirs`: a local sweep's point <n> runs in `hydra.sweep.dir/<n>` (jobs.launch.sweep.point_run_dirs)."""
+    `command`: its name in jobs.commands (`--help` prints its help_text). `point_run_dirs`: a local sweep's point <n> runs in `hydra.sweep.dir/<n>` (jobs.launch.sweep.point_run_dirs)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:  # ours, not Hydra's 240-line dump (that is --hydra-help and --cfg job)
+        print(help_text(command))
+        return exitcodes.OK
     flags, overrides = split_hydra_argv(argv)
     if not flags:
         cfg = compose_or_report(overrides)

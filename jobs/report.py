@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.events import read_events
 from jobs.failure.ledger import attempts
 from jobs.launch.slurm_state import SACCT_FIELDS, sacct_attempts
@@ -83,6 +84,9 @@ def sacct_records(run_dir: Path) -> list[dict[str, str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
+        print(help_text("report"))
+        return exitcodes.OK
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")

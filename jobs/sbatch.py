@@ -17,6 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.config import JobConfig
 
 __all__ = ["render", "render_for", "main", "STYLES"]
@@ -242,6 +243,9 @@ def render_for(
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
+        print(help_text("sbatch"))
+        return exitcodes.OK
     parser = argparse.ArgumentParser(prog="python -m jobs.sbatch", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--style",

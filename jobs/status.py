@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
@@ -72,8 +73,11 @@ def _fmt_sacct(recs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["--help"], ["-h"]):
+        print(help_text("status"))
+        return exitcodes.OK
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m jobs.status RUN_DIR", file=sys.stderr)
+        print("usage: python -m jobs.status RUN_DIR (--help: what it shows)", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     run_dir = Path(argv[0])
     if not (run_dir / "events.jsonl").exists():

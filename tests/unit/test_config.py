@@ -164,12 +164,12 @@ def test_every_config_error_exits_2_with_its_cause_also_behind_a_hydra_flag(tmp_
 
 def test_the_command_line_and_each_sweep_points_overrides_are_recorded_in_the_config(monkeypatch, tmp_path) -> None:
     seen = []
-    assert main_for(lambda cfg: seen.append(cfg) or 0, ["mesh=single", "train.steps=3"]) == 0
+    assert main_for(lambda cfg: seen.append(cfg) or 0, ["mesh=single", "train.steps=3"], command="plan") == 0
     assert seen[0].run.overrides == ["mesh=single", "train.steps=3"]
     assert seen[0].run.command == shlex.join(sys.orig_argv)
     assert "  overrides:\n  - mesh=single\n  - train.steps=3\n" in config_yaml(seen[0])
     argv = ["-m", "mesh=single", "train.steps=1,2", f"hydra.sweep.dir={tmp_path}"]
     monkeypatch.setattr(sys, "argv", ["plan", *argv])  # @hydra.main reads sys.argv
     monkeypatch.chdir(tmp_path)
-    assert main_for(lambda cfg: seen.append(cfg) or 0, argv) == 0
+    assert main_for(lambda cfg: seen.append(cfg) or 0, argv, command="plan") == 0
     assert [c.run.overrides for c in seen[1:]] == [["mesh=single", "train.steps=1"], ["mesh=single", "train.steps=2"]]
