@@ -18,6 +18,7 @@ from pathlib import Path
 from jobs import exitcodes
 from jobs.commands import help_text
 from jobs.events import read_events
+from jobs.extras import MissingExtra
 from jobs.failure.ledger import attempts
 from jobs.launch.slurm_state import SACCT_FIELDS, sacct_attempts
 from jobs.telemetry.run_report import collect, render_text, write_report
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     costs, why = (None, "--no-plan") if args.no_plan else plan_costs(args.run_dir)
     data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir), costs=costs, expected_why=why)
     print(render_text(data))
-    written = write_report(data, args.out or args.run_dir / "report")
+    try:
+        written = write_report(data, args.out or args.run_dir / "report")
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
     print("\nwrote " + ", ".join(str(w) for w in written))
     return exitcodes.OK
 

@@ -32,6 +32,7 @@ import numpy as np
 from jobs.config import DataConfig
 from jobs.data.corpus import DOC_PER, file_digest, pieces
 from jobs.data.files import FORMAT_VERSION, tokenizer_sha256
+from jobs.extras import require
 
 __all__ = ["prepare_data", "read_manifest", "read_tokenizer", "load_tokenizer", "EOS_TOKENS"]
 
@@ -124,6 +125,7 @@ def _all_texts(paths: list[Path], doc_per: str) -> Iterator[str]:
 def load_tokenizer(spec: str):
     """data.tokenizer: a tokenizer.json, or a file made by prepare_data whose tokenizer is reused (one tokenizer
     for a mixture); ValueError naming the override when it is missing, unreadable or has no EOS token."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer
 
     path = Path(spec)
@@ -160,6 +162,7 @@ def _tokenizer(
     cfg: DataConfig, *, given, out: Path, old: dict | None, new: list[Path], vocab_size: int, say: Callable[[str], None]
 ):
     """The file's own tokenizer when appending, else data.tokenizer, else a byte-level BPE trained on the inputs."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if old is not None:
@@ -573,6 +576,7 @@ def read_manifest(path: Path) -> dict:
 
 def read_tokenizer(path: Path):
     """The `tokenizers.Tokenizer` stored inside a tokenized file."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer
 
     with h5py.File(path, "r") as f:

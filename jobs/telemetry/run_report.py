@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jobs.events import read_events
+from jobs.extras import require
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
 from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
@@ -369,6 +370,7 @@ def _causes(rows: list[Attempt]) -> str:
 
 def write_report(d: RunData, out: Path) -> list[Path]:
     """Writes the plots (PNG) and `report.html` into `out`; returns what it wrote."""
+    require("matplotlib", needed_by="jobs.report's plots")  # names the extra when it is missing
     from jobs.telemetry import plots
 
     out.mkdir(parents=True, exist_ok=True)
