@@ -32,6 +32,7 @@ import numpy as np
 from jobs.config import DataConfig
 from jobs.data.corpus import DOC_PER, file_digest, pieces
 from jobs.data.files import FORMAT_VERSION, tokenizer_sha256
+from jobs.data.h5 import open_read
 from jobs.extras import require
 
 __all__ = ["prepare_data", "read_manifest", "read_tokenizer", "load_tokenizer", "EOS_TOKENS"]
@@ -137,7 +138,7 @@ def load_tokenizer(spec: str):
         )
     try:
         if h5py.is_hdf5(path):
-            with h5py.File(path, "r") as f:
+            with open_read(path) as f:
                 if "tokenizer_json" not in f:
                     raise ValueError(
                         f"data.tokenizer={spec} is an HDF5 file without a tokenizer_json dataset, "
@@ -422,7 +423,7 @@ def _sync(f: h5py.File) -> None:
 
 def _copy_resizable(src: Path, dst: Path) -> None:
     """A copy of a token file whose streams are resizable (in blocks: bounded memory); the rest copied as it is."""
-    with h5py.File(src, "r") as a, h5py.File(dst, "w") as b:
+    with open_read(src) as a, h5py.File(dst, "w") as b:
         b.attrs.update(a.attrs)
         for name in a:
             if name not in _STREAMS:
@@ -568,7 +569,7 @@ def _put_bytes(f: h5py.File, name: str, data: bytes, *, resizable: bool = False)
 
 def read_manifest(path: Path) -> dict:
     """The manifest inside a tokenized file."""
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         if "manifest" not in f:
             raise ValueError(f"data.path={path} exists and is not a tokenized file; choose a new data.path")
         return json.loads(f["manifest"][:].tobytes())
@@ -579,5 +580,5 @@ def read_tokenizer(path: Path):
     require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer
 
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         return Tokenizer.from_str(f["tokenizer_json"][:].tobytes().decode())
