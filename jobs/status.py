@@ -8,7 +8,6 @@ Exit code 0; 2 when RUN_DIR has no ledger.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from jobs.commands import help_text
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
+from jobs.records import load_json
 from jobs.telemetry.run_report import dead_attempts
 
 __all__ = ["main", "status_text"]
@@ -56,7 +56,7 @@ def status_text(run_dir: Path) -> str:
     ]
     incidents = sorted((run_dir / "incidents").glob("*/incident.json"), key=lambda p: p.stat().st_mtime)
     if incidents:
-        inc = json.loads(incidents[-1].read_text())
+        inc = load_json(incidents[-1])
         lines.append(f"newest incident ({incidents[-1].parent.name}): {inc['cls']}: {inc['summary']}")
     for job in jobs:
         recs = records[job]

@@ -11,7 +11,6 @@ jobs/telemetry/phases.py). Without
 from __future__ import annotations
 
 import html
-import json
 import re
 import statistics
 import time
@@ -24,6 +23,7 @@ from jobs.events import read_events
 from jobs.extras import require
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
+from jobs.records import load_json
 from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
@@ -145,7 +145,7 @@ _FRESH_SLACK_S = 5.0
 def _failure_knobs(run_dir: Path) -> dict[str, float]:
     """failure.heartbeat_s and failure.hang_timeout_s of the run (owner.json's flat config), else the defaults."""
     try:
-        cfg = json.loads((run_dir / "owner.json").read_text()).get("config", {})
+        cfg = load_json(run_dir / "owner.json").get("config", {})
     except (OSError, ValueError):
         cfg = {}
     return {
