@@ -43,8 +43,8 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
-def _run(python: Path | str, args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(program: Path | str, args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(program), *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,12 @@ def test_a_wheel_in_a_fresh_venv_trains_plans_for_slurm_and_sweeps_from_an_empty
     )
     assert sbatch.returncode == 0, sbatch.stderr[-3000:]
     assert "#SBATCH --nodes=" in (tmp_path / "job.sbatch").read_text()
+
+    for override, needle in (("+train.stepz=5", "did you mean train.steps?"), ("mesh.tp=two", "(key mesh.tp)")):
+        refused = _run(wheel_python, ["-m", "jobs.plan", override], tmp_path)
+        assert refused.returncode == 2 and needle in refused.stderr, refused.stderr[-2000:]
+    helped = _run(wheel_python.parent / "meshjob", ["train", "--help"], tmp_path)  # the console script
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: meshjob train"), helped.stderr[-2000:]
 
     # -m: the meshjob_local launcher (hydra_plugins) gives each point its own run dir
     sweep = _run(wheel_python, ["-m", "jobs.train", "-m", *_ONE_RANK, "train.seed=1,2", "run.dir=sweep"], tmp_path)
