@@ -66,8 +66,8 @@ def test_the_console_script_runs_a_command_and_refuses_an_unknown_key(tmp_path) 
         [str(script), "plan", "+train.stepz=5"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "did you mean train.steps?" in bad.stderr
-    unknown = subprocess.run([str(script), "trian"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr
+    unknown = subprocess.run([str(script), "teach"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "unknown command 'teach'" in unknown.stderr
 
 
 def test_python_m_jobs_status_help_prints_the_help_and_exits_0(tmp_path) -> None:
