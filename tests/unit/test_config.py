@@ -18,7 +18,7 @@ from jobs.launch.prepare import config_yaml
 from jobs.validate import validate
 from tests.conftest import run_train
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("experiment", "__pycache__"))
 
 
 def _options(group: str) -> list[str]:
