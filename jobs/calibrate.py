@@ -61,7 +61,7 @@ def run(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return main_for(run, argv)
+    return main_for(run, argv, command="calibrate")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ Hydra stops here: `compose()` turns overrides into a plain `JobConfig`; nothing 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import typing
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,8 @@ from omegaconf import MISSING
 from checkpoint.config import CheckpointConfig
 from parallel.config import MeshConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# conf/ installs as the package jobs._conf (pyproject's package-dir): the same path in a wheel and an editable install
+CONF_DIR = Path(str(files("jobs._conf")))
 
 
 @dataclass
@@ -121,6 +125,8 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     dir: str = MISSING  # the run directory (config, ledger, metrics, checkpoints)
+    command: str = ""  # the command line that composed this config (set by the entry point, kept in config.yaml)
+    overrides: list[str] = field(default_factory=list)  # its overrides; a sweep point's own (set by the entry point)
 
 
 @dataclass
@@ -346,19 +352,63 @@ def config_hash(cfg: JobConfig) -> str:
 
 
 def register_configs() -> None:
-    """Registers the root schema so `conf/train.yaml` is type-checked on composition."""
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition, and the meshjob launchers
+    (`hydra/launcher=meshjob_local|meshjob_slurm`) with Hydra: an editable install hides the `hydra_plugins`
+    namespace from Hydra's plugin scan, so they are registered here rather than found."""
     from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.meshjob_local_launcher import MeshjobLocalLauncher  # importing stores its ConfigStore node
+    from hydra_plugins.meshjob_slurm_launcher import MeshjobSlurmLauncher
 
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    for launcher in (MeshjobLocalLauncher, MeshjobSlurmLauncher):
+        Plugins.instance().register(launcher)
 
 
 def to_job_config(cfg: Any) -> JobConfig:
-    """Converts a composed DictConfig into the plain dataclass tree (Hydra's door closes here)."""
+    """Converts a composed DictConfig into the plain dataclass tree (Hydra's door closes here); a key that is no
+    field of the schema (`+train.stepz=5`, or a preset's typo) is refused with the closest valid key."""
     from omegaconf import OmegaConf
 
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, JobConfig), type(obj)
+    unknown = _unknown_keys(obj)
+    if unknown:
+        raise ValueError("; ".join(unknown_key_message(k) for k in unknown))
     return obj
+
+
+def schema_keys(cls: type = JobConfig, prefix: str = "") -> dict[str, type | None]:
+    """Every dotted key of the schema: a config dataclass's key maps to its class, any other key to None."""
+    keys: dict[str, type | None] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        sub = hint if dataclasses.is_dataclass(hint) else None
+        keys[prefix + name] = sub
+        if sub is not None:
+            keys.update(schema_keys(sub, f"{prefix}{name}."))
+    return keys
+
+
+def unknown_key_message(key: str) -> str:
+    """`unknown key mesh.tpp; did you mean mesh.tp?`: the closest valid key of the schema (difflib)."""
+    leaves = [k for k, sub in schema_keys().items() if sub is None]
+    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "python -m jobs.train --cfg job lists the valid keys"
+    return f"unknown key {key}: no such field in the config schema; {hint}"
+
+
+def _unknown_keys(obj: Any, prefix: str = "") -> list[str]:
+    """Dotted keys set on the config dataclasses that are none of their fields (OmegaConf.to_object sets them)."""
+    if isinstance(obj, list):
+        return [k for i, item in enumerate(obj) for k in _unknown_keys(item, f"{prefix}{i}.")]
+    if not dataclasses.is_dataclass(obj):
+        return []
+    names = [f.name for f in dataclasses.fields(obj)]
+    extra = [prefix + k for k in getattr(obj, "__dict__", {}) if k not in names]
+    return extra + [k for n in names for k in _unknown_keys(getattr(obj, n), f"{prefix}{n}.")]
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train") -> JobConfig:
@@ -366,7 +416,26 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    check_override_keys(overrides)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     return to_job_config(cfg)
+
+
+def check_override_keys(overrides: list[str] | tuple[str, ...]) -> None:
+    """Refuses `mesh.tpp=2` naming the closest valid key (Hydra's own message would suggest `+mesh.tpp=2`):
+    a dotted key under a config dataclass must be one of its fields. Config groups and `hydra.*` are Hydra's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = schema_keys()
+    unknown = [
+        o.key_or_group
+        for o in OverridesParser.create().parse_overrides(list(overrides))
+        if o.package is None
+        and not o.is_delete()
+        and keys.get(o.key_or_group.rpartition(".")[0])
+        and o.key_or_group not in keys
+    ]
+    if unknown:
+        raise ValueError("; ".join(unknown_key_message(k) for k in unknown))

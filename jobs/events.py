@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jobs.records import checked, stamped
+
 __all__ = ["DURABLE", "EventLog", "read_events", "exclusive"]
 
 # The records that budgets and decisions are computed from (failures and attempts counted, the job MTBF, the
@@ -109,14 +111,16 @@ class EventLog:
         self.attempt = attempt  # `<job id>.<restart>` under Slurm, `local.<n>` locally (jobs.failure.ledger)
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        record = {
-            "time": time.time(),
-            "kind": kind,
-            "rank": self.rank,
-            "restart": self.restart,
-            "attempt": self.attempt,
-            **fields,
-        }
+        record = stamped(
+            {
+                "time": time.time(),
+                "kind": kind,
+                "rank": self.rank,
+                "restart": self.restart,
+                "attempt": self.attempt,
+                **fields,
+            }
+        )
         line = (json.dumps(record, default=str) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with exclusive(self.path):
@@ -131,14 +135,15 @@ class EventLog:
 
 
 def read_events(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str, Any]]:
-    """All events of the ledger (optionally of one kind), in order; a torn last line is ignored."""
+    """All events of the ledger (optionally of one kind), in order; a torn last line is ignored, a line of a
+    newer schema major version refused (jobs.records.NewerSchema)."""
     p = Path(path)
     if not p.exists():
         return []
     out = []
-    for line in p.read_text().splitlines():
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
         try:
-            rec = json.loads(line)
+            rec = checked(json.loads(line), source=f"{p} line {n}")
         except json.JSONDecodeError:
             continue
         if kind is None or rec.get("kind") == kind:

@@ -3,7 +3,7 @@
 OK = 0  # finished: all steps trained (or the command did what it was asked)
 FAILED = 1  # an unexpected error in a rank (traceback in its log), or a plan check failed
 CONFIG_ERROR = 2  # the config is invalid; nothing was started, submitted or written
-ENV_ERROR = 3  # the login node cannot submit: no `sbatch` on PATH, sbatch refused the job, or (launcher.wait) Slurm no longer knows it
+ENV_ERROR = 3  # the login node cannot submit: no `sbatch` on PATH, sbatch refused the job, or (launcher.wait) Slurm no longer knows it; or an optional dependency is missing (jobs.extras names the extra)
 RANK_DIED = 4  # the local launcher saw a rank killed by a signal and stopped the others
 REQUEUE = 75  # stopped on purpose to be requeued (a stop signal, or an incident a restart cures): run again with the same run.dir
 STOPPED = (

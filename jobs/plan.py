@@ -58,7 +58,7 @@ def _search(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return main_for(run, argv, sweep_continues=True)  # a sweep plans every point
+    return main_for(run, argv, command="plan", sweep_continues=True)  # a sweep plans every point
 
 
 if __name__ == "__main__":

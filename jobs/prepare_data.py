@@ -11,6 +11,7 @@ import sys
 from jobs import exitcodes
 from jobs.cli import main_for
 from jobs.config import JobConfig
+from jobs.extras import MissingExtra
 from jobs.log import setup_logging
 
 __all__ = ["main", "run"]
@@ -26,6 +27,9 @@ def run(cfg: JobConfig) -> int:
     except ValueError as e:  # a config error, or an InputError naming the file and line
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
     log.info(
         "%s: %d files, %d documents (%d held out), vocabulary %d: train with data=tokenized data.path=%s "
         "model.vocab_size=%d",
@@ -41,7 +45,7 @@ def run(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return main_for(run, argv)
+    return main_for(run, argv, command="prepare-data")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.events import read_events
+from jobs.extras import MissingExtra
 from jobs.failure.ledger import attempts
 from jobs.launch.slurm_state import SACCT_FIELDS, sacct_attempts
 from jobs.telemetry.run_report import collect, render_text, write_report
@@ -83,6 +85,9 @@ def sacct_records(run_dir: Path) -> list[dict[str, str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
+        print(help_text("report"))
+        return exitcodes.OK
     p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")
@@ -96,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     costs, why = (None, "--no-plan") if args.no_plan else plan_costs(args.run_dir)
     data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir), costs=costs, expected_why=why)
     print(render_text(data))
-    written = write_report(data, args.out or args.run_dir / "report")
+    try:
+        written = write_report(data, args.out or args.run_dir / "report")
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exitcodes.ENV_ERROR
     print("\nwrote " + ", ".join(str(w) for w in written))
     return exitcodes.OK
 

@@ -13,15 +13,17 @@ import argparse
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
+from importlib.resources import files
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.config import JobConfig
 
 __all__ = ["render", "render_for", "main", "STYLES"]
 
 STYLES = ("srun", "torchrun")
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "sbatch"
+TEMPLATE_DIR = Path(str(files("jobs._sbatch")))  # sbatch/ installs as the package jobs._sbatch (pyproject)
 
 
 def _q(value: object) -> str:
@@ -241,6 +243,9 @@ def render_for(
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
+        print(help_text("sbatch"))
+        return exitcodes.OK
     parser = argparse.ArgumentParser(prog="python -m jobs.sbatch", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--style",

@@ -8,15 +8,16 @@ Exit code 0; 2 when RUN_DIR has no ledger.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from jobs import exitcodes
+from jobs.commands import help_text
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
+from jobs.records import load_json
 from jobs.telemetry.run_report import dead_attempts
 
 __all__ = ["main", "status_text"]
@@ -55,7 +56,7 @@ def status_text(run_dir: Path) -> str:
     ]
     incidents = sorted((run_dir / "incidents").glob("*/incident.json"), key=lambda p: p.stat().st_mtime)
     if incidents:
-        inc = json.loads(incidents[-1].read_text())
+        inc = load_json(incidents[-1])
         lines.append(f"newest incident ({incidents[-1].parent.name}): {inc['cls']}: {inc['summary']}")
     for job in jobs:
         recs = records[job]
@@ -72,8 +73,11 @@ def _fmt_sacct(recs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["--help"], ["-h"]):
+        print(help_text("status"))
+        return exitcodes.OK
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m jobs.status RUN_DIR", file=sys.stderr)
+        print("usage: python -m jobs.status RUN_DIR (--help: what it shows)", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
     run_dir = Path(argv[0])
     if not (run_dir / "events.jsonl").exists():

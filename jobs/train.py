@@ -69,7 +69,7 @@ _early = StopSignals()
 
 def main(argv: list[str] | None = None) -> int:
     _early.install([signal.SIGUSR2, signal.SIGTERM])
-    return main_for(run, argv, point_run_dirs=True)  # a local -m sweep: each point in its own run dir
+    return main_for(run, argv, command="train", point_run_dirs=True)  # a local -m sweep: each point in its own run dir
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from jobs.data.h5 import open_read
+
 __all__ = ["Anchor", "DataChanged", "blend", "default_streams", "file_identity", "restore_anchor", "VERSION"]
 
 VERSION = 2  # of the cursor dict kept in TrainState.data (2: each file's permutation stream, `streams`)
@@ -98,7 +100,7 @@ def file_identity(path: str | os.PathLike[str]) -> dict:
     every dataset's name, shape and dtype; a tokenized file's manifest too). Appending changes both."""
     path = Path(path)
     h = hashlib.sha256()
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         h.update(json.dumps({k: _plain(v) for k, v in sorted(f.attrs.items())}, sort_keys=True).encode())
         for name in sorted(f):
             obj = f[name]

@@ -6,9 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-import h5py
-
 from jobs.config import DataConfig
+from jobs.data.h5 import open_read
 from jobs.data.synthetic import heldout_rows, write_synthetic
 
 __all__ = ["FORMAT_VERSION", "ensure_dataset", "sources_of", "padded_vocab", "tokenizer_sha256", "NAMES"]
@@ -75,7 +74,7 @@ def _ensure_synthetic(cfg: DataConfig, *, vocab_size: int, sample_len: int) -> P
             attrs={**want, "kind": "synthetic"},
         )
         return path
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         have = {k: int(f.attrs.get(k, -1)) for k in want}
         shape, held_have = f["tokens"].shape, (f["heldout"].shape[0] if "heldout" in f else 0)
     if have["format"] == 1:
@@ -98,7 +97,7 @@ def _check_tokenized(path: Path, *, vocab_size: int, sample_len: int, eval_sampl
             f"data.path={path} does not exist; make it with "
             f"python -m jobs.prepare_data data.inputs=[FILES] data.path={path}"
         )
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         kind, fmt, vocab = f.attrs.get("kind", ""), int(f.attrs.get("format", -1)), int(f.attrs.get("vocab_size", -1))
         tokens = f["tokens"].shape[0] if "tokens" in f else 0
         heldout = f["heldout"].shape[0] if "heldout" in f else 0
@@ -137,7 +136,7 @@ def _check_one_tokenizer(paths: list[str]) -> None:
     different tokens in different samples."""
     seen: dict[tuple[str, int], list[str]] = {}
     for path in paths:
-        with h5py.File(path, "r") as f:
+        with open_read(path) as f:
             sha = tokenizer_sha256(f["tokenizer_json"][:].tobytes().decode()) if "tokenizer_json" in f else "none"
             seen.setdefault((sha, int(f.attrs.get("eos_id", -1))), []).append(path)
     if len(seen) > 1:

@@ -32,6 +32,8 @@ import numpy as np
 from jobs.config import DataConfig
 from jobs.data.corpus import DOC_PER, file_digest, pieces
 from jobs.data.files import FORMAT_VERSION, tokenizer_sha256
+from jobs.data.h5 import open_read
+from jobs.extras import require
 
 __all__ = ["prepare_data", "read_manifest", "read_tokenizer", "load_tokenizer", "EOS_TOKENS"]
 
@@ -133,6 +135,7 @@ def sample_texts(paths: list[Path], doc_per: str, *, limit_bytes: int) -> Iterat
 def load_tokenizer(spec: str):
     """data.tokenizer: a tokenizer.json, or a file made by prepare_data whose tokenizer is reused (one tokenizer
     for a mixture); ValueError naming the override when it is missing, unreadable or has no EOS token."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer
 
     path = Path(spec)
@@ -144,7 +147,7 @@ def load_tokenizer(spec: str):
         )
     try:
         if h5py.is_hdf5(path):
-            with h5py.File(path, "r") as f:
+            with open_read(path) as f:
                 if "tokenizer_json" not in f:
                     raise ValueError(
                         f"data.tokenizer={spec} is an HDF5 file without a tokenizer_json dataset, "
@@ -169,6 +172,7 @@ def _tokenizer(
     cfg: DataConfig, *, given, out: Path, old: dict | None, new: list[Path], vocab_size: int, say: Callable[[str], None]
 ):
     """The file's own tokenizer when appending, else data.tokenizer, else a byte-level BPE trained on the inputs."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if old is not None:
@@ -434,7 +438,7 @@ def _sync(f: h5py.File) -> None:
 
 def _copy_resizable(src: Path, dst: Path) -> None:
     """A copy of a token file whose streams are resizable (in blocks: bounded memory); the rest copied as it is."""
-    with h5py.File(src, "r") as a, h5py.File(dst, "w") as b:
+    with open_read(src) as a, h5py.File(dst, "w") as b:
         b.attrs.update(a.attrs)
         for name in a:
             if name not in _STREAMS:
@@ -580,7 +584,7 @@ def _put_bytes(f: h5py.File, name: str, data: bytes, *, resizable: bool = False)
 
 def read_manifest(path: Path) -> dict:
     """The manifest inside a tokenized file."""
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         if "manifest" not in f:
             raise ValueError(f"data.path={path} exists and is not a tokenized file; choose a new data.path")
         return json.loads(f["manifest"][:].tobytes())
@@ -588,7 +592,8 @@ def read_manifest(path: Path) -> dict:
 
 def read_tokenizer(path: Path):
     """The `tokenizers.Tokenizer` stored inside a tokenized file."""
+    require("tokenizers", needed_by="jobs.prepare_data")  # names the extra when it is missing
     from tokenizers import Tokenizer
 
-    with h5py.File(path, "r") as f:
+    with open_read(path) as f:
         return Tokenizer.from_str(f["tokenizer_json"][:].tobytes().decode())

@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: the login node prepares the data file (jobs.data) without torch
     import torch
 
 from jobs.data.cursor import VERSION, Anchor, DataChanged, blend, default_streams, file_identity, restore_anchor
+from jobs.data.h5 import open_read
 
 __all__ = ["BatchSource", "global_batch_indices", "mixture_indices", "epoch_samples", "SPLITS"]
 
@@ -119,7 +119,7 @@ class _Split:
     consecutive samples share one token)."""
 
     def __init__(self, path: Path, split: str, sample_len: int, *, overlap: bool = False) -> None:
-        self.file = h5py.File(path, "r")
+        self.file = open_read(path)
         if split not in self.file:
             raise ValueError(f"{path} has no {split!r} dataset; re-create it (python -m jobs.prepare_data)")
         self.ds, self.sample_len = self.file[split], sample_len

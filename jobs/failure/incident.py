@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobs.failure.heartbeat import Beat, process_state, read_beats, stuck
 from jobs.log import get_logger
+from jobs.records import stamped
 
 __all__ = [
     "Incident",
@@ -320,7 +321,7 @@ def write_incident(run_dir: str | os.PathLike[str], inc: Incident) -> Path | Non
     path = folder / "incident.json"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        record = {**asdict(inc), "stacks": sorted(p.name for p in folder.glob("stacks-rank*.txt"))}
+        record = stamped({**asdict(inc), "stacks": sorted(p.name for p in folder.glob("stacks-rank*.txt"))})
         tmp = folder / ".incident.json.tmp"
         tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, path)

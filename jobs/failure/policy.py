@@ -23,6 +23,7 @@ from jobs.failure.ledger import attempts, attempts_without_progress
 from jobs.failure.quarantine import QUARANTINE_CLASSES, scontrol
 from jobs.failure.spares import swap
 from jobs.launch.slurm_state import job_state
+from jobs.records import load_json, stamped
 
 __all__ = [
     "Decision",
@@ -287,7 +288,7 @@ def publish(run_dir: str | os.PathLike[str], attempt: str, decision: Decision) -
     path = incident_dir(run_dir, attempt) / "decision.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(".decision.json.tmp")
-    tmp.write_text(json.dumps({**asdict(decision), "time": time.time()}))
+    tmp.write_text(json.dumps(stamped({**asdict(decision), "time": time.time()})))
     os.replace(tmp, path)
 
 
@@ -297,7 +298,7 @@ def read_decision(run_dir: str | os.PathLike[str], attempt: str, *, wait_s: floa
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return json.loads(path.read_text())
+            return load_json(path)
         except (OSError, ValueError):
             if time.monotonic() > deadline:
                 return None

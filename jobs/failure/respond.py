@@ -45,6 +45,7 @@ from jobs.failure.quarantine import (
 )
 from jobs.failure.spares import spares_of, swap
 from jobs.log import get_logger
+from jobs.records import load_json
 
 __all__ = [
     "AttemptContext",
@@ -415,7 +416,7 @@ def decide_for_lost_decider(ctx: AttemptContext, *, step_code: int) -> dict | No
     beats = read_beats(ctx.run_dir, ctx.attempt)
     path = incident_dir(ctx.run_dir, ctx.attempt) / "incident.json"
     try:
-        fields = json.loads(path.read_text())
+        fields = load_json(path)
         incident, recorded = Incident(**{k: v for k, v in fields.items() if k != "stacks"}), True
     except (OSError, ValueError, TypeError):
         incident, recorded = _dead_decider(ctx, who, beats), False

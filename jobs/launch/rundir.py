@@ -35,6 +35,7 @@ from checkpoint.config import memory_root as checkpoint_memory_root
 from jobs.config import JobConfig, config_hash
 from jobs.failure.heartbeat import process_state, read_beats
 from jobs.launch.slurm_state import ACTIVE_STATES, job_state
+from jobs.records import load_json, stamped
 
 __all__ = [
     "OWNER_FILE",
@@ -119,7 +120,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def read_owner(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     path = Path(run_dir) / OWNER_FILE
     try:
-        return json.loads(path.read_text())
+        return load_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -260,7 +261,7 @@ def _locked(run_dir: Path) -> Iterator[None]:
 def _write_owner(run_dir: Path, owner: dict[str, Any]) -> None:
     tmp = run_dir / f".{OWNER_FILE}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(owner, f, indent=1, sort_keys=True)
+        json.dump(stamped(owner), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, run_dir / OWNER_FILE)

@@ -13,16 +13,15 @@ Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each fai
 2 the config is invalid (the ValueError of `jobs.validate`, or a composition error).
 
 Context parallel (mesh.cp > 1, trained by parallel/cp.py) and expert parallel (mesh.ep > 1) are
-planned the same way: their own arithmetic is checked here, `validate()` runs on the config with
-those axes folded away, and a note says how each is planned (and whether training is built). MoE
+checked by the trainer's own `validate(training=False)`, and a note says how each is planned (and whether
+training is built). MoE
 and MLA models are planned analytically only (jobs/model.py builds MoE blocks, jobs/moe.py, but not MLA).
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from jobs.config import JobConfig
 from jobs.planner import arith as P
@@ -31,7 +30,6 @@ from jobs.planner import hardware as H
 from jobs.planner import measure as M
 from jobs.planner import steptime as S
 from jobs.planner.checks import Check, analytic_checks, readiness
-from parallel.config import cp_shape_error
 
 __all__ = ["Check", "Plan", "check", "build_plan", "validate_for_planning"]
 
@@ -39,60 +37,32 @@ __all__ = ["Check", "Plan", "check", "build_plan", "validate_for_planning"]
 
 
 def validate_for_planning(cfg: JobConfig):
-    """`jobs.validate.validate(cfg)`, except that mesh.cp > 1 and mesh.ep > 1 are planned, not refused.
-
-    Returns (Derived with the real cp/ep degrees, notes). Raises ValueError naming the override.
-    The cp/ep arithmetic is checked here; everything else is the training validator's, run on a copy
-    whose mesh has cp=1, ep=1 and whose world is the cp-th part (each cp group acts as one rank for
-    batch and microbatch arithmetic, which is what cp means).
-    """
+    """`jobs.validate.validate(cfg, training=False)`, the trainer's own checks (one validator), with notes on what
+    is planned analytically. `training=False` accepts only what is planned but not trained (MLA with mesh.tp > 1
+    or mesh.cp > 1). Returns (Derived, notes). Raises ValueError naming the override."""
     from jobs.validate import validate
 
-    mesh, m, t = cfg.mesh, cfg.model, cfg.train
+    mesh, m = cfg.mesh, cfg.model
+    d = validate(cfg, training=False)
     notes: list[str] = []
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
             f"model {m.name}: MoE/MLA planned analytically (no fake-backend measurement"
             f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/mla.py)' if m.attention == 'mla' else ''})"
         )
-    if mesh.cp <= 1 and mesh.ep <= 1:
-        return validate(cfg, training=False), notes
-    from parallel.dims import ParallelDims, fold_moe_mesh
-
-    world = cfg.world_size
-    dp_shard = ParallelDims.from_config(
-        mesh, world_size=world, world_size_expr=cfg.world_size_expr, training=False
-    ).dp_shard
     if mesh.cp > 1:
-        error = cp_shape_error(seq_len=t.seq_len, cp=mesh.cp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel)
-        if error:
-            raise ValueError(error)
         notes.append(
             f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
             "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
             "sized over dp_shard*cp, as torchtitan"
         )
     if mesh.ep > 1:
-        if m.n_routed_experts <= 0:
-            raise ValueError(
-                f"mesh.ep({mesh.ep}) > 1 but model.n_routed_experts({m.n_routed_experts}) = 0: a dense model has no experts to shard"
-            )
-        if m.n_routed_experts % mesh.ep:
-            raise ValueError(
-                f"model.n_routed_experts({m.n_routed_experts}) % mesh.ep({mesh.ep}) != 0: each ep rank needs whole experts"
-            )
-        fold_moe_mesh(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=dp_shard, cp=mesh.cp, tp=mesh.tp, ep=mesh.ep)
         why = _refused_by_training(cfg)
         notes.append(
             f"ep{mesh.ep}: planned analytically, training {'built (parallel/ep.py)' if not why else 'refused: ' + why} "
             "(experts sharded ep-ways, then FSDP over dp_shard*cp/ep)"
         )
-    view = copy.deepcopy(cfg)
-    view.mesh.cp, view.mesh.ep, view.mesh.dp_shard = 1, 1, dp_shard
-    view.launcher.nodes, view.launcher.tasks_per_node = 1, world // mesh.cp
-    d = validate(view, training=False)
-    dims = replace(d.dims, cp=mesh.cp, ep=mesh.ep, world_size=world)
-    return replace(d, dims=dims), notes
+    return d, notes
 
 
 def _refused_by_training(cfg: JobConfig) -> str:

@@ -11,7 +11,6 @@ jobs/telemetry/phases.py). Without
 from __future__ import annotations
 
 import html
-import json
 import re
 import statistics
 import time
@@ -21,8 +20,10 @@ from datetime import datetime
 from pathlib import Path
 
 from jobs.events import read_events
+from jobs.extras import require
 from jobs.failure.heartbeat import read_beats
 from jobs.failure.ledger import Attempt, attempts, render_summary
+from jobs.records import load_json
 from jobs.telemetry.goodput import KINDS, Closed, Goodput, close_dead, expected_goodput, measure_goodput
 from jobs.telemetry.phases import META, committed_rows, in_step_order
 
@@ -146,7 +147,7 @@ _FRESH_SLACK_S = 5.0
 def _failure_knobs(run_dir: Path) -> dict[str, float]:
     """failure.heartbeat_s and failure.hang_timeout_s of the run (owner.json's flat config), else the defaults."""
     try:
-        cfg = json.loads((run_dir / "owner.json").read_text()).get("config", {})
+        cfg = load_json(run_dir / "owner.json").get("config", {})
     except (OSError, ValueError):
         cfg = {}
     return {
@@ -421,6 +422,7 @@ def _causes(rows: list[Attempt]) -> str:
 
 def write_report(d: RunData, out: Path) -> list[Path]:
     """Writes the plots (PNG) and `report.html` into `out`; returns what it wrote."""
+    require("matplotlib", needed_by="jobs.report's plots")  # names the extra when it is missing
     from jobs.telemetry import plots
 
     out.mkdir(parents=True, exist_ok=True)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from jobs.cli import main_for
 from jobs.config import CONF_DIR, compose
+from jobs.launch.prepare import config_yaml
 from jobs.validate import validate
 from tests.conftest import run_train
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("experiment", "__pycache__"))
 
 
 def _options(group: str) -> list[str]:
@@ -121,8 +126,10 @@ def test_cli_refuses_bad_mesh_before_any_process_starts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("mesh.tpp=2", "tpp"),
-        ("mesh.tp=two", "tp"),
+        ("mesh.tpp=2", "unknown key mesh.tpp: no such field in the config schema; did you mean mesh.tp?"),
+        ("+mesh.tpp=2", "unknown key mesh.tpp: no such field in the config schema; did you mean mesh.tp?"),
+        ("+train.stepz=5", "unknown key train.stepz: no such field in the config schema; did you mean train.steps?"),
+        ("mesh.tp=two", "mesh.tp=two: Value 'two' of type 'str' could not be converted to Integer (key mesh.tp)"),
         ("model=gpt5", "gpt5"),
         ("checkpoint.keep=1", "checkpoint.keep(1) must be >= 2"),
     ],
@@ -133,3 +140,36 @@ def test_cli_refuses_unknown_keys_wrong_types_and_missing_options(tmp_path: Path
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("config error:") and needle in r.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("flags", [[], ["-m"], ["--cfg", "job"]])
+def test_every_config_error_exits_2_with_its_cause_also_behind_a_hydra_flag(tmp_path: Path, flags: list[str]) -> None:
+    cases = {
+        "+mesh.tpp=2": "config error: unknown key mesh.tpp: no such field in the config schema; did you mean mesh.tp?",
+        "mesh.tp=two": "Value 'two' of type 'str' could not be converted to Integer (key mesh.tp)",
+        "model=gpt5": "Could not find 'model/gpt5'",
+    }
+    if flags == ["-m"]:
+        cases["mesh.tp=1,two"] = "Value 'two' of type 'str' could not be converted to Integer (key mesh.tp)"
+    for override, needle in cases.items():
+        p = subprocess.run(
+            [sys.executable, "-m", "jobs.plan", *flags, override],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (p.returncode, needle in p.stderr) == (2, True), (override, p.returncode, p.stderr[-2000:])
+
+
+def test_the_command_line_and_each_sweep_points_overrides_are_recorded_in_the_config(monkeypatch, tmp_path) -> None:
+    seen = []
+    assert main_for(lambda cfg: seen.append(cfg) or 0, ["mesh=single", "train.steps=3"], command="plan") == 0
+    assert seen[0].run.overrides == ["mesh=single", "train.steps=3"]
+    assert seen[0].run.command == shlex.join(sys.orig_argv)
+    assert "  overrides:\n  - mesh=single\n  - train.steps=3\n" in config_yaml(seen[0])
+    argv = ["-m", "mesh=single", "train.steps=1,2", f"hydra.sweep.dir={tmp_path}"]
+    monkeypatch.setattr(sys, "argv", ["plan", *argv])  # @hydra.main reads sys.argv
+    monkeypatch.chdir(tmp_path)
+    assert main_for(lambda cfg: seen.append(cfg) or 0, argv, command="plan") == 0
+    assert [c.run.overrides for c in seen[1:]] == [["mesh=single", "train.steps=1"], ["mesh=single", "train.steps=2"]]

@@ -18,6 +18,7 @@ from jobs.failure import policy, quarantine, respond
 from jobs.failure.incident import Incident
 from jobs.failure.policy import Decision, Restart, decide
 from jobs.failure.respond import AttemptContext, conclude
+from jobs.records import load_json
 
 # Slurm 22.05's answers, as seen on the local cluster: `update ExcNodeList=node1,node99` -> rc 1 "Invalid node
 # name specified for job 2"; on a RUNNING job Slurm refuses ExcNodeList; right after `scontrol requeue` the job is
@@ -361,7 +362,7 @@ def test_the_supervisor_decides_for_a_decider_that_died_before_publishing(tmp_pa
     assert failure["cls"] == "dead_rank" and failure["reported_by"] == -1
     assert [(s["rank"], s["node"], s["pid"]) for s in failure["suspects"]] == [(0, "node1", 100)]
     assert [e["node"] for e in quarantine.quarantined(tmp_path)] == ["node1"] and _job(slurm)["exc"] == "node1"
-    assert json.loads((tmp_path / "incidents/9.0/decision.json").read_text()) == d
+    assert load_json(tmp_path / "incidents/9.0/decision.json") == d  # the file, read as every reader reads it
 
 
 def test_the_supervisor_decides_from_the_incident_the_lost_decider_wrote(tmp_path: Path, slurm: Path) -> None:

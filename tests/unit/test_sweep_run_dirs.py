@@ -74,7 +74,7 @@ def _multirun(overrides: list[str], task=lambda cfg: 0, *, trains: bool = True) 
     argv = sys.argv
     sys.argv = ["jobs.train", "-m", *overrides]  # @hydra.main reads the command line
     try:
-        main_for(task, sys.argv[1:], point_run_dirs=trains)
+        main_for(task, sys.argv[1:], command="train" if trains else "plan", point_run_dirs=trains)
     finally:
         sys.argv = argv
 
