@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 # Each task: writes a file into its node's /dev/shm and its report onto the shared disk, waits until every task
 # has reported (so that all three files exist at once), then lists the /dev/shm files of this test and the slurmd
-# processes it can see.
+# processes it can see, and removes its file once every task has listed.
 _TASK = """
 import json, os, socket, sys, time
 from pathlib import Path
@@ -26,7 +26,12 @@ Path(f"/dev/shm/{tag}-{node}").write_text(node)
 (shared / f"{node}.ready").write_text("")
 while len(list(shared.glob("*.ready"))) < 3:
     time.sleep(0.05)
-slurmds = [p for p in os.listdir("/proc") if p.isdigit() and Path(f"/proc/{p}/comm").read_text().strip() == "slurmd"]
+def comm(pid):
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # gone meanwhile
+        return None
+slurmds = [p for p in os.listdir("/proc") if p.isdigit() and comm(p) == "slurmd"]
 report = {
     "hostname": socket.gethostname(),
     "address": socket.gethostbyname(socket.gethostname()),
@@ -34,6 +39,8 @@ report = {
     "slurmds": len(slurmds),
 }
 (shared / f"{node}.json").write_text(json.dumps(report))
+while len(list(shared.glob("*.json"))) < 3:  # every task has listed /dev/shm before any file goes
+    time.sleep(0.05)
 os.unlink(f"/dev/shm/{tag}-{node}")
 """
 
