@@ -11,6 +11,8 @@ SLURM_CI_KILLWAIT=${SLURM_CI_KILLWAIT:-5}                # seconds between SIGTE
 SLURM_CI_SLURMD_TIMEOUT=${SLURM_CI_SLURMD_TIMEOUT:-15}   # a node that has not answered this long is set DOWN (pinged every third of it)
 SLURM_CI_GRACETIME=${SLURM_CI_GRACETIME:-30}             # preemption grace time in partition debug
 SLURM_CI_TIMEOUT=${SLURM_CI_TIMEOUT:-60}                 # seconds to wait for any daemon or node
+SLURM_CI_HOSTS=${SLURM_CI_HOSTS:-1}                      # 1 = each node its own host (namespaces, see below); 0 = all on loopback
+SLURM_CI_SHM_MB=${SLURM_CI_SHM_MB:-4096}                 # size of each node's own /dev/shm (SLURM_CI_HOSTS=1)
 
 ETC=/etc/slurm
 RUN=$SLURM_CI_ROOT/run
@@ -20,6 +22,13 @@ HOSTS_TAG="# slurm-ci-nodes"
 SHORT_HOST=$(hostname -s)
 DB_PORT=13306
 DB_SOCK=$RUN/mariadb.sock
+# SLURM_CI_HOSTS=1: node K is a host of its own. Its slurmd runs in a network namespace NETNS_PREFIX<node> (veth
+# eth0 at SUBNET.(10+K) on the bridge BRIDGE, whose address SUBNET.1 is slurmctld's) and in its own UTS (hostname
+# nodeK), PID (its processes invisible to other nodes; the namespace's init is recorded in $RUN/node-<node>.pid)
+# and mount namespace (a private tmpfs on /dev/shm). The filesystem is otherwise the host's: the shared disk.
+BRIDGE=br-slurmci
+SUBNET=10.99.0
+NETNS_PREFIX=slurmci-
 
 log() { printf '[slurm-ci %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -57,6 +66,8 @@ stop_pidfile() {
     rm -f "$file"
 }
 
+node_addr() { printf '%s.%d\n' "$SUBNET" $((10 + ${1#node})); }
+
 node_names() { local k; for ((k = 1; k <= SLURM_CI_NODES; k++)); do printf 'node%d\n' "$k"; done; }
 
 # wait_for SECONDS DESCRIPTION COMMAND...: polls COMMAND every 0.1 s.
@@ -68,4 +79,35 @@ wait_for() {
         sleep 0.1
     done
     die "timed out after ${secs}s waiting for $what"
+}
+
+# pid_ns PID: the PID namespace of a process (empty when it is gone).
+pid_ns() { readlink "/proc/$1/ns/pid" 2>/dev/null || true; }
+
+# node_init NODE: the host pid of the init of NODE's PID namespace (SLURM_CI_HOSTS=1), empty when that host is down.
+# Checked by namespace, so a recycled pid in the host's namespace is never taken for it.
+node_init() {
+    local pid
+    pid=$(pid_of "$RUN/node-$1.pid")
+    [[ -n $pid ]] && alive "$pid" sh && [[ -n $(pid_ns "$pid") && $(pid_ns "$pid") != "$(pid_ns $$)" ]] && echo "$pid"
+    return 0
+}
+
+# kill_node NODE: every process of NODE's PID namespace SIGKILLed (the kernel does that when its init dies), which
+# also unmounts its /dev/shm: a power cut. A no-op when the node is down or runs on loopback.
+kill_node() {
+    local pid i
+    pid=$(node_init "$1")
+    if [[ -n $pid ]]; then
+        kill -KILL "$pid" 2>/dev/null || true
+        for ((i = 0; i < 100; i++)); do alive "$pid" sh || break; sleep 0.1; done
+        log "killed every process of $1 (its PID namespace's init was pid $pid)"
+    fi
+    rm -f "$RUN/node-$1.pid"
+}
+
+# stop_node NODE: its slurmd (SIGTERM, as a shutdown), then whatever its namespaces still run.
+stop_node() {
+    stop_pidfile "$RUN/slurmd-$1.pid" slurmd
+    kill_node "$1"
 }

@@ -113,8 +113,21 @@ def wait_for_step(run_dir: Path, step: int, *, timeout: float = STEP_S) -> None:
     raise AssertionError(f"{run_dir} did not reach step {step} within {timeout} s")
 
 
-def rank_pid(run_dir: Path, attempt: str, rank: int) -> int:
+def reported_pid(run_dir: Path, attempt: str, rank: int) -> int:
+    """Rank `rank`'s pid as its heartbeat reports it: on its own node (what the product's incidents name)."""
     return json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())["pid"]
+
+
+def rank_node(run_dir: Path, attempt: str, rank: int) -> str:
+    """The Slurm node rank `rank` runs on, as its heartbeat reports it."""
+    return json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())["node"]
+
+
+def rank_pid(run_dir: Path, attempt: str, rank: int) -> int:
+    """Rank `rank`'s pid on this host, the one a signal from here takes (its heartbeat names its node and its pid
+    there)."""
+    beat = json.loads((run_dir / "heartbeats" / attempt / f"rank{rank}.json").read_text())
+    return host_pid(beat["node"], beat["pid"])
 
 
 def wait_job_done(job: str, *, timeout: float = DONE_S) -> list[dict[str, str]]:
@@ -163,12 +176,79 @@ def status(run_dir: Path) -> str:
 SLURM_RUN = Path(os.environ.get("SLURM_CI_ROOT", "/var/tmp/meshjob-slurm")) / "run"
 
 
+# --- the cluster's nodes are hosts of their own (scripts/slurm/start, SLURM_CI_HOSTS=1): each has its own PID
+# namespace and /dev/shm. This host (the login node) sees their processes under other pids, and their /dev/shm
+# through their namespace's init. On the one-host layout (SLURM_CI_HOSTS=0) every helper is the identity.
+
+
+def _node_init(node: str) -> int | None:
+    """This host's pid of the init of `node`'s PID namespace, or None when the nodes share this host's."""
+    f = SLURM_RUN / f"node-{node}.pid"
+    return int(f.read_text().strip()) if f.exists() else None
+
+
+def nodes_are_hosts() -> bool:
+    """Whether the running cluster's nodes are hosts of their own (else they share this one)."""
+    return _node_init("node1") is not None
+
+
+def _nspid(proc: Path) -> list[int]:
+    """A process's pids, from this host's namespace's down to its own (/proc/PID/status NSpid)."""
+    for line in (proc / "status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(p) for p in line.split()[1:]]
+    return [int(proc.name)]
+
+
+def host_pid(node: str, pid: int) -> int:
+    """The pid on this host of the process that `node` knows as `pid`."""
+    init = _node_init(node)
+    if init is None:
+        return pid
+    ns = os.readlink(f"/proc/{init}/ns/pid")
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "ns/pid") == ns and _nspid(proc)[-1] == pid:
+                return int(proc.name)
+        except OSError:  # gone meanwhile
+            continue
+    raise ProcessLookupError(f"no process {pid} on {node}")
+
+
+def node_pid(pid: int) -> int:
+    """The pid that this host's process `pid` has on its own node (what the product running there reports)."""
+    return _nspid(Path(f"/proc/{pid}"))[-1]
+
+
+def node_path(node: str, path: str) -> Path:
+    """`path` as `node` sees it (its /dev/shm is its own), read from this host."""
+    init = _node_init(node)
+    return Path(path) if init is None else Path(f"/proc/{init}/root") / path.lstrip("/")
+
+
 def take_node_down(node: str, rank_pids: list[int]) -> None:
-    """A node lost from outside, as a power cut looks to the rest of the job: its slurmd (so that it no
-    longer answers Slurm or a probe step) and the job's ranks on it, SIGKILLed."""
+    """A node lost from outside, as a power cut looks to the rest of the job: every process on it SIGKILLed (the
+    init of its PID namespace; the kernel kills the rest), its slurmd included, so that it no longer answers Slurm or
+    a probe step, and its /dev/shm gone with its mount namespace. On the one-host layout: its slurmd and the job's
+    ranks on it (`rank_pids`, pids on this host)."""
+    init = _node_init(node)
+    if init is not None:
+        os.kill(init, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{init}").exists() and _state(init) not in ("Z", "X"):
+            assert time.monotonic() < deadline, f"{node}'s init (pid {init}) still there 30 s after SIGKILL"
+            time.sleep(0.05)
+        return
     os.kill(int((SLURM_RUN / f"slurmd-{node}.pid").read_text().strip()), signal.SIGKILL)
     for pid in rank_pids:
         os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def bring_nodes_back() -> None:

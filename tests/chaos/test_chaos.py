@@ -25,6 +25,7 @@ from tests.chaos.chaos_helpers import (
     common,
     events,
     rank_pid,
+    reported_pid,
     status,
     submit,
     take_node_down,
@@ -290,9 +291,9 @@ def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues
     wait_for_step(run_root, 40)
     # A killed rank is restarted inside the allocation (the srun style's supervisor, torchrun's agents). In the
     # srun style the kill lands while the async save of step 50 is being written (once a job of its own).
-    pid = rank_pid(run_root, f"{job}.0", 1)
+    pid, host_pid = reported_pid(run_root, f"{job}.0", 1), rank_pid(run_root, f"{job}.0", 1)
     tmp_dir = _save_in_flight(run_root) if style == "srun" else None
-    os.kill(pid, signal.SIGKILL)
+    os.kill(host_pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while not (loaded := [e for e in events(run_root, "checkpoint_loaded") if e["attempt"] == f"{job}.0.1"]):
         assert time.monotonic() < deadline, events(run_root, "decision")

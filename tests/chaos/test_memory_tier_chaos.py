@@ -22,6 +22,8 @@ from tests.chaos.chaos_helpers import (
     assert_bitwise_equal_to_reference,
     bound_s,
     events,
+    node_path,
+    rank_node,
     rank_pid,
     submit,
     wait_job_done,
@@ -42,13 +44,14 @@ FS_EVERY = 5  # the filesystem tier's interval; the RAM tier saves every step (i
 RAM = [f"checkpoint.every_steps={FS_EVERY}", "checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=0"]
 
 
-def _ram_step(root: Path, attempt: str) -> int | None:
+def _ram_step(roots: dict[int, Path], attempt: str) -> int | None:
     """The step both ranks hold committed in the RAM tier from one save of `attempt` (what a restart would load),
     when no RAM save is under way on either (one committed step per rank, no temporary folder: the saves are
-    asynchronous, and between a save's commit and the deletion of the older step there are two candidates)."""
+    asynchronous, and between a save's commit and the deletion of the older step there are two candidates).
+    `roots`: rank -> the run's RAM folder on that rank's node."""
     steps = set()
     for r in (0, 1):
-        dirs = list(root.glob(f"*/rank_{r}"))  # <node>/rank_<r>: one node folder per Slurm node
+        dirs = list(roots[r].glob(f"*/rank_{r}"))  # <node>/rank_<r>: one node folder per Slurm node
         if len(dirs) != 1 or any(dirs[0].glob("*.tmp")) or len(held := step_dirs(dirs[0])) != 1:
             return None
         ((s, d),) = held
@@ -79,12 +82,13 @@ def _freeze_then_kill_rank1(run_dir: Path, attempt: str, *, corrupt: bool) -> tu
     save of F, the last one at or before R, recorded (`checkpoint_saved` comes after the commit), none is in flight:
     nothing on the filesystem is newer than F, before the restart's load or after it, and F < R."""
     pids = [rank_pid(run_dir, attempt, r) for r in (0, 1)]
-    root = memory_root("/dev/shm", run_id(run_dir))
+    root = str(memory_root("/dev/shm", run_id(run_dir)))
+    roots = {r: node_path(rank_node(run_dir, attempt, r), root) for r in (0, 1)}
     deadline = time.monotonic() + STEP_S
     while True:
         assert time.monotonic() < deadline, f"RAM never held a step of {attempt} with no filesystem save in flight"
         _signal(pids, signal.SIGSTOP)
-        ram = _ram_step(root, attempt)
+        ram = _ram_step(roots, attempt)
         if ram is not None and ram % FS_EVERY not in (0, FS_EVERY - 1):
             fs = ram - ram % FS_EVERY
             if any(e["step"] == fs and e["tier"] == "filesystem" for e in events(run_dir, "checkpoint_saved")):
@@ -92,7 +96,7 @@ def _freeze_then_kill_rank1(run_dir: Path, attempt: str, *, corrupt: bool) -> tu
         _signal(pids, signal.SIGCONT)
         time.sleep(0.05)
     if corrupt:
-        (shard,) = root.glob(f"*/rank_0/step_{ram}/*.distcp")
+        (shard,) = roots[0].glob(f"*/rank_0/step_{ram}/*.distcp")
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
         shard.write_bytes(bytes(data))
@@ -166,5 +170,6 @@ def test_a_killed_rank_restarts_from_ram_in_the_allocation_and_a_corrupted_ram_s
     # jobs.status names the tier each attempt resumed from; the finished run left nothing in memory
     rows = [r for r in map(str.split, status_text(run_root).splitlines()) if r and r[0].isdigit()]  # the attempts table
     assert [(r[1], r[5]) for r in rows] == [(first, "-"), (second, "ram"), (third, "fs")], rows
-    assert not memory_root("/dev/shm", run_id(run_root)).exists()
+    ram_root = str(memory_root("/dev/shm", run_id(run_root)))
+    assert [n for n in ("node1", "node2") if node_path(n, ram_root).exists()] == []
     assert_bitwise_equal_to_reference(run_root, reference, tmp_path)

@@ -22,6 +22,7 @@ from tests.chaos.chaos_helpers import (
     assert_bitwise_equal_to_reference,
     bound_s,
     events,
+    host_pid,
     losses,
     rank_pid,
     submit,
@@ -106,7 +107,7 @@ def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_th
     os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGKILL)
     folder = run_root / "incidents" / f"{job}.0"
     who = _claimer(folder / ".claim")  # rank 0, the survivor, claims the decision, then probes node2 ...
-    os.kill(who["pid"], signal.SIGKILL)  # ... and dies before publishing it
+    os.kill(host_pid(who["host"], who["pid"]), signal.SIGKILL)  # ... and dies before publishing it
     assert who["rank"] == 0 and not (folder / "decision.json").exists()
     recs = wait_job_done(job)
     # Before: the step ended without a decision, the supervisor returned its exit code: the job ended there.

@@ -19,6 +19,7 @@ from tests.chaos.chaos_helpers import (
     assert_bitwise_equal_to_reference,
     bound_s,
     events,
+    node_pid,
     wait_for_step,
     wait_job_done,
 )
@@ -104,6 +105,7 @@ def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_
     job = submit(run_root)
     wait_for_step(run_root, 40)
     supervisor, _ = _supervisor_and_guard(run_root)
+    supervisor_on_node = node_pid(supervisor)  # the pid its node knows it by, which the summary names
     os.kill(supervisor, signal.SIGKILL)
     _wait_for_progress(run_root, f"{job}.1")
     supervisor1, guard1 = _supervisor_and_guard(run_root)
@@ -114,7 +116,7 @@ def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_
     assert _states(recs) == ["REQUEUED", "REQUEUED", "COMPLETED"], recs
     assert scontrol_job(job)["Restarts"] == "2"
     (died,) = [e for e in events(run_root, "failure") if e["cls"] == "supervisor_died" and e["attempt"] == f"{job}.0"]
-    assert f"pid {supervisor}) was killed by SIGKILL" in died["summary"], died
+    assert f"pid {supervisor_on_node}) was killed by SIGKILL" in died["summary"], died
     # 1: the guard stopped the ranks as a preemption does: they saved the next step, their decider requeued.
     d0, d1 = events(run_root, "decision")
     assert (d0["attempt"], d0["action"]) == (f"{job}.0", "requeue"), d0
