@@ -122,10 +122,25 @@ def _recorded(cfg: JobConfig, overrides: Sequence[str]) -> JobConfig:
     return cfg
 
 
+def register_launchers() -> None:
+    """The schema and launcher config nodes (`jobs.config.register_configs`), and the launcher classes with Hydra's
+    plugin registry, which instantiates `hydra/launcher=meshjob_local|meshjob_slurm` only from registered classes:
+    an editable install hides the `hydra_plugins` namespace from Hydra's plugin scan, so they are registered here
+    rather than found. The entry points are the only place that imports them (they import `jobs.launch`)."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.meshjob_local_launcher import MeshjobLocalLauncher
+    from hydra_plugins.meshjob_slurm_launcher import MeshjobSlurmLauncher
+
+    register_configs()
+    for launcher in (MeshjobLocalLauncher, MeshjobSlurmLauncher):
+        Plugins.instance().register(launcher)
+
+
 def _hydra_main(run: Callable[[JobConfig], int], *, sweep_continues: bool, point_run_dirs: bool) -> None:
     import hydra
 
-    register_configs()  # hydra/launcher=meshjob_local|meshjob_slurm: registered, not found by Hydra's plugin scan
+    register_launchers()
 
     def _task(dcfg) -> int:
         from hydra.core.hydra_config import HydraConfig

@@ -351,19 +351,24 @@ def config_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# The meshjob launchers' config nodes (`hydra/launcher=meshjob_local|meshjob_slurm`) by their classes' names:
+# composing needs the nodes, not the classes, which only the entry points register (jobs.cli) when they launch.
+LAUNCHERS = {
+    "meshjob_local": "hydra_plugins.meshjob_local_launcher.MeshjobLocalLauncher",
+    "meshjob_slurm": "hydra_plugins.meshjob_slurm_launcher.MeshjobSlurmLauncher",
+}
+
+
 def register_configs() -> None:
-    """Registers the root schema so `conf/train.yaml` is type-checked on composition, and the meshjob launchers
-    (`hydra/launcher=meshjob_local|meshjob_slurm`) with Hydra: an editable install hides the `hydra_plugins`
-    namespace from Hydra's plugin scan, so they are registered here rather than found."""
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition, and the meshjob launchers'
+    config nodes: an editable install hides the `hydra_plugins` namespace from Hydra's plugin scan, so they are
+    stored here rather than found (the launcher classes themselves: `jobs.cli.register_launchers`)."""
     from hydra.core.config_store import ConfigStore
-    from hydra.core.plugins import Plugins
 
-    from hydra_plugins.meshjob_local_launcher import MeshjobLocalLauncher  # importing stores its ConfigStore node
-    from hydra_plugins.meshjob_slurm_launcher import MeshjobSlurmLauncher
-
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
-    for launcher in (MeshjobLocalLauncher, MeshjobSlurmLauncher):
-        Plugins.instance().register(launcher)
+    store = ConfigStore.instance()
+    store.store(name="job_schema", node=JobConfig)
+    for name, target in LAUNCHERS.items():
+        store.store(group="hydra/launcher", name=name, node={"_target_": target}, provider="meshjob")
 
 
 def to_job_config(cfg: Any) -> JobConfig:

@@ -11,24 +11,14 @@ run.dir they compose to (a run's ledger to plan from). Selected by conf/launcher
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, configure_log, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import open_dict
 
-
-@dataclass
-class MeshjobLocalLauncherConf:
-    _target_: str = "hydra_plugins.meshjob_local_launcher.MeshjobLocalLauncher"
-
-
-ConfigStore.instance().store(
-    group="hydra/launcher", name="meshjob_local", node=MeshjobLocalLauncherConf, provider="meshjob"
-)
+# Its config node `hydra/launcher=meshjob_local` is stored by jobs.config.register_configs (jobs.config.LAUNCHERS).
 
 
 class MeshjobLocalLauncher(Launcher):

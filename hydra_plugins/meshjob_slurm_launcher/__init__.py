@@ -5,23 +5,13 @@ here and the logic in `jobs.launch.sweep`. Selected by conf/launcher/slurm.yaml.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 
-
-@dataclass
-class MeshjobSlurmLauncherConf:
-    _target_: str = "hydra_plugins.meshjob_slurm_launcher.MeshjobSlurmLauncher"
-
-
-ConfigStore.instance().store(
-    group="hydra/launcher", name="meshjob_slurm", node=MeshjobSlurmLauncherConf, provider="meshjob"
-)
+# Its config node `hydra/launcher=meshjob_slurm` is stored by jobs.config.register_configs (jobs.config.LAUNCHERS).
 
 
 class MeshjobSlurmLauncher(Launcher):
