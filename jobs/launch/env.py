@@ -39,6 +39,7 @@ class DistEnv:
     restart_in_allocation: int = 0  # 0 on the first start in this allocation; n after n restarts inside it
     job_id: str | None = None  # Slurm job id (ARRAY_TASK form for array elements), None locally
     hostname: str = ""
+    torchrun: bool = False  # the ranks are torchrun's workers (its agents restart them; TORCHELASTIC_RUN_ID set)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -75,6 +76,7 @@ class DistEnv:
             restart_in_allocation=int(env.get(RESTART_IN_ALLOCATION_VAR) or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
             job_id=slurm_job_id(env) if "SLURM_JOB_ID" in env else None,  # torchrun inside a Slurm job
             hostname=env.get("SLURMD_NODENAME") or env.get("HOSTNAME") or os.uname().nodename,
+            torchrun="TORCHELASTIC_RUN_ID" in env,
         )
 
     @classmethod

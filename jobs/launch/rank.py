@@ -102,6 +102,15 @@ def _alike_on_every_rank(
     return conclude(ctx, cause=cls, step=guards[0].beat.step)
 
 
+def stop_notice(stop: StopSignals, *, torchrun: bool) -> str | None:
+    """The stop signal that arrived and means the job's end is coming (its name), or None. Under torchrun SIGTERM is
+    also how an agent stops its surviving workers when one of them dies (torch.distributed.elastic's
+    `_stop_workers`), so there it is no notice: Slurm's notice is the first of failure.requeue_signals (USR2)."""
+    if not stop.arrived() or (torchrun and stop.name == "SIGTERM"):
+        return None
+    return stop.name
+
+
 def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     """Trains this rank's share of `cfg`; returns an exit code from `jobs.exitcodes` (never raises).
     `stop` was installed at process start, before anything else could take time."""
@@ -110,7 +119,7 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
     log = setup_logging(env.rank)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank, restart=env.restart_count, attempt=env.attempt)
     ctx = attempt_context(cfg, env, events, rank=env.rank)
-    ctx.pending_stop = lambda: stop.name if stop.arrived() else None  # a stop turns a restart into a requeue
+    ctx.pending_stop = lambda: stop_notice(stop, torchrun=env.torchrun)  # a stop turns a restart into a requeue
     try:
         derived = validate(cfg)
         device_type, _ = check_device(cfg, per_task=True)  # and the GPUs this rank sees

@@ -5,6 +5,7 @@ the time-limit warning's lead before EndTime, requeueing instead."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import sys
 import time
@@ -181,3 +182,30 @@ def test_the_local_launcher_does_not_restart_the_ranks_after_a_stop_signal(tmp_p
 
     monkeypatch.setattr(local, "_launch_once", launch_once)
     assert local.launch(cfg) == exitcodes.REQUEUE and starts == [0]
+
+
+def test_under_torchrun_the_agents_sigterm_to_its_surviving_workers_is_no_stop_notice() -> None:
+    # A torchrun agent stops its surviving workers with SIGTERM when one dies, before it restarts them: taken for a
+    # stop notice, that turned every torchrun restart into a requeue (the torchrun chaos case: `dead_rank, and
+    # SIGTERM arrived`). Slurm's notice (USR2) still counts there, and SIGTERM counts everywhere else.
+    from jobs.failure.signals import StopSignals
+    from jobs.launch.rank import stop_notice
+
+    def arrived(signum: int | None) -> StopSignals:
+        stop = StopSignals()
+        if signum is not None:
+            stop.note(signum)
+        return stop
+
+    assert stop_notice(arrived(signal.SIGTERM), torchrun=True) is None
+    assert stop_notice(arrived(signal.SIGUSR2), torchrun=True) == "SIGUSR2"
+    assert stop_notice(arrived(signal.SIGTERM), torchrun=False) == "SIGTERM"
+    assert stop_notice(arrived(None), torchrun=False) is None
+
+
+def test_the_rank_environment_says_when_its_ranks_are_torchruns_workers() -> None:
+    from jobs.launch.env import DistEnv
+
+    base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+    assert DistEnv.from_environ({**base, "TORCHELASTIC_RUN_ID": "9"}).torchrun
+    assert not DistEnv.from_environ(base).torchrun
