@@ -35,13 +35,15 @@ class Beat:
     tick: int = 0  # counts this rank's progress: steps and phases (its main thread advances it)
     idle_s: float = 0.0  # seconds since `tick` last moved, on this rank's own monotonic clock
     limit_s: float = 0.0  # the limit of that wait in this phase (failure.hang_timeout_s, checkpoint_timeout_s, ...)
+    hold_s: float = 0.0  # a longer limit this rank waits under because a peer holds it up (0: none), passed on
+    hold_hops: int = 0  # how many ranks that hold passed through since the peer whose own phase it is (1: that peer)
     in_collective: bool = False  # the main thread was inside torch.distributed (a collective or a wait on one)
 
 
 def stuck(b: Beat) -> bool:
     """A rank whose main thread, outside torch.distributed, has made no progress for longer than its phase's limit
     (while its heartbeat thread goes on): stuck in a device call or a loop of its own, not waiting for a peer."""
-    return b.phase != ENDED and not b.in_collective and b.limit_s > 0 and b.idle_s > b.limit_s
+    return b.phase != ENDED and not b.in_collective and b.limit_s > 0 and b.idle_s > max(b.limit_s, b.hold_s)
 
 
 def beat_path(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Path:

@@ -28,6 +28,7 @@ cannot be reached for as long, its host (rank 0's process) is named.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -44,6 +45,12 @@ __all__ = ["Watchdog", "watched_peers", "EARLY_PHASES", "ENDED"]
 # Phases in which a stop signal ends the attempt at once (nothing trained yet, nothing to save).
 EARLY_PHASES = frozenset({"rendezvous", "build", "load"})
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
+
+
+def hold_hops_max(world_size: int) -> int:
+    """How far a hold travels: about log2(world size) watchers separate any rank from the one holding it up (the
+    watch graph's diameter), plus one. A hold passed on more often than that can only be an echo of itself."""
+    return max(2, math.ceil(math.log2(max(world_size, 2))) + 1)
 
 
 def watched_peers(rank: int, world_size: int) -> list[int]:
@@ -91,6 +98,8 @@ class Watchdog:
         self._base_s = init_timeout_s  # the limit outside phases that have their own
         self.limit_s = init_timeout_s
         self._borrowed_s = 0.0  # a watched peer's longer limit this rank waits under (`_held_up`), else 0
+        self._borrowed_hops = 0  # how many ranks that limit passed through (`Beat.hold_hops`)
+        self._max_hops = hold_hops_max(world_size)
         now = time.time()
         self.beat = Beat(rank, os.getpid(), os.uname().nodename, node, now, -1, "rendezvous", now, limit_s=self.limit_s)
         self._main = threading.get_ident()  # the thread whose progress is judged (the one that built the watchdog)
@@ -156,7 +165,9 @@ class Watchdog:
         self.beat.beat += 1
         self.beat.time = time.time()
         self.beat.idle_s = round(time.monotonic() - self._last, 3)
-        self.beat.limit_s = max(self.limit_s, self._borrowed_s)
+        self.beat.limit_s = self.limit_s
+        held = self._borrowed_s > self.limit_s
+        self.beat.hold_s, self.beat.hold_hops = (self._borrowed_s, self._borrowed_hops) if held else (0.0, 0)
         self.beat.in_collective = in_collective(self._main)
 
     def _post(self) -> None:
@@ -192,7 +203,7 @@ class Watchdog:
                 self._judge_peers()
             else:
                 self._seen.clear()  # progress: peers are alive; start counting afresh at the next wait
-                self.stale_peers, self.stuck_peers, self._borrowed_s = [], [], 0.0
+                self.stale_peers, self.stuck_peers, self._borrowed_s, self._borrowed_hops = [], [], 0.0, 0
             if self._done.wait(self.heartbeat_s):
                 if self.beat.phase == ENDED:
                     self._post()
@@ -211,15 +222,14 @@ class Watchdog:
             return
         self._seen.update(beats)
         # A peer alive in a phase with a longer limit, within it (a save on a slow filesystem), holds this rank up in
-        # its next collective: this rank waits under that limit and says so in its own beat, so that the ranks
-        # watching it hold too (over about log2(world size) heartbeats; no rank reads every beat).
-        self._borrowed_s = max(
-            (
-                b.limit_s
-                for r, b in beats.items()
-                if b.phase != ENDED and b.idle_s < b.limit_s and self._seen.silent_s(r) <= self.stale_s
-            ),
-            default=0.0,
+        # its next collective: this rank waits under that limit and says so in its own beat (`hold_s`), so that the
+        # ranks watching it hold too (over about log2(world size) heartbeats; no rank reads every beat). A hold that
+        # comes back to its own rank would otherwise keep itself alive after the phase that lent it ended (rank A
+        # lends its first step's init timeout to B, B to A, ... and no hang is ever named): it counts its hops.
+        self._borrowed_s, self._borrowed_hops = max(
+            (h for r, b in beats.items() if self._seen.silent_s(r) <= self.stale_s for h in self._holds(b)),
+            default=(0.0, 0),
+            key=lambda h: (h[0], -h[1]),  # the longest; of equal ones, the one fewest ranks away
         )
         stale, hung = [], []
         for r in self.peers:
@@ -232,6 +242,14 @@ class Watchdog:
             elif stuck(s.beat):
                 hung.append(r)
         self.stale_peers, self.stuck_peers = stale, hung
+
+    def _holds(self, b: Beat) -> list[tuple[float, int]]:
+        """The limits a live peer's beat lends this rank, with their hops: its own phase's while within it, and a
+        hold it passes on that has not gone round the watch graph yet."""
+        if b.phase == ENDED:
+            return []
+        own = [(b.limit_s, 1)] if b.idle_s < b.limit_s else []
+        return own + ([(b.hold_s, b.hold_hops + 1)] if b.hold_s > 0 and b.hold_hops < self._max_hops else [])
 
     def _run(self) -> None:
         log = get_logger()

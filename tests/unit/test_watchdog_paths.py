@@ -195,6 +195,28 @@ def test_a_peer_in_a_checkpoint_save_longer_than_the_hang_timeout_holds_this_ran
     assert after is not None and "no progress in train" in wd.fired_because
 
 
+def test_a_hold_lent_by_a_peers_first_step_does_not_echo_between_ranks_after_it(tmp_path: Path, store) -> None:
+    """Rank 1, still in its first step, lends its init timeout to rank 0, which passes it on in its beat; once rank 1
+    too has finished the step, the two must not keep lending that limit to each other: a hang right after is named
+    within about the hang timeout (before hops were counted, neither fired until the init timeout)."""
+    fired0: list[float] = []
+    fired1: list[float] = []
+    common = dict(init_timeout_s=30.0, hang_timeout_s=0.3, missed_beats=1000)  # the missed-beats path off
+    wd0 = _wd(tmp_path, fired0, store, **common).start()
+    wd1 = _wd(tmp_path, fired1, store, rank=1, node="n1", **common).start()
+    try:
+        wd0.progress(1)  # rank 0 waits in step 2; rank 1 is still in its first step, under the init timeout
+        assert _wait_for(lambda: wd0.beat.hold_s == 30.0, 3.0) is not None, wd0.beat
+        wd1.progress(1)  # both wait now, and neither will move again: a hang
+        after = _wait_for(lambda: fired0 and fired1, 5.0)
+    finally:
+        wd0.stop()
+        wd1.stop()
+    # each names the hang on its own (no progress) or names the other (beating, its main thread idle outside
+    # torch.distributed: in this process, the test's thread); neither waits out the init timeout
+    assert after is not None, (wd0.beat, wd1.beat, fired0, fired1)
+
+
 def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_its_final_wait(
     tmp_path: Path, store: dist.TCPStore
 ) -> None:
