@@ -33,7 +33,7 @@ On CPU ranks this time is on the critical path; on a GPU the host queues kernels
 device, so only what exceeds the device's compute is exposed. Calibrated on the 2-core box (4 ranks
 busy, tiny model): 7-12 ms per FSDP2 unit per microbatch (tp 1), 11-22 ms (tp 2), and 0.2-1.5 ms per
 pipeline action: with them the prediction is within 0.75-1.25 of the measured step
-(tests/multiproc/test_steptime_vs_measured.py has the agreement).
+(scripts/bench/steptime_vs_measured.py measures the agreement).
 
 Pure functions of plain numbers, `ModelConfig` and `Hardware`; no torch.
 """
