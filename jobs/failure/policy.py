@@ -138,6 +138,22 @@ def decide(
     fruitless = attempts_without_progress(events)
     free = stop_notice(cause) and fruitless == 0 and not _failed(events)  # a checkpoint committed, no fault seen
     facts = dict(requeues_used=used, max_requeues=cfg.max_requeues, attempts_without_progress=fruitless, free=free)
+    settled = _settled(cause, slurm, facts)
+    if settled is not None:
+        return settled
+    cls = cause
+    if restart is not None and restart.supervised and (cause in RESTART_CLASSES or restart.swappable):
+        if fruitless < cfg.max_attempts_without_progress:
+            why = _no_restart(restart, cfg)
+            if why is None:
+                return _restart_inside(cause, restart, cfg, facts)
+            cause = f"{cause} ({why})"
+    return _requeue_or_stop(events, cause, cls=cls, cfg=cfg, facts=facts, suspect_nodes=suspect_nodes or [])
+
+
+def _settled(cause: str, slurm: str | None, facts: dict) -> Decision | None:
+    """The decisions that neither a restart nor the budget can change: Slurm requeues or cancels the job already,
+    or the cause is not one a fresh start cures."""
     if slurm == "requeued":
         return Decision(
             "requeued_by_slurm", f"{cause}: Slurm is requeueing the job already", exitcodes.REQUEUE, **facts
@@ -156,26 +172,28 @@ def decide(
             "non_finite_loss": exitcodes.DIVERGED,
         }.get(cause, exitcodes.FAILED)
         return Decision("stop", f"{cause} is not cured by a restart", code, **facts)
-    cls = cause
-    if (
-        restart is not None
-        and restart.supervised
-        and (cause in RESTART_CLASSES or restart.swappable)
-        and fruitless < cfg.max_attempts_without_progress
-    ):
-        why = _no_restart(restart, cfg)
-        if why is None:
-            pairs = swap(restart.bad_nodes, restart.spares) or {}
-            swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in pairs.items())
-            return Decision(
-                "restart",
-                f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
-                f"({cfg.restarts_in_allocation}) inside the allocation{swapped}",
-                exitcodes.REQUEUE,
-                **facts,
-            )
-        cause = f"{cause} ({why})"
-    if free:
+    return None
+
+
+def _restart_inside(cause: str, restart: Restart, cfg: FailureConfig, facts: dict) -> Decision:
+    pairs = swap(restart.bad_nodes, restart.spares) or {}
+    swapped = "".join(f"; node {b} replaced by spare node {s}" for b, s in pairs.items())
+    return Decision(
+        "restart",
+        f"{cause}: restart {restart.used + 1} of failure.restarts_in_allocation"
+        f"({cfg.restarts_in_allocation}) inside the allocation{swapped}",
+        exitcodes.REQUEUE,
+        **facts,
+    )
+
+
+def _requeue_or_stop(
+    events: list[dict], cause: str, *, cls: str, cfg: FailureConfig, facts: dict, suspect_nodes: list[str]
+) -> Decision:
+    """A requeue, free after committed progress, else within failure.max_requeues and the no-progress breaker
+    (which requeues without a node that was a suspect before, rather than stop); else a stop."""
+    used, fruitless = facts["requeues_used"], facts["attempts_without_progress"]
+    if facts["free"]:
         return Decision(
             "requeue",
             f"{cause}: requeue after committed progress, not counted against failure.max_requeues"
@@ -191,7 +209,7 @@ def decide(
             **facts,
         )
     if fruitless >= cfg.max_attempts_without_progress:
-        again = suspects_again(events, suspect_nodes or []) if cls in QUARANTINE_CLASSES else []
+        again = suspects_again(events, suspect_nodes) if cls in QUARANTINE_CLASSES else []
         if again:
             return Decision(
                 "requeue",
