@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from jobs.config import FailureConfig
 from jobs.events import EventLog
@@ -61,7 +62,7 @@ class Resilience:
         cfg: FailureConfig,
         env: DistEnv,
         *,
-        mesh: Any,
+        mesh: DeviceMesh,
         events: EventLog,
         run_dir: str,
         vocab_size: int,
