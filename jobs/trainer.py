@@ -3,6 +3,8 @@
 One step: this dp rank's slice of the global batch -> forward/backward (through the pipeline
 schedule when mesh.pp > 1, else microbatch accumulation) -> one all-reduce for the global loss
 and grad norm -> clip -> AdamW + LR schedule -> a metrics line on rank 0 -> a checkpoint when due.
+The failure hooks (stop signals, the watchdog, the SDC re-run, loss spikes) sit behind one object,
+`self.resilience` (jobs/failure/resilience.py), called at fixed points of the step.
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ from jobs.data import BatchSource, sources_of
 from jobs.device import rank_device
 from jobs.evaluate import HeldoutEval
 from jobs.events import EventLog, read_events
-from jobs.failure.sdc import SdcGuard, pipeline_groups, replica_groups
+from jobs.failure.resilience import Resilience
 from jobs.failure.signals import StopSignals
-from jobs.failure.spike import TrainingHealth
-from jobs.failure.timeouts import set_pg_timeouts
 from jobs.failure.watchdog import Watchdog
 from jobs.launch.domain import failure_domain, topology_path
 from jobs.launch.env import DistEnv
@@ -42,6 +42,7 @@ from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
 from jobs.validate import Derived, check_device
+from parallel.dims import ParallelDims
 from parallel.pipeline import build_schedule
 from parallel.recipe import parallelize
 
@@ -140,8 +141,6 @@ class Trainer:
         watchdog: Watchdog | None = None,
     ) -> None:
         self.cfg, self.derived, self.env, self.events = cfg, derived, env, events
-        self.stop = stop or StopSignals()  # installed at process start by the launcher's rank entry
-        self.watchdog = watchdog
         self.log = get_logger()
         device_type, self.mixed_precision = check_device(cfg, per_task=True)  # train.device, train.mixed_precision
         self.device = rank_device(device_type, local_rank=env.local_rank)
@@ -163,43 +162,55 @@ class Trainer:
             self.log.info("meshes: %s", dims.describe_meshes())
         self.memory = PeakMemory(_param_device(self.parts), sample_every=MEMORY_SAMPLE_EVERY)
         self.flops_per_token = model_flops_per_token(cfg.model, seq_len=cfg.train.seq_len)
-        o = cfg.optim
-        # Loss spikes: the step -> data step map, rollbacks and their LR scale (jobs/failure/spike.py).
-        self.health = TrainingHealth(
+        # Stop signals, the watchdog, SDC re-runs and loss spikes, called at fixed points of the loop.
+        self.resilience = Resilience(
             cfg.failure,
-            rank=env.rank,
+            env,
+            mesh=self.mesh,
+            events=events,
             run_dir=cfg.run.dir,
-            attempt=env.attempt,
-            emit=events.emit,
-            events_path=events.path,
             vocab_size=cfg.model.vocab_size,
+            stop=stop,
+            watchdog=watchdog,
         )
-        # Silent data corruption: a suspicious step is re-run before its optimizer step (jobs/failure/sdc.py).
-        self.sdc = SdcGuard(
-            cfg.failure,
-            rank=env.rank,
-            world_size=env.world_size,
-            hostname=env.hostname,
-            attempt=env.attempt,
-            first_attempt=env.restart_count == 0 and env.restart_in_allocation == 0,
-            emit=events.emit,
-            groups=replica_groups(self.mesh),
-            pipelines=pipeline_groups(self.mesh),
+        self.lr_schedulers = self._build_lr_schedulers(cfg)  # the LR schedule times the rollbacks' scale
+        self.data, self.heldout = self._build_data(cfg, dims)
+        self.state = TrainState()
+        self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
+        # [step, end time, step_time_s] since the last metrics line (goodput)
+        self.trained_steps: list[list[float]] = []
+        self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
+        self._build_observers(cfg, env, events)
+        self.resilience.attach(  # the mesh and checkpoint groups exist now: failure.init_timeout_s for them all
+            parts=self.parts,
+            data=self.data,
+            load=self._load,
+            schedulers=self.lr_schedulers,
+            agree=self._agree,
+            wait_for_saves=self._wait_for_saves,
+            checkpoint_groups=lambda: self.ckpt.process_groups,
         )
-        self.lr_schedulers = [
+
+    def _build_lr_schedulers(self, cfg: JobConfig) -> list[torch.optim.lr_scheduler.LambdaLR]:
+        """One LambdaLR per optimizer: warmup and cosine decay (`lr_multiplier`) times the rollbacks' LR scale."""
+        o = cfg.optim
+        return [
             torch.optim.lr_scheduler.LambdaLR(
                 opt,
                 lambda s: (
                     lr_multiplier(
                         s, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio
                     )
-                    * self.health.lr_scale
+                    * self.resilience.lr_scale
                 ),
             )
             for opt in self.optimizers
         ]
+
+    def _build_data(self, cfg: JobConfig, dims: ParallelDims) -> tuple[BatchSource, HeldoutEval]:
+        """This dp rank's training batches and held-out evaluation."""
         positions = self.parts[0].rope_positions  # a cp rank reads its zig-zag chunks' tokens only (parallel/cp.py)
-        self.data = BatchSource(
+        data = BatchSource(
             sources_of(cfg.data),
             seed=cfg.train.seed,
             global_batch=cfg.train.global_batch,
@@ -209,20 +220,10 @@ class Trainer:
             seq_positions=positions,
             sample_overlap=cfg.data.sample_overlap,
         )
-        self.health.bind(self.data)  # a rollback skips its data by global sample (jobs/failure/spike.py)
-        self.heldout = HeldoutEval(
+        heldout = HeldoutEval(
             cfg, dp_rank=dims.dp_rank(self.mesh), dp=dims.dp, loss_fn=cross_entropy, seq_positions=positions
         )
-        self.state = TrainState()
-        self.metrics_path = Path(cfg.run.dir) / "metrics.jsonl"
-        self.trained_steps: list[
-            list[float]
-        ] = []  # [step, end time, step_time_s] since the last metrics line (goodput)
-        self.ckpt = build_checkpoint_manager(cfg, derived, env, events=events)
-        self._build_observers(cfg, env, events)
-        set_pg_timeouts(
-            cfg.failure.init_timeout_s, longer=self._checkpoint_pgs()
-        )  # the mesh and checkpoint groups exist now
+        return data, heldout
 
     def _build_model(self, cfg: JobConfig, derived: Derived) -> None:
         """This rank's model parts built on meta, parallelized (the recipe of parallel/), materialised and
@@ -338,7 +339,7 @@ class Trainer:
         loss (alike on each dp slice's tp ranks), and any rank's stop flag stops every rank after
         this same step. At a log interval's last step every rank's phase times ride along (stragglers).
         """
-        stop = 1.0 if self.stop.received is not None else 0.0
+        stop = 1.0 if self.resilience.stop_requested else 0.0
         totals = torch.stack(
             [
                 stage_grad_sq_norm(self.parts, self.device),
@@ -411,22 +412,20 @@ class Trainer:
         t0 = time.perf_counter()
         with self.memory.track(step):
             with self.timer.phase("data"):
-                inputs, targets = (
-                    t.to(self.device, non_blocking=True) for t in self.health.fetch(self.data, step, self.parts)
-                )
+                inputs, targets = (t.to(self.device, non_blocking=True) for t in self.resilience.batch(step))
             local_loss = self.forward_backward(inputs, targets)
             if not self.derived.dims.fsdp_enabled:
                 with self.timer.phase("pp_step" if self.schedule is not None else "backward"):
                     _replicate_partial_grads(self.parts)
-            self.sdc.inject(step, self.parts)  # tests only: MESHJOB_TEST_FLIP_GRAD (a no-op unless set)
+            self.resilience.after_backward(step)  # tests only: MESHJOB_TEST_FLIP_GRAD (a no-op unless set)
             grad_norm, loss, stop = self.reduce_totals(local_loss, interval_end=self._interval_end(step + 1))
-            self.sdc.check(
-                step=step,
-                suspicious=self.health.suspicious(self.state, loss=loss, grad_norm=grad_norm),
+            self.resilience.before_optimizer(  # SDC: a suspicious step is re-run first
+                step,
+                self.state,
+                loss=loss,
+                grad_norm=grad_norm,
                 forward_value=self._forward_value(local_loss),
-                parts=self.parts,
                 recompute=lambda: self._forward_value(self._recompute(inputs, targets)),
-                wait_for_saves=self._wait_for_saves,
             )
             with self.timer.phase("optimizer"):
                 clip_grads_(self.parts, max_norm=self.cfg.optim.grad_clip, total_norm=grad_norm)
@@ -463,11 +462,11 @@ class Trainer:
         """Trains to train.steps; returns "done", or "stopped" when an agreed stop signal ended the
         attempt early (after saving that step; before the first step, without a save)."""
         cfg, st = self.cfg.train, self.state
-        self._phase("load")
+        self.resilience.phase("load")
         # Resume: the newest valid checkpoint under run.dir (sets st.step, the data cursor), else step 0;
         # then every recorded rollback's data skip and LR scale again.
         self._load()
-        self.health.resume(st, load=self._load, schedulers=self.lr_schedulers, agree=self._agree)
+        self.resilience.resume(st)
         if self.tensorboard is not None:  # after a restart, TensorBoard drops what this attempt trains again
             self.tensorboard.purge_step = st.step + 1
         self.events.emit(
@@ -482,30 +481,27 @@ class Trainer:
             device=str(self.device),
             mixed_precision=self.mixed_precision,
         )
-        if self._agree_stop():  # a signal during start-up: nothing new to save, go back to the queue
-            self.events.emit("stop_requested", step=st.step, signal=self.stop.name, action="exit before training")
+        if self.resilience.stop_before_training(st.step):  # a signal during start-up: nothing new to save
             return "stopped"
-        self._phase("train")
+        self.resilience.phase("train")
         step_times: list[float] = []
         while st.step < cfg.steps:
             m = self.train_step(st.step)
-            stop = m.pop("stop") and st.step + 1 < cfg.steps  # a signal during the last step changes nothing
-            if self.health.after_step(st, m, load=self._load, schedulers=self.lr_schedulers):
+            verdict = self.resilience.after_step(st, m, stop=m.pop("stop"), last=st.step + 1 >= cfg.steps)
+            if verdict.rolled_back:
                 self.telemetry.timer.drop_step()
                 continue  # a loss spike: rolled back to an earlier checkpoint (st.step is its step now)
             st.record(step=st.step + 1, loss=m["loss"], tokens=self.derived.tokens_per_step)
             self._after_step(st.step, m, step_times)
-            if not stop and self.ckpt.memory_due(st.step):  # the RAM tier (checkpoint/memory_tier.py)
+            if not verdict.stop and self.ckpt.memory_due(st.step):  # the RAM tier (checkpoint/memory_tier.py)
                 self._save(st.step, tier="memory")
-            if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (stop and self.cfg.checkpoint.enabled):
+            if self.ckpt.due(st.step, step_time_s=m["step_time_s"]) or (verdict.stop and self.cfg.checkpoint.enabled):
                 self._save(st.step)
             self.telemetry.step_done(st.step, interval_end=self._interval_end(st.step))
-            if stop:
+            if verdict.stop:
                 self._wait_for_saves()  # committed before the job lets go of its nodes
                 self.ckpt.drop_memory()  # the stop step is on the filesystem: the RAM copies go with the nodes
-                self.events.emit(
-                    "stop_requested", step=st.step, signal=self.stop.name, action="checkpoint saved; ending the attempt"
-                )
+                self.resilience.stopped(st.step)
                 return "stopped"
         self._wait_for_saves()  # the last save is committed (or its failure raised) before the run counts as done
         self.ckpt.drop_memory()
@@ -529,7 +525,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             train_state=self.state,
             before_step=before_step,
-            rollbacks=self.health.known_rollbacks(),  # a RAM step of an abandoned timeline is never loaded
+            rollbacks=self.resilience.known_rollbacks(),  # a RAM step of an abandoned timeline is never loaded
         )
         for note in self.data.restore(
             self.state.data, step=step, accept_changed_files=self.cfg.data.accept_changed_files
@@ -546,19 +542,11 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _agree_stop(self) -> bool:
-        """Whether any rank already holds a stop signal (one all-reduce before the first step)."""
-        flag = torch.tensor(1.0 if self.stop.received is not None else 0.0, dtype=torch.float64)
-        dist.all_reduce(flag)
-        return bool(flag > 0)
-
     def _after_step(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         """Progress for the watchdog, the shorter collective timeout after the first step, metrics."""
-        if self.watchdog is not None:
-            self.watchdog.progress(step)
+        self.resilience.progress(step, first=not step_times)
         if not step_times:
             self.events.emit("first_step", step=step, step_time_s=m["step_time_s"])
-            set_pg_timeouts(self.cfg.failure.collective_timeout_s, longer=self._checkpoint_pgs())
         step_times.append(m["step_time_s"])
         self.trained_steps.append([step, round(time.time(), 4), round(m["step_time_s"], 6)])
         if self._interval_end(step):
@@ -566,32 +554,24 @@ class Trainer:
         if self.heldout.due(step):  # train.eval_every: held-out loss on this mesh (jobs/evaluate.py)
             self.heldout.run(self, step)
 
-    def _checkpoint_pgs(self) -> dict[dist.ProcessGroup, float]:
-        """The checkpoint's process groups, each with failure.checkpoint_timeout_s (the watchdog's limit of a save)."""
-        return {pg: self.cfg.failure.checkpoint_timeout_s for pg in self.ckpt.process_groups}
-
     def _save(self, step: int, *, tier: str = "filesystem") -> None:
         # A save first waits for the one in flight, then writes (async_mode=none) or stages: a checkpoint
         # phase, bounded by failure.checkpoint_timeout_s rather than the hang timeout. The RAM tier's save
         # hands its state to a thread of its own (checkpoint/memory_tier.py), like an async filesystem save.
-        self._phase("checkpoint_save", limit_s=self.cfg.failure.checkpoint_timeout_s)
-        self.state.data = self.data.cursor(self.health.data_step(step))  # the next data step to read, and where
+        self.resilience.phase("checkpoint_save")
+        self.state.data = self.data.cursor(self.resilience.data_step(step))  # the next data step to read, and where
         with self.timer.phase("checkpoint"):  # the blocking part of the save (async saves go on after it)
             if tier == "memory":
                 self.ckpt.save_memory(step)
             else:
                 self.ckpt.save(step)
-        self._phase("train")
+        self.resilience.phase("train")
 
     def _wait_for_saves(self) -> None:
         """Until the save in flight is committed (end of training, the stop path): a final write may take
         longer than failure.hang_timeout_s, so the watchdog bounds it by failure.checkpoint_timeout_s."""
-        self._phase("checkpoint_wait", limit_s=self.cfg.failure.checkpoint_timeout_s)
+        self.resilience.phase("checkpoint_wait")
         self.ckpt.wait()
-
-    def _phase(self, name: str, *, limit_s: float | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.phase(name, limit_s=limit_s)
 
     def _log_metrics(self, step: int, m: dict[str, float], step_times: list[float]) -> None:
         m = {**m, **self.memory.read(), **self._moe_balance_fields()}  # every rank ends its memory window

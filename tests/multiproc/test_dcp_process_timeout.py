@@ -55,27 +55,48 @@ def test_the_background_process_group_of_an_async_process_save_gets_the_collecti
 
 
 def _timeouts_after_the_first_step(rank: int, world_size: int, folder: str) -> dict[str, float]:
-    """A real CheckpointManager's groups, then the trainer's step bookkeeping of the first step."""
+    """A real CheckpointManager's groups, then the trainer's failure hooks at the end of the first step."""
     from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
 
     from checkpoint import CheckpointConfig, CheckpointManager
     from jobs.config import FailureConfig
-    from jobs.trainer import Trainer
+    from jobs.events import EventLog
+    from jobs.failure.resilience import Resilience
+    from jobs.launch.env import DistEnv
 
     manager = CheckpointManager(
         Path(folder), cfg=CheckpointConfig(), rank=rank, world_size=world_size, checkpoint_timeout_s=1234.0
     )
-    stub = SimpleNamespace(
-        watchdog=None,
-        cfg=SimpleNamespace(failure=FailureConfig(collective_timeout_s=42.0, checkpoint_timeout_s=1234.0)),
-        ckpt=manager,
-        events=SimpleNamespace(emit=lambda kind, **f: None),
-        _interval_end=lambda step: False,
-        heldout=SimpleNamespace(due=lambda step: False),
-        trained_steps=[],
+    env = DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        node_rank=0,
+        nodes=1,
+        master_addr="",
+        master_port=0,
     )
-    stub._checkpoint_pgs = lambda: Trainer._checkpoint_pgs(stub)
-    Trainer._after_step(stub, 1, {"step_time_s": 0.5}, [])
+    resilience = Resilience(
+        FailureConfig(collective_timeout_s=42.0, checkpoint_timeout_s=1234.0),
+        env,
+        mesh=init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)),
+        events=EventLog(Path(folder) / "events.jsonl", rank=rank),
+        run_dir=folder,
+        vocab_size=16,
+    )
+    resilience.attach(
+        parts=[],
+        data=SimpleNamespace(),  # a rollback's data skip is not what is tested
+        load=lambda before_step=None: 0,
+        schedulers=[],
+        agree=lambda x: x,
+        wait_for_saves=lambda: None,
+        checkpoint_groups=lambda: manager.process_groups,
+    )
+    resilience.progress(1, first=True)
     seconds = {"world": _timeout_s(torch.distributed.group.WORLD)}
     seconds.update({f"checkpoint{i}": _timeout_s(pg) for i, pg in enumerate(manager.process_groups)})
     manager.close()

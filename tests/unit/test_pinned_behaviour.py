@@ -44,14 +44,13 @@ def test_set_pg_timeouts_sets_every_group_of_this_rank_including_new_ones(tmp_pa
         dist.destroy_process_group()
 
 
-def test_the_trainer_applies_collective_timeout_s_after_the_first_step_only(monkeypatch) -> None:
-    calls: list[float] = []
-    monkeypatch.setattr(trainer_mod, "set_pg_timeouts", lambda seconds, longer: calls.append(seconds))
+def test_the_trainer_marks_only_the_attempts_first_step_as_first() -> None:
+    # what Resilience.progress then does with it (failure.collective_timeout_s after the first step only):
+    # tests/unit/test_resilience.py::test_collective_timeout_s_applies_after_the_first_step_only_and_checkpoint_groups_keep_theirs
+    calls: list[tuple[int, bool]] = []
     emitted: list[tuple] = []
     stub = SimpleNamespace(
-        watchdog=None,
-        _checkpoint_pgs=dict,
-        cfg=SimpleNamespace(failure=SimpleNamespace(collective_timeout_s=42.0)),
+        resilience=SimpleNamespace(progress=lambda step, *, first: calls.append((step, first))),
         events=SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f))),
         _interval_end=lambda step: False,
         heldout=SimpleNamespace(due=lambda step: False),
@@ -60,7 +59,7 @@ def test_the_trainer_applies_collective_timeout_s_after_the_first_step_only(monk
     times: list[float] = []
     trainer_mod.Trainer._after_step(stub, 1, {"step_time_s": 0.5}, times)
     trainer_mod.Trainer._after_step(stub, 2, {"step_time_s": 0.4}, times)
-    assert calls == [42.0]
+    assert calls == [(1, True), (2, False)]
     assert emitted == [("first_step", {"step": 1, "step_time_s": 0.5})] and times == [0.5, 0.4]
 
 
