@@ -240,10 +240,11 @@ class MoE(nn.Module):
         order = ids.flatten().argsort(stable=True)  # (tokens * k,) slots grouped by expert, in token order
         counts = expert_counts(ids, self.router.n_experts)  # on the device: the ep dispatch reads them once
         routed = self.experts(flat.index_select(0, order // self.top_k), counts)
-        out = torch.zeros_like(flat, dtype=routed.dtype).index_add_(
-            0, order // self.top_k, routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        )
-        out = out.to(x.dtype)
+        weighted = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        # Back to token order and summed over the k copies: an index_select keeps only its indices for backward,
+        # where index_add_ would keep the weighted rows too (k x dim per token), and it sums in a fixed order.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = weighted.index_select(0, inverse).view(-1, self.top_k, dim).sum(1).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and self.router.aux_loss_coef > 0:
