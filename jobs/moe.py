@@ -208,13 +208,15 @@ class _AddAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """x (batch, seq, dim) -> shared experts(x) + sum over the top-k routed experts of weight · expert(x).
 
-    `seq_group` (set by parallel.cp.apply_cp) holds the ranks with the other tokens of this rank's sequences: the
-    balance loss counts whole sequences over it. `aux_loss_scale` is the gradient the trainer's backward gives the
+    `seq_groups` (set by parallel.cp.apply_cp and parallel.tp) hold the ranks with the other tokens of this rank's
+    sequences: the balance loss counts whole sequences over them. `token_shards` (tp) ranks split the tokens and
+    sum the router's gradient (parallel.tp): the balance loss's gradient is divided by it. `aux_loss_scale` is the gradient the trainer's backward gives the
     main loss (1 / microbatches without pipeline parallel; the pipeline schedule scales every gradient itself).
     `aux_loss_sum` adds up this layer's balance loss over the step's training forwards (metrics).
     """
 
-    seq_group = None
+    seq_groups: tuple = ()
+    token_shards = 1
     aux_loss_scale = 1.0
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -238,24 +240,25 @@ class MoE(nn.Module):
         order = ids.flatten().argsort(stable=True)  # (tokens * k,) slots grouped by expert, in token order
         counts = expert_counts(ids, self.router.n_experts)  # on the device: the ep dispatch reads them once
         routed = self.experts(flat.index_select(0, order // self.top_k), counts)
-        out = torch.zeros_like(flat, dtype=routed.dtype).index_add_(
-            0, order // self.top_k, routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        )
-        out = out.to(x.dtype)
+        weighted = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        # Back to token order and summed over the k copies: an index_select keeps only its indices for backward,
+        # where index_add_ would keep the weighted rows too (k x dim per token), and it sums in a fixed order.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = weighted.index_select(0, inverse).view(-1, self.top_k, dim).sum(1).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and self.router.aux_loss_coef > 0:
             aux = self._aux_loss(scores, bs, seq)
             if first_training_pass(self):
                 self.aux_loss_sum += aux.detach()
-            out = _AddAuxLoss.apply(out, aux, self.aux_loss_scale)
+            out = _AddAuxLoss.apply(out, aux, self.aux_loss_scale / self.token_shards)
         return out.view(bs, seq, dim)
 
     def _aux_loss(self, scores: torch.Tensor, bs: int, seq: int) -> torch.Tensor:
         """Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): alpha · sum_i f_i · P_i per sequence, averaged.
 
         f_i counts the plain top-k of the affinities (not the biased, node-limited choices) over the whole
-        sequence: the counts are summed over `seq_group` (Megatron's tp-cp reduction); P_i is this rank's mean of
+        sequence: the counts are summed over `seq_groups` (Megatron's tp-cp reduction); P_i is this rank's mean of
         the normalised affinities, so the gradient of this rank's share, averaged over the ranks like the main
         loss's, is the whole sequence's."""
         n, k = self.router.n_experts, self.top_k
@@ -263,9 +266,9 @@ class MoE(nn.Module):
             chosen = torch.zeros_like(scores).scatter_(1, scores.topk(k, dim=-1).indices, 1.0)
             per_seq = chosen.view(bs, seq, n).sum(1)  # (batch, experts)
             ranks = 1
-            if self.seq_group is not None:
-                dist.all_reduce(per_seq, group=self.seq_group)
-                ranks = dist.get_world_size(self.seq_group)
+            for group in self.seq_groups:
+                dist.all_reduce(per_seq, group=group)
+                ranks *= dist.get_world_size(group)
             f = per_seq * n / (k * seq * ranks)
         p = (scores / scores.sum(-1, keepdim=True)).view(bs, seq, n).mean(1)
         return self.router.aux_loss_coef * (f * p).sum(-1).mean()

@@ -166,6 +166,13 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
             f"model.moe_ffn_dim({m.moe_ffn_dim}) % mesh.tp({dims.tp}) != 0: the experts' hidden dim is "
             "split over the tp ranks (etp = tp); pick mesh.tp dividing model.moe_ffn_dim"
         )
+    local_seq = cfg.train.seq_len // dims.cp
+    if dims.tp > 1 and local_seq % dims.tp:  # the MoE blocks' tokens are split over tp (parallel/tp.py), SP or not
+        raise ValueError(
+            f"train.seq_len({cfg.train.seq_len}) / mesh.cp({dims.cp}) = {local_seq} is not divisible by mesh.tp"
+            f"({dims.tp}): each tp rank routes and dispatches its own chunk of an MoE block's tokens; change "
+            "train.seq_len or mesh.tp"
+        )
 
 
 def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:

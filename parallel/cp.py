@@ -277,9 +277,10 @@ class ContextParallelAttention:
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, seq_len: int) -> None:
     """Makes `model` (or a pipeline stage of it) a cp rank's model: every attention layer attends over the
     cp axis and RoPE uses this rank's zig-zag positions of a `seq_len`-token sample; an MoE block's sequence-wise
-    balance loss sums its expert counts over the cp axis (`seq_group`). No parameters change."""
+    balance loss sums its expert counts over the cp axis (`seq_groups`). No parameters change."""
     model.rope_positions = zigzag_positions(seq_len, cp=cp_mesh.size(), cp_rank=cp_mesh.get_local_rank())
     for block in model.layers.values():
         block.attention.context_parallel = ContextParallelAttention(cp_mesh, impl=impl, seq_len=seq_len)
-        if hasattr(block.feed_forward, "seq_group"):  # an MoE block: its balance loss counts whole sequences
-            block.feed_forward.seq_group = cp_mesh.get_group()
+        moe = block.feed_forward
+        if hasattr(moe, "seq_groups"):  # an MoE block: its balance loss counts whole sequences
+            moe.seq_groups = (*moe.seq_groups, cp_mesh.get_group())

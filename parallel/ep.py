@@ -8,9 +8,11 @@ over the ep axis of the MoE mesh, and wraps the experts' forward with two hooks:
   combine (post-hook): the expert outputs go back to where their tokens came from (all_to_all_single).
 Both token all-to-alls are `_AllToAll` (autograd: each one's backward is the reverse all-to-all), so a
 MoE layer costs exactly two token all-to-alls per microbatch forward and two backward, plus the count
-exchange in forward. Under tensor parallel (parallel/tp.py splits each expert's hidden dim over tp) the
-experts are sharded over the 2-D (ep, tp) mesh: each tp rank dispatches within its own ep group (the ranks of
-its tp index) and tp's all-reduces stay outside the two all-to-alls. `apply_expert_fsdp` then shards the
+exchange in forward. Under tensor parallel (parallel/tp.py splits each expert's hidden dim over tp and the
+block's tokens over the tp ranks) the experts are sharded over the 2-D (ep, tp) mesh: each tp rank dispatches its
+own tokens within its ep group (the ranks of its tp index), the rows an ep rank received are all-gathered over tp
+before the experts and their partial outputs reduce-scattered over tp after (two all-to-alls on the tp group), so
+the ep all-to-alls carry every token once, not tp times. `apply_expert_fsdp` then shards the
 experts over the expert-data-parallel axis (`edp` = dp_shard / ep) only, so their gradients are reduced among
 the ranks holding the same experts.
 """
@@ -24,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-__all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "is_grouped_experts", "to_host"]
+__all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "dispatcher", "is_grouped_experts", "to_host"]
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -66,45 +68,86 @@ def to_host(counts: torch.Tensor) -> list[int]:
 
 
 class _Dispatcher:
-    """The two hooks of one GroupedExperts module; `state` carries the splits from dispatch to combine."""
+    """The two hooks of one GroupedExperts module; `state` carries the splits from dispatch to combine.
 
-    def __init__(self, group, ep: int) -> None:
-        self.group, self.ep = group, ep
+    Over the ep group (this rank's tp index; None with mesh.ep=1) the rows go to the ranks owning their experts;
+    under tensor parallel (`tp_group`, set by parallel.tp) each tp rank dispatches only its own tokens (the block's
+    input is sharded over tp) and the rows received by the tp ranks of one ep rank are gathered among them, since
+    each holds a hidden slice of the same experts; the partial outputs are reduce-scattered back (Megatron's
+    all-to-all + tp all-gather / reduce-scatter + all-to-all)."""
+
+    def __init__(self) -> None:
+        self.group, self.ep = None, 1
+        self.tp_group, self.tp = None, 1
         self.state: tuple | None = None
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple:
         """(x grouped by expert, counts per expert on x's device) -> (the rows of this rank's experts grouped by
         local expert, their counts on the device, the same on the host). The counts travel on x's device (the
-        group's own backend), and are read on the host once, in one piece."""
+        groups' own backend), and are read on the host once, in one piece."""
         x, counts = args[:2]
-        n_local = counts.shape[0] // self.ep
-        send_counts = counts.view(self.ep, n_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
-        local = recv_counts.sum(0)
-        host = to_host(torch.cat([send_counts.sum(1), recv_counts.sum(1), local]))
-        send, recv, local_host = host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :]
-        x_recv = all_to_all(x, out_splits=recv, in_splits=send, group=self.group)
-        # Received rows are ordered by (source rank, local expert): regroup them by local expert.
-        expert = torch.arange(n_local, device=x.device).repeat(self.ep)
-        expert = torch.repeat_interleave(expert, recv_counts.flatten(), output_size=sum(recv))
+        ep, tp = self.ep, self.tp
+        n_local = counts.shape[0] // ep
+        send_counts = counts.view(ep, n_local)
+        recv_counts = send_counts
+        if ep > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, local expert]
+        gathered = recv_counts.unsqueeze(0)  # [tp rank, ep source rank, local expert]
+        if tp > 1:
+            gathered = recv_counts.new_empty(tp * ep * n_local)  # flat: gloo wants the input's shape, tp times
+            dist.all_gather_into_tensor(gathered, recv_counts.flatten(), group=self.tp_group)
+            gathered = gathered.view(tp, ep, n_local)
+        host = to_host(torch.cat([send_counts.sum(1), gathered.flatten()]))
+        send, rows = host[:ep], host[ep:]
+        by_rank = [sum(rows[i * n_local : (i + 1) * n_local]) for i in range(tp * ep)]  # rows per (tp, ep source)
+        tp_rows = [sum(by_rank[t * ep : (t + 1) * ep]) for t in range(tp)]
+        recv = by_rank[self._tp_rank() * ep : (self._tp_rank() + 1) * ep]
+        local_host = [sum(rows[i::n_local]) for i in range(n_local)]
+        if ep > 1:
+            x = all_to_all(x, out_splits=recv, in_splits=send, group=self.group)
+        if tp > 1:  # every tp rank's rows, each rank's block after the other's (an all-gather with uneven sizes)
+            x = all_to_all(x.repeat(tp, 1), out_splits=tp_rows, in_splits=[x.shape[0]] * tp, group=self.tp_group)
+        # Received rows are ordered by (tp rank, source rank, local expert): regroup them by local expert.
+        expert = torch.arange(n_local, device=x.device).repeat(tp * ep)
+        expert = torch.repeat_interleave(expert, gathered.flatten(), output_size=sum(tp_rows))
         perm = expert.argsort(stable=True)
-        self.state = (perm, send, recv)
-        return x_recv.index_select(0, perm), local, local_host
+        self.state = (perm, send, recv, tp_rows)
+        return x.index_select(0, perm), gathered.sum((0, 1)), local_host
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        perm, send, recv = self.state
+        perm, send, recv, tp_rows = self.state
         self.state = None
         inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
         back = out.index_select(0, inverse)
-        return all_to_all(back, out_splits=send, in_splits=recv, group=self.group)
+        if self.tp > 1:  # each tp rank's rows, summed over the hidden slices (a reduce-scatter with uneven sizes)
+            mine = tp_rows[self._tp_rank()]
+            back = all_to_all(back, out_splits=[mine] * self.tp, in_splits=tp_rows, group=self.tp_group)
+            back = back.view(self.tp, mine, -1).sum(0)
+        if self.ep > 1:
+            back = all_to_all(back, out_splits=send, in_splits=recv, group=self.group)
+        return back
+
+    def _tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp > 1 else 0
+
+
+def dispatcher(module: nn.Module) -> _Dispatcher:
+    """`module`'s dispatcher (GroupedExperts), made and hooked on first use: parallel.tp sets its tp group,
+    `apply_ep` its ep group, whichever runs first installs the hooks."""
+    found = module.__dict__.get("_dispatcher")
+    if found is None:
+        found = module.__dict__["_dispatcher"] = _Dispatcher()
+        module.register_forward_pre_hook(found.dispatch)
+        module.register_forward_hook(found.combine, prepend=True)
+    return found
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shards every GroupedExperts module's weights over `ep_mesh` by whole experts (dim 0) and puts the
-    dispatch/combine all-to-alls around its forward. `ep_mesh` is the ep axis, or (ep, tp) after tensor parallel
-    (whose hidden-dim split, a 1-D DTensor on the tp axis, is kept on the second axis). Runs on the meta-device
-    model. Dispatch runs after, combine before any hooks already there (tp's), so the all-to-alls are innermost."""
+    """Shards every GroupedExperts module's weights over `ep_mesh` by whole experts (dim 0) and sets the ep group of
+    its dispatcher (the all-to-alls around its forward). `ep_mesh` is the ep axis, or (ep, tp) after tensor
+    parallel (whose hidden-dim split, a 1-D DTensor on the tp axis, is kept on the second axis). Runs on the
+    meta-device model."""
     ep = ep_mesh.size(0)
     for module in model.modules():
         if not is_grouped_experts(module):
@@ -119,9 +162,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device) if tp_placements else param.data
             sharded = distribute_tensor(full, ep_mesh, [Shard(0), *tp_placements], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        hooks = _Dispatcher(ep_mesh.get_group(0), ep)
-        module.register_forward_pre_hook(hooks.dispatch)
-        module.register_forward_hook(hooks.combine, prepend=True)
+        hooks = dispatcher(module)
+        hooks.group, hooks.ep = ep_mesh.get_group(0), ep
 
 
 def apply_expert_fsdp(

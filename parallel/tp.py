@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -16,7 +14,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parallel.ep import is_grouped_experts
+from parallel.ep import dispatcher, is_grouped_experts
 
 __all__ = ["apply_tp", "EXPERT_TP_DIMS"]
 
@@ -66,7 +64,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
         if moe:
-            _shard_routed_experts(block.feed_forward.experts, tp_mesh)
+            _shard_routed_experts(block.feed_forward, tp_mesh)
 
 
 def _ffn_plan(seq) -> dict[str, object]:
@@ -85,77 +83,46 @@ def _is_moe(ffn: nn.Module) -> bool:
 
 
 def _moe_plan(moe: nn.Module, seq) -> dict[str, object]:
-    """The MoE block under tp (its experts tensor-parallel over the attention's tp ranks, etp = tp).
-
-    Its tokens are whole on every tp rank (with sequence parallelism all-gathered at its input, and its output,
-    whole too, cut back to this rank's chunk: its gradient is all-gathered), so the router runs replicated: the
-    same input, choices and gradient on every tp rank. The shared experts are split like the dense FFN (w1/w3
-    column-wise, w2 row-wise: one all-reduce forward, one backward), the routed experts by
-    `_shard_routed_experts` (one all-reduce forward, one backward). Sequence parallel adds one all-gather each
-    way; the experts' gradients need no tp collective (each rank's hidden slice is its own).
+    """The MoE block under tp: its tokens sharded over tp along the sequence (with sequence parallelism they already
+    are; without, each rank takes its chunk of the replicated input and the output is all-gathered), so every tp
+    rank routes and dispatches only its own tokens (Megatron's sequence-parallel MoE; `_shard_routed_experts`).
+    The router's gate is replicated with its gradient summed over tp (SequenceParallel: each rank's gradient
+    covers its tokens only). The shared experts are split like the dense FFN under sequence parallelism: w1/w3
+    column-wise after an all-gather of the tokens, w2 row-wise with a reduce-scatter back to this rank's tokens.
     """
     plan: dict[str, object] = {
         "feed_forward": PrepareModuleInputOutput(
             input_layouts=(seq,),
-            desired_input_layouts=(Replicate(),),
+            desired_input_layouts=(Shard(1),),
             use_local_input=True,
-            output_layouts=(Replicate(),),
+            output_layouts=(Shard(1),),
             desired_output_layouts=(seq,),
             use_local_output=True,
         ),
+        "feed_forward.router.gate": SequenceParallel(sequence_dim=0, use_local_output=True),
     }
-    if getattr(moe, "shared", None) is not None:
+    if getattr(moe, "shared", None) is not None:  # called on the block's tokens flattened: (tokens, dim)
         plan |= {
-            "feed_forward.shared": PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-            ),
+            "feed_forward.shared": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
             "feed_forward.shared.w1": ColwiseParallel(),
-            "feed_forward.shared.w2": RowwiseParallel(),  # Replicate: added to the routed output of the same tokens
+            "feed_forward.shared.w2": RowwiseParallel(output_layouts=Shard(0)),
             "feed_forward.shared.w3": ColwiseParallel(),
         }
     return plan
 
 
-class _CopyToTp(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over tp (each rank's hidden slice gave a partial one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTp(torch.autograd.Function):
-    """Sums the partial outputs over tp; the backward passes the (replicated) gradient through."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def _shard_routed_experts(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Splits the routed experts' weights over tp along their hidden dim (EXPERT_TP_DIMS), so each tp rank's
-    grouped SwiGLU gives a partial output for every row, and sums those rows over tp before the router's gate
-    weights multiply them: the router's gradient is then the same on every tp rank (no all-reduce of it).
-    Hooks on the experts' forward: the rows' gradient is summed over tp (backward all-reduce), the rows'
-    outputs are (forward all-reduce). parallel.ep's dispatch/combine go inside these two (the all-reduces
-    run on the rows in token order, which every tp rank of an ep group holds alike)."""
+def _shard_routed_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Splits the routed experts' weights over tp along their hidden dim (EXPERT_TP_DIMS) and sets the tp group of
+    their dispatcher (parallel.ep): the rows each tp rank routes are gathered over tp before the experts (each rank
+    computes its hidden slice of every row) and the partial outputs reduce-scattered after, each rank getting its
+    own rows' sums. The balance loss counts its experts over the tp ranks (whole sequences) and its gradient, summed
+    over them with the router's, is divided by tp (`token_shards`)."""
+    experts = moe.experts
     for name, dim in EXPERT_TP_DIMS.items():
         param = getattr(experts, name)
         sharded = distribute_tensor(param.data, tp_mesh, [Shard(dim)], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    group = tp_mesh.get_group()
-    experts.register_forward_pre_hook(lambda _m, args: (_CopyToTp.apply(args[0], group), *args[1:]))
-    experts.register_forward_hook(lambda _m, _args, out: _ReduceFromTp.apply(out, group))
+    hooks = dispatcher(experts)
+    hooks.tp_group, hooks.tp = tp_mesh.get_group(), tp_mesh.size()
+    moe.seq_groups = (*moe.seq_groups, tp_mesh.get_group())
+    moe.token_shards = tp_mesh.size()

@@ -106,6 +106,8 @@ def comm_per_step(
                 shared=m.n_shared_experts * m.moe_ffn_dim > 0,
                 sequence_parallel=sequence_parallel,
                 dt=dt,
+                n_experts=m.n_routed_experts,
+                aux_rows=micro_batch if m.moe_aux_loss_coef > 0 else 0,
             )
     if pp > 1:
         items.append(
@@ -313,36 +315,42 @@ def _moe_tp_items(
     shared: bool,
     sequence_parallel: bool,
     dt: str,
+    n_experts: int = 0,
+    aux_rows: int = 0,
 ) -> list[CommItem]:
     """The FFN half of `blocks` MoE blocks under tp (etp = tp), as parallel/tp.py builds it (`_moe_plan`,
-    `_shard_routed_experts`) and tests/multiproc/test_moe_ep.py counts it, per block and microbatch: forward the
-    routed rows' partial outputs all-reduced before the gates (top_k x `act`: one row per token and chosen
-    expert) and the shared experts' row-parallel output (`act`; none without shared experts); backward the rows'
-    gradient (top_k x `act`) and the shared experts' input gradient (`act`); with SP one all-gather each way
-    (the block's input forward, its output's gradient backward, `act`). No reduce-scatter: the tokens are whole
-    on every tp rank. A recomputed block repeats its forward."""
+    `_shard_routed_experts`) and tests/multiproc/test_moe_ep.py counts it, per block and microbatch. Each tp rank
+    routes its 1/tp of the tokens; the routed rows (top_k x `act` over the tp group) are gathered over tp before the
+    experts and their partial outputs reduce-scattered after (two uneven all-to-alls each way); the shared experts
+    cost an all-gather and a reduce-scatter each way (`act`; none without shared experts); forward also gathers
+    the per-expert counts (`n_experts` int64) and, with the balance loss on, all-reduces its counts (`aux_rows`
+    sequences x `n_experts` fp32); without SP the block's output is all-gathered forward and its input's gradient
+    backward (`act`). A recomputed block repeats its forward."""
     fwd = microbatches * (blocks + recomputed)  # forward passes (recomputed ones again)
-    calls = fwd + microbatches * blocks  # + backward
+    bwd = microbatches * blocks
+    r = _ring(tp)
+    rows = 2 * (fwd + bwd)  # gathered before the experts, reduce-scattered after
     items = [
         CommItem(
-            "all_reduce",
-            "tp",
-            f"{dt} MoE routed rows ({top_k} per token)",
-            calls,
-            int(calls * 2 * _ring(tp) * top_k * act),
-            tp,
-        )
+            "all_to_all", "tp", f"{dt} MoE routed rows ({top_k} per token)", rows, int(rows * r * top_k * act), tp
+        ),
+        CommItem("all_gather", "tp", "int64 MoE expert counts", fwd, int(fwd * r * tp * 8 * n_experts), tp),
     ]
     if shared:
+        for op in ("all_gather", "reduce_scatter"):
+            items.append(
+                CommItem(op, "tp", f"{dt} MoE shared experts' activations", fwd + bwd, int((fwd + bwd) * r * act), tp)
+            )
+    if aux_rows:
         items.append(
             CommItem(
-                "all_reduce", "tp", f"{dt} MoE shared experts' activations", calls, int(calls * 2 * _ring(tp) * act), tp
+                "all_reduce", "tp", "fp32 MoE balance-loss counts", fwd, int(fwd * 2 * r * 4 * aux_rows * n_experts), tp
             )
         )
-    if sequence_parallel:
+    if not sequence_parallel:
         items.append(
             CommItem(
-                "all_gather", "tp", f"{dt} MoE block input / output grad (SP)", calls, int(calls * _ring(tp) * act), tp
+                "all_gather", "tp", f"{dt} MoE block output / input grad", fwd + bwd, int((fwd + bwd) * r * act), tp
             )
         )
     return items
@@ -389,17 +397,16 @@ def _ep_items(
     nvlink_domain: int,
     compute_bytes: int = COMPUTE_BYTES,
 ) -> list[CommItem]:
-    """The MoE all-to-alls of `n` dispatch/combine calls. Without node-limited routing each of a
-    token's k routed copies goes straight to its expert's rank: k·(ep-1)/ep copies per token on the ep
-    axis. With `model.moe_max_nodes` = M (DeepSeek-V3: 4; "DeepSeek-V3 Technical Report", arXiv
-    2412.19437, §2.1.2 "Node-Limited Routing" and §3.2.2: tokens go by IB once to each target node, to
-    the GPU with the same in-node index, then by NVLink to the GPUs hosting their experts) a token
-    crosses IB to at most min(k, M, nodes) nodes, (nodes-1)/nodes of them remote, and its k copies
-    travel inside the node ((g-1)/g of them to another GPU; g = ep ranks per node): axis `ep_intra`.
-    jobs.train's dispatch (parallel/ep.py) sends every copy straight to its expert's rank, without that
-    per-node deduplication: the same bytes when k <= M (tiny_moe, Mixtral; measured equal on ep2 by
-    tests/multiproc/test_moe_plan_vs_measured.py), more when k > M (DeepSeek-V3's 8 > 4 needs DeepEP's dispatch)."""
-    token = compute_bytes * s * micro_batch * m.dim
+    """The MoE all-to-alls of `n` dispatch/combine calls, as jobs.train's dispatch (parallel/ep.py) sends them: each
+    of a token's k routed copies goes straight to its expert's rank, k·(ep-1)/ep copies per token on the ep axis.
+    With `model.moe_max_nodes` set and the nodes known (`nvlink_domain`: GPUs per node, g = ep ranks per node), the
+    copies are split by where they land: k·(nodes-1)/nodes of them on another node (axis `ep`, inter-node), k·(g-1)/
+    (g·nodes) on another GPU of this node (axis `ep_intra`). Node-limited routing bounds which nodes a token
+    reaches, not how many copies cross: the trainer does not deduplicate per node (DeepEP does: one IB copy per
+    target node, at most min(k, M, nodes), then NVLink inside it; "DeepSeek-V3 Technical Report", arXiv 2412.19437,
+    §3.2.2), so DeepSeek-V3's k=8 over 8+ nodes sends ~7 copies per token across nodes, not <= 4. Under tp each
+    rank dispatches its 1/tp of the tokens."""
+    token = compute_bytes * s * micro_batch * m.dim // max(tp, 1)  # each tp rank dispatches its 1/tp of the tokens
     dt, k = _dtype_name(compute_bytes), m.experts_per_token
     g = min(ep, max(nvlink_domain // max(tp, 1), 1)) if nvlink_domain > 0 else 1
     nodes = ep // g if ep % g == 0 else -(-ep // g)
@@ -409,25 +416,24 @@ def _ep_items(
                 "all_to_all", "ep", f"{dt} routed tokens (dispatch + combine)", n, int(n * k * _ring(ep) * token), ep
             )
         ]
-    across = min(k, m.moe_max_nodes, nodes) * _ring(nodes)
     items = [
         CommItem(
             "all_to_all",
             "ep",
-            f"{dt} routed tokens across nodes (<= {m.moe_max_nodes} nodes/token)",
+            f"{dt} routed tokens across nodes ({k} copies/token, <= {m.moe_max_nodes} nodes/token)",
             n,
-            int(n * across * token),
+            int(n * k * _ring(nodes) * token),
             ep,
         )
     ]
-    if g > 1:  # one ep rank per node (g = 1) forwards nothing inside it
+    if g > 1:  # one ep rank per node (g = 1) sends nothing inside it
         items.append(
             CommItem(
                 "all_to_all",
                 "ep_intra",
-                f"{dt} routed tokens forwarded to experts in the node",
+                f"{dt} routed tokens to experts in the node",
                 n,
-                int(n * k * _ring(g) * token),
+                int(n * k * _ring(g) / nodes * token),
                 g,
             )
         )

@@ -28,6 +28,7 @@ __all__ = [
     "checkpointed_layers",
     "layer_activation_bytes",
     "expert_padding",
+    "moe_activation_bytes",
     "PADDED_LOAD",
     "logits_bytes",
     "activation_bytes",
@@ -103,6 +104,23 @@ def expert_padding(m: ModelConfig, *, tp: int = 1, compute_bytes: int = COMPUTE_
     return 1.0 if grouped else PADDED_LOAD
 
 
+def moe_activation_bytes(m: ModelConfig, *, tokens: int, tp: int = 1, compute_bytes: int = COMPUTE_BYTES) -> int:
+    """Bytes an MoE block's FFN half keeps for backward for `tokens` tokens of a tp group (its input aside): each tp
+    rank computes its hidden slice of every row the tp group routed (k per token, gathered whole over tp:
+    parallel/ep.py), keeps the rows (x `expert_padding` on the padded matmul), their SwiGLU intermediates and its own
+    rows' outputs, which the router's weights multiply (+k x dim per token, ~47% of the rest at DeepSeek-V3's
+    shapes); the shared experts' intermediates; the router's fp32 scores and weights; the int64 routing indices."""
+    h, f, t = m.dim, m.moe_ffn_dim, max(tp, 1)
+    rows = compute_bytes * tokens * m.experts_per_token
+    routed = int(rows * (h + 4 * f // t) * expert_padding(m, tp=t, compute_bytes=compute_bytes)) + rows * h // t
+    shared = compute_bytes * tokens * m.n_shared_experts * 4 * f // t
+    k = m.experts_per_token
+    # fp32 scores, the top-k weights and their sum; the weights by row in the compute dtype
+    router = 4 * tokens * (m.n_routed_experts + k + 1) + compute_bytes * tokens * k
+    indices = 8 * 4 * tokens * k  # int64: the choices, their order by expert, its inverse, the token of each row
+    return routed + shared + router + indices
+
+
 def layer_activation_bytes(
     m: ModelConfig,
     *,
@@ -123,7 +141,7 @@ def layer_activation_bytes(
     head-repeated k/v that SDPA saves (RoPE's products save only the table), the SDPA output
     (flash/memory-efficient attention: no seq² scores), and the SwiGLU intermediates. Measured on the
     block with saved_tensors_hooks (tests/unit/test_planner_memory_published.py), MHA and GQA alike. The
-    per-token MoE term is k routed copies of (input + SwiGLU intermediates) plus the shared experts;
+    per-token MoE term is k routed copies of (input + SwiGLU intermediates + output) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
     does not divide it; the padded expert matmul keeps `expert_padding` times the routed rows. Context parallel
     divides the sequence. `compute_bytes`: 2 for bf16 compute,
@@ -150,11 +168,7 @@ def layer_activation_bytes(
         sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
         attn = sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
-        f = m.moe_ffn_dim
-        routed = int(cb * sb * m.experts_per_token * (h + 4 * f) * expert_padding(m, tp=t, compute_bytes=cb)) // t
-        shared = cb * sb * m.n_shared_experts * 4 * f // t
-        router = 4 * sb * m.n_routed_experts
-        ffn = routed + shared + router
+        ffn = moe_activation_bytes(m, tokens=sb, tp=t, compute_bytes=cb)
     else:
         ffn = cb * sb * 4 * m.ffn_dim // t  # w1 out, w3 out, silu(w1 out), their product
     return norm_in + norm_out + gathered_in + attn + ffn

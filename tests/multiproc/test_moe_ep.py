@@ -3,8 +3,9 @@ over cp2 (the two ranks hold different chunks of the same sequences) / ep2 besid
 experts tensor-parallel (etp = tp: tp2 alone, and dp_shard2 * tp2 with ep2 folded, sequence parallel on), equal the
 single-process forward/backward of the same global batch (the sequence-wise balance loss on: under cp its expert
 counts are summed over the chunks of a sequence), and so do the router biases after one update; exactly two token
-all-to-alls per MoE layer each way, one host read per MoE layer (the dispatch's counts), and under tp two all-reduces
-each way (plus sequence parallel's all-gather)."""
+all-to-alls per MoE layer each way, one host read per MoE layer (the dispatch's counts); under tp each rank routes and
+dispatches its 1/tp of the tokens (the rows gathered and reduce-scattered over tp around the experts), with or without
+sequence parallelism."""
 
 from __future__ import annotations
 
@@ -75,8 +76,14 @@ def _ep_rank(
     phase = ["forward"]
     real = dist.all_to_all_single
 
+    dispatched: list[int] = []  # rows each ep token all-to-all sends in forward (dispatch, combine, per layer)
+    tp_name = mesh["tp"].get_group().group_name
+
     def counting(out, inp, *args, **kwargs):
         calls[f"{phase[0]}_{'counts' if inp.dtype == torch.int64 else 'tokens'}"] += 1
+        on_tp = tp > 1 and kwargs["group"].group_name == tp_name
+        if phase[0] == "forward" and inp.dtype != torch.int64 and not on_tp:
+            dispatched.append(inp.shape[0])
         return real(out, inp, *args, **kwargs)
 
     dist.all_to_all_single = counting
@@ -104,6 +111,7 @@ def _ep_rank(
         "tp_calls": dict(tp_calls.calls),
         "syncs": dict(syncs.calls),
         "counted": counted,
+        "dispatched": dispatched[::2],
     }
 
 
@@ -117,6 +125,7 @@ def _ep_rank(
         (4, 2, 1, 2, 1, False),
         (2, 1, 1, 1, 2, False),
         (4, 2, 1, 1, 2, True),
+        (4, 2, 1, 1, 2, False),
     ],
     ids=[
         "ep2",
@@ -126,6 +135,7 @@ def _ep_rank(
         "ep2_hsdp_dp_replicate2",
         "tp2",
         "dp_shard2_tp2_sp_ep2_folded",
+        "dp_shard2_tp2_ep2_folded",
     ],
 )
 def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(
@@ -147,19 +157,30 @@ def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(
             torch.testing.assert_close(g, out[0]["grads"][name], rtol=0, atol=0, msg=f"rank {rank} vs 0: {name}")
         for name, b in r["biases"].items():
             torch.testing.assert_close(b, ref_biases[name], rtol=0, atol=0, msg=f"rank {rank} bias {name}")
-        # Per MoE layer and microbatch: dispatch + combine forward, their reverses backward, one count exchange.
-        a2a = {"forward_tokens": 2 * moe_layers_n, "forward_counts": moe_layers_n, "backward_tokens": 2 * moe_layers_n}
-        assert r["calls"] == (a2a if ep > 1 else {}), r["calls"]
+        # Per MoE layer and microbatch: dispatch + combine forward, their reverses backward, one count exchange;
+        # under tp also the rows' all-gather and reduce-scatter over tp (all-to-alls with uneven sizes).
+        tokens = 2 * moe_layers_n * (int(ep > 1) + int(tp > 1))
+        a2a = {
+            "forward_tokens": tokens,
+            "backward_tokens": tokens,
+            **({"forward_counts": moe_layers_n} if ep > 1 else {}),
+        }
+        assert r["calls"] == (a2a if tokens else {}), r["calls"]
+        # Each rank dispatches its own tokens, once: under tp its 1/tp of them (the block's input sharded over tp).
+        k = cfg.experts_per_token
+        assert r["dispatched"] == ([GLOBAL_BATCH * SEQ * k // world] * moe_layers_n if ep > 1 else []), r["dispatched"]
         # One host read per MoE layer and microbatch: the dispatch's counts, or without ep the padded fp32 matmul's.
         assert r["syncs"] == {"to_host": moe_layers_n}, r["syncs"]
-        # Under tp: the routed rows' partial outputs summed before the gates and the shared experts' row-parallel
-        # output (forward), the rows' and the shared experts' input gradients (backward); sequence parallel adds
-        # the all-gather of the block's input (forward) and of its output's gradient (backward).
+        # Under tp, per layer: forward, the count all-gather, the rows' all-gather and reduce-scatter (all-to-alls),
+        # the shared experts' all-gather and reduce-scatter (as the dense FFN under sequence parallelism), the
+        # balance loss's count all-reduce, and without sequence parallelism the output's all-gather; backward, the
+        # rows' and the shared experts' reverses (the router's gradient is Partial, reduced by FSDP or the trainer).
+        forward = {"all_gather": 3 - int(sp), "all_to_all": 2, "reduce_scatter": 1, "all_reduce": 1}
+        backward = {"all_gather": 1, "all_to_all": 2, "reduce_scatter": 1}
         tp_expected = {
             f"{phase}_{kind}": n * moe_layers_n
-            for phase in ("forward", "backward")
-            for kind, n in (("all_reduce", 2), ("all_gather", int(sp)))
-            if n
+            for phase, kinds in (("forward", forward), ("backward", backward))
+            for kind, n in kinds.items()
         }
         assert r["tp_calls"] == (tp_expected if tp > 1 else {}), r["tp_calls"]  # {}: counted only where tp > 1
     assert any(n.endswith("experts.w1") for n in ref_grads)

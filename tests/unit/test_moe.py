@@ -186,6 +186,17 @@ def test_expert_bias_is_checkpointed_model_state() -> None:
         ),
         (
             [
+                "model=tiny_moe",
+                "mesh=single",
+                "mesh.tp=2",
+                "mesh.sequence_parallel=false",
+                "train.seq_len=15",
+                "launcher.tasks_per_node=2",
+            ],
+            "train.seq_len(15) / mesh.cp(1) = 15 is not divisible by mesh.tp(2): each tp rank routes and dispatches",
+        ),
+        (
+            [
                 "model=tiny_mla_moe",
                 "mesh=single",
                 "mesh.dp_shard=2",

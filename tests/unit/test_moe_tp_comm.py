@@ -45,17 +45,21 @@ def _counts(items: list, *, moe: bool) -> dict[str, int]:
 
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_moe_blocks_tp_counts_per_phase_equal_what_the_real_run_counts(sp: bool) -> None:
-    # tests/multiproc/test_moe_ep.py asserts per MoE block and microbatch, tp2: forward 2 all-reduces (+ SP 1
-    # all-gather), backward the same. The forward is what recomputing every block adds.
+    # tests/multiproc/test_moe_ep.py asserts per MoE block and microbatch, tp2: forward 2 all-to-alls (the routed
+    # rows gathered and reduce-scattered over tp), the counts' all-gather, the shared experts' all-gather and
+    # reduce-scatter (+ without SP the output's all-gather); backward the rows' 2 all-to-alls and the shared
+    # experts' all-gather and reduce-scatter (+ without SP the input gradient's all-gather, which runs after the
+    # block's backward hook there). The forward is what recomputing every block adds. tiny_moe's balance loss is off.
     m = _model("tiny_moe")
     stage = [P.StageShape((1, 2, 3), False, False)]  # the 3 MoE blocks, no embedding or head
     plain, recomputed = _counts(_tp(m, stage, sp=sp), moe=True), _counts(_tp(m, stage, sp=sp, ac="full"), moe=True)
     forward = {k: recomputed[k] - plain[k] for k in plain}
-    backward = {k: plain[k] - forward[k] for k in plain}
-    per_phase = {"all_reduce": 2 * 3 * MB, **({"all_gather": 3 * MB} if sp else {})}
-    assert forward == per_phase and backward == per_phase, (forward, backward)
+    backward = {k: plain[k] - forward[k] for k in plain if plain[k] - forward[k]}
+    per_block = 3 * MB
+    assert forward == {"all_to_all": 2 * per_block, "all_gather": (3 - sp) * per_block, "reduce_scatter": per_block}
+    assert backward == {"all_to_all": 2 * per_block, "all_gather": (2 - sp) * per_block, "reduce_scatter": per_block}
     # The attention half stays as in a dense block: SP 1 all-gather + 1 reduce-scatter each way, else 1 all-reduce
-    # forward and 3 (wq, wk, wv) backward; nothing else (no reduce-scatter for the MoE half).
+    # forward and 3 (wq, wk, wv) backward.
     attention = {"all_gather": 2 * 3 * MB, "reduce_scatter": 2 * 3 * MB} if sp else {"all_reduce": 4 * 3 * MB}
     assert _counts(_tp(m, stage, sp=sp), moe=False) == attention
 
@@ -63,29 +67,34 @@ def test_moe_blocks_tp_counts_per_phase_equal_what_the_real_run_counts(sp: bool)
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_moe_blocks_tp_bytes_equal_the_hand_computed_sizes(sp: bool) -> None:
     m = _model("tiny_moe")
-    assert (m.dim, m.experts_per_token, m.n_shared_experts) == (64, 2, 1)
-    act = CB * SEQ * MICRO * 64  # one microbatch's hidden states: 8192 bytes
+    m.moe_aux_loss_coef = 0.1  # the balance loss's count all-reduce too
+    assert (m.dim, m.experts_per_token, m.n_shared_experts, m.n_routed_experts) == (64, 2, 1, 8)
+    act = CB * SEQ * MICRO * 64  # one microbatch's hidden states on the tp group: 8192 bytes
     calls = 2 * 3 * MB  # forward + backward, 3 MoE blocks
     got = {
-        it.what: (it.collective, it.count, it.bytes)
+        (it.what, it.collective): (it.count, it.bytes)
         for it in _tp(m, [P.StageShape((1, 2, 3), False, False)], sp=sp)
         if "MoE" in it.what
     }
-    # An all-reduce moves 2 (n-1)/n of its buffer (tp2: 1x), an all-gather (n-1)/n (tp2: 0.5x).
+    # tp2: an all-gather, a reduce-scatter or an all-to-all moves (n-1)/n of the gathered buffer (0.5x), an
+    # all-reduce 2 (n-1)/n (1x). The routed rows: top_k x act, twice each way.
     want = {
-        "fp32 MoE routed rows (2 per token)": ("all_reduce", calls, calls * 2 * act),  # top_k x act
-        "fp32 MoE shared experts' activations": ("all_reduce", calls, calls * act),
+        ("fp32 MoE routed rows (2 per token)", "all_to_all"): (2 * calls, 2 * calls * 2 * act // 2),
+        ("int64 MoE expert counts", "all_gather"): (calls // 2, calls // 2 * 2 * 8 * 8 // 2),
+        ("fp32 MoE shared experts' activations", "all_gather"): (calls, calls * act // 2),
+        ("fp32 MoE shared experts' activations", "reduce_scatter"): (calls, calls * act // 2),
+        ("fp32 MoE balance-loss counts", "all_reduce"): (calls // 2, calls // 2 * 4 * MICRO * 8),
     }
-    if sp:
-        want["fp32 MoE block input / output grad (SP)"] = ("all_gather", calls, calls * act // 2)
+    if not sp:
+        want["fp32 MoE block output / input grad", "all_gather"] = (calls, calls * act // 2)
     assert got == want
 
 
-def test_no_shared_experts_no_shared_all_reduce() -> None:
+def test_no_shared_experts_no_shared_collectives() -> None:
     m = _model("tiny_moe")
     m.n_shared_experts = 0
-    moe = _counts(_tp(m, [P.StageShape((1, 2, 3), False, False)], sp=False), moe=True)
-    assert moe == {"all_reduce": 2 * 3 * MB}  # the routed rows' only
+    moe = _counts(_tp(m, [P.StageShape((1, 2, 3), False, False)], sp=True), moe=True)
+    assert moe == {"all_to_all": 4 * 3 * MB, "all_gather": 3 * MB}  # the routed rows' and the counts'
 
 
 @pytest.mark.parametrize(
