@@ -9,6 +9,10 @@ backward, one CI run under heavy load found no slow window pair), 2 ranks with F
 K=2 slow windows in a row among the 3 past the warm-up one (a CPU-time clock named
 nobody in the same run: checked by judging CPU time alone, 2026-12-05). That healthy runs
 name nobody on the same clock is tests/multiproc/test_stragglers_healthy.py's and test_stragglers.py's.
+
+The second test is issue 38's case: 4 ranks at the default thresholds, rank 3 stopped 30% of the time in stops of
+STOPS_S, longer than a step, from step STOP_FROM on: the stops land in fewer than half of its steps, so the median
+per phase of (CPU + stopped) named nobody; the stops now count by their mean (jobs/telemetry/phases.py).
 """
 
 from __future__ import annotations
@@ -99,3 +103,63 @@ def test_a_rank_stopped_half_the_time_from_outside_is_named_on_cpu(tmp_path: Pat
         and rel[0]["ratio"] > 1.2
         and rel[0]["phase"] in ("forward", "backward", "optimizer", "data")
     )
+
+
+WORLD, STEPS_4, STOP_FROM, K_4 = 4, 100, 50, 2  # windows 0 (warm-up), 1-2 (rank 3's own history), 3-4 stopped
+STOPS_S, DUTY = 0.3, 0.3  # 300 ms stopped in every second: 30% of the time
+
+
+def test_a_rank_stopped_30_percent_of_the_time_in_stops_longer_than_a_step_is_named_and_no_other(
+    tmp_path: Path, data_path: str
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            f"train.steps={STEPS_4}",
+            "mesh=single",
+            f"launcher.tasks_per_node={WORLD}",
+            f"mesh.dp_shard={WORLD}",
+            "checkpoint.enabled=false",
+            f"failure.straggler_intervals={K_4}",
+            f"data.path={data_path}",
+            f"cluster.run_root={tmp_path}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    stopped, metrics = 0, run_dir / "metrics.jsonl"
+    try:
+        pid = _pid(run_dir, WORLD - 1, proc)
+        while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < STOP_FROM):
+            time.sleep(0.05)  # one metrics line per step (train.log_every=1)
+        while proc.poll() is None:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(STOPS_S)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                break
+            stopped += 1
+            time.sleep(STOPS_S * (1 - DUTY) / DUTY)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert stopped >= 3
+    events = read_events(run_dir / "events.jsonl")
+    found = [e for e in events if e.get("kind") == "straggler"]
+    assert found and all(e["ranks"] == [WORLD - 1] for e in found), found  # rank 3, and never a rank that waited
+    assert "relative" in {e["check"] for e in found} and all(e["clock"] == "work" for e in found), found
+    assert not [e for e in events if e.get("kind") == "slowdown"]  # a fresh baseline root: nothing to compare with
