@@ -1,4 +1,5 @@
-"""Stragglers found two ways in windows of at least WINDOW_STEPS steps, from every rank's per-phase step times.
+"""Stragglers found two ways, and a whole-job slowdown, in windows of at least WINDOW_STEPS steps, from every
+rank's per-phase step times.
 
 - relative: a rank whose phase time exceeds the median of its peers by `failure.straggler_ratio` (and by
   `failure.straggler_min_diff_s`, so microsecond phases never count) for `failure.straggler_intervals`
@@ -9,20 +10,30 @@
   `backward` makes its peers' `forward` look slow. A peer's wait is at most the straggler's own
   excess, split over the peer's phases, so in each window only the rank with the largest excess
   (seconds over its peers' median) counts; a second, lesser straggler is named once the first is gone.
-- absolute: the median over ranks of a phase against a baseline of the same model, mesh, batch and
+- individual (NVIDIA Resiliency Extension's individual score): a rank's phase time on `PhaseTimer.own_clock`
+  against its own history, the median of its earlier windows not judged slow (once it has HISTORY_WINDOWS),
+  scaled by how much its peers grew against theirs (at least 1): same thresholds, same largest-excess rule.
+  On a GPU that clock is the host's wall time, which a stopped or descheduled process lengthens while
+  the kernel and event clocks do not (and the event clock grows alike on its peers waiting in NCCL).
+- slowdown: the median over ranks of a phase against a baseline of the same model, mesh, batch and
   cluster profile, kept from earlier healthy runs (a JSON file under `failure.straggler_baseline_root`:
-  per phase the median of the last BASELINE_RUNS runs that finished without a straggler or failure
-  event): catches a slowdown that hits every rank at once, which no peer comparison can see.
+  per phase the median of the last BASELINE_RUNS runs that finished without a straggler, slowdown or
+  failure event), `straggler_ratio` over it for `straggler_intervals` windows: the whole job is slower,
+  which no peer comparison can see. A `slowdown` event, naming the phase that grew and every phase's
+  ratio, never a straggler: no rank is to blame (issue 38.7: on a loaded machine a baseline from a
+  quieter one made this fire as a straggler naming every rank).
 
-Both judge windows of at least WINDOW_STEPS steps (several log intervals when `train.log_every` is
-shorter), on rank 0 only: the other ranks only send their row in the step's all-reduce.
-The times compared are `PhaseTimer.clock`'s: on a GPU the device time of the compute kernels of one
-profiled step in every metrics.kernel_every, NCCL's left out (jobs/telemetry/kernels.py; CUDA event time
-with kernel_every=0); on a CPU rank the wall time of the rank's own work, its CPU time plus the time it
-was descheduled (a rank waiting for its peers in gloo sleeps and counts neither; a rank stopped or
-throttled from outside counts the stop; see jobs/telemetry/phases.py). Each detection is a `straggler` event (`check` = relative | absolute); with
+All judge windows of at least WINDOW_STEPS steps (several log intervals when `train.log_every` is
+shorter; a last, shorter window is not judged), on rank 0 only: the other ranks only send their row in
+the step's all-reduce. The first window of an attempt (warm-up) is neither judged nor kept, for the
+baseline or for a rank's own history.
+The relative check and the slowdown compare `PhaseTimer.clock`'s times: on a GPU the device time of the
+compute kernels of one profiled step in every metrics.kernel_every, NCCL's left out
+(jobs/telemetry/kernels.py; CUDA event time with kernel_every=0); on a CPU rank `work`, the wall time of
+the rank's own work, its CPU time plus the time it was stopped from outside (a rank waiting for its
+peers in gloo sleeps and counts neither; see jobs/telemetry/phases.py), which is also its `own_clock`.
+Each detection is a `straggler` event (`check` = relative | individual); with
 `failure.exclude_stragglers=true` a relative straggler's node goes on the run's quarantine list.
-The first window of an attempt (warm-up) is neither judged nor kept for the baseline.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jobs.telemetry.phases import PhaseTimer, phase_names
+from jobs.telemetry.run_report import straggler_table
 from jobs.telemetry.stragglers import HISTORY_WINDOWS, Detection, StepTelemetry, StragglerDetector
 
 NAMES = phase_names(pp=False)  # data, forward, backward, collective, optimizer, checkpoint
@@ -154,3 +155,7 @@ def test_every_rank_slower_than_the_baseline_is_one_slowdown_event_with_its_caus
     assert ev["phases"] == {"data": 1.0, "forward": 1.0, "backward": 2.0, "optimizer": 1.0}
     assert ev["cause"].startswith("backward grew 2.00x") and "ranks" not in ev
     assert st.finish(healthy=True, about={}) is False  # a slow run does not become the baseline
+    assert straggler_table([{"kind": kind, "attempt": "local.0", **ev}]).splitlines() == [
+        "stragglers: none found",
+        "slowdown at step 4 (local.0): " + ev["cause"],
+    ]
