@@ -72,6 +72,10 @@ WINDOW_STEPS = 20
 # The individual check: a rank's own reference is the median of its last HISTORY_MAX windows that were not
 # judged slow, once it has HISTORY_WINDOWS of them (the warm-up window is never one).
 HISTORY_WINDOWS, HISTORY_MAX = 2, 50
+# The relative and individual checks judge each phase and this sum of the judged phases: a rank stopped part
+# of the time loses the time in whichever phase a stop lands in, which can change from window to window
+# (stops of 300 ms, longer than a step, a few per window), so no one phase stays slow for K windows in a row.
+TOTAL = "step"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +104,8 @@ class Slowdown:
 
 @dataclass
 class StragglerDetector:
-    """Pure: feed it per window one [ranks x phases] matrix of seconds per step on the timer's clock (`m`) and,
-    for the individual check, one of host wall seconds per step (`host`)."""
+    """Pure: feed it per window one [ranks x phases] matrix of seconds per step on the timer's `clock` (`m`) and,
+    for the individual check, one on its `own_clock` (`host`: host time of the rank's own work)."""
 
     names: tuple[str, ...]
     ratio: float = 1.1
@@ -114,11 +118,21 @@ class StragglerDetector:
     _abs: dict[str, int] = field(default_factory=dict)
     _own: list[np.ndarray] = field(default_factory=list)  # host windows, NaN where a rank was judged slow
 
+    @property
+    def _cols(self) -> tuple[str, ...]:
+        return (*self.names, TOTAL)
+
+    def _with_total(self, m: np.ndarray) -> np.ndarray:
+        """`m` and a last column TOTAL: the sum of its judged phases."""
+        judged = [j for j, n in enumerate(self.names) if n not in NOT_JUDGED]
+        return np.hstack([m, m[:, judged].sum(axis=1, keepdims=True)])
+
     def observe(self, m: np.ndarray, host: np.ndarray | None = None) -> list[Detection | Slowdown]:
-        """Findings that reached `intervals` consecutive windows with this one (each streak once)."""
-        found: list[Detection | Slowdown] = self._relative(m)
+        """Findings that reached `intervals` consecutive windows with this one (each streak once). The checks
+        of a rank judge each phase and their sum (TOTAL)."""
+        found: list[Detection | Slowdown] = self._relative(self._with_total(m))
         if host is not None:
-            found += self._individual(host)
+            found += self._individual(self._with_total(host))
         return found + self._slowdown(m)
 
     def _slow(self, v: float, ref: float) -> bool:
@@ -126,7 +140,8 @@ class StragglerDetector:
 
     def _streaks(self, streaks: dict, slow: dict, check: str) -> list[Detection]:
         """Counts, per (rank, phase), the windows in a row where it was the one rank with the largest excess
-        (see the module docstring); a streak that reaches `intervals` is a Detection."""
+        (see the module docstring); a streak that reaches `intervals` is a Detection. TOTAL's only where no
+        phase of that rank is in a streak that was named: it is for slowness no one phase holds."""
         top = max(slow, key=lambda k: slow[k][0] - slow[k][1])[0] if slow else None
         out = []
         for key in set(streaks) | set(slow):
@@ -135,20 +150,22 @@ class StragglerDetector:
             if n == self.intervals:
                 v, ref = slow[key]
                 out.append(Detection(check, key[1], [key[0]], v / ref, v, ref))
-        return sorted(out, key=lambda d: (d.ranks, self.names.index(d.phase)))
+        named = {k[0] for k, n in streaks.items() if n >= self.intervals and k[1] != TOTAL}
+        out = [d for d in out if d.phase != TOTAL or d.ranks[0] not in named]
+        return sorted(out, key=lambda d: (d.ranks, self._cols.index(d.phase)))
 
     def _hits(self, m: np.ndarray, ref: np.ndarray) -> dict[tuple[int, str], tuple[float, float]]:
-        judged = np.array([n not in NOT_JUDGED for n in self.names])
+        judged = np.array([n not in NOT_JUDGED for n in self._cols])
         with np.errstate(invalid="ignore"):
             hit = (m > ref * self.ratio) & (m - ref > self.min_diff_s) & judged
-        return {(int(r), self.names[j]): (float(m[r, j]), float(ref[r, j])) for r, j in zip(*np.nonzero(hit))}
+        return {(int(r), self._cols[j]): (float(m[r, j]), float(ref[r, j])) for r, j in zip(*np.nonzero(hit))}
 
     def _relative(self, m: np.ndarray) -> list[Detection]:
         """A rank against its peers' median on the timer's clock."""
         return self._streaks(self._rel, self._hits(m, peer_medians(m, self.groups)), "relative")
 
     def _individual(self, h: np.ndarray) -> list[Detection]:
-        """Each rank's host seconds per phase against its own history (NVIDIA Resiliency Extension's
+        """Each rank's phase times on `own_clock` against its own history (NVIDIA Resiliency Extension's
         individual score): the median of its earlier windows (at least HISTORY_WINDOWS) that were not judged
         slow, scaled by how much its peers grew against theirs (at least 1): a machine that slows every rank
         alike, or peers that all wait in their synchronising phases for one stopped rank, grow together and
@@ -164,7 +181,7 @@ class StragglerDetector:
             slow = self._hits(h, ref * np.maximum(peers, 1.0))
         kept = h.astype(float).copy()
         for r, name in slow:  # a slow window does not become the rank's own reference
-            kept[r, self.names.index(name)] = np.nan
+            kept[r, self._cols.index(name)] = np.nan
         self._own.append(kept)
         return self._streaks(self._ind, slow, "individual")
 
@@ -249,7 +266,7 @@ def write_baseline(path: Path, phases_s: dict[str, float], **about) -> dict[str,
 class StepTelemetry:
     """What the trainer calls: the phase timer, and at each log interval the rank file's flush; at the log
     interval that completes a window of at least `window_steps` steps, one all-reduce of every rank's
-    row (its phases on the timer's clock, then on the host clock: 2 x phases) and, on rank 0 only, the checks
+    row (its phases on the timer's `clock`, then on its `own_clock`: 2 x phases) and, on rank 0 only, the checks
     and their events; at the end of a healthy run, the baseline. `gather(vector) -> [ranks x 2 phases]` is
     the collective (a seam for tests)."""
 
@@ -334,7 +351,7 @@ class StepTelemetry:
             reference_s=d.reference_s,
             phases=d.phases,
             cause=f"{d.phase} grew {d.ratio:.2f}x on the median rank against the baseline "
-            f"({1e3 * d.seconds:.1f} ms vs {1e3 * d.reference_s:.1f} ms per step); no rank stands out",
+            f"({1e3 * d.seconds:.1f} ms vs {1e3 * d.reference_s:.1f} ms per step): the whole job, not one rank",
             clock=self.timer.clock,
             baseline=str(self.baseline_path),
             intervals=self.detector.intervals,

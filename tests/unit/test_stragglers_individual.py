@@ -12,7 +12,7 @@ import pytest
 
 from jobs.telemetry.phases import PhaseTimer, phase_names
 from jobs.telemetry.run_report import straggler_table
-from jobs.telemetry.stragglers import HISTORY_WINDOWS, Detection, StepTelemetry, StragglerDetector
+from jobs.telemetry.stragglers import HISTORY_WINDOWS, TOTAL, Detection, StepTelemetry, StragglerDetector
 
 NAMES = phase_names(pp=False)  # data, forward, backward, collective, optimizer, checkpoint
 P = len(NAMES)
@@ -159,3 +159,20 @@ def test_every_rank_slower_than_the_baseline_is_one_slowdown_event_with_its_caus
         "stragglers: none found",
         "slowdown at step 4 (local.0): " + ev["cause"],
     ]
+
+
+def test_a_rank_whose_stops_land_in_another_phase_each_window_is_named_by_its_step_total_once() -> None:
+    """A few 300 ms stops per window land in whichever phase the rank was in: forward in one window, backward in
+    the next, optimizer in the third. No one phase is slow K windows in a row; their sum (TOTAL) is."""
+    d = StragglerDetector(NAMES, ratio=1.1, intervals=3)
+    found = []
+    for phase in ("forward", "backward", "optimizer", "forward"):
+        m = _window()
+        m[3, NAMES.index(phase)] += 0.06  # 4 stops of 300 ms in a window of 20 steps
+        found += d.observe(m)
+    assert [(x.check, x.ranks, x.phase) for x in found] == [("relative", [3], TOTAL)]
+    assert found[0].seconds == pytest.approx(0.33 + 0.06) and found[0].reference_s == pytest.approx(0.33)
+    d = StragglerDetector(NAMES, ratio=1.1, intervals=3)  # slow in one phase throughout: named by it, not twice
+    slow = _window()
+    slow[2, B] += 0.06
+    assert [(x.ranks, x.phase) for _ in range(4) for x in d.observe(slow)] == [([2], "backward")]
