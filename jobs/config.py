@@ -253,15 +253,15 @@ class FailureConfig:
     spike_lr_scale: float = 1.0  # the learning rate is multiplied by this at each rollback; 1.0 = unchanged
     max_rollbacks: int = 3  # rollbacks per rollback_window_steps; one more spike stops the run for good (exit 77)
     rollback_window_steps: int = 10000  # the steps max_rollbacks counts over (before the spike); 0 = the whole run
-    straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, or the baseline) is slow
+    straggler_ratio: float = 1.1  # a phase this many times its reference (peers' median, own history, baseline) is slow
     straggler_intervals: int = (
-        3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler event (K)
+        3  # consecutive slow windows (>= 20 steps, jobs.telemetry.stragglers) before a straggler or slowdown event (K)
     )
     straggler_min_diff_s: float = (
         0.005  # and slower by at least this many seconds per step (microsecond phases never count)
     )
     straggler_baseline_root: str = (
-        "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (absolute check)
+        "${cluster.run_root}/baselines"  # healthy runs' phase times per model/mesh/cluster (slowdown check)
     )
     exclude_stragglers: bool = (
         False  # a relative straggler's node goes on the run's quarantine list (next requeue avoids it)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from jobs.config import JobConfig
 from jobs.planner import arith as P
 from jobs.telemetry.flops import mfu_text
-from jobs.telemetry.stragglers import WINDOW_STEPS
+from jobs.telemetry.stragglers import HISTORY_WINDOWS, WINDOW_STEPS
 
 __all__ = [
     "Check",
@@ -258,11 +258,14 @@ def readiness(cfg, d, mem, role, step, bubble, comm, ckpt, goodput, checks) -> l
             "status": "ok" if cfg.metrics.phase_timing else "warn",
             "answer": (
                 f"per-rank phase times judged on rank 0 in windows of >= {WINDOW_STEPS} steps (several log "
-                f"intervals when train.log_every is shorter), after each attempt's first window (warm-up): a rank "
-                f"{f.straggler_ratio}x its pipeline stage's median and {f.straggler_min_diff_s} s over it, or "
-                f"every rank {f.straggler_ratio}x the baseline under {f.straggler_baseline_root}, for "
-                f"{f.straggler_intervals} consecutive windows is a straggler event"
-                + ("; its node is quarantined" if f.exclude_stragglers else "")
+                f"intervals when train.log_every is shorter; a last, shorter one is not judged), after each "
+                f"attempt's first window (warm-up): a rank {f.straggler_ratio}x and {f.straggler_min_diff_s} s "
+                f"over its pipeline stage's median, or over its own history beyond its peers' growth (once it "
+                f"has {HISTORY_WINDOWS} judged windows; host time on GPUs), for {f.straggler_intervals} consecutive windows is a "
+                f"straggler event naming it"
+                + ("; a peer-median straggler's node is quarantined" if f.exclude_stragglers else "")
+                + f"; every rank's median {f.straggler_ratio}x the baseline under {f.straggler_baseline_root} "
+                f"for as many windows is a slowdown event, naming no rank"
             )
             if cfg.metrics.phase_timing
             else "metrics.phase_timing=false: a slow rank shows only as a slower step for everyone",

@@ -200,7 +200,10 @@ class PhaseTimer:
         enabled: bool = True,
         slow: SlowPhase | None = None,
         kernels: KernelSampler | None = None,
+        events: type | None = None,
     ) -> None:
+        """`events`: the CUDA event type, torch.cuda.Event unless given: the one seam through which a test runs
+        a CUDA rank's clocks (event time for the peer check, host time for the individual one) on a CPU."""
         self.path = Path(run_dir) / "telemetry" / f"rank{rank}.h5"
         self.attempt, self.enabled, self.slow = attempt, enabled, slow
         self.names = phase_names(pp=pp)
@@ -217,7 +220,10 @@ class PhaseTimer:
         self._rows: list[
             tuple[int, float, list[float], list[float]]
         ] = []  # (step, time, wall s, CPU s) not yet written
-        self.interval: list[list[float]] = []  # this log interval's rows (stragglers read it)
+        self.interval: list[list[float]] = []  # this window's rows: CPU seconds, event or kernel time (stragglers)
+        self.own_interval: list[list[float]] = []  # this window's rows: seconds stopped (CPU), host wall s (CUDA)
+        self._host: dict[str, float] = dict.fromkeys(self.names, 0.0)  # host wall seconds (CUDA ranks)
+        self._event = events
         self._flushed_at = -float("inf")  # time.monotonic() of the last flush
         self._off = Descheduled.get() if enabled and not self.cuda else None
 
@@ -233,11 +239,14 @@ class PhaseTimer:
             k = self._kernels
             if k is not None and not k.active and self._steps % k.every == 0 and not self._events:
                 k.begin()  # this step's first phase: the step is profiled
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            event = self._event or torch.cuda.Event
+            start, end = event(enable_timing=True), event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             with k.range(name) if k is not None else contextlib.nullcontext():
                 yield
             end.record()
+            self._host[name] += time.perf_counter() - t0
             self._events.append((name, start, end))
             return
         t0, c0, d0 = time.perf_counter(), time.process_time(), self._off.seconds
@@ -260,17 +269,20 @@ class PhaseTimer:
             self._events = []
         self._rows.append((step, time.time(), row, cpu))
         if not self.cuda:
-            self.interval.append([c + self._desched[n] for c, n in zip(cpu, self.names)])
-        elif self._kernels is None:
+            self.interval.append(cpu)
+            self.own_interval.append([self._desched[n] for n in self.names])
+        else:
+            self.own_interval.append([self._host[n] for n in self.names])
+        if self.cuda and self._kernels is None:
             self.interval.append(row)
-        elif self._kernels.active:  # a profiled step: its compute kernels' device time
+        elif self.cuda and self._kernels.active:  # a profiled step: its compute kernels' device time
             self.interval.append(self._kernels.end(self.names))
         self._steps += 1
-        self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
+        self._row, self._cpu, self._desched, self._host = (dict.fromkeys(self.names, 0.0) for _ in range(4))
 
     def drop_step(self) -> None:
         """Forgets the open step's row (a step rolled back by the training-health check is not a step)."""
-        self._row, self._cpu, self._desched = (dict.fromkeys(self.names, 0.0) for _ in range(3))
+        self._row, self._cpu, self._desched, self._host = (dict.fromkeys(self.names, 0.0) for _ in range(4))
         self._events = []
         if self._kernels is not None:
             self._kernels.cancel()
@@ -293,12 +305,39 @@ class PhaseTimer:
         self._pending.clear()
 
     def take_interval(self) -> np.ndarray:
-        """Median seconds per step of each phase (`clock`) over the steps since the last call (NaN when none)."""
+        """Seconds per step of each phase on `clock` over the steps since the last call (NaN when none)."""
+        return self.take_window()[: len(self.names)]
+
+    def take_window(self) -> np.ndarray:
+        """The window since the last call, per phase (NaN when it has no step): first on `clock` (what the peer
+        check compares), then on `own_clock` (what the individual check compares with the rank's own history).
+
+        On a CPU rank both are `work`: the median CPU seconds per step plus the mean seconds stopped per step (0
+        on a healthy rank). A mean, not a median, of the stops: a rank stopped a third of the time in stops
+        longer than a step loses whole steps here and there, which a median per phase never sees. On a CUDA
+        rank the median event (or profiled kernel) time, then the mean host wall seconds per step."""
         import numpy as np  # lazy: a rank's method (see TYPE_CHECKING above)
 
         self._read_events()
-        rows, self.interval = self.interval, []
-        return np.median(np.array(rows), axis=0) if rows else np.full(len(self.names), np.nan)
+        rows, own, self.interval, self.own_interval = self.interval, self.own_interval, [], []
+        nan = np.full(len(self.names), np.nan)
+        clock = np.median(np.array(rows), axis=0) if rows else nan
+        extra = np.mean(np.array(own), axis=0) if own else nan
+        if not self.cuda:
+            clock = clock + extra
+            return np.concatenate([clock, clock])
+        return np.concatenate([clock, extra])
+
+    @property
+    def own_clock(self) -> str:
+        """What the individual check compares: the host time of the rank's own work in each phase. On a GPU the
+        host wall time around the phase (`host`): a host stall (a stopped or descheduled process) lengthens it
+        while the kernel and event clocks do not (the device just waits), and a peer waiting in NCCL waits on
+        the device, not on its host. On a CPU rank `work`, as for `clock`: there a peer waits for a stopped rank
+        asleep in gloo on its host, so its host wall time grows as much as the stopped rank's (in a 4-rank run
+        with one rank stopped 30% of the time the host-time scores did not single it out), and on a shared
+        box a phase's wall time varied 2x between windows of a healthy run."""
+        return "host" if self.cuda else "work"
 
     def flush(self, *, min_interval_s: float = 0.0) -> None:
         """Appends the buffered rows to this rank's file (open, append, close: see the module docstring);

@@ -41,8 +41,8 @@ def baseline_path(cfg: JobConfig, *, mesh: str, device: str, mixed_precision: st
 
 
 def healthy_run(events_path: Path) -> bool:
-    """No failure and no straggler anywhere in the run's ledger (every attempt)."""
-    return not any(e.get("kind") in ("failure", "straggler") for e in read_events(events_path))
+    """No failure, straggler or slowdown anywhere in the run's ledger (every attempt)."""
+    return not any(e.get("kind") in ("failure", "straggler", "slowdown") for e in read_events(events_path))
 
 
 def build_step_telemetry(

@@ -390,11 +390,18 @@ def moe_balance_table(balance: dict[int, dict]) -> str:
 
 def straggler_table(events: list[dict], *, persistent_imbalance: bool = False) -> str:
     """The run's `straggler` events: when, which check, phase, ranks and nodes, how much slower than what
-    (ms per step on the detector's clock: work time on CPU ranks, compute kernel or CUDA event time on GPUs).
+    (ms per step on the check's clock: work time on CPU ranks; compute kernel or CUDA event time on GPUs for the
+    relative check, host time for the individual one); then its `slowdown` events (the whole job slower than
+    its baseline), one line each with its cause.
     With a persistent MoE imbalance, the compute phases' findings are labelled as that, not as slow ranks."""
     found = [e for e in events if e.get("kind") == "straggler"]
+    slowdowns = [
+        f"slowdown at step {e.get('step', 0)} ({e.get('attempt', '')}): {e.get('cause', '')}"
+        for e in events
+        if e.get("kind") == "slowdown"
+    ]
     if not found:
-        return "stragglers: none found"
+        return "\n".join(["stragglers: none found", *slowdowns])
     lines = [
         f"stragglers: {len(found)}"
         + (
@@ -412,7 +419,7 @@ def straggler_table(events: list[dict], *, persistent_imbalance: bool = False) -
             f"{ranks:<8} {e.get('ratio', 0):>6.2f} {1e3 * e.get('seconds', 0):>9.2f} "
             f"{1e3 * e.get('reference_s', 0):>9.2f} {e.get('clock', ''):<7}  {','.join(e.get('nodes', []))}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, *slowdowns])
 
 
 def _causes(rows: list[Attempt]) -> str:

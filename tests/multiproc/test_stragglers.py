@@ -1,6 +1,6 @@
 """Stragglers on real 2-rank runs through `python -m jobs.train`: one rank slowed 1.3x in backward is named
-(relative), every rank slowed is caught against a healthy run's baseline (absolute) and not by the
-relative check, and an uninjected run of the same length names nobody.
+(relative), every rank slowed is a `slowdown` against a healthy run's baseline and no straggler, and an
+uninjected run of the same length names nobody.
 
 CPU time on this 2-core box is noisy, so the checks judge windows of at least WINDOW_STEPS (20) steps, here
 one log interval each: measured on 2026-12-03 (three runs of 64 steps each, 2 ranks, backward's CPU time per
@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from jobs.events import read_events
@@ -60,6 +62,17 @@ def _train(
     r = run_train(run, tmp / name, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return read_events(tmp / name / "events.jsonl", "straggler")
+
+
+def _cpu_medians(run_dir: Path, phase: str) -> list[float]:
+    """Each rank's median CPU seconds per step in `phase`, from its telemetry file's `cpu` dataset: the spin that
+    MESHJOB_TEST_SLOW_PHASE injects is CPU time, which the load of a shared box moves far less than wall time."""
+    out = []
+    for r in range(2):
+        with h5py.File(run_dir / "telemetry" / f"rank{r}.h5", "r", locking=False) as f:
+            cols = json.loads(f["cpu"].attrs["phases"])
+            out.append(float(np.median(f["cpu"][:, cols.index(phase)])))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -109,23 +122,25 @@ def test_a_rank_slowed_1_3x_in_backward_is_named_with_its_phase_within_k_interva
     phases = read_phases(tmp_path / "slow_rank" / "telemetry")
     assert 1.15 < phases[1]["backward"] / phases[0]["backward"] < 2.0, phases
     assert all(e["ranks"] == [1] for e in rel), rel  # rank 0 waits in `collective`, which is not judged
-    assert not [e for e in found if e["check"] == "absolute"]  # a fresh baseline root: nothing to compare with
+    assert not read_events(tmp_path / "slow_rank" / "events.jsonl", "slowdown")  # a fresh baseline root
 
 
-def test_every_rank_slowed_2x_is_caught_by_the_baseline_and_not_by_the_relative_check(healthy, data_path) -> None:
+def test_every_rank_slowed_2x_is_a_slowdown_against_the_baseline_and_no_straggler(healthy, data_path) -> None:
     tmp, _ = healthy
     found = _train(tmp, "all_slow", data_path, tmp / "root", slow="all:backward:2")
-    assert not [e for e in found if e["check"] == "relative"], found
-    absolute = [e for e in found if e["check"] == "absolute" and e["phase"] == "backward"]
-    assert absolute, found
+    assert found == []  # no rank is to blame: neither a relative nor an individual straggler, nor one naming all
+    slowdowns = read_events(tmp / "all_slow" / "events.jsonl", "slowdown")
+    backward = [e for e in slowdowns if e["phase"] == "backward"]
+    assert backward and backward[0]["cause"].startswith("backward grew"), slowdowns
     # injected 2x: measured 2.0-2.7 against the healthy run before it, and once 1.33 (2026-12-03: the box ran
     # the slowed run 1.5x faster than the healthy one; a bound of 1.5 failed there): not 3.5x. Its lower bound
-    # (straggler_ratio 1.2) is the detector's own condition, so it is asserted on the telemetry instead:
-    # every rank's recorded backward against the healthy run's, which no peer comparison could see.
-    assert absolute[0]["ranks"] == "all" and absolute[0]["ratio"] < 3.5, absolute
-    slow, base = read_phases(tmp / "all_slow" / "telemetry"), read_phases(tmp / "healthy" / "telemetry")
-    assert all(slow[r]["backward"] > 1.2 * base[r]["backward"] for r in (0, 1)), (slow, base)
-    assert absolute[0]["step"] <= STEPS
-    # A run with a straggler does not replace the baseline it was judged against.
+    # (straggler_ratio 1.2) is the detector's own condition, so it is asserted on the telemetry instead: every
+    # rank's recorded backward CPU time against the healthy run's, which no peer comparison could see. Wall time
+    # failed this in two CI runs (the healthy run's backward wall time under load as long as the slowed one's).
+    assert backward[0]["ratio"] < 3.5 and backward[0]["clock"] == "work", backward
+    slow, base = _cpu_medians(tmp / "all_slow", "backward"), _cpu_medians(tmp / "healthy", "backward")
+    assert all(s > 1.2 * b for s, b in zip(slow, base)), (slow, base)
+    assert backward[0]["step"] <= STEPS
+    # A run with a slowdown does not replace the baseline it was judged against.
     (baseline,) = (tmp / "root" / "baselines").glob("*.json")
     assert json.loads(baseline.read_text())["run_dir"] == str(tmp / "healthy")

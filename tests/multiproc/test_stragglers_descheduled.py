@@ -9,6 +9,12 @@ backward, one CI run under heavy load found no slow window pair), 2 ranks with F
 K=2 slow windows in a row among the 3 past the warm-up one (a CPU-time clock named
 nobody in the same run: checked by judging CPU time alone, 2026-12-05). That healthy runs
 name nobody on the same clock is tests/multiproc/test_stragglers_healthy.py's and test_stragglers.py's.
+
+The second test is issue 38's case: 4 ranks at the default thresholds, rank 3 stopped 30% of the time in stops of
+STOP_STEPS step times (longer than a step on any machine, a few per window), from step STOP_FROM on: the stops land
+in fewer than half of its steps, so the median per phase of (CPU + stopped) named nobody (checked, 2026-12-06); the
+stops now count by their mean (jobs/telemetry/phases.py), and in whichever phase they land, the rank's step total
+is judged too (jobs/telemetry/stragglers.py, TOTAL).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -99,3 +106,67 @@ def test_a_rank_stopped_half_the_time_from_outside_is_named_on_cpu(tmp_path: Pat
         and rel[0]["ratio"] > 1.2
         and rel[0]["phase"] in ("forward", "backward", "optimizer", "data")
     )
+
+
+WORLD, STEPS_4, STOP_FROM, K_4 = 4, 100, 50, 2  # windows 0 (warm-up), 1-2 (rank 3's own history), 3-4 stopped
+STOP_STEPS, DUTY = 2.0, 0.3  # each stop as long as 2 steps (the median of the steps before it), 30% of the time
+
+
+def test_a_rank_stopped_30_percent_of_the_time_in_stops_longer_than_a_step_is_named_and_no_other(
+    tmp_path: Path, data_path: str
+) -> None:
+    run_dir, err = tmp_path / "run", (tmp_path / "stderr.txt").open("w")  # a file: a pipe unread while it runs fills
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.train",
+            f"run.dir={run_dir}",
+            f"train.steps={STEPS_4}",
+            "mesh=single",
+            f"launcher.tasks_per_node={WORLD}",
+            f"mesh.dp_shard={WORLD}",
+            "checkpoint.enabled=false",
+            f"failure.straggler_intervals={K_4}",
+            f"data.path={data_path}",
+            f"cluster.run_root={tmp_path}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    stopped, metrics = 0, run_dir / "metrics.jsonl"
+    try:
+        pid = _pid(run_dir, WORLD - 1, proc)
+        lines: list[str] = []
+        while proc.poll() is None and len(lines) < STOP_FROM:
+            time.sleep(0.05)  # one metrics line per step (train.log_every=1)
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+        step_s = statistics.median(json.loads(line)["step_time_s"] for line in lines[-21:-1]) if lines else 0.1
+        stop_s = max(0.1, STOP_STEPS * step_s)
+        while proc.poll() is None:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(stop_s)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                break
+            stopped += 1
+            time.sleep(stop_s * (1 - DUTY) / DUTY)
+        proc.wait(timeout=300)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    assert proc.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    assert stopped >= 3
+    events = read_events(run_dir / "events.jsonl")
+    found = [e for e in events if e.get("kind") == "straggler"]
+    assert found and all(e["ranks"] == [WORLD - 1] for e in found), found  # rank 3, and never a rank that waited
+    assert "relative" in {e["check"] for e in found} and all(e["clock"] == "work" for e in found), found
+    assert not [e for e in events if e.get("kind") == "slowdown"]  # a fresh baseline root: nothing to compare with

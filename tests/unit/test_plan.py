@@ -182,6 +182,7 @@ def test_the_six_readiness_questions_are_answered():
     assert "in windows of >= 20 steps" in plan.readiness[4]["answer"]
     assert "after each attempt's first window (warm-up)" in plan.readiness[4]["answer"]
     assert "for 3 consecutive windows" in plan.readiness[4]["answer"]
+    assert "is a slowdown event, naming no rank" in plan.readiness[4]["answer"]  # not a straggler naming all
     off = build_plan(compose(["+experiment=llama3_405b_8k_16384gpu", "metrics.phase_timing=false"]), measure=False)
     assert off.readiness[4]["status"] == "warn"
 
