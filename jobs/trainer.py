@@ -36,8 +36,8 @@ from jobs.launch.domain import failure_domain, topology_path
 from jobs.launch.env import DistEnv
 from jobs.launch.rundir import run_id
 from jobs.log import get_logger
-from jobs.model import Transformer, init_weights
-from jobs.moe import BALANCE_FIELDS, moe_layer_ids, moe_layers, set_aux_loss_scale, update_expert_bias
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import BALANCE_FIELDS, moe_layer_ids, moe_layers, set_aux_loss_scale, update_expert_bias
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
@@ -373,7 +373,7 @@ class Trainer:
 
     def _moe_group(self):
         """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
-        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model.
+        or with pp the ranks of this stage (jobs.models.moe.update_expert_bias); None for one process or a dense model.
 
         Every rank of an MoE model builds the stage group, a dense-only stage too (DeepSeek-V3's split: the dense
         blocks alone on stage 0): torch names groups by a per-process counter, so a rank that skipped it would give

@@ -65,7 +65,7 @@ def _matmul_rate(
     import torch
     import torch.nn.functional as F
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     model = Transformer(m).to(device=device, dtype=dtype)
@@ -87,7 +87,7 @@ def _optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> fl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
     from parallel.fsdp import apply_fsdp
 
     model = Transformer(cfg.model).to(device)
@@ -152,7 +152,7 @@ def _fsdp_extra_s(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sy
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
     from parallel.fsdp import apply_fsdp
     from parallel.tp import apply_tp
 
@@ -267,7 +267,7 @@ def _tp_seconds(cfg: JobConfig, *, tp: int, n: int, device, seconds: float, sync
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
     from parallel.tp import apply_tp
 
     m, t = cfg.model, cfg.train

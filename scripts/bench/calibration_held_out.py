@@ -74,7 +74,7 @@ def _gemm_fn(shape: tuple[int, int, int]):
 
 def _step_fn(cfg):
     """One microbatch's forward + backward of the unsharded model, as `jobs.planner.calibrate._matmul_rate` times it."""
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(cfg.model)

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from jobs.config import ModelConfig, compose
 from jobs.device import backend_for
 from jobs.failure.timeouts import set_pg_timeouts
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from tests.conftest import run_train

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
-from jobs.moe import MoE, grouped_mm_available, grouped_swiglu, padded_swiglu
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import MoE, grouped_mm_available, grouped_swiglu, padded_swiglu
 
 pytestmark = pytest.mark.gpu
 

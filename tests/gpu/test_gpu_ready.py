@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.precision import apply_autocast
 from tests.conftest import REPO
 

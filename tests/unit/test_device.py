@@ -28,7 +28,7 @@ from jobs.device import (
 )
 from jobs.launch import rank as rank_mod
 from jobs.launch.slurm import check_slurm_config
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.planner.gate import build_plan
 from jobs.validate import check_device, validate
 from parallel.precision import apply_autocast

@@ -11,7 +11,7 @@ import torch
 
 from jobs.config import compose
 from jobs.launch.env import DistEnv, _parse_hostlist
-from jobs.model import Transformer, full_init_tensor, init_weights
+from jobs.models.model import Transformer, full_init_tensor, init_weights
 from jobs.planner.arith import count_params
 from jobs.trainer import lr_multiplier
 from parallel.pipeline import stage_ids

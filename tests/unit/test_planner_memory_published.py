@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import TransformerBlock, rope_table
+from jobs.models.model import TransformerBlock, rope_table
 from jobs.planner.gate import build_plan
 from jobs.planner.memory import layer_activation_bytes
 
