@@ -320,9 +320,9 @@ def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
     timed as jobs.calibrate times the model."""
     import torch
 
-    from jobs.planner.calibrate import _timed
+    from jobs.planner.timing import timed
 
-    return _timed(lambda: torch.autograd.grad(fn(*args), args, grad), seconds=seconds, sync=sync)
+    return timed(lambda: torch.autograd.grad(fn(*args), args, grad), seconds=seconds, sync=sync)
 
 
 def _stream_GBps(device: str, *, sync) -> float:
@@ -330,11 +330,11 @@ def _stream_GBps(device: str, *, sync) -> float:
     memory-bound ops take from the datasheet (`cluster.gpu_hbm_GBps`); 64 MiB in fp32 on CPU."""
     import torch
 
-    from jobs.planner.calibrate import _timed
+    from jobs.planner.timing import timed
 
     n = (1 << 29) if device == "cuda" else (1 << 24)
     x = torch.ones(n, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    return 2 * x.numel() * x.element_size() / _timed(lambda: x * 2, seconds=0.3, sync=sync) / 1e9
+    return 2 * x.numel() * x.element_size() / timed(lambda: x * 2, seconds=0.3, sync=sync) / 1e9
 
 
 def check_gemms(device: str, out: Path) -> dict:

@@ -73,7 +73,7 @@ def _gemm_fn(shape: tuple[int, int, int]):
 
 
 def _step_fn(cfg):
-    """One microbatch's forward + backward of the unsharded model, as `jobs.planner.calibrate._matmul_rate` times it."""
+    """One microbatch's forward + backward of the unsharded model, as `jobs.planner.probes.matmul_rate` times it."""
     from jobs.models.model import Transformer
 
     torch.manual_seed(0)
