@@ -17,7 +17,7 @@ import torch
 from checkpoint.state import capture_rng, restore_rng
 from jobs.config import compose
 from jobs.device import (
-    _NCCL_DEFAULTS,
+    NCCL_DEFAULTS,
     backend_for,
     dump_flight_recorder,
     export_environ,
@@ -222,7 +222,7 @@ def test_no_cluster_profile_overrides_the_async_error_handling_that_keeps_the_fl
     """Mode 1 (TearDown) ends the process before the flight recorder is dumped; 3 (SkipCleanUp) is ours and
     torchtitan's. A profile may leave it unset (the code's default applies) or agree."""
     env = compose([f"cluster={profile}"]).cluster.env
-    assert env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") == _NCCL_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") == NCCL_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 _FR_CHILD = """

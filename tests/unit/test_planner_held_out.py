@@ -266,9 +266,9 @@ def test_held_out_published_runs_are_predicted_within_15_percent(row):
 def test_the_paper_mesh_of_llama3_405b_is_ranked_with_the_ac_torchs_schedule_needs():
     # Without AC the paper's mesh keeps 141 layer-microbatches in flight on pp rank 1 under torch's Interleaved1F1B
     # warm-up (206 GiB > 72 usable), selective AC 122 GiB; full AC fits: the search ranks the mesh with it, and says so
-    from jobs.planner.search import _own
+    from jobs.planner.search import own_candidate
 
-    own, note = _own(compose(["+experiment=llama3_405b_8k_8192gpu"]))
+    own, note = own_candidate(compose(["+experiment=llama3_405b_8k_8192gpu"]))
     assert own is not None and own.shape.ac == "full" and own.shape.label().startswith("tp8 cp1 pp16 v8* dp1x64")
     assert note.startswith("ranked with train.activation_checkpointing=full: at train.activation_checkpointing=none")
     assert "141 layer-microbatches" in note and "torch's warm-up" in note

@@ -9,7 +9,7 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner.gate import build_plan
-from jobs.planner.search import Shape, _visit, predicted, render_search, search, write_top_k
+from jobs.planner.search import Shape, predicted, render_search, search, visit_shape, write_top_k
 from jobs.validate import validate
 
 # The tiny model on 8 ranks of an H100 node: every shape fits, so the search space is the whole story.
@@ -71,11 +71,11 @@ def test_a_rejected_shape_names_its_reason(small):
     # counted fp32 gradient copies that only exist after the activations they would add to are freed: 28.3 GiB.)
     big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=26"])
     too_big: dict = {}
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 24.6 GiB > 23.4 GiB usable")
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and "larger dp_shard" in msg
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and msg.startswith("memory floor: 16 B x params")
 
 
