@@ -283,7 +283,14 @@ def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues
 ) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
-    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *common(), f"run.dir={run_root}")
+    r = cli(
+        "jobs.sbatch",
+        f"sbatch.style={style}",
+        f"sbatch.out={script}",
+        "launcher=slurm",
+        *common(),
+        f"run.dir={run_root}",
+    )
     assert r.returncode == 0, r.stderr
     job = subprocess.run(
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp"

@@ -107,8 +107,7 @@ def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: P
     run_root.mkdir(parents=True)
     r = cli(
         "jobs.sbatch",
-        "-o",
-        str(script),
+        f"sbatch.out={script}",
         "launcher=slurm",
         "launcher.nodes=2",
         "launcher.tasks_per_node=1",
