@@ -117,7 +117,7 @@ def _replicate_partial_grads(parts: list[nn.Module]) -> None:
     """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum) and the
     embedding's grad Replicate (the full vocabulary) while its parameter is Shard(0). Put every
     grad on its parameter's placements once here: the Partial ones are reduced (or every optimizer
-    step would all-reduce them implicitly, notes item 3), the Replicate one is sliced locally, which
+    step would all-reduce them implicitly, 3 per norm weight on torch 2.13), the Replicate one is sliced locally, which
     frees (tp - 1) / tp of the embedding's gradient until the next backward."""
     for part in parts:
         for p in part.parameters():

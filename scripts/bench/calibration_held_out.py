@@ -1,4 +1,4 @@
-"""Out-of-sample check of the calibrated compute rate: fit on one model's GEMMs, predict another's (issue 22 item 7).
+"""Out-of-sample check of the calibrated compute rate: fit on one model's GEMMs, predict another's.
 
     python scripts/bench/calibration_held_out.py [--rounds 30 --threads 1 --clock cpu]
 

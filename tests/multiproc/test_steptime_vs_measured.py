@@ -2,7 +2,7 @@
 profile (a `jobs.planner.calibrate` run on the same 4 ranks), predict the step of the tiny model and
 of a larger CPU model on four meshes (FSDP, TP, PP 1F1B, PP interleaved), run the trainer on each
 right after, and compare with the median measured step (steps 2-13, the slowest rank's).
-Bound: predicted / measured within 0.75-1.25 (issue 13 item 3). It runs in CI.
+Bound: predicted / measured within 0.75-1.25. It runs in CI.
 
 Calibration and measurement run back to back in one test because this machine is shared: its
 speed changes from minute to minute, and a profile measured earlier would not describe it. One

@@ -227,7 +227,7 @@ def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[st
 
 def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
     """`python -m jobs.report` on the requeued run dir, as a user would run it: both attempts and the cause of the
-    requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page (issue 11)."""
+    requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page."""
     from jobs.report import sacct_records
     from jobs.telemetry.run_report import collect
 

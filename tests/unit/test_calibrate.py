@@ -63,7 +63,7 @@ def _one_rank_aborts(rank: int, n: int, port: int, cfg, tps: list[int], q) -> No
 
 
 def test_a_calibration_rank_killed_by_a_signal_is_named_with_the_signal(monkeypatch):
-    # CI, stop 31: ranks 0, 2 and 3 reported "Connection closed by peer" and the error did not say
+    # Seen on CI: ranks 0, 2 and 3 reported "Connection closed by peer" and the error did not say
     # that rank 1 had died first, or how.
     monkeypatch.setattr(calibrate_ranks, "_rank", _one_rank_aborts)
     with pytest.raises(RuntimeError) as err:

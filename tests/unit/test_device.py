@@ -161,7 +161,7 @@ def test_submitting_a_cuda_job_to_a_cpu_profile_is_refused_on_the_login_node(tmp
     check_slurm_config(cfg)  # auto on CPU nodes trains on their CPUs
 
 
-# ---------------------------------------------------------------- issue 25: the first GPU
+# ---------------------------------------------------------------- the first GPU
 
 
 def test_the_cluster_env_is_exported_before_the_rank_makes_its_gpu_current(monkeypatch, tmp_path) -> None:

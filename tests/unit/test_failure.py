@@ -61,7 +61,7 @@ def test_a_stop_signal_is_requeued_with_exit_75_while_budgets_last() -> None:
     events = saved_attempt("j.0", 100, start=0, saved=10)
     d = policy.decide(events, cause="SIGUSR2", cfg=FailureConfig(max_requeues=10), restart_count=0)
     assert (d.action, d.exit_code, d.requeues_used, d.attempts_without_progress) == ("requeue", 75, 1, 0)
-    # after committed progress a stop notice's requeue is free (issue 34, 3.3: tests/unit/test_requeue_budget.py)
+    # after committed progress a stop notice's requeue is free (tests/unit/test_requeue_budget.py)
     assert d.free and d.reason == (
         "SIGUSR2: requeue after committed progress, not counted against failure.max_requeues(10) (1 counted so far)"
     )

@@ -1,4 +1,4 @@
-"""The planner checked against what it was not fitted to (issue 22): every expert-parallel leg on the
+"""The planner checked against what it was not fitted to: every expert-parallel leg on the
 critical path, achieved bandwidths taken as achieved, pipeline buffers counted once, selective AC chosen per
 stage, unknown restart costs said to be unknown, and held-out published runs predicted within 15%."""
 
@@ -219,7 +219,7 @@ HELD_OUT = {
     "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
 }
 # Rows outside 15%, each pinned to its band so that a change in either direction is seen. With inter-node
-# bandwidth priced by the node's NICs and the A100's own GEMM efficiency (issue 38), every row is predicted
+# bandwidth priced by the node's NICs and the A100's own GEMM efficiency, every row is predicted
 # 1.15-1.23x too fast: the model runs every GEMM at its GPU's best-shape rate (Bekman's MAMF), and no published
 # curve of the rate by shape is in it yet (the GPU preflight's `gemms` line measures it).
 KNOWN_GAP = {
