@@ -19,8 +19,6 @@ __all__ = [
 ]
 
 PP_PROBE_MICROBATCHES = 4  # microbatches of the pipeline probe's 1F1B step
-
-
 # Repeats at least, of the probes whose one repeat is slow and noisy (DTensor's many small collectives):
 # on the 2-core box, 4 ranks, one tp 2 microbatch under FSDP2 took 70-210 ms more than without it.
 MIN_REPS_SLOW = 9
