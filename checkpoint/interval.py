@@ -19,6 +19,7 @@ __all__ = [
     "job_mtbf_s",
     "failures_in_ledger",
     "interval_steps",
+    "NOT_FAILURES",
 ]
 
 
@@ -91,7 +92,7 @@ def _check(delta: float, mtbf: float) -> None:
 
 
 # Ledger events that are not failures of the machine: the job was stopped on purpose.
-_NOT_FAILURES = frozenset(
+NOT_FAILURES = frozenset(
     {"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"}
 )  # deliberate stops, bad input
 
@@ -141,7 +142,7 @@ def failures_in_ledger(events: list[dict]) -> tuple[int, float]:
         {
             e.get("attempt") or e.get("restart", 0)
             for e in events
-            if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in _NOT_FAILURES
+            if e.get("kind") == "failure" and e.get("class", e.get("cls")) not in NOT_FAILURES
         }
     )
     return failures, (max(times) - min(times)) if times else 0.0

@@ -1,4 +1,4 @@
-"""The RAM tier's bound (issue 24, item 5): how many bytes a rank's state takes there and whether every host's
+"""The RAM tier's bound: how many bytes a rank's state takes there and whether every host's
 `checkpoint.memory_dir` holds them, checked before the first step (a config error naming the override when not)."""
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""The meshjob commands: name, module, and the `--help` text each prints (what it does, its main keys, two examples)."""
+"""The meshjob commands: name, module, the `--help` text each prints (what it does, its main keys, two examples),
+and the KEY=VALUE arguments of the commands that take keys of their own (`status`, `report`, `sbatch`)."""
 
 from __future__ import annotations
 
+import difflib
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Command", "COMMANDS", "help_text"]
+__all__ = ["Command", "COMMANDS", "OWN_KEYS", "help_text", "own_keys"]
 
 _OVERRIDES = (
     "Arguments are config overrides, KEY=VALUE (dotted keys of the config; +KEY=VALUE adds a preset such as\n"
@@ -22,7 +26,7 @@ class Command:
     summary: str  # a paragraph
     keys: tuple[str, ...]  # the main keys, one per line
     examples: tuple[str, str]  # after `meshjob `
-    overrides: bool = True  # takes config overrides (else its own arguments, described in `keys`)
+    overrides: bool = True  # takes config overrides (else only its own keys, OWN_KEYS)
 
 
 COMMANDS = (
@@ -65,27 +69,27 @@ COMMANDS = (
     Command(
         "status",
         "jobs.status",
-        "RUN_DIR",
+        "[run.dir=]RUN_DIR",
         "every attempt of a run, and its Slurm state",
         "Every attempt of a live or finished run: when, how it ended, steps gained, suspects, and the Slurm "
         "state of its jobs.",
-        ("RUN_DIR                       a run directory (it holds events.jsonl)",),
-        ("status runs/20260101-120000", "status /lustre/meshjob/runs/llama3_8b"),
+        ("run.dir=RUN_DIR               a run directory (it holds events.jsonl); `run.dir=` may be left out",),
+        ("status runs/20260101-120000", "status run.dir=/lustre/meshjob/runs/llama3_8b"),
         overrides=False,
     ),
     Command(
         "report",
         "jobs.report",
-        "RUN_DIR [--out DIR] [--no-plan]",
+        "[run.dir=]RUN_DIR [report.out=DIR] [report.plan=false]",
         "goodput, restarts, phases: text, plots, HTML",
         "Goodput, restarts and their causes, per-rank phases and stragglers of a run; writes plots and one "
         "HTML page (needs the [report] extra: matplotlib).",
         (
-            "RUN_DIR                       a run directory (it holds events.jsonl)",
-            "--out DIR                     where the plots and report.html go (default RUN_DIR/report)",
-            "--no-plan                     skip the expected goodput from the run's config",
+            "run.dir=RUN_DIR               a run directory (it holds events.jsonl); `run.dir=` may be left out",
+            "report.out=DIR                where the plots and report.html go (default RUN_DIR/report)",
+            "report.plan=false             skip the expected goodput from the run's config",
         ),
-        ("report runs/20260101-120000", "report /lustre/meshjob/runs/llama3_8b --out /tmp/llama3_report"),
+        ("report runs/20260101-120000", "report run.dir=/lustre/meshjob/runs/llama3_8b report.out=/tmp/llama3_report"),
         overrides=False,
     ),
     Command(
@@ -125,17 +129,17 @@ COMMANDS = (
     Command(
         "sbatch",
         "jobs.sbatch",
-        "[--style srun|torchrun] [-o FILE] [KEY=VALUE ...]",
+        "[sbatch.style=srun|torchrun] [sbatch.out=FILE] [KEY=VALUE ...]",
         "write a standalone sbatch script",
         "Write a standalone sbatch script for the composed config, for sites that submit with plain sbatch.",
         (
-            "--style srun|torchrun         one Slurm task per rank (as launcher=slurm), or one torchrun per node",
-            "-o FILE                       write the script there (else to stdout)",
+            "sbatch.style=srun|torchrun    one Slurm task per rank (as launcher=slurm), or one torchrun per node",
+            "sbatch.out=FILE               write the script there and create RUN_DIR/slurm (else to stdout)",
             "KEY=VALUE                     the same overrides as train (launcher=slurm cluster=<profile> run.dir=)",
         ),
         (
-            "sbatch launcher=slurm cluster=h100_ib +experiment=llama3_8b run.dir=/lustre/meshjob/runs/a -o a.sbatch",
-            "sbatch --style torchrun launcher=slurm cluster=h100_ib +experiment=llama3_8b run.dir=/lustre/meshjob/runs/b",
+            "sbatch launcher=slurm cluster=h100_ib +experiment=llama3_8b run.dir=/lustre/meshjob/runs/a sbatch.out=a.sbatch",
+            "sbatch sbatch.style=torchrun launcher=slurm cluster=h100_ib +experiment=llama3_8b run.dir=/lustre/meshjob/runs/b",
         ),
     ),
 )
@@ -157,3 +161,69 @@ def help_text(name: str) -> str:
         *(f"  meshjob {e}" for e in c.examples),
     ]
     return "\n".join(lines + (["", _OVERRIDES] if c.overrides else []))
+
+
+# The keys a command reads itself (not config keys: status and report compose no config, and sbatch's are not
+# passed to the ranks), with their types. For status and report a bare RUN_DIR is run.dir=RUN_DIR.
+OWN_KEYS: dict[str, dict[str, type]] = {
+    "status": {"run.dir": str},
+    "report": {"run.dir": str, "report.out": str, "report.plan": bool},
+    "sbatch": {"sbatch.style": str, "sbatch.out": str},
+}
+# The flags report and sbatch took before every command took KEY=VALUE: read still, with a deprecation warning.
+# flag -> (key, the key's value for a flag without one; None: the flag takes the next argument)
+_OLD_FLAGS: dict[str, dict[str, tuple[str, str | None]]] = {
+    "report": {"--out": ("report.out", None), "--no-plan": ("report.plan", "false")},
+    "sbatch": {"--style": ("sbatch.style", None), "-o": ("sbatch.out", None), "--output": ("sbatch.out", None)},
+}
+
+
+def _value(key: str, text: str, kind: type) -> object:
+    if kind is not bool:
+        return text
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    raise ValueError(f"{key}={text}: {text!r} is not a bool (true or false)")
+
+
+def _unknown(command: str, arg: str) -> ValueError:
+    keys = OWN_KEYS[command]
+    close = difflib.get_close_matches(arg.split("=")[0].lstrip("-+"), keys, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return ValueError(f"unknown argument {arg!r} for meshjob {command}: {hint}(its keys: {', '.join(keys)})")
+
+
+def _old_flags(command: str, argv: Sequence[str]) -> list[str]:
+    """`argv` with the deprecated flags turned into KEY=VALUE, each named once on stderr."""
+    flags, out, args = _OLD_FLAGS.get(command, {}), [], iter(argv)
+    for arg in args:
+        flag, eq, inline = arg.partition("=")
+        if flag not in flags:
+            out.append(arg)
+            continue
+        key, fixed = flags[flag]
+        value = fixed if fixed is not None else (inline if eq else next(args, None))
+        if value is None:
+            raise ValueError(f"{flag} needs a value: use {key}=VALUE")
+        print(f"warning: meshjob {command} {flag} is deprecated: use {key}={value}", file=sys.stderr)
+        out.append(f"{key}={value}")
+    return out
+
+
+def own_keys(command: str, argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
+    """(the command's own keys that `argv` sets, typed; the rest of `argv`: config overrides, for a command that
+    takes them). ValueError naming the argument and the closest key for an unknown one, a flag, a wrong type."""
+    keys, composes = OWN_KEYS[command], next(c for c in COMMANDS if c.name == command).overrides
+    given: dict[str, object] = {}
+    rest: list[str] = []
+    for arg in _old_flags(command, argv):
+        key, eq, text = arg.partition("=")
+        if eq and key in keys:
+            given[key] = _value(key, text, keys[key])
+        elif not eq and "run.dir" in keys and "run.dir" not in given and not arg.startswith("-"):
+            given["run.dir"] = arg
+        elif composes and not arg.startswith("-") and not key.lstrip("+").startswith(f"{command}."):
+            rest.append(arg)
+        else:
+            raise _unknown(command, arg)
+    return given, rest

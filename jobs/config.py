@@ -36,7 +36,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base
     max_seq_len: int = 2048  # longest sequence RoPE tables are built for
-    # Mixture of experts (DeepSeek-V3 style; jobs/moe.py trains it, jobs.plan plans it).
+    # Mixture of experts (DeepSeek-V3 style; jobs/models/moe.py trains it, jobs.plan plans it).
     n_routed_experts: int = 0  # routed experts per MoE layer; 0 = dense model
     n_shared_experts: int = 0  # always-active shared experts per MoE layer
     experts_per_token: int = 0  # routed experts each token is sent to (top-k)

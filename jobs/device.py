@@ -34,6 +34,7 @@ __all__ = [
     "trace_dir",
     "dump_flight_recorder",
     "TRACE_PREFIX",
+    "NCCL_DEFAULTS",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,7 +43,7 @@ MIXED_PRECISIONS = ("auto", "bf16", "fp32")
 # Set only where neither the user nor the cluster profile set them: a failed or timed-out NCCL
 # collective aborts the communicator (the process exits and the failure path runs) instead of
 # hanging, and the flight recorder keeps the last collectives and dumps them on a timeout.
-_NCCL_DEFAULTS = {
+NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # 3 = SkipCleanUp: tear down the process without a hang-prone cleanup
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder entries per rank (0 = off)
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # write the flight recorder when a collective times out
@@ -163,7 +164,7 @@ def export_environ(
     done = {str(k): str(v) for k, v in cluster_env.items()}
     env.update(done)
     if device_type == "cuda":
-        defaults = dict(_NCCL_DEFAULTS)
+        defaults = dict(NCCL_DEFAULTS)
         if trace_dir is not None:
             defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(trace_dir, "nccl_trace_rank_")
         for k, v in defaults.items():

@@ -1,9 +1,10 @@
-"""`python -m jobs.report RUN_DIR [--out DIR] [--no-plan]`: goodput, attempts and their causes, phases; plots and one HTML page.
+"""`python -m jobs.report [run.dir=]RUN_DIR [report.out=DIR] [report.plan=false]`: goodput, attempts and their
+causes, phases; plots and one HTML page.
 
 Prints the text tables and writes `loss.png`, `goodput.png` (`phases.png` with `telemetry/`) and
-`report.html` into `--out` (default RUN_DIR/report). Reads only the run dir, `sacct` when it is on
+`report.html` into `report.out` (default RUN_DIR/report). Reads only the run dir, `sacct` when it is on
 PATH (queue wait; the end of an attempt that died without writing one), and plans `config.yaml` with
-`jobs.plan`'s own planner (analytic, no fake backend) for the expected goodput, unless `--no-plan`: Daly's
+`jobs.plan`'s own planner (analytic, no fake backend) for the expected goodput, unless `report.plan=false`: Daly's
 expected time for the productive time measured, with the plan's save, failure and restart costs, plus
 one start-up. Works on a run that is still going.
 Exit code 0; 2 when RUN_DIR has no ledger.
@@ -11,12 +12,11 @@ Exit code 0; 2 when RUN_DIR has no ledger.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.commands import help_text
+from jobs.commands import help_text, own_keys
 from jobs.events import read_events
 from jobs.extras import MissingExtra
 from jobs.failure.ledger import attempts
@@ -88,21 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
         print(help_text("report"))
         return exitcodes.OK
-    p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--out", type=Path, help="where the plots and report.html go (default RUN_DIR/report)")
-    p.add_argument(
-        "--no-plan", action="store_true", help="skip the expected goodput (jobs.plan's analytic plan of config.yaml)"
-    )
-    args = p.parse_args(argv)
-    if not (args.run_dir / "events.jsonl").exists():
-        print(f"error: {args.run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
+    try:
+        keys, _ = own_keys("report", argv)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    costs, why = (None, "--no-plan") if args.no_plan else plan_costs(args.run_dir)
-    data = collect(args.run_dir, sacct_records=sacct_records(args.run_dir), costs=costs, expected_why=why)
+    if "run.dir" not in keys:
+        print("usage: meshjob report [run.dir=]RUN_DIR (--help: its keys)", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    run_dir = Path(keys["run.dir"])
+    if not (run_dir / "events.jsonl").exists():
+        print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    costs, why = plan_costs(run_dir) if keys.get("report.plan", True) else (None, "report.plan=false")
+    data = collect(run_dir, sacct_records=sacct_records(run_dir), costs=costs, expected_why=why)
     print(render_text(data))
     try:
-        written = write_report(data, args.out or args.run_dir / "report")
+        written = write_report(data, Path(keys.get("report.out") or run_dir / "report"))
     except MissingExtra as e:
         print(f"error: {e}", file=sys.stderr)
         return exitcodes.ENV_ERROR

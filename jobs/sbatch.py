@@ -1,15 +1,15 @@
-"""`python -m jobs.sbatch [--style srun|torchrun] [-o FILE] [overrides]`: a standalone sbatch script for the composed config.
+"""`python -m jobs.sbatch [sbatch.style=srun|torchrun] [sbatch.out=FILE] [overrides]`: a standalone sbatch script for
+the composed config.
 
 `render()` is the one function that writes a script: its keyword parameters are the whitelist of what
 a script may contain, and every value is shell-quoted. `render_for(cfg)` maps a composed config onto
 those parameters. The layout matches what `launcher=slurm` submits through submitit (one Slurm task
-per rank under srun, USR2 before the time limit, requeue, logs appended); `--style torchrun` runs one
+per rank under srun, USR2 before the time limit, requeue, logs appended); `sbatch.style=torchrun` runs one
 torchrun agent per node instead. Templates and their README for sysadmins: sbatch/.
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -17,7 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.commands import help_text
+from jobs.commands import help_text, own_keys
 from jobs.config import JobConfig
 
 __all__ = ["render", "render_for", "main", "STYLES"]
@@ -64,11 +64,11 @@ def render(
 ) -> str:
     """The sbatch script text; `setup` lines are shell by definition and go in verbatim, every other value quoted."""
     if style not in STYLES:
-        raise ValueError(f"--style={style!r} is not one of {', '.join(STYLES)}")
+        raise ValueError(f"sbatch.style={style}: not one of {', '.join(STYLES)}")
     if spare_nodes and style != "srun":
         raise ValueError(
-            f"launcher.spare_nodes({spare_nodes}) with --style {style}: only the srun style's supervisor "
-            "swaps a spare in for a failed node; use --style srun, or set launcher.spare_nodes=0"
+            f"launcher.spare_nodes({spare_nodes}) with sbatch.style={style}: only the srun style's supervisor "
+            "swaps a spare in for a failed node; use sbatch.style=srun, or set launcher.spare_nodes=0"
         )
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
     header = _resource_lines(
@@ -192,7 +192,9 @@ def _requeue_lines(*, run_dir: str, signal_delay_s: int) -> list[str]:
             f"USR2 to every rank {signal_delay_s} s before the time limit (not USR1: NCCL may catch it)",
         ),
         _line("#SBATCH --open-mode=append", "requeued attempts append to the logs instead of truncating them"),
-        _line(f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch -o does"),
+        _line(
+            f"#SBATCH --output={_q(batch_log)}", "Slurm does not create this folder: jobs.sbatch with sbatch.out does"
+        ),
         _line(f"#SBATCH --error={_q(batch_log)}"),
     ]
 
@@ -246,21 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
         print(help_text("sbatch"))
         return exitcodes.OK
-    parser = argparse.ArgumentParser(prog="python -m jobs.sbatch", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--style",
-        choices=STYLES,
-        default="srun",
-        help="srun: one Slurm task per rank (as launcher=slurm); torchrun: one agent per node",
-    )
-    parser.add_argument("-o", "--output", help="write the script here (and create RUN_DIR/slurm) instead of stdout")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m jobs.train")
-    args = parser.parse_args(argv)
+    try:
+        keys, overrides = own_keys("sbatch", argv)
+        if keys.get("sbatch.style", "srun") not in STYLES:
+            raise ValueError(f"sbatch.style={keys['sbatch.style']}: not one of {', '.join(STYLES)}")
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
     from jobs.cli import compose_or_report
     from jobs.launch.slurm import check_slurm_config
     from jobs.validate import validate
 
-    overrides = list(args.overrides)
     cfg = compose_or_report(overrides)
     if cfg is None:
         return exitcodes.CONFIG_ERROR
@@ -273,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     # Pin run.dir: `${now:...}` would otherwise resolve differently on every rank.
     run_dir = str(Path(cfg.run.dir).resolve())
     try:
-        text = render_for(cfg, overrides=overrides, style=args.style)
+        text = render_for(cfg, overrides=overrides, style=str(keys.get("sbatch.style", "srun")))
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    if args.output:
+    if out := keys.get("sbatch.out"):
         (Path(run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output dirs
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output} (run dir {run_dir}); submit with: sbatch {args.output}", file=sys.stderr)
+        Path(str(out)).write_text(text)
+        print(f"wrote {out} (run dir {run_dir}); submit with: sbatch {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return exitcodes.OK

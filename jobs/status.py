@@ -1,4 +1,4 @@
-"""`python -m jobs.status RUN_DIR`: every attempt of a live or finished run, and what Slurm says of its jobs.
+"""`python -m jobs.status [run.dir=]RUN_DIR`: every attempt of a live or finished run, and what Slurm says of its jobs.
 
 Reads only the run dir (`events.jsonl`, `metrics.jsonl`, `heartbeats/`, `incidents/`) and, when `sacct` is on PATH, the accounting
 records of the run's Slurm jobs (`sacct --duplicates`: one line per attempt, requeues included). An attempt
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.commands import help_text
+from jobs.commands import help_text, own_keys
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
@@ -76,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv in (["--help"], ["-h"]):
         print(help_text("status"))
         return exitcodes.OK
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m jobs.status RUN_DIR (--help: what it shows)", file=sys.stderr)
+    try:
+        keys, _ = own_keys("status", argv)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return exitcodes.CONFIG_ERROR
-    run_dir = Path(argv[0])
+    if "run.dir" not in keys:
+        print("usage: meshjob status [run.dir=]RUN_DIR (--help: what it shows)", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    run_dir = Path(keys["run.dir"])
     if not (run_dir / "events.jsonl").exists():
         print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
         return exitcodes.CONFIG_ERROR

@@ -36,8 +36,8 @@ from jobs.launch.domain import failure_domain, topology_path
 from jobs.launch.env import DistEnv
 from jobs.launch.rundir import run_id
 from jobs.log import get_logger
-from jobs.model import Transformer, init_weights
-from jobs.moe import BALANCE_FIELDS, moe_layer_ids, moe_layers, set_aux_loss_scale, update_expert_bias
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import BALANCE_FIELDS, moe_layer_ids, moe_layers, set_aux_loss_scale, update_expert_bias
 from jobs.telemetry import PeakMemory, achieved, model_flops_per_token
 from jobs.telemetry.flops import mfu_text
 from jobs.telemetry.rank_telemetry import build_step_telemetry, healthy_run
@@ -118,7 +118,7 @@ def _replicate_partial_grads(parts: list[nn.Module]) -> None:
     """Tensor parallel without FSDP leaves sequence-parallel norm grads Partial(sum) and the
     embedding's grad Replicate (the full vocabulary) while its parameter is Shard(0). Put every
     grad on its parameter's placements once here: the Partial ones are reduced (or every optimizer
-    step would all-reduce them implicitly, notes item 3), the Replicate one is sliced locally, which
+    step would all-reduce them implicitly, 3 per norm weight on torch 2.13), the Replicate one is sliced locally, which
     frees (tp - 1) / tp of the embedding's gradient until the next backward."""
     for part in parts:
         for p in part.parameters():
@@ -374,7 +374,7 @@ class Trainer:
 
     def _moe_group(self):
         """The ranks whose router counts add up to the global batch's for this rank's MoE layers: the world,
-        or with pp the ranks of this stage (jobs.moe.update_expert_bias); None for one process or a dense model.
+        or with pp the ranks of this stage (jobs.models.moe.update_expert_bias); None for one process or a dense model.
 
         Every rank of an MoE model builds the stage group, a dense-only stage too (DeepSeek-V3's split: the dense
         blocks alone on stage 0): torch names groups by a per-process counter, so a rank that skipped it would give

@@ -132,7 +132,7 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
-    """The MoE keys (jobs/moe.py) and expert parallelism against them."""
+    """The MoE keys (jobs/models/moe.py) and expert parallelism against them."""
     m = cfg.model
     if m.n_routed_experts <= 0:
         if dims.ep > 1:
@@ -176,7 +176,7 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def _check_mla(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Multi-head latent attention (jobs/mla.py) as trained: its dims set, no tp or cp of it yet."""
+    """Multi-head latent attention (jobs/models/mla.py) as trained: its dims set, no tp or cp of it yet."""
     m = cfg.model
     if m.attention not in ("gqa", "mla"):
         raise ValueError(f"model.attention={m.attention!r} is not one of gqa, mla")

@@ -1,8 +1,9 @@
 """Context parallelism: the sequence split over the cp axis in zig-zag chunks, and causal attention over it
 by all-gathered K/V (`mesh.cp_impl=allgather`) or by K/V blocks rotated around a ring (`ring`).
 
-Built on torch.distributed primitives (torch's `context_parallel` has only CUDA SDPA handlers, notes
-item 11), so it runs on gloo/CPU and CUDA alike. Layout: the sequence is cut into 2*cp chunks and cp
+Built on torch.distributed primitives (torch's `context_parallel` has sharding handlers only for the CUDA SDPA
+kernels: on CPU it raises NotImplementedError for `_scaled_dot_product_flash_attention_for_cpu`), so it runs on
+gloo/CPU and CUDA alike. Layout: the sequence is cut into 2*cp chunks and cp
 rank i holds chunks i and 2cp-1-i (Llama 3 §3.3.2 / zig-zag ring attention): under a causal mask an
 early chunk is cheap and a late one dear, so every rank gets the same work. Each rank runs the whole
 model on its 2 chunks; only attention looks across ranks. RoPE uses the chunks' global positions

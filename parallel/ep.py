@@ -30,7 +30,7 @@ __all__ = ["apply_ep", "apply_expert_fsdp", "all_to_all", "dispatcher", "is_grou
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
-    """The routed experts' module (jobs.moe.GroupedExperts says so itself; parallel/ never imports jobs/)."""
+    """The routed experts' module (jobs.models.moe.GroupedExperts says so itself; parallel/ never imports jobs/)."""
     return getattr(module, "is_grouped_experts", False)
 
 

@@ -77,7 +77,7 @@ def _ffn_plan(seq) -> dict[str, object]:
 
 
 def _is_moe(ffn: nn.Module) -> bool:
-    """An MoE block's FFN (jobs.moe.MoE: router, routed experts, shared experts; parallel/ never imports jobs/)."""
+    """An MoE block's FFN (jobs.models.moe.MoE: router, routed experts, shared experts; parallel/ never imports jobs/)."""
     experts = getattr(ffn, "experts", None)
     return experts is not None and is_grouped_experts(experts)
 

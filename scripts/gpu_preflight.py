@@ -147,7 +147,7 @@ def check_kernels(device: str, out: Path) -> dict:
 
     from jobs.config import compose
     from jobs.device import set_determinism
-    from jobs.model import Transformer, init_weights
+    from jobs.models.model import Transformer, init_weights
     from parallel.ac import apply_ac
     from parallel.precision import apply_autocast
 
@@ -219,7 +219,7 @@ def check_world(device: str, out: Path) -> dict:
     from jobs.config import compose
     from jobs.device import backend_for, dump_flight_recorder, export_environ
     from jobs.failure.timeouts import set_pg_timeouts
-    from jobs.model import Transformer, init_weights
+    from jobs.models.model import Transformer, init_weights
     from parallel.dims import ParallelDims
     from parallel.fsdp import apply_fsdp
     from parallel.precision import fsdp_policy
@@ -320,9 +320,9 @@ def _fwd_bwd_seconds(fn, args: tuple, grad, *, sync, seconds: float) -> float:
     timed as jobs.calibrate times the model."""
     import torch
 
-    from jobs.planner.calibrate import _timed
+    from jobs.planner.timing import timed
 
-    return _timed(lambda: torch.autograd.grad(fn(*args), args, grad), seconds=seconds, sync=sync)
+    return timed(lambda: torch.autograd.grad(fn(*args), args, grad), seconds=seconds, sync=sync)
 
 
 def _stream_GBps(device: str, *, sync) -> float:
@@ -330,16 +330,16 @@ def _stream_GBps(device: str, *, sync) -> float:
     memory-bound ops take from the datasheet (`cluster.gpu_hbm_GBps`); 64 MiB in fp32 on CPU."""
     import torch
 
-    from jobs.planner.calibrate import _timed
+    from jobs.planner.timing import timed
 
     n = (1 << 29) if device == "cuda" else (1 << 24)
     x = torch.ones(n, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    return 2 * x.numel() * x.element_size() / _timed(lambda: x * 2, seconds=0.3, sync=sync) / 1e9
+    return 2 * x.numel() * x.element_size() / timed(lambda: x * 2, seconds=0.3, sync=sync) / 1e9
 
 
 def check_gemms(device: str, out: Path) -> dict:
     """One tp rank's matmuls of one microbatch (every distinct nn.Linear shape, forward + both gradients, as
-    F.linear runs them) and its causal attention (SDPA, kv heads repeated as jobs/model.py does), each timed
+    F.linear runs them) and its causal attention (SDPA, kv heads repeated as jobs/models/model.py does), each timed
     alone: achieved TFLOP/s per shape and over them weighted by FLOPs, against the planner's cited GEMM rate;
     attention's in the planner's count, against `cluster.gpu_attention_tflops`; both over the block (the figure for
     a calibrated `cluster.matmul_tflops[profile_key]`, which holds attention); and an element-wise op's bytes per
@@ -364,7 +364,7 @@ def check_gemms(device: str, out: Path) -> dict:
         rows.append({"shape": f"{tokens}x{i}@{i}x{o}", "count": count, "tflops": _sig(f / t / 1e12)})
         flops, secs = flops + count * f, secs + count * t
     hd, heads = m.dim // m.n_heads, m.n_heads // tp
-    # the kernel alone, on k/v already repeated to every head (jobs/model.py's GQA repeat is a memory-bound op)
+    # the kernel alone, on k/v already repeated to every head (jobs/models/model.py's GQA repeat is a memory-bound op)
     qkv = tuple(rand(1, heads, tokens, hd) for _ in range(3))
     t_att = _fwd_bwd_seconds(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),

@@ -389,7 +389,7 @@ def _classified(ctx: AttemptContext, *, error: BaseException | None, during: str
             error=error,
             during=during,
         )
-    except Exception as e:  # noqa: BLE001 - see above
+    except Exception as e:  # noqa: BLE001 - see the docstring
         get_logger().error(
             "attempt %s: the incident could not be classified (%s: %s)", ctx.attempt, type(e).__name__, e
         )

@@ -67,6 +67,7 @@ __all__ = [
     "replica_groups",
     "pipeline_groups",
     "differs",
+    "bits_sum",
 ]
 
 FLIP_VAR = "MESHJOB_TEST_FLIP_GRAD"
@@ -184,7 +185,7 @@ def _grads(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
     return [_local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
 
 
-def _bits_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+def bits_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A sum of the tensors' raw bits, wrapping in their own width (a flipped bit k changes it by 2**k, never
     by a multiple of the width), as int64. As fast as a float sum: widening to int64 first was 26x slower."""
     views = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -307,7 +308,7 @@ class SdcGuard:
         """Compares the replicas' parameter and gradient hashes: True when the gradients disagree (re-run
         the step); raises SilentCorruption when only the parameters do (they diverged at an earlier step)."""
         params = [_local(p) for part in parts for p in part.parameters()]
-        table = self._gather(torch.stack([_bits_sum(params), _bits_sum(_grads(parts))])).tolist()
+        table = self._gather(torch.stack([bits_sum(params), bits_sum(_grads(parts))])).tolist()
         bad_p, odd_p = replica_odd_ones([t[0] for t in table], self.groups)
         self._bad, self._odd = replica_odd_ones([t[1] for t in table], self.groups)
         if not (bad_p or self._bad):

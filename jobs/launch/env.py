@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistEnv", "expand_nodelist", "attempt_name", "slurm_job_id", "RESTART_IN_ALLOCATION_VAR"]
+__all__ = ["DistEnv", "expand_nodelist", "attempt_name", "slurm_job_id", "RESTART_IN_ALLOCATION_VAR", "parse_hostlist"]
 
 # Set by the supervisor (jobs.launch.supervise) on every srun step it starts: 0, 1, 2, ...
 RESTART_IN_ALLOCATION_VAR = "MESHJOB_RESTART_IN_ALLOCATION"
@@ -145,14 +145,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
             return out.stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return _parse_hostlist(nodelist)
+    return parse_hostlist(nodelist)
 
 
 _BRACKET_GROUP = re.compile(r"\[([^\[\]]*)\]")
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
 
 
-def _parse_hostlist(nodelist: str) -> list[str]:
+def parse_hostlist(nodelist: str) -> list[str]:
     """Expands a hostlist as `scontrol show hostnames` does: any number of bracket groups per name,
     zero-padding to the width of each range's lower bound, commas or whitespace between names."""
     return [host for item in _split_top_level(nodelist) for host in _expand_item(item, nodelist)]

@@ -54,7 +54,15 @@ from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_
 from jobs.launch.slurm_state import seconds_left
 from jobs.log import get_logger
 
-__all__ = ["guarded", "supervise", "after_agents", "rank_config_path", "load_rank_config", "task_code"]
+__all__ = [
+    "guarded",
+    "supervise",
+    "after_agents",
+    "rank_config_path",
+    "load_rank_config",
+    "task_code",
+    "srun_step_command",
+]
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
@@ -143,7 +151,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
         )
         placed = _placement(cfg, nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
-        cmd = _srun(
+        cmd = srun_step_command(
             cfg,
             path,
             [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
@@ -272,7 +280,9 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
     return exitcodes.REQUEUE
 
 
-def _srun(cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: list[str] | None = None) -> list[str]:
+def srun_step_command(
+    cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: list[str] | None = None
+) -> list[str]:
     """The ranks' srun step; `step_nodes` (with spares): exactly these nodes of the allocation, the others idle."""
     cl, ln = cfg.cluster, cfg.launcher
     args = [

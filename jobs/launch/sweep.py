@@ -24,7 +24,15 @@ from jobs.launch.rundir import check_run_dir, claim_run_dir, record_job
 from jobs.launch.slurm import SlurmJob, login_checks, make_executor, require_slurm
 from jobs.planner.gate import check
 
-__all__ = ["SweepPoint", "launch_sweep", "format_sweep_table", "hydra_point", "run_dir_swept", "point_run_dirs"]
+__all__ = [
+    "SweepPoint",
+    "launch_sweep",
+    "format_sweep_table",
+    "hydra_point",
+    "run_dir_swept",
+    "point_run_dirs",
+    "why_infeasible",
+]
 
 
 @dataclass
@@ -39,7 +47,7 @@ class SweepPoint:
     run_dir: str | None = None
 
 
-def _feasibility(cfg: JobConfig) -> str | None:
+def why_infeasible(cfg: JobConfig) -> str | None:
     """Why a point cannot work (the login-node checks, then the planner's analytic checks: memory per
     rank, tp within the NVLink domain, checkpoint cost, goodput), or None."""
     if cfg.launcher.name != "slurm":
@@ -98,7 +106,7 @@ def launch_sweep(points: list[SweepPoint], *, sweep_dir: Path) -> list[SweepPoin
     run dir holds another run or a live job is pruned (`jobs.launch.rundir`)."""
     for p in points:
         if p.cfg is not None and p.reason is None:
-            p.reason = _feasibility(p.cfg)
+            p.reason = why_infeasible(p.cfg)
     _prune_shared_run_dirs(points)
     if any(p.reason is None for p in points):
         require_slurm()

@@ -15,7 +15,7 @@ Exit codes (jobs/exitcodes.py): 0 every check passed; 1 a check failed (each fai
 Context parallel (mesh.cp > 1, trained by parallel/cp.py) and expert parallel (mesh.ep > 1) are
 checked by the trainer's own `validate(training=False)`, and a note says how each is planned (and whether
 training is built). MoE
-and MLA models are planned analytically only (jobs/model.py builds MoE blocks, jobs/moe.py, but not MLA).
+and MLA models are planned analytically only (jobs/models/model.py builds MoE blocks, jobs/models/moe.py, but not MLA).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def validate_for_planning(cfg: JobConfig):
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
             f"model {m.name}: MoE/MLA planned analytically (no fake-backend measurement"
-            f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/mla.py)' if m.attention == 'mla' else ''})"
+            f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/models/mla.py)' if m.attention == 'mla' else ''})"
         )
     if mesh.cp > 1:
         notes.append(

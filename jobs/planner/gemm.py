@@ -50,7 +50,7 @@ class Gemm:
 
 
 def _linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int]]:
-    """(in, out) features of every nn.Linear of the dense GQA model (jobs/model.py), the head included, as one
+    """(in, out) features of every nn.Linear of the dense GQA model (jobs/models/model.py), the head included, as one
     tensor-parallel rank of `tp` holds them (parallel/tp.py): wq, wk, wv, w1, w3 and the head column-wise (out / tp),
     wo and w2 row-wise (in / tp). The embedding is a lookup, not a GEMM."""
     if m.attention == "mla" or m.n_routed_experts > 0:

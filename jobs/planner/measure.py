@@ -99,7 +99,7 @@ def measure(cfg: JobConfig, d, roles: dict[int, str], shapes) -> tuple[list[Meas
     """
     import torch
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
 
     t0 = time.perf_counter()
     dims = d.dims
@@ -145,7 +145,7 @@ def _measure_rank(cfg: JobConfig, d, mdims, rank: int, base) -> tuple[int, int]:
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from jobs.model import Transformer
+    from jobs.models.model import Transformer
     from parallel.recipe import parallelize
 
     if dist.is_initialized():

@@ -90,7 +90,7 @@ def layers_in_flight(
 # ---------------------------------------------------------------------------------------- activations
 
 
-# The padded expert matmul (jobs.moe.padded_swiglu), where torch._grouped_mm does not run (fp32, expert rows not
+# The padded expert matmul (jobs.models.moe.padded_swiglu), where torch._grouped_mm does not run (fp32, expert rows not
 # 16-byte aligned), pads every local expert's rows to the busiest one's: its routed activations (and FLOPs) grow by
 # the max / mean tokens per expert, which the bias balancing holds below 1.25 (tests/unit/test_moe.py).
 PADDED_LOAD = 1.25
@@ -98,7 +98,7 @@ PADDED_LOAD = 1.25
 
 def expert_padding(m: ModelConfig, *, tp: int = 1, compute_bytes: int = COMPUTE_BYTES) -> float:
     """The routed experts' rows computed and kept per routed token copy: 1 on the grouped GEMM (bf16, the rows of the
-    tokens and of the experts' tp-split hidden dim 16-byte aligned: jobs.moe.grouped_mm_available), else PADDED_LOAD."""
+    tokens and of the experts' tp-split hidden dim 16-byte aligned: jobs.models.moe.grouped_mm_available), else PADDED_LOAD."""
     rows = (m.dim, m.moe_ffn_dim // max(tp, 1))
     grouped = compute_bytes == 2 and all(n * compute_bytes % 16 == 0 for n in rows)
     return 1.0 if grouped else PADDED_LOAD

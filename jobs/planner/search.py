@@ -34,6 +34,8 @@ __all__ = [
     "search",
     "render_search",
     "write_top_k",
+    "visit_shape",
+    "own_candidate",
 ]
 
 AC_ORDER = ("none", "selective", "full")  # cheapest first: the first that fits wins
@@ -279,7 +281,7 @@ def _dominated(s: Shape, too_big: dict[tuple, list[tuple[int, int]]]) -> bool:
     return False
 
 
-def _visit(
+def visit_shape(
     cfg: JobConfig, s: Shape, params_total: int, too_big: dict, cp1: dict | None = None
 ) -> tuple[Candidate | None, str, int]:
     """(candidate, reject message, build_plan calls) for one shape, pruned as early as it can be; `cp1`: the verdicts
@@ -335,7 +337,7 @@ def search(cfg: JobConfig) -> SearchResult:
     ranked, rejected, calls, too_big, cp1 = [], {}, 0, {}, {}
     space = shapes(cfg)
     for s in space:
-        cand, why, n = _visit(cfg, s, params_total, too_big, cp1 if cfg.plan.search_cp_only_when_needed else None)
+        cand, why, n = visit_shape(cfg, s, params_total, too_big, cp1 if cfg.plan.search_cp_only_when_needed else None)
         calls += n
         if s.cp == 1:
             cp1[_without_cp(s)] = (
@@ -345,7 +347,7 @@ def search(cfg: JobConfig) -> SearchResult:
             ranked.append(cand)
         else:
             rejected.setdefault(_reason_key(why), []).append((s.label(), why))
-    own, own_why = _own(cfg)
+    own, own_why = own_candidate(cfg)
     calls += 1
     if own is not None:
         ranked = [c for c in ranked if c.shape != own.shape] + [own]
@@ -387,7 +389,7 @@ def _mark_trainable(
     return kept, own_why
 
 
-def _own(cfg: JobConfig) -> tuple[Candidate | None, str]:
+def own_candidate(cfg: JobConfig) -> tuple[Candidate | None, str]:
     """The composed config as it stands, ranked among the others when it plans and passes; when only its memory
     fails, its mesh with the cheapest AC after its own that fits (AC_ORDER), which the second value says; else
     None and why not."""

@@ -3,7 +3,7 @@ reduction ops between the matmuls (RMSNorm, residual adds, RoPE, the GQA repeat,
 attention output's copy, the loss's casts and log-softmax), which run at the memory's rate, not the
 tensor cores'.
 
-Counted as our block runs them in eager PyTorch (jobs/model.py), one kernel per op, each reading its
+Counted as our block runs them in eager PyTorch (jobs/models/model.py), one kernel per op, each reading its
 inputs and writing its output once, per token of one rank (tensor-parallel shards; the norms and residual
 adds on 1/tp of the tokens under sequence parallelism):
   RMSNorm (x.float(), pow, mean, x * rsqrt, type_as, * weight): 36 bytes per element, two per block;

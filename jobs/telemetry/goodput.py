@@ -37,7 +37,17 @@ from dataclasses import dataclass, field
 
 from jobs.failure.ledger import Attempt, attempts
 
-__all__ = ["KINDS", "Segment", "Goodput", "Closed", "measure_goodput", "close_dead", "expected_goodput", "is_failure"]
+__all__ = [
+    "KINDS",
+    "Segment",
+    "Goodput",
+    "Closed",
+    "measure_goodput",
+    "close_dead",
+    "expected_goodput",
+    "is_failure",
+    "NOT_FAILURES",
+]
 
 KINDS = (
     "productive",
@@ -51,8 +61,8 @@ KINDS = (
 )
 
 # Attempt ends that are not failures of the machine: a finished run, a stop signal, a deliberate stop,
-# bad input. The same classes as checkpoint.interval._NOT_FAILURES (a unit test keeps them equal).
-_NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})
+# bad input. The same classes as checkpoint.interval.NOT_FAILURES (a unit test keeps them equal).
+NOT_FAILURES = frozenset({"preempted", "walltime", "config_error", "nan_loss", "loss_spike", "non_finite_loss"})
 # How an attempt that died without an end ended, by the state Slurm gives its job (else `lost`).
 _SLURM_CAUSES = {"COMPLETED": "completed", "TIMEOUT": "walltime", "PREEMPTED": "preempted", "CANCELLED": "cancelled"}
 
@@ -113,7 +123,7 @@ def is_failure(cause: str | None) -> bool:
     finishing, being stopped by a signal or a user, or stopping on purpose."""
     if cause is None or cause in ("completed", "stop_signal", "cancelled") or cause.startswith("SIG"):
         return False
-    return cause not in _NOT_FAILURES
+    return cause not in NOT_FAILURES
 
 
 def close_dead(

@@ -1,4 +1,4 @@
-"""On a GPU: the device time of a rank's compute kernels per phase, NCCL's kernels left out (issue 22, item 9).
+"""On a GPU: the device time of a rank's compute kernels per phase, NCCL's kernels left out.
 
 A CUDA event pair around a phase (jobs/telemetry/phases.py) measures stream time: the phase's kernels plus every
 wait of the stream on another (FSDP's all-gather stream, a collective's result). When one rank is slow, its peers'

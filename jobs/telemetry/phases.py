@@ -10,7 +10,7 @@ the same phases in CPU seconds (the straggler checks judge those plus the second
 stopped in the phase: `Descheduled`).
 
 Writing: rows are buffered in memory and appended every `train.log_every` steps by opening the file,
-resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/multiproc/test_phases.py
+resizing, writing and closing it again. Measured on h5py 3 / HDF5 1.14 (tests/unit/test_stragglers.py
 keeps it true): a file closed between flushes is readable by anyone at any time and intact after a
 kill -9 (even one during a flush keeps the last completed flush). SWMR (`libver="latest"` +
 `swmr_mode`) was tried and rejected: after a kill -9 the file refuses every non-SWMR reader and any
@@ -174,7 +174,7 @@ class PhaseTimer:
     wait for a slower peer counts neither way and does not make it look slow (its wall time would: on
     the loaded 2-core CI machine the wall time of one phase varied 2x between intervals of a healthy
     run, tests/multiproc/test_stragglers.py); a rank stopped or throttled from outside part of the
-    time, invisible to CPU time alone, is as slow as its peers find it (issue 22, item 9). On CUDA
+    time, invisible to CPU time alone, is as slow as its peers find it. On CUDA
     the kernels are only queued when the call returns, so a host clock would time the launch, not the
     work, and a `torch.cuda.synchronize()` per phase would stall the queue (and cost more than the 3%
     budget). Instead a pair of CUDA events is recorded on the current stream around each phase and read

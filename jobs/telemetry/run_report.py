@@ -354,7 +354,7 @@ PERSISTENT_SHARE = 0.8
 
 
 def moe_balance(metrics: list[dict]) -> dict[int, dict]:
-    """Per MoE layer (block index), from metrics.jsonl's `moe_load_imbalance/<block>` fields (jobs.moe.BALANCE_FIELDS):
+    """Per MoE layer (block index), from metrics.jsonl's `moe_load_imbalance/<block>` fields (jobs.models.moe.BALANCE_FIELDS):
     the last logged step's values, the median imbalance, and whether the imbalance is persistent."""
     out = {}
     layers = sorted({int(k.split("/")[1]) for m in metrics for k in m if k.startswith("moe_load_imbalance/")})

@@ -67,7 +67,7 @@ NOT_JUDGED = ("collective", "checkpoint")  # a wait for peers; a save is not eve
 # interval end that completes it). The medians of shorter windows are per-step noise: on 2 CPU ranks a
 # step's backward ranged 29-68 ms around 45 ms, and the peer ratio of 4-step medians reached 1.33 in a
 # healthy run (16 steps: at most 1.09); with log_every=1, healthy runs named stragglers in 6 of 9 run
-# directories, one rank three times at 1.57-1.66x (issue 22, item 8).
+# directories, one rank three times at 1.57-1.66x.
 WINDOW_STEPS = 20
 # The individual check: a rank's own reference is the median of its last HISTORY_MAX windows that were not
 # judged slow, once it has HISTORY_WINDOWS of them (the warm-up window is never one).
@@ -202,8 +202,8 @@ class StragglerDetector:
 def peer_medians(m: np.ndarray, groups: list[int] | None = None) -> np.ndarray:
     """[ranks x phases]: for each rank and phase, the median of the other ranks of its group (NaN without
     one). Vectorised: per group one sort of each column; leaving out the rank at sorted position p shifts
-    the order statistics at and above p by one. O(ranks log ranks) per phase, not O(ranks^2) (issue 22.10:
-    1.5 s per interval at 2,048 ranks in Python loops)."""
+    the order statistics at and above p by one. O(ranks log ranks) per phase, not O(ranks^2)
+    (Python loops took 1.5 s per interval at 2,048 ranks: tests/unit/test_stragglers.py bounds it)."""
     out = np.full(m.shape, np.nan)
     labels = np.zeros(m.shape[0], dtype=int) if groups is None else np.asarray(groups)
     for g in np.unique(labels):
@@ -330,7 +330,7 @@ class StepTelemetry:
         if self._first:  # warm-up: lazy init, first collectives
             self._first = False
             return
-        if self.rank != 0:  # the checks run once, on rank 0, which reports (issue 22, item 10)
+        if self.rank != 0:  # the checks run once, on rank 0, which reports
             return
         m, host = np.split(m, 2, axis=1)
         self.history.append(np.median(m, axis=0))

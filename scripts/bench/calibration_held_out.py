@@ -1,4 +1,4 @@
-"""Out-of-sample check of the calibrated compute rate: fit on one model's GEMMs, predict another's (issue 22 item 7).
+"""Out-of-sample check of the calibrated compute rate: fit on one model's GEMMs, predict another's.
 
     python scripts/bench/calibration_held_out.py [--rounds 30 --threads 1 --clock cpu]
 
@@ -73,8 +73,8 @@ def _gemm_fn(shape: tuple[int, int, int]):
 
 
 def _step_fn(cfg):
-    """One microbatch's forward + backward of the unsharded model, as `jobs.planner.calibrate._matmul_rate` times it."""
-    from jobs.model import Transformer
+    """One microbatch's forward + backward of the unsharded model, as `jobs.planner.probes.matmul_rate` times it."""
+    from jobs.models.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(cfg.model)

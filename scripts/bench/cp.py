@@ -25,7 +25,7 @@ from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sy
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from jobs.config import ModelConfig  # noqa: E402
-from jobs.model import Transformer, init_weights  # noqa: E402
+from jobs.models.model import Transformer, init_weights  # noqa: E402
 from parallel.cp import apply_cp  # noqa: E402
 
 IMPLS = ("allgather", "ring")

@@ -24,7 +24,7 @@ import torch  # noqa: E402 - imported once in the parent, before forking the ran
 from _abba import abba_main, abba_medians  # noqa: E402 - scripts/bench is on sys.path
 
 from jobs.config import compose  # noqa: E402
-from jobs.model import Transformer, init_weights  # noqa: E402
+from jobs.models.model import Transformer, init_weights  # noqa: E402
 from parallel.config import MeshConfig  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402

@@ -35,7 +35,7 @@ from jobs.data import ensure_dataset  # noqa: E402
 from jobs.launch.local import free_port  # noqa: E402
 from jobs.validate import validate  # noqa: E402
 
-DEFAULTS = [  # torchtitan llama3 debugmodel-sized (issue 9, item 8), interleaved 1F1B on 2 ranks
+DEFAULTS = [  # torchtitan llama3 debugmodel-sized, interleaved 1F1B on 2 ranks
     "model.dim=256",
     "model.n_layers=6",
     "model.n_heads=16",

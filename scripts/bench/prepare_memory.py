@@ -2,10 +2,10 @@
 
     python scripts/bench/prepare_memory.py [--mb 1] [--doc-per paragraph] [--src CHECKOUT] [--out bench.jsonl]
 
-The corpus is the worst case of issue 21 item 3: plain text without a blank line (one paragraph, so one
+The corpus is the worst case for memory: plain text without a blank line (one paragraph, so one
 document under the default data.doc_per=paragraph), lines of words drawn from a fixed list, generated
 deterministically at --mb, 4 x --mb and 16 x --mb megabytes, its words made of syllables so that the distinct
-words grow with the corpus (issue 37 item 8: with 120 distinct words the BPE trainer's counts never grew). Each size runs prepare_data (a byte-level BPE
+words grow with the corpus (with 120 distinct words the BPE trainer's counts never grew). Each size runs prepare_data (a byte-level BPE
 of 512 tokens trained on the corpus, then the tokenization) in a fresh process that reports its own peak
 RSS (ru_maxrss) and its RSS after the imports, before reading the corpus (the baseline). Prints the ratio
 peak(16x) / peak(1x) (flat is 1.0) and appends one JSON line. --src runs another checkout's code (e.g. the

@@ -45,7 +45,7 @@ from jobs.data import BatchSource, ensure_dataset  # noqa: E402
 from jobs.events import EventLog  # noqa: E402
 from jobs.launch.env import DistEnv  # noqa: E402
 from jobs.launch.local import free_port  # noqa: E402
-from jobs.model import Transformer, init_weights  # noqa: E402
+from jobs.models.model import Transformer, init_weights  # noqa: E402
 from jobs.validate import Derived, validate  # noqa: E402
 from parallel.pipeline import build_schedule  # noqa: E402
 from parallel.recipe import parallelize  # noqa: E402

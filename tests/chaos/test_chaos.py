@@ -81,7 +81,7 @@ def test_kill_9_of_one_rank_past_the_restart_budget_requeues_and_the_run_finishe
     assert _states(recs) == ["REQUEUED", "COMPLETED"], recs
     (d,) = events(run_root, "decision")
     assert d["action"] == "requeue" and "failure.restarts_in_allocation(0) spent" in d["reason"], d
-    # A killed process on a node that answers its probe is no evidence against the node (issue 34, 3.4): the
+    # A killed process on a node that answers its probe is no evidence against the node: the
     # requeue quarantines nobody (before: node2 went on the list unprobed once the restarts were spent).
     assert not (run_root / "quarantine.json").exists()
     assert "node2" not in scontrol_job(job)["ExcNodeList"], scontrol_job(job)
@@ -283,7 +283,14 @@ def test_a_rendered_sbatch_script_restarts_a_killed_rank_then_preempted_requeues
 ) -> None:
     script = run_root / "job.sbatch"
     run_root.mkdir(parents=True)
-    r = cli("jobs.sbatch", "--style", style, "-o", str(script), "launcher=slurm", *common(), f"run.dir={run_root}")
+    r = cli(
+        "jobs.sbatch",
+        f"sbatch.style={style}",
+        f"sbatch.out={script}",
+        "launcher=slurm",
+        *common(),
+        f"run.dir={run_root}",
+    )
     assert r.returncode == 0, r.stderr
     job = subprocess.run(
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, cwd="/tmp"

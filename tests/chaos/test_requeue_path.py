@@ -1,4 +1,4 @@
-"""The requeue path on the real local cluster (issue 20, item 2): a quarantine list naming a node Slurm does not
+"""The requeue path on the real local cluster: a quarantine list naming a node Slurm does not
 know must not leave the requeued job held (the known names are still excluded; the same job is the tier's USR2
 preemption case: saved, requeued, bitwise), and a decider killed before it published its decision is replaced by
 the supervisor."""

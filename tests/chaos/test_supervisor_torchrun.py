@@ -58,15 +58,13 @@ def _supervisor_and_guard(run_dir: Path) -> tuple[int, int]:
 
 
 def _sbatch(run_dir: Path, style: str, *extra: str, steps: int = chaos_helpers.STEPS) -> str:
-    """A script rendered by `python -m jobs.sbatch --style STYLE` (a `steps`-step run), submitted with plain sbatch."""
+    """A script rendered by `python -m jobs.sbatch sbatch.style=STYLE` (a `steps`-step run), submitted with plain sbatch."""
     script = run_dir / "job.sbatch"
     run_dir.mkdir(parents=True)
     r = cli(
         "jobs.sbatch",
-        "--style",
-        style,
-        "-o",
-        str(script),
+        f"sbatch.style={style}",
+        f"sbatch.out={script}",
         "launcher=slurm",
         *chaos_helpers.common(steps),
         *extra,

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from jobs.config import ModelConfig, compose
 from jobs.device import backend_for
 from jobs.failure.timeouts import set_pg_timeouts
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from tests.conftest import run_train
@@ -29,7 +29,7 @@ GPUS = torch.cuda.device_count()  # NVML: CUDA stays uninitialised in the pytest
 ONE_GPU = ["mesh=single", "launcher.tasks_per_node=1", "train.device=cuda"]
 TWO_GPUS = ["mesh.pp=1", "mesh.dp_shard=2", "mesh.tp=1", "launcher.tasks_per_node=2", "train.device=cuda"]
 # Same bound as the CPU tier (tests/multiproc/test_mixed_precision.py, measured gap 1.95e-3 there). Not yet
-# measured on a GPU: the session that wrote this had none; put the measured gap here when one runs it.
+# measured on a GPU; put the measured gap here when one runs it.
 LOSS_GAP_MAX = 1e-2
 LOSS_GAP_MIN = 1e-4
 needs_two = pytest.mark.skipif(0 < GPUS < 2, reason="needs 2 GPUs")  # with none, conftest says "no CUDA"

@@ -1,6 +1,6 @@
 """On CUDA: the all-gather context parallel attention builds no mask (its causal structure follows from the chunk
 layout: a lower-right causal SDPA per query chunk, flash / memory-efficient kernels) and equals plain causal attention.
-Not yet run on a GPU: the session that wrote this had none."""
+Not yet run on a GPU."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """On CUDA: the rank's GPU health check runs through the real NVML and names the GPU NVML knows.
 
-Not yet run on a GPU: the session that wrote it had none (tests/unit/test_health.py covers the logic
+Not yet run on a GPU (tests/unit/test_health.py covers the logic
 behind a fake NVML)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """On CUDA: the routed experts run as grouped GEMMs (`torch._grouped_mm`, bf16) equal to the padded batched matmul,
 and one MoE layer's forward and backward never stops the host on that path (once on the padded path), counted by
 torch.cuda.set_sync_debug_mode. The CPU tier counts the same through its seam (tests/unit/test_moe_host_syncs.py).
-Not yet run on a GPU: the session that wrote these had none."""
+Not yet run on a GPU."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
-from jobs.moe import MoE, grouped_mm_available, grouped_swiglu, padded_swiglu
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import MoE, grouped_mm_available, grouped_swiglu, padded_swiglu
 
 pytestmark = pytest.mark.gpu
 

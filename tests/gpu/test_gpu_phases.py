@@ -4,7 +4,7 @@ CPU-time column (that is the CPU ranks' clock). The straggler checks judge the p
 kernels (jobs/telemetry/kernels.py): real CUPTI kernels credited to the phase that launched them, NCCL's
 apart.
 
-Not yet run on a GPU: the session that wrote it had none (tests/unit/test_stragglers.py covers the
+Not yet run on a GPU (tests/unit/test_stragglers.py covers the
 event path with a fake event clock)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""On CUDA (issue 25): the preflight passes on this GPU, autocast's bf16 weight copies are what the planner counts,
+"""On CUDA: the preflight passes on this GPU, autocast's bf16 weight copies are what the planner counts,
 and the flight recorder dumps NCCL's collectives from a one-rank cuda:nccl,cpu:gloo world."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.precision import apply_autocast
 from tests.conftest import REPO
 

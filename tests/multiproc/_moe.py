@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jobs.config import ModelConfig
-from jobs.model import Transformer, init_weights
-from jobs.moe import MoE, moe_layers, update_expert_bias
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import MoE, moe_layers, update_expert_bias
 from jobs.trainer import cross_entropy
 from parallel import ep
 from parallel.recipe import parallelize

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 from jobs.config import ModelConfig, compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.tp import apply_tp

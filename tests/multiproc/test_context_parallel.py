@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from jobs.config import ModelConfig
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.trainer import cross_entropy
 from parallel.cp import apply_cp, ring_blocks
 from parallel.tp import apply_tp

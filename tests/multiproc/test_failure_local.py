@@ -313,7 +313,7 @@ def test_a_sigstopped_rank_is_named_hung_and_the_run_exits_75_within_the_hang_ti
         time.sleep(1.0)
         stacks = sorted(p.name for p in (run_dir / "incidents/local.0").glob("stacks-rank*.txt"))
         assert stacks == ["stacks-rank0.txt", "stacks-rank2.txt", "stacks-rank3.txt"]
-        # ... and, before the incident, the reporter wrote its flight recorder (the hang path's dump, issue 25 item 6;
+        # ... and, before the incident, the reporter wrote its flight recorder (the hang path's dump;
         # once a run of its own). The other waiting ranks may be stopped by the launcher in the middle of theirs.
         traces = run_dir / "nccl_traces" / "local.0"
         assert (traces / f"nccl_trace_rank_{inc['reported_by']}").exists(), sorted(p.name for p in traces.iterdir())

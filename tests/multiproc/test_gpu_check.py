@@ -41,7 +41,7 @@ def test_gpu_check_on_cpu_trains_saves_resumes_bitwise_and_prints_its_json_line(
     assert (tmp_path / "w" / "ckpt" / "checkpoints" / "step_6" / "manifest.json").exists()  # --out is kept
 
 
-# ------------------------------------------------ issue 25: the --wheels bootstrap and --preflight
+# ------------------------------------------------ the --wheels bootstrap and --preflight
 
 
 _HIDDEN = (

@@ -102,7 +102,7 @@ def test_a_wheel_in_a_fresh_venv_trains_plans_for_slurm_and_sweeps_from_an_empty
     assert "PASS  memory" in plan.stdout and "PASS  parallelize" in plan.stdout
 
     sbatch = _run(
-        wheel_python, ["-m", "jobs.sbatch", *slurm, "run.dir=/lustre/meshjob/runs/w", "-o", "job.sbatch"], tmp_path
+        wheel_python, ["-m", "jobs.sbatch", *slurm, "run.dir=/lustre/meshjob/runs/w", "sbatch.out=job.sbatch"], tmp_path
     )
     assert sbatch.returncode == 0, sbatch.stderr[-3000:]
     assert "#SBATCH --nodes=" in (tmp_path / "job.sbatch").read_text()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from jobs.config import ModelConfig, compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from parallel.dims import ParallelDims
 from parallel.recipe import parallelize
 from tests.conftest import run_train

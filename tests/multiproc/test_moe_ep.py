@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from jobs.config import compose
-from jobs.moe import moe_layers, update_expert_bias
+from jobs.models.moe import moe_layers, update_expert_bias
 from jobs.trainer import cross_entropy
 from parallel.config import MeshConfig
 from parallel.cp import zigzag_positions

@@ -23,7 +23,7 @@ from jobs.config import compose
 from jobs.data import ensure_dataset
 from jobs.events import EventLog
 from jobs.launch.env import DistEnv
-from jobs.moe import MoE
+from jobs.models.moe import MoE
 from jobs.planner.gate import build_plan
 from jobs.trainer import Trainer
 from jobs.validate import validate

@@ -8,7 +8,7 @@ router to update; the MoE blocks' ranks sum their counts over their own stage's 
 It used to hang: torch's pipeline infers the stage shapes at the first step by one real forward/backward on
 uninitialised tensors, which can route every token of stage 1 to the experts of one ep rank; the other rank's
 experts got no rows, their output did not depend on the dispatched tokens, and that rank skipped the dispatch
-all-to-all's backward that its ep peer ran (jobs.moe.grouped_swiglu keeps the rows in the graph; the second test
+all-to-all's backward that its ep peer ran (jobs.models.moe.grouped_swiglu keeps the rows in the graph; the second test
 forces such a routing, the garbage of the inference does not always). The same inference also counted an extra
 pass into the routers' token counts, which moved the biases differently from one process (parallel/pipeline.py
 puts the buffers back)."""
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from jobs.config import compose
-from jobs.moe import moe_layers, update_expert_bias
+from jobs.models.moe import moe_layers, update_expert_bias
 from jobs.trainer import Trainer, cross_entropy
 from parallel.config import MeshConfig
 from parallel.dims import ParallelDims

@@ -1,7 +1,7 @@
 """Every mesh trains exactly like one process: same model, data and seed give the same losses (fp32), and the
 held-out evaluation (train.eval_every, on the training mesh, forward only) gives the same eval loss on every mesh
-and leaves the training losses as they are. The evaluation rides on these runs (it had three runs of its own,
-tests/multiproc/test_eval.py): the pipeline's forward-only schedule (pp2_dp_shard2_tp2 with two dp slices, pp4
+and leaves the training losses as they are. The evaluation rides on these runs (it had three runs of its own
+before): the pipeline's forward-only schedule (pp2_dp_shard2_tp2 with two dp slices, pp4
 interleaved, pp2_tp2), loss_parallel over a tp-sharded vocabulary (tp4)."""
 
 from __future__ import annotations

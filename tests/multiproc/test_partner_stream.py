@@ -1,4 +1,4 @@
-"""Partner copies stream file by file (issue 37, item 6): the process memory a copy takes stays at a few chunk
+"""Partner copies stream file by file: the process memory a copy takes stays at a few chunk
 buffers, where the whole-folder payload (pickled dict, bytearray, tobytes, pickle.loads) took several times the
 folder. Two gloo ranks on this machine, each sending its folder to the other; peak RSS measured (VmHWM)."""
 

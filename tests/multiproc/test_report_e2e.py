@@ -83,7 +83,9 @@ def test_report_of_a_real_run_with_a_restart_renders_tables_plots_and_html(
         # restarted attempt while it trains.
         os.kill(json.loads((run_dir / "heartbeats/local.0/rank1.json").read_text())["pid"], signal.SIGKILL)
         _wait_for_attempt(run_dir, "local.0.1", proc)
-        assert report.main([str(run_dir), "--no-plan", "--out", str(tmp_path / "live")]) == exitcodes.OK
+        assert (
+            report.main([f"run.dir={run_dir}", "report.plan=false", f"report.out={tmp_path / 'live'}"]) == exitcodes.OK
+        )
         assert ": running; step " in capsys.readouterr().out
         _, err = proc.communicate(timeout=300)
     finally:

@@ -1,6 +1,6 @@
 """Through `python -m jobs.train` locally: a second job pointed at a live run directory is refused before it
 forks a rank; once the first has ended, a start that changes what the run is is refused naming the keys, and
-a resume on another mesh is accepted (issue 27)."""
+a resume on another mesh is accepted."""
 
 from __future__ import annotations
 

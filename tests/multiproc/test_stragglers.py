@@ -8,9 +8,9 @@ step; per-interval medians):
   - per-step noise is large (29-68 ms around a median of 45) but common to both ranks (they slow down
     in the same steps), so the peer ratio of a 16-step interval's medians stays small: healthy at most
     1.09 (1.33 with 4-step intervals), the rank slowed 1.3x at least 1.25 (median 1.32). Here
-    the healthy and all-slow runs judge at straggler_ratio 1.2 with log_every=20 (16 until the window of
-    issue 22.8); the 1.3x run at 1.15 over 6 judged intervals (CI once broke its streak of K with 4 judged
-    intervals at 1.2).
+    the healthy and all-slow runs judge at straggler_ratio 1.2 with log_every=20 (16 before the window
+    WINDOW_STEPS of jobs/telemetry/stragglers.py); the 1.3x run at 1.15 over 6 judged intervals (CI once
+    broke its streak of K with 4 judged intervals at 1.2).
   - between runs the whole machine's speed moves: three healthy runs back to back measured 55.9, 46.6
     and 43.5 ms (forward moved with it), so an all-rank 1.3x slowdown measured only 1.09-1.33x against
     the healthy run just before it. The absolute test therefore slows every rank 2x (1.6x or more

@@ -1,5 +1,5 @@
 """A rank slowed from outside the process (SIGSTOP/SIGCONT duty cycle, as cpulimit or a noisy neighbour would)
-is named a straggler on CPU (issue 22, item 9).
+is named a straggler on CPU.
 
 A stopped process uses no CPU, so its CPU time per phase does not change and a CPU-time clock never saw it;
 its peers wait for it asleep in gloo. The `work` clock (CPU time plus the time stopped, which

@@ -1,4 +1,4 @@
-"""Healthy runs at the default straggler settings name nobody (issue 22, item 8).
+"""Healthy runs at the default straggler settings name nobody.
 
 Before the checks judged windows of at least WINDOW_STEPS steps, `train.log_every=1` (the default) made
 every step a judged interval: per-step CPU-time noise on a shared 2-core box named healthy ranks (9

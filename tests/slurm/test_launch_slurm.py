@@ -107,8 +107,7 @@ def test_script_rendered_by_jobs_sbatch_completes_under_plain_sbatch(run_root: P
     run_root.mkdir(parents=True)
     r = cli(
         "jobs.sbatch",
-        "-o",
-        str(script),
+        f"sbatch.out={script}",
         "launcher=slurm",
         "launcher.nodes=2",
         "launcher.tasks_per_node=1",
@@ -228,7 +227,7 @@ def _assert_status_of_a_requeued_run(run_dir: Path, job: str, recs: list[dict[st
 
 def _assert_report_of_a_requeued_run(run_dir: Path, job: str) -> None:
     """`python -m jobs.report` on the requeued run dir, as a user would run it: both attempts and the cause of the
-    requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page (issue 11)."""
+    requeue, the queue wait from sacct, the goodput next to the planned one, the plots and the HTML page."""
     from jobs.report import sacct_records
     from jobs.telemetry.run_report import collect
 

@@ -1,4 +1,4 @@
-"""The slurm tier of issue 27: every point of a sweep trains in its own run directory however long composing
+"""The slurm tier of one run per directory (tests/unit/test_sweep_run_dirs.py, test_rundir.py): every point of a sweep trains in its own run directory however long composing
 the points takes, and a second job pointed at a live run directory is refused on the login node."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.planner import arith as P
 from jobs.validate import validate
 from parallel.ac import apply_ac, checkpointed_layers

@@ -9,8 +9,9 @@ import signal
 import pytest
 
 from jobs.config import CONF_DIR, compose
-from jobs.planner import calibrate
-from jobs.planner.calibrate import _fit, sent_bytes, write_profile
+from jobs.planner import calibrate_ranks
+from jobs.planner.calibrate import write_profile
+from jobs.planner.fits import fit_alpha_beta, sent_bytes
 from jobs.planner.gate import build_plan
 from jobs.planner.hardware import OPS, hops
 
@@ -18,7 +19,7 @@ from jobs.planner.hardware import OPS, hops
 def test_the_fit_recovers_latency_and_bus_bandwidth():
     # t = 1 ms + bytes / 2 GB/s at three sizes
     points = [(x, 1e-3 + x / 2e9) for x in (1e3, 1e6, 8e6)]
-    got = _fit(points)
+    got = fit_alpha_beta(points)
     assert got["alpha_s"] == pytest.approx(1e-3, rel=1e-6) and got["bus_GBps"] == pytest.approx(2.0, rel=1e-6)
 
 
@@ -62,10 +63,10 @@ def _one_rank_aborts(rank: int, n: int, port: int, cfg, tps: list[int], q) -> No
 
 
 def test_a_calibration_rank_killed_by_a_signal_is_named_with_the_signal(monkeypatch):
-    # CI, stop 31: ranks 0, 2 and 3 reported "Connection closed by peer" and the error did not say
+    # Seen on CI: ranks 0, 2 and 3 reported "Connection closed by peer" and the error did not say
     # that rank 1 had died first, or how.
-    monkeypatch.setattr(calibrate, "_rank", _one_rank_aborts)
+    monkeypatch.setattr(calibrate_ranks, "_rank", _one_rank_aborts)
     with pytest.raises(RuntimeError) as err:
-        calibrate._run_ranks(compose(["launcher.tasks_per_node=4"]))
+        calibrate_ranks.run_ranks(compose(["launcher.tasks_per_node=4"]))
     assert "1: 'exited by SIGKILL without a report (a fault prints" in str(err.value)
     assert str(err.value).count("Connection closed by peer") == 3

@@ -1,5 +1,5 @@
-"""The deterministic parts of the out-of-sample calibration check (issue 22 item 7;
-scripts/bench/calibration_held_out.py measures): the GEMMs a model runs, the per-call rate fit, and the held-out
+"""The deterministic parts of the out-of-sample calibration check
+(scripts/bench/calibration_held_out.py measures): the GEMMs a model runs, the per-call rate fit, and the held-out
 bookkeeping on timings that follow a known law. These prove the arithmetic, not the machine: what the machine gave
 is in docs/planner.md ("Out of sample"), measured by the script, since on a loaded 2-core box a timing assertion would
 be a coin toss."""

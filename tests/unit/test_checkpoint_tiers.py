@@ -159,7 +159,7 @@ def test_plan_prints_the_tiers_side_by_side_with_the_combined_goodput(capsys) ->
 def test_plan_credits_node_failures_to_the_partner_tier_with_a_hot_spare(capsys) -> None:
     # A spare's ranks read the lost node's state from the nodes that hold its copies (checkpoint/memory_tier.py), so
     # the node failures the spare absorbs are the partner tier's; one spare absorbs only the first node failure of
-    # an allocation (issue 37 item 9): 1 / (1 + q) of them, q = 0.5 / 0.6; the rest are read from the filesystem.
+    # an allocation: 1 / (1 + q) of them, q = 0.5 / 0.6; the rest are read from the filesystem.
     args = [
         "+experiment=llama3_8b",
         "plan.fake_backend=false",

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.trainer import adamw_kernel, build_optimizers
 from jobs.validate import validate
 from parallel.compile import apply_compile

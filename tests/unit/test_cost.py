@@ -116,7 +116,7 @@ def test_full_activation_checkpointing_keeps_2sbh_over_t_per_layer():
 def test_activation_without_checkpointing_counts_the_saved_tensors():
     # Llama 3 8B block, s=8192, b=1, no TP: norm inputs fp32 (2·4sbh) + the norms' bf16 outputs the weight product
     # saves (2·2sbh) + gathered linear inputs (2·2sbh) + SDPA q,k,v 3·2sbh + output 2sbh + lse 4·s·b·heads + SwiGLU
-    # 4·2sbf. (Until issue 38 it counted q/k before RoPE, 2sb(h+h_kv), which RoPE's products do not save, and not the
+    # 4·2sbf. (It once counted q/k before RoPE, 2sb(h+h_kv), which RoPE's products do not save, and not the
     # norms' outputs: 1.5 sbh short on this GQA block; saved_tensors_hooks measure it in test_planner_memory_published.)
     m = model("llama3_8b")
     s, h, f = 8192, 4096, 14336
@@ -125,7 +125,7 @@ def test_activation_without_checkpointing_counts_the_saved_tensors():
 
 
 def test_tp_with_sequence_parallel_collective_counts_match_commdebugmode():
-    # notes/torch-2.13-cpu.md §3 (CommDebugMode, 4-layer tiny model, TP + SP): forward 9 all-gathers and
+    # measured with CommDebugMode on torch 2.13, gloo (4-layer tiny model, TP + SP): forward 9 all-gathers and
     # 9 reduce-scatters, backward the mirror image -> 18 of each per microbatch.
     m = model("tiny")
     stages = [P.StageShape(tuple(range(4)), True, True)]
@@ -149,7 +149,7 @@ def test_tp_with_sequence_parallel_collective_counts_match_commdebugmode():
 
 
 def test_fsdp_collective_counts_match_commdebugmode():
-    # notes/torch-2.13-cpu.md §9 (10-block model, per-block + root wrapping, one step):
+    # measured with CommDebugMode on torch 2.13, gloo (10-block model, per-block + root wrapping, one step):
     # reshard_after_forward=True: 11 all-gathers forward + 10 backward, 11 reduce-scatters;
     # with a pipeline (reshard_after_forward=False): 11 all-gathers, 11 reduce-scatters.
     m = model("tiny", n_layers=10)

@@ -1,4 +1,4 @@
-"""Adding, removing or reordering a mixture's sources never repeats a sample within its epoch (issue 37, item 2):
+"""Adding, removing or reordering a mixture's sources never repeats a sample within its epoch:
 each file keeps its permutation stream, carried in the cursor and found by the file's identity."""
 
 from __future__ import annotations

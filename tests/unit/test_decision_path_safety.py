@@ -1,4 +1,4 @@
-"""The decision path is exception-safe (issue 34, 3.2): a hand-edited quarantine.json that is not what the code
+"""The decision path is exception-safe: a hand-edited quarantine.json that is not what the code
 writes is tolerated and reported, and anything that raises between the claim and the publish still requeues the job
 and publishes a decision, for the ranks' decider, the supervisor's fallback, the guard and the local launcher."""
 

@@ -17,7 +17,7 @@ import torch
 from checkpoint.state import capture_rng, restore_rng
 from jobs.config import compose
 from jobs.device import (
-    _NCCL_DEFAULTS,
+    NCCL_DEFAULTS,
     backend_for,
     dump_flight_recorder,
     export_environ,
@@ -28,7 +28,7 @@ from jobs.device import (
 )
 from jobs.launch import rank as rank_mod
 from jobs.launch.slurm import check_slurm_config
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.planner.gate import build_plan
 from jobs.validate import check_device, validate
 from parallel.precision import apply_autocast
@@ -161,7 +161,7 @@ def test_submitting_a_cuda_job_to_a_cpu_profile_is_refused_on_the_login_node(tmp
     check_slurm_config(cfg)  # auto on CPU nodes trains on their CPUs
 
 
-# ---------------------------------------------------------------- issue 25: the first GPU
+# ---------------------------------------------------------------- the first GPU
 
 
 def test_the_cluster_env_is_exported_before_the_rank_makes_its_gpu_current(monkeypatch, tmp_path) -> None:
@@ -222,7 +222,7 @@ def test_no_cluster_profile_overrides_the_async_error_handling_that_keeps_the_fl
     """Mode 1 (TearDown) ends the process before the flight recorder is dumped; 3 (SkipCleanUp) is ours and
     torchtitan's. A profile may leave it unset (the code's default applies) or agree."""
     env = compose([f"cluster={profile}"]).cluster.env
-    assert env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") == _NCCL_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") == NCCL_DEFAULTS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 _FR_CHILD = """

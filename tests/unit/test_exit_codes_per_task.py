@@ -1,4 +1,4 @@
-"""Exit codes from each task, not from srun's highest code or one wording (issue 34, 3.6): the supervisor sees every
+"""Exit codes from each task, not from srun's highest code or one wording: the supervisor sees every
 death srun reports (Out Of Memory, a bus error, USR2, a floating point exception), and the torchrun style's job ends
 with its decision's code, not the highest of its agents' codes."""
 

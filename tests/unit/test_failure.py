@@ -61,7 +61,7 @@ def test_a_stop_signal_is_requeued_with_exit_75_while_budgets_last() -> None:
     events = saved_attempt("j.0", 100, start=0, saved=10)
     d = policy.decide(events, cause="SIGUSR2", cfg=FailureConfig(max_requeues=10), restart_count=0)
     assert (d.action, d.exit_code, d.requeues_used, d.attempts_without_progress) == ("requeue", 75, 1, 0)
-    # after committed progress a stop notice's requeue is free (issue 34, 3.3: tests/unit/test_requeue_budget.py)
+    # after committed progress a stop notice's requeue is free (tests/unit/test_requeue_budget.py)
     assert d.free and d.reason == (
         "SIGUSR2: requeue after committed progress, not counted against failure.max_requeues(10) (1 counted so far)"
     )
@@ -670,11 +670,11 @@ def test_the_stop_path_leaves_deciding_to_rank_0_and_the_other_ranks_exit_0(tmp_
 
 def test_the_supervisors_srun_step_lets_the_other_ranks_live_when_one_exits_non_zero(tmp_path: Path) -> None:
     from jobs.launch.slurm import make_executor
-    from jobs.launch.supervise import _srun
+    from jobs.launch.supervise import srun_step_command
 
     cfg = compose(["launcher=slurm", f"run.dir={tmp_path}", "cluster.container_image=img.sqsh"])
     assert make_executor(cfg, tmp_path / "slurm").parameters["use_srun"] is False  # the batch step supervises
-    cmd = _srun(cfg, tmp_path / "c.pkl", ["o", "e"])
+    cmd = srun_step_command(cfg, tmp_path / "c.pkl", ["o", "e"])
     assert cmd[0] == "srun" and "--kill-on-bad-exit=0" in cmd and "--container-image=img.sqsh" in cmd
     assert cmd[-2:] == ["--rank-config", str(tmp_path / "c.pkl")]
 

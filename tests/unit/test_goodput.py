@@ -107,10 +107,10 @@ def test_a_running_attempt_ends_now_and_a_row_stands_for_the_steps_since_the_pre
 
 
 def test_only_machine_failures_count_for_mtbf() -> None:
-    from checkpoint.interval import _NOT_FAILURES  # the interval's own list of deliberate stops
+    from checkpoint.interval import NOT_FAILURES  # the interval's own list of deliberate stops
     from jobs.telemetry import goodput
 
-    assert goodput._NOT_FAILURES == _NOT_FAILURES
+    assert goodput.NOT_FAILURES == NOT_FAILURES
     assert [is_failure(c) for c in ("dead_rank", "lost", "hung_rank", "completed", "SIGUSR2", "preempted", None)] == [
         True,
         True,

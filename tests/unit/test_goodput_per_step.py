@@ -212,7 +212,7 @@ def test_a_requeued_attempt_takes_its_own_sacct_record_and_the_expected_figure_u
 def test_steps_after_a_dead_attempts_last_checkpoint_are_lost_and_a_requeue_reclassifies_nothing(
     tmp_path: Path,
 ) -> None:
-    """Issue 38 item 6: saved at step 4, died after step 10. Productive 4 steps (8 s), not 10 (0.606); the requeue
+    """Saved at step 4, died after step 10. Productive 4 steps (8 s), not 10 (0.606); the requeue
     that resumes from step 4 and trains 5-10 again leaves attempt 7.0's figures as they were before it came."""
     run = _dead_run(tmp_path)
     alone = collect(run, now=100_000.0).goodput

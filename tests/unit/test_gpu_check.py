@@ -54,7 +54,7 @@ def test_figures_take_the_median_after_the_first_step_and_say_none_for_absent_fi
     assert got["load"] == {"step": 2, "load_s": 0.5} and got["losses"][4] == 1.0
 
 
-# ---------------------------------------------------------------- issue 25: ready for the first GPU
+# ---------------------------------------------------------------- ready for the first GPU
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,7 @@ def test_a_gpu_nvml_has_lost_is_failing_even_before_it_has_a_handle(tmp_path: Pa
 
 def test_one_sample_of_a_clock_event_is_a_warning_and_only_consecutive_samples_fail_the_gpu(tmp_path: Path) -> None:
     """NVML's clock-event reasons are a moment's state: a brief HW slowdown in one sample must not end a job;
-    CLOCK_EVENT_SAMPLES in a row do (issue 22, item 10)."""
+    CLOCK_EVENT_SAMPLES in a row do."""
     from jobs.telemetry.health import CLOCK_EVENT_SAMPLES
 
     nvml = FakeNvml(h0=healthy(GPU0))

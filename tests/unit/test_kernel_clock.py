@@ -1,4 +1,4 @@
-"""The GPU straggler clock (issue 22, item 9): compute kernels' device time per phase, NCCL's left out, from one
+"""The GPU straggler clock: compute kernels' device time per phase, NCCL's left out, from one
 profiled step in every metrics.kernel_every (jobs/telemetry/kernels.py).
 
 On CPU the profiler records the phases' ranges and the host ops for real but no kernel: the kernels here are

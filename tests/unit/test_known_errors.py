@@ -1,4 +1,4 @@
-"""Issue 13 item 6: the planner's known errors against the papers they cite, one test per error."""
+"""The planner's known errors against the papers they cite, one test per error."""
 
 from __future__ import annotations
 

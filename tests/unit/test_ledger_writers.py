@@ -1,4 +1,4 @@
-"""The ledger and the quarantine list on a network filesystem (issue 34, 3.8): O_APPEND from several hosts can lose
+"""The ledger and the quarantine list on a network filesystem: O_APPEND from several hosts can lose
 records on NFS (open(2)), and the quarantine list was an unlocked read-modify-write; both are now written under one
 O_EXCL lock file (fcntl/flock are not reliable on parallel filesystems), which a dead holder cannot leave behind."""
 

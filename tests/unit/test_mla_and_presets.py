@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
+from jobs.models.model import Transformer, init_weights
 from jobs.planner.gate import build_plan
 from jobs.planner.params import count_params
 from jobs.trainer import cross_entropy

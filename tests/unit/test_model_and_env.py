@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.launch.env import DistEnv, _parse_hostlist
-from jobs.model import Transformer, full_init_tensor, init_weights
+from jobs.launch.env import DistEnv, parse_hostlist
+from jobs.models.model import Transformer, full_init_tensor, init_weights
 from jobs.planner.arith import count_params
 from jobs.trainer import lr_multiplier
 from parallel.pipeline import stage_ids
@@ -89,19 +89,19 @@ def _scontrol_hostnames(hostlist: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("hostlist", list(_SLURM_HOSTNAMES))
 def test_hostlist_parser_expands_bracket_groups_padding_and_lists_like_slurm(hostlist: str) -> None:
-    assert _parse_hostlist(hostlist) == _SLURM_HOSTNAMES[hostlist]
+    assert parse_hostlist(hostlist) == _SLURM_HOSTNAMES[hostlist]
 
 
 @pytest.mark.parametrize("hostlist", list(_SLURM_HOSTNAMES))
 def test_hostlist_parser_agrees_with_the_real_scontrol(hostlist: str) -> None:
     real = _scontrol_hostnames(hostlist).stdout.split()
-    assert real == _SLURM_HOSTNAMES[hostlist] == _parse_hostlist(hostlist)
+    assert real == _SLURM_HOSTNAMES[hostlist] == parse_hostlist(hostlist)
 
 
 @pytest.mark.parametrize("hostlist", _SLURM_INVALID)
 def test_hostlist_parser_rejects_what_slurm_rejects(hostlist: str) -> None:
     with pytest.raises(ValueError, match="invalid hostlist"):
-        _parse_hostlist(hostlist)
+        parse_hostlist(hostlist)
 
 
 @pytest.mark.parametrize("hostlist", _SLURM_INVALID)

@@ -1,4 +1,4 @@
-"""The MoE model (jobs/moe.py): one definition with the planner, grouped experts, node limit, bias balancing."""
+"""The MoE model (jobs/models/moe.py): one definition with the planner, grouped experts, node limit, bias balancing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
-from jobs.moe import (
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import (
     BALANCE_FIELDS,
     MoE,
     Router,

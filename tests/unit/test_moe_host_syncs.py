@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import Transformer, init_weights
-from jobs.moe import MoE, grouped_mm_available
+from jobs.models.model import Transformer, init_weights
+from jobs.models.moe import MoE, grouped_mm_available
 from tests.multiproc._moe import HostSyncs
 
 

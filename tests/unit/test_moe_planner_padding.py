@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.moe import MoE, grouped_mm_available
+from jobs.models.moe import MoE, grouped_mm_available
 from jobs.planner import memory
 from jobs.planner.memory import PADDED_LOAD, expert_padding, layer_activation_bytes
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.moe import grouped_mm_available, grouped_swiglu
+from jobs.models.moe import grouped_mm_available, grouped_swiglu
 from jobs.planner.gate import validate_for_planning
 from jobs.validate import validate
 

@@ -1,4 +1,4 @@
-"""Behaviour a mutation pass found unpinned by the unit tier (issue 26), each test named after what it pins:
+"""Behaviour a mutation pass found unpinned by the unit tier, each test named after what it pins:
 the collective timeout applied to every group, the spike median, the watchdog limit, the auto interval's
 boundary and its restart cost, the commit order, a straggler's peers."""
 

@@ -178,7 +178,7 @@ def test_the_six_readiness_questions_are_answered():
     ]
     assert plan.readiness[0]["status"] == "ok" and plan.readiness[2]["status"] == "ok"
     assert plan.readiness[4]["status"] == "ok" and "straggler event" in plan.readiness[4]["answer"]
-    # the rule the detector applies (jobs/telemetry/stragglers.py), not "every log interval" (issue 38 item 7)
+    # the rule the detector applies (jobs/telemetry/stragglers.py), not "every log interval"
     assert "in windows of >= 20 steps" in plan.readiness[4]["answer"]
     assert "after each attempt's first window (warm-up)" in plan.readiness[4]["answer"]
     assert "for 3 consecutive windows" in plan.readiness[4]["answer"]
@@ -273,7 +273,7 @@ def test_deepseek_v3_last_stage_is_planned_with_the_2_layer_microbatches_it_hold
         for i in shapes[15][0].layers
     )
     # full AC: 2 layer inputs kept + one block recomputed; the first input is the pipeline receive buffer, held
-    # in p2p_bytes (issue 22), so the activations hold the second only
+    # in p2p_bytes, so the activations hold the second only
     assert last["activation_bytes"] == ckpt + full
     assert last["p2p_bytes"] == d.microbatches * ckpt  # one receive buffer per microbatch (the last sends no grads in)
 

@@ -1,4 +1,4 @@
-"""The planner checked against what it was not fitted to (issue 22): every expert-parallel leg on the
+"""The planner checked against what it was not fitted to: every expert-parallel leg on the
 critical path, achieved bandwidths taken as achieved, pipeline buffers counted once, selective AC chosen per
 stage, unknown restart costs said to be unknown, and held-out published runs predicted within 15%."""
 
@@ -219,7 +219,7 @@ HELD_OUT = {
     "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
 }
 # Rows outside 15%, each pinned to its band so that a change in either direction is seen. With inter-node
-# bandwidth priced by the node's NICs and the A100's own GEMM efficiency (issue 38), every row is predicted
+# bandwidth priced by the node's NICs and the A100's own GEMM efficiency, every row is predicted
 # 1.15-1.23x too fast: the model runs every GEMM at its GPU's best-shape rate (Bekman's MAMF), and no published
 # curve of the rate by shape is in it yet (the GPU preflight's `gemms` line measures it).
 KNOWN_GAP = {
@@ -266,9 +266,9 @@ def test_held_out_published_runs_are_predicted_within_15_percent(row):
 def test_the_paper_mesh_of_llama3_405b_is_ranked_with_the_ac_torchs_schedule_needs():
     # Without AC the paper's mesh keeps 141 layer-microbatches in flight on pp rank 1 under torch's Interleaved1F1B
     # warm-up (206 GiB > 72 usable), selective AC 122 GiB; full AC fits: the search ranks the mesh with it, and says so
-    from jobs.planner.search import _own
+    from jobs.planner.search import own_candidate
 
-    own, note = _own(compose(["+experiment=llama3_405b_8k_8192gpu"]))
+    own, note = own_candidate(compose(["+experiment=llama3_405b_8k_8192gpu"]))
     assert own is not None and own.shape.ac == "full" and own.shape.label().startswith("tp8 cp1 pp16 v8* dp1x64")
     assert note.startswith("ranked with train.activation_checkpointing=full: at train.activation_checkpointing=none")
     assert "141 layer-microbatches" in note and "torch's warm-up" in note

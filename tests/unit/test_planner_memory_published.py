@@ -1,4 +1,4 @@
-"""The planner's peak memory held against published fits and published out-of-memory reports (issue 38 item 3).
+"""The planner's peak memory held against published fits and published out-of-memory reports.
 
 torchtitan's Llama 2 13B at local batch 2, 4K, no activation checkpointing ran on 64 A100 80GB (FSDP2,
 pytorch/torchtitan docs/performance.md, "Llama 2 performance numbers": 2162 WPS); the planner predicted 81 GiB.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs.config import compose
-from jobs.model import TransformerBlock, rope_table
+from jobs.models.model import TransformerBlock, rope_table
 from jobs.planner.gate import build_plan
 from jobs.planner.memory import layer_activation_bytes
 

@@ -1,5 +1,5 @@
 """The planner's inter-node bandwidth priced by the group's ranks per node and the node's NICs, and its GEMM rate by
-the GPU model (issue 38 items 1 and 2): every figure from the profile's cited sources."""
+the GPU model: every figure from the profile's cited sources."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A BPE trained on the inputs learns from a bounded, evenly spread sample of them (issue 37, item 8): the
+"""A BPE trained on the inputs learns from a bounded, evenly spread sample of them: the
 trainer's word counts grow with the distinct words it sees, so prepare_data's memory no longer grows with the
 corpus."""
 

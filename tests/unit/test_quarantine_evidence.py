@@ -1,4 +1,4 @@
-"""Healthy nodes stay off the quarantine list (issue 34, 3.4): a dead or hung rank quarantines its node only on
+"""Healthy nodes stay off the quarantine list: a dead or hung rank quarantines its node only on
 evidence from the node itself (a probe it did not answer while slurmctld did, or the fault recurring on it), never
 when the fault followed a rank to another node; a probe that slurmctld failed is no evidence; entries expire after
 failure.quarantine_ttl_h; cluster.exclude stays in every ExcNodeList update; probes run all at once."""

@@ -1,4 +1,4 @@
-"""The RAM tier at a restart inside the allocation (issue 37): the capacity check counts every copy of this run
+"""The RAM tier at a restart inside the allocation: the capacity check counts every copy of this run
 a host holds already, once per host, so the restart passes whenever the first start passed."""
 
 from __future__ import annotations

@@ -103,6 +103,6 @@ def test_queue_wait_comes_from_sacct_submit_to_start(tmp_path: Path, monkeypatch
 def test_report_entry_refuses_a_folder_without_ledger_and_writes_into_out(tmp_path: Path, capsys) -> None:
     assert report.main([str(tmp_path)]) == 2
     run = _run_dir(tmp_path)
-    assert report.main([str(run), "--no-plan", "--out", str(tmp_path / "o")]) == 0
+    assert report.main([f"run.dir={run}", "report.plan=false", f"report.out={tmp_path / 'o'}"]) == 0
     assert "goodput: 0.2667 measured (" in (out := capsys.readouterr().out) and "expected: n/a" in out
     assert (tmp_path / "o" / "report.html").exists()

@@ -36,7 +36,7 @@ def _run_died_in_start_up(tmp_path: Path, *overrides: str, first_step_at: float 
 
 def test_unknown_restart_cost_prints_the_planners_reason_not_a_number(tmp_path: Path, capsys) -> None:
     run = _run_died_in_start_up(tmp_path)
-    assert report.main([str(run), "--out", str(tmp_path / "o")]) == 0
+    assert report.main([str(run), f"report.out={tmp_path / 'o'}"]) == 0
     captured = capsys.readouterr()
     head = next(line for line in captured.out.splitlines() if line.startswith("goodput: "))
     assert "expected: n/a (unknown: jobs.plan does not know the restart cost" in head, head
@@ -52,8 +52,8 @@ def test_a_restart_cost_the_user_sets_gives_the_number(tmp_path: Path, capsys) -
 
 def test_no_plan_and_no_checkpoints_say_so(tmp_path: Path, capsys) -> None:
     run = _run_died_in_start_up(tmp_path / "a")
-    assert report.main([str(run), "--no-plan", "--out", str(tmp_path / "o")]) == 0
-    assert "expected: n/a (--no-plan)" in capsys.readouterr().out
+    assert report.main([str(run), "report.plan=false", f"report.out={tmp_path / 'o'}"]) == 0
+    assert "expected: n/a (report.plan=false)" in capsys.readouterr().out
     costs, why = report.plan_costs(_run_died_in_start_up(tmp_path / "b", "checkpoint.enabled=false"))
     assert costs is None and why.startswith("checkpoint.enabled=false")
 

@@ -1,4 +1,4 @@
-"""failure.max_requeues counts the requeues that faults cause, not the routine ones (issue 34, 3.3): a time limit or a
+"""failure.max_requeues counts the requeues that faults cause, not the routine ones: a time limit or a
 preemption after committed progress is free, as submitit spends its countdown on timeouts only; a stop notice
 without progress counts, and the no-progress breaker still stops a loop."""
 

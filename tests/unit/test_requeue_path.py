@@ -112,7 +112,7 @@ def _verbs(fake: Path) -> list[str]:
     return [" ".join(c["cmd"][:2]) if c["cmd"][0] == "scontrol" else c["cmd"][0] for c in _calls(fake)]
 
 
-# ------------------------------------------------------------------- item 2: an exclusion never leaves it held
+# ----------------------------------------------------------------------- an exclusion never leaves it held
 
 
 def test_a_quarantined_node_slurm_no_longer_knows_is_dropped_and_the_job_is_requeued_not_held(slurm: Path) -> None:
@@ -170,7 +170,7 @@ def test_the_other_ranks_wait_for_a_decision_longer_than_the_decider_may_probe_a
     assert policy.decision_wait_s(cfg) == 5 * 2.0 + 15.0 + 20.0  # not 5 * heartbeat + 10 = 20 s < one probe
 
 
-# ---------------------------------------------------------------- item 3: Slurm cannot answer -> requeue
+# -------------------------------------------------------------------- Slurm cannot answer -> requeue
 
 
 def test_a_transient_sinfo_failure_requeues_instead_of_stopping_for_good(tmp_path: Path, slurm: Path) -> None:
@@ -186,7 +186,7 @@ def test_a_transient_sinfo_failure_requeues_instead_of_stopping_for_good(tmp_pat
     assert _job(slurm)["restarts"] == 1
 
 
-# ------------------------------------------------------- item 4: only incidents that point at a node quarantine
+# ----------------------------------------------------------- only incidents that point at a node quarantine
 
 
 def _incident(cls: str) -> Incident:
@@ -245,7 +245,7 @@ def test_a_quarantined_node_carries_its_evidence(tmp_path: Path, slurm: Path) ->
     assert "srun" in _verbs(slurm) and _job(slurm)["exc"] == "node2"
 
 
-# --------------------------------------------------- item 5: a hang that recurs on one node is requeued without it
+# ------------------------------------------------------- a hang that recurs on one node is requeued without it
 
 
 def _hung(attempt: str, t: float, node: str, *, cls: str = "hung_rank", saved: int | None = None) -> list[dict]:
@@ -335,7 +335,7 @@ def test_a_recurring_hang_ends_with_the_node_quarantined_and_excluded(tmp_path: 
     assert _job(slurm)["exc"] == "node2" and _job(slurm)["restarts"] == 1
 
 
-# ------------------------------------- item 2: a decider that dies before publishing: the supervisor decides
+# ----------------------------------------- a decider that dies before publishing: the supervisor decides
 
 
 def _lost_decider(run_dir: Path, *, incident: Incident | None = None) -> AttemptContext:

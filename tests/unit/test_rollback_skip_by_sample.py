@@ -1,4 +1,4 @@
-"""A rollback's data skip is a global sample range (issue 37, item 3): a resume with another train.global_batch
+"""A rollback's data skip is a global sample range: a resume with another train.global_batch
 reads none of the spiking samples and skips no healthy one; at the same batch size nothing changes."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A run directory belongs to one run and one live job at a time: `RUN_DIR/owner.json`, the config keys a
-resume may change, and live jobs seen through the owner record and the ranks' heartbeats (issue 27)."""
+resume may change, and live jobs seen through the owner record and the ranks' heartbeats."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_values_are_shell_quoted_so_they_arrive_verbatim(tmp_path: Path) -> None
 
 
 def test_unknown_style_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="--style='mpirun' is not one of srun, torchrun"):
+    with pytest.raises(ValueError, match="sbatch.style=mpirun: not one of srun, torchrun"):
         render(
             style="mpirun",
             job_name="x",

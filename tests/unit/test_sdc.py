@@ -302,13 +302,13 @@ def test_an_sdc_requeues_the_job_it_is_not_stopped():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_any_single_flipped_bit_changes_the_replica_hash(dtype: torch.dtype):
-    from jobs.failure.sdc import _bits_sum
+    from jobs.failure.sdc import bits_sum
 
     torch.manual_seed(0)
     ts = [torch.randn(64, dtype=dtype), torch.randn(3, 5, dtype=dtype)]
-    base = int(_bits_sum(ts))
+    base = int(bits_sum(ts))
     ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[ts[1].element_size()]
     for bit in range(8 * ts[1].element_size()):
         flipped = [ts[0], ts[1].clone()]
         flipped[1].view(-1)[7:8].view(ints).bitwise_xor_(torch.tensor(1, dtype=ints) << bit)
-        assert int(_bits_sum(flipped)) != base, bit
+        assert int(bits_sum(flipped)) != base, bit

@@ -1,4 +1,4 @@
-"""`python -m jobs.plan plan.search=true` (issue 13 item 5): the ranked mesh search, its rejections and its top-K sweep."""
+"""`python -m jobs.plan plan.search=true`: the ranked mesh search, its rejections and its top-K sweep."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from jobs.config import compose
 from jobs.planner.gate import build_plan
-from jobs.planner.search import Shape, _visit, predicted, render_search, search, write_top_k
+from jobs.planner.search import Shape, predicted, render_search, search, visit_shape, write_top_k
 from jobs.validate import validate
 
 # The tiny model on 8 ranks of an H100 node: every shape fits, so the search space is the whole story.
@@ -43,7 +43,7 @@ def test_a_small_world_prints_a_ranked_table_with_the_config_marked(small):
 
 def test_the_ranking_follows_predicted_tokens_per_s_read_from_the_plan(small):
     cfg, r = small
-    # the shapes jobs.train builds first (issue 22: a planned-only cp > 1 shape on top is no advice), then by rate
+    # the shapes jobs.train builds first (a planned-only cp > 1 shape on top is no advice), then by rate
     # (the dense tiny model trains every shape now that cp is built: tests/unit/test_search_trainable.py has both)
     built = [c.trainable for c in r.ranked]
     assert built == sorted(built, reverse=True) and built[0]
@@ -67,15 +67,15 @@ def test_a_rejected_shape_names_its_reason(small):
     assert "train.global_batch(N) % (dp(N) * train.micro_batch(N)) != N" in r.rejected
     # memory: Llama 3 8B on 16 GPUs of 26 GiB, FSDP over all 16 does not fit even fully checkpointed
     # (read off the one plan without checkpointing), so 2 replicas of 8 (larger shards) are rejected
-    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone. (30 GiB until issue 38: the peak
+    # without being planned, and 4 of 4 by the 16 bytes/parameter floor alone. (30 GiB before: the peak
     # counted fp32 gradient copies that only exist after the activations they would add to are freed: 28.3 GiB.)
     big = compose(["+experiment=llama3_8b", "launcher.nodes=2", "train.global_batch=16", "cluster.gpu_mem_gib=26"])
     too_big: dict = {}
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 1, 16, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 1 and msg.startswith("memory even with full AC: peak 24.6 GiB > 23.4 GiB usable")
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 2, 8, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and "larger dp_shard" in msg
-    cand, msg, calls = _visit(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
+    cand, msg, calls = visit_shape(big, Shape(1, 1, 1, 4, 4, 1), 8_030_261_248, too_big)
     assert cand is None and calls == 0 and msg.startswith("memory floor: 16 B x params")
 
 

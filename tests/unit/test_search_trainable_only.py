@@ -1,4 +1,4 @@
-"""`plan.search_trainable_only` (issue 22 item 4): by default the search ranks only the shapes `jobs.train` builds
+"""`plan.search_trainable_only`: by default the search ranks only the shapes `jobs.train` builds
 (its own validation accepts them) and lists the others under one rejection with the trainer's message; `=false`
 ranks them too, after the trainable ones, marked `~`."""
 

@@ -1,4 +1,4 @@
-"""Slurm calls that fail once do not end the job (issue 34, 3.5): `scontrol requeue` is tried again while slurmctld
+"""Slurm calls that fail once do not end the job: `scontrol requeue` is tried again while slurmctld
 does not answer, a step srun cannot create is requeued instead of ending FAILED, and `squeue` is bounded."""
 
 from __future__ import annotations

@@ -214,5 +214,5 @@ def test_a_rendered_script_holds_the_spares_with_no_kill_and_the_torchrun_style_
     overrides = ["launcher=slurm", "launcher.spare_nodes=1", "run.dir=/work/meshjob/runs/tiny-2x4"]
     text = render_for(compose(overrides), overrides=overrides, python="python", workdir="/opt/meshjob")
     assert "#SBATCH --nodes=3 " in text and "\n#SBATCH --no-kill " in text and "launcher.spare_nodes=1" in text
-    with pytest.raises(ValueError, match="launcher.spare_nodes.1. with --style torchrun"):
+    with pytest.raises(ValueError, match="launcher.spare_nodes.1. with sbatch.style=torchrun"):
         render_for(compose(overrides), overrides=overrides, style="torchrun", python="python", workdir="/opt/meshjob")

@@ -1,4 +1,4 @@
-"""The spike detector judges a loss against the window without its trend (issue 37, item 5): a 2x jump on a
+"""The spike detector judges a loss against the window without its trend: a 2x jump on a
 falling curve is caught, a healthy noisy falling curve raises no alarm, and a spike_patience that retention
 cannot serve is refused before submit."""
 

@@ -1,4 +1,4 @@
-"""A stop notice that arrives during a failure or an in-allocation restart is not lost (issue 34, 3.1): a pending
+"""A stop notice that arrives during a failure or an in-allocation restart is not lost: a pending
 stop turns the decider's restart into a requeue, and the supervisor starts no step after a stop signal or inside
 the time-limit warning's lead before EndTime, requeueing instead."""
 

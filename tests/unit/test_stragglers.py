@@ -312,7 +312,7 @@ def test_phase_times_ride_in_the_steps_all_reduce_at_window_ends_only_and_only_r
 
 
 def test_a_window_spans_at_least_window_steps_whatever_the_log_interval(tmp_path: Path) -> None:
-    """train.log_every=1 (the default) judged every single step: per-step noise named healthy ranks (issue 22.8)."""
+    """train.log_every=1 (the default) judged every single step: per-step noise named healthy ranks."""
     sent = []
     t = PhaseTimer(tmp_path, rank=0, attempt="a", pp=False)
     st = StepTelemetry(
@@ -348,7 +348,7 @@ def test_a_window_spans_at_least_window_steps_whatever_the_log_interval(tmp_path
 def test_a_healthy_run_logging_every_step_names_nobody_though_single_steps_are_noisy(tmp_path: Path) -> None:
     """Two ranks at the defaults (train.log_every=1, ratio 1.1, K=3) whose per-step backward CPU times are what a
     2-core box gives (29-68 ms around 45; neither rank slower on average), through the timers, the window and the
-    all-reduce as the trainer drives them. Judged per step, this named a healthy rank (issue 22.8)."""
+    all-reduce as the trainer drives them. Judged per step, this named a healthy rank."""
     steps = np.random.default_rng(7).uniform(0.029, 0.068, size=(200, 2))  # [steps x ranks] backward seconds
     timers = [PhaseTimer(tmp_path, rank=r, attempt="a", pp=False) for r in (0, 1)]
     emitted = []
@@ -397,7 +397,7 @@ def test_the_vectorised_peer_median_is_every_other_rank_of_the_group_and_fast_at
     m = rng.uniform(0.1, 0.2, size=(2048, len(NAMES)))
     t0 = _time.process_time()  # CPU time: other processes on a shared box do not count
     StragglerDetector(NAMES, groups=[r // 256 for r in range(2048)]).observe(m)
-    assert _time.process_time() - t0 < 0.5  # ~0.03 s; the Python double loop took 1.5 s per interval (issue 22.10)
+    assert _time.process_time() - t0 < 0.5  # ~0.03 s; the Python double loop took 1.5 s per interval
 
 
 def test_flushes_are_throttled_to_min_interval_but_none_is_lost(tmp_path: Path) -> None:

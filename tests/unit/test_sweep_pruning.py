@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs.config import compose
-from jobs.launch.sweep import _feasibility
+from jobs.launch.sweep import why_infeasible
 
 H100 = [
     "launcher=slurm",
@@ -20,13 +20,13 @@ H100 = [
 
 
 def test_a_point_that_fits_is_kept() -> None:
-    assert _feasibility(compose([*H100, "model=llama3_8b", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=-1"])) is None
+    assert why_infeasible(compose([*H100, "model=llama3_8b", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=-1"])) is None
 
 
 def test_a_point_that_does_not_fit_in_gpu_memory_is_pruned_by_the_planner() -> None:
     # Llama 3 70B sharded 8 ways holds ~70.6e9 * 16 B / 8 = 141 GB of params+grads+AdamW per GPU > 80 GB.
     # signal_delay_s: the stop path of a 70B async save (the save in flight, then a whole write) needs more than 120 s
-    why = _feasibility(
+    why = why_infeasible(
         compose(
             [*H100, "model=llama3_70b", "mesh.pp=1", "mesh.tp=1", "mesh.dp_shard=-1", "launcher.signal_delay_s=600"]
         )
@@ -35,5 +35,5 @@ def test_a_point_that_does_not_fit_in_gpu_memory_is_pruned_by_the_planner() -> N
 
 
 def test_a_point_with_a_bad_mesh_is_pruned_with_the_arithmetic() -> None:
-    why = _feasibility(compose([*H100, "mesh.pp=2", "mesh.tp=8", "mesh.dp_shard=1"]))
+    why = why_infeasible(compose([*H100, "mesh.pp=2", "mesh.tp=8", "mesh.dp_shard=1"]))
     assert why is not None and "= 16 != world size 8" in why

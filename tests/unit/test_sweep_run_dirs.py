@@ -1,4 +1,4 @@
-"""Each point of a `-m` sweep trains in its own run directory, decided from the overrides (issue 27).
+"""Each point of a `-m` sweep trains in its own run directory, decided from the overrides.
 
 The sweeps run in-process through Hydra's multirun with the real launcher plugins; the clock Hydra's
 `${now:...}` reads advances one second per call, so composing the points always crosses a second

@@ -33,7 +33,7 @@ def test_flops_per_token_of_the_tiny_model_is_6n_plus_causal_6lhqt():
     m = compose(["model=tiny"]).model  # dim 64, 4 layers, 8 heads (head dim 8), 4 kv heads, ffn 192, vocab 256
     block = 64 * 8 * (2 * 8 + 2 * 4) + 3 * 64 * 192  # wq, wk, wv, wo + w1, w2, w3 (norms are not matmuls)
     n = 4 * block + 256 * 64  # the head counts, the embedding lookup does not
-    # PaLM's 12·L·H·Q·T attention term, halved for the causal mask: the planner's formula (issue 13)
+    # PaLM's 12·L·H·Q·T attention term, halved for the causal mask: the planner's formula
     assert model_flops_per_token(m, seq_len=32) == 6 * n + 6 * 4 * 8 * 8 * 32
 
 

@@ -1,4 +1,4 @@
-"""The tier model and the partner ring against real failure domains (issue 37, item 9): hot spares are finite per
+"""The tier model and the partner ring against real failure domains: hot spares are finite per
 allocation, and partner copies leave the physical host (and the leaf switch) where the nodes allow."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from jobs.config import ModelConfig
-from jobs.ffn import FeedForward
+from jobs.models.ffn import FeedForward
 from parallel import ep as _ep  # the host-read seam, `_ep.to_host`
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The SwiGLU feed-forward block: the dense blocks' FFN (jobs/model.py) and the MoE's shared experts (jobs/moe.py)."""
+"""The SwiGLU feed-forward block: the dense blocks' FFN (jobs/models/model.py) and the MoE's shared experts (jobs/models/moe.py)."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jobs.config import ModelConfig
-from jobs.ffn import FeedForward
-from jobs.mla import MLA
-from jobs.moe import MoE
+from jobs.models.ffn import FeedForward
+from jobs.models.mla import MLA
+from jobs.models.moe import MoE
 
 __all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
@@ -81,14 +81,14 @@ def rope_head_dim(cfg: ModelConfig) -> int:
 
 
 def attention_block(cfg: ModelConfig) -> nn.Module:
-    """GQA (model.attention=gqa) or multi-head latent attention (mla, jobs/mla.py)."""
+    """GQA (model.attention=gqa) or multi-head latent attention (mla, jobs/models/mla.py)."""
     if cfg.attention == "mla":
         return MLA(cfg, rope=apply_rope, norm=RMSNorm)
     return Attention(cfg)
 
 
 def ffn_block(cfg: ModelConfig, layer: int) -> nn.Module:
-    """The FFN of block `layer`: dense SwiGLU before model.n_dense_layers or without experts, else MoE (jobs/moe.py)."""
+    """The FFN of block `layer`: dense SwiGLU before model.n_dense_layers or without experts, else MoE (jobs/models/moe.py)."""
     if cfg.n_routed_experts > 0 and layer >= cfg.n_dense_layers:
         return MoE(cfg)
     return FeedForward(cfg.dim, cfg.ffn_dim)
