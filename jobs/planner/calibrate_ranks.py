@@ -110,6 +110,17 @@ def _tps(cfg: JobConfig) -> list[int]:
     return out
 
 
+def _reports_left(q) -> dict[int, object]:
+    """What is still in the queue once the ranks ended (each rank's queue is flushed when it exits)."""
+    left: dict[int, object] = {}
+    while True:
+        try:
+            rank, value = q.get(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty: every report is read
+            return left
+        left[rank] = value
+
+
 def run_ranks(cfg: JobConfig) -> list[dict]:
     import torch.distributed.pipelining  # noqa: F401 - torch (and _dynamo) once in the parent, not in every forked rank
 
@@ -131,6 +142,7 @@ def run_ranks(cfg: JobConfig) -> list[dict]:
         p.join(timeout=10)
         if p.exitcode is None:
             p.kill()
+    results.update(_reports_left(q))  # the peers' reports sent after the first rank died, before they exited
     bad = {r: v for r, v in results.items() if isinstance(v, str)}
     bad.update({r: _silent_exit(p.exitcode) for r, p in enumerate(procs) if r not in results})
     if bad:
