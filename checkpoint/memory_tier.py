@@ -63,7 +63,7 @@ from checkpoint.partner import (
     replicas_for,
     shared_domains,
 )
-from checkpoint.scavenge import shard_geometry
+from checkpoint.scavenge_commit import shard_geometry
 from checkpoint.stream import stream_folder
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter

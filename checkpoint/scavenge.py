@@ -14,13 +14,14 @@ filesystem step the normal load reads on any mesh:
                 under the checkpoint folder: `__<r>_<i>.distcp` (its data files renamed to rank r's), and its DCP
                 metadata and manifest as `.ram-metadata.<r>` / `.ram-manifest.<r>.json`
         clean   removes the run's RAM folder on this node
-    batch side (`plan_flush`, `commit_flush`): picks the step, then merges the ranks' DCP metadata into one
+    batch side (`plan_flush`, scavenge_commit.commit_flush): picks the step, then merges the ranks' DCP metadata into one
         `.metadata` (chunks placed at their global offsets, a replicated chunk once), writes the manifest and
         renames the folder to `step_<N>`, as a save commits; never over an existing `step_<N>`, and never a step
         older than or equal to the filesystem's newest committed one. A partial flush is never loadable: its
         temporary folder is removed (or by the next load, as any `step_*.tmp`).
 
-jobs/launch/scavenge.py runs these on every node of a Slurm allocation.
+This module imports no torch (each node runs it in a fresh process at the end of an allocation); the merge and the
+commit are checkpoint/scavenge_commit.py's. jobs/launch/scavenge.py runs both on every node of a Slurm allocation.
 """
 
 from __future__ import annotations
@@ -28,25 +29,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import pickle
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.tensor import DTensor
-
+from checkpoint.config import folder_rank
 from checkpoint.manifest import (
     ManifestError,
     check_files,
@@ -54,27 +43,22 @@ from checkpoint.manifest import (
     fsync_dir,
     read_manifest,
     step_dirs,
-    write_manifest,
     write_synced,
 )
-from checkpoint.partner import folder_rank
 
 __all__ = [
     "Flush",
     "ScavengeError",
-    "shard_geometry",
     "list_run",
     "plan_flush",
     "newest_committed",
     "flush_tmp",
     "copy_shares",
-    "commit_flush",
-    "merge_metadata",
     "remove_run",
 ]
 
-_RAM_META, _RAM_MANIFEST = ".ram-metadata.{}", ".ram-manifest.{}.json"
-_DATA_RE = re.compile(r"^__\d+_(\d+)\.distcp$")
+RAM_METADATA, RAM_MANIFEST = ".ram-metadata.{}", ".ram-manifest.{}.json"  # rank r's, in a flush's folder
+DATA_FILE = re.compile(r"^__\d+_(\d+)\.distcp$")
 # what a RAM manifest must share with every other rank's copy of a flushed step (one save of one run)
 _IDENTITY = ("run_id", "world_size", "mesh", "config_hash", "attempt", "rollbacks")
 
@@ -94,19 +78,6 @@ class Flush:
     def shares(self, host: str) -> list[tuple[str, str, int]]:
         """(node folder, folder, rank) of the copies `host` sends."""
         return sorted((nf, f, r) for r, (h, nf, f) in self.sources.items() if h == host)
-
-
-def shard_geometry(tree: Any, prefix: str = "") -> dict[str, list[list[int]]]:
-    """{fqn: [global size, global offset]} of every DTensor in a nested dict, its fqn as DCP flattens it (keys
-    joined by "."): where the rank's local shard lies in the whole tensor (a RAM folder saves the shard alone)."""
-    out: dict[str, list[list[int]]] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(shard_geometry(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(tree, DTensor):
-        (chunk,) = tree.__create_chunk_list__()
-        out[prefix] = [list(tree.shape), list(chunk.offsets)]
-    return out
 
 
 def list_run(root: Path) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
@@ -182,107 +153,17 @@ def copy_shares(root: Path, tmp: Path, step: int, shares: list[tuple[str, str, i
             if bad:
                 raise ScavengeError("; ".join(bad))
             for name in m["files"]:
-                match = _DATA_RE.match(name)
-                dst = f"__{rank}_{match.group(1)}.distcp" if match else _RAM_META.format(rank)
+                match = DATA_FILE.match(name)
+                dst = f"__{rank}_{match.group(1)}.distcp" if match else RAM_METADATA.format(rank)
                 if name != ".metadata" and not match:
                     raise ScavengeError(f"unexpected file {name}")
                 shutil.copyfile(src / name, tmp / dst)
                 file_record(tmp / dst, checksum=False)  # fsyncs it
-            write_synced(tmp / _RAM_MANIFEST.format(rank), json.dumps(m).encode())
+            write_synced(tmp / RAM_MANIFEST.format(rank), json.dumps(m).encode())
         except Exception as e:  # noqa: BLE001 - reported; the flush is not committed
             problems.append(f"{node}/{folder}/step_{step}: {type(e).__name__}: {e}")
     fsync_dir(tmp)
     return problems
-
-
-def merge_metadata(metas: dict[int, Metadata], shards: dict[int, dict[str, list[list[int]]]]) -> Metadata:
-    """One DCP metadata over the ranks' RAM folders (rank r's data files renamed `__<r>_<i>.distcp`): each tensor
-    at its global size with every rank's chunk at its global offset (a chunk several ranks hold, replicated, read
-    from the lowest of them), each non-tensor entry from the lowest rank that has it."""
-    md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    planner: dict[str, Any] = {}
-    for rank in sorted(metas):
-        meta = metas[rank]
-        planner.update({k: v for k, v in (meta.planner_data or {}).items() if k not in planner})
-        by_fqn = {idx.fqn: info for idx, info in meta.storage_data.items()}
-        for fqn, item in meta.state_dict_metadata.items():
-            info = by_fqn[fqn]
-            m = _DATA_RE.match(info.relative_path)
-            info = dataclasses.replace(info, relative_path=f"__{rank}_{m.group(1) if m else 0}.distcp")
-            if isinstance(item, BytesStorageMetadata):
-                if fqn not in md:
-                    md[fqn], storage[MetadataIndex(fqn)] = item, info
-                continue
-            (chunk,) = item.chunks
-            size, offset = shards[rank].get(fqn, [list(item.size), [0] * len(item.size)])
-            entry = md.setdefault(fqn, TensorStorageMetadata(item.properties, torch.Size(size), []))
-            if list(entry.size) != list(size):
-                raise ScavengeError(f"{fqn}: rank {rank} says size {size}, another {list(entry.size)}")
-            if any(list(c.offsets) == list(offset) for c in entry.chunks):
-                continue  # replicated: the same chunk from a lower rank
-            entry.chunks.append(ChunkStorageMetadata(torch.Size(offset), chunk.sizes))
-            storage[MetadataIndex(fqn, offset)] = info
-    first = metas[min(metas)]
-    return Metadata(state_dict_metadata=md, planner_data=planner, storage_data=storage, version=first.version)
-
-
-def commit_flush(folder: Path, tmp: Path, flush: Flush, *, world_size: int, env: dict | None = None) -> Path:
-    """Batch side: merges what the nodes copied into `tmp` into one checkpoint of `flush.step` and commits it as a
-    save does (manifest written and fsynced, then one rename); raises ScavengeError (and removes `tmp`) when a
-    rank's copy is missing or a step at or above it is committed now. Returns the committed folder."""
-    try:
-        final = folder / f"step_{flush.step}"
-        if final.exists() or newest_committed(folder) >= flush.step:
-            raise ScavengeError(f"{final.name} or a newer step is on the filesystem already: nothing to flush")
-        metas, shards, manifests = {}, {}, {}
-        for r in range(world_size):
-            try:
-                manifests[r] = json.loads((tmp / _RAM_MANIFEST.format(r)).read_bytes())
-                metas[r] = _read_meta(tmp, r)
-            except OSError as e:
-                raise ScavengeError(f"rank {r}'s copy of step {flush.step} did not arrive ({e})") from None
-            shards[r] = manifests[r].get("shards") or {}
-        merged = merge_metadata(metas, shards)
-        with open(tmp / ".metadata", "wb") as f:
-            pickle.dump(merged, f)
-            f.flush()
-            os.fsync(f.fileno())
-        for r in range(world_size):
-            (tmp / _RAM_META.format(r)).unlink()
-            (tmp / _RAM_MANIFEST.format(r)).unlink()
-        files = {p.name: file_record(p) for p in sorted(tmp.iterdir())}
-        write_manifest(tmp, _manifest(flush, manifests[0], files, world_size=world_size, env=env))
-        os.rename(tmp, final)  # the commit
-        fsync_dir(folder)
-        return final
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _read_meta(tmp: Path, rank: int) -> Metadata:
-    with open(tmp / _RAM_META.format(rank), "rb") as f:
-        return pickle.load(f)
-
-
-def _manifest(flush: Flush, ram: dict, files: dict, *, world_size: int, env: dict | None) -> dict[str, Any]:
-    """The filesystem manifest of a flushed step (as checkpoint/commit.py writes one; `scavenged` says whence)."""
-    return {
-        "step": flush.step,
-        "time": time.time(),
-        "world_size": world_size,
-        "files": files,
-        "bytes": sum(f["size"] for f in files.values()),
-        "env": env or {},
-        "data_cursor": {"step": flush.step},
-        "rng_keys": [f"rng.rank{r}" for r in range(world_size)],
-        "interval": {},
-        "async_mode": "none",
-        "mesh": ram.get("mesh"),
-        "config_hash": ram.get("config_hash"),
-        "scavenged": {"from": "memory", "attempt": flush.attempt, "ram_saved": ram.get("time")},
-    }
 
 
 def remove_run(root: Path) -> int:

@@ -18,7 +18,6 @@ from checkpoint.manifest import read_manifest, step_dirs, write_manifest
 from checkpoint.scavenge import (
     Flush,
     ScavengeError,
-    commit_flush,
     copy_shares,
     flush_tmp,
     list_run,
@@ -26,6 +25,7 @@ from checkpoint.scavenge import (
     newest_committed,
     plan_flush,
 )
+from checkpoint.scavenge_commit import commit_flush
 from tests.unit.test_memory_tier import _resume, _run
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
