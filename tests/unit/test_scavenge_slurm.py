@@ -5,6 +5,7 @@ when a node never answers; the decider runs it before `scontrol requeue`, and it
 from __future__ import annotations
 
 import json
+import signal
 import stat
 import sys
 import time
@@ -18,6 +19,7 @@ from jobs import exitcodes
 from jobs.config import compose
 from jobs.events import EventLog, read_events
 from jobs.failure.respond import conclude
+from jobs.launch import supervise
 from jobs.launch.rundir import memory_root, run_id
 from jobs.launch.scavenge import scavenge_allocation
 from tests.unit.test_memory_tier import _cfg, _fresh, _train
@@ -136,3 +138,32 @@ def test_the_decider_scavenges_before_scontrol_requeue_and_a_failure_there_never
     assert conclude(_ctx(run, before_requeue=hook), cause="SIGUSR2", step=12) == exitcodes.REQUEUE
     assert len(seen) == 1 and "scontrol requeue" not in seen[0] and "scontrol requeue" in _verbs(slurm)
     assert json.loads((run / "incidents/9.0/decision.json").read_text())["action"] == "requeue"
+
+
+@pytest.mark.parametrize(
+    ("code", "end"),
+    [
+        (exitcodes.OK, [("allocation_end", True)]),
+        (exitcodes.CONFIG_ERROR, [("allocation_end", True)]),
+        (exitcodes.FAILED, [("allocation_end", True)]),
+        (exitcodes.DIVERGED, [("allocation_end", False)]),  # a diverged state is never made the newest checkpoint
+        (exitcodes.REQUEUE, []),  # scavenged before `scontrol requeue`: after it Slurm starts no step in the job
+    ],
+)
+def test_the_supervisor_scavenges_at_the_start_and_at_every_end_but_a_requeue(
+    tmp_path, monkeypatch, code: int, end: list
+) -> None:
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        supervise, "scavenge_allocation", lambda cfg, nodes, *, when, events, flush=True: calls.append((when, flush))
+    )
+    monkeypatch.setattr(supervise, "_attempts", lambda cfg, **kw: code)
+    for k, v in {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node1", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        assert supervise.supervise(_job_cfg(tmp_path), logs=("o", "e")) == code
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert calls == [("allocation_start", True), *end]
