@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shutil
 import sys
@@ -74,6 +75,14 @@ class Flush:
     step: int
     attempt: str
     sources: dict[int, tuple[str, str, str]]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Flush:
+        d = json.loads(text)
+        return cls(int(d["step"]), str(d["attempt"]), {int(q): tuple(s) for q, s in d["sources"].items()})
 
     def shares(self, host: str) -> list[tuple[str, str, int]]:
         """(node folder, folder, rank) of the copies `host` sends."""
@@ -167,8 +176,15 @@ def copy_shares(root: Path, tmp: Path, step: int, shares: list[tuple[str, str, i
 
 
 def remove_run(root: Path) -> int:
-    """Node side: removes the run's RAM folder `root` on this node; returns the bytes it held."""
-    nbytes = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+    """Node side: removes the run's RAM folder `root` on this node; returns the bytes it held (what another task
+    removes meanwhile, where nodes share one memory folder, is not counted)."""
+    nbytes = 0
+    for d, _, names in os.walk(root):
+        for name in names:
+            try:
+                nbytes += os.stat(os.path.join(d, name)).st_size
+            except OSError:
+                continue
     shutil.rmtree(root, ignore_errors=True)
     return nbytes
 

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,12 @@ def commit_flush(folder: Path, tmp: Path, flush: Flush, *, world_size: int, env:
         for r in range(world_size):
             (tmp / RAM_METADATA.format(r)).unlink()
             (tmp / RAM_MANIFEST.format(r)).unlink()
-        files = {p.name: file_record(p) for p in sorted(tmp.iterdir())}
+        files = {".metadata": file_record(tmp / ".metadata")}
+        for r in range(world_size):  # the data files as copied: their records (size, crc32) are the RAM manifest's
+            for name, rec in manifests[r]["files"].items():
+                m = DATA_FILE.match(name)
+                if m:
+                    files[f"__{r}_{m.group(1)}.distcp"] = rec
         write_manifest(tmp, _manifest(flush, manifests[0], files, world_size=world_size, env=env))
         os.rename(tmp, final)  # the commit
         fsync_dir(folder)
@@ -106,6 +112,20 @@ def commit_flush(folder: Path, tmp: Path, flush: Flush, *, world_size: int, env:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m checkpoint.scavenge_commit FOLDER TMP FLUSH_JSON WORLD_SIZE [ENV_JSON]`: `commit_flush` in a
+    process of its own (the supervisor imports no torch, and bounds it); prints {"committed": path} or {"error"}."""
+    a = sys.argv[1:] if argv is None else argv
+    env = json.loads(a[4]) if len(a) > 4 else None
+    try:
+        final = commit_flush(Path(a[0]), Path(a[1]), Flush.from_json(a[2]), world_size=int(a[3]), env=env)
+    except Exception as e:  # noqa: BLE001 - reported to the caller
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"[:2000]}))
+        return 1
+    print(json.dumps({"committed": str(final)}))
+    return 0
 
 
 def _read_meta(tmp: Path, rank: int) -> Metadata:
@@ -130,3 +150,7 @@ def _manifest(flush: Flush, ram: dict, files: dict, *, world_size: int, env: dic
         "config_hash": ram.get("config_hash"),
         "scavenged": {"from": "memory", "attempt": flush.attempt, "ram_saved": ram.get("time")},
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.scavenge import flush_tmp, newest_committed, plan_flush
-from checkpoint.scavenge_commit import commit_flush
 from jobs.config import JobConfig
 from jobs.events import EventLog
 from jobs.launch.rundir import memory_root, run_id
@@ -107,7 +106,7 @@ def scavenge_allocation(
 
 def _scavenge(cfg: JobConfig, nodes: list[str], deadline: float, *, flush: bool) -> dict[str, Any]:
     root, folder = memory_root(cfg), Path(cfg.run.dir) / "checkpoints"
-    listed, failed = _on_nodes(cfg, nodes, lambda n: ["list", str(root)], _share(deadline, 3))
+    listed, failed = _on_nodes(cfg, nodes, lambda n: ["list", str(root)], _share(deadline, 4))
     nodes = [n for n in nodes if n not in failed]  # a node that did not answer is not asked again
     newest = newest_committed(folder)
     plan = plan_flush(listed, newer_than=newest, run_id=run_id(cfg.run.dir)) if flush else None
@@ -123,14 +122,14 @@ def _scavenge(cfg: JobConfig, nodes: list[str], deadline: float, *, flush: bool)
                 if plan.shares(n)
                 else None
             ),
-            deadline,
+            _share(deadline, 3),
         )
         problems = [f"{n}: {p}" for n, r in copied.items() for p in r.get("problems", [])]
         problems += [f"{n}: {w}" for n, w in why.items()]
         try:
             if problems:
                 raise RuntimeError("; ".join(problems)[:1500])
-            commit_flush(folder, tmp, plan, world_size=cfg.world_size, env=_env_of(folder, newest))
+            _commit(cfg, folder, tmp, plan.to_json(), env=_env_of(folder, newest), deadline=_share(deadline, 2))
             facts["flushed_step"] = plan.step
         except Exception as e:  # noqa: BLE001 - recorded; the folders are removed all the same
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,6 +140,20 @@ def _scavenge(cfg: JobConfig, nodes: list[str], deadline: float, *, flush: bool)
     if failed:
         facts["failed_nodes"] = failed
     return facts
+
+
+def _commit(cfg: JobConfig, folder: Path, tmp: Path, plan: str, *, env: dict | None, deadline: float) -> None:
+    """checkpoint/scavenge_commit.py in a process of its own, by `deadline`; raises what went wrong."""
+    cmd = [sys.executable, "-m", "checkpoint.scavenge_commit", str(folder), str(tmp), plan, str(cfg.world_size)]
+    r = subprocess.run(
+        [*cmd, json.dumps(env)], capture_output=True, text=True, timeout=max(0.1, deadline - time.monotonic())
+    )
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        out = {"error": f"exit {r.returncode}: {r.stderr.strip()[-500:]}"}
+    if "committed" not in out:
+        raise RuntimeError(out.get("error"))
 
 
 def _share(deadline: float, rounds: int) -> float:

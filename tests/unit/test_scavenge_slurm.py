@@ -5,6 +5,7 @@ when a node never answers; the decider runs it before `scontrol requeue`, and it
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import stat
 import sys
@@ -81,26 +82,29 @@ def _train_run(tmp_path: Path, cfg) -> None:
 def test_the_end_of_an_allocation_flushes_the_newer_ram_step_and_removes_the_runs_folders(tmp_path, srun) -> None:
     cfg = _job_cfg(tmp_path)
     _train_run(tmp_path, cfg)
-    assert memory_root(cfg).is_dir()
+    shutil.copytree(memory_root(cfg), tmp_path / "ram-copy")
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0")
+    folder = Path(cfg.run.dir) / "checkpoints"
+    # exit 77 (diverged): nothing is flushed, the folders still go
+    out = scavenge_allocation(cfg, ["node1"], when="allocation_end", events=events, flush=False)
+    assert out["flushed_step"] is None and out["ram_steps"] == [5] and not memory_root(cfg).exists()
+    assert [s for s, _ in step_dirs(folder)] == [4, 2]
+    shutil.copytree(tmp_path / "ram-copy", memory_root(cfg))
     out = scavenge_allocation(cfg, ["node1", "node2"], when="allocation_end", events=events)
     assert out is not None and out["flushed_step"] == 5 and out["filesystem_step"] == 4 and out["ram_steps"] == [5]
     assert "failed_nodes" not in out and "error" not in out and out["removed_bytes"] > 0
-    folder = Path(cfg.run.dir) / "checkpoints"
     assert [s for s, _ in step_dirs(folder)] == [5, 4, 2] and read_manifest(folder / "step_5", step=5)["scavenged"]
     assert not memory_root(cfg).exists()
-    (rec,) = read_events(events.path, "ram_scavenged")
-    assert rec["flushed_step"] == 5 and rec["when"] == "allocation_end"
+    assert [(e["when"], e["flushed_step"]) for e in read_events(events.path, "ram_scavenged")] == [
+        ("allocation_end", None),
+        ("allocation_end", 5),
+    ]
     # list on both nodes, flush on the node that holds the copy only, clean on both
-    sruns = [json.loads(line) for line in (srun / "sruns.jsonl").read_text().splitlines()]
+    sruns = [json.loads(line) for line in (srun / "sruns.jsonl").read_text().splitlines()][2:]  # the 77 case's 2
     rounds = [(c["node"], c["args"][c["args"].index("checkpoint.scavenge") + 1]) for c in sruns]
     assert sorted(rounds) == sorted(
-        [("node1", "list"), ("node2", "list"), ("node1", "flush")] + [("node1", "clean"), ("node2", "clean")]
+        [("node1", "list"), ("node2", "list"), ("node1", "flush"), ("node1", "clean"), ("node2", "clean")]
     )
-    # exit 77 (diverged): nothing is flushed, the folders still go
-    _train_run(tmp_path, cfg)
-    out = scavenge_allocation(cfg, ["node1"], when="allocation_end", events=events, flush=False)
-    assert out["flushed_step"] is None and not memory_root(cfg).exists()
 
 
 def test_a_node_that_never_answers_does_not_hold_up_the_end_of_the_allocation(tmp_path, srun) -> None:
@@ -108,11 +112,13 @@ def test_a_node_that_never_answers_does_not_hold_up_the_end_of_the_allocation(tm
     _train_run(tmp_path, cfg)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0")
     t0 = time.monotonic()
-    out = scavenge_allocation(cfg, ["node1", "node3"], when="requeue", events=events, timeout_s=8)
-    assert time.monotonic() - t0 < 8 + 5
-    assert out["failed_nodes"] == {"node3": "no answer in time"}  # asked once, in the first round's share of 8 s
-    assert out["flushed_step"] == 5 and not memory_root(cfg).exists()  # node1 answered: flushed and removed there
-    assert [p.name for p in (Path(cfg.run.dir) / "checkpoints").iterdir() if p.name.endswith(".tmp")] == []
+    out = scavenge_allocation(cfg, ["node1", "node3"], when="requeue", events=events, timeout_s=12)
+    assert time.monotonic() - t0 < 12 + 2 + 2  # its bound, srun's grace after SIGTERM, the record
+    assert out["failed_nodes"] == {"node3": "no answer in time"}  # asked once, in the first round's share
+    # node1 went on alone: its copy flushed within the time left, or not at all; never half
+    folder = Path(cfg.run.dir) / "checkpoints"
+    assert [s for s, _ in step_dirs(folder)] == ([5, 4, 2] if out["flushed_step"] == 5 else [4, 2]), out
+    assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_with_the_ram_tier_off_nothing_runs_on_the_nodes(tmp_path, srun) -> None:
