@@ -106,7 +106,11 @@ def scavenge_allocation(
 
 def _scavenge(cfg: JobConfig, nodes: list[str], deadline: float, *, flush: bool) -> dict[str, Any]:
     root, folder = memory_root(cfg), Path(cfg.run.dir) / "checkpoints"
-    listed, failed = _on_nodes(cfg, nodes, lambda n: ["list", str(root)], _share(deadline, 4))
+    gone = _unreachable(nodes)
+    listed, failed = _on_nodes(
+        cfg, [n for n in nodes if n not in gone], lambda n: ["list", str(root)], _share(deadline, 4)
+    )
+    failed.update(gone)
     nodes = [n for n in nodes if n not in failed]  # a node that did not answer is not asked again
     newest = newest_committed(folder)
     plan = plan_flush(listed, newer_than=newest, run_id=run_id(cfg.run.dir)) if flush else None
@@ -154,6 +158,23 @@ def _commit(cfg: JobConfig, folder: Path, tmp: Path, plan: str, *, env: dict | N
         out = {"error": f"exit {r.returncode}: {r.stderr.strip()[-500:]}"}
     if "committed" not in out:
         raise RuntimeError(out.get("error"))
+
+
+def _unreachable(nodes: list[str]) -> dict[str, str]:
+    """{node: why} of the nodes Slurm says are down or not responding (a step there would wait out its share);
+    {} when sinfo cannot say."""
+    try:
+        r = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out = {}
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        node, _, state = line.partition(" ")
+        if state.endswith("*") or state.strip() in ("down", "fail", "failg"):
+            out[node] = f"not reachable (sinfo: {state.strip()})"
+    return out
 
 
 def _share(deadline: float, rounds: int) -> float:

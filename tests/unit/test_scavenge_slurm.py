@@ -46,6 +46,8 @@ def srun(tmp_path: Path, monkeypatch) -> Path:
     fake.mkdir()
     (fake / "srun").write_text(_SRUN.format(python=sys.executable))
     (fake / "srun").chmod((fake / "srun").stat().st_mode | stat.S_IXUSR)
+    (fake / "sinfo").write_text('#!/bin/sh\ncat "$(dirname "$0")/sinfo.out" 2>/dev/null || exit 1\n')
+    (fake / "sinfo").chmod(0o755)  # says what sinfo.out holds; without it, cannot say (exit 1)
     monkeypatch.setenv("PATH", f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin")
     return fake
 
@@ -119,6 +121,16 @@ def test_a_node_that_never_answers_does_not_hold_up_the_end_of_the_allocation(tm
     folder = Path(cfg.run.dir) / "checkpoints"
     assert [s for s, _ in step_dirs(folder)] == ([5, 4, 2] if out["flushed_step"] == 5 else [4, 2]), out
     assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_node_slurm_says_is_down_is_not_asked(tmp_path, srun) -> None:
+    cfg = _job_cfg(tmp_path)
+    _train_run(tmp_path, cfg)
+    (srun / "sinfo.out").write_text("node1 mix\nnode3 down*\n")
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0")
+    out = scavenge_allocation(cfg, ["node1", "node3"], when="allocation_end", events=events)
+    assert out["failed_nodes"] == {"node3": "not reachable (sinfo: down*)"} and out["flushed_step"] == 5
+    assert {json.loads(line)["node"] for line in (srun / "sruns.jsonl").read_text().splitlines()} == {"node1"}
 
 
 def test_with_the_ram_tier_off_nothing_runs_on_the_nodes(tmp_path, srun) -> None:
