@@ -530,7 +530,11 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:
         d = decide_for_silent_attempt(ctx, step_code=step_code, why=f"the agents' srun step exited {step_code}")
-    return step_code if d is None else int(d["exit_code"])
+    code = step_code if d is None else int(d["exit_code"])
+    if code != exitcodes.REQUEUE:  # the end of the allocation, as the supervisor's (a requeue scavenged before it)
+        nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
+        scavenge_allocation(cfg, nodes, when="allocation_end", events=ctx.events, flush=code != exitcodes.DIVERGED)
+    return code
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:

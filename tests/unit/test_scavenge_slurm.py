@@ -185,3 +185,21 @@ def test_the_supervisor_scavenges_at_the_start_and_at_every_end_but_a_requeue(
         for s, h in handlers.items():
             signal.signal(s, h)
     assert calls == [("allocation_start", True), *end]
+
+
+def test_the_torchrun_style_batch_step_scavenges_once_its_agents_ended_but_not_after_a_requeue(
+    tmp_path, monkeypatch
+) -> None:
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        supervise, "scavenge_allocation", lambda cfg, nodes, *, when, events, flush=True: calls.append((when, flush))
+    )
+    for k, v in {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node1", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = _job_cfg(tmp_path)
+    for code in (exitcodes.OK, exitcodes.DIVERGED):
+        monkeypatch.setattr(supervise, "read_decision", lambda *a, code=code, **k: {"exit_code": code})
+        assert supervise.after_agents(cfg, step_code=code) == code
+    monkeypatch.setattr(supervise, "read_decision", lambda *a, **k: {"exit_code": exitcodes.REQUEUE})
+    assert supervise.after_agents(cfg, step_code=exitcodes.REQUEUE) == exitcodes.REQUEUE
+    assert calls == [("allocation_end", True), ("allocation_end", False)]
