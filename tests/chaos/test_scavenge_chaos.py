@@ -85,7 +85,7 @@ def test_a_requeue_flushes_the_newer_ram_step_resumes_from_it_and_no_node_keeps_
     root = str(memory_root("/dev/shm", run_id(run_root)))
     try:
         deadline = time.monotonic() + STEP_S
-        while not (run_root / f"heartbeats/{first}/rank1.json").exists():
+        while not all((run_root / f"heartbeats/{first}/rank{r}.json").exists() for r in (0, 1)):
             assert time.monotonic() < deadline, f"no rank of {first} within {STEP_S} s"
             time.sleep(0.2)
         pids = [rank_pid(run_root, first, r) for r in (0, 1)]
