@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class CheckpointConfig:
         None  # RAM tier: partner copies of each rank's shard on another node (0 | 1); null = 1 when > 1 node
     )
     memory_load: bool = True  # RAM tier: false = a restart reads the filesystem tier only (a manual rollback)
+    scavenge_timeout_s: float = 120.0  # RAM tier under Slurm: bound of the flush + removal at an allocation's edges
 
     def __post_init__(self) -> None:
         if self.interval not in ("steps", "auto"):
@@ -56,6 +58,11 @@ class CheckpointConfig:
                 f"checkpoint.memory_replicas({self.memory_replicas}) must be 0, 1 or null (1 when the job "
                 "has more than one node): one partner copy, on the next node, is what is built"
             )
+        if self.scavenge_timeout_s <= 0:
+            raise ValueError(
+                f"checkpoint.scavenge_timeout_s({self.scavenge_timeout_s}) must be > 0: the bound of the RAM tier's "
+                "flush and removal at the end of an allocation (e.g. checkpoint.scavenge_timeout_s=120)"
+            )
         if self.verify not in ("checksum", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r}: use checksum or size")
 
@@ -69,6 +76,16 @@ def memory_root(memory_dir: str, run_id: str) -> Path:
     """One run's folder of the RAM tier: `checkpoint.memory_dir/meshjob-<run id>`, holding one folder per node
     (named by CheckpointManager's `node`); the run's identity in the path, so no run ever lists another's copies."""
     return Path(memory_dir) / f"meshjob-{run_id}"
+
+
+_FOLDER = re.compile(r"^(?:rank|partner_of_rank)_(\d+)$")
+
+
+def folder_rank(name: str) -> int | None:
+    """The rank whose state a node's folder of the RAM tier holds: `rank_<q>` (q's own saves) or
+    `partner_of_rank_<q>` (the copies of q's saves held there); None for any other name."""
+    m = _FOLDER.match(name)
+    return int(m.group(1)) if m else None
 
 
 def replicas_for(memory_replicas: int | None, *, nodes: int, memory_on: bool) -> int:

@@ -63,6 +63,7 @@ from checkpoint.partner import (
     replicas_for,
     shared_domains,
 )
+from checkpoint.scavenge_commit import shard_geometry
 from checkpoint.stream import stream_folder
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
@@ -133,6 +134,7 @@ class MemoryTierMixin:
         self._partner_used: list[int] = []
         self._nodes = [self.node]  # every rank's node (_init_partners)
         self._replicas, self._partners, self._sources, self._mem_pg = 0, [], [], None
+        self._save_shards: dict[str, list[list[int]]] = {}  # the RAM save in flight's DTensor shards (its manifest)
         self._save_rollbacks = 0  # rollbacks the bound state knows at the RAM save in flight (its manifest)
         self._known_rollbacks = 0  # rollbacks the run knows at a load (load_latest): fewer = a stale RAM step
 
@@ -214,7 +216,8 @@ class MemoryTierMixin:
         self.wait_memory()
         self._settle_memory_interval()
         self._last_memory_step = step
-        tree = _local_tree(self._state_dict())
+        sd = self._state_dict()
+        tree, self._save_shards = _local_tree(sd), shard_geometry(sd)  # where the shards lie: for a flush (scavenge)
         self._save_rollbacks = self._rollbacks_in_state()  # the timeline the step belongs to, in its manifest
         if self.cfg.async_mode == "none":
             self._memory_job(step, tree, t0, None, None)
@@ -329,6 +332,7 @@ class MemoryTierMixin:
                 "mesh": self.manifest_extra.get("mesh"),
                 "config_hash": self.manifest_extra.get("config_hash"),
                 "rollbacks": self._save_rollbacks,
+                "shards": self._save_shards,  # {fqn: [global size, global offset]}: checkpoint/scavenge.py
                 "node": self.node,
                 "files": files,
                 "bytes": nbytes,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
 import shutil
 import zlib
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.config import replicas_for
+from checkpoint.config import folder_rank, replicas_for
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import MANIFEST, fsync_dir, read_manifest, write_synced
 
@@ -93,16 +92,6 @@ def spread_ring(order: list[str], domain: dict[str, str]) -> list[str]:
 def shared_domains(nodes: list[str], partners: list[int], domains: list[str]) -> list[tuple[str, str]]:
     """(node, the node holding its partner copies) for every node whose copies stay in its own failure domain."""
     return sorted({(nodes[r], nodes[p]) for r, p in enumerate(partners) if domains[r] and domains[r] == domains[p]})
-
-
-_FOLDER = re.compile(r"^(?:rank|partner_of_rank)_(\d+)$")
-
-
-def folder_rank(name: str) -> int | None:
-    """The rank whose state a node's folder of the RAM tier holds: `rank_<q>` (q's own saves) or
-    `partner_of_rank_<q>` (the copies of q's saves held there); None for any other name."""
-    m = _FOLDER.match(name)
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,6 +77,9 @@ class AttemptContext:
     nodes_needed: int = 1
     always_excluded: list[str] = field(default_factory=list)  # cluster.exclude, expanded: in every ExcNodeList
     pending_stop: Callable[[], str | None] | None = None  # the stop signal that arrived (its name), if any
+    # run just before `scontrol requeue` (after it Slurm starts no step in the job): the RAM tier's scavenge
+    # (jobs/launch/scavenge.py), bounded by itself; whatever it does, the requeue follows
+    before_requeue: Callable[[], object] | None = None
 
 
 def open_attempt(ctx: AttemptContext, **facts) -> None:
@@ -113,6 +116,7 @@ def _conclude(
     try:
         d = _decide(ctx, cause=cause, step=step, incident=incident, recorded=recorded, done=done)
         if d.action == "requeue" and ctx.job_id:
+            _before_requeue(ctx)
             excluded = d.excluded  # an update replaces the job's exclusion: cluster.exclude goes in again
             exclude = list(dict.fromkeys([*excluded, *ctx.always_excluded]))
             ok, said = requeue_excluding(ctx.job_id, exclude) if excluded else requeue_job(ctx.job_id)
@@ -138,6 +142,15 @@ def _conclude(
         except Exception as e:  # noqa: BLE001 - the summary is for reading only
             log.error("no summary of the attempts: %s", e)
     return d
+
+
+def _before_requeue(ctx: AttemptContext) -> None:
+    """`ctx.before_requeue`, if any; a failure there is logged and never stops the requeue."""
+    if ctx.before_requeue is not None:
+        try:
+            ctx.before_requeue()
+        except Exception as e:  # noqa: BLE001 - the requeue must happen
+            get_logger().warning("before the requeue: %s: %s", type(e).__name__, e)
 
 
 def _decide(

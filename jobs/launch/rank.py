@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -29,8 +30,9 @@ from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
-from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, always_excluded
+from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, always_excluded, expand_nodelist
 from jobs.launch.rendezvous import rendezvous
+from jobs.launch.scavenge import scavenge_allocation
 from jobs.log import get_logger, setup_logging
 from jobs.telemetry.health import GpuHealth, rank_health
 
@@ -59,6 +61,15 @@ def attempt_context(cfg: JobConfig, env: DistEnv, events: EventLog, *, rank: int
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
         always_excluded=always_excluded(cfg),
+        # under Slurm: the RAM tier flushed and removed on every node of the job before the decider requeues it
+        before_requeue=_scavenger(cfg, events) if env.job_id else None,
+    )
+
+
+def _scavenger(cfg: JobConfig, events: EventLog) -> Callable[[], object]:
+    """The RAM tier's scavenge of every node of the job (jobs/launch/scavenge.py), for `before_requeue`."""
+    return lambda: scavenge_allocation(
+        cfg, expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")), when="requeue", events=events
     )
 
 

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from jobs import exitcodes
@@ -51,6 +52,7 @@ from jobs.failure.respond import (
 from jobs.failure.signals import parse_signals
 from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_name, expand_nodelist, slurm_job_id
+from jobs.launch.scavenge import scavenge_allocation
 from jobs.launch.slurm_state import seconds_left
 from jobs.log import get_logger
 
@@ -126,6 +128,26 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     path = rank_config_path(cfg.run.dir, job_id, restart)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(cfg))
+    # What an allocation that could not scavenge left on these nodes (checkpoint/scavenge.py), before any rank
+    edge = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt_name(job_id, restart))
+    scavenge_allocation(cfg, nodes, when="allocation_start", events=edge)
+    code = _attempts(cfg, logs=logs, job_id=job_id, restart=restart, nodes=nodes, path=path, stopping=stopping)
+    if code != exitcodes.REQUEUE:  # a requeue scavenged before `scontrol requeue` (after it, Slurm starts no step)
+        scavenge_allocation(cfg, nodes, when="allocation_end", events=edge, flush=code != exitcodes.DIVERGED)
+    return code
+
+
+def _attempts(
+    cfg: JobConfig,
+    *,
+    logs: tuple[str, str],
+    job_id: str,
+    restart: int,
+    nodes: list[str],
+    path: Path,
+    stopping: list[int],
+) -> int:
+    """The attempts of this allocation (see `supervise`); the last one's exit code."""
     n = 0
     while True:
         # Before every attempt: a spare may have replaced a node since (jobs.failure.spares).
@@ -148,6 +170,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             partition=cfg.cluster.partition,
             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
             always_excluded=always_excluded(cfg),
+            before_requeue=_scavenger(cfg, nodes, events),
         )
         placed = _placement(cfg, nodes)
         open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
@@ -176,7 +199,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
             return code if d is None else int(d["exit_code"])
         why = _no_restart_now(cfg, job_id, stopping)
         if why is not None:  # a restarted step would start without the notice, or be killed by the time limit
-            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why)
+            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why, nodes=nodes)
         get_logger().warning(
             "attempt %s ended by a restart decision: starting the ranks again (restart %d inside job %s)",
             attempt,
@@ -205,10 +228,11 @@ def _no_restart_now(cfg: JobConfig, job_id: str, stopping: list[int]) -> str | N
     return None
 
 
-def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str) -> int:
+def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str, nodes: list[str]) -> int:
     """The restart that will not happen is decided as the attempt after it (as the guard does): a requeue
     within the budgets, nothing when Slurm is cancelling the job."""
     attempt = attempt_name(job_id, restart, n)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
     ctx = AttemptContext(
         run_dir=cfg.run.dir,
         attempt=attempt,
@@ -217,15 +241,21 @@ def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause
         job_id=job_id,
         restart_count=restart,
         cfg=cfg.failure,
-        events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
+        events=events,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
         always_excluded=always_excluded(cfg),
+        before_requeue=_scavenger(cfg, nodes, events),
     )
     if not _claimed(cfg.run.dir, attempt):
         d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
         return int(d["exit_code"]) if d else exitcodes.REQUEUE
     return conclude(ctx, cause=cause, step=None)
+
+
+def _scavenger(cfg: JobConfig, nodes: list[str], events: EventLog) -> Callable[[], object]:
+    """The RAM tier's scavenge of this allocation, for a requeue decided here (`AttemptContext.before_requeue`)."""
+    return lambda: scavenge_allocation(cfg, nodes, when="requeue", events=events)
 
 
 def _step_failed(ctx: AttemptContext, code: int, *, exits_said: str | None) -> dict | None:
@@ -510,7 +540,11 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:
         d = decide_for_silent_attempt(ctx, step_code=step_code, why=f"the agents' srun step exited {step_code}")
-    return step_code if d is None else int(d["exit_code"])
+    code = step_code if d is None else int(d["exit_code"])
+    if code != exitcodes.REQUEUE:  # the end of the allocation, as the supervisor's (a requeue scavenged before it)
+        nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
+        scavenge_allocation(cfg, nodes, when="allocation_end", events=ctx.events, flush=code != exitcodes.DIVERGED)
+    return code
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:
