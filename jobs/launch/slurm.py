@@ -27,6 +27,10 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
             _signal.signal(_s, _signal.SIG_IGN)
         _stop = _StopSignals()
     else:
+        if _sys.argv[1:2] == ["--rank-config"] and "--task-exits" in _sys.argv:  # the srun task: a watcher that
+            from jobs.launch.task_exits import watched as _watched  # records how the rank ends; the rank is its child
+
+            _watched(_sys.argv[_sys.argv.index("--task-exits") + 1])
         _stop = _StopSignals().install(_parse_signals(["SIGUSR2", "SIGTERM"]))
 
 import os
@@ -391,8 +395,8 @@ _MODES = ("--supervise", "--rank-config", "--prepare", "--rank", "--agent", "--a
 
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
-    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
-    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once),
+    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH [--task-exits DIR]`
+    (every rank, started by the supervisor; the srun task watches it and writes its exit record to DIR). torchrun style: `--prepare OVERRIDES` (the batch step, once),
     `--agent TORCHRUN_ARGS` (one per node), `--rank OVERRIDES` (every rank, started by the agent) and
     `--after-agents CODE OVERRIDES` (the batch step again, with the agents' srun exit code: the job's exit code)."""
     from jobs.config import compose
@@ -434,7 +438,8 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in _MODES:
         print(
-            "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
+            "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | "
+            "--rank-config PATH [--task-exits DIR] | "
             "--agent TORCHRUN_ARGS... | --after-agents SRUN_EXIT_CODE [OVERRIDES...]  "
             "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
             "`python -m jobs.train launcher=slurm`)",
