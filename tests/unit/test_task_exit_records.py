@@ -217,3 +217,17 @@ def test_a_tasks_record_overrides_sruns_words_and_the_most_final_code_is_the_ste
     exits.codes = {0: 137, 1: exitcodes.FAILED}  # srun: task 0 Killed; task 1 in words it could not tell
     end = exits.end(137, {1: {"task": 1, "exit_code": 76, "signal": None}}, ntasks=2)
     assert end.task_codes == {0: 137, 1: 76} and end.job_code == exitcodes.STOPPED  # not srun's 137
+
+
+def test_the_srun_style_rank_entry_runs_its_rank_under_the_watcher(tmp_path: Path) -> None:
+    # What the supervisor's srun starts on every task: `--rank-config PATH --task-exits DIR` (a config that is not
+    # there: the rank fails at once, with 1).
+    cmd = ["-m", "jobs.launch.slurm", "--rank-config", str(tmp_path / "none.pkl"), "--task-exits", str(tmp_path / "x")]
+    proc = subprocess.Popen(
+        [sys.executable, *cmd], env={**os.environ, "SLURM_PROCID": "5"}, stderr=subprocess.PIPE, text=True
+    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == exitcodes.FAILED, err[-2000:]
+    rec = read_records(tmp_path / "x")[5]
+    assert (rec["exit_code"], rec["signal"]) == (exitcodes.FAILED, None)
+    assert rec["pid"] != proc.pid  # the rank ran as the child of the task srun started
