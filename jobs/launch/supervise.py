@@ -373,17 +373,17 @@ def _run_step(
     folder = exits_dir(run_dir, attempt)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     exits = _RankExits(proc)
-    decided_at, looked_at = None, 0.0
+    decided_at, looked_at, records = None, 0.0, {}
     while True:
         try:
             code = proc.wait(timeout=_POLL_S)
             exits.settled()
-            return exits.end(code, read_records(folder), ntasks=ntasks)
+            return exits.end(code, read_records(folder, known=records), ntasks=ntasks)
         except subprocess.TimeoutExpired:
             pass
         if exits.first_at is None and time.monotonic() - looked_at > _RECORDS_S:
-            looked_at = time.monotonic()
-            exits.recorded(read_records(folder))
+            looked_at, records = time.monotonic(), read_records(folder, known=records)
+            exits.recorded(records)
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
             decided_at = time.monotonic()
         if decided_at is None and exits.first_at is not None and time.monotonic() - exits.first_at > no_decision_s:

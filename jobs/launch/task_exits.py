@@ -55,15 +55,17 @@ def watched(folder: str | os.PathLike[str]) -> None:
     _end_as(status)
 
 
-def read_records(folder: str | os.PathLike[str]) -> dict[int, dict]:
-    """Every complete exit record in `folder`, by task; {} when there is none (or no folder)."""
-    out: dict[int, dict] = {}
+def read_records(folder: str | os.PathLike[str], *, known: dict[int, dict] | None = None) -> dict[int, dict]:
+    """Every complete exit record in `folder`, by task; {} when there is none (or no folder). `known`: records read
+    before (a task writes one record): only the others are read (a supervisor polls thousands of tasks)."""
+    out: dict[int, dict] = dict(known or {})
     try:
         names = os.listdir(folder)
     except OSError:
         return out
+    read = {record_path(folder, t).name for t in out}
     for name in names:
-        if not (name.startswith("task") and name.endswith(".json")):
+        if not (name.startswith("task") and name.endswith(".json")) or name in read:
             continue
         try:
             rec = json.loads((Path(folder) / name).read_text())

@@ -231,3 +231,11 @@ def test_the_srun_style_rank_entry_runs_its_rank_under_the_watcher(tmp_path: Pat
     rec = read_records(tmp_path / "x")[5]
     assert (rec["exit_code"], rec["signal"]) == (exitcodes.FAILED, None)
     assert rec["pid"] != proc.pid  # the rank ran as the child of the task srun started
+
+
+def test_records_read_before_are_not_read_again(tmp_path: Path) -> None:
+    _task(tmp_path, "exit:0", task=0)
+    first = read_records(tmp_path)
+    (tmp_path / "task0.json").write_text("not read again")
+    _task(tmp_path, "exit:75", task=1)
+    assert {t: r["exit_code"] for t, r in read_records(tmp_path, known=first).items()} == {0: 0, 1: 75}
