@@ -439,11 +439,12 @@ class _RankExits:
 
     def end(self, code: int, records: dict[int, dict], *, ntasks: int) -> StepEnd:
         """The step's end: each task's code from its record, else srun's line; the tasks with neither are lost
-        (in a step whose tasks wrote records: the records' absence then means something)."""
+        (in a step whose tasks wrote records and that srun saw end badly: then a missing record means something)."""
         self.recorded(records)
         codes = {**self.codes, **{t: int(r["exit_code"]) for t, r in records.items()}}
         gone = self.first
-        lost = [t for t in range(ntasks) if t not in codes] if records else []
+        # srun exits 0 only when every task did: then a missing record is a write that failed, not a lost task
+        lost = [t for t in range(ntasks) if t not in codes] if records and code != exitcodes.OK else []
         if gone is None and lost:
             gone = f"task(s) {_ranges(lost)} left no exit record and srun named no end for them (lost with their node?)"
         return StepEnd(code, gone, self.last_error, codes, recorded=len(records), ntasks=ntasks)

@@ -239,3 +239,11 @@ def test_records_read_before_are_not_read_again(tmp_path: Path) -> None:
     (tmp_path / "task0.json").write_text("not read again")
     _task(tmp_path, "exit:75", task=1)
     assert {t: r["exit_code"] for t, r in read_records(tmp_path, known=first).items()} == {0: 0, 1: 75}
+
+
+def test_a_missing_record_in_a_step_srun_saw_end_well_is_no_lost_task() -> None:
+    exits = supervise._RankExits(subprocess.Popen(["true"], stderr=subprocess.PIPE, text=True))
+    exits.settled()
+    end = exits.end(0, {0: {"task": 0, "exit_code": 0, "signal": None}}, ntasks=2)  # task 1's write failed
+    assert (end.gone, end.job_code) == (None, exitcodes.OK)  # a finished run is not restarted
+    assert exits.end(137, {0: {"task": 0, "exit_code": 0}}, ntasks=2).gone.startswith("task(s) 1 left no exit record")
