@@ -481,8 +481,11 @@ def _dead_decider(ctx: AttemptContext, who: dict, beats: dict) -> Incident:
     )
 
 
-def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str, cls: str = "dead_rank") -> dict | None:
-    """The supervisor's part when srun reported a rank of the step gone (`why`: srun's line) and the step ended
+def decide_for_silent_attempt(
+    ctx: AttemptContext, *, step_code: int, why: str, cls: str = "dead_rank", tasks: dict[int, int] | None = None
+) -> dict | None:
+    """The supervisor's part when a rank of the step is gone (`why`: its exit record or srun's line; `tasks`: each
+    task's exit code, kept as evidence) and the step ended
     with nobody having claimed the attempt: the ranks' failure path could not even claim it (a full or
     read-only incidents folder). Decides in their place, as a `dead_rank` without suspects (a rank that could
     not write is no evidence against its node), with the ranks' policy and budgets: a restart in the
@@ -504,7 +507,7 @@ def decide_for_silent_attempt(ctx: AttemptContext, *, step_code: int, why: str, 
         ctx.rank,
         f"{why}, and no rank claimed or published a decision (their failure path could not write?)",
         [],
-        {"srun": why, "step_exit_code": step_code},
+        {"srun": why, "step_exit_code": step_code, **({"task_exit_codes": tasks} if tasks else {})},
     )
     get_logger().error("attempt %s: deciding in the ranks' place: %s", ctx.attempt, incident.summary)
     e = ctx.events

@@ -41,7 +41,10 @@ class StopSignals:
         self._wakeup: int | None = None  # read end of the wakeup pipe
 
     def install(self, signals: Sequence[signal.Signals], *, ctrl_c: bool = True, wakeup: bool = True) -> StopSignals:
-        """Installs the handlers (main thread only); `wakeup`: also the wakeup pipe that `arrived()` reads."""
+        """Installs the handlers (main thread only); `wakeup`: also the wakeup pipe that `arrived()` reads. Then
+        unblocks them: a process started with them blocked (a Slurm rank under its task's watcher, a torchrun
+        worker under its agent: `jobs.launch.task_exits`, `jobs.launch.stop_notice`) takes one that arrived while
+        it started, now."""
         self._installed = {*signals, *([signal.SIGINT] if ctrl_c else [])}
         for sig in self._installed:
             signal.signal(sig, self._on_signal)
@@ -51,6 +54,7 @@ class StopSignals:
             os.set_blocking(w, False)
             signal.set_wakeup_fd(w, warn_on_full_buffer=False)
             self._wakeup = r
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._installed)
         return self
 
     def arrived(self) -> bool:

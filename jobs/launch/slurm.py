@@ -22,11 +22,19 @@ if __name__ == "__main__":  # a rank's stop signals before anything slow (the im
     from jobs.failure.signals import StopSignals as _StopSignals
     from jobs.failure.signals import parse_signals as _parse_signals
 
-    if _sys.argv[1:2] == ["--agent"]:  # torchrun's agent: ignored, as the script's trap left them; its ranks
-        for _s in (_signal.SIGUSR2, _signal.SIGTERM):  # inherit that until their own handlers are in place
-            _signal.signal(_s, _signal.SIG_IGN)
+    if _sys.argv[1:2] == ["--agent"]:  # torchrun's agent: SIGTERM ignored, as the script's trap left it; USR2
+        # blocked, its ranks inherit that until their own handlers are in place (then a USR2 that came meanwhile is
+        # delivered to them), and a thread of the agent takes the USR2 that comes while no rank is there to
+        # (`jobs.launch.stop_notice`): torchrun restarting its ranks is no window in which it is lost
+        _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGUSR2})  # first: USR2's default action kills
+        _signal.signal(_signal.SIGUSR2, _signal.SIG_DFL)  # blocked, it waits (ignored, POSIX may discard it)
         _stop = _StopSignals()
     else:
+        if _sys.argv[1:2] == ["--rank-config"] and "--task-exits" in _sys.argv:  # the srun task: a watcher that
+            from jobs.launch.task_exits import watched as _watched  # records how the rank ends; the rank is its child
+
+            _watched(_sys.argv[_sys.argv.index("--task-exits") + 1])
         _stop = _StopSignals().install(_parse_signals(["SIGUSR2", "SIGTERM"]))
 
 import os
@@ -50,6 +58,7 @@ from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, ex
 from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
 from jobs.launch.slurm_state import job_state, seconds_left, wait_for_job
+from jobs.launch.stop_notice import NOTICE_SIGNAL, notice_path, read_notice, record_notices
 
 __all__ = [
     "submit",
@@ -114,6 +123,7 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
         if ended is not None:
             return ended
         _missed_warning(cfg, env, stop)
+        _recorded_notice(cfg, env, stop)
         if env.rank == 0:
             events = EventLog(
                 Path(cfg.run.dir) / "events.jsonl", rank=0, restart=env.restart_count, attempt=env.attempt
@@ -145,6 +155,22 @@ def _missed_warning(cfg: JobConfig, env: DistEnv, stop: StopSignals) -> None:
         stop.note(signal.SIGUSR2)
 
 
+def _recorded_notice(cfg: JobConfig, env: DistEnv, stop: StopSignals) -> None:
+    """Under torchrun, rank 0 takes a stop notice that an agent of this allocation recorded (a USR2 that came while
+    no rank was there to take it, `jobs.launch.stop_notice`) as arrived: the ranks agree on it at their first step
+    (or the watchdog's stop path during start-up) and requeue."""
+    if env.rank != 0 or stop.arrived():
+        return
+    notice = read_notice(notice_path(cfg.run.dir, env.job_id, env.restart_count))
+    if notice is not None:
+        print(
+            f"meshjob: {notice.get('signal')} reached this allocation's agent on {notice.get('host')} while no rank "
+            "was there to take it: taken as arrived",
+            flush=True,
+        )
+        stop.note(NOTICE_SIGNAL)
+
+
 def _ended_for_good(cfg: JobConfig, env: DistEnv) -> int | None:
     """Under torchrun, whose agents restart the ranks after any failure, up to --max-restarts times: the
     exit code of the newest decision of this allocation when it was anything but "restart" (a stop, or
@@ -170,7 +196,9 @@ AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 
 def agent_main(argv: list[str]) -> int:
-    """torchrun (`torch.distributed.run`) as the node's agent, keeping the ranks' protocol in two ways.
+    """torchrun (`torch.distributed.run`) as the node's agent, keeping the ranks' protocol in three ways.
+    `--run-dir=RUN_DIR` first: a USR2 that reaches the agent is recorded for the ranks it starts next
+    (`jobs.launch.stop_notice`), so one sent while torchrun restarts them is not lost.
     SIGTERM stays with the ranks: torch's agent would catch it (TORCHELASTIC_SIGNALS_TO_HANDLE), signal
     its ranks again and SIGKILL them after its shutdown timeout (30 s), in the middle of their save,
     while the script's `trap "" TERM` leaves the agent ignoring it. And the ranks' exit code is the
@@ -179,6 +207,9 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    if argv and argv[0].startswith("--run-dir="):  # ours, not torchrun's: where a USR2 without ranks is recorded
+        run_dir, argv = argv[0].removeprefix("--run-dir="), argv[1:]
+        record_notices(notice_path(run_dir, slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))))
     try:
         torchrun([f"--signals-to-handle={AGENT_SIGNALS}", *argv])
     except ChildFailedError as e:
@@ -391,8 +422,8 @@ _MODES = ("--supervise", "--rank-config", "--prepare", "--rank", "--agent", "--a
 
 def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
     """The steps of a rendered sbatch script. srun style: `--supervise OVERRIDES` (the batch step:
-    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH` (every
-    rank, started by the supervisor). torchrun style: `--prepare OVERRIDES` (the batch step, once),
+    prepare, then run the ranks, restarting them inside the allocation), `--rank-config PATH [--task-exits DIR]`
+    (every rank, started by the supervisor; the srun task watches it and writes its exit record to DIR). torchrun style: `--prepare OVERRIDES` (the batch step, once),
     `--agent TORCHRUN_ARGS` (one per node), `--rank OVERRIDES` (every rank, started by the agent) and
     `--after-agents CODE OVERRIDES` (the batch step again, with the agents' srun exit code: the job's exit code)."""
     from jobs.config import compose
@@ -434,7 +465,8 @@ def _script_cli(mode: str, argv: list[str], stop: StopSignals) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in _MODES:
         print(
-            "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | --rank-config PATH | "
+            "usage: python -m jobs.launch.slurm --supervise|--prepare|--rank [OVERRIDES...] | "
+            "--rank-config PATH [--task-exits DIR] | "
             "--agent TORCHRUN_ARGS... | --after-agents SRUN_EXIT_CODE [OVERRIDES...]  "
             "(the steps of a script rendered by `python -m jobs.sbatch`; submit jobs with "
             "`python -m jobs.train launcher=slurm`)",

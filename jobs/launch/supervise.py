@@ -35,11 +35,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobs import exitcodes
 from jobs.config import JobConfig
 from jobs.events import EventLog, read_events
+from jobs.failure.incident import incident_dir
 from jobs.failure.policy import claim, read_decision, requeues_used
 from jobs.failure.quarantine import quarantined, requeue_excluding
 from jobs.failure.respond import (
@@ -54,6 +56,7 @@ from jobs.failure.spares import place
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, always_excluded, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.scavenge import scavenge_allocation
 from jobs.launch.slurm_state import seconds_left
+from jobs.launch.task_exits import read_records
 from jobs.log import get_logger
 
 __all__ = [
@@ -64,16 +67,24 @@ __all__ = [
     "load_rank_config",
     "task_code",
     "srun_step_command",
+    "exits_dir",
+    "StepEnd",
 ]
 
 _GRACE_S = 10.0  # after a decision, how long the step may take to end before it is killed
 _POLL_S = 0.2
+_RECORDS_S = 1.0  # how often the tasks' exit records are looked at while the step runs
 _SQUEUE_S = 20.0  # one squeue call's bound
 _CRASHED = 70  # the forked supervisor raised (sysexits' EX_SOFTWARE); supervise() never returns it
 
 
 def rank_config_path(run_dir: str, job_id: str, restart_count: int) -> Path:
     return Path(run_dir) / "rendezvous" / f"{job_id}.{restart_count}.config.pkl"
+
+
+def exits_dir(run_dir: str | os.PathLike[str], attempt: str) -> Path:
+    """Where the attempt's srun tasks write their exit records (`jobs.launch.task_exits`)."""
+    return incident_dir(run_dir, attempt) / "exits"
 
 
 def load_rank_config(path: str | os.PathLike[str]) -> JobConfig:
@@ -179,24 +190,19 @@ def _attempts(
             path,
             [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
             step_nodes=placed.get("step_nodes"),
+            task_exits=exits_dir(cfg.run.dir, attempt),
         )
-        code, gone, srun_said = _run_step(
+        end = _run_step(
             cmd,
             {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
             cfg.run.dir,
             attempt,
-            no_decision_s=cfg.failure.hang_timeout_s,
-        )  # a decider has long published by then
-        # A claimed attempt without a decision: its decider died deciding; a rank gone and nobody claimed: the
-        # ranks' failure path could not write. Either way, decide in their place.
-        d = (
-            read_decision(cfg.run.dir, attempt, wait_s=0)
-            or decide_for_lost_decider(ctx, step_code=code)
-            or (decide_for_silent_attempt(ctx, step_code=code, why=gone) if gone else None)
-            or (_step_failed(ctx, code, exits_said=srun_said) if code != exitcodes.OK and not gone else None)
+            no_decision_s=cfg.failure.hang_timeout_s,  # a decider has long published by then
+            ntasks=cfg.world_size,
         )
+        d = _decided(ctx, end)
         if d is None or d["action"] != "restart":
-            return code if d is None else int(d["exit_code"])
+            return end.job_code if d is None else int(d["exit_code"])
         why = _no_restart_now(cfg, job_id, stopping)
         if why is not None:  # a restarted step would start without the notice, or be killed by the time limit
             return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why, nodes=nodes)
@@ -207,6 +213,19 @@ def _attempts(
             job_id,
         )
         n += 1
+
+
+def _decided(ctx: AttemptContext, end: StepEnd) -> dict | None:
+    """The attempt's decision once its step ended: the ranks'; else, a claimed attempt without a decision (its
+    decider died deciding) or a task gone with nobody having claimed (the ranks' failure path could not write) is
+    decided here in their place; a step none of whose tasks ran is a `step_launch_failure`. None: nothing to decide
+    (the ranks finished)."""
+    d = read_decision(ctx.run_dir, ctx.attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=end.job_code)
+    if d is None and end.gone:
+        d = decide_for_silent_attempt(ctx, step_code=end.job_code, why=end.gone, tasks=end.task_codes)
+    if d is None and end.code != exitcodes.OK and not end.ran:
+        d = _step_failed(ctx, end.code, exits_said=end.srun_said)
+    return d
 
 
 def _no_restart_now(cfg: JobConfig, job_id: str, stopping: list[int]) -> str | None:
@@ -311,9 +330,15 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
 
 
 def srun_step_command(
-    cfg: JobConfig, config_path: Path, logs: list[str], *, step_nodes: list[str] | None = None
+    cfg: JobConfig,
+    config_path: Path,
+    logs: list[str],
+    *,
+    step_nodes: list[str] | None = None,
+    task_exits: Path | None = None,
 ) -> list[str]:
-    """The ranks' srun step; `step_nodes` (with spares): exactly these nodes of the allocation, the others idle."""
+    """The ranks' srun step; `step_nodes` (with spares): exactly these nodes of the allocation, the others idle;
+    `task_exits`: the folder where each task records how its rank ended (`jobs.launch.task_exits`)."""
     cl, ln = cfg.cluster, cfg.launcher
     args = [
         "srun",
@@ -337,26 +362,59 @@ def srun_step_command(
         args.append(f"--container-image={cl.container_image}")
     if cl.container_mounts:
         args.append(f"--container-mounts={cl.container_mounts}")
-    return [*args, sys.executable, "-u", "-m", "jobs.launch.slurm", "--rank-config", str(config_path)]
+    rank = [sys.executable, "-u", "-m", "jobs.launch.slurm", "--rank-config", str(config_path)]
+    return [*args, *rank, *(["--task-exits", str(task_exits)] if task_exits is not None else [])]
+
+
+@dataclass(slots=True)
+class StepEnd:
+    """How an srun step of the ranks ended, per task: each task's exit record (`jobs.launch.task_exits`: the
+    task's own word, a death by signal included), else srun's line about it (the fallback for a task whose
+    watcher died too: the step SIGKILLed, a lost node); a task with neither, in a step whose tasks wrote
+    records, is lost."""
+
+    code: int  # srun's exit code: the highest of the tasks' codes (a SIGKILLed node's 137 beats 76)
+    gone: str | None  # the first task that ended badly, or the tasks lost; None: no task did
+    srun_said: str | None  # srun's last `srun: error: ...` line
+    task_codes: dict[int, int]  # task -> exit code, from its record, else from srun's line
+    recorded: int = 0  # how many tasks wrote an exit record
+    ntasks: int = 0
+
+    @property
+    def ran(self) -> bool:
+        """Whether any task of the step ran (a record, or srun's word on a task's end)."""
+        return bool(self.recorded or self.task_codes)
+
+    @property
+    def job_code(self) -> int:
+        """One code for the step from its tasks' codes (`exitcodes.most_final`: 76 wins over a killed node's 137);
+        srun's when the tasks do not say (no task ran, or no record and srun silent)."""
+        bad = [c for c in self.task_codes.values() if c]
+        if bad:
+            return exitcodes.most_final(bad)
+        return exitcodes.OK if self.ntasks and self.recorded == self.ntasks else self.code
 
 
 def _run_step(
-    cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float
-) -> tuple[int, str | None, str | None]:
-    """One srun step: its exit code, srun's line about the first rank that ended (None: none did) and srun's last
-    error line (None: none); killed
-    `_GRACE_S` after a published decision if still running, or `no_decision_s` after a rank left without any
-    decision (see `_RankExits`)."""
+    cmd: list[str], env: dict[str, str], run_dir: str, attempt: str, *, no_decision_s: float, ntasks: int
+) -> StepEnd:
+    """One srun step of `ntasks` tasks, to its end; killed `_GRACE_S` after a published decision if still running,
+    or `no_decision_s` after a task ended badly without any decision (see `_RankExits`)."""
     get_logger().info("starting attempt %s: %s", attempt, shlex.join(cmd))
+    folder = exits_dir(run_dir, attempt)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     exits = _RankExits(proc)
-    decided_at = None
+    decided_at, looked_at, records = None, 0.0, {}
     while True:
         try:
             code = proc.wait(timeout=_POLL_S)
-            return code, exits.settled(), exits.last_error
+            exits.settled()
+            return exits.end(code, read_records(folder, known=records), ntasks=ntasks)
         except subprocess.TimeoutExpired:
             pass
+        if exits.first_at is None and time.monotonic() - looked_at > _RECORDS_S:
+            looked_at, records = time.monotonic(), read_records(folder, known=records)
+            exits.recorded(records)
         if decided_at is None and read_decision(run_dir, attempt, wait_s=0) is not None:
             decided_at = time.monotonic()
         if decided_at is None and exits.first_at is not None and time.monotonic() - exits.first_at > no_decision_s:
@@ -372,14 +430,20 @@ def _run_step(
             decided_at = float("inf")  # once
 
 
+def _described(rec: dict) -> str:
+    how = f"killed by {rec['signal']}" if rec.get("signal") else f"exited with code {rec['exit_code']}"
+    return f"task {rec['task']} on {rec.get('node')} (pid {rec.get('pid')}): {how} (its exit record)"
+
+
 class _RankExits:
-    """srun's own stderr, passed through, watched for its lines about tasks that ended (`srun: error: node1:
-    task 1: Exited with exit code 75`, `... tasks 0-3: Killed`, `... task 2: Out Of Memory`, `... task 0: Bus
-    error`; srun prints one when a task ends badly, while the step goes on under --kill-on-bad-exit=0): a rank that
-    left without a decision (its failure path could not write to a full or read-only disk) must not leave the
-    others waiting until the time limit. Any text after the task list counts as an end (srun words a death by
-    signal with strsignal, whose text varies); `codes` keeps each task's exit code as far as the text says it
-    (128 + N for signal N, 137 for Out Of Memory, FAILED when it cannot be told)."""
+    """The tasks that ended badly, as their exit records and srun's own stderr say: a rank that left without a
+    decision (its failure path could not write to a full or read-only disk) must not leave the others waiting until
+    the time limit. srun's stderr is passed through and watched for its lines about tasks that ended (`srun:
+    error: node1: task 1: Exited with exit code 75`, `... tasks 0-3: Killed`, `... task 2: Out Of Memory`, `...
+    task 0: Bus error`; srun prints one when a task ends badly, while the step goes on under --kill-on-bad-exit=0):
+    any text after the task list counts as an end (srun words a death by signal with strsignal, whose text varies);
+    `codes` keeps each task's exit code as far as the text says it (128 + N for signal N, 137 for Out Of Memory,
+    FAILED when it cannot be told). A task's exit record, when there is one, says it better (`end`)."""
 
     _ENDED = re.compile(r"srun: error: [^:\s]+: tasks? ([\d,\-]+): (.+)$")
     _EXITED = re.compile(r"Exited with exit code (\d+)")
@@ -389,6 +453,7 @@ class _RankExits:
         self.first_at: float | None = None
         self.codes: dict[int, int] = {}  # task -> exit code, for the tasks srun reported ended badly
         self.last_error: str | None = None  # srun's last `srun: error: ...` line
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), name="srun-stderr", daemon=True)
         self._thread.start()
 
@@ -396,6 +461,29 @@ class _RankExits:
         """`first`, once srun's last lines are read (it prints a task's end as the step ends, too)."""
         self._thread.join(timeout=5.0)
         return self.first
+
+    def recorded(self, records: dict[int, dict]) -> None:
+        """The first record of a task that ended badly starts the bound, whatever srun printed."""
+        bad = sorted((r for r in records.values() if r.get("exit_code")), key=lambda r: r.get("time", 0))
+        if bad:
+            self._ended(_described(bad[0]))
+
+    def end(self, code: int, records: dict[int, dict], *, ntasks: int) -> StepEnd:
+        """The step's end: each task's code from its record, else srun's line; the tasks with neither are lost
+        (in a step whose tasks wrote records and that srun saw end badly: then a missing record means something)."""
+        self.recorded(records)
+        codes = {**self.codes, **{t: int(r["exit_code"]) for t, r in records.items()}}
+        gone = self.first
+        # srun exits 0 only when every task did: then a missing record is a write that failed, not a lost task
+        lost = [t for t in range(ntasks) if t not in codes] if records and code != exitcodes.OK else []
+        if gone is None and lost:
+            gone = f"task(s) {_ranges(lost)} left no exit record and srun named no end for them (lost with their node?)"
+        return StepEnd(code, gone, self.last_error, codes, recorded=len(records), ntasks=ntasks)
+
+    def _ended(self, what: str) -> None:
+        with self._lock:
+            if self.first_at is None:
+                self.first, self.first_at = what, time.monotonic()
 
     def _pump(self, stream) -> None:
         for line in stream:
@@ -408,8 +496,18 @@ class _RankExits:
                 continue
             for task in _task_list(m.group(1)):
                 self.codes[task] = task_code(m.group(2))
-            if self.first_at is None:
-                self.first, self.first_at = line.strip(), time.monotonic()
+            self._ended(line.strip())
+
+
+def _ranges(tasks: list[int]) -> str:
+    """[0, 2, 3, 4] -> `0,2-4` (srun's own notation)."""
+    spans: list[list[int]] = []
+    for t in sorted(tasks):
+        if spans and spans[-1][1] == t - 1:
+            spans[-1][1] = t
+        else:
+            spans.append([t, t])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 _SIGNAL_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}

@@ -84,3 +84,86 @@ def test_the_ranks_do_not_requeue_reaches_slurm_as_76_not_1(tmp_path: Path) -> N
     agent = _agent(tmp_path, "import os, sys; sys.exit(76 if os.environ['RANK'] == '0' else 75)")
     out, _ = agent.communicate(timeout=120)
     assert agent.returncode == 76, out[-3000:]
+
+
+# A rank torchrun starts twice: the first start ends with 1 when told (torchrun restarts it); the second reports
+# whether it started with USR2 blocked, waits, then installs its handlers and reports what it got.
+_RESTARTED = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+n = os.environ["TORCHELASTIC_RESTART_COUNT"]
+blocked = signal.SIGUSR2 in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+(out / f"start{n}").write_text(f"{os.getpid()} {blocked}")
+if n == "0":
+    while not (out / "crash").exists():
+        time.sleep(0.05)
+    sys.exit(1)
+while not (out / "go").exists():
+    time.sleep(0.05)
+from jobs.failure.signals import StopSignals
+(out / "got").write_text(str(StopSignals().install([signal.SIGUSR2, signal.SIGTERM]).name))
+"""
+
+
+def test_a_usr2_to_the_agent_is_recorded_for_the_ranks_it_restarts_and_one_to_a_starting_rank_waits(
+    tmp_path: Path,
+) -> None:
+    # The agent as the rendered script starts it (its bash wrapper, `--agent --run-dir=...`). Before: the agent
+    # ignored USR2 and so did the ranks it restarted until their handlers were in place: a USR2 sent while torchrun
+    # restarted them was lost, and the job trained on into its time limit.
+    from jobs.config import compose
+    from jobs.launch.stop_notice import notice_path, read_notice
+    from jobs.sbatch import render_for
+    from tests.unit.test_torchrun_stop_notice import agent_line
+
+    overrides = ["launcher=slurm", f"run.dir={tmp_path}"]
+    wrapper, _ = agent_line(render_for(compose(overrides), overrides=overrides, style="torchrun", python="python"))
+    (tmp_path / "rank.py").write_text(_RESTARTED)
+    cmd = [sys.executable, "-u", "-m", "jobs.launch.slurm", "--agent", f"--run-dir={tmp_path}", "--standalone"]
+    args = ["--nproc-per-node=1", "--max-restarts=1", str(tmp_path / "rank.py"), str(tmp_path)]
+    log = tmp_path / "agent.log"
+    with log.open("w") as out:  # a file, not a pipe: a rank left behind by a failure must not hold the test
+        agent = subprocess.Popen(
+            ["bash", "-c", wrapper, "torchrun", *cmd, *args],
+            cwd=REPO,
+            env={**os.environ, "SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "2"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait(tmp_path / "start0", agent)
+        os.kill(agent.pid, signal.SIGUSR2)  # as Slurm signals the step: here only to the agent, as in a restart gap
+        _wait(notice_path(tmp_path, "9", 2), agent, timeout_s=30)  # written within milliseconds
+        (tmp_path / "crash").write_text("")
+        _wait(tmp_path / "start1", agent)
+        pid, blocked = (tmp_path / "start1").read_text().split()
+        os.kill(int(pid), signal.SIGUSR2)  # to the restarted rank before its handlers: neither lost nor fatal
+        time.sleep(0.2)
+        (tmp_path / "go").write_text("")
+        agent.wait(timeout=120)
+    finally:  # nothing may outlive a failed test: the agent, and its ranks (a session of their own)
+        for started in [*tmp_path.glob("start*")]:
+            _kill(int(started.read_text().split()[0]), mark=str(tmp_path / "rank.py"))
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+    assert agent.returncode == 0, log.read_text()[-3000:]
+    assert read_notice(notice_path(tmp_path, "9", 2))["signal"] == "SIGUSR2"
+    assert blocked == "True" and (tmp_path / "got").read_text() == "SIGUSR2", log.read_text()[-3000:]
+
+
+def _kill(pid: int, *, mark: str) -> None:
+    """SIGKILL to `pid` if it is still the process whose command line holds `mark` (never a recycled pid)."""
+    try:
+        if mark in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
+
+
+def _wait(path: Path, proc: subprocess.Popen, *, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
