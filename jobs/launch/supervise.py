@@ -167,20 +167,16 @@ def _attempts(
             return off
         attempt = attempt_name(job_id, restart, n)
         events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
-        ctx = AttemptContext(
-            run_dir=cfg.run.dir,
-            attempt=attempt,
-            rank=-1,
-            world_size=cfg.world_size,
+        ctx = _supervisor_context(
+            cfg,
+            attempt,
             job_id=job_id,
-            restart_count=restart,
-            cfg=cfg.failure,
+            restart=restart,
             events=events,
             supervised=True,
             restart_in_allocation=n,
             partition=cfg.cluster.partition,
             nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
-            always_excluded=always_excluded(cfg),
             before_requeue=_scavenger(cfg, nodes, events),
         )
         placed = _placement(cfg, nodes)
@@ -252,18 +248,14 @@ def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause
     within the budgets, nothing when Slurm is cancelling the job."""
     attempt = attempt_name(job_id, restart, n)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
-    ctx = AttemptContext(
-        run_dir=cfg.run.dir,
-        attempt=attempt,
-        rank=-1,
-        world_size=cfg.world_size,
+    ctx = _supervisor_context(
+        cfg,
+        attempt,
         job_id=job_id,
-        restart_count=restart,
-        cfg=cfg.failure,
+        restart=restart,
         events=events,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
-        always_excluded=always_excluded(cfg),
         before_requeue=_scavenger(cfg, nodes, events),
     )
     if not _claimed(cfg.run.dir, attempt):
@@ -585,16 +577,12 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     if d is not None:  # the ranks asked for a restart that nobody will start: the attempt after it decides
         attempt = attempt_name(job_id, restart, n + 1)
         events = EventLog(events.path, rank=-1, restart=restart, attempt=attempt)
-    ctx = AttemptContext(
-        run_dir=cfg.run.dir,
-        attempt=attempt,
-        rank=-1,
-        world_size=cfg.world_size,
+    ctx = _supervisor_context(
+        cfg,
+        attempt,
         job_id=job_id,
-        restart_count=restart,
-        cfg=cfg.failure,
+        restart=restart,
         events=events,
-        always_excluded=always_excluded(cfg),
     )
     if _claimed(cfg.run.dir, attempt):
         return conclude(ctx, cause="supervisor_died", step=None)
@@ -621,19 +609,15 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
     or when the step failed and no rank could claim it. No restart follows here: the agents are gone."""
     job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
     attempt, n = _current_attempt(cfg.run.dir, job_id, restart)
-    ctx = AttemptContext(
-        run_dir=cfg.run.dir,
-        attempt=attempt,
-        rank=-1,
-        world_size=cfg.world_size,
+    ctx = _supervisor_context(
+        cfg,
+        attempt,
         job_id=job_id,
-        restart_count=restart,
-        cfg=cfg.failure,
+        restart=restart,
         events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
         restart_in_allocation=n,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
-        always_excluded=always_excluded(cfg),
     )
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:
@@ -670,3 +654,22 @@ def _wait_for_ranks(cfg: JobConfig, attempt: str) -> None:
         if decided_at is not None and time.monotonic() - decided_at > _GRACE_S:
             return
         time.sleep(1.0)
+
+
+def _supervisor_context(
+    cfg: JobConfig, attempt: str, *, job_id: str | None, restart: int, events, **facts
+) -> AttemptContext:
+    """The supervisor's view of `attempt` (rank -1): the run's failure policy and ledger, the job's Slurm facts;
+    `facts`: the rest of `AttemptContext` (its restarts inside the allocation, partition, spares, hooks)."""
+    return AttemptContext(
+        run_dir=cfg.run.dir,
+        attempt=attempt,
+        rank=-1,
+        world_size=cfg.world_size,
+        job_id=job_id,
+        restart_count=restart,
+        cfg=cfg.failure,
+        events=events,
+        always_excluded=always_excluded(cfg),
+        **facts,
+    )
