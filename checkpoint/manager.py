@@ -43,7 +43,7 @@ from checkpoint.commit import CommitMixin
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
-from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
+from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs, verify_share
 from checkpoint.memory_capacity import MemoryCapacityMixin
 from checkpoint.memory_restore import MemoryRestoreMixin
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
@@ -406,10 +406,8 @@ class CheckpointManager(
         manifest = None
         try:
             manifest = read_manifest(d, step=step)
-            names = sorted(manifest["files"])
-            problems = check_files(
-                d, manifest["files"], names[self.rank :: self.world_size], checksum=self.cfg.verify == "checksum"
-            )
+            mine = verify_share(list(manifest["files"]), rank=self.rank, world_size=self.world_size)
+            problems = check_files(d, manifest["files"], mine, checksum=self.cfg.verify == "checksum")
         except ManifestError as e:
             problems = [str(e)]
         except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
