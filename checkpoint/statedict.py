@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from checkpoint.errors import describe_error
+from checkpoint.optim_init import init_optimizer_state
 from checkpoint.state import capture_rng, restore_rng
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -100,6 +101,8 @@ class StateDictMixin:
             if part_keys is not None:
                 part_keys.append(list(sd))
         optim: dict[str, Any] = {}
+        for opt in b["optimizers"] if metadata_keys is not None else ():  # a load: the state it is read into
+            init_optimizer_state(opt)
         for part, opt in zip(b["model_parts"], b["optimizers"]):
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTS))
         sd: dict[str, Any] = {"model": model, "optim": optim}
