@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint.cadence import IntervalMixin
+from checkpoint.cadence import Cadence
 from checkpoint.commit import CommitMixin
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
@@ -57,9 +57,7 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(
-    CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin, IntervalMixin
-):
+class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -135,10 +133,20 @@ class CheckpointManager(
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
-        self._init_interval_state()
+        self._hooks: list[Any] = []
+        self._bound: dict[str, Any] | None = None  # the objects saves write (load_latest binds them)
+        self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
         # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
         # and the auto interval must come out the same on every rank.
         self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
+        self.cadence = Cadence(
+            cfg=cfg,
+            mtbf_s=self.mtbf_s,
+            tier_shares=self.tier_shares,
+            rank=rank,
+            agree_max=self._agree_max,
+            emit=self._emit,
+        )
         # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
         # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
         self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
@@ -285,8 +293,7 @@ class CheckpointManager(
     ) -> None:
         """Records a successful load (started at perf_counter `t0`) from `tier`: the save cadence resumes from
         it, and it is reported."""
-        self._last_save_step = step
-        self._restore_interval(manifest)
+        self.cadence.restore(step, manifest)
         load_s = time.perf_counter() - t0
         self._emit(
             "checkpoint_loaded",
@@ -304,18 +311,9 @@ class CheckpointManager(
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
         when the auto interval (Young/Daly) has elapsed. Identical on all ranks."""
         if step_time_s is not None and step_time_s > 0:
-            self._step_times.append(float(step_time_s))
-            del self._step_times[:-50]
-            self._count_overlap(float(step_time_s))
-        if not self.cfg.enabled or step <= self._last_save_step:
-            return False
-        if self.total_steps is not None and step >= self.total_steps:
-            return True
-        if self.cfg.interval == "steps":
-            return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
-        if self._interval_steps is None:
-            return True  # nothing measured yet: save once to measure the blocking cost
-        return step - self._last_save_step >= self._interval_steps
+            in_flight = self._pending is not None and not self._pending.done()
+            self.cadence.record_step(float(step_time_s), save_in_flight=in_flight)
+        return self.cfg.enabled and self.cadence.due(step, total_steps=self.total_steps)
 
     def save(self, step: int) -> None:
         """Writes checkpoint `step`. Blocks for the whole save (`none`), else only to hand the state to
@@ -342,7 +340,7 @@ class CheckpointManager(
                 dcp.save(sd, storage_writer=writer, process_group=self._io_pg)
             except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
                 err = e
-            self._last_save_step = step
+            self.cadence.last_save_step = step
             self._commit(step, tmp, final, None, err, t0, None, writer)
             blocking = time.perf_counter() - t0
         else:
@@ -355,16 +353,20 @@ class CheckpointManager(
                 async_stager=self._stager,
             )
             blocking = time.perf_counter() - t0
-            self._last_save_step = step
+            self.cadence.last_save_step = step
             self._pending = self._pool.submit(
                 self._commit, step, tmp, final, resp.upload_completion, None, t0, blocking, writer
             )
-        # The interval's save cost: an async save's blocking part plus what it took from the steps it
-        # overlapped, known once the next save begins (the first save: its blocking part only).
-        cost = blocking if self._prev_blocking is None else self._prev_blocking + self._excess_s
-        self._overlap, self._excess_s = self.cfg.async_mode != "none", 0.0
-        self._prev_blocking = blocking if self._overlap else None
-        self._retune(step, cost)
+        self.cadence.saved(step, blocking, overlapped=self.cfg.async_mode != "none")
+
+    @property
+    def last_plan(self) -> dict[str, Any] | None:
+        """The filesystem tier's last auto interval plan (checkpoint.interval=auto; None before one)."""
+        return self.cadence.last_plan
+
+    def memory_interval_steps(self) -> int:
+        """The RAM tier's interval in steps (Cadence.memory_interval_steps)."""
+        return self.cadence.memory_interval_steps()
 
     @property
     def process_groups(self) -> list[dist.ProcessGroup]:
@@ -484,6 +486,13 @@ class CheckpointManager(
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=pg)
         return out
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """The element-wise max of `values` over the ranks (on the control group)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self._dist:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return [float(x) for x in t]
 
     def _bcast(self, obj: Any, pg: Any) -> Any:
         if not self._dist:

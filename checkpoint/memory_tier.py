@@ -120,9 +120,6 @@ class MemoryTierMixin:
         self.memory_root = memory_root(self.cfg.memory_dir, run_id) / self.node
         self._last_memory_step = 0
         self._capacity_checked = False
-        self._memory_interval_steps: int | None = (
-            None  # memory_interval=auto: the current interval (None: not measured)
-        )
         self._memory_cost: tuple[int, float] | None = None  # (step, agreed cost) of the last committed RAM save
         self._mem_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
         self._mem_pending: Future | None = None
@@ -190,10 +187,10 @@ class MemoryTierMixin:
         """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
         own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
         never the last step (the filesystem tier always saves that one). Identical on all ranks."""
-        if self.cfg.memory_interval == "auto" and self._memory_interval_steps is None:
+        if self.cfg.memory_interval == "auto" and self.cadence.memory_steps is None:
             self.wait_memory()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
             self._settle_memory_interval()
-        n = self.memory_interval_steps()
+        n = self.cadence.memory_interval_steps()
         if not self.cfg.enabled or n <= 0 or step <= self._last_memory_step:
             return False
         fixed = self.cfg.memory_interval == "steps"
@@ -227,11 +224,11 @@ class MemoryTierMixin:
 
     def _settle_memory_interval(self) -> None:
         """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
-        only right after wait_memory (so at the same step on every rank: `_retune_memory` is a collective, and the
+        only right after wait_memory (so at the same step on every rank: `Cadence.retune_memory` is a collective, and the
         background save may finish at different moments on different ranks)."""
         cost, self._memory_cost = self._memory_cost, None
         if cost is not None:
-            self._retune_memory(*cost)
+            self.cadence.retune_memory(*cost)
 
     def wait_memory(self) -> None:
         """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
