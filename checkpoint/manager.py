@@ -48,7 +48,7 @@ from checkpoint.memory_capacity import MemoryCapacityMixin
 from checkpoint.memory_restore import MemoryRestoreMixin
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
 from checkpoint.retention import abandon_above, manifest_crc
-from checkpoint.statedict import StateDictMixin
+from checkpoint.statedict import BoundState
 from checkpoint.writer import RecordingWriter, ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
@@ -57,7 +57,7 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin):
+class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -134,8 +134,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
         self._hooks: list[Any] = []
-        self._bound: dict[str, Any] | None = None  # the objects saves write (load_latest binds them)
-        self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
+        self.state = BoundState(rank=rank, stager=self._stager)  # the objects saves write (load_latest binds them)
         # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
         # and the auto interval must come out the same on every rank.
         self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
@@ -229,16 +228,9 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         self.wait_memory()
         if self._retaining is not None:
             self._retaining.result()
-        self._bound = {
-            "model_parts": list(model_parts),
-            "optimizers": list(optimizers),
-            "lr_schedulers": list(lr_schedulers),
-            "train_state": train_state,
-        }
+        self.state.bind(model_parts, optimizers, lr_schedulers, train_state)
         self._unhook()
-        self._cached = None  # new objects bound: the state-dict structure and staging buffers are made anew
         if self._stager is not None:
-            self._stager.reset()
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
         if self.cfg.memory_on:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
@@ -319,7 +311,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
         """Writes checkpoint `step`. Blocks for the whole save (`none`), else only to hand the state to
         the staging thread (the optimizer's next step waits for that copy); a previous save still in
         flight is waited for first (and its failure raised)."""
-        if self._bound is None:
+        if self.state.objects is None:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
@@ -328,7 +320,7 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
             if self.rank == 0:
                 self._prepare(tmp)
             self._barrier(self._ctl_pg)
-        sd = self._save_state_dict()
+        sd = self.state.save_state_dict()
         writer = RecordingWriter(
             tmp,
             thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
@@ -416,6 +408,23 @@ class CheckpointManager(CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRest
             problems = [f"rank {self.rank}: {describe_error(e, self.folder)}"]
         problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
         return problems, (manifest if not problems else None)
+
+    def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
+        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
+        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
+        # afterwards, reached by every rank, decides for all.
+        err = info = None
+        try:
+            info = (load or self._load)(d, manifest)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            err = describe_error(e, self.folder)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
+        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
+
+    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        same_world = manifest["world_size"] == self.world_size
+        same_mesh = same_world and manifest.get("mesh") == self.manifest_extra.get("mesh")
+        return self.state.load(d, resharded=not same_mesh)
 
     def _candidate_steps(self) -> list[int]:
         listing: list[int] | str | None = None

@@ -111,7 +111,7 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
 class MemoryTierMixin:
     """CheckpointManager's methods of the RAM tier (`self.memory_root`, `self.run_id`, `self.cfg`, `self.rank`,
     `self.world_size`, `self.attempt`, `self.manifest_extra`, `self._ctl_pg`, `self._emit`, `self._all_gather`,
-    `self._state_dict`, `self._apply_loaded`)."""
+    `self.state`: the bound objects)."""
 
     def _init_memory_tier(self, run_id: str, node: str) -> None:
         """The RAM tier's folder on this node (the run's identity and the node in its path); no collective."""
@@ -135,7 +135,7 @@ class MemoryTierMixin:
 
     def _rollbacks_in_state(self) -> int:
         """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py)."""
-        health = getattr((self._bound or {}).get("train_state"), "health", None) or {}
+        health = getattr((self.state.objects or {}).get("train_state"), "health", None) or {}
         return len(health.get("rollbacks", []))
 
     def _init_partners(self) -> None:
@@ -203,7 +203,7 @@ class MemoryTierMixin:
         state dict and hand it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next
         optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
         the step removed on every rank; training goes on."""
-        if self._bound is None:
+        if self.state.objects is None:
             raise RuntimeError(
                 "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
             )
@@ -211,7 +211,7 @@ class MemoryTierMixin:
         self.wait_memory()
         self._settle_memory_interval()
         self._last_memory_step = step
-        tree = _local_tree(self._state_dict())
+        tree = _local_tree(self.state.state_dict())
         self._save_rollbacks = self._rollbacks_in_state()  # the timeline the step belongs to, in its manifest
         if self.cfg.async_mode == "none":
             self._memory_job(step, tree, t0, None, None)
@@ -373,11 +373,11 @@ class MemoryTierMixin:
         """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
         md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
         part_keys: list[list[str]] = []
-        sd = self._state_dict(md_keys, part_keys)
+        sd = self.state.state_dict(md_keys, part_keys)
         local = _local_tree(sd)  # DTensors as their local shards: views of the same storage, loaded in place
         with torch.no_grad():
             dcp.load(local, checkpoint_id=str(d), no_dist=True)
-        info = self._apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
+        info = self.state.apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
         return {**info, "partner_ranks": self._partner_used} if self._partner_used else info
 
     def _after_load_memory(self, step: int) -> None:

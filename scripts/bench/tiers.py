@@ -64,8 +64,8 @@ _LOAD_PARTS = {
     "_memory_candidates": "list",
     "_validate": "checksum",
     "_validate_memory": "checksum",
-    "_state_dict": "state_dict",
-    "_apply_loaded": "apply",
+    "state.state_dict": "state_dict",
+    "state.apply_loaded": "apply",
     "_load": "load",
     "_load_memory": "load",
 }
@@ -162,7 +162,9 @@ def _time_load_parts(ck) -> dict[str, float]:
     spent = {part: 0.0 for part in _LOAD_PARTS.values()}
 
     def wrap(name: str, part: str):
-        fn = getattr(ck, name)
+        owner = ck.state if name.startswith("state.") else ck
+        name = name.removeprefix("state.")
+        fn = getattr(owner, name)
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -171,7 +173,7 @@ def _time_load_parts(ck) -> dict[str, float]:
             finally:
                 spent[part] += time.perf_counter() - t0
 
-        setattr(ck, name, timed)
+        setattr(owner, name, timed)
 
     for name, part in _LOAD_PARTS.items():
         wrap(name, part)
