@@ -1,86 +1,123 @@
-"""When each checkpoint tier saves: CheckpointManager's interval state and the Young/Daly retuning from measured
-save costs (`checkpoint.interval=auto`, `checkpoint.memory_interval=auto`; the formulas are checkpoint/interval.py
-and checkpoint/tiers.py)."""
+"""When each checkpoint tier saves: the interval state and the Young/Daly retuning from measured save costs
+(`checkpoint.interval=auto`, `checkpoint.memory_interval=auto`; the formulas are checkpoint/interval.py and
+checkpoint/tiers.py). CheckpointManager holds one `Cadence` and tells it the steps, the saves and their costs."""
 
 from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Callable
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from checkpoint.interval import interval_steps, plan_interval
 from checkpoint.tiers import FILESYSTEM, MEMORY, cadence_share, memory_interval_s, memory_mtbf_s, tier_mtbf_s
 
 log = logging.getLogger("meshjob.checkpoint")
 
-__all__ = ["IntervalMixin"]
+__all__ = ["Cadence"]
 
 
-class IntervalMixin:
-    """CheckpointManager's methods of the save intervals (`self.cfg`, `self.mtbf_s`, `self.tier_shares`, `self.rank`,
-    `self._dist`, `self._ctl_pg`, `self._pending`, `self._emit`)."""
+class Cadence:
+    """The save intervals of both tiers, learnt from the steps and the saves as they go; identical on every rank.
 
-    def _init_interval_state(self) -> None:
-        """What the saves learn as they go: the state dict's bindings and the save cost behind the interval."""
-        self._hooks: list[Any] = []
-        self._bound: dict[str, Any] | None = None
-        self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
-        self._last_save_step = 0
+    `agree_max(values)`: the element-wise max of `values` over the ranks (a collective, called at the same point on
+    every rank); `emit(kind, **fields)`: the ledger (rank 0's); `mtbf_s`: the job MTBF, agreed (None: no auto mode);
+    `tier_shares`: {tier: share of all failures it is read after} (checkpoint/tiers.py)."""
+
+    def __init__(
+        self,
+        *,
+        cfg: Any,
+        mtbf_s: float | None,
+        tier_shares: dict[str, float],
+        rank: int,
+        agree_max: Callable[[list[float]], list[float]],
+        emit: Callable[..., None],
+    ) -> None:
+        self.cfg, self.mtbf_s, self.tier_shares, self.rank = cfg, mtbf_s, tier_shares, rank
+        self._agree_max, self._emit = agree_max, emit
+        self.last_save_step = 0  # the filesystem tier's last save (or the step loaded)
         self._step_times: list[float] = []
         self._delta_s: float | None = None  # agreed cost of a save (blocking + what it took from overlapped steps)
-        # What an async save costs the steps it overlaps (see _count_overlap): a save in flight, the
+        # What an async save costs the steps it overlaps (see record_step): a save in flight, the
         # excess those steps took, the previous save's blocking time, recent steps no save overlapped.
         self._overlap, self._excess_s, self._prev_blocking = False, 0.0, None
         self._plain_times: list[float] = []
-        self._interval_steps: int | None = None  # auto mode: the current interval in steps
+        self.interval_steps: int | None = None  # auto mode: the current interval in steps
         self.last_plan: dict[str, Any] | None = None
+        self.memory_steps: int | None = None  # memory_interval=auto: the RAM tier's interval (None: not measured)
 
-    def _step_time(self) -> float | None:
+    def step_time(self) -> float | None:
         return statistics.median(self._step_times) if self._step_times else None
 
-    def _count_overlap(self, step_time_s: float) -> None:
-        """An async save's write competes with the steps it overlaps (CPU, memory bandwidth, the staging
-        wait before the optimizer step): each such step's excess over the median of recent steps that
-        no save overlapped is added to the save's cost. Measured on a 2-core machine it was ~30x the
-        blocking part (0.65 s against 0.02 s), and an interval from the blocking part alone saved every
-        8 steps where Young/Daly with the whole cost says 40."""
+    def manifest_entry(self) -> dict[str, float | None]:
+        """What a filesystem checkpoint records of the interval (a resume retunes from it at once)."""
+        return {"delta_s": self._delta_s, "step_time_s": self.step_time()}
+
+    def record_step(self, step_time_s: float, *, save_in_flight: bool) -> None:
+        """A finished step's time. An async save's write competes with the steps it overlaps (CPU, memory bandwidth,
+        the staging wait before the optimizer step): each such step's excess over the median of recent steps that
+        no save overlapped is added to the save's cost. Measured on a 2-core machine it was ~30x the blocking part
+        (0.65 s against 0.02 s), and an interval from the blocking part alone saved every 8 steps where Young/Daly
+        with the whole cost says 40."""
+        self._step_times.append(step_time_s)
+        del self._step_times[:-50]
         if not self._overlap:
             self._plain_times.append(step_time_s)
             del self._plain_times[:-50]
             return
         if self._plain_times:
             self._excess_s += max(0.0, step_time_s - statistics.median(self._plain_times))
-        if self._pending is None or self._pending.done():
+        if not save_in_flight:
             self._overlap = False
 
-    def _retune(self, step: int, cost_s: float) -> None:
-        if self.cfg.interval != "auto":
-            return
-        vals = torch.tensor([cost_s, self._step_time() or 0.0], dtype=torch.float64)
-        if self._dist:
-            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        self._delta_s, step_time = float(vals[0]), float(vals[1])
-        self._set_interval(step_time, step=step)
+    def due(self, step: int, *, total_steps: int | None) -> bool:
+        """Whether the filesystem tier saves `step` (just finished): the last step, every `every_steps`, or once the
+        auto interval has passed since the last save."""
+        if step <= self.last_save_step:
+            return False
+        if total_steps is not None and step >= total_steps:
+            return True
+        if self.cfg.interval == "steps":
+            return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        if self.interval_steps is None:
+            return True  # nothing measured yet: save once to measure the blocking cost
+        return step - self.last_save_step >= self.interval_steps
 
-    def _restore_interval(self, manifest: dict[str, Any]) -> None:
+    def saved(self, step: int, blocking_s: float, *, overlapped: bool) -> None:
+        """A filesystem save of `step` began and blocked `blocking_s`; `overlapped`: its write goes on behind the next
+        steps. The interval's save cost: an async save's blocking part plus what it took from the steps it
+        overlapped, known once the next save begins (the first save: its blocking part only). A collective in auto
+        mode."""
+        cost = blocking_s if self._prev_blocking is None else self._prev_blocking + self._excess_s
+        self._overlap, self._excess_s = overlapped, 0.0
+        self._prev_blocking = blocking_s if overlapped else None
+        self._retune(step, cost)
+
+    def restore(self, step: int, manifest: dict[str, Any]) -> None:
+        """Checkpoint `step` was loaded: the saves resume from it, with the interval its manifest recorded."""
+        self.last_save_step = step
         iv = manifest.get("interval") or {}
         if self.cfg.interval == "auto" and iv.get("delta_s") and iv.get("step_time_s"):
             self._delta_s = float(iv["delta_s"])
             self._set_interval(float(iv["step_time_s"]), step=manifest["step"])
 
+    def _retune(self, step: int, cost_s: float) -> None:
+        if self.cfg.interval != "auto":
+            return
+        self._delta_s, step_time = self._agree_max([cost_s, self.step_time() or 0.0])
+        self._set_interval(step_time, step=step)
+
     def _set_interval(self, step_time: float, *, step: int) -> None:
         assert self.mtbf_s is not None and self._delta_s is not None
         if step_time <= 0:
-            self._interval_steps = 1
+            self.interval_steps = 1
             return
         plan = plan_interval(
             delta=max(self._delta_s, 1e-6), mtbf=self._tier_mtbf(FILESYSTEM) or self.mtbf_s, restart=self.cfg.restart_s
         )
-        self._interval_steps = interval_steps(plan.interval_s, step_time)
-        self.last_plan = dict(plan.as_dict(), interval_steps=self._interval_steps, step_time_s=step_time)
+        self.interval_steps = interval_steps(plan.interval_s, step_time)
+        self.last_plan = dict(plan.as_dict(), interval_steps=self.interval_steps, step_time_s=step_time)
         self._emit(
             "checkpoint_interval",
             step=step,
@@ -91,7 +128,7 @@ class IntervalMixin:
             log.info(
                 "checkpoint interval %d steps (Daly %.1f s, Young %.1f s; δ=%.3f s, MTBF=%.0f s, step %.3f s): "
                 "overhead %.2f%%, expected lost work per failure %.1f s",
-                self._interval_steps,
+                self.interval_steps,
                 plan.interval_s,
                 plan.young_s,
                 plan.delta_s,
@@ -113,29 +150,26 @@ class IntervalMixin:
             return 0
         if self.cfg.memory_interval == "steps":
             return self.cfg.memory_every_steps
-        return 1 if self._memory_interval_steps is None else self._memory_interval_steps
+        return 1 if self.memory_steps is None else self.memory_steps
 
-    def _retune_memory(self, step: int, cost_s: float) -> None:
+    def retune_memory(self, step: int, cost_s: float) -> None:
         """memory_interval=auto: the RAM saves' interval from their measured cost (agreed: every rank's slowest; it
         includes the partner copy the save sends) and the MTBF of the failures read from RAM or from a partner copy
         (checkpoint.tiers.memory_interval_s, as jobs.plan's); 0 = they cover none."""
         if self.cfg.memory_interval != "auto":
             return
-        vals = torch.tensor([cost_s, self._step_time() or 0.0], dtype=torch.float64)
-        if self._dist:
-            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        cost, step_time = float(vals[0]), float(vals[1])
+        cost, step_time = self._agree_max([cost_s, self.step_time() or 0.0])
         assert self.mtbf_s is not None
         share = cadence_share(self.tier_shares)
         mtbf = memory_mtbf_s(mtbf_s=self.mtbf_s, shares=self.tier_shares)
         tau = memory_interval_s(mtbf_s=self.mtbf_s, shares=self.tier_shares, save_s=cost)
-        self._memory_interval_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
+        self.memory_steps = 0 if tau is None else interval_steps(tau, step_time) if step_time > 0 else 1
         self._emit(
             "checkpoint_interval",
             step=step,
             tier=MEMORY,
             interval_s=None if tau is None else round(tau, 6),
-            interval_steps=self._memory_interval_steps,
+            interval_steps=self.memory_steps,
             delta_s=round(cost, 6),
             mtbf_s=mtbf,
             share=share,
@@ -145,7 +179,7 @@ class IntervalMixin:
             log.info(
                 "RAM tier interval %d steps, partner copies included (Daly %s s; δ=%.4f s, MTBF of the failures "
                 "read from RAM or a partner %s s, step %.3f s)",
-                self._memory_interval_steps,
+                self.memory_steps,
                 "-" if tau is None else f"{tau:.1f}",
                 cost,
                 "-" if mtbf is None else f"{mtbf:.0f}",

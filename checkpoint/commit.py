@@ -107,7 +107,7 @@ class CommitMixin:
                         "env": self.fingerprint,
                         "data_cursor": {"step": step},
                         "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
-                        "interval": {"delta_s": self._delta_s, "step_time_s": self._step_time()},
+                        "interval": self.cadence.manifest_entry(),
                         "async_mode": self.cfg.async_mode,
                         **self.manifest_extra,
                     },

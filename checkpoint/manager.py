@@ -38,17 +38,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint.cadence import IntervalMixin
+from checkpoint.cadence import Cadence
 from checkpoint.commit import CommitMixin
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
-from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs
+from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs, verify_share
 from checkpoint.memory_capacity import MemoryCapacityMixin
 from checkpoint.memory_restore import MemoryRestoreMixin
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
 from checkpoint.retention import abandon_above, manifest_crc
-from checkpoint.statedict import StateDictMixin
+from checkpoint.statedict import BoundState
 from checkpoint.writer import RecordingWriter, ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
@@ -57,9 +57,7 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(
-    CommitMixin, StateDictMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin, IntervalMixin
-):
+class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin):
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -135,10 +133,19 @@ class CheckpointManager(
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
-        self._init_interval_state()
+        self._hooks: list[Any] = []
+        self.state = BoundState(rank=rank, stager=self._stager)  # the objects saves write (load_latest binds them)
         # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
         # and the auto interval must come out the same on every rank.
         self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
+        self.cadence = Cadence(
+            cfg=cfg,
+            mtbf_s=self.mtbf_s,
+            tier_shares=self.tier_shares,
+            rank=rank,
+            agree_max=self._agree_max,
+            emit=self._emit,
+        )
         # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
         # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
         self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
@@ -221,16 +228,9 @@ class CheckpointManager(
         self.wait_memory()
         if self._retaining is not None:
             self._retaining.result()
-        self._bound = {
-            "model_parts": list(model_parts),
-            "optimizers": list(optimizers),
-            "lr_schedulers": list(lr_schedulers),
-            "train_state": train_state,
-        }
+        self.state.bind(model_parts, optimizers, lr_schedulers, train_state)
         self._unhook()
-        self._cached = None  # new objects bound: the state-dict structure and staging buffers are made anew
         if self._stager is not None:
-            self._stager.reset()
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
         if self.cfg.memory_on:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
@@ -285,8 +285,7 @@ class CheckpointManager(
     ) -> None:
         """Records a successful load (started at perf_counter `t0`) from `tier`: the save cadence resumes from
         it, and it is reported."""
-        self._last_save_step = step
-        self._restore_interval(manifest)
+        self.cadence.restore(step, manifest)
         load_s = time.perf_counter() - t0
         self._emit(
             "checkpoint_loaded",
@@ -304,24 +303,15 @@ class CheckpointManager(
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
         when the auto interval (Young/Daly) has elapsed. Identical on all ranks."""
         if step_time_s is not None and step_time_s > 0:
-            self._step_times.append(float(step_time_s))
-            del self._step_times[:-50]
-            self._count_overlap(float(step_time_s))
-        if not self.cfg.enabled or step <= self._last_save_step:
-            return False
-        if self.total_steps is not None and step >= self.total_steps:
-            return True
-        if self.cfg.interval == "steps":
-            return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
-        if self._interval_steps is None:
-            return True  # nothing measured yet: save once to measure the blocking cost
-        return step - self._last_save_step >= self._interval_steps
+            in_flight = self._pending is not None and not self._pending.done()
+            self.cadence.record_step(float(step_time_s), save_in_flight=in_flight)
+        return self.cfg.enabled and self.cadence.due(step, total_steps=self.total_steps)
 
     def save(self, step: int) -> None:
         """Writes checkpoint `step`. Blocks for the whole save (`none`), else only to hand the state to
         the staging thread (the optimizer's next step waits for that copy); a previous save still in
         flight is waited for first (and its failure raised)."""
-        if self._bound is None:
+        if self.state.objects is None:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
@@ -330,7 +320,7 @@ class CheckpointManager(
             if self.rank == 0:
                 self._prepare(tmp)
             self._barrier(self._ctl_pg)
-        sd = self._save_state_dict()
+        sd = self.state.save_state_dict()
         writer = RecordingWriter(
             tmp,
             thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
@@ -342,7 +332,7 @@ class CheckpointManager(
                 dcp.save(sd, storage_writer=writer, process_group=self._io_pg)
             except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
                 err = e
-            self._last_save_step = step
+            self.cadence.last_save_step = step
             self._commit(step, tmp, final, None, err, t0, None, writer)
             blocking = time.perf_counter() - t0
         else:
@@ -355,16 +345,20 @@ class CheckpointManager(
                 async_stager=self._stager,
             )
             blocking = time.perf_counter() - t0
-            self._last_save_step = step
+            self.cadence.last_save_step = step
             self._pending = self._pool.submit(
                 self._commit, step, tmp, final, resp.upload_completion, None, t0, blocking, writer
             )
-        # The interval's save cost: an async save's blocking part plus what it took from the steps it
-        # overlapped, known once the next save begins (the first save: its blocking part only).
-        cost = blocking if self._prev_blocking is None else self._prev_blocking + self._excess_s
-        self._overlap, self._excess_s = self.cfg.async_mode != "none", 0.0
-        self._prev_blocking = blocking if self._overlap else None
-        self._retune(step, cost)
+        self.cadence.saved(step, blocking, overlapped=self.cfg.async_mode != "none")
+
+    @property
+    def last_plan(self) -> dict[str, Any] | None:
+        """The filesystem tier's last auto interval plan (checkpoint.interval=auto; None before one)."""
+        return self.cadence.last_plan
+
+    def memory_interval_steps(self) -> int:
+        """The RAM tier's interval in steps (Cadence.memory_interval_steps)."""
+        return self.cadence.memory_interval_steps()
 
     @property
     def process_groups(self) -> list[dist.ProcessGroup]:
@@ -406,16 +400,31 @@ class CheckpointManager(
         manifest = None
         try:
             manifest = read_manifest(d, step=step)
-            names = sorted(manifest["files"])
-            problems = check_files(
-                d, manifest["files"], names[self.rank :: self.world_size], checksum=self.cfg.verify == "checksum"
-            )
+            mine = verify_share(list(manifest["files"]), rank=self.rank, world_size=self.world_size)
+            problems = check_files(d, manifest["files"], mine, checksum=self.cfg.verify == "checksum")
         except ManifestError as e:
             problems = [str(e)]
         except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
             problems = [f"rank {self.rank}: {describe_error(e, self.folder)}"]
         problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
         return problems, (manifest if not problems else None)
+
+    def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
+        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
+        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
+        # afterwards, reached by every rank, decides for all.
+        err = info = None
+        try:
+            info = (load or self._load)(d, manifest)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            err = describe_error(e, self.folder)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
+        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
+
+    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        same_world = manifest["world_size"] == self.world_size
+        same_mesh = same_world and manifest.get("mesh") == self.manifest_extra.get("mesh")
+        return self.state.load(d, resharded=not same_mesh)
 
     def _candidate_steps(self) -> list[int]:
         listing: list[int] | str | None = None
@@ -486,6 +495,13 @@ class CheckpointManager(
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=pg)
         return out
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """The element-wise max of `values` over the ranks (on the control group)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self._dist:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return [float(x) for x in t]
 
     def _bcast(self, obj: Any, pg: Any) -> Any:
         if not self._dist:

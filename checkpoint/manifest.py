@@ -19,6 +19,7 @@ __all__ = [
     "read_manifest",
     "check_files",
     "check_step_dir",
+    "verify_share",
 ]
 
 MANIFEST = "manifest.json"
@@ -154,6 +155,22 @@ def check_files(step_dir: Path, files: dict[str, dict[str, Any]], names: list[st
             if got != want["crc32"]:
                 problems.append(f"{name} crc32 {got} != manifest {want['crc32']}")
     return problems
+
+
+def verify_share(names: list[str], *, rank: int, world_size: int) -> list[str]:
+    """The files of a step folder that `rank` checks before a load (each file by one rank): the DCP shards it wrote
+    (`__<rank>_<i>.distcp`), which are the ones it reads back on the same mesh, so the check brings them into its
+    node's page cache and the load reads them from there, not from storage a second time; and of the others (the
+    .metadata, shards of ranks a smaller world no longer has) every `world_size`-th, sorted."""
+    own = [n for n in sorted(names) if _writer(n) == rank]
+    rest = [n for n in sorted(names) if _writer(n) is None or _writer(n) >= world_size]
+    return sorted(own + rest[rank::world_size])
+
+
+def _writer(name: str) -> int | None:
+    """The rank that wrote DCP shard `__<rank>_<i>.distcp` (None for any other file)."""
+    head, sep, _ = name.removeprefix("__").partition("_")
+    return int(head) if name.startswith("__") and sep and head.isdigit() and name.endswith(".distcp") else None
 
 
 def check_step_dir(step_dir: Path, *, step: int, checksum: bool) -> list[str]:

@@ -67,14 +67,14 @@ def capacity_error(
 
 
 class MemoryCapacityMixin:
-    """CheckpointManager's capacity check of the RAM tier (`self._bound`, `self.cfg`, `self.memory_root`,
+    """CheckpointManager's capacity check of the RAM tier (`self.state`, `self.cfg`, `self.memory_root`,
     `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
 
     def local_state_bytes(self) -> int:
         """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
         local shards of parameters and buffers, and the optimizer state; before the first step (no optimizer
         state yet) estimated as two moments per trainable parameter (AdamW, its dtype)."""
-        b = self._bound
+        b = self.state.objects
         assert b is not None
         size = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
         nbytes = sum(size(t) for part in b["model_parts"] for t in (*part.parameters(), *part.buffers()))

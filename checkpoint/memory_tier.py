@@ -112,7 +112,7 @@ def complete_steps(per_rank: list[dict[int, str]]) -> list[int]:
 class MemoryTierMixin:
     """CheckpointManager's methods of the RAM tier (`self.memory_root`, `self.run_id`, `self.cfg`, `self.rank`,
     `self.world_size`, `self.attempt`, `self.manifest_extra`, `self._ctl_pg`, `self._emit`, `self._all_gather`,
-    `self._state_dict`, `self._apply_loaded`)."""
+    `self.state`: the bound objects)."""
 
     def _init_memory_tier(self, run_id: str, node: str) -> None:
         """The RAM tier's folder on this node (the run's identity and the node in its path); no collective."""
@@ -121,9 +121,6 @@ class MemoryTierMixin:
         self.memory_root = memory_root(self.cfg.memory_dir, run_id) / self.node
         self._last_memory_step = 0
         self._capacity_checked = False
-        self._memory_interval_steps: int | None = (
-            None  # memory_interval=auto: the current interval (None: not measured)
-        )
         self._memory_cost: tuple[int, float] | None = None  # (step, agreed cost) of the last committed RAM save
         self._mem_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
         self._mem_pending: Future | None = None
@@ -140,7 +137,7 @@ class MemoryTierMixin:
 
     def _rollbacks_in_state(self) -> int:
         """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py)."""
-        health = getattr((self._bound or {}).get("train_state"), "health", None) or {}
+        health = getattr((self.state.objects or {}).get("train_state"), "health", None) or {}
         return len(health.get("rollbacks", []))
 
     def _init_partners(self) -> None:
@@ -192,10 +189,10 @@ class MemoryTierMixin:
         """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
         own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
         never the last step (the filesystem tier always saves that one). Identical on all ranks."""
-        if self.cfg.memory_interval == "auto" and self._memory_interval_steps is None:
+        if self.cfg.memory_interval == "auto" and self.cadence.memory_steps is None:
             self.wait_memory()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
             self._settle_memory_interval()
-        n = self.memory_interval_steps()
+        n = self.cadence.memory_interval_steps()
         if not self.cfg.enabled or n <= 0 or step <= self._last_memory_step:
             return False
         fixed = self.cfg.memory_interval == "steps"
@@ -208,7 +205,7 @@ class MemoryTierMixin:
         state dict and hand it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next
         optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
         the step removed on every rank; training goes on."""
-        if self._bound is None:
+        if self.state.objects is None:
             raise RuntimeError(
                 "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
             )
@@ -216,7 +213,7 @@ class MemoryTierMixin:
         self.wait_memory()
         self._settle_memory_interval()
         self._last_memory_step = step
-        sd = self._state_dict()
+        sd = self.state.state_dict()
         tree, self._save_shards = _local_tree(sd), shard_geometry(sd)  # where the shards lie: for a flush (scavenge)
         self._save_rollbacks = self._rollbacks_in_state()  # the timeline the step belongs to, in its manifest
         if self.cfg.async_mode == "none":
@@ -230,11 +227,11 @@ class MemoryTierMixin:
 
     def _settle_memory_interval(self) -> None:
         """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
-        only right after wait_memory (so at the same step on every rank: `_retune_memory` is a collective, and the
+        only right after wait_memory (so at the same step on every rank: `Cadence.retune_memory` is a collective, and the
         background save may finish at different moments on different ranks)."""
         cost, self._memory_cost = self._memory_cost, None
         if cost is not None:
-            self._retune_memory(*cost)
+            self.cadence.retune_memory(*cost)
 
     def wait_memory(self) -> None:
         """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
@@ -380,11 +377,11 @@ class MemoryTierMixin:
         """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
         md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
         part_keys: list[list[str]] = []
-        sd = self._state_dict(md_keys, part_keys)
+        sd = self.state.state_dict(md_keys, part_keys)
         local = _local_tree(sd)  # DTensors as their local shards: views of the same storage, loaded in place
         with torch.no_grad():
             dcp.load(local, checkpoint_id=str(d), no_dist=True)
-        info = self._apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
+        info = self.state.apply_loaded(_keep_dtensors(sd, local), part_keys, resharded=False)
         return {**info, "partner_ranks": self._partner_used} if self._partner_used else info
 
     def _after_load_memory(self, step: int) -> None:

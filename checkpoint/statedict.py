@@ -1,5 +1,5 @@
-"""The state a checkpoint holds: the save-side state dict (structure built once, cached) and the load into
-the bound model parts, optimizers, schedulers, train state and RNG (CheckpointManager's state half)."""
+"""The state a checkpoint holds: the objects bound to it (model parts, optimizers, schedulers, train state, RNG), the
+save-side state dict (structure built once, cached) and the load into them. CheckpointManager holds one `BoundState`."""
 
 from __future__ import annotations
 
@@ -21,37 +21,61 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from checkpoint.errors import describe_error
+from checkpoint.optim_init import init_optimizer_state
 from checkpoint.state import capture_rng, restore_rng
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class StateDictMixin:
-    """CheckpointManager's methods that build the state to save and load a checkpoint into the bound objects
-    (`self._bound`, `self._cached`, `self._stager`, `self.rank`, `self.folder`, `self._all_gather`)."""
+class BoundState:
+    """The objects a checkpoint saves and restores, on one rank; `stager`: the async saves' staging buffers (None
+    for synchronous saves), made anew when the tensors behind the state change. No collective."""
 
-    def _save_state_dict(self) -> dict[str, Any]:
+    def __init__(self, *, rank: int, stager: Any | None) -> None:
+        self.rank = rank
+        self.stager = stager
+        self.objects: dict[str, Any] | None = None  # bind() sets them
+        self._cached: tuple[tuple, dict[str, Any], list[tuple[str, int, int, str]] | None] | None = None
+
+    def bind(
+        self,
+        model_parts: Sequence[torch.nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        lr_schedulers: Sequence[Any],
+        train_state: Any | None,
+    ) -> None:
+        """Binds the objects later saves write; the state-dict structure and staging buffers are made anew."""
+        self.objects = {
+            "model_parts": list(model_parts),
+            "optimizers": list(optimizers),
+            "lr_schedulers": list(lr_schedulers),
+            "train_state": train_state,
+        }
+        self._cached = None
+        if self.stager is not None:
+            self.stager.reset()
+
+    def save_state_dict(self) -> dict[str, Any]:
         """The state to save. Model and optimizer tensors come from a structure built once and rebuilt
         only when the tensors behind it change; the optimizer's hyperparameters (lr), the scheduler, the
         train state and the RNG are read fresh each time."""
         sig = self._tensor_signature()
         if self._cached is None or self._cached[0] != sig:
-            sd = self._state_dict()
-            self._cached = (sig, sd, _param_group_refs(sd["optim"], self._bound["optimizers"]))
-            if self._stager is not None:
-                self._stager.reset()
+            sd = self.state_dict()
+            self._cached = (sig, sd, _param_group_refs(sd["optim"], self.objects["optimizers"]))
+            if self.stager is not None:
+                self.stager.reset()
             return sd
         _, sd, refs = self._cached
         if refs is None:  # hyperparameters not traceable to a param group: the optimizer part fresh each time
-            b = self._bound
+            b = self.objects
             sd["optim"] = {
                 k: v
                 for part, opt in zip(b["model_parts"], b["optimizers"])
                 for k, v in get_optimizer_state_dict(part, opt, options=_OPTS).items()
             }
         else:
-            opts = self._bound["optimizers"]
+            opts = self.objects["optimizers"]
             for key, oi, gi, name in refs:
                 sd["optim"][key] = opts[oi].param_groups[gi][name]
         sd.update(self._small_state())
@@ -60,7 +84,7 @@ class StateDictMixin:
     def _tensor_signature(self) -> tuple:
         """Which tensors (and storages) the model and optimizer state consist of now; a change means
         the cached state-dict structure points at tensors no longer in use."""
-        b = self._bound
+        b = self.objects
         assert b is not None
         sig: list[Any] = []
         for part in b["model_parts"]:
@@ -76,7 +100,7 @@ class StateDictMixin:
 
     def _small_state(self) -> dict[str, Any]:
         """The non-tensor state of a save, pickled now: scheduler, train state, this rank's RNG."""
-        b = self._bound
+        b = self.objects
         assert b is not None
         out: dict[str, Any] = {}
         if b["lr_schedulers"]:
@@ -86,10 +110,10 @@ class StateDictMixin:
         out["rng"] = {f"rank{self.rank}": pickle.dumps(capture_rng())}
         return out
 
-    def _state_dict(
+    def state_dict(
         self, metadata_keys: set[str] | None = None, part_keys: list[list[str]] | None = None
     ) -> dict[str, Any]:
-        b = self._bound
+        b = self.objects
         assert b is not None
         model: dict[str, Any] = {}
         for part in b["model_parts"]:
@@ -100,6 +124,8 @@ class StateDictMixin:
             if part_keys is not None:
                 part_keys.append(list(sd))
         optim: dict[str, Any] = {}
+        for opt in b["optimizers"] if metadata_keys is not None else ():  # a load: the state it is read into
+            init_optimizer_state(opt)
         for part, opt in zip(b["model_parts"], b["optimizers"]):
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTS))
         sd: dict[str, Any] = {"model": model, "optim": optim}
@@ -115,37 +141,22 @@ class StateDictMixin:
             sd["rng"] = {rng_key: b""}
         return sd
 
-    def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
-        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
-        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
-        # afterwards, reached by every rank, decides for all.
-        err = info = None
-        try:
-            info = (load or self._load)(d, manifest)
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            err = describe_error(e, self.folder)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
-        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
-
-    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        b = self._bound
-        assert b is not None
+    def load(self, d: Path, *, resharded: bool) -> dict[str, Any]:
+        """Reads checkpoint folder `d` into the bound objects (`resharded`: saved on another world size or mesh, so
+        the RNG states stay as they are); no collective (DCP reads with no_dist)."""
         md_keys = set(FileSystemReader(str(d)).read_metadata().state_dict_metadata)
-        same_mesh = manifest["world_size"] == self.world_size and manifest.get("mesh") == self.manifest_extra.get(
-            "mesh"
-        )
         part_keys: list[list[str]] = []
-        sd = self._state_dict(md_keys, part_keys)
-        if not same_mesh:
+        sd = self.state_dict(md_keys, part_keys)
+        if resharded:
             sd.pop("rng", None)
         with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(d), no_dist=True)
-        return self._apply_loaded(sd, part_keys, resharded=not same_mesh)
+        return self.apply_loaded(sd, part_keys, resharded=resharded)
 
-    def _apply_loaded(self, sd: dict[str, Any], part_keys: list[list[str]], *, resharded: bool) -> dict[str, Any]:
+    def apply_loaded(self, sd: dict[str, Any], part_keys: list[list[str]], *, resharded: bool) -> dict[str, Any]:
         """Puts a state dict read from a checkpoint (of `_state_dict`'s structure) into the bound objects."""
-        b = self._bound
+        b = self.objects
         assert b is not None
         for part, keys in zip(b["model_parts"], part_keys):
             set_model_state_dict(part, {k: sd["model"][k] for k in keys}, options=_OPTS)

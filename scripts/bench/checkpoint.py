@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from _models import mlp_stack  # noqa: E402
+from _slowfs import bench_dir  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
@@ -302,8 +303,21 @@ def main() -> int:
     ap.add_argument("--b2-rounds", type=int, default=10, help="B2: rounds of one plain and one saving block")
     ap.add_argument("--b2-steps", type=int, default=8, help="B2: training steps per block")
     ap.add_argument("--dir", default="/tmp/meshjob-ckbench")
+    ap.add_argument("--slow-fs", type=float, default=0, help=_SLOW_FS_HELP)
     ap.add_argument("--out", default=None, help="append the JSON line here too")
     a = ap.parse_args()
+    with bench_dir(a.dir, mb_per_rank=a.slow_fs, ranks=a.ranks) as d:
+        a.dir = str(d)
+        return _main(a)
+
+
+_SLOW_FS_HELP = (
+    "MB/s per rank: --dir on ext4 over a loop device with direct I/O, reads and writes throttled to --ranks x this "
+    "rate (scripts/bench/_slowfs.py; needs root); 0: --dir as it is"
+)
+
+
+def _main(a: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     a.threads = a.threads or max(1, cores // a.ranks)
     shutil.rmtree(a.dir, ignore_errors=True)
@@ -320,6 +334,7 @@ def main() -> int:
         "cores_free": max(0, cores - a.ranks * a.threads),
         "dim": a.dim,
         "layers": a.layers,
+        "slow_fs_MBps_per_rank": a.slow_fs,
     }
     worst = {k: max(o[k] for o in save) for k in save[0] if k.endswith("_s") and isinstance(save[0][k], float)}
     row.update({k: round(v, 4) for k, v in worst.items()})

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from _models import mlp_stack  # noqa: E402
+from _slowfs import bench_dir  # noqa: E402
 
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 
@@ -63,8 +64,8 @@ _LOAD_PARTS = {
     "_memory_candidates": "list",
     "_validate": "checksum",
     "_validate_memory": "checksum",
-    "_state_dict": "state_dict",
-    "_apply_loaded": "apply",
+    "state.state_dict": "state_dict",
+    "state.apply_loaded": "apply",
     "_load": "load",
     "_load_memory": "load",
 }
@@ -161,7 +162,9 @@ def _time_load_parts(ck) -> dict[str, float]:
     spent = {part: 0.0 for part in _LOAD_PARTS.values()}
 
     def wrap(name: str, part: str):
-        fn = getattr(ck, name)
+        owner = ck.state if name.startswith("state.") else ck
+        name = name.removeprefix("state.")
+        fn = getattr(owner, name)
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -170,7 +173,7 @@ def _time_load_parts(ck) -> dict[str, float]:
             finally:
                 spent[part] += time.perf_counter() - t0
 
-        setattr(ck, name, timed)
+        setattr(owner, name, timed)
 
     for name, part in _LOAD_PARTS.items():
         wrap(name, part)
@@ -275,8 +278,21 @@ def main() -> int:
     ap.add_argument("--b11-rounds", type=int, default=3, help="B11: rounds of a RAM and a filesystem restart")
     ap.add_argument("--dir", default="/tmp/meshjob-tierbench")
     ap.add_argument("--shm", default="/dev/shm/meshjob-tierbench", help="the RAM tier's checkpoint.memory_dir")
+    ap.add_argument("--slow-fs", type=float, default=0, help=_SLOW_FS_HELP)
     ap.add_argument("--out", default=None, help="append the JSON line here too")
     a = ap.parse_args()
+    with bench_dir(a.dir, mb_per_rank=a.slow_fs, ranks=a.ranks) as d:
+        a.dir = str(d)
+        return _main(a)
+
+
+_SLOW_FS_HELP = (
+    "MB/s per rank: --dir (the filesystem tier) on ext4 over a loop device with direct I/O, reads and writes "
+    "throttled to --ranks x this rate (scripts/bench/_slowfs.py; needs root); 0: --dir as it is"
+)
+
+
+def _main(a: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     a.threads = a.threads or max(1, cores // a.ranks)
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports (~1 s) once here, not in every launch
@@ -305,6 +321,7 @@ def _run(a: argparse.Namespace, cores: int) -> dict:
         "cores_free": max(0, cores - a.ranks * a.threads),
         "dim": a.dim,
         "layers": a.layers,
+        "slow_fs_MBps_per_rank": a.slow_fs,
         "time": time.time(),
         "loadavg_start": os.getloadavg(),
     }

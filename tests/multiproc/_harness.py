@@ -222,7 +222,7 @@ def train(
         "params": params,
         "start": start,
         "state": state.state_dict(),
-        "interval_steps": manager._interval_steps,
+        "interval_steps": manager.cadence.interval_steps,
     }
 
 

@@ -3,12 +3,12 @@ stay fast. The run ends as a healthy one (exit 0, its final checkpoint committed
 the filesystem, a rank in a long save holds its peers' hang timeout, and the checkpoint's groups wait
 failure.checkpoint_timeout_s for the slowest rank's write.
 
-The filesystem: ext4 on a sparse image behind a loop device with direct I/O (the host's page cache does not hide
-the throttle), mounted `dirsync` (a rename or create waits for the disk, as a network filesystem's metadata RPC
-does), writes throttled by the blkio controller of the root cgroup (cgroup v1). Needs root. The issue's figure is
-30 MB/s; a state that takes seconds to write at that rate (~200 MB) takes 2-4 s per step on two loaded CPU cores,
-so this check keeps the ratio instead: 14 MB of state at 2 MiB/s, ~7 s per save (3.5 hang timeouts) against
-steps of 0.1-0.8 s.
+The filesystem (scripts/bench/_slowfs.py, shared with the checkpoint benchmarks): ext4 on a sparse image behind a
+loop device with direct I/O (the host's page cache does not hide the throttle), mounted `dirsync` (a rename or create
+waits for the disk, as a network filesystem's metadata RPC does), writes throttled by the blkio controller of the root
+cgroup (cgroup v1). Needs root. The issue's figure is 30 MB/s; a state that takes seconds to write at that rate
+(~200 MB) takes 2-4 s per step on two loaded CPU cores, so this check keeps the ratio instead: 14 MB of state at
+2 MiB/s, ~7 s per save (3.5 hang timeouts) against steps of 0.1-0.8 s.
 """
 
 from __future__ import annotations
@@ -16,55 +16,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from scripts.bench._slowfs import slow_filesystem
 from tests.conftest import run_train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 WRITE_BPS = 2 * 1024 * 1024
-_THROTTLE = Path("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device")
-
-
-def _run(*cmd: str) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr.strip()}"
-    return p.stdout.strip()
 
 
 @pytest.fixture
 def slow_dir(tmp_path: Path):
-    """A folder on a filesystem whose writes go at 30 MB/s; unmounted, detached and unthrottled afterwards."""
+    """A folder on a filesystem whose writes go at 2 MiB/s (scripts/bench/_slowfs.py); undone afterwards."""
     if os.geteuid() != 0:
         pytest.skip("a loop device, a mount and the blkio throttle need root")
-    image, mount = tmp_path / "disk.img", tmp_path / "slow"
-    with image.open("wb") as f:
-        f.truncate(2 << 30)  # sparse: only what is written takes space
-    loop = _run("losetup", "--find", "--show", "--direct-io=on", str(image))
-    undo = [lambda: _run("losetup", "-d", loop)]
-    try:
-        _run("mkfs.ext4", "-q", loop)
-        mount.mkdir()
-        _run("mount", "-o", "dirsync", loop, str(mount))
-        undo.append(lambda: _run("umount", str(mount)))
-        rdev = os.stat(loop).st_rdev
-        device = f"{os.major(rdev)}:{os.minor(rdev)}"
-        _THROTTLE.write_text(f"{device} {WRITE_BPS}\n")
-        undo.append(lambda: _THROTTLE.write_text(f"{device} 0\n"))
-        assert f"{device} {WRITE_BPS}" in _THROTTLE.read_text()
+    with slow_filesystem(tmp_path / "fs", write_bps=WRITE_BPS) as mount:
         yield mount
-    finally:
-        failed = []
-        for step in reversed(undo):  # unthrottled, unmounted, detached: each tried even if one before it failed
-            try:
-                step()
-            except (AssertionError, OSError) as e:
-                failed.append(str(e))
-        assert not failed, failed
 
 
 def _write_s(folder: Path, nbytes: int) -> float:

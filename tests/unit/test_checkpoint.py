@@ -25,6 +25,7 @@ from checkpoint.manifest import (
     file_record,
     read_manifest,
     step_dirs,
+    verify_share,
     write_manifest,
 )
 from checkpoint.state import capture_rng, restore_rng
@@ -38,6 +39,19 @@ def _committed(tmp_path, step=3):
     files = {n: file_record(d / n) for n in (".metadata", "__0_0.distcp")}
     write_manifest(d, {"step": step, "files": files, "world_size": 1})
     return d, files
+
+
+def test_each_rank_checks_the_shards_it_reads_back_so_a_restart_reads_each_byte_from_storage_once():
+    names = [".metadata", "__1_1.distcp", "__0_0.distcp", "__1_0.distcp", "__0_1.distcp", "manifest-extra"]
+    # the same world size: a rank checks its own shards (its load reads those, then from its node's page cache)
+    assert verify_share(names, rank=0, world_size=2) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert verify_share(names, rank=1, world_size=2) == ["__1_0.distcp", "__1_1.distcp", "manifest-extra"]
+    # saved by 4 ranks, loaded by 2: the shards of ranks 2 and 3 and the other files shared out, each checked once
+    four = [".metadata"] + [f"__{r}_{i}.distcp" for r in range(4) for i in range(2)]
+    shares = [verify_share(four, rank=r, world_size=2) for r in range(2)]
+    assert shares[0] == [".metadata", "__0_0.distcp", "__0_1.distcp", "__2_1.distcp", "__3_1.distcp"]
+    assert shares[1] == ["__1_0.distcp", "__1_1.distcp", "__2_0.distcp", "__3_0.distcp"]
+    assert sorted(shares[0] + shares[1]) == sorted(four)
 
 
 def test_manifest_round_trips_and_detects_each_kind_of_damage(tmp_path):
