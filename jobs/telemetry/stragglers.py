@@ -20,8 +20,8 @@ rank's per-phase step times.
   per phase the median of the last BASELINE_RUNS runs that finished without a straggler, slowdown or
   failure event), `straggler_ratio` over it for `straggler_intervals` windows: the whole job is slower,
   which no peer comparison can see. A `slowdown` event, naming the phase that grew and every phase's
-  ratio, never a straggler: no rank is to blame (issue 38.7: on a loaded machine a baseline from a
-  quieter one made this fire as a straggler naming every rank).
+  ratio, never a straggler: no rank is to blame (on a loaded machine a baseline from a quieter one
+  used to fire here as a straggler naming every rank).
 
 All judge windows of at least WINDOW_STEPS steps (several log intervals when `train.log_every` is
 shorter; a last, shorter window is not judged), on rank 0 only: the other ranks only send their row in

@@ -10,7 +10,7 @@ K=2 slow windows in a row among the 3 past the warm-up one (a CPU-time clock nam
 nobody in the same run: checked by judging CPU time alone, 2026-12-05). That healthy runs
 name nobody on the same clock is tests/multiproc/test_stragglers_healthy.py's and test_stragglers.py's.
 
-The second test is issue 38's case: 4 ranks at the default thresholds, rank 3 stopped 30% of the time in stops of
+The second test is the case tried from outside: 4 ranks at the default thresholds, rank 3 stopped 30% of the time in stops of
 STOP_STEPS step times (longer than a step on any machine, a few per window), from step STOP_FROM on: the stops land
 in fewer than half of its steps, so the median per phase of (CPU + stopped) named nobody (checked, 2026-12-06); the
 stops now count by their mean (jobs/telemetry/phases.py), and in whichever phase they land, the rank's step total

@@ -94,7 +94,7 @@ def test_every_rank_slower_than_the_baseline_is_a_slowdown_naming_the_phase_that
     slow = _interval()
     slow[:, B] *= 1.3
     assert d.observe(slow, slow) == []
-    (hit,) = d.observe(slow, slow)  # not a Detection naming every rank (issue 38.7)
+    (hit,) = d.observe(slow, slow)  # not a Detection naming every rank
     assert isinstance(hit, Slowdown) and (hit.phase, round(hit.ratio, 6)) == ("backward", 1.3)
     assert hit.phases == {"data": 1.0, "forward": 1.0, "backward": 1.3, "optimizer": 1.0}
     assert StragglerDetector(NAMES, ratio=1.1, intervals=1, baseline=base).observe(_interval()) == []

@@ -1,4 +1,4 @@
-"""Stragglers (issue 38, item 7): a rank judged by its own history (the individual check), stops counted by their
+"""Stragglers: a rank judged by its own history (the individual check), stops counted by their
 mean, the GPU clock choice run on CPU through PhaseTimer's `events` seam, and a whole job slower than its baseline
 reported as a `slowdown`, never as a straggler naming every rank. Synthetic timings throughout."""
 
@@ -82,7 +82,7 @@ def test_stops_longer_than_a_step_count_by_their_mean_so_a_rank_stopped_a_third_
 ) -> None:
     """A 300 ms stop in every third step of a 30 ms backward: the median of (CPU + stopped) per step is the CPU
     time alone (the stops land in fewer than half the steps), which named nobody in a 4-rank run with one rank
-    stopped 30% of the time (issue 38.7); CPU time's median plus the stops' mean is what the rank lost."""
+    stopped 30% of the time; CPU time's median plus the stops' mean is what the rank lost."""
     timers = [PhaseTimer(tmp_path, rank=r, attempt="a", pp=False) for r in range(4)]
     for step in range(1, 21):
         for r, t in enumerate(timers):

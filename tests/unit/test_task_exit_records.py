@@ -1,4 +1,4 @@
-"""Each srun task's own exit record (issue 34, 3.6): the task srun starts watches its rank, records the rank's exit code
+"""Each srun task's own exit record: the task srun starts watches its rank, records the rank's exit code
 or the signal that killed it, and ends the same way; the supervisor decides from those records, with srun's text only
 for a task that left none."""
 

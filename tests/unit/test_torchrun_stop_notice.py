@@ -1,4 +1,4 @@
-"""Under torchrun a USR2 has a process to take it at every moment (issue 34, 3.1): the agent blocks it, records each one
+"""Under torchrun a USR2 has a process to take it at every moment: the agent blocks it, records each one
 it gets for the ranks of its allocation, and the ranks it starts inherit it blocked until their handlers are in
 place; rank 0 of an attempt takes a recorded notice as arrived."""
 
