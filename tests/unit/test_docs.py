@@ -140,3 +140,19 @@ def test_the_readme_opens_with_the_two_set_up_commands_and_ci_runs_the_second() 
     ]
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert f"{install} -e '.[dev]'" in ci and ci[-1] == "python -m pytest", ci
+
+
+def test_no_comment_or_doc_cites_an_issue_number_a_reader_cannot_resolve() -> None:
+    # The tracker's issue numbers mean nothing outside it: a comment says the fact, or cites the repo or a public
+    # source (an upstream issue as owner/repo#N). Seven came back with one round of branches after a sweep.
+    cited = re.compile(r"\bissues? \d+|\(issue|\bitem \d+\b", re.IGNORECASE)
+    roots = ["jobs", "parallel", "checkpoint", "scripts", "tests", "docs", "conf", "sbatch", "hydra_plugins"]
+    files = [p for r in roots for p in (REPO / r).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".in")]
+    found = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in [*files, REPO / "README.md"]
+        if p.name != "test_docs.py"
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if cited.search(line)
+    ]
+    assert not found, found

@@ -68,7 +68,7 @@ def test_mla_heads_are_192_for_queries_and_keys_and_128_for_values():
 
 
 def test_deepseek_v3_dispatch_is_priced_as_the_trainer_sends_it_seven_copies_per_token_across_nodes():
-    """Issue 36 item 7. DeepSeek-V3 (report §2.1.2, §4.2: M = 4 nodes per token) on ep 64 over 8 nodes of 8:
+    """DeepSeek-V3 (report §2.1.2, §4.2: M = 4 nodes per token) on ep 64 over 8 nodes of 8:
     jobs.train's dispatch (parallel/ep.py) sends each of a token's 8 copies straight to its expert's rank, no
     per-node deduplication (DeepEP's, §3.2.2: one IB copy per target node, min(8, 4, 8) x 7/8 = 3.5 copies): 8 x 7/8
     = 7 copies cross nodes, 8 x 7/64 = 0.875 stay in the node on another GPU; together all 8 x 63/64 that leave the
