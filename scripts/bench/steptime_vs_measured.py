@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
+import torch  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path
 
 from jobs.config import compose  # noqa: E402
@@ -91,6 +93,10 @@ RANKS = 4
 
 
 def _step_times(rank: int, overrides: list[str]) -> list[float]:
+    # One intra-op thread per rank (2 cores shared by 4 ranks), set before any op: the parent ran the calibration's
+    # ops with a thread pool, and a fork's first parallel region then waits forever on that pool's lock (futex).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     cfg = compose(overrides)
     events = EventLog(Path(cfg.run.dir) / f"events{rank}.jsonl", rank=rank)
     tr = Trainer(cfg, validate(cfg), DistEnv.from_environ(), events=events)
