@@ -156,3 +156,18 @@ def test_no_comment_or_doc_cites_an_issue_number_a_reader_cannot_resolve() -> No
         if cited.search(line)
     ]
     assert not found, found
+
+
+def test_the_product_reads_only_the_documented_test_seams() -> None:
+    # Faults are injected from outside the job wherever the real thing can happen here; a seam in the product only
+    # where it cannot, one per kind, each in docs/fault-tolerance.md's table of them.
+    seams = {
+        m
+        for r in ["jobs", "parallel", "checkpoint", "hydra_plugins", "conf", "sbatch"]
+        for p in (REPO / r).rglob("*")
+        if p.suffix in (".py", ".yaml", ".in")
+        for m in re.findall(r"MESHJOB_TEST_[A-Z_]+", p.read_text())
+    }
+    assert seams == {"MESHJOB_TEST_FLIP_GRAD", "MESHJOB_TEST_CORRUPT_DATA_STEP", "MESHJOB_TEST_SLOW_PHASE"}, seams
+    section = (REPO / "docs/fault-tolerance.md").read_text().split("### Test seams")[1].split("\n### ")[0]
+    assert all(f"`{s}`" in section for s in seams)
