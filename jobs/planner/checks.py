@@ -48,12 +48,22 @@ def analytic_checks(
     *,
     in_flight: float = 0.0,
 ) -> list[Check]:
-    cl, dims, ln, pcfg = cfg.cluster, d.dims, cfg.launcher, cfg.plan
+    dims = d.dims
     out = [
         Check(
             "config", True, f"valid: {dims.describe()} on {dims.world_size} ranks, {d.microbatches} microbatches/step"
         )
     ]
+    out += _placement_checks(cfg, dims)
+    out.append(_memory_check(cfg, mem, role, in_flight))
+    out += _checkpoint_checks(cfg, ckpt)
+    out += _goodput_checks(cfg, ckpt, goodput, upper)
+    return out
+
+
+def _placement_checks(cfg: JobConfig, dims) -> list[Check]:
+    """Ranks per node within the node's GPUs, and tensor parallel inside one NVLink domain (GPU clusters only)."""
+    cl, ln, out = cfg.cluster, cfg.launcher, []
     if cl.gpus_per_node > 0:
         ok = ln.tasks_per_node <= cl.gpus_per_node
         out.append(
@@ -79,6 +89,12 @@ def analytic_checks(
                 f"instead of {cl.intra_node_bw_GBps} GB/s; use mesh.tp<={cl.nvlink_domain} and more mesh.pp or mesh.dp_shard",
             )
         )
+    return out
+
+
+def _memory_check(cfg: JobConfig, mem: P.RankMemory, role: str, in_flight: float) -> Check:
+    """The busiest rank's peak against the usable GPU memory, with the fix when it does not fit."""
+    cl, pcfg = cfg.cluster, cfg.plan
     if cl.gpu_mem_gib > 0:
         usable = cl.gpu_mem_gib * GiB * pcfg.usable_mem_fraction
         ok = mem.peak_bytes <= usable
@@ -103,15 +119,17 @@ def analytic_checks(
                 + ": "
                 + "; ".join(fixes)
             )
-        out.append(Check("memory", ok, why))
-    else:
-        out.append(
-            Check(
-                "memory",
-                True,
-                f"cluster.gpu_mem_gib=0 ({cl.name}: CPU ranks); peak {mem.peak_bytes / GiB:.2f} GiB per rank, not checked",
-            )
-        )
+        return Check("memory", ok, why)
+    return Check(
+        "memory",
+        True,
+        f"cluster.gpu_mem_gib=0 ({cl.name}: CPU ranks); peak {mem.peak_bytes / GiB:.2f} GiB per rank, not checked",
+    )
+
+
+def _checkpoint_checks(cfg: JobConfig, ckpt: dict) -> list[Check]:
+    """Checkpoints on; an async save shorter than the interval; the watchdog's checkpoint limit covering it."""
+    cl, out = cfg.cluster, []
     ck = cfg.checkpoint
     if not ck.enabled:
         out.append(
@@ -135,6 +153,12 @@ def analytic_checks(
             )
         )
         out.append(_checkpoint_timeout_check(cfg, ckpt))
+    return out
+
+
+def _goodput_checks(cfg: JobConfig, ckpt: dict, goodput: float | None, upper: float) -> list[Check]:
+    """The expected goodput against plan.min_goodput (not checked when unknown and its upper bound passes)."""
+    pcfg, out = cfg.plan, []
     if goodput is None and upper >= pcfg.min_goodput:
         out.append(Check("goodput", True, f"not checked: {GOODPUT_UNKNOWN}"))
         return out
