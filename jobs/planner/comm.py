@@ -80,35 +80,18 @@ def comm_per_step(
         compute_bytes=compute_bytes,
     )
     if tp > 1:
-        ends = int(any(st.first for st in stages)) + int(any(st.last for st in stages))
-        moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
-        moe_rec = sum(1 for i in recomputed if i in moe)
-        items += _tp_items(
-            blocks=len(blocks),
-            recomputed=len(recomputed),
+        items += _tensor_parallel_items(
+            m,
+            stages,
+            blocks,
+            recomputed,
             microbatches=microbatches,
-            ends=ends,
             act=act,
             tp=tp,
             sequence_parallel=sequence_parallel,
             dt=dt,
-            moe_blocks=len(moe),
-            moe_recomputed=moe_rec,
+            micro_batch=micro_batch,
         )
-        if moe:
-            items += _moe_tp_items(
-                blocks=len(moe),
-                recomputed=moe_rec,
-                microbatches=microbatches,
-                act=act,
-                tp=tp,
-                top_k=m.experts_per_token,
-                shared=m.n_shared_experts * m.moe_ffn_dim > 0,
-                sequence_parallel=sequence_parallel,
-                dt=dt,
-                n_experts=m.n_routed_experts,
-                aux_rows=micro_batch if m.moe_aux_loss_coef > 0 else 0,
-            )
     if pp > 1:
         items.append(
             _pp_item(
@@ -139,6 +122,53 @@ def comm_per_step(
             ep=ep,
             nvlink_domain=nvlink_domain,
             compute_bytes=compute_bytes,
+        )
+    return items
+
+
+def _tensor_parallel_items(
+    m: ModelConfig,
+    stages: list[StageShape],
+    blocks: list[int],
+    recomputed: list[int],
+    *,
+    microbatches: int,
+    act: int,
+    tp: int,
+    sequence_parallel: bool,
+    dt: str,
+    micro_batch: int,
+) -> list[CommItem]:
+    """Tensor parallel's activation collectives: every block's (`_tp_items`) and an MoE block's FFN half
+    (`_moe_tp_items`)."""
+    ends = int(any(st.first for st in stages)) + int(any(st.last for st in stages))
+    moe = [i for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers]
+    moe_rec = sum(1 for i in recomputed if i in moe)
+    items = _tp_items(
+        blocks=len(blocks),
+        recomputed=len(recomputed),
+        microbatches=microbatches,
+        ends=ends,
+        act=act,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dt=dt,
+        moe_blocks=len(moe),
+        moe_recomputed=moe_rec,
+    )
+    if moe:
+        items += _moe_tp_items(
+            blocks=len(moe),
+            recomputed=moe_rec,
+            microbatches=microbatches,
+            act=act,
+            tp=tp,
+            top_k=m.experts_per_token,
+            shared=m.n_shared_experts * m.moe_ffn_dim > 0,
+            sequence_parallel=sequence_parallel,
+            dt=dt,
+            n_experts=m.n_routed_experts,
+            aux_rows=micro_batch if m.moe_aux_loss_coef > 0 else 0,
         )
     return items
 
