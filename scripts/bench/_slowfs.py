@@ -10,14 +10,15 @@ cache of the ext4 on top still works as on any filesystem (a benchmark evicts it
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["THROTTLE_DIR", "bench_dir", "slow_filesystem"]
+__all__ = ["THROTTLE_DIR", "add_bench_args", "bench_dir", "run_in_bench_dir", "slow_filesystem"]
 
 THROTTLE_DIR = Path("/sys/fs/cgroup/blkio")  # the root blkio cgroup (cgroup v1)
 
@@ -101,3 +102,25 @@ def bench_dir(folder: str, *, mb_per_rank: float, ranks: int, size: int = 16 << 
 
 def _exit_on_term(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def add_bench_args(ap: argparse.ArgumentParser, *, folder: str, what: str = "--dir") -> None:
+    """The arguments every checkpoint benchmark takes: ranks, threads, its folder, --slow-fs and --out."""
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores / --ranks)")
+    ap.add_argument("--dir", default=folder)
+    ap.add_argument(
+        "--slow-fs",
+        type=float,
+        default=0,
+        help=f"MB/s per rank: {what} on ext4 over a loop device with direct I/O, reads and writes throttled to "
+        "--ranks x this rate (scripts/bench/_slowfs.py; needs root); 0: --dir as it is",
+    )
+    ap.add_argument("--out", default=None, help="append the JSON line here too")
+
+
+def run_in_bench_dir(a: argparse.Namespace, main: Callable[[argparse.Namespace], int]) -> int:
+    """`main(a)` with `a.dir` on the throttled filesystem that --slow-fs asks for (as it is for 0)."""
+    with bench_dir(a.dir, mb_per_rank=a.slow_fs, ranks=a.ranks) as d:
+        a.dir = str(d)
+        return main(a)

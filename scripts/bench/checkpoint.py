@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from _models import mlp_stack  # noqa: E402
-from _slowfs import bench_dir  # noqa: E402
+from _slowfs import add_bench_args, run_in_bench_dir  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
@@ -294,27 +294,14 @@ def _launch(a: argparse.Namespace) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores / --ranks)")
+    add_bench_args(ap, folder="/tmp/meshjob-ckbench", what="--dir")
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--saves", type=int, default=5, help="sync saves (and raw writes): 4+ are steady state")
     ap.add_argument("--only", choices=("all", "b2", "b3"), default="all", help="b2 or b3 alone (no B4)")
     ap.add_argument("--b2-rounds", type=int, default=10, help="B2: rounds of one plain and one saving block")
     ap.add_argument("--b2-steps", type=int, default=8, help="B2: training steps per block")
-    ap.add_argument("--dir", default="/tmp/meshjob-ckbench")
-    ap.add_argument("--slow-fs", type=float, default=0, help=_SLOW_FS_HELP)
-    ap.add_argument("--out", default=None, help="append the JSON line here too")
-    a = ap.parse_args()
-    with bench_dir(a.dir, mb_per_rank=a.slow_fs, ranks=a.ranks) as d:
-        a.dir = str(d)
-        return _main(a)
-
-
-_SLOW_FS_HELP = (
-    "MB/s per rank: --dir on ext4 over a loop device with direct I/O, reads and writes throttled to --ranks x this "
-    "rate (scripts/bench/_slowfs.py; needs root); 0: --dir as it is"
-)
+    return run_in_bench_dir(ap.parse_args(), _main)
 
 
 def _main(a: argparse.Namespace) -> int:

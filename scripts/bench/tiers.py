@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _fork import gather_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from _models import mlp_stack  # noqa: E402
-from _slowfs import bench_dir  # noqa: E402
+from _slowfs import add_bench_args, run_in_bench_dir  # noqa: E402
 
 from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 
@@ -268,28 +268,15 @@ def _launch(a: argparse.Namespace) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores / --ranks)")
+    add_bench_args(ap, folder="/tmp/meshjob-tierbench", what="--dir (the filesystem tier)")
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--saves", type=int, default=2, help="synchronous filesystem saves timed for reference (0: none)")
     ap.add_argument("--b12-rounds", type=int, default=3, help="B12: rounds of a plain, a RAM and a filesystem block")
     ap.add_argument("--b12-steps", type=int, default=6, help="B12: training steps per block")
     ap.add_argument("--b11-rounds", type=int, default=3, help="B11: rounds of a RAM and a filesystem restart")
-    ap.add_argument("--dir", default="/tmp/meshjob-tierbench")
     ap.add_argument("--shm", default="/dev/shm/meshjob-tierbench", help="the RAM tier's checkpoint.memory_dir")
-    ap.add_argument("--slow-fs", type=float, default=0, help=_SLOW_FS_HELP)
-    ap.add_argument("--out", default=None, help="append the JSON line here too")
-    a = ap.parse_args()
-    with bench_dir(a.dir, mb_per_rank=a.slow_fs, ranks=a.ranks) as d:
-        a.dir = str(d)
-        return _main(a)
-
-
-_SLOW_FS_HELP = (
-    "MB/s per rank: --dir (the filesystem tier) on ext4 over a loop device with direct I/O, reads and writes "
-    "throttled to --ranks x this rate (scripts/bench/_slowfs.py; needs root); 0: --dir as it is"
-)
+    return run_in_bench_dir(ap.parse_args(), _main)
 
 
 def _main(a: argparse.Namespace) -> int:
