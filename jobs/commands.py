@@ -7,8 +7,11 @@ import difflib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Command", "COMMANDS", "OWN_KEYS", "help_text", "own_keys"]
+from jobs import exitcodes
+
+__all__ = ["Command", "COMMANDS", "OWN_KEYS", "help_text", "own_keys", "run_dir_args"]
 
 _OVERRIDES = (
     "Arguments are config overrides, KEY=VALUE (dotted keys of the config; +KEY=VALUE adds a preset such as\n"
@@ -227,3 +230,25 @@ def own_keys(command: str, argv: Sequence[str]) -> tuple[dict[str, object], list
         else:
             raise _unknown(command, arg)
     return given, rest
+
+
+def run_dir_args(command: str, argv: Sequence[str], help_hint: str) -> tuple[dict[str, object], Path] | int:
+    """The own keys and the run dir of a command that reads one (`status`, `report`), or the exit code once the
+    help (0) or an error naming what is wrong (2) is printed: an unknown key, no run dir, a folder without
+    `events.jsonl`."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text(command))
+        return exitcodes.OK
+    try:
+        keys, _ = own_keys(command, argv)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    if "run.dir" not in keys:
+        print(f"usage: meshjob {command} [run.dir=]RUN_DIR (--help: {help_hint})", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    run_dir = Path(str(keys["run.dir"]))
+    if not (run_dir / "events.jsonl").exists():
+        print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
+        return exitcodes.CONFIG_ERROR
+    return keys, run_dir

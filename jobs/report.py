@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.commands import help_text, own_keys
+from jobs.commands import run_dir_args
 from jobs.events import read_events
 from jobs.extras import MissingExtra
 from jobs.failure.ledger import attempts
@@ -85,21 +85,10 @@ def sacct_records(run_dir: Path) -> list[dict[str, str]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--help" in (argv := list(sys.argv[1:] if argv is None else argv)) or "-h" in argv:
-        print(help_text("report"))
-        return exitcodes.OK
-    try:
-        keys, _ = own_keys("report", argv)
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    if "run.dir" not in keys:
-        print("usage: meshjob report [run.dir=]RUN_DIR (--help: its keys)", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    run_dir = Path(keys["run.dir"])
-    if not (run_dir / "events.jsonl").exists():
-        print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
+    parsed = run_dir_args("report", list(sys.argv[1:] if argv is None else argv), "its keys")
+    if isinstance(parsed, int):
+        return parsed
+    keys, run_dir = parsed
     costs, why = plan_costs(run_dir) if keys.get("report.plan", True) else (None, "report.plan=false")
     data = collect(run_dir, sacct_records=sacct_records(run_dir), costs=costs, expected_why=why)
     print(render_text(data))

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.commands import help_text, own_keys
+from jobs.commands import run_dir_args
 from jobs.events import read_events
 from jobs.failure.ledger import attempts, render_summary
 from jobs.launch.slurm_state import sacct_attempts
@@ -72,22 +72,10 @@ def _fmt_sacct(recs: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv in (["--help"], ["-h"]):
-        print(help_text("status"))
-        return exitcodes.OK
-    try:
-        keys, _ = own_keys("status", argv)
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    if "run.dir" not in keys:
-        print("usage: meshjob status [run.dir=]RUN_DIR (--help: what it shows)", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
-    run_dir = Path(keys["run.dir"])
-    if not (run_dir / "events.jsonl").exists():
-        print(f"error: {run_dir}/events.jsonl not found: not a meshjob run dir", file=sys.stderr)
-        return exitcodes.CONFIG_ERROR
+    parsed = run_dir_args("status", list(sys.argv[1:] if argv is None else argv), "what it shows")
+    if isinstance(parsed, int):
+        return parsed
+    _, run_dir = parsed
     print(status_text(run_dir))
     return exitcodes.OK
 
