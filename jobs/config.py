@@ -179,7 +179,7 @@ class ClusterConfig:
     # jobs.planner.hardware.MATMUL_EFFICIENCY_BY_GPU); 0 = the H100 SXM's, said so in the plan
     gpu_matmul_efficiency: float = 0.0
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
-    gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some of them); 0 = not modelled
+    gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some; GEMM tile waves fill them); 0 = not modelled
     # achieved TFLOP/s of the attention kernel (SDPA's flash backend), forward + backward, in the planner's count
     # (causal halved, training = 3 x forward); 0 = attention at the matmul rate
     gpu_attention_tflops: float = 0.0

@@ -229,78 +229,92 @@ def _fsdp_items(
     microbatch gathers every block for forward and again for backward and the root once. Gradients
     reduce-scatter once per unit per step (the pipeline schedule and the trainer sync on the last microbatch
     only). A unit without parameters of its own (the root of a middle stage) issues nothing."""
-    items: list[CommItem] = []
-    pc = count_params(m)
     dense, experts = stage_elems(m, stages, tp=tp, ep=ep)
     blocks = [i for st in stages for i in st.layers]
-    first, last = any(st.first for st in stages), any(st.last for st in stages)
-    roots = sum(1 for st in stages if st.first or st.last)  # root units that own parameters
-    root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
-    moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
-    if pp > 1:
-        ag_count, ag_elems = len(blocks) + roots, dense
-    else:
-        ag_count, ag_elems = (
-            microbatches * (2 * len(blocks) + roots),
-            microbatches * (2 * (dense - root_elems) + root_elems),
-        )
+    units = len(blocks) + sum(1 for st in stages if st.first or st.last)  # root units that own parameters
+    items = []
     if fsdp > 1 and dense:
-        items.append(
-            CommItem(
-                "all_gather",
-                "dp_shard",
-                f"{_dtype_name(compute_bytes)} parameters",
-                ag_count,
-                int(_ring(fsdp) * compute_bytes * ag_elems),
-                fsdp,
-            )
-        )
-        items.append(
-            CommItem(
-                "reduce_scatter",
-                "dp_shard",
-                "fp32 gradients",
-                len(blocks) + roots,
-                int(_ring(fsdp) * REDUCE_BYTES * dense),
-                fsdp,
-            )
-        )
+        kw = dict(pp=pp, fsdp=fsdp, tp=tp, microbatches=microbatches, compute_bytes=compute_bytes)
+        items += _dense_fsdp_items(m, stages, dense=dense, units=units, **kw)
     edp = fsdp // max(ep, 1)  # the experts' own data-parallel degree
     if edp > 1 and experts:
+        moe_blocks = sum(1 for i in blocks if m.n_routed_experts > 0 and i >= m.n_dense_layers)
         gathers = 1 if pp > 1 else 2 * microbatches
-        items.append(
-            CommItem(
-                "all_gather",
-                "dp_shard/ep",
-                f"{_dtype_name(compute_bytes)} expert parameters",
-                gathers * moe_blocks,
-                int(gathers * _ring(edp) * compute_bytes * experts),
-                edp,
-            )
-        )
-        items.append(
-            CommItem(
-                "reduce_scatter",
-                "dp_shard/ep",
-                "fp32 expert gradients",
-                moe_blocks,
-                int(_ring(edp) * REDUCE_BYTES * experts),
-                edp,
-            )
+        items += _expert_fsdp_items(
+            experts, edp=edp, moe_blocks=moe_blocks, gathers=gathers, compute_bytes=compute_bytes
         )
     if dp_replicate > 1:
-        shard = dense // max(fsdp, 1) + experts // max(fsdp // max(ep, 1), 1)
+        shard = dense // max(fsdp, 1) + experts // max(edp, 1)
         items.append(
             CommItem(
                 "all_reduce",
                 "dp_replicate",
                 "fp32 gradient shards",
-                len(blocks) + roots,
+                units,
                 int(2 * _ring(dp_replicate) * REDUCE_BYTES * shard),
                 dp_replicate,
             )
         )
     return items
+
+
+def _dense_fsdp_items(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    dense: int,
+    units: int,
+    pp: int,
+    fsdp: int,
+    tp: int,
+    microbatches: int,
+    compute_bytes: int,
+) -> list[CommItem]:
+    """The dense parameters' all-gathers (`units` per step with a pipeline; without one, each microbatch gathers
+    every block twice and the root once) and their fp32 gradients' reduce-scatter, once per unit per step."""
+    pc = count_params(m)
+    first, last = any(st.first for st in stages), any(st.last for st in stages)
+    root_elems = (pc.embedding // tp if first else 0) + (pc.output // tp + pc.final_norm if last else 0)
+    blocks = sum(len(st.layers) for st in stages)
+    if pp > 1:
+        ag_count, ag_elems = units, dense
+    else:
+        ag_count = microbatches * (2 * blocks + units - blocks)
+        ag_elems = microbatches * (2 * (dense - root_elems) + root_elems)
+    return [
+        CommItem(
+            "all_gather",
+            "dp_shard",
+            f"{_dtype_name(compute_bytes)} parameters",
+            ag_count,
+            int(_ring(fsdp) * compute_bytes * ag_elems),
+            fsdp,
+        ),
+        CommItem("reduce_scatter", "dp_shard", "fp32 gradients", units, int(_ring(fsdp) * REDUCE_BYTES * dense), fsdp),
+    ]
+
+
+def _expert_fsdp_items(experts: int, *, edp: int, moe_blocks: int, gathers: int, compute_bytes: int) -> list[CommItem]:
+    """The routed experts' all-gathers (`gathers` per MoE block per step) and gradient reduce-scatters over the
+    experts' own data-parallel degree `edp`."""
+    return [
+        CommItem(
+            "all_gather",
+            "dp_shard/ep",
+            f"{_dtype_name(compute_bytes)} expert parameters",
+            gathers * moe_blocks,
+            int(gathers * _ring(edp) * compute_bytes * experts),
+            edp,
+        ),
+        CommItem(
+            "reduce_scatter",
+            "dp_shard/ep",
+            "fp32 expert gradients",
+            moe_blocks,
+            int(_ring(edp) * REDUCE_BYTES * experts),
+            edp,
+        ),
+    ]
 
 
 def _tp_items(

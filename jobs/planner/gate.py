@@ -326,6 +326,8 @@ def _step_time(x: _Draft) -> None:
         tokens_per_s=d.tokens_per_step / slow.step_s,
         matmul_tflops=hw.matmul_tflops,
         matmul_source=hw.matmul_source,
+        gemm_efficiency=slow.gemm_efficiency,
+        gemm_sms=hw.gemm_sms,
         dtype=hw.dtype,
         overlap=hw.overlap_why,
         hbm_GBps=hw.hbm_GBps,

@@ -28,7 +28,19 @@ __all__ = [
     "fit_gemm_rate",
     "single_rate",
     "predict_seconds",
+    "WAVE_TILE",
+    "wave_efficiency",
+    "rank_gemms",
+    "gemms_wave_efficiency",
 ]
+
+# NVIDIA, "Matrix Multiplication Background User's Guide" (docs.nvidia.com/deeplearning/performance/
+# dl-performance-matrix-multiplication), "Dimension Quantization Effects": a GEMM computes its output in thread-block
+# tiles; an A100 "has 108 SMs; in the particular case of 256x128 thread block tiles, it can execute one thread block
+# per SM, leading to a wave size of 108 tiles". A dimension that is not a multiple of the tile pads its last tile (tile
+# quantization), and tiles that do not fill the last wave leave SMs idle for it (wave quantization). The achieved
+# rate of the best shape (the profile's matmul efficiency) fills every wave; another shape runs at its share of it.
+WAVE_TILE = (256, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +100,12 @@ def model_gemms(m: ModelConfig, *, tokens: int, tp: int = 1) -> list[Gemm]:
     input gradient (tokens x out) @ (out x in) and the weight gradient (out x tokens) @ (tokens x in). Equal shapes
     are merged (`count`). Their FLOPs are 3 x 2 x tokens x the rank's matmul parameters (`steptime.stage_flops`
     without attention)."""
+    return _gemms(_linears(m, tp), tokens)
+
+
+def _gemms(linears: list[tuple[int, int]], tokens: int) -> list[Gemm]:
     shapes: Counter[tuple[int, int, int]] = Counter()
-    for i, o in _linears(m, tp):
+    for i, o in linears:
         shapes[(tokens, o, i)] += 1  # forward: m=tokens, n=out, k=in
         shapes[(tokens, i, o)] += 1  # input gradient
         shapes[(o, i, tokens)] += 1  # weight gradient
@@ -137,6 +153,35 @@ def single_rate(points: list[tuple[Gemm, float]]) -> RateFit:
     flops = sum(g.count * g.flops for g, _ in points)
     secs = sum(g.count * t for g, t in points)
     return RateFit(alpha_s=0.0, tflops=flops / secs / 1e12)
+
+
+def wave_efficiency(g: Gemm, sms: int, tile: tuple[int, int] = WAVE_TILE) -> float:
+    """The share of `sms` SMs' tile slots that hold useful output elements over the waves `g` needs: m x n over
+    waves x sms x the tile's area, for the tile's better orientation (256x128 or 128x256). 1.0 when `sms` is 0."""
+    if sms <= 0:
+        return 1.0
+    best = 0.0
+    for a, b in (tile, tile[::-1]):
+        tiles = -(-g.m // a) * -(-g.n // b)
+        waves = -(-tiles // sms)
+        best = max(best, g.m * g.n / (waves * sms * a * b))
+    return best
+
+
+def rank_gemms(m: ModelConfig, *, tokens: int, tp: int, blocks: int, head: bool) -> list[Gemm]:
+    """The GEMMs of one microbatch on a rank holding `blocks` of the model's blocks (and the output head when
+    `head`), forward and backward, as `model_gemms` lists them: every dense block has the same shapes."""
+    linears = _linears(m, tp)
+    per_block = len(linears[:-1]) // max(m.n_layers, 1)
+    return _gemms(linears[:per_block] * blocks + (linears[-1:] if head else []), tokens)
+
+
+def gemms_wave_efficiency(gemms: list[Gemm], sms: int) -> float:
+    """The FLOP-weighted efficiency of `gemms` (each at `wave_efficiency`): total FLOPs over the FLOPs their waves
+    could have done, so that the GEMMs' time at the best shape's rate is divided by it."""
+    flops = sum(g.count * g.flops for g in gemms)
+    padded = sum(g.count * g.flops / wave_efficiency(g, sms) for g in gemms)
+    return flops / padded if padded else 1.0
 
 
 def predict_seconds(fit: RateFit, gemms: list[Gemm]) -> float:

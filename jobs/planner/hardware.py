@@ -30,6 +30,8 @@ __all__ = [
     "MATMUL_EFFICIENCY_BY_GPU",
     "matmul_efficiency",
     "ATTENTION_SOURCE",
+    "GEMM_SHAPE_SOURCE",
+    "OPTIMIZER_STEP_BYTES",
     "NVLINK_EFFICIENCY",
     "COMM_SMS",
     "IB_EFFICIENCY",
@@ -85,10 +87,23 @@ NIC_AGGREGATING = ("all_reduce", "all_gather", "reduce_scatter")
 COMM_SMS = 20
 COMM_SMS_SOURCE = "20 SMs drive IB + NVLink (DeepSeek-V3 report §3.2.2) of cluster.gpu_sms"
 # Memory-bound ops run at cluster.gpu_hbm_GBps, the datasheet's HBM bandwidth (jobs.planner.traffic).
-HBM_SOURCE = "cluster.gpu_hbm_GBps (datasheet HBM bandwidth; memory-bound ops' bytes from jobs.planner.traffic)"
+HBM_SOURCE = (
+    "cluster.gpu_hbm_GBps (datasheet HBM bandwidth; memory-bound ops' bytes from jobs.planner.traffic, "
+    "FSDP2's copy-out and copy-in from torch's _fsdp_collectives.py)"
+)
+# Each GEMM shape at its share of the best shape's rate (jobs.planner.gemm.wave_efficiency) on cluster.gpu_sms SMs.
+GEMM_SHAPE_SOURCE = (
+    "tile and wave quantization at 256x128 tiles, one per SM a wave (NVIDIA Matrix Multiplication Background "
+    "User's Guide), FLOP-weighted over the rank's GEMMs"
+)
 # Attention runs at cluster.gpu_attention_tflops beside the cited GEMM rate: FlashAttention-2's published rate, the
 # kernel behind SDPA's flash backend (each profile cites it); a calibrated rate holds attention already.
 ATTENTION_SOURCE = "cluster.gpu_attention_tflops (FlashAttention-2's published rate, SDPA's flash backend)"
+# The step tail on a GPU without a calibrated figure: memory-bound, at cluster.gpu_hbm_GBps per local fp32 parameter.
+# The gradient-norm pass reads each gradient (4 B; jobs/trainer.py scales the gradients only when the norm exceeds
+# optim.max_norm); AdamW (torch.optim.AdamW, fused on CUDA) reads the parameter, gradient and both moments and writes
+# the parameter and both moments (7 x 4 B). GB/s is bytes per ns: 32 / gpu_hbm_GBps ns per parameter.
+OPTIMIZER_STEP_BYTES = 4 + 7 * 4
 # Latency: 46-48 us for all-reduces of 4 B..1 KiB on 2 nodes x 8 GPUs (NVIDIA/nccl#1244, NCCL 2.21, NDR IB).
 # Used for both scopes: no intra-node figure is cited, so the intra-node latency is an upper bound.
 NCCL_ALPHA_S = 46e-6
@@ -179,6 +194,7 @@ class Hardware:
     )
     comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
     attention_tflops: float = 0.0  # the attention kernel's rate (planner's count); 0 = attention at matmul_tflops
+    gemm_sms: int = 0  # SMs a GEMM's tile waves fill (gemm.wave_efficiency); 0 = every shape at matmul_tflops
 
     def link(self, op: str, scope: str, *, ranks_per_node: int = 1) -> Link:
         """The link of `op` on `scope`; across nodes for a group with `ranks_per_node` ranks on each node, whose
@@ -254,6 +270,7 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         )
     key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
     attention = 0.0  # a calibrated rate was timed on the whole model, attention included
+    gemm_sms = 0  # and on the model's own GEMM shapes
     if cl.matmul_tflops.get(key):
         rate, source = cl.matmul_tflops[key], f"cluster.matmul_tflops.{key} {calibrated}"
     elif cl.gpu_bf16_tflops > 0 and dtype == "bf16":
@@ -261,7 +278,7 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         whose = "cluster.gpu_matmul_efficiency" if cl.gpu_matmul_efficiency else "the H100 SXM's (profile sets none)"
         rate = cl.gpu_bf16_tflops * eff
         source = f"{eff:.3f} ({whose}) x cluster.gpu_bf16_tflops (achieved bf16 GEMM: {MATMUL_SOURCE})"
-        attention = cl.gpu_attention_tflops
+        attention, gemm_sms = cl.gpu_attention_tflops, cl.gpu_sms
     else:
         return None
     for op in OPS:  # a scope the calibration could not reach (one node: no inter) borrows the other's figure
@@ -289,12 +306,14 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         ),
         node_ranks=max(cl.nvlink_domain, 1) if gpu else max(tasks_per_node, 1),
         pod_ranks=cl.pod_gpus,
-        optimizer_ns_per_param=cl.optimizer_ns_per_param,
+        optimizer_ns_per_param=cl.optimizer_ns_per_param
+        or (OPTIMIZER_STEP_BYTES / cl.gpu_hbm_GBps if gpu and cl.gpu_hbm_GBps > 0 else 0.0),
         fsdp_unit_host_s=_fsdp_unit_host_s(cl, tp),
         pp_action_host_s=cl.pp_action_host_s,
         hbm_GBps=cl.gpu_hbm_GBps if gpu else 0.0,
         comm_sm_share=COMM_SMS / cl.gpu_sms if gpu and cl.gpu_sms > COMM_SMS else 0.0,
         attention_tflops=attention if gpu else 0.0,
+        gemm_sms=gemm_sms if gpu else 0,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=(
             ""

@@ -376,6 +376,46 @@ def rank_memory(
         pp_rank=pp_rank,
     )
     mb_shape = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
+    return RankMemory(
+        params_elems=params_elems,
+        params_bytes=params_elems * PARAM_BYTES,
+        grads_bytes=params_elems * GRAD_BYTES,
+        optimizer_bytes=params_elems * OPTIM_BYTES,
+        unsharded_bytes=_fsdp_working_set(
+            m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches, compute_bytes=compute_bytes
+        ),
+        logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **mb_shape),
+        p2p_bytes=pp_recv_bytes(
+            m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel, **mb_shape
+        ),
+        **_activation_fields(
+            m,
+            stages,
+            in_flight=in_flight,
+            mb_shape=mb_shape,
+            ep=ep,
+            ac_every=ac_every,
+            sequence_parallel=sequence_parallel,
+            activation_checkpointing=activation_checkpointing,
+            autocast=autocast,
+        ),
+    )
+
+
+def _activation_fields(
+    m: ModelConfig,
+    stages: list[StageShape],
+    *,
+    in_flight: float,
+    mb_shape: dict,
+    ep: int,
+    ac_every: int,
+    sequence_parallel: bool,
+    activation_checkpointing: str,
+    autocast: bool,
+) -> dict[str, int]:
+    """`RankMemory`'s activation fields: at the chosen activation checkpointing, without and with full AC, and
+    autocast's bf16 weight copies kept for backward (0 without autocast)."""
     act = functools.partial(
         _stage_activation_bytes,
         m,
@@ -386,32 +426,12 @@ def rank_memory(
         sequence_parallel=sequence_parallel,
         **mb_shape,
     )
-    return RankMemory(
-        params_elems=params_elems,
-        params_bytes=params_elems * PARAM_BYTES,
-        grads_bytes=params_elems * GRAD_BYTES,
-        optimizer_bytes=params_elems * OPTIM_BYTES,
-        unsharded_bytes=_fsdp_working_set(
-            m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches, compute_bytes=compute_bytes
-        ),
+    copies = functools.partial(autocast_copy_bytes, m, stages, in_flight=in_flight, tp=mb_shape["tp"], ep=ep)
+    return dict(
         activation_bytes=act(activation_checkpointing=activation_checkpointing),
-        logits_bytes=_loss_bytes(m, stages, loss_parallel=loss_parallel, **mb_shape),
         activation_bytes_no_ac=act(activation_checkpointing="none"),
         activation_bytes_full_ac=act(activation_checkpointing="full"),
-        p2p_bytes=pp_recv_bytes(
-            m, stages, pp=pp, microbatches=microbatches, sequence_parallel=sequence_parallel, **mb_shape
-        ),
-        autocast_bytes=autocast_copy_bytes(
-            m,
-            stages,
-            in_flight=in_flight,
-            tp=tp,
-            ep=ep,
-            ac_every=ac_every,
-            activation_checkpointing=activation_checkpointing,
-        )
-        if autocast
-        else 0,
+        autocast_bytes=copies(ac_every=ac_every, activation_checkpointing=activation_checkpointing) if autocast else 0,
     )
 
 

@@ -137,6 +137,8 @@ def _comm_lines(plan: Plan) -> list[str]:
             + (f", {mfu_text(s['mfu'])})" if "mfu" in s else ")")
         )
         L.append(f"  matmul {s['matmul_tflops']:.4g} TFLOP/s {s['dtype']}: {s['matmul_source']}; {s['overlap']}")
+        if s.get("gemm_sms"):
+            L.append(f"  GEMM shapes at {s['gemm_efficiency']:.3f} of it: {H.GEMM_SHAPE_SOURCE} ({s['gemm_sms']} SMs)")
         if s.get("attention_tflops"):
             L.append(f"  attention at {s['attention_tflops']:.4g} TFLOP/s: {H.ATTENTION_SOURCE}")
         if s.get("memory_bound_s") or s.get("interference_s"):

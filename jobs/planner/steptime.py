@@ -1,6 +1,7 @@
 """The predicted step time: compute from FLOPs at the achieved matmul rate (attention's at the attention kernel's
-own rate on a GPU profile, `Hardware.attention_tflops`), communication from an alpha-beta model per collective
-and mesh axis, with the overlap our recipe really has.
+own rate on a GPU profile, `Hardware.attention_tflops`; each GEMM shape at its tile waves' share of the rate,
+`gemm_efficiency`), memory-bound ops and FSDP2's buffer copies at the HBM rate, communication from an alpha-beta
+model per collective and mesh axis, with the overlap our recipe really has.
 
 What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
   - FSDP2 prefetches the next block's all-gather while the current block computes; the first
@@ -17,8 +18,8 @@ What overlaps (parallel/recipe.py, parallel/fsdp.py, parallel/pipeline.py):
     ranks than cores share a machine, a rank idle in the bubble gives its core to another rank: only
     the share 1 - (ranks / cores - 1) of the bubble is lost (none at twice as many ranks as cores).
 The step tail (gradient-norm pass and AdamW) costs `optimizer_ns_per_param` per local parameter
-element when the profile has it (calibrated; 0 on the published GPU profiles: memory-bound, well
-under a millisecond for the presets' shards).
+element: calibrated, or on a published GPU profile the bytes they move at the HBM rate
+(`hardware.OPTIMIZER_STEP_BYTES`; milliseconds for the presets' shards).
 
 Host time that no FLOP count sees (calibrated; 0 on the published GPU profiles):
   - each FSDP2 unit (every block, and the root of each stage) runs its hooks and copies its shards
@@ -44,8 +45,10 @@ from dataclasses import dataclass, field
 
 from jobs.config import ModelConfig
 from jobs.planner import arith as P
+from jobs.planner import gemm as G
 from jobs.planner import traffic as T
 from jobs.planner.hardware import Hardware, axis_ranks_per_node, axis_scope
+from jobs.planner.params import REDUCE_BYTES
 
 __all__ = [
     "StepTime",
@@ -56,6 +59,8 @@ __all__ = [
     "predict_step",
     "exposed_axis",
     "memory_bound_s",
+    "gemm_efficiency",
+    "fsdp_copy_s",
 ]
 
 _EXPOSED_AXES = ("tp", "pp", "cp", "ep")
@@ -96,13 +101,13 @@ def attention_flops(m: ModelConfig, *, tokens: float, seq_len: int, tp: int) -> 
     return tokens * 2.0 * seq_len * width / 2.0 / tp
 
 
-def flops_seconds(flops: float, attention: float, hw: Hardware) -> float:
+def flops_seconds(flops: float, attention: float, hw: Hardware, *, gemm_efficiency: float = 1.0) -> float:
     """Seconds of `flops`, `attention` of which run in the attention kernel: at its own rate where the profile has
-    one (`Hardware.attention_tflops`), else all at the matmul rate."""
+    one (`Hardware.attention_tflops`), else at the matmul rate; the GEMMs at `gemm_efficiency` of the matmul rate
+    (their shapes' tile and wave quantization, `gemm_efficiency`)."""
     rate = hw.matmul_tflops * 1e12
-    if hw.attention_tflops <= 0:
-        return flops / rate
-    return (flops - attention) / rate + attention / (hw.attention_tflops * 1e12)
+    attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops > 0 else rate
+    return (flops - attention) / (rate * gemm_efficiency) + attention / attention_rate
 
 
 @dataclass
@@ -115,6 +120,7 @@ class StepTime:
         str, float
     ]  # compute_s, recompute_s, memory_bound_s, interference_s, host_s, comm_exposed_s, bubble_s, dp_exposed_s, optimizer_s
     comm: list[dict] = field(default_factory=list)  # per collective/axis: scope, seconds, exposed_s, link source
+    gemm_efficiency: float = 1.0  # the share of the matmul rate this rank's GEMM shapes reach (`gemm_efficiency`)
 
 
 def _dp_exposed(seconds: float, calls: int, window: float) -> float:
@@ -192,6 +198,18 @@ def _time_comm(
     return rows, stage, tail
 
 
+def gemm_efficiency(m: ModelConfig, stages: list[P.StageShape], hw: Hardware, *, tokens: float, tp: int) -> float:
+    """The share of the best shape's matmul rate that the GEMMs of the rank holding `stages` reach, FLOP-weighted,
+    from their shapes' tile and wave quantization on `hw.gemm_sms` SMs (`gemm.wave_efficiency`: NVIDIA's Matrix
+    Multiplication Background guide); 1.0 where the rate was calibrated on the model's own shapes (gemm_sms 0) or the
+    GEMM shapes are not listed (MLA, MoE)."""
+    if hw.gemm_sms <= 0 or m.attention == "mla" or m.n_routed_experts > 0:
+        return 1.0
+    blocks, head = sum(len(st.layers) for st in stages), any(st.last for st in stages)
+    gemms = G.rank_gemms(m, tokens=int(tokens), tp=tp, blocks=blocks, head=head)
+    return G.gemms_wave_efficiency(gemms, hw.gemm_sms)
+
+
 def memory_bound_s(
     m: ModelConfig,
     stages: list[P.StageShape],
@@ -224,6 +242,26 @@ def memory_bound_s(
     return fwd, sum(block(i) for i in recomputed)
 
 
+def fsdp_copy_s(items: list[dict], hw: Hardware, *, compute_bytes: int = 2) -> float:
+    """Seconds per step that FSDP2 moves through HBM on the compute stream beside its collectives
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): each all-gather's copy-out into the unsharded
+    parameters (`split_with_sizes_copy`: the gathered bytes read and written once) and each reduce-scatter's copy-in
+    (`_chunk_cat`: the gradients read in the compute dtype and written in the fp32 reduce dtype), at the HBM rate;
+    0 when the profile has none. `items`: the rank's collectives (bytes one rank sends, the ring's (g - 1) / g)."""
+    if hw.hbm_GBps <= 0:
+        return 0.0
+    moved = 0.0
+    for it in items:
+        if not it["axis"].startswith("dp_shard") or it["group"] <= 1:
+            continue
+        whole = it["bytes"] * it["group"] / (it["group"] - 1)  # the gathered output, the reduce-scatter's input
+        if it["collective"] == "all_gather":
+            moved += 2 * whole
+        elif it["collective"] == "reduce_scatter":
+            moved += whole * (1 + compute_bytes / REDUCE_BYTES)
+    return moved / (hw.hbm_GBps * 1e9)
+
+
 def _host_s(
     hw: Hardware, shape: dict[str, int], stages: list[P.StageShape], *, microbatches: int, device_s: float
 ) -> float:
@@ -236,6 +274,86 @@ def _host_s(
     if pp > 1:
         host += 2 * microbatches * len(stages) * hw.pp_action_host_s
     return host if not hw.overlap else max(0.0, host - device_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    """One rank's device time per step (compute, recompute, memory-bound) and one microbatch's forward and whole
+    device time, the windows FSDP's prefetch hides behind."""
+
+    compute: float
+    recompute: float
+    memory: float
+    fwd_mb: float
+    train_mb: float
+    gemm_efficiency: float
+
+
+def _device_s(
+    m: ModelConfig,
+    stages: list[P.StageShape],
+    items: list[dict],
+    hw: Hardware,
+    *,
+    shape: dict[str, int],
+    microbatches: int,
+    tokens: float,
+    seq_len: int,
+    recomputed: list[int],
+    sequence_parallel: bool,
+    compute_bytes: int,
+) -> _Device:
+    """FLOPs at the matmul and attention rates, memory-bound ops and FSDP2's copies at the HBM rate (see
+    `predict_rank`)."""
+    tp = shape.get("tp", 1)
+    fwd, train, re = stage_flops(m, stages, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed)
+    att = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
+    att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
+    eff = gemm_efficiency(m, stages, hw, tokens=tokens, tp=tp)
+    compute = microbatches * flops_seconds(train, 3.0 * att_fwd, hw, gemm_efficiency=eff)
+    recompute = microbatches * flops_seconds(re, att_re, hw, gemm_efficiency=eff)
+    nm_fwd, nm_re = memory_bound_s(
+        m,
+        stages,
+        hw,
+        tokens=tokens,
+        tp=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        recomputed=recomputed,
+        compute_bytes=compute_bytes,
+    )
+    memory = microbatches * (3.0 * nm_fwd + nm_re)  # backward moves twice the forward's bytes
+    memory += fsdp_copy_s(items, hw, compute_bytes=compute_bytes)
+    return _Device(
+        compute=compute,
+        recompute=recompute,
+        memory=memory,
+        fwd_mb=flops_seconds(fwd, att_fwd, hw, gemm_efficiency=eff) + nm_fwd,
+        train_mb=(compute + recompute) / max(microbatches, 1) + 3.0 * nm_fwd + nm_re,
+        gemm_efficiency=eff,
+    )
+
+
+def _world_row(hw: Hardware, world: int) -> dict:
+    """The step's one world all-reduce (grad norm, loss, stop flag), exposed."""
+    nbytes = int(2 * 24 * (world - 1) / max(world, 1))
+    scope = "intra" if world <= hw.node_ranks else "inter"
+    link = hw.link("all_reduce", scope)
+    secs = link.seconds(calls=1, nbytes=nbytes, op="all_reduce", group=world)
+    return {
+        "collective": "all_reduce",
+        "axis": "world",
+        "what": "grad norm, loss, stop flag (fp64)",
+        "count": 1,
+        "bytes": nbytes,
+        "group": world,
+        "scope": scope,
+        "seconds": secs,
+        "exposed_s": secs,
+        "alpha_s": link.alpha_s,
+        "bus_GBps": link.bus_GBps,
+        "source": link.source,
+    }
 
 
 def predict_rank(
@@ -258,75 +376,40 @@ def predict_rank(
 ) -> StepTime:
     """The step time of the rank holding `stages`, whose collectives per step are `items`
     (`arith.CommItem.as_dict()` rows, axis names as the plan prints them)."""
-    tp, cp, pp = shape.get("tp", 1), shape.get("cp", 1), shape.get("pp", 1)
-    tokens = micro_batch * seq_len / cp
-    fwd_mb, train_mb, re_mb = stage_flops(m, stages, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed)
-    att = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
-    att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
-    compute = microbatches * flops_seconds(train_mb, 3.0 * att_fwd, hw)
-    recompute = microbatches * flops_seconds(re_mb, att_re, hw)
-    nm_fwd, nm_re = memory_bound_s(
+    dev = _device_s(
         m,
         stages,
-        hw,
-        tokens=tokens,
-        tp=tp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        recomputed=recomputed,
-        compute_bytes=compute_bytes,
-    )
-    memory = microbatches * (3.0 * nm_fwd + nm_re)  # backward moves twice the forward's bytes
-    units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
-    totals = {
-        "collective": "all_reduce",
-        "axis": "world",
-        "what": "grad norm, loss, stop flag (fp64)",
-        "count": 1,
-        "bytes": int(2 * 24 * (world - 1) / max(world, 1)),
-        "group": world,
-    }
-    per_mb = (compute + recompute) / max(microbatches, 1)  # one microbatch's forward, backward and recompute
-    rows, stage_comm, tail = _time_comm(
         items,
         hw,
-        shape,
-        fwd_s=flops_seconds(fwd_mb, att_fwd, hw) + nm_fwd,
-        train_s=per_mb + 3.0 * nm_fwd + nm_re,
-        pp=pp,
-        units=units,
+        shape=shape,
+        microbatches=microbatches,
+        tokens=micro_batch * seq_len / shape.get("cp", 1),
+        seq_len=seq_len,
+        recomputed=recomputed,
+        sequence_parallel=sequence_parallel,
+        compute_bytes=compute_bytes,
     )
-    world_scope = "intra" if world <= hw.node_ranks else "inter"
-    link = hw.link("all_reduce", world_scope)
-    world_s = link.seconds(calls=1, nbytes=totals["bytes"], op="all_reduce", group=world)
-    rows.append(
-        {
-            **totals,
-            "scope": world_scope,
-            "seconds": world_s,
-            "exposed_s": world_s,
-            "alpha_s": link.alpha_s,
-            "bus_GBps": link.bus_GBps,
-            "source": link.source,
-        }
-    )
-    device = compute + recompute + memory
+    units = sum(len(st.layers) + int(st.first or st.last) for st in stages)
+    pp = shape.get("pp", 1)
+    rows, stage_comm, tail = _time_comm(items, hw, shape, fwd_s=dev.fwd_mb, train_s=dev.train_mb, pp=pp, units=units)
+    rows.append(_world_row(hw, world))
+    device = dev.compute + dev.recompute + dev.memory
     hidden = sum(r["seconds"] - r["exposed_s"] for r in rows)  # collectives running beside the compute
     interference = hw.comm_sm_share * min(hidden, device)
     host = _host_s(hw, shape, stages, microbatches=microbatches, device_s=device)
     busy = device + interference + stage_comm + host
-    bubble_s = hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0
     parts = {
-        "compute_s": compute,
-        "recompute_s": recompute,
-        "memory_bound_s": memory,
+        "compute_s": dev.compute,
+        "recompute_s": dev.recompute,
+        "memory_bound_s": dev.memory,
         "interference_s": interference,
         "host_s": host,
         "comm_exposed_s": stage_comm,
-        "bubble_s": bubble_s,
-        "dp_exposed_s": tail + world_s,
+        "bubble_s": hw.bubble_cost * busy * bubble / (1.0 - bubble) if bubble < 1 else 0.0,
+        "dp_exposed_s": tail + rows[-1]["exposed_s"],
         "optimizer_s": params_elems * hw.optimizer_ns_per_param * 1e-9,
     }
-    return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows)
+    return StepTime(role=role, step_s=sum(parts.values()), parts=parts, comm=rows, gemm_efficiency=dev.gemm_efficiency)
 
 
 def predict_step(per_role: list[StepTime]) -> StepTime:
