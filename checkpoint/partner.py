@@ -226,7 +226,7 @@ def _wait(reqs: list[Any]) -> None:
         q.wait()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
     """Where one rank's RAM copies are: the tier's folder on this rank's node (`root`,
     `checkpoint.memory_dir/meshjob-<run id>/<node>/`), every rank's node, each rank's partner (`partners[r]`) and
