@@ -1,5 +1,6 @@
-"""The save's commit: every rank's shard records gathered, rank 0 writes the manifest and renames
-step_<N>.tmp to step_<N>, the outcome agreed on every rank (CheckpointManager's commit half)."""
+"""The filesystem tier's commit and retention: every rank's shard records gathered, rank 0 writes the manifest and
+renames step_<N>.tmp to step_<N>, the outcome agreed on every rank; then older checkpoints retired in a thread of
+their own (a part of CheckpointManager's, checkpoint/manager.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,80 @@ import os
 import shutil
 import subprocess
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import CheckpointSaveError, describe_error
-from checkpoint.manifest import file_record, fsync_dir, write_manifest
-from checkpoint.retention import retain
+from checkpoint.group import Group
+from checkpoint.manifest import file_record, fsync_dir, step_dirs, write_manifest
+from checkpoint.retention import abandon_above, manifest_crc, retain
 from checkpoint.writer import RecordingWriter
+
+__all__ = ["Committer"]
 
 log = logging.getLogger("meshjob.checkpoint")
 
 
-class CommitMixin:
-    """CheckpointManager's methods that prepare, commit and retire checkpoints (`self.folder`, `self.cfg`,
-    `self.rank`, `self._io_pg`, `self._emit`, `self._all_gather`, `self._bcast`, `self._retain_pool`)."""
+class Committer:
+    """Commits the filesystem tier's saves under `folder` and retires the old ones; holds the save in flight and the
+    retention pass. `io`: the group the commit agrees on (possibly from its own thread); `emit(kind, **fields)`: the
+    ledger (rank 0's); `attempt`: names the folders moved aside; `env`, `manifest_extra` and `interval()` (the
+    interval's entry at commit time): what each manifest records besides its files."""
 
-    def _prepare(self, tmp: Path) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        cfg: Any,
+        rank: int,
+        world_size: int,
+        io: Group,
+        emit: Callable[..., None],
+        attempt: str,
+        env: dict[str, Any],
+        manifest_extra: dict[str, Any],
+        interval: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.folder, self.cfg, self.rank, self.world_size = folder, cfg, rank, world_size
+        self._io, self._emit, self._attempt = io, emit, attempt
+        self._env, self._manifest_extra, self._interval = env, manifest_extra, interval
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
+        self._pending: Future | None = None
+        self._retaining: Future | None = None
+        self._damaged: set[tuple[int, str]] = set()  # (step, manifest crc32) the load skipped: retention counts none
+
+    def submit(self, *args: Any) -> None:
+        """Runs `commit(*args)` in the commit's thread (an async save); `wait` raises its failure."""
+        self._pending = self._pool.submit(self.commit, *args)
+
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is committed; raises CheckpointSaveError if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def wait_retention(self) -> None:
+        """Blocks until the retention pass in flight (if any) is over."""
+        if self._retaining is not None:
+            self._retaining.result()
+
+    def mark_damaged(self, step: int, d: Path) -> None:
+        """A checkpoint the load skipped as damaged: retention never counts it among those it keeps."""
+        self._damaged.add((step, manifest_crc(d)))
+
+    def close(self) -> None:
+        """Releases the threads, once the commit and the retention pass in flight are over (no wait for failures)."""
+        self._pool.shutdown(wait=True)
+        self._retain_pool.shutdown(wait=True)
+
+    def prepare(self, tmp: Path) -> None:
+        """Rank 0: makes the empty temporary folder of a save (striped: checkpoint.lustre_stripe_count)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -37,7 +95,7 @@ class CommitMixin:
             else:
                 log.warning("checkpoint.lustre_stripe_count=%d but `lfs` is not on PATH; striping left alone", n)
 
-    def _commit(
+    def commit(
         self,
         step: int,
         tmp: Path,
@@ -48,6 +106,8 @@ class CommitMixin:
         blocking_s: float | None,
         writer: RecordingWriter,
     ) -> None:
+        """Commits save `step` (`tmp` -> `final`) once its write is over (`fut`, or failed with `err`); every rank
+        agrees on the outcome and raises CheckpointSaveError alike when it was not committed."""
         local_err, files = None, {}
         try:
             if err is not None:
@@ -57,7 +117,7 @@ class CommitMixin:
             files = _own_records(writer.records, self.rank, tmp)
         except BaseException as e:  # noqa: BLE001 - agreed on below, raised on every rank
             local_err = describe_error(e, self.folder)
-        gathered = self._all_gather((local_err, files, blocking_s), self._io_pg)
+        gathered = self._io.all_gather((local_err, files, blocking_s))
         result: dict[str, Any] | None = None
         if self.rank == 0:
             result = self._commit_rank0(step, tmp, final, gathered)
@@ -74,7 +134,7 @@ class CommitMixin:
                     total_s=round(total_s, 4),
                     async_mode=self.cfg.async_mode,
                 )
-        result = self._bcast(result, self._io_pg)
+        result = self._io.bcast(result)
         if not result["ok"]:
             total_s = time.perf_counter() - t0
             self._emit("checkpoint_failed", step=step, error=result["error"], total_s=round(total_s, 4))
@@ -104,16 +164,16 @@ class CommitMixin:
                         "world_size": self.world_size,
                         "files": files,
                         "bytes": nbytes,
-                        "env": self.fingerprint,
+                        "env": self._env,
                         "data_cursor": {"step": step},
                         "rng_keys": [f"rng.rank{r}" for r in range(self.world_size)],
-                        "interval": self.cadence.manifest_entry(),
+                        "interval": self._interval(),
                         "async_mode": self.cfg.async_mode,
-                        **self.manifest_extra,
+                        **self._manifest_extra,
                     },
                 )  # fsyncs the manifest and the folder
                 if final.exists():
-                    aside = final.with_name(f"{final.name}.uncommitted-{self.attempt}")
+                    aside = final.with_name(f"{final.name}.uncommitted-{self._attempt}")
                     if aside.exists():
                         aside = aside.with_name(f"{aside.name}.{time.time_ns()}")
                     os.rename(final, aside)
@@ -134,6 +194,50 @@ class CommitMixin:
                 shutil.rmtree(p, ignore_errors=True)
                 self._emit("checkpoint_tmp_removed", path=str(p), reason="uncommitted save failed")
         return {"ok": False, "error": "; ".join(errors)[:2000]}
+
+    def list_steps(self) -> list[int] | str:
+        """Rank 0: the committed steps under the folder, once the earlier attempts' leftovers are removed; or why the
+        listing failed."""
+        try:
+            self._remove_stale_tmp()
+            return [s for s, _ in step_dirs(self.folder)]
+        except Exception as e:  # noqa: BLE001 - broadcast by the caller, so every rank raises it
+            return f"listing {self.folder} failed on rank 0: {describe_error(e, self.folder)}"
+
+    def _remove_stale_tmp(self) -> None:
+        """Removes the temporary (`step_N.<attempt>.tmp`) and moved-aside (`step_N.uncommitted-<attempt>`)
+        folders of earlier attempts; this attempt's are left alone (a save of its own may still write there)."""
+        if not self.folder.is_dir():
+            return
+        for p in sorted([*self.folder.glob("step_*.tmp"), *self.folder.glob("step_*.uncommitted-*")]):
+            tmp = p.name.endswith(".tmp")
+            if p.name.endswith(f".{self._attempt}.tmp") or f".uncommitted-{self._attempt}" in p.name:
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            self._emit(
+                "checkpoint_tmp_removed",
+                path=str(p),
+                reason="uncommitted save interrupted by a crash"
+                if tmp
+                else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)",
+            )
+
+    def abandon_above(self, step: int) -> str | None:
+        """Rank 0: moves the checkpoints of a step > `step` aside (a rollback's abandoned timeline); why it failed,
+        or None."""
+        try:
+            for s, d, aside in abandon_above(self.folder, step=step, attempt=self._attempt):
+                self._emit(
+                    "checkpoint_abandoned",
+                    step=s,
+                    path=str(aside),
+                    from_path=str(d),
+                    target_step=step,
+                    reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline",
+                )
+        except OSError as e:
+            return describe_error(e, self.folder)
+        return None
 
     def _retain_logged(self, newest: int) -> None:
         try:

@@ -13,8 +13,15 @@ a thread and returns; the copy overlaps the next forward and backward and is wai
 pre-hook on every bound optimizer, the first place those tensors change. The state-dict structure is
 built once and rebuilt only when the tensors behind it change. Retention runs in a thread of its own.
 
-Collectives run on two gloo groups of the manager's own: `io` (the commit, possibly in a background
-thread) and `ctl` (everything on the caller's thread), so neither ever races the training collectives.
+The manager is a small facade over parts, each built with exactly what it needs and holding its own state:
+`Committer` (checkpoint/commit.py: the filesystem tier's commit, retention and folder housekeeping), `MemoryTier`
+(checkpoint/memory_tier.py: the RAM tier, with its `MemoryRestore` and capacity check), `Cadence`
+(checkpoint/cadence.py: when each tier saves) and `BoundState` (checkpoint/statedict.py: the objects saved and
+restored). The manager builds them, runs the load across both tiers and hands each part what it asks for.
+
+Collectives run on gloo groups of the manager's own (checkpoint/group.py): `io` (the commit, possibly in a
+background thread), `ctl` (everything on the caller's thread) and the RAM tier's, so none ever races the training
+collectives.
 Load has no collective inside DCP (each rank reads with no_dist): each candidate is validated, then
 loaded, and after each an all_gather that every rank reaches decides for all, so one rank's failure
 makes every rank skip that checkpoint together.
@@ -25,11 +32,9 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import shutil
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +44,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpoint.cadence import Cadence
-from checkpoint.commit import CommitMixin
+from checkpoint.commit import Committer
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
-from checkpoint.manifest import ManifestError, check_files, read_manifest, step_dirs, verify_share
-from checkpoint.memory_capacity import MemoryCapacityMixin
-from checkpoint.memory_restore import MemoryRestoreMixin
-from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTierMixin
-from checkpoint.retention import abandon_above, manifest_crc
+from checkpoint.group import Group
+from checkpoint.manifest import ManifestError, check_files, read_manifest, verify_share
+from checkpoint.memory_capacity import state_bytes
+from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTier, load_local, place, saved_keys
 from checkpoint.statedict import BoundState
 from checkpoint.writer import RecordingWriter, ThreadStager
 
@@ -57,7 +61,7 @@ log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
-class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, MemoryCapacityMixin):
+class CheckpointManager:
     """Saves and restores everything a run needs to continue bit-exactly, on any mesh.
 
     Usage (the trainer's whole integration):
@@ -94,64 +98,92 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         tier_shares: dict[str, float] | None = None,
         domain: str = "",
     ) -> None:
-        for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
-            if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
-                raise ValueError(
-                    f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
-                    f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
-                )
-        # {tier: share of all failures it is read after} (checkpoint/tiers.py, from failure.process_share/node_share):
-        # each tier's auto interval comes from its own save cost and the MTBF of those failures. None: the filesystem
-        # tier covers every failure (the single-tier interval).
-        self.tier_shares = dict(tier_shares or {FILESYSTEM: 1.0})
-        self.folder = Path(folder)
-        self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+        _check_auto(cfg, mtbf_s)
+        self.folder, self.cfg, self.rank, self.world_size = Path(folder), cfg, rank, world_size
         self.total_steps = total_steps
-        self.mtbf_s = mtbf_s
         # The bound of every checkpoint collective: this manager's groups (`process_groups`, set by the trainer) and
         # DCP's background group (async_mode=process, RecordingWriter). A save on a slow filesystem waits in them for
         # the slowest rank's write, so they get the checkpoint's limit, not failure.collective_timeout_s.
         self.checkpoint_timeout_s = checkpoint_timeout_s
         self._emit_fn = emit
-        # `domain`: this node's failure domain (its leaf switch, else its physical host; "" unknown): partner
-        # copies go to a node of another one where the nodes allow (checkpoint/partner.py, spread_ring)
-        self._init_memory_tier(run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}", node)
-        self.domain = domain
         self.manifest_extra = dict(manifest_extra or {})
-        self._dist = world_size > 1
-        if self._dist and not (dist.is_available() and dist.is_initialized()):
+        self.run_id = run_id or f"dir-{zlib.crc32(os.path.realpath(self.folder).encode()):08x}"
+        self.node = node or platform.node()
+        if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialized")
-        self._io_pg = dist.new_group(backend="gloo") if self._dist else None
-        self._ctl_pg = dist.new_group(backend="gloo") if self._dist else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-        self._retain_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retain")
-        self._pending: Future | None = None
-        self._retaining: Future | None = None
-        self._damaged: set[tuple[int, str]] = set()  # (step, manifest crc32) the load skipped: retention counts none
+        self._io, self._ctl = Group.new(world_size), Group.new(world_size)
         # Async modes stage into CPU buffers allocated once and reused by every later save, in a thread
         # (see the module docstring). Safe to reuse: save() waits for the previous save to finish writing.
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
         self._hooks: list[Any] = []
         self.state = BoundState(rank=rank, stager=self._stager)  # the objects saves write (load_latest binds them)
-        # Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different moment,
-        # and the auto interval must come out the same on every rank.
-        self.mtbf_s = self._bcast(mtbf_s, self._ctl_pg)
-        self.cadence = Cadence(
-            cfg=cfg,
-            mtbf_s=self.mtbf_s,
-            tier_shares=self.tier_shares,
-            rank=rank,
-            agree_max=self._agree_max,
-            emit=self._emit,
-        )
+        self._known_rollbacks = 0  # rollbacks the run knows at a load (load_latest): fewer = a stale RAM step
+        self._capacity_checked = False
+        self.cadence = self._cadence(mtbf_s, tier_shares)
         # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
         # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
-        self.attempt = self._bcast(attempt or f"pid{os.getpid()}", self._ctl_pg)
-        hosts = self._all_gather(platform.node(), self._ctl_pg)
-        self.fingerprint = env_fingerprint(hosts=hosts)
-        self._init_partners()  # the RAM tier's partner ring and group (checkpoint/memory_tier.py)
+        self.attempt = self._ctl.bcast(attempt or f"pid{os.getpid()}")
+        self.fingerprint = env_fingerprint(hosts=self._ctl.all_gather(platform.node()))
+        self.committer = self._committer()
+        self.memory = self._memory_tier(domain)
+
+    def _cadence(self, mtbf_s: float | None, tier_shares: dict[str, float] | None) -> Cadence:
+        """When each tier saves. Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different
+        moment, and the auto interval must come out the same on every rank."""
+        self.mtbf_s = self._ctl.bcast(mtbf_s)
+        # {tier: share of all failures it is read after} (checkpoint/tiers.py, from failure.process_share/node_share):
+        # each tier's auto interval comes from its own save cost and the MTBF of those failures. None: the filesystem
+        # tier covers every failure (the single-tier interval).
+        self.tier_shares = dict(tier_shares or {FILESYSTEM: 1.0})
+        return Cadence(
+            cfg=self.cfg,
+            mtbf_s=self.mtbf_s,
+            tier_shares=self.tier_shares,
+            rank=self.rank,
+            agree_max=self._ctl.max,
+            emit=self._emit,
+        )
+
+    def _committer(self) -> Committer:
+        """The filesystem tier's commit and retention; its manifests record the interval as it is at each commit."""
+        return Committer(
+            self.folder,
+            cfg=self.cfg,
+            rank=self.rank,
+            world_size=self.world_size,
+            io=self._io,
+            emit=self._emit,
+            attempt=self.attempt,
+            env=self.fingerprint,
+            manifest_extra=self.manifest_extra,
+            interval=self.cadence.manifest_entry,
+        )
+
+    def _memory_tier(self, domain: str) -> MemoryTier:
+        """The RAM tier: where its copies go (collective: the partner ring over every rank's node and failure
+        `domain`, checkpoint/partner.py spread_ring), then its own gloo group for its background commit."""
+        at = place(
+            self.cfg,
+            run_id=self.run_id,
+            node=self.node,
+            domain=domain,
+            rank=self.rank,
+            world_size=self.world_size,
+            ctl=self._ctl,
+        )
+        on = self.cfg.enabled and self.cfg.memory_on
+        self._mem = Group.new(self.world_size) if on else Group(None, world_size=self.world_size)
+        return MemoryTier(
+            self.cfg,
+            at,
+            run_id=self.run_id,
+            world_size=self.world_size,
+            manifest_extra=self.manifest_extra,
+            attempt=self.attempt,
+            ctl=self._ctl,
+            mem=self._mem,
+            emit=self._emit,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -181,9 +213,9 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
-        self._known_rollbacks = int(self._bcast(rollbacks, self._ctl_pg))
+        self._known_rollbacks = int(self._ctl.bcast(rollbacks))
         if not self._capacity_checked:  # the RAM tier's bytes per node against free memory, once per attempt
-            self.check_memory_capacity(self.local_state_bytes())
+            self.memory.check_capacity(self.local_state_bytes())
             self._capacity_checked = True
         step = self._restore_newest(before_step)
         if before_step is not None and step > 0:
@@ -193,21 +225,7 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
     def _abandon_above(self, step: int) -> None:
         """Rank 0 moves the checkpoints of a step > `step` aside, once every rank has finished reading (the
         load's last all_gather); every rank waits for the outcome, so no save of the new timeline starts before."""
-        err = None
-        if self.rank == 0:
-            try:
-                for s, d, aside in abandon_above(self.folder, step=step, attempt=self.attempt):
-                    self._emit(
-                        "checkpoint_abandoned",
-                        step=s,
-                        path=str(aside),
-                        from_path=str(d),
-                        target_step=step,
-                        reason=f"rolled back to step {step}: a checkpoint of the abandoned timeline",
-                    )
-            except OSError as e:
-                err = describe_error(e, self.folder)
-        err = self._bcast(err, self._ctl_pg)
+        err = self._ctl.bcast(self.committer.abandon_above(step) if self.rank == 0 else None)
         if err is not None:
             raise RuntimeError(
                 f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
@@ -225,16 +243,16 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         # A save in flight is committed (or its failure raised) and a retention pass is over before the
         # folder is listed: a later load (a rollback) must neither delete that save's tmp nor race a deletion.
         self.wait()
-        self.wait_memory()
-        if self._retaining is not None:
-            self._retaining.result()
+        self.memory.wait()
+        self.committer.wait_retention()
         self.state.bind(model_parts, optimizers, lr_schedulers, train_state)
         self._unhook()
         if self._stager is not None:
             wait = self._stager.wait
             self._hooks = [opt.register_step_pre_hook(lambda *_: wait()) for opt in optimizers]
         if self.cfg.memory_on:  # and for the RAM tier's staging copy (checkpoint/memory_tier.py)
-            self._hooks += [opt.register_step_pre_hook(lambda *_: self._wait_memory_staged()) for opt in optimizers]
+            staged = self.memory.wait_staged
+            self._hooks += [opt.register_step_pre_hook(lambda *_: staged()) for opt in optimizers]
 
     def _restore_newest(self, before_step: int | None) -> int:
         """Loads the newest candidate of any tier that validates and loads on every rank and returns its step
@@ -269,14 +287,14 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
                 self._skip(step, d, f"load failed on {failed}", tier=tier)
                 continue
             self._loaded(step, d, manifest, info, t0, tier=tier)
-            self._after_load_memory(step)
+            self.memory.after_load(step)
             return step
         if touched:
             raise RuntimeError(
                 f"every checkpoint under {self.folder} failed to load after one was partly read, so the "
                 "model state is undefined; see checkpoint_skipped in events.jsonl, move the damaged ones aside"
             )
-        self._after_load_memory(0)
+        self.memory.after_load(0)
         self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
         return 0
 
@@ -303,8 +321,7 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
         when the auto interval (Young/Daly) has elapsed. Identical on all ranks."""
         if step_time_s is not None and step_time_s > 0:
-            in_flight = self._pending is not None and not self._pending.done()
-            self.cadence.record_step(float(step_time_s), save_in_flight=in_flight)
+            self.cadence.record_step(float(step_time_s), save_in_flight=self.committer.in_flight())
         return self.cfg.enabled and self.cadence.due(step, total_steps=self.total_steps)
 
     def save(self, step: int) -> None:
@@ -318,8 +335,8 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         tmp, final = self.folder / f"step_{step}.{self.attempt}.tmp", self.folder / f"step_{step}"
         if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
             if self.rank == 0:
-                self._prepare(tmp)
-            self._barrier(self._ctl_pg)
+                self.committer.prepare(tmp)
+            self._ctl.barrier()
         sd = self.state.save_state_dict()
         writer = RecordingWriter(
             tmp,
@@ -329,26 +346,24 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         if self.cfg.async_mode == "none":
             err = None
             try:
-                dcp.save(sd, storage_writer=writer, process_group=self._io_pg)
+                dcp.save(sd, storage_writer=writer, process_group=self._io.pg)
             except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
                 err = e
             self.cadence.last_save_step = step
-            self._commit(step, tmp, final, None, err, t0, None, writer)
+            self.committer.commit(step, tmp, final, None, err, t0, None, writer)
             blocking = time.perf_counter() - t0
         else:
             kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
             resp = dcp.async_save(
                 sd,
                 storage_writer=writer,
-                process_group=self._io_pg,
+                process_group=self._io.pg,
                 async_checkpointer_type=kind,
                 async_stager=self._stager,
             )
             blocking = time.perf_counter() - t0
             self.cadence.last_save_step = step
-            self._pending = self._pool.submit(
-                self._commit, step, tmp, final, resp.upload_completion, None, t0, blocking, writer
-            )
+            self.committer.submit(step, tmp, final, resp.upload_completion, None, t0, blocking, writer)
         self.cadence.saved(step, blocking, overlapped=self.cfg.async_mode != "none")
 
     @property
@@ -360,34 +375,115 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         """The RAM tier's interval in steps (Cadence.memory_interval_steps)."""
         return self.cadence.memory_interval_steps()
 
+    # ------------------------------------------------------------------ the RAM tier (checkpoint/memory_tier.py)
+
+    @property
+    def memory_root(self) -> Path:
+        """The RAM tier's folder on this node: `checkpoint.memory_dir/meshjob-<run id>/<node>/`."""
+        return self.memory.at.root
+
+    def memory_due(self, step: int) -> bool:
+        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
+        own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
+        never the last step (the filesystem tier always saves that one). Identical on all ranks."""
+        if self.cfg.memory_interval == "auto" and self.cadence.memory_steps is None:
+            self.memory.wait()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
+            self._settle_memory_interval()
+        n, last = self.cadence.memory_interval_steps(), self.memory.last_step
+        if not self.cfg.enabled or n <= 0 or step <= last:
+            return False
+        fixed = self.cfg.memory_interval == "steps"
+        if (step % n) if fixed else (step - last < n):
+            return False
+        return self.total_steps is None or step < self.total_steps
+
+    def save_memory(self, step: int) -> None:
+        """Saves this rank's state of `step` to the RAM tier (and its partner copy). Blocks only to build the
+        state dict and hand it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next
+        optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
+        the step removed on every rank; training goes on."""
+        if self.state.objects is None:
+            raise RuntimeError(
+                "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
+            )
+        t0 = time.perf_counter()
+        self.memory.wait()
+        self._settle_memory_interval()
+        self.memory.save(step, self.state.state_dict, rollbacks=self._rollbacks_in_state(), t0=t0)
+        if self.cfg.async_mode == "none":
+            self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
+
+    def _rollbacks_in_state(self) -> int:
+        """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py):
+        the timeline a RAM step belongs to, in its manifest."""
+        health = getattr((self.state.objects or {}).get("train_state"), "health", None) or {}
+        return len(health.get("rollbacks", []))
+
+    def _settle_memory_interval(self) -> None:
+        """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
+        only right after the tier's wait (so at the same step on every rank: `Cadence.retune_memory` is a
+        collective, and the background save may finish at different moments on different ranks)."""
+        cost = self.memory.take_cost()
+        if cost is not None:
+            self.cadence.retune_memory(*cost)
+
+    def wait_memory(self) -> None:
+        """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
+        self.memory.wait()
+
+    def drop_memory(self) -> None:
+        """Deletes this rank's RAM copies and the node's and run's folders once empty (MemoryTier.drop)."""
+        self.memory.drop()
+
+    def local_state_bytes(self) -> int:
+        """This rank's bytes in a checkpoint, from the bound objects (memory_capacity.state_bytes)."""
+        assert self.state.objects is not None
+        return state_bytes(self.state.objects)
+
+    def memory_available(self) -> int:
+        """Bytes this host's checkpoint.memory_dir offers the RAM tier (memory_capacity.memory_available)."""
+        return self.memory.available()
+
+    def _memory_candidates(self) -> list[int]:
+        return self.memory.candidates(rollbacks=self._known_rollbacks)
+
+    def _validate_memory(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None, str]:
+        return self.memory.validate(step)
+
+    def _load_memory(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
+        part_keys: list[list[str]] = []
+        sd = self.state.state_dict(saved_keys(d), part_keys)
+        info = self.state.apply_loaded(load_local(d, sd), part_keys, resharded=False)
+        used = self.memory.partner_used
+        return {**info, "partner_ranks": used} if used else info
+
     @property
     def process_groups(self) -> list[dist.ProcessGroup]:
         """This manager's own process groups (the filesystem save's, the control's, the RAM tier's): their
         timeout is `checkpoint_timeout_s`."""
-        return [pg for pg in (self._io_pg, self._ctl_pg, self._mem_pg) if pg is not None]
+        return [g.pg for g in (self._io, self._ctl, self._mem) if g.pg is not None]
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed; raises CheckpointSaveError if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self.committer.wait()
 
     def close(self) -> None:
         """Waits for the last save and the retention pass, then releases the manager's threads and process groups."""
         try:
             self.wait()
         finally:
-            self._close_memory()
-            self._pool.shutdown(wait=True)
-            self._retain_pool.shutdown(wait=True)
+            try:
+                self.memory.close()
+            finally:
+                self._mem.destroy()
+            self.committer.close()
             self._unhook()
             if self._stager is not None:
                 self._stager.close()  # frees the staging buffers
             self._stager = None
-            for pg in (self._io_pg, self._ctl_pg):
-                if pg is not None and dist.is_initialized():
-                    dist.destroy_process_group(pg)
-            self._io_pg = self._ctl_pg = None
+            self._io.destroy()
+            self._ctl.destroy()
 
     def _unhook(self) -> None:
         for h in self._hooks:
@@ -406,7 +502,7 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
             problems = [str(e)]
         except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
             problems = [f"rank {self.rank}: {describe_error(e, self.folder)}"]
-        problems = sorted({p for ps in self._all_gather(problems, self._ctl_pg) for p in ps})
+        problems = sorted({p for ps in self._ctl.all_gather(problems) for p in ps})
         return problems, (manifest if not problems else None)
 
     def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
@@ -418,7 +514,7 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
             info = (load or self._load)(d, manifest)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = describe_error(e, self.folder)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(self._all_gather(err, self._ctl_pg)) if e]
+        failed = [f"rank {r}: {e}" for r, e in enumerate(self._ctl.all_gather(err)) if e]
         return (None, "; ".join(failed)[:2000]) if failed else (info, "")
 
     def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -427,46 +523,21 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         return self.state.load(d, resharded=not same_mesh)
 
     def _candidate_steps(self) -> list[int]:
-        listing: list[int] | str | None = None
-        if self.rank == 0:
-            try:
-                self._remove_stale_tmp()
-                listing = [s for s, _ in step_dirs(self.folder)]
-            except Exception as e:  # noqa: BLE001 - broadcast, so every rank raises it
-                listing = f"listing {self.folder} failed on rank 0: {describe_error(e, self.folder)}"
-        listing = self._bcast(listing, self._ctl_pg)
+        listing = self._ctl.bcast(self.committer.list_steps() if self.rank == 0 else None)
         if isinstance(listing, str):
             raise RuntimeError(f"{listing}; make the folder readable (or fix run.dir) and restart")
         return listing
 
     def _skip(self, step: int, d: Path, reason: str, *, tier: str = FILESYSTEM) -> None:
         if tier == FILESYSTEM and self.rank == 0:  # the rank that runs the filesystem's retention
-            self._damaged.add((step, manifest_crc(d)))
+            self.committer.mark_damaged(step, d)
         self._emit("checkpoint_skipped", step=step, tier=tier, path=str(d), reason=reason)
         if self.rank == 0:
             log.warning("skipping checkpoint %s: %s", d, reason)
 
-    def _remove_stale_tmp(self) -> None:
-        """Removes the temporary (`step_N.<attempt>.tmp`) and moved-aside (`step_N.uncommitted-<attempt>`)
-        folders of earlier attempts; this attempt's are left alone (a save of its own may still write there)."""
-        if not self.folder.is_dir():
-            return
-        for p in sorted([*self.folder.glob("step_*.tmp"), *self.folder.glob("step_*.uncommitted-*")]):
-            tmp = p.name.endswith(".tmp")
-            if p.name.endswith(f".{self.attempt}.tmp") or f".uncommitted-{self.attempt}" in p.name:
-                continue
-            shutil.rmtree(p, ignore_errors=True)
-            self._emit(
-                "checkpoint_tmp_removed",
-                path=str(p),
-                reason="uncommitted save interrupted by a crash"
-                if tmp
-                else "a folder an earlier attempt's commit moved aside (it was in a checkpoint's way)",
-            )
-
     def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
         diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)
-        diffs = self._all_gather(diff, self._ctl_pg)
+        diffs = self._ctl.all_gather(diff)
         merged = {k: v for d in diffs for k, v in d.items()}
         if not merged:
             return
@@ -489,27 +560,12 @@ class CheckpointManager(CommitMixin, MemoryTierMixin, MemoryRestoreMixin, Memory
         if self.rank == 0 and self._emit_fn is not None:
             self._emit_fn(kind, **fields)
 
-    def _all_gather(self, obj: Any, pg: Any) -> list[Any]:
-        if not self._dist:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=pg)
-        return out
 
-    def _agree_max(self, values: list[float]) -> list[float]:
-        """The element-wise max of `values` over the ranks (on the control group)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if self._dist:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        return [float(x) for x in t]
-
-    def _bcast(self, obj: Any, pg: Any) -> Any:
-        if not self._dist:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=pg)
-        return box[0]
-
-    def _barrier(self, pg: Any) -> None:
-        if self._dist:
-            dist.barrier(group=pg)
+def _check_auto(cfg: CheckpointConfig, mtbf_s: float | None) -> None:
+    """An auto interval needs the job MTBF: a config error naming the fix when there is none."""
+    for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
+        if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
+            raise ValueError(
+                f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
+                f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
+            )

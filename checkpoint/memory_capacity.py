@@ -7,15 +7,26 @@ import logging
 import platform
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from checkpoint.errors import CheckpointConfigError
+from checkpoint.group import Group
+from checkpoint.partner import Placement
 from checkpoint.statedict import local_tensor
 
 log = logging.getLogger("meshjob.checkpoint")
 
-__all__ = ["COPIES", "HEADROOM", "MemoryCapacityMixin", "capacity_error", "cgroup_room"]
+__all__ = [
+    "COPIES",
+    "HEADROOM",
+    "capacity_error",
+    "cgroup_room",
+    "check_capacity",
+    "memory_available",
+    "state_bytes",
+]
 
 COPIES = 2  # copies of a rank's state the tier holds at most: the committed one and one being written
 HEADROOM = 1 << 30  # bytes per host the tier leaves free: NCCL's shm segments, the processes' own growth
@@ -66,58 +77,55 @@ def capacity_error(
     )
 
 
-class MemoryCapacityMixin:
-    """CheckpointManager's capacity check of the RAM tier (`self.state`, `self.cfg`, `self.memory_root`,
-    `self._replicas`, `self._partners`, `self._all_gather`, `self._ctl_pg`)."""
+def state_bytes(objects: dict[str, Any]) -> int:
+    """One rank's bytes in a checkpoint, from its bound objects (BoundState.objects) without building their state
+    dict: the local shards of parameters and buffers, and the optimizer state; before the first step (no optimizer
+    state yet) estimated as two moments per trainable parameter (AdamW, its dtype)."""
+    size = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
+    nbytes = sum(size(t) for part in objects["model_parts"] for t in (*part.parameters(), *part.buffers()))
+    for opt in objects["optimizers"]:
+        if opt.state:
+            nbytes += sum(size(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        else:
+            nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
+    return nbytes
 
-    def local_state_bytes(self) -> int:
-        """This rank's bytes in a checkpoint, from the bound objects without building their state dict: the
-        local shards of parameters and buffers, and the optimizer state; before the first step (no optimizer
-        state yet) estimated as two moments per trainable parameter (AdamW, its dtype)."""
-        b = self.state.objects
-        assert b is not None
-        size = lambda t: local_tensor(t).numel() * local_tensor(t).element_size()  # noqa: E731
-        nbytes = sum(size(t) for part in b["model_parts"] for t in (*part.parameters(), *part.buffers()))
-        for opt in b["optimizers"]:
-            if opt.state:
-                nbytes += sum(size(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-            else:
-                nbytes += sum(2 * size(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
-        return nbytes
 
-    def memory_available(self) -> int:
-        """Bytes this host's checkpoint.memory_dir offers the tier: its free bytes (at most what the memory cgroup
-        still allows: under Slurm's ConstrainRAMSpace tmpfs pages count against the job) plus every copy of this
-        run held there already (all its nodes' own and partner copies, `memory_dir/meshjob-<run id>/`: the new
-        saves replace them), less HEADROOM. The same for every rank of a host (measured when none writes), so a
-        host counts its copies once."""
-        self.memory_root.mkdir(parents=True, exist_ok=True)
-        run_root = self.memory_root.parent
-        free, room = shutil.disk_usage(run_root).free, cgroup_room()
-        return (free if room is None else min(free, room)) + _tree_bytes(run_root) - HEADROOM
+def memory_available(root: Path) -> int:
+    """Bytes the host's checkpoint.memory_dir offers the tier (`root`: the tier's folder on this node,
+    `memory_dir/meshjob-<run id>/<node>/`): its free bytes (at most what the memory cgroup still allows: under Slurm's
+    ConstrainRAMSpace tmpfs pages count against the job) plus every copy of this run held there already (all its
+    nodes' own and partner copies, `memory_dir/meshjob-<run id>/`: the new saves replace them), less HEADROOM. The
+    same for every rank of a host (measured when none writes), so a host counts its copies once."""
+    root.mkdir(parents=True, exist_ok=True)
+    run_root = root.parent
+    free, room = shutil.disk_usage(run_root).free, cgroup_room()
+    return (free if room is None else min(free, room)) + _tree_bytes(run_root) - HEADROOM
 
-    def check_memory_capacity(self, nbytes: int) -> None:
-        """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
-        hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's); every copy of
-        this run held there already counts as free (`memory_available`), so a restart passes whenever the first
-        start did. Hosts by their real name: simulated nodes on one host share its memory."""
-        if not self.cfg.memory_on:
-            return
-        try:
-            avail = self.memory_available()
-        except OSError as e:
-            avail = -1
-            log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", self.cfg.memory_dir, self.rank, e)
-        gathered = self._all_gather((platform.node(), int(nbytes), int(avail)), self._ctl_pg)
-        why = capacity_error(
-            gathered,
-            memory_dir=self.cfg.memory_dir,
-            every=self.cfg.memory_every_steps,
-            partners=self._partners if self._replicas else None,
-            auto=self.cfg.memory_interval == "auto",
-        )
-        if why is not None:
-            raise CheckpointConfigError(why)
+
+def check_capacity(cfg: Any, at: Placement, *, nbytes: int, ctl: Group) -> None:
+    """Raises CheckpointConfigError (a ValueError) on every rank when some host's checkpoint.memory_dir cannot
+    hold COPIES of its ranks' states and of the partner copies it holds (`nbytes`: this rank's; `at`: where this
+    rank's copies are; collective on `ctl`); every copy of this run held there already counts as free
+    (`memory_available`), so a restart passes whenever the first start did. Hosts by their real name: simulated
+    nodes on one host share its memory."""
+    if not cfg.memory_on:
+        return
+    try:
+        avail = memory_available(at.root)
+    except OSError as e:
+        avail = -1
+        log.error("checkpoint.memory_dir=%s unusable on rank %d: %s", cfg.memory_dir, at.rank, e)
+    gathered = ctl.all_gather((platform.node(), int(nbytes), int(avail)))
+    why = capacity_error(
+        gathered,
+        memory_dir=cfg.memory_dir,
+        every=cfg.memory_every_steps,
+        partners=at.partners if at.replicas else None,
+        auto=cfg.memory_interval == "auto",
+    )
+    if why is not None:
+        raise CheckpointConfigError(why)
 
 
 def cgroup_room(*, proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:

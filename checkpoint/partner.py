@@ -9,7 +9,7 @@ import pickle
 import shutil
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "shared_domains",
     "folder_rank",
     "MemoryLoad",
+    "Placement",
     "plan_memory_load",
     "plan_step",
     "transfers",
@@ -223,3 +224,43 @@ def exchange(payload: bytes | None, *, send_to: int | None, recv_from: int | Non
 def _wait(reqs: list[Any]) -> None:
     for q in reqs:
         q.wait()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank's RAM copies are: the tier's folder on this rank's node (`root`,
+    `checkpoint.memory_dir/meshjob-<run id>/<node>/`), every rank's node, each rank's partner (`partners[r]`) and
+    source (`sources[r]`: the rank whose partner r is), and the copies each save sends (`replicas`, 0 or 1)."""
+
+    root: Path
+    rank: int
+    node: str
+    nodes: list[str]
+    partners: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    replicas: int = 0
+
+    @property
+    def rank_dir(self) -> Path:
+        return self.root / f"rank_{self.rank}"
+
+    @property
+    def held_dir(self) -> Path:
+        """The partner copies this rank holds: those of the rank whose partner it is."""
+        return self.root / f"partner_of_rank_{self.sources[self.rank]}"
+
+    @property
+    def speaker(self) -> bool:
+        """Whether this rank lists and tidies its node's folder for the node: the node's lowest rank."""
+        return self.nodes.index(self.node) == self.rank
+
+    def stale_dirs(self) -> list[Path]:
+        """On the node's speaker: the node's folders that no rank there saves into or holds partner copies in now
+        (copies from before the ranks were placed as they are: a spare swap); [] on the other ranks."""
+        if not self.speaker or not self.root.is_dir():
+            return []
+        here = [r for r, n in enumerate(self.nodes) if n == self.node]
+        used = {f"rank_{r}" for r in here}
+        if self.replicas:
+            used |= {f"partner_of_rank_{self.sources[r]}" for r in here}
+        return [p for p in sorted(self.root.iterdir()) if folder_rank(p.name) is not None and p.name not in used]

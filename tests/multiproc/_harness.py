@@ -242,7 +242,7 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
     import checkpoint.commit as m
 
     if what == "kill_before_rename":
-        orig = manager._commit
+        orig = manager.committer.commit
 
         def commit(step, *a, **k):
             if step == at:
@@ -252,7 +252,7 @@ def _inject(manager: CheckpointManager, patch: str | None) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return orig(step, *a, **k)
 
-        manager._commit = commit
+        manager.committer.commit = commit
     elif what in ("kill_before_manifest", "kill_after_manifest"):
         orig_write = m.write_manifest
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import checkpoint.commit as commit_mod
-import checkpoint.manager as manager_mod
 import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager, TrainState, diff_fingerprint, env_fingerprint
 from checkpoint.manifest import (
@@ -338,7 +337,7 @@ def test_the_state_dict_structure_is_built_once_and_each_save_has_the_current_lr
     assert len(calls) == 1 and len(set(lrs.values())) == 3
     for step in (1, 3):
         fresh, fresh_opt = _one_layer()
-        monkeypatch.setattr(manager_mod, "step_dirs", lambda folder, s=step: [(s, folder / f"step_{s}")])
+        monkeypatch.setattr(commit_mod, "step_dirs", lambda folder, s=step: [(s, folder / f"step_{s}")])
         CheckpointManager(tmp_path, cfg=CheckpointConfig()).load_latest(model_parts=[fresh], optimizers=[fresh_opt])
         assert fresh_opt.param_groups[0]["lr"] == lrs[step], step
 
@@ -396,7 +395,7 @@ def test_torch_save_skips_the_zip_crc32_only_while_a_checkpoint_is_written(tmp_p
 
 def test_retention_runs_behind_the_commit_and_close_waits_for_it(tmp_path, monkeypatch):
     release, started = threading.Event(), threading.Event()
-    monkeypatch.setattr(CheckpointManager, "_retain", lambda self, newest: started.set() or release.wait(30))
+    monkeypatch.setattr(commit_mod.Committer, "_retain", lambda self, newest: started.set() or release.wait(30))
     model, opt = _one_layer()
     ck = CheckpointManager(tmp_path, cfg=CheckpointConfig(every_steps=1, async_mode="thread"))
     ck.load_latest(model_parts=[model], optimizers=[opt])

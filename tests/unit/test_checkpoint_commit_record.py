@@ -23,10 +23,10 @@ def test_a_commit_is_recorded_before_its_outcome_is_sent_to_the_ranks(tmp_path) 
     )
     ck.load_latest(model_parts=[model], optimizers=[opt])
 
-    def peer_gone(obj, pg):
+    def peer_gone(obj):
         raise RuntimeError("Connection reset by peer")
 
-    ck._bcast = peer_gone  # the outcome's broadcast from rank 0, the commit's last collective
+    ck._io.bcast = peer_gone  # the outcome's broadcast from rank 0 on the commit's group, its last collective
     with pytest.raises(RuntimeError, match="Connection reset"):
         ck.save(3)
     assert (tmp_path / "step_3" / "manifest.json").exists()  # committed

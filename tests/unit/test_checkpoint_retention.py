@@ -90,7 +90,7 @@ def test_a_save_and_its_retention_read_no_checkpoint_bytes_back(tmp_path, monkey
         before = _rchar()
         ck.save(step)
         ck.wait()
-        ck._retaining.result()  # retention (a thread of its own) included
+        ck.committer.wait_retention()  # retention (a thread of its own) included
         read += _rchar() - before
     ck.close()
     assert _steps(tmp_path) == [5, 4]  # retention ran and deleted 1, 2 and 3

@@ -214,7 +214,7 @@ def test_a_copy_is_committed_only_when_every_file_matches_its_manifest(tmp_path)
 def _slow_stage(monkeypatch, delay_s: float) -> list[float]:
     """Makes the RAM save's staging copy start `delay_s` late; returns when each copy finished."""
     done: list[float] = []
-    real = memory_mod.MemoryTierMixin._stage
+    real = memory_mod.MemoryTier._stage
 
     def slow(self, tree, path=""):
         if path == "":
@@ -224,7 +224,7 @@ def _slow_stage(monkeypatch, delay_s: float) -> list[float]:
             done.append(time.perf_counter())
         return out
 
-    monkeypatch.setattr(memory_mod.MemoryTierMixin, "_stage", slow)
+    monkeypatch.setattr(memory_mod.MemoryTier, "_stage", slow)
     return done
 
 
@@ -262,7 +262,7 @@ def test_a_ram_write_that_fails_midway_is_recorded_and_leaves_no_loadable_step(t
 
     def half(state, *, storage_writer, no_dist):  # writes step 2's files, then the "node" fails mid-save
         real_save(state, storage_writer=storage_writer, no_dist=no_dist)
-        if ck._last_memory_step == 2:
+        if ck.memory.last_step == 2:
             raise OSError("simulated crash after the shard files")
 
     monkeypatch.setattr(memory_mod.dcp, "save", half)

@@ -1,0 +1,137 @@
+"""The checkpoint manager as composed parts: each part is built with exactly what it needs and
+reads only what it holds. Read off the source (no class in checkpoint/ reads a `self.` name it neither defines nor
+assigns: a mixin does), and each part built alone from its narrow inputs and exercised on real files."""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from checkpoint import CheckpointConfig
+from checkpoint.commit import Committer
+from checkpoint.group import Group
+from checkpoint.memory_tier import MEMORY, MemoryTier, load_local
+from checkpoint.partner import Placement
+from checkpoint.writer import RecordingWriter
+from tests.conftest import REPO
+
+
+def _borrowed_names(path: Path) -> list[str]:
+    """`file:line: Class.name` for every `self.name` a class reads that it neither defines (a method, a property, a
+    class-level name or field) nor assigns in one of its methods, and `file:line: Class(Base)` for every base named
+    `*Mixin`. A class with another base (it may inherit the name) is checked for the base's name only."""
+    out = []
+    for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+        bases = [ast.unparse(b) for b in cls.bases]
+        out += [f"{path.name}:{cls.lineno}: {cls.name}({b})" for b in bases if b.endswith("Mixin")]
+        if bases:
+            continue
+        own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+        own |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        own |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        attrs = [
+            n
+            for n in ast.walk(cls)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        ]
+        own |= {n.attr for n in attrs if isinstance(n.ctx, ast.Store)}
+        borrowed = {n for n in attrs if n.attr not in own and not n.attr.startswith("__")}  # __slots__ and alike
+        out += sorted({f"{path.name}:{n.lineno}: {cls.name}.{n.attr}" for n in borrowed})
+    return out
+
+
+def test_no_class_in_checkpoint_reads_a_name_of_self_it_was_not_given_and_none_is_a_mixin():
+    borrowed = [b for p in sorted((REPO / "checkpoint").glob("*.py")) for b in _borrowed_names(p)]
+    assert borrowed == []
+
+
+def test_the_borrowed_name_check_finds_a_mixin_and_the_names_it_borrows(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "class CommitMixin:\n    def commit(self):\n        return self.folder\n\n"
+        "class Manager(CommitMixin):\n    def __init__(self):\n        self.folder = 1\n"
+    )
+    assert _borrowed_names(tmp_path / "m.py") == ["m.py:3: CommitMixin.folder", "m.py:5: Manager(CommitMixin)"]
+
+
+def _write(tmp: Path, value: float) -> RecordingWriter:
+    """One rank's DCP files of a small state in `tmp`, written as a save writes them."""
+    writer = RecordingWriter(tmp, thread_count=1)
+    dcp.save({"w": torch.full((4,), value)}, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def test_the_committer_alone_commits_each_save_with_its_manifest_and_retires_all_but_the_newest_two(tmp_path):
+    events: list[tuple[str, dict]] = []
+    committer = Committer(
+        tmp_path,
+        cfg=CheckpointConfig(keep=2, async_mode="none"),
+        rank=0,
+        world_size=1,
+        io=Group(None, world_size=1),
+        emit=lambda kind, **f: events.append((kind, f)),
+        attempt="7.0",
+        env={"torch": "x"},
+        manifest_extra={"mesh": "dp1", "config_hash": "abc"},
+        interval=lambda: {"delta_s": 1.5, "step_time_s": 0.25},
+    )
+    for step in (1, 2, 3):
+        tmp, final = tmp_path / f"step_{step}.7.0.tmp", tmp_path / f"step_{step}"
+        committer.prepare(tmp)
+        committer.commit(step, tmp, final, None, None, time.perf_counter(), None, _write(tmp, step))
+        committer.wait_retention()
+    committer.close()
+    manifest = json.loads((tmp_path / "step_3" / "manifest.json").read_text())
+    assert sorted(manifest) == sorted(
+        ["step", "time", "world_size", "files", "bytes", "env", "data_cursor", "rng_keys", "interval", "async_mode"]
+        + ["mesh", "config_hash", "format", "manifest_crc32"]
+    )
+    assert (manifest["step"], manifest["env"], manifest["interval"]) == (
+        3,
+        {"torch": "x"},
+        {"delta_s": 1.5, "step_time_s": 0.25},
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+    assert [(k, f["step"], f["tier"]) for k, f in events if k == "checkpoint_saved"] == [
+        ("checkpoint_saved", s, "filesystem") for s in (1, 2, 3)
+    ]
+    assert [f["step"] for k, f in events if k == "checkpoint_deleted"] == [1]
+    assert committer.list_steps() == [3, 2]
+
+
+def test_the_ram_tier_alone_saves_lists_checks_and_reads_back_its_newest_step_then_drops_its_folders(tmp_path):
+    events: list[tuple[str, dict]] = []
+    local = Group(None, world_size=1)
+    root = tmp_path / "shm" / "meshjob-r" / "a"
+    at = Placement(root, rank=0, node="a", nodes=["a"])
+    tier = MemoryTier(
+        CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none"),
+        at,
+        run_id="r",
+        world_size=1,
+        manifest_extra={"mesh": "dp1"},
+        attempt="7.0",
+        ctl=local,
+        mem=local,
+        emit=lambda kind, **f: events.append((kind, f)),
+    )
+    for step in (1, 2):
+        tier.save(step, lambda s=step: {"w": torch.full((4,), float(s))}, rollbacks=0, t0=time.perf_counter())
+    assert tier.last_step == 2 and tier.take_cost() is not None and tier.take_cost() is None
+    assert [p.name for p in (root / "rank_0").iterdir()] == ["step_2"]  # the older step retired
+    assert tier.candidates(rollbacks=0) == [2] and tier.candidates(rollbacks=1) == []  # a step before a rollback
+    tier.candidates(rollbacks=0)
+    d, problems, manifest, kind = tier.validate(2)
+    assert (d, problems, manifest["rank"], manifest["mesh"], kind) == (root / "rank_0" / "step_2", [], 0, "dp1", MEMORY)
+    assert torch.equal(load_local(d, {"w": torch.zeros(4)})["w"], torch.full((4,), 2.0))
+    assert [(k, f["step"], f["tier"]) for k, f in events] == [
+        ("checkpoint_saved", 1, MEMORY),
+        ("checkpoint_saved", 2, MEMORY),
+    ]
+    tier.drop()
+    tier.close()
+    assert not root.parent.exists()
