@@ -78,7 +78,7 @@ def _install_profile() -> None:
     writer_mod.zlib = _TimedZlib
     fsync = _timed(os.fsync, "fsync")  # the shards' (inside write_data; the others are finish's and commit's)
     os.fsync = lambda fd: fsync(fd) if _PROFILE.get("in_write") else _fsync(fd)
-    commit_mod.CommitMixin._commit = _timed(commit_mod.CommitMixin._commit, "commit")
+    commit_mod.Committer.commit = _timed(commit_mod.Committer.commit, "commit")
     orig_save = dcp.save
 
     def save(*args, **kwargs):  # planning = the time before write_data starts (state dict, plans, their collective)

@@ -8,6 +8,7 @@ import json
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from jobs import exitcodes
 from jobs.config import compose
 from jobs.events import EventLog, read_events
 from jobs.failure.respond import conclude
+from jobs.launch import scavenge as scavenge_mod
 from jobs.launch import supervise
 from jobs.launch.rundir import memory_root, run_id
 from jobs.launch.scavenge import scavenge_allocation
@@ -121,6 +123,26 @@ def test_a_node_that_never_answers_does_not_hold_up_the_end_of_the_allocation(tm
     folder = Path(cfg.run.dir) / "checkpoints"
     assert [s for s, _ in step_dirs(folder)] == ([5, 4, 2] if out["flushed_step"] == 5 else [4, 2]), out
     assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_flush_whose_bound_runs_out_after_the_commits_rename_is_reported_flushed(tmp_path, srun, monkeypatch) -> None:
+    # Under load the commit's process can pass its share of the bound after it renamed the step into place: the
+    # step is whole on disk, so the record says it was flushed (it said None, and a later attempt that trusts the
+    # record would not look for it), with the timeout kept as a note.
+    cfg = _job_cfg(tmp_path)
+    _train_run(tmp_path, cfg)
+    commit = scavenge_mod._commit
+
+    def commit_then_time_out(*args, **kwargs):
+        commit(*args, **kwargs)
+        raise subprocess.TimeoutExpired("python -m checkpoint.scavenge_commit", 1.0)
+
+    monkeypatch.setattr(scavenge_mod, "_commit", commit_then_time_out)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0")
+    out = scavenge_allocation(cfg, ["node1"], when="requeue", events=events)
+    folder = Path(cfg.run.dir) / "checkpoints"
+    assert [s for s, _ in step_dirs(folder)] == [5, 4, 2]
+    assert out["flushed_step"] == 5 and "timed out" in out["flush_error"], out
 
 
 def test_a_node_slurm_says_is_down_is_not_asked(tmp_path, srun) -> None:
