@@ -233,7 +233,7 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], ra
 x = torch.ones(4)
 dist.all_reduce(x)
 dist.broadcast(x, 0)
-print(dump_flight_recorder(Path(sys.argv[1]), rank=3))
+print(dump_flight_recorder(Path(sys.argv[1]), rank=3, timeout_s=90))  # its format, not its bound: a loaded box
 """
 
 
