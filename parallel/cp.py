@@ -35,15 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from parallel.config import CP_IMPLS
+from parallel.config import CP_IMPLS, ring_kernel
 
 __all__ = [
     "CP_IMPLS",
     "RING_KERNELS",
     "zigzag_positions",
     "ring_blocks",
-    "ring_kernel",
-    "ring_kernel_note",
     "block_forward",
     "block_backward",
     "ContextParallelAttention",
@@ -139,8 +137,9 @@ def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tens
 
 
 _aten = torch.ops.aten
-# Per-block kernels that return the block's log-sum-exp (what the ring merges by), with their backward ops. The CUDA
-# pair is what torch's own ring attention calls (torch/distributed/tensor/experimental/_context_parallel/_attention.py).
+# Per-block kernels that return the block's log-sum-exp (what the ring merges by), with their backward ops, by the name
+# `ring_kernel` picks (parallel/config.py, torch-free: the planner's notes use it). The CUDA pair is what torch's own
+# ring attention calls (torch/distributed/tensor/experimental/_context_parallel/_attention.py).
 RING_KERNELS = {
     "flash_cpu": (
         _aten._scaled_dot_product_flash_attention_for_cpu,
@@ -152,34 +151,6 @@ RING_KERNELS = {
         _aten._scaled_dot_product_efficient_attention_backward,
     ),
 }
-
-
-def ring_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, capability: tuple[int, int] = (8, 0)) -> str:
-    """The ring's per-block kernel for these operands: a key of RING_KERNELS, or "unfused" (`_ring_autograd`: each
-    block's fp32 score matrix, autograd's backward). CPU: torch's flash kernel. CUDA: flash in fp16/bf16 with head
-    dims up to 256 on sm80+ (FlashAttention-2's limits, as SDPA's own choice), else the memory-efficient kernel
-    (fp32 included); both want head dims that are multiples of 8 (SDPA pads the others; the ring does not)."""
-    if device_type == "cpu":
-        return "flash_cpu"
-    if device_type != "cuda" or head_dim % 8:
-        return "unfused"
-    if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and capability >= (8, 0):
-        return "flash"
-    return "efficient"
-
-
-def ring_kernel_note(*, fp32: bool, head_dim: int) -> str:
-    """What the ring runs per block on a GPU (sm80+) with these operands, for the planner's notes: flash, or what
-    runs instead and what that costs beyond the plan (which prices flash attention's rate and no score matrix)."""
-    kernel = ring_kernel("cuda", torch.float32 if fp32 else torch.bfloat16, head_dim)
-    if kernel == "flash":
-        return "the ring's blocks run flash attention on CUDA"
-    if kernel == "efficient":
-        return "the ring's blocks are NOT flash on CUDA: the memory-efficient kernel (fp32 or a head dim > 256), slower"
-    return (
-        f"the ring's blocks are NOT flash on CUDA: head dim {head_dim} is not a multiple of 8, so each block keeps "
-        "its fp32 score matrix, O((seq/cp)^2) memory the plan does not count"
-    )
 
 
 def block_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
@@ -325,7 +296,7 @@ class ContextParallelAttention:
         if not self.fused:
             return "unfused"
         cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
-        return ring_kernel(q.device.type, q.dtype, q.shape[-1], capability=cap)
+        return ring_kernel(q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1], capability=cap)
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel(q)

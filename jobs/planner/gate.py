@@ -31,7 +31,7 @@ from jobs.planner import measure as M
 from jobs.planner import steptime as S
 from jobs.planner.checks import Check, analytic_checks, readiness
 from jobs.planner.params import attention_head_dims
-from parallel.cp import ring_kernel_note
+from parallel.config import ring_kernel_note
 
 __all__ = ["Check", "Plan", "check", "build_plan", "validate_for_planning"]
 

@@ -9,13 +9,12 @@ import torch
 from jobs.config import compose
 from jobs.planner.gate import validate_for_planning
 from jobs.validate import validate
+from parallel.config import RING_KERNEL_NAMES, ring_kernel, ring_kernel_note
 from parallel.cp import (
     RING_KERNELS,
     block_backward,
     block_forward,
     ring_blocks,
-    ring_kernel,
-    ring_kernel_note,
     zigzag_positions,
 )
 
@@ -41,20 +40,21 @@ def test_ring_computes_each_causal_block_once_and_every_rank_the_same_work(cp: i
 @pytest.mark.parametrize(
     "device,dtype,head_dim,capability,kernel",
     [
-        ("cpu", torch.float32, 64, (0, 0), "flash_cpu"),
-        ("cpu", torch.bfloat16, 100, (0, 0), "flash_cpu"),  # torch's CPU flash kernel takes any head dim
-        ("cuda", torch.bfloat16, 128, (9, 0), "flash"),
-        ("cuda", torch.float16, 256, (8, 0), "flash"),
-        ("cuda", torch.bfloat16, 512, (9, 0), "efficient"),  # past FlashAttention-2's 256
-        ("cuda", torch.float32, 64, (9, 0), "efficient"),  # flash has no fp32 kernel
-        ("cuda", torch.bfloat16, 64, (7, 5), "efficient"),  # flash needs sm80+
-        ("cuda", torch.bfloat16, 60, (9, 0), "unfused"),  # neither takes a head dim off a multiple of 8
-        ("mps", torch.float32, 64, (0, 0), "unfused"),
+        ("cpu", "float32", 64, (0, 0), "flash_cpu"),
+        ("cpu", "bfloat16", 100, (0, 0), "flash_cpu"),  # torch's CPU flash kernel takes any head dim
+        ("cuda", "bfloat16", 128, (9, 0), "flash"),
+        ("cuda", "float16", 256, (8, 0), "flash"),
+        ("cuda", "bfloat16", 512, (9, 0), "efficient"),  # past FlashAttention-2's 256
+        ("cuda", "float32", 64, (9, 0), "efficient"),  # flash has no fp32 kernel
+        ("cuda", "bfloat16", 64, (7, 5), "efficient"),  # flash needs sm80+
+        ("cuda", "bfloat16", 60, (9, 0), "unfused"),  # neither takes a head dim off a multiple of 8
+        ("mps", "float32", 64, (0, 0), "unfused"),
     ],
 )
 def test_the_ring_picks_its_per_block_kernel_by_device_dtype_and_head_dim(device, dtype, head_dim, capability, kernel):
     assert ring_kernel(device, dtype, head_dim, capability=capability) == kernel
-    assert kernel == "unfused" or kernel in RING_KERNELS
+    assert kernel == "unfused" or kernel in RING_KERNELS  # parallel/config.py's names are parallel/cp.py's kernels
+    assert set(RING_KERNELS) == set(RING_KERNEL_NAMES)
 
 
 @pytest.mark.parametrize("kernel", ["flash", "efficient"])
