@@ -37,13 +37,16 @@ def test_compile_with_tensor_parallel_is_refused_naming_the_fix() -> None:
 
 
 def test_an_unknown_compile_backend_is_refused_where_the_ranks_run_naming_the_override() -> None:
-    single = ["mesh=single", "launcher.tasks_per_node=1", "train.device=cpu", "train.compile=true"]
+    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", "train.device=cpu", "train.compile=true"])
+    cfg.train.compile_backend = "inductr"
     with pytest.raises(ValueError, match=r"train.compile_backend='inductr' is not a torch.compile backend.*aot_eager"):
-        check_device(compose([*single, "train.compile_backend=inductr"]), gpus=0)
+        check_device(cfg, gpus=0)
+    cfg.train.compile = False
+    assert check_device(cfg, gpus=0) == ("cpu", "fp32")  # not compiling: the key is not read
+    cfg.train.compile = True
     for backend in ("inductor", "aot_eager"):  # the default and a debugging one
-        assert check_device(compose([*single, f"train.compile_backend={backend}"]), gpus=0) == ("cpu", "fp32")
-    off = compose(["mesh=single", "launcher.tasks_per_node=1", "train.compile_backend=inductr"])
-    assert check_device(off, gpus=0) == ("cpu", "fp32")  # not compiling: the key is not read
+        cfg.train.compile_backend = backend
+        assert check_device(cfg, gpus=0) == ("cpu", "fp32")
 
 
 def test_compile_in_place_keeps_the_parameter_names_and_the_output() -> None:
