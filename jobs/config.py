@@ -116,6 +116,7 @@ class TrainConfig:
         True  # deterministic kernels on CUDA (torch.use_deterministic_algorithms); CPU/gloo already is
     )
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    compile_backend: str = "inductor"  # torch.compile's backend with train.compile=true (torch._dynamo.list_backends())
     device: str = "auto"  # auto | cpu | cuda: where every rank trains (auto: CUDA when torch sees a GPU)
     mixed_precision: str = "auto"  # auto | bf16 | fp32: compute dtype (auto: bf16 on CUDA, fp32 on CPU); params, grads' reduction, optimizer stay fp32
     eval_every: int = 0  # held-out evaluation every N steps (and at the last step); 0 = off

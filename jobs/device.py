@@ -57,6 +57,16 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def compile_backends() -> list[str]:
+    """torch.compile's backends here: torch._dynamo.list_backends() and its debugging ones (eager, aot_eager: dynamo's
+    capture without inductor's code generation); not the backends torch registers for its own tests."""
+    import torch._dynamo  # lazy: a rank's function (see visible_gpus); importing dynamo takes seconds
+
+    shown = set(torch._dynamo.list_backends())
+    debug = set(torch._dynamo.list_backends(exclude_tags=())) - shown
+    return sorted(shown | {b for b in debug if b.startswith(("eager", "aot_eager"))})
+
+
 def resolve_device(name: str, *, gpus: int | None = None, gpus_per_node: int = 0, cluster: str = "") -> str:
     """ "cpu" or "cuda" for `train.device`, given `gpus` visible (default: counted here).
     ValueError for an unknown name, cuda without a GPU, or auto finding no GPU on a node whose

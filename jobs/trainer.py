@@ -243,6 +243,7 @@ class Trainer:
             ac_every=cfg.train.ac_every,
             pp_layers_per_stage=derived.pp_layers_per_stage,
             compile=cfg.train.compile,
+            compile_backend=cfg.train.compile_backend,
             mixed_precision=self.mixed_precision,
             ep_mesh=self.ep_mesh,
             cp_impl=cfg.mesh.cp_impl,

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from checkpoint.config import replicas_for
 from checkpoint.tiers import failure_split
 from jobs.config import FailureConfig, JobConfig
-from jobs.device import DEVICES, MIXED_PRECISIONS, resolve_device, resolve_mixed_precision, visible_gpus
+from jobs.device import (
+    DEVICES,
+    MIXED_PRECISIONS,
+    compile_backends,
+    resolve_device,
+    resolve_mixed_precision,
+    visible_gpus,
+)
 from jobs.planner.params import attention_head_dims
 from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers, cp_shape_error
 from parallel.dims import ParallelDims, stages_per_rank
@@ -265,7 +272,21 @@ def check_device(cfg: JobConfig, *, gpus: int | None = None, per_task: bool = Fa
             f"only {n} GPU(s) visible: one rank per GPU; set launcher.tasks_per_node={n} "
             "(or make the GPUs visible: CUDA_VISIBLE_DEVICES), or train on CPU ranks: train.device=cpu"
         )
+    check_compile_backend(cfg)
     return device, resolve_mixed_precision(t.mixed_precision, device_type=device)
+
+
+def check_compile_backend(cfg: JobConfig) -> None:
+    """With train.compile=true, train.compile_backend must be a torch.compile backend of the torch the ranks run."""
+    if not cfg.train.compile:
+        return
+    known = compile_backends()
+    if cfg.train.compile_backend not in known:
+        raise ValueError(
+            f"train.compile_backend={cfg.train.compile_backend!r} is not a torch.compile backend of this torch "
+            f"(torch._dynamo.list_backends(): {', '.join(known)}); set train.compile_backend=inductor (the default), "
+            "or aot_eager to check dynamo's capture without inductor's code generation"
+        )
 
 
 def _layers_per_stage(cfg: JobConfig, dims: ParallelDims, spr: int) -> tuple[int, ...]:
@@ -293,7 +314,8 @@ def _check_eval(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
-    """train.compile composes with FSDP2 and PP (tests/multiproc/test_compile.py), not with TP."""
+    """train.compile composes with FSDP2 and PP (tests/multiproc/test_compile.py), not with TP (train.compile_backend
+    is checked where the ranks run, `check_compile_backend`: it needs torch)."""
     if cfg.train.compile and dims.tp > 1:
         raise ValueError(
             f"train.compile=true with mesh.tp({dims.tp}) > 1: compiled blocks on tensor-parallel DTensors fail in "

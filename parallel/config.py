@@ -8,6 +8,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv_zero_bubble")
 AC_MODES = ("none", "selective", "full")  # train.activation_checkpointing
 CP_IMPLS = ("allgather", "ring")  # mesh.cp_impl (parallel/cp.py)
+RING_KERNEL_NAMES = ("flash_cpu", "flash", "efficient")  # the ring's fused per-block kernels (parallel.cp.RING_KERNELS)
 
 
 def cp_shape_error(*, seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> str | None:
@@ -61,3 +62,32 @@ class MeshConfig:
     cp_impl: str = "allgather"  # attention across cp ranks: allgather (K/V all-gathered) or ring (K/V passed around)
     sequence_parallel: bool = True  # shard norms/activations along the sequence dim across tp
     loss_parallel: bool = True  # compute the loss on vocab-sharded logits (no all-gather of logits)
+
+
+def ring_kernel(device_type: str, dtype: str, head_dim: int, *, capability: tuple[int, int] = (8, 0)) -> str:
+    """The ring's per-block kernel (parallel/cp.py) for operands of torch dtype `dtype` ("bfloat16", "float32", ...):
+    one of RING_KERNEL_NAMES, or "unfused" (`_ring_autograd`: each block's fp32 score matrix, autograd's backward).
+    CPU: torch's flash kernel. CUDA: flash in fp16/bf16 with head dims up to 256 on sm80+ (FlashAttention-2's limits,
+    as SDPA's own choice), else the memory-efficient kernel (fp32 included); both want head dims that are multiples
+    of 8 (SDPA pads the others; the ring does not)."""
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type != "cuda" or head_dim % 8:
+        return "unfused"
+    if dtype in ("float16", "bfloat16") and head_dim <= 256 and capability >= (8, 0):
+        return "flash"
+    return "efficient"
+
+
+def ring_kernel_note(*, fp32: bool, head_dim: int) -> str:
+    """What the ring runs per block on a GPU (sm80+) with these operands, for the planner's notes: flash, or what
+    runs instead and what that costs beyond the plan (which prices flash attention's rate and no score matrix)."""
+    kernel = ring_kernel("cuda", "float32" if fp32 else "bfloat16", head_dim)
+    if kernel == "flash":
+        return "the ring's blocks run flash attention on CUDA"
+    if kernel == "efficient":
+        return "the ring's blocks are NOT flash on CUDA: the memory-efficient kernel (fp32 or a head dim > 256), slower"
+    return (
+        f"the ring's blocks are NOT flash on CUDA: head dim {head_dim} is not a multiple of 8, so each block keeps "
+        "its fp32 score matrix, O((seq/cp)^2) memory the plan does not count"
+    )

@@ -18,7 +18,9 @@ model on its 2 chunks; only attention looks across ranks. RoPE uses the chunks' 
 - ring: cp steps; at step s a rank holds the K/V of rank (r - s) mod cp and passes it on to r + 1
   (batch_isend_irecv, whose backward passes the gradient the other way). A (query chunk, key chunk)
   block is full when the key chunk is earlier, causal on the diagonal and skipped when later; the
-  partial softmaxes are merged with their log-sum-exp. Per rank: 2 causal + 2cp-1 full blocks.
+  partial softmaxes are merged with their log-sum-exp. Per rank: 2 causal + 2cp-1 full blocks. Each block runs a
+  fused kernel that returns its log-sum-exp (`ring_kernel`: flash on CPU; on CUDA flash in bf16/fp16, the
+  memory-efficient kernel in fp32), so a layer holds O(seq/cp) for backward, no block's score matrix.
 """
 
 from __future__ import annotations
@@ -33,9 +35,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from parallel.config import CP_IMPLS
+from parallel.config import CP_IMPLS, ring_kernel
 
-__all__ = ["CP_IMPLS", "zigzag_positions", "ring_blocks", "ContextParallelAttention", "apply_cp"]
+__all__ = [
+    "CP_IMPLS",
+    "RING_KERNELS",
+    "zigzag_positions",
+    "ring_blocks",
+    "block_forward",
+    "block_backward",
+    "ContextParallelAttention",
+    "apply_cp",
+]
 
 
 def zigzag_positions(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
@@ -125,35 +136,76 @@ def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tens
     return o1 * torch.exp(l1 - lse) + o2 * torch.exp(l2 - lse), lse
 
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_aten = torch.ops.aten
+# Per-block kernels that return the block's log-sum-exp (what the ring merges by), with their backward ops, by the name
+# `ring_kernel` picks (parallel/config.py, torch-free: the planner's notes use it). The CUDA pair is what torch's own
+# ring attention calls (torch/distributed/tensor/experimental/_context_parallel/_attention.py).
+RING_KERNELS = {
+    "flash_cpu": (
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    ),
+    "flash": (_aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_backward),
+    "efficient": (
+        _aten._scaled_dot_product_efficient_attention,
+        _aten._scaled_dot_product_efficient_attention_backward,
+    ),
+}
+
+
+def block_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """One block through `kernel`: (out (b, h, c, d), log-sum-exp (b, h, c) fp32, what its backward op needs)."""
+    op = RING_KERNELS[kernel][0]
+    if kernel == "flash_cpu":
+        out, lse = op(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = op(q, k, v, 0.0, causal)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse, seed, offset = op(q, k, v, None, True, 0.0, causal)  # compute_log_sumexp=True
+    return out, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])  # its lse is padded to a multiple of 32 rows
+
+
+def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, saved: tuple):
+    """(dq, dk, dv) of one block, given the merged output and log-sum-exp (exact: the softmax's gradient needs only
+    the final row statistics) and `saved`, what `block_forward` returned for its backward op (dropout is 0)."""
+    op = RING_KERNELS[kernel][1]
+    if kernel == "flash_cpu":
+        return op(dout, q, k, v, out, lse, 0.0, causal)
+    if kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = saved
+        return op(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)
+    seed, offset, padded = saved
+    lse = F.pad(lse, (0, padded - lse.shape[-1]))
+    return op(dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal)[:3]
 
 
 class _FusedRing(torch.autograd.Function):
-    """The ring on CPU with torch's fused flash kernel per block (it returns the block's log-sum-exp but does
-    not differentiate through it, so the ring's backward is written out): forward merges the blocks;
-    backward runs each block's flash backward against the merged output and log-sum-exp (exact: the
-    softmax gradient only needs the final row statistics), K/V travelling the ring again with their
-    gradient accumulator, which one last hop brings home. q (b, h, 2c, d), k/v (b, kv_heads, 2c, d)."""
+    """The ring with a fused kernel per block that returns the block's log-sum-exp (`kernel`, a key of RING_KERNELS:
+    flash on CPU; flash or memory-efficient on CUDA). These kernels do not differentiate through the log-sum-exp, so
+    the ring's backward is written out: forward merges the blocks; backward runs each block's backward op against
+    the merged output and log-sum-exp, K/V travelling the ring again with their gradient accumulator, which one last
+    hop brings home. Held for backward: q, k, v, the output and the log-sum-exp, O(seq/cp) per layer, no block's
+    score matrix. q (b, h, 2c, d), k/v (b, kv_heads, 2c, d)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: ContextParallelAttention) -> torch.Tensor:
+    def forward(ctx, q, k, v, attn: ContextParallelAttention, kernel: str) -> torch.Tensor:
         rep, mine, qs = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp), q.chunk(2, dim=2)
         acc: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {c: None for c in mine}
-        kv = torch.stack([k, v])
+        kv, saved = torch.stack([k, v]), ()
         for step, blocks in attn.ring_steps(count=True):
             if step:
                 kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
             src = _chunks((attn.rank - step) % attn.cp, attn.cp)
             for qc, kc, kind in blocks:
                 i, j = mine.index(qc), src.index(kc)
-                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1) for t in (kv[0], kv[1]))
-                o, lse = _flash(qs[i].contiguous(), kb.contiguous(), vb.contiguous(), 0.0, kind == "causal")
-                acc[qc] = _merge(acc[qc], (o.float(), lse.unsqueeze(-1)))
+                kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1).contiguous() for t in (kv[0], kv[1]))
+                o, lse, saved = block_forward(kernel, qs[i].contiguous(), kb, vb, kind == "causal")
+                acc[qc] = _merge(acc[qc], (o.float(), lse.float().unsqueeze(-1)))
         out = torch.cat([acc[c][0] for c in mine], dim=2).to(q.dtype)
         lse = torch.cat([acc[c][1] for c in mine], dim=2).squeeze(-1).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.attn = attn
+        ctx.attn, ctx.kernel, ctx.block_saved = attn, kernel, saved  # every block is (c x c): one `saved` serves all
         return out
 
     @staticmethod
@@ -161,9 +213,10 @@ class _FusedRing(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         attn = ctx.attn
         rep, mine = q.shape[1] // k.shape[1], _chunks(attn.rank, attn.cp)
-        qs, outs, douts, lses = (t.chunk(2, dim=2) for t in (q, out, dout.contiguous(), lse))
+        qs, outs, douts, lses = ([c.contiguous() for c in t.chunk(2, dim=2)] for t in (q, out, dout, lse))
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in qs]
-        kv = torch.cat([torch.stack([k, v]), torch.zeros((2, *k.shape), dtype=k.dtype)])  # K, V, dK, dV
+        kv = torch.stack([k, v])
+        kv = torch.cat([kv, torch.zeros_like(kv)])  # K, V, dK, dV: the gradients travel with their K/V
         for step, blocks in attn.ring_steps():
             if step:
                 kv = _exchange(kv, to=attn.nxt, frm=attn.prv, group=attn.group)
@@ -171,21 +224,14 @@ class _FusedRing(torch.autograd.Function):
             for qc, kc, kind in blocks:
                 i, j = mine.index(qc), src.index(kc)
                 kb, vb = (t.chunk(2, dim=2)[j].repeat_interleave(rep, dim=1).contiguous() for t in (kv[0], kv[1]))
-                g = _flash_backward(
-                    douts[i].contiguous(),
-                    qs[i].contiguous(),
-                    kb,
-                    vb,
-                    outs[i].contiguous(),
-                    lses[i].contiguous(),
-                    0.0,
-                    kind == "causal",
+                g = block_backward(
+                    ctx.kernel, douts[i], qs[i], kb, vb, outs[i], lses[i], kind == "causal", ctx.block_saved
                 )
                 dq[i] += g[0].float()
                 for t, d in ((2, g[1]), (3, g[2])):  # the GQA repeat's gradient: a sum over each group's heads
                     kv[t].chunk(2, dim=2)[j].add_(d.unflatten(1, (-1, rep)).sum(2).to(kv.dtype))
         dkv = kv[2:] if attn.cp == 1 else _exchange(kv[2:], to=attn.nxt, frm=attn.prv, group=attn.group)
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0], dkv[1], None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0], dkv[1], None, None
 
 
 class ContextParallelAttention:
@@ -201,9 +247,7 @@ class ContextParallelAttention:
         ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prv = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
         self.blocks: Counter[str] = Counter()
-        self.fused = (
-            True  # CPU: flash kernel per block with a hand-written backward (_FusedRing); False: _ring_autograd
-        )
+        self.fused = True  # a fused kernel per block where one runs (`kernel`, _FusedRing); False: _ring_autograd
         # The all-gather's causal biases by (query, key) length, made before any forward (a CausalBias is a tensor
         # subclass: made under a dispatch mode, e.g. a test's counter, it fails); a `seq_len`-token sample's here.
         self.biases: dict[tuple[int, int], object] = {}
@@ -247,10 +291,19 @@ class ContextParallelAttention:
             self.blocks[kind] += 1
         return [(s, [(q, k, kind) for t, q, k, kind in plan if t == s]) for s in range(self.cp)]
 
+    def kernel(self, q: torch.Tensor) -> str:
+        """The per-block kernel the ring runs for queries like `q` (`ring_kernel`; "unfused" with `fused` off)."""
+        if not self.fused:
+            return "unfused"
+        cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
+        return ring_kernel(q.device.type, str(q.dtype).removeprefix("torch."), q.shape[-1], capability=cap)
+
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.fused and q.device.type == "cpu":
-            return _FusedRing.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self).transpose(1, 2)
-        return self._ring_autograd(q, k, v)
+        kernel = self.kernel(q)
+        if kernel == "unfused":
+            return self._ring_autograd(q, k, v)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return _FusedRing.apply(qt, kt, vt, self, kernel).transpose(1, 2)
 
     def _ring_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The ring from differentiable pieces (any device): autograd runs its backward through _RingShift."""

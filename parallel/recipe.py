@@ -32,6 +32,7 @@ def parallelize(
     ac_every: int = 2,
     pp_layers_per_stage: list[int] | tuple[int, ...] | None = None,
     compile: bool = False,
+    compile_backend: str = "inductor",
     mixed_precision: str = "fp32",
     cp_impl: str = "allgather",
     seq_len: int = 0,
@@ -48,7 +49,7 @@ def parallelize(
       2. tensor parallel next: it turns parameters into DTensors on the tp axis;
       3. activation checkpointing (`parallel.ac`) after TP, so a recomputed block replays its TP
          collectives, and before FSDP2, so FSDP's hooks wrap the checkpointed block (as torchtitan);
-      4. torch.compile per block (`compile`), after TP and AC, before FSDP (torchtitan's order):
+      4. torch.compile per block (`compile`, with `compile_backend`), after TP and AC, before FSDP (torchtitan's order):
          FSDP2 then wraps compiled blocks (no graph breaks or recompiles measured on CPU), and the
          blocks share one compiled graph;
       5. FSDP2 last, over dp_shard (dp_shard * cp with context parallel; and dp_replicate for HSDP): it shards the (TP-)parameters further.
@@ -84,6 +85,7 @@ def parallelize(
             activation_checkpointing=activation_checkpointing,
             ac_every=ac_every,
             compile=compile,
+            compile_backend=compile_backend,
             fsdp_per_block=fsdp_per_block,
             mixed_precision=mixed_precision,
         )
@@ -122,6 +124,7 @@ def _shard_part(
     activation_checkpointing: str,
     ac_every: int,
     compile: bool,
+    compile_backend: str,
     fsdp_per_block: bool,
     mixed_precision: str,
 ) -> None:
@@ -134,7 +137,7 @@ def _shard_part(
     if ep_mesh is not None:
         apply_ep(part, ep_mesh[("ep", "tp")] if dims.tp_enabled else ep_mesh["ep"])
     if compile:
-        apply_compile(part)
+        apply_compile(part, backend=compile_backend)
     if (
         ep_mesh is not None
     ):  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)

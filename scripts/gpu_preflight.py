@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 # Model widths of the full check's 1B model on CUDA, two layers (the kernels it runs; fits any GPU); tiny on CPU.
 WIDE = ["model.dim=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=8192", "model.vocab_size=32000"]
-CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "gemms", "trainer")
+CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "cp_ring", "gemms", "trainer")
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -308,6 +308,65 @@ def check_stragglers(device: str, out: Path) -> dict:
 # Measured here at the paper's shapes (8,192 tokens per microbatch); on CPU the tiny model at tp 2, which checks
 # the mechanics only.
 GEMMS_CASE = {"cuda": ("llama3_405b", 8, 8192, "bf16"), "cpu": ("tiny", 2, 64, "fp32")}
+
+
+def ring_attention_run(*, dtype_name: str, seq: int, fused: bool = True) -> dict:
+    """The ring attention (parallel/cp.py) on a one-rank cp group on GPU 0 (the world already made): (1, seq, 8, 64)
+    q/k/v in `dtype_name`, forward and backward, against causal SDPA in fp32 (the largest error of the output and the
+    three gradients, relative to each one's largest value), the per-block kernel it ran and the peak memory it added over its inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.cp import ContextParallelAttention
+
+    attn = ContextParallelAttention(init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))["cp"], impl="ring")
+    attn.fused = fused
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, w = (
+        torch.randn(1, seq, 8, 64, device="cuda", generator=g, dtype=getattr(torch, dtype_name)) for _ in range(4)
+    )
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=True).transpose(1, 2)
+    (ref * w.float()).sum().backward()
+    for t in (q, k, v):
+        t.requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = attn(q, k, v)
+    (out * w).sum().backward()
+    torch.cuda.synchronize()
+    pairs = zip((out, q.grad, k.grad, v.grad), (ref, *(t.grad for t in ref_in)))
+    errs = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in pairs]  # relative to the largest value
+    return {
+        "kernel": attn.kernel(q),
+        "blocks": dict(attn.blocks),
+        "max_rel_err": max(errs),
+        "input_bytes": q.nbytes,
+        "peak_added_bytes": torch.cuda.max_memory_allocated() - base,
+    }
+
+
+def check_cp_ring(device: str, out: Path) -> dict:
+    """The ring's per-block CUDA kernels (parallel/cp.py): bf16 runs flash, fp32 the memory-efficient kernel, each
+    equal to causal SDPA within its dtype's tolerance, holding O(seq) memory (the unfused ring's fp32 block scores,
+    O(seq^2), measured beside it). CPU's flash ring: tests/multiproc/test_context_parallel.py."""
+    if device != "cuda":
+        return {"ok": True, "skipped": "CUDA kernels only (the CPU ring: tests/multiproc/test_context_parallel.py)"}
+    _one_rank_world(device)
+    seq = 8192
+    runs = {name: ring_attention_run(dtype_name=name, seq=seq) for name in ("bfloat16", "float32")}
+    runs["unfused_bfloat16"] = ring_attention_run(dtype_name="bfloat16", seq=seq, fused=False)
+    bound = 32 * runs["bfloat16"]["input_bytes"]  # q, k, v, out, their grads and a block's copies: well under it
+    ok = (
+        runs["bfloat16"]["kernel"] == "flash"
+        and runs["float32"]["kernel"] == "efficient"
+        and runs["bfloat16"]["max_rel_err"] < 2e-2
+        and runs["float32"]["max_rel_err"] < 1e-3
+        and runs["bfloat16"]["peak_added_bytes"] < bound < runs["unfused_bfloat16"]["peak_added_bytes"]
+    )
+    return {"ok": ok, "seq": seq, "bound_bytes": bound, **runs}
 
 
 def _sig(x: float) -> float:

@@ -159,7 +159,7 @@ def padded_swiglu(
     one (experts, max count, dim), multiplied by (experts, dim, hidden) weights with `torch.bmm`, and the padding
     dropped again. Padding rows are zeros and never reach the output or the gradients. The FLOPs and memory grow
     with the imbalance (experts x max count rows); the planner prices them (jobs/planner)."""
-    n_exp, cap, rows = len(host_counts), max(host_counts, default=0), x.shape[0]
+    n_exp, cap, rows = len(host_counts), max([0, *host_counts]), x.shape[0]  # max(default=) breaks a compiled graph
     expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), counts, output_size=rows)
     starts = torch.cumsum(counts, 0) - counts
     slot = expert * cap + torch.arange(rows, device=x.device) - starts[expert]
@@ -249,9 +249,11 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         if self.training and self.router.aux_loss_coef > 0:
             aux = self._aux_loss(scores, bs, seq)
+            out = _AddAuxLoss.apply(out, aux, self.aux_loss_scale / self.token_shards)
+            # After the apply: compiled, `first_training_pass` breaks the graph, and a break between `aux` and the
+            # apply lost aux's gradient (torch 2.13; tests/multiproc/test_moe_compile.py).
             if first_training_pass(self):
                 self.aux_loss_sum += aux.detach()
-            out = _AddAuxLoss.apply(out, aux, self.aux_loss_scale / self.token_shards)
         return out.view(bs, seq, dim)
 
     def _aux_loss(self, scores: torch.Tensor, bs: int, seq: int) -> torch.Tensor:

@@ -30,6 +30,8 @@ from jobs.planner import hardware as H
 from jobs.planner import measure as M
 from jobs.planner import steptime as S
 from jobs.planner.checks import Check, analytic_checks, readiness
+from jobs.planner.params import attention_head_dims
+from parallel.config import ring_kernel_note
 
 __all__ = ["Check", "Plan", "check", "build_plan", "validate_for_planning"]
 
@@ -51,10 +53,11 @@ def validate_for_planning(cfg: JobConfig):
             f"{'; MLA trains with mesh.tp=1 and mesh.cp=1 (jobs/models/mla.py)' if m.attention == 'mla' else ''})"
         )
     if mesh.cp > 1:
+        kernel = ring_kernel_note(fp32=cfg.train.mixed_precision == "fp32", head_dim=attention_head_dims(m)[0])
         notes.append(
             f"cp{mesh.cp}: context parallel (mesh.cp_impl={mesh.cp_impl}) is trained by parallel/cp.py; planned "
             "analytically with K/V all-gathered over cp (ring moves the same bytes point to point), FSDP "
-            "sized over dp_shard*cp, as torchtitan"
+            "sized over dp_shard*cp, as torchtitan" + (f"; {kernel}" if mesh.cp_impl == "ring" else "")
         )
     if mesh.ep > 1:
         why = _refused_by_training(cfg)

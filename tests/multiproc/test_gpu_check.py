@@ -142,6 +142,7 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
         "kernels",
         "world",
         "stragglers",
+        "cp_ring",
         "gemms",
         "trainer",
     ], p.stdout[-3000:]
@@ -152,6 +153,7 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     assert checks["world"]["flight_recorder_entries"] >= 2  # the float64 and the CPU all-reduce
     assert checks["disk"]["write_GBps"] > 0
     assert "no kernels on CPU" in checks["stragglers"]["skipped"]  # the GPU straggler clock: CUDA only
+    assert "CUDA kernels only" in checks["cp_ring"]["skipped"]  # the ring's flash / memory-efficient CUDA kernels
     gemms = checks["gemms"]  # on CPU the tiny model at tp 2: the mechanics; on a GPU Llama 3 405B's tp8 shards
     assert (gemms["model"], gemms["tp"]) == ("tiny", 2) and sum(r["count"] for r in gemms["linears"]) == 7 * 4 + 1
     rates = [r["tflops"] for r in gemms["linears"]] + [gemms["attention_tflops"]]

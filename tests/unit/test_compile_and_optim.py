@@ -1,4 +1,4 @@
-"""train.compile's refusals and optim.fused's choice of AdamW kernel."""
+"""train.compile's refusals, train.compile_backend's check, and optim.fused's choice of AdamW kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 from jobs.config import compose
 from jobs.models.model import Transformer, init_weights
 from jobs.trainer import adamw_kernel, build_optimizers
-from jobs.validate import validate
+from jobs.validate import check_device, validate
 from parallel.compile import apply_compile
 
 
@@ -34,6 +34,19 @@ def test_compile_with_tensor_parallel_is_refused_naming_the_fix() -> None:
     ):
         validate(compose(["train.compile=true"]))  # the default mesh has tp2
     assert validate(compose(["train.compile=true", "mesh.tp=1", "launcher.tasks_per_node=4"])).dims.tp == 1
+
+
+def test_an_unknown_compile_backend_is_refused_where_the_ranks_run_naming_the_override() -> None:
+    cfg = compose(["mesh=single", "launcher.tasks_per_node=1", "train.device=cpu", "train.compile=true"])
+    cfg.train.compile_backend = "inductr"
+    with pytest.raises(ValueError, match=r"train.compile_backend='inductr' is not a torch.compile backend.*aot_eager"):
+        check_device(cfg, gpus=0)
+    cfg.train.compile = False
+    assert check_device(cfg, gpus=0) == ("cpu", "fp32")  # not compiling: the key is not read
+    cfg.train.compile = True
+    for backend in ("inductor", "aot_eager"):  # the default and a debugging one
+        cfg.train.compile_backend = backend
+        assert check_device(cfg, gpus=0) == ("cpu", "fp32")
 
 
 def test_compile_in_place_keeps_the_parameter_names_and_the_output() -> None:
