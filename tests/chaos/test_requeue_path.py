@@ -1,7 +1,8 @@
 """The requeue path on the real local cluster: a quarantine list naming a node Slurm does not
 know must not leave the requeued job held (the known names are still excluded; the same job is the tier's USR2
 preemption case: saved, requeued, bitwise), and a decider killed before it published its decision is replaced by
-the supervisor."""
+the supervisor; a stop notice that reaches the decider while it decides a restart (slurmctld stopped meanwhile)
+turns the restart into a requeue."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.chaos.chaos_helpers import (
     DONE_S,
     SHORT_FAULT_STEP,
     SHORT_STEPS,
+    SLURM_RUN,
     STEP_S,
     assert_bitwise_equal_to_reference,
     bound_s,
@@ -115,3 +117,46 @@ def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_th
     decisions = [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")]
     assert decisions == [(f"{job}.0", -1, "restart")], decisions
     assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
+
+
+CTLD_STOPPED_S = (
+    5.0  # slurmctld held stopped while the decider decides (below MessageTimeout, 10 s: Slurm's clients wait)
+)
+
+
+@pytest.mark.timeout(bound_s(STEP_S, 120, DONE_S))  # its own waits (_claimer's 120 s too) are the bound
+def test_a_stop_notice_during_a_failure_with_slurmctld_stopped_requeues_instead_of_restarting_bitwise(
+    run_root: Path, short_reference, tmp_path
+) -> None:
+    # §3 holes 1 and 4. A kill -9 of rank 1 (within failure.restarts_in_allocation: a restart inside the allocation
+    # is due); the moment rank 0 claims the decision, slurmctld is SIGSTOPped (a busy controller: the decider's
+    # `scontrol show job` and its probe of node2 wait on it) and the time-limit warning (SIGUSR2, as slurmstepd
+    # delivers it) reaches rank 0. Before: the decider restarted the ranks, the new step started without the notice
+    # and the time limit ended the job TIMEOUT. Now the pending stop turns the restart into a requeue; the stalled
+    # probe is no evidence against node2 (nothing quarantined); the run finishes bitwise.
+    job = submit(run_root, steps=SHORT_STEPS)
+    wait_for_step(run_root, SHORT_FAULT_STEP)
+    decider = rank_pid(run_root, f"{job}.0", 0)
+    os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGKILL)
+    who = _claimer(run_root / "incidents" / f"{job}.0" / ".claim")
+    ctld = int((SLURM_RUN / "slurmctld.pid").read_text())
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        os.kill(decider, signal.SIGUSR2)
+        time.sleep(CTLD_STOPPED_S)
+        undecided = not (run_root / "incidents" / f"{job}.0" / "decision.json").exists()
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    assert who["rank"] == 0 and undecided  # the notice and the stalled controller both came before the decision
+    recs = wait_job_done(job)
+    assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "COMPLETED"], recs
+    info = scontrol_job(job)
+    assert (info["Restarts"], info["ExcNodeList"]) == ("1", "(null)"), info
+    (d,) = events(run_root, "decision")
+    assert (d["attempt"], d["cause"], d["action"]) == (f"{job}.0", "dead_rank", "requeue"), d
+    assert d["reason"].startswith("dead_rank, and SIGUSR2 arrived: no restart inside the allocation"), d
+    (rq,) = events(run_root, "requeue")
+    assert rq["ok"] and rq["excluded"] == [], rq
+    assert not (run_root / "quarantine.json").exists()
+    assert [e["cause"] for e in events(run_root, "attempt_end")] == ["dead_rank", "completed"]
+    assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
