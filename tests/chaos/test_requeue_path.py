@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slur
 
 STEPS = 60
 BACK_S = 420  # _back_running's bound
+KILL_STEP = 45  # the requeued run's kill -9: past the stop step (~31), before the save at 50
 
 
 def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, str]]:
@@ -55,39 +56,55 @@ def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, 
     raise AssertionError(f"job {job} not running again {timeout} s after its requeue: {seen[-3:]}")
 
 
-@pytest.mark.timeout(bound_s(STEP_S, BACK_S, DONE_S))  # its own waits are the bound
-def test_a_requeue_with_a_stale_quarantined_node_name_is_not_held_and_the_run_finishes(
+@pytest.mark.timeout(bound_s(STEP_S, BACK_S, STEP_S, DONE_S))  # its own waits are the bound
+def test_a_hand_written_quarantine_list_a_free_stop_requeue_then_a_kill_past_the_budget_requeue_and_finish_bitwise(
     run_root: Path, short_reference, tmp_path
 ) -> None:
-    # Also the chaos tier's USR2 (scancel --signal=USR2, a preemption) and hand-written quarantine cases, once
-    # separate jobs with the same fault: the ranks save the stop step, the requeued job resumes there without
-    # the quarantined node1 and finishes bitwise equal to the uninterrupted run.
-    job = submit(run_root, steps=SHORT_STEPS)
+    # One job, two requeues with failure.max_requeues=1 (issue 34 §3 holes 2, 3, 4):
+    # 1. quarantine.json written by hand in the form people write (bare names, `["node99", "node1"]`; node99 was a
+    #    node once, removed from slurm.conf since), then USR2 (scancel --signal=USR2, a preemption): the ranks save
+    #    the stop step and requeue without node1. Before: a bare name raised in the decision path (FAILED at once);
+    #    a name Slurm does not know left the job held for good (the old requeuehold -> update -> release).
+    # 2. In the requeued run, kill -9 of rank 1 with failure.restarts_in_allocation=0: requeued again (the first
+    #    requeue, a stop notice after committed progress, is free; before, it counted: stop, exit 76, FAILED), and
+    #    the killed rank's node, which answers its probe, is not quarantined (the hand-written list stays as written).
+    job = submit(run_root, "failure.max_requeues=1", "failure.restarts_in_allocation=0", steps=SHORT_STEPS)
+    hand_written = ["node99", "node1"]
     try:
         wait_for_step(run_root, SHORT_FAULT_STEP)
-        # node99 was a node once (removed from slurm.conf since); node1 is real: Slurm refuses ExcNodeList
-        # naming node99, and the old requeuehold -> update -> release left the job held for good on it.
-        (run_root / "quarantine.json").write_text(
-            json.dumps(
-                [{"node": n, "reason": "by hand", "incident": None, "time": time.time()} for n in ("node99", "node1")]
-            )
-        )
+        (run_root / "quarantine.json").write_text(json.dumps(hand_written))
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # a preemption: save, then requeue
         _back_running(job)
+        wait_for_step(run_root, KILL_STEP)
+        os.kill(rank_pid(run_root, f"{job}.1", 1), signal.SIGKILL)
         recs = wait_job_done(job)
     finally:
         subprocess.run(["scancel", job], capture_output=True)  # a no-op unless the job was left held
-    assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "COMPLETED"], recs
+    assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "REQUEUED", "COMPLETED"], recs
     info = scontrol_job(job)
-    assert recs[-1]["NodeList"] == "node[2-3]" and (info["ExcNodeList"], info["Restarts"]) == ("node1", "1"), (
+    assert recs[-1]["NodeList"] == "node[2-3]" and (info["ExcNodeList"], info["Restarts"]) == ("node1", "2"), (
         recs,
         info,
     )
-    (rq,) = events(run_root, "requeue")
-    assert rq["ok"] and "dropped node(s) Slurm does not know: node99" in rq["scontrol"], rq
+    d0, d1 = events(run_root, "decision")
+    assert (d0["attempt"], d0["cause"], d0["action"], d0["free"]) == (f"{job}.0", "SIGUSR2", "requeue", True), d0
+    assert (d1["attempt"], d1["cause"], d1["action"], d1["exit_code"]) == (f"{job}.1", "dead_rank", "requeue", 75), d1
+    assert "failure.restarts_in_allocation(0) spent" in d1["reason"] and sorted(d1["excluded"]) == [
+        "node1",
+        "node99",
+    ], d1
+    requeues = events(run_root, "requeue")
+    assert [(r["ok"], "dropped node(s) Slurm does not know: node99" in r["scontrol"]) for r in requeues] == [
+        (True, True),
+        (True, True),
+    ], requeues
+    assert json.loads((run_root / "quarantine.json").read_text()) == hand_written
+    log = "".join(p.read_text() for p in (run_root / "slurm" / job).glob("*_log.*"))
+    assert "bare node name(s) node99, node1 taken as quarantined" in log
     (stop,) = {e["step"] for e in events(run_root, "stop_requested")}
     assert {e["signal"] for e in events(run_root, "stop_requested") if e["rank"] == 0} == {"SIGUSR2"}
-    assert [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")] == [(stop, f"{job}.1")]
+    loaded = [(e["step"], e["attempt"]) for e in events(run_root, "checkpoint_loaded")]
+    assert loaded[0] == (stop, f"{job}.1") and [a for _, a in loaded] == [f"{job}.1", f"{job}.2"], loaded
     assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
 
 
