@@ -1,8 +1,8 @@
-"""The requeue path on the real local cluster: a quarantine list naming a node Slurm does not
-know must not leave the requeued job held (the known names are still excluded; the same job is the tier's USR2
-preemption case: saved, requeued, bitwise), and a decider killed before it published its decision is replaced by
-the supervisor; a stop notice that reaches the decider while it decides a restart (slurmctld stopped meanwhile)
-turns the restart into a requeue."""
+"""The requeue path on the real local cluster, faults from outside: a quarantine list written by hand (bare names, one
+Slurm does not know) must not leave the requeued job held or failed, and a stop-notice requeue after committed
+progress spends no failure.max_requeues; a decider killed before it published its decision is replaced by the
+supervisor, and, killed again with the supervisor, by the guard; a stop notice that reaches the decider while it
+decides a restart (slurmctld stopped meanwhile) turns the restart into a requeue."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from tests.chaos.chaos_helpers import (
     losses,
     rank_pid,
     submit,
+    supervisor_and_guard,
     wait_for_step,
     wait_job_done,
 )
@@ -37,19 +38,22 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slur
 
 STEPS = 60
 BACK_S = 420  # _back_running's bound
+ENDED_BADLY = ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 KILL_STEP = 45  # the requeued run's kill -9: past the stop step (~31), before the save at 50
 
 
 def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, str]]:
     """(JobState, Reason, Restarts) as seen every 0.5 s until the job runs again after its requeue (other
     jobs on the shared cluster may hold node2/node3 for a while); fails at once when it is seen held
-    (PENDING with Reason job_requeued_in_held_state, as before the fix, or JobHeld*): nothing holds it now."""
+    (PENDING with Reason job_requeued_in_held_state, as before the fix, or JobHeld*): nothing holds it now; and when
+    it is seen ended otherwise (a decision path that raised stopped it: FAILED), not after `timeout`."""
     seen: list[tuple[str, str, str]] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = scontrol_job(job)
         seen.append((info["JobState"], info["Reason"], info["Restarts"]))
         assert "held" not in info["Reason"].lower(), seen[-3:]
+        assert info["JobState"] not in ENDED_BADLY, seen[-3:]  # ended instead of coming back: say so at once
         if info["Restarts"] == "1" and info["JobState"] in ("RUNNING", "COMPLETED"):
             return seen
         time.sleep(0.5)
@@ -119,21 +123,44 @@ def _claimer(path: Path, *, timeout: float = 120) -> dict:
     raise AssertionError(f"nobody claimed {path.parent.name} within {timeout} s")
 
 
-@pytest.mark.timeout(bound_s(STEP_S, 120, DONE_S))  # its own waits (_claimer's 120 s too) are the bound
-def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_and_the_run_finishes(run_root: Path) -> None:
+@pytest.mark.timeout(bound_s(STEP_S, 120, STEP_S, 120, DONE_S))  # its own waits (_claimer's 120 s too) are the bound
+def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_then_by_the_guard_and_the_run_finishes(
+    run_root: Path,
+) -> None:
+    # One job, two faults on the same rank (issue 34 §3 holes 4 and 7):
+    # 1. rank 1 killed, then its decider (rank 0) killed between claim and publish: the supervisor decides in its
+    #    place and restarts the ranks (before: the step ended without a decision and the job ended there).
+    # 2. In the restarted attempt, rank 1 killed again, then the decider, then the supervisor (the double fault):
+    #    the guard decides in their place and requeues (before: the guard returned 75 without requeueing, the job
+    #    ended). The fault followed the rank, on a node that answers: no node is quarantined.
     job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
     wait_for_step(run_root, 15)
-    os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGKILL)
-    folder = run_root / "incidents" / f"{job}.0"
+    _kill_rank1_then_its_decider(run_root, f"{job}.0")
+    wait_for_step(run_root, 35)  # the restarted attempt trains (it resumed at 10)
+    supervisor, _ = supervisor_and_guard(run_root)
+    _kill_rank1_then_its_decider(run_root, f"{job}.0.1", then=supervisor)
+    recs = wait_job_done(job)
+    assert [r["State"].split()[0] for r in recs] == ["REQUEUED", "COMPLETED"], recs
+    info = scontrol_job(job)
+    assert (info["Restarts"], info["ExcNodeList"]) == ("1", "(null)"), info
+    decisions = [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")]
+    assert decisions == [(f"{job}.0", -1, "restart"), (f"{job}.0.1", -1, "requeue")], decisions
+    (died,) = [e["attempt"] for e in events(run_root, "failure") if e["cls"] == "supervisor_died"]
+    assert died == f"{job}.0.1"
+    assert not (run_root / "quarantine.json").exists()
+    assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
+
+
+def _kill_rank1_then_its_decider(run_root: Path, attempt: str, *, then: int | None = None) -> None:
+    """kill -9 of rank 1 of `attempt`; the survivor (rank 0) claims the decision and is killed before publishing it;
+    `then` (a pid on this host), if given, right after it."""
+    os.kill(rank_pid(run_root, attempt, 1), signal.SIGKILL)
+    folder = run_root / "incidents" / attempt
     who = _claimer(folder / ".claim")  # rank 0, the survivor, claims the decision, then probes node2 ...
     os.kill(host_pid(who["host"], who["pid"]), signal.SIGKILL)  # ... and dies before publishing it
+    if then is not None:
+        os.kill(then, signal.SIGKILL)
     assert who["rank"] == 0 and not (folder / "decision.json").exists()
-    recs = wait_job_done(job)
-    # Before: the step ended without a decision, the supervisor returned its exit code: the job ended there.
-    assert [r["State"].split()[0] for r in recs] == ["COMPLETED"], recs
-    decisions = [(e["attempt"], e["rank"], e["action"]) for e in events(run_root, "decision")]
-    assert decisions == [(f"{job}.0", -1, "restart")], decisions
-    assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
 
 
 CTLD_STOPPED_S = (
