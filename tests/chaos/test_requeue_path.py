@@ -64,7 +64,7 @@ def _back_running(job: str, *, timeout: float = BACK_S) -> list[tuple[str, str, 
 def test_a_hand_written_quarantine_list_a_free_stop_requeue_then_a_kill_past_the_budget_requeue_and_finish_bitwise(
     run_root: Path, short_reference, tmp_path
 ) -> None:
-    # One job, two requeues with failure.max_requeues=1 (issue 34 §3 holes 2, 3, 4):
+    # One job, two requeues with failure.max_requeues=1:
     # 1. quarantine.json written by hand in the form people write (bare names, `["node99", "node1"]`; node99 was a
     #    node once, removed from slurm.conf since), then USR2 (scancel --signal=USR2, a preemption): the ranks save
     #    the stop step and requeue without node1. Before: a bare name raised in the decision path (FAILED at once);
@@ -127,7 +127,7 @@ def _claimer(path: Path, *, timeout: float = 120) -> dict:
 def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_then_by_the_guard_and_the_run_finishes(
     run_root: Path,
 ) -> None:
-    # One job, two faults on the same rank (issue 34 §3 holes 4 and 7):
+    # One job, two faults on the same rank:
     # 1. rank 1 killed, then its decider (rank 0) killed between claim and publish: the supervisor decides in its
     #    place and restarts the ranks (before: the step ended without a decision and the job ended there).
     # 2. In the restarted attempt, rank 1 killed again, then the decider, then the supervisor (the double fault):
@@ -172,7 +172,7 @@ CTLD_STOPPED_S = (
 def test_a_stop_notice_during_a_failure_with_slurmctld_stopped_requeues_instead_of_restarting_bitwise(
     run_root: Path, short_reference, tmp_path
 ) -> None:
-    # §3 holes 1 and 4. A kill -9 of rank 1 (within failure.restarts_in_allocation: a restart inside the allocation
+    # A kill -9 of rank 1 (within failure.restarts_in_allocation: a restart inside the allocation
     # is due); the moment rank 0 claims the decision, slurmctld is SIGSTOPped (a busy controller: the decider's
     # `scontrol show job` and its probe of node2 wait on it) and the time-limit warning (SIGUSR2, as slurmstepd
     # delivers it) reaches rank 0. Before: the decider restarted the ranks, the new step started without the notice
