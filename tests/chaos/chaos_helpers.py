@@ -163,6 +163,22 @@ def _accounted(job: str, *, wait_s: float = 30) -> list[dict[str, str]]:
         time.sleep(0.1)
 
 
+def supervisor_and_guard(run_dir: Path) -> tuple[int, int]:
+    """The batch step's two pythons, found from outside: the supervisor is the parent of the ranks'
+    `srun` (its --rank-config lies in this run dir), the guard is the supervisor's parent."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    procs = {
+        int(p): (int(pp), args) for p, pp, args in (line.split(None, 2) for line in ps.splitlines() if line.strip())
+    }
+    sruns = {
+        p
+        for p, (_, args) in procs.items()
+        if args.startswith("srun ") and "--rank-config" in args and str(run_dir) in args
+    }
+    (srun_parent,) = {procs[p][0] for p in sruns} - sruns  # srun runs a child srun of its own
+    return srun_parent, procs[srun_parent][0]
+
+
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     return read_events(run_dir / "events.jsonl", kind)
 

@@ -20,6 +20,7 @@ from tests.chaos.chaos_helpers import (
     bound_s,
     events,
     node_pid,
+    supervisor_and_guard,
     wait_for_step,
     wait_job_done,
 )
@@ -39,22 +40,6 @@ def submit(run_dir: Path, *extra: str) -> str:
 
 def _states(recs: list[dict]) -> list[str]:
     return [r["State"].split()[0] for r in recs]
-
-
-def _supervisor_and_guard(run_dir: Path) -> tuple[int, int]:
-    """The batch step's two pythons, found from outside: the supervisor is the parent of the ranks'
-    `srun` (its --rank-config lies in this run dir), the guard is the supervisor's parent."""
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
-    procs = {
-        int(p): (int(pp), args) for p, pp, args in (line.split(None, 2) for line in ps.splitlines() if line.strip())
-    }
-    sruns = {
-        p
-        for p, (_, args) in procs.items()
-        if args.startswith("srun ") and "--rank-config" in args and str(run_dir) in args
-    }
-    (srun_parent,) = {procs[p][0] for p in sruns} - sruns  # srun runs a child srun of its own
-    return srun_parent, procs[srun_parent][0]
 
 
 def _sbatch(run_dir: Path, style: str, *extra: str, steps: int = chaos_helpers.STEPS) -> str:
@@ -102,11 +87,11 @@ def test_a_killed_supervisor_then_a_batch_step_killed_whole_requeue_and_the_run_
     #    the job.
     job = submit(run_root)
     wait_for_step(run_root, 40)
-    supervisor, _ = _supervisor_and_guard(run_root)
+    supervisor, _ = supervisor_and_guard(run_root)
     supervisor_on_node = node_pid(supervisor)  # the pid its node knows it by, which the summary names
     os.kill(supervisor, signal.SIGKILL)
     _wait_for_progress(run_root, f"{job}.1")
-    supervisor1, guard1 = _supervisor_and_guard(run_root)
+    supervisor1, guard1 = supervisor_and_guard(run_root)
     assert supervisor1 != supervisor
     os.kill(guard1, signal.SIGKILL)
     os.kill(supervisor1, signal.SIGKILL)
