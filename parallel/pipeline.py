@@ -113,10 +113,19 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> lis
 
 def split_stage(model: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     """A copy of `model` that keeps only stage `stage`'s layers, `ranges[stage]` (FQNs unchanged); the
-    embedding stays on the first stage, the final norm and output head on the last. Cheap on meta."""
+    embedding stays on the first stage, the final norm and output head on the last. Cheap on meta.
+
+    Only what the stage keeps is copied: deepcopy's memo maps every dropped module to itself, and the copy lets go
+    of those below. (Copying the whole model per stage was three quarters of a 16384-rank plan's time: 40 stage
+    parts of Llama 3 405B's 126 blocks.)"""
     num_stages = len(ranges)
-    part = copy.deepcopy(model)
     keep = {str(i) for i in ranges[stage]}
+    dropped = [m for name, m in model.layers.items() if name not in keep]
+    if stage != 0:
+        dropped.append(model.tok_embeddings)
+    if stage != num_stages - 1:
+        dropped += [model.norm, model.output]
+    part = copy.deepcopy(model, {id(m): m for m in dropped if m is not None})
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
