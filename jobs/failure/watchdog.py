@@ -100,6 +100,7 @@ class Watchdog:
         self._borrowed_s = 0.0  # a watched peer's longer limit this rank waits under (`_held_up`), else 0
         self._borrowed_hops = 0  # how many ranks that limit passed through (`Beat.hold_hops`)
         self._max_hops = hold_hops_max(world_size)
+        self._first_step: int | None = None  # the first step this rank completed in this attempt
         now = time.time()
         self.beat = Beat(rank, os.getpid(), os.uname().nodename, node, now, -1, "rendezvous", now, limit_s=self.limit_s)
         self._main = threading.get_ident()  # the thread whose progress is judged (the one that built the watchdog)
@@ -134,6 +135,8 @@ class Watchdog:
 
     def progress(self, step: int) -> None:
         """A step completed: the clock restarts and, from now on, the limit is the hang timeout."""
+        if self._first_step is None:
+            self._first_step = step
         self.beat.step, self._base_s = step, self.hang_timeout_s
         self.limit_s = self._base_s
         self._moved()
@@ -246,10 +249,19 @@ class Watchdog:
     def _holds(self, b: Beat) -> list[tuple[float, int]]:
         """The limits a live peer's beat lends this rank, with their hops: its own phase's while within it, and a
         hold it passes on that has not gone round the watch graph yet."""
-        if b.phase == ENDED:
+        if b.phase == ENDED or self._outdated(b):
             return []
         own = [(b.limit_s, 1)] if b.idle_s < b.limit_s else []
         return own + ([(b.hold_s, b.hold_hops + 1)] if b.hold_s > 0 and b.hold_hops < self._max_hops else [])
+
+    def _outdated(self, b: Beat) -> bool:
+        """Whether a peer's beat describes a step it must have left: this rank completed step S, whose collectives
+        needed the peer in step S, so the peer completed S - 1 (its first, when S is this rank's second or later).
+        A rank stopped just after its first step, before its next beat, still shows that step's init timeout."""
+        done = self.beat.step
+        if b.step == -1:  # it had completed no step when it beat
+            return self._first_step is not None and done > self._first_step
+        return b.step < done - 1
 
     def _run(self) -> None:
         log = get_logger()

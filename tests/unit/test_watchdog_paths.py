@@ -217,6 +217,27 @@ def test_a_hold_lent_by_a_peers_first_step_does_not_echo_between_ranks_after_it(
     assert after is not None, (wd0.beat, wd1.beat, fired0, fired1)
 
 
+def test_a_peer_stopped_before_it_could_beat_after_its_first_step_lends_no_init_timeout(
+    tmp_path: Path, store: dist.TCPStore
+) -> None:
+    """CI: a rank SIGSTOPped within a heartbeat of finishing its first step left, as its last beat, one from inside
+    that step (step -1, the init timeout); its peers, two steps on, kept waiting under that limit for as long as the
+    beat was not stale (missed_beats x heartbeat), so the hang timeout never applied. A beat from before a step
+    this rank completed lends nothing: the peer has been past it since."""
+    fired: list[float] = []
+    board, beat = _peer(store, step=-1, phase="train", idle_s=0.2, limit_s=30.0)
+    board.post(beat)  # its only beat: a stopped rank sends no more
+    wd = _wd(tmp_path, fired, store, hang_timeout_s=0.3, missed_beats=1000).start()  # the missed-beats path off
+    try:
+        wd.progress(1)
+        wd.progress(2)  # this rank finished steps 1 and 2 (with the peer) and waits for it in step 3
+        after = _wait_for(lambda: fired, 5.0)
+    finally:
+        wd.stop()
+    assert after is not None, (wd.beat, wd.fired_because)
+    assert "no progress in" in wd.fired_because and wd.beat.hold_s == 0.0
+
+
 def test_a_peer_that_ended_its_attempt_is_never_named_while_this_rank_finishes_its_final_wait(
     tmp_path: Path, store: dist.TCPStore
 ) -> None:
