@@ -272,6 +272,29 @@ def _topology(x: _Draft) -> None:
         x.axes.append(row)
 
 
+def _predict_role(x: _Draft, hw: H.Hardware, pp_rank: int, role: str) -> S.StepTime:
+    """The predicted step of pipeline rank `pp_rank` (`role`: first, middle, last or only)."""
+    cfg, d, m, t = x.cfg, x.d, x.cfg.model, x.cfg.train
+    layers = [i for st in x.shapes[pp_rank] for i in st.layers]
+    return S.predict_rank(
+        m,
+        x.shapes[pp_rank],
+        _role_comm(x, pp_rank),
+        hw,
+        role=role,
+        shape=x.shape,
+        microbatches=d.microbatches,
+        micro_batch=t.micro_batch,
+        seq_len=t.seq_len,
+        bubble=x.bubble,
+        world=d.dims.world_size,
+        recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
+        params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
+        sequence_parallel=x.common["sequence_parallel"],
+        compute_bytes=H.compute_bytes(cfg),
+    )
+
+
 def _step_time(x: _Draft) -> None:
     """The predicted step (jobs.planner.steptime) of every pp role; the slowest one sets the step."""
     cfg, d, m, cl, t = x.cfg, x.d, x.cfg.model, x.cfg.cluster, x.cfg.train
@@ -295,26 +318,7 @@ def _step_time(x: _Draft) -> None:
         return
     per_role = []
     for pp_rank, role in x.roles.items():
-        layers = [i for st in x.shapes[pp_rank] for i in st.layers]
-        per_role.append(
-            S.predict_rank(
-                m,
-                x.shapes[pp_rank],
-                _role_comm(x, pp_rank),
-                hw,
-                role=role,
-                shape=x.shape,
-                microbatches=d.microbatches,
-                micro_batch=t.micro_batch,
-                seq_len=t.seq_len,
-                bubble=x.bubble,
-                world=d.dims.world_size,
-                recomputed=P.checkpointed_layers(layers, mode=t.activation_checkpointing, every=t.ac_every),
-                params_elems=next(r["params_elems"] for r in x.role_rows if r["pp_rank"] == pp_rank),
-                sequence_parallel=x.common["sequence_parallel"],
-                compute_bytes=H.compute_bytes(cfg),
-            )
-        )
+        per_role.append(_predict_role(x, hw, pp_rank, role))
         if pp_rank == x.peak[0]:
             x.comm = [{**r, "link": r["scope"]} for r in per_role[-1].comm]
     slow = S.predict_step(per_role)
