@@ -1,4 +1,4 @@
-"""Stragglers on real 2-rank runs through `python -m jobs.train`: one rank slowed 1.3x in backward is named
+"""Stragglers on real 2-rank runs through `python -m jobs.train`: one rank slowed 2x in backward is named
 (relative), every rank slowed is a `slowdown` against a healthy run's baseline and no straggler, and an
 uninjected run of the same length names nobody.
 
@@ -9,8 +9,16 @@ step; per-interval medians):
     in the same steps), so the peer ratio of a 16-step interval's medians stays small: healthy at most
     1.09 (1.33 with 4-step intervals), the rank slowed 1.3x at least 1.25 (median 1.32). Here
     the healthy and all-slow runs judge at straggler_ratio 1.2 with log_every=20 (16 before the window
-    WINDOW_STEPS of jobs/telemetry/stragglers.py); the 1.3x run at 1.15 over 6 judged intervals (CI once
-    broke its streak of K with 4 judged intervals at 1.2).
+    WINDOW_STEPS of jobs/telemetry/stragglers.py).
+  - the two ranks' CPU speeds also drift apart for whole windows: on 2026-12-06, six runs of 140 steps
+    with rank 1's backward slowed 1.3x read per-window peer ratios of 1.12-1.53 (its forward, not slowed,
+    0.88-1.17 in the same windows), and CI named nobody in 6 judged windows at straggler_ratio 1.15 (it
+    had once broken the streak of K at 1.2 with 4). Slowed 1.5x, three more runs read 1.12-1.88: in one,
+    rank 1's forward and optimizer ran 23% and 33% faster than its peer's for a whole window (each rank's
+    CPU time per op moves with the core it runs on), and the streak broke. A slowdown under 1.5x is within
+    this box's noise between two ranks (on a GPU the event clock has no such drift); the relative test
+    slows rank 1 2x and judges at 1.2, so a window drops under the threshold only where rank 1's own CPU
+    is 40% faster than its peer's (seen at most 25%).
   - between runs the whole machine's speed moves: three healthy runs back to back measured 55.9, 46.6
     and 43.5 ms (forward moved with it), so an all-rank 1.3x slowdown measured only 1.09-1.33x against
     the healthy run just before it. The absolute test therefore slows every rank 2x (1.6x or more
@@ -43,9 +51,9 @@ RUN = [
     f"failure.straggler_intervals={K}",
     "checkpoint.enabled=false",
 ]
-# The 1.3x run: 7 intervals (6 judged) at ratio 1.15. With 4 judged intervals at 1.2, CI once did not name
-# the slowed rank (2026-12-03): one interval whose peer ratio dips under the threshold breaks the streak of K.
-SLOW_STEPS, SLOW_RATIO = 140, 1.15
+# The slowed run: rank 1's backward 2x, 7 intervals (6 judged) at ratio 1.2 (see the module docstring: at
+# 1.3x and 1.15, and at 1.5x and 1.2, one window whose peer ratio dipped under the threshold broke the streak).
+SLOW_FACTOR, SLOW_STEPS, SLOW_RATIO = 2.0, 140, 1.2
 
 
 def _train(
@@ -91,13 +99,13 @@ def test_an_uninjected_run_names_no_straggler_and_writes_the_baseline(healthy) -
     assert phases["backward"] > 0.005 and json.loads(baseline.read_text())["intervals"] == STEPS // LOG_EVERY - 1
 
 
-def test_a_rank_slowed_1_3x_in_backward_is_named_with_its_phase_within_k_intervals(tmp_path, data_path) -> None:
+def test_a_rank_slowed_2x_in_backward_is_named_with_its_phase_within_k_intervals(tmp_path, data_path) -> None:
     found = _train(
         tmp_path,
         "slow_rank",
         data_path,
         tmp_path / "fresh_root",
-        slow="1:backward:1.3",
+        slow=f"1:backward:{SLOW_FACTOR}",
         steps=SLOW_STEPS,
         ratio=SLOW_RATIO,
     )
@@ -112,15 +120,15 @@ def test_a_rank_slowed_1_3x_in_backward_is_named_with_its_phase_within_k_interva
         and (1 + K) * LOG_EVERY <= first["step"] <= SLOW_STEPS
         and first["step"] % LOG_EVERY == 0
     )
-    # injected 1.3x: measured 1.35-1.39 on 2026-12-03 (16-step intervals varied 1.25-1.4), once 1.74 on
-    # 2026-12-04 (the peer's backward at 26.5 ms, rank 1's at 46 ms); 2x or more would be a knob that spins
-    # the wrong factor (its factor is pinned in tests/unit/test_stragglers.py). No lower bound on the
-    # event's ratio: the detector emits only above SLOW_RATIO, so one would be true by construction.
-    assert first["ratio"] < 2.0, first
+    # injected 2x: the peer ratio is 2 x the ranks' own drift (0.75-1.25 on 2026-12-06, once 1.34 on
+    # 2026-12-04), so up to 2.7; 3.5 or more would be a knob that spins the wrong factor (its factor is pinned
+    # in tests/unit/test_stragglers.py). No lower bound on the event's ratio: the detector emits only above
+    # SLOW_RATIO, so one would be true by construction.
+    assert first["ratio"] < 3.5, first
     # The slowdown as the ranks' own telemetry recorded it over the whole run (median seconds per step),
     # independent of the detector: rank 1's backward is slower than its peer's beyond the noise.
     phases = read_phases(tmp_path / "slow_rank" / "telemetry")
-    assert 1.15 < phases[1]["backward"] / phases[0]["backward"] < 2.0, phases
+    assert 1.3 < phases[1]["backward"] / phases[0]["backward"] < 3.5, phases
     assert all(e["ranks"] == [1] for e in rel), rel  # rank 0 waits in `collective`, which is not judged
     assert not read_events(tmp_path / "slow_rank" / "events.jsonl", "slowdown")  # a fresh baseline root
 
