@@ -14,10 +14,12 @@ pre-hook on every bound optimizer, the first place those tensors change. The sta
 built once and rebuilt only when the tensors behind it change. Retention runs in a thread of its own.
 
 The manager is a small facade over parts, each built with exactly what it needs and holding its own state:
-`Committer` (checkpoint/commit.py: the filesystem tier's commit, retention and folder housekeeping), `MemoryTier`
-(checkpoint/memory_tier.py: the RAM tier, with its `MemoryRestore` and capacity check), `Cadence`
-(checkpoint/cadence.py: when each tier saves) and `BoundState` (checkpoint/statedict.py: the objects saved and
-restored). The manager builds them, runs the load across both tiers and hands each part what it asks for.
+`Committer` (checkpoint/commit.py: the filesystem tier's commit, retention and folder housekeeping), `FsRestore`
+(checkpoint/fs_restore.py: the filesystem tier's listing, checks and load), `MemoryTier` (checkpoint/memory_tier.py:
+the RAM tier, with its `MemoryRestore` and capacity check), `Cadence` (checkpoint/cadence.py: when each tier saves)
+and `BoundState` (checkpoint/statedict.py: the objects saved and restored). The manager builds them, chooses between
+the tiers' candidates at a load (the newest step first, the RAM tier's at a tie) and hands each part what it asks
+for.
 
 Collectives run on gloo groups of the manager's own (checkpoint/group.py): `io` (the commit, possibly in a
 background thread), `ctl` (everything on the caller's thread) and the RAM tier's, so none ever races the training
@@ -47,9 +49,9 @@ from checkpoint.cadence import Cadence
 from checkpoint.commit import Committer
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError, describe_error
-from checkpoint.fingerprint import diff_fingerprint, env_fingerprint
+from checkpoint.fingerprint import env_fingerprint
+from checkpoint.fs_restore import FsRestore
 from checkpoint.group import Group
-from checkpoint.manifest import ManifestError, check_files, read_manifest, verify_share
 from checkpoint.memory_capacity import state_bytes
 from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTier, load_local, place, saved_keys
 from checkpoint.statedict import BoundState
@@ -125,6 +127,7 @@ class CheckpointManager:
         self.attempt = self._ctl.bcast(attempt or f"pid{os.getpid()}")
         self.fingerprint = env_fingerprint(hosts=self._ctl.all_gather(platform.node()))
         self.committer = self._committer()
+        self.fs_restore = self._fs_restore()
         self.memory = self._memory_tier(domain)
 
     def _cadence(self, mtbf_s: float | None, tier_shares: dict[str, float] | None) -> Cadence:
@@ -157,6 +160,22 @@ class CheckpointManager:
             env=self.fingerprint,
             manifest_extra=self.manifest_extra,
             interval=self.cadence.manifest_entry,
+        )
+
+    def _fs_restore(self) -> FsRestore:
+        """The filesystem tier's load side: it lists through the committer (which removes earlier attempts' leftovers,
+        keeps the damaged steps out of retention and moves an abandoned timeline aside) and loads into the state."""
+        return FsRestore(
+            self.folder,
+            cfg=self.cfg,
+            rank=self.rank,
+            world_size=self.world_size,
+            ctl=self._ctl,
+            state=self.state,
+            committer=self.committer,
+            env=self.fingerprint,
+            mesh=self.manifest_extra.get("mesh"),
+            emit=self._emit,
         )
 
     def _memory_tier(self, domain: str) -> MemoryTier:
@@ -219,18 +238,8 @@ class CheckpointManager:
             self._capacity_checked = True
         step = self._restore_newest(before_step)
         if before_step is not None and step > 0:
-            self._abandon_above(step)
+            self.fs_restore.abandon_above(step)
         return step
-
-    def _abandon_above(self, step: int) -> None:
-        """Rank 0 moves the checkpoints of a step > `step` aside, once every rank has finished reading (the
-        load's last all_gather); every rank waits for the outcome, so no save of the new timeline starts before."""
-        err = self._ctl.bcast(self.committer.abandon_above(step) if self.rank == 0 else None)
-        if err is not None:
-            raise RuntimeError(
-                f"rolled back to step {step} but moving the later checkpoints aside failed on rank 0 "
-                f"({err}); move {self.folder}/step_N (N > {step}) aside by hand and restart"
-            )
 
     def _bind(
         self,
@@ -269,8 +278,7 @@ class CheckpointManager:
             if tier == MEMORY:
                 d, problems, manifest, tier = self._validate_memory(step)
             else:
-                d = self.folder / f"step_{step}"
-                problems, manifest = self._validate(step, d)
+                d, problems, manifest = self._validate(step)
             if problems:
                 self._skip(
                     step,
@@ -279,8 +287,6 @@ class CheckpointManager:
                     tier=tier,
                 )
                 continue
-            if tier == FILESYSTEM:
-                self._check_drift(step, manifest)
             touched = True
             info, failed = self._load_agreed(d, manifest, load=self._load if tier == FILESYSTEM else self._load_memory)
             if info is None:
@@ -492,67 +498,37 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load helpers
 
-    def _validate(self, step: int, d: Path) -> tuple[list[str], dict[str, Any] | None]:
-        manifest = None
-        try:
-            manifest = read_manifest(d, step=step)
-            mine = verify_share(list(manifest["files"]), rank=self.rank, world_size=self.world_size)
-            problems = check_files(d, manifest["files"], mine, checksum=self.cfg.verify == "checksum")
-        except ManifestError as e:
-            problems = [str(e)]
-        except Exception as e:  # noqa: BLE001 - e.g. EIO on this rank only: agreed on below like any problem
-            problems = [f"rank {self.rank}: {describe_error(e, self.folder)}"]
-        problems = sorted({p for ps in self._ctl.all_gather(problems) for p in ps})
-        return problems, (manifest if not problems else None)
-
-    def _load_agreed(self, d: Path, manifest: dict[str, Any], *, load: Any = None) -> tuple[dict[str, Any] | None, str]:
-        # _load runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
+    def _load_agreed(
+        self, d: Path, manifest: dict[str, Any], *, load: Callable[..., dict[str, Any]]
+    ) -> tuple[dict[str, Any] | None, str]:
+        # Either tier's `load` runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
         # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
         # afterwards, reached by every rank, decides for all.
         err = info = None
         try:
-            info = (load or self._load)(d, manifest)
+            info = load(d, manifest)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = describe_error(e, self.folder)
         failed = [f"rank {r}: {e}" for r, e in enumerate(self._ctl.all_gather(err)) if e]
         return (None, "; ".join(failed)[:2000]) if failed else (info, "")
 
-    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        same_world = manifest["world_size"] == self.world_size
-        same_mesh = same_world and manifest.get("mesh") == self.manifest_extra.get("mesh")
-        return self.state.load(d, resharded=not same_mesh)
+    # The filesystem tier's parts of the load (FsRestore), one name each: scripts/bench/tiers.py times them here.
 
     def _candidate_steps(self) -> list[int]:
-        listing = self._ctl.bcast(self.committer.list_steps() if self.rank == 0 else None)
-        if isinstance(listing, str):
-            raise RuntimeError(f"{listing}; make the folder readable (or fix run.dir) and restart")
-        return listing
+        return self.fs_restore.candidates()
+
+    def _validate(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None]:
+        return self.fs_restore.validate(step)
+
+    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self.fs_restore.load(d, manifest)
 
     def _skip(self, step: int, d: Path, reason: str, *, tier: str = FILESYSTEM) -> None:
-        if tier == FILESYSTEM and self.rank == 0:  # the rank that runs the filesystem's retention
-            self.committer.mark_damaged(step, d)
+        if tier == FILESYSTEM:
+            self.fs_restore.mark_damaged(step, d)
         self._emit("checkpoint_skipped", step=step, tier=tier, path=str(d), reason=reason)
         if self.rank == 0:
             log.warning("skipping checkpoint %s: %s", d, reason)
-
-    def _check_drift(self, step: int, manifest: dict[str, Any]) -> None:
-        diff = diff_fingerprint(manifest.get("env", {}), self.fingerprint)
-        diffs = self._ctl.all_gather(diff)
-        merged = {k: v for d in diffs for k, v in d.items()}
-        if not merged:
-            return
-        policy = self.cfg.on_env_drift
-        self._emit(
-            "checkpoint_env_drift", step=step, policy=policy, diff=merged, ranks=[r for r, d in enumerate(diffs) if d]
-        )
-        summary = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(merged.items())[:8])
-        if policy == "refuse":
-            raise RuntimeError(
-                f"environment differs from checkpoint step_{step}'s ({summary}); restore the environment "
-                "or set checkpoint.on_env_drift=warn (or allow) to resume anyway"
-            )
-        if policy == "warn" and self.rank == 0:
-            log.warning("environment differs from checkpoint step_%d's: %s", step, summary)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -220,17 +220,6 @@ def plan_tiers(
             continue
         save_s, restart_s = costs[tier]
         m = tier_mtbf_s(mtbf_s=mtbf_s, share=shares[tier])
-        failures = tuple(
-            f
-            for f in FAILURE_CLASSES
-            if split[f] > 0
-            and (
-                covering_tier(f, memory=memory, partner=partner) == tier
-                or (f, tier) == ("node", FILESYSTEM)
-                and partner
-                and shares[PARTNER] < split["node"] - 1e-12
-            )
-        )
         if tier == FILESYSTEM:
             tau = fixed.get(tier) or tier_interval_s(save_s=save_s, mtbf_s=m)
             goodput = tier_goodput(interval_s=tau, save_s=save_s, mtbf_s=m, restart_s=restart_s)
@@ -240,7 +229,7 @@ def plan_tiers(
         out.append(
             TierPlan(
                 tier=tier,
-                failures=failures,
+                failures=_tier_failures(tier, split=split, shares=shares, memory=memory, partner=partner),
                 share=shares[tier],
                 mtbf_s=m,
                 save_s=save_s,
@@ -252,6 +241,24 @@ def plan_tiers(
             )
         )
     return out
+
+
+def _tier_failures(
+    tier: str, *, split: dict[str, float], shares: dict[str, float], memory: bool, partner: bool
+) -> tuple[str, ...]:
+    """The failure classes `tier` is read after: those it covers (covering_tier), and for the filesystem tier the node
+    failures the partner tier leaves over (more than the spares cover)."""
+    return tuple(
+        f
+        for f in FAILURE_CLASSES
+        if split[f] > 0
+        and (
+            covering_tier(f, memory=memory, partner=partner) == tier
+            or (f, tier) == ("node", FILESYSTEM)
+            and partner
+            and shares[PARTNER] < split["node"] - 1e-12
+        )
+    )
 
 
 def _memory_cadence(

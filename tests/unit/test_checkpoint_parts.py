@@ -14,9 +14,12 @@ import torch.distributed.checkpoint as dcp
 
 from checkpoint import CheckpointConfig
 from checkpoint.commit import Committer
+from checkpoint.fs_restore import FsRestore
 from checkpoint.group import Group
 from checkpoint.memory_tier import MEMORY, MemoryTier, load_local
 from checkpoint.partner import Placement
+from checkpoint.state import TrainState
+from checkpoint.statedict import BoundState
 from checkpoint.writer import RecordingWriter
 from tests.conftest import REPO
 
@@ -48,6 +51,21 @@ def _borrowed_names(path: Path) -> list[str]:
 def test_no_class_in_checkpoint_reads_a_name_of_self_it_was_not_given_and_none_is_a_mixin():
     borrowed = [b for p in sorted((REPO / "checkpoint").glob("*.py")) for b in _borrowed_names(p)]
     assert borrowed == []
+
+
+def _long_functions(path: Path, limit: int) -> list[str]:
+    """`file:line: name (n lines)` for every function in `path` longer than `limit` lines, decorators and docstring
+    included."""
+    tree = ast.parse(path.read_text())
+    return [
+        f"{path.name}:{n.lineno}: {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > limit
+    ]
+
+
+def test_every_function_in_checkpoint_is_at_most_60_lines():
+    assert [f for p in sorted((REPO / "checkpoint").glob("*.py")) for f in _long_functions(p, 60)] == []
 
 
 def test_the_borrowed_name_check_finds_a_mixin_and_the_names_it_borrows(tmp_path):
@@ -135,3 +153,82 @@ def test_the_ram_tier_alone_saves_lists_checks_and_reads_back_its_newest_step_th
     tier.drop()
     tier.close()
     assert not root.parent.exists()
+
+
+def test_the_filesystem_restore_alone_lists_checks_and_loads_a_committed_step_refusing_half_written_ones(tmp_path):
+    """Steps 3 and 5 committed by the Committer from a bound model (weight = the step); then step 5's shard cut short,
+    step 7 a folder of DCP files whose save never committed (no manifest) and an earlier attempt's temporary folder
+    left over. The restore, built alone, lists 7, 5, 3, refuses 7 and 5 with their reasons, loads 3 into the model
+    (on the saving mesh as saved, on another resharded), and a rollback to 3 moves 5 and 7 aside."""
+    events: list[tuple[str, dict]] = []
+    emit = lambda kind, **f: events.append((kind, f))  # noqa: E731
+    cfg, local = CheckpointConfig(async_mode="none", verify="checksum"), Group(None, world_size=1)
+    committer = Committer(
+        tmp_path,
+        cfg=cfg,
+        rank=0,
+        world_size=1,
+        io=local,
+        emit=emit,
+        attempt="7.0",
+        env={"torch": "x"},
+        manifest_extra={"mesh": "dp1"},
+        interval=lambda: {},
+    )
+    model = torch.nn.Linear(2, 2, bias=False)
+    state, train = BoundState(rank=0, stager=None), TrainState()
+    state.bind([model], [torch.optim.SGD(model.parameters(), lr=0.1)], [], train)
+    for step in (3, 5):
+        torch.nn.init.constant_(model.weight, float(step))
+        train.step, tmp = step, tmp_path / f"step_{step}.7.0.tmp"
+        committer.prepare(tmp)
+        writer = RecordingWriter(tmp, thread_count=1)
+        dcp.save(state.save_state_dict(), storage_writer=writer, no_dist=True)
+        committer.commit(step, tmp, tmp_path / f"step_{step}", None, None, time.perf_counter(), None, writer)
+        committer.wait_retention()
+    shard = tmp_path / "step_5" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-8])
+    (tmp_path / "step_7").mkdir()
+    for f in ("__0_0.distcp", ".metadata"):
+        (tmp_path / "step_7" / f).write_bytes((tmp_path / "step_3" / f).read_bytes())
+    (tmp_path / "step_9.6.0.tmp").mkdir()
+    torch.nn.init.constant_(model.weight, 0.0)
+    train.step = 0
+
+    def restore(mesh: str) -> FsRestore:
+        return FsRestore(
+            tmp_path,
+            cfg=cfg,
+            rank=0,
+            world_size=1,
+            ctl=local,
+            state=state,
+            committer=committer,
+            env={"torch": "x"},
+            mesh=mesh,
+            emit=emit,
+        )
+
+    fs = restore("dp1")
+    assert fs.candidates() == [7, 5, 3] and not (tmp_path / "step_9.6.0.tmp").exists()
+    assert fs.validate(7) == (tmp_path / "step_7", ["no manifest.json (save never committed)"], None)
+    assert fs.validate(5) == (
+        tmp_path / "step_5",
+        [f"__0_0.distcp has {size - 8} bytes, manifest says {size} (truncated?)"],
+        None,
+    )
+    d, problems, manifest = fs.validate(3)
+    assert (d, problems, manifest["step"], manifest["mesh"]) == (tmp_path / "step_3", [], 3, "dp1")
+    assert fs.load(d, manifest)["resharded"] is False
+    assert torch.equal(model.weight.detach(), torch.full((2, 2), 3.0)) and train.step == 3
+    torch.nn.init.constant_(model.weight, 0.0)
+    assert restore("dp2").load(d, manifest)["resharded"] is True
+    assert torch.equal(model.weight.detach(), torch.full((2, 2), 3.0))
+    fs.abandon_above(3)
+    assert fs.candidates() == [3]
+    assert [(k, f.get("step")) for k, f in events if k != "checkpoint_saved"] == [
+        ("checkpoint_tmp_removed", None),
+        ("checkpoint_abandoned", 7),
+        ("checkpoint_abandoned", 5),
+    ]
