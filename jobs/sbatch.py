@@ -63,13 +63,7 @@ def render(
     spare_nodes: int = 0,
 ) -> str:
     """The sbatch script text; `setup` lines are shell by definition and go in verbatim, every other value quoted."""
-    if style not in STYLES:
-        raise ValueError(f"sbatch.style={style}: not one of {', '.join(STYLES)}")
-    if spare_nodes and style != "srun":
-        raise ValueError(
-            f"launcher.spare_nodes({spare_nodes}) with sbatch.style={style}: only the srun style's supervisor "
-            "swaps a spare in for a failed node; use sbatch.style=srun, or set launcher.spare_nodes=0"
-        )
+    _check_style(style, spare_nodes=spare_nodes)
     template = (TEMPLATE_DIR / f"{style}.sbatch.in").read_text()
     header = _resource_lines(
         style=style,
@@ -85,11 +79,6 @@ def render(
     header += _placement_lines(partition=partition, account=account, qos=qos, constraint=constraint, exclude=exclude)
     header += _requeue_lines(run_dir=run_dir, signal_delay_s=signal_delay_s)
     env_lines = [f"export {k}={_q(v)}" for k, v in (env or {}).items()] or ["# (none: cluster.env is empty)"]
-    container = []
-    if container_image:
-        container.append(f"--container-image={_q(container_image)}")
-    if container_mounts:
-        container.append(f"--container-mounts={_q(container_mounts)}")
     args = " ".join(_q(o) for o in overrides)
     return template.format(
         description=description or "meshjob training job",
@@ -101,9 +90,29 @@ def render(
         python=_q(python),
         tasks_per_node=tasks_per_node,
         restarts_in_allocation=restarts_in_allocation,
-        container=(" ".join(container) + " ") if container else "",
+        container=_container_options(container_image, container_mounts),
         overrides=(" " + args) if args else "",
     )
+
+
+def _check_style(style: str, *, spare_nodes: int) -> None:
+    if style not in STYLES:
+        raise ValueError(f"sbatch.style={style}: not one of {', '.join(STYLES)}")
+    if spare_nodes and style != "srun":
+        raise ValueError(
+            f"launcher.spare_nodes({spare_nodes}) with sbatch.style={style}: only the srun style's supervisor "
+            "swaps a spare in for a failed node; use sbatch.style=srun, or set launcher.spare_nodes=0"
+        )
+
+
+def _container_options(image: str | None, mounts: str | None) -> str:
+    """srun's pyxis options for the container (each followed by a space), or "" without an image or mounts."""
+    options = []
+    if image:
+        options.append(f"--container-image={_q(image)}")
+    if mounts:
+        options.append(f"--container-mounts={_q(mounts)}")
+    return (" ".join(options) + " ") if options else ""
 
 
 def _line(directive: str, comment: str = "") -> str:

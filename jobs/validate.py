@@ -332,6 +332,24 @@ def _check_failure(cfg: JobConfig) -> None:
 
     f = cfg.failure
     parse_signals(f.requeue_signals)
+    _check_failure_timeouts(f)
+    _check_failure_budgets(f)
+    _check_health(f)
+    check_spike(f)
+    if f.sdc_rerun and f.sdc_rtol == 0 and not cfg.train.deterministic:
+        raise ValueError(
+            "failure.sdc_rtol(0.0) with train.deterministic=false: nondeterministic kernels compute a step's "
+            "re-run slightly differently, so every suspicious step would read as silent data corruption and send "
+            "its GPU's node away; set failure.sdc_rtol=1e-3, or train.deterministic=true, or failure.sdc_rerun=false"
+        )
+    c = cfg.checkpoint
+    check_retention(f, enabled=c.enabled, interval=c.interval, every_steps=c.every_steps, keep=c.keep)
+    failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
+
+
+def _check_failure_timeouts(f: FailureConfig) -> None:
+    """Timeouts that can fire, in order: a peer's heartbeat goes stale before the hang is named, the hang before a
+    stuck collective times out."""
     for name in (
         "init_timeout_s",
         "collective_timeout_s",
@@ -359,6 +377,10 @@ def _check_failure(cfg: JobConfig) -> None:
             f"failure.hang_timeout_s({f.hang_timeout_s}) < 3 * failure.heartbeat_s({f.heartbeat_s}): "
             "a peer's heartbeat must be able to go stale before the hang is named; lower heartbeat_s"
         )
+
+
+def _check_failure_budgets(f: FailureConfig) -> None:
+    """Restart, quarantine and requeue budgets that can be met."""
     if f.restarts_in_allocation < 0:
         raise ValueError(
             f"failure.restarts_in_allocation({f.restarts_in_allocation}) must be >= 0 "
@@ -374,17 +396,6 @@ def _check_failure(cfg: JobConfig) -> None:
             f"failure.max_requeues({f.max_requeues}) must be >= 0 and "
             f"failure.max_attempts_without_progress({f.max_attempts_without_progress}) >= 1"
         )
-    _check_health(f)
-    check_spike(f)
-    if f.sdc_rerun and f.sdc_rtol == 0 and not cfg.train.deterministic:
-        raise ValueError(
-            "failure.sdc_rtol(0.0) with train.deterministic=false: nondeterministic kernels compute a step's "
-            "re-run slightly differently, so every suspicious step would read as silent data corruption and send "
-            "its GPU's node away; set failure.sdc_rtol=1e-3, or train.deterministic=true, or failure.sdc_rerun=false"
-        )
-    c = cfg.checkpoint
-    check_retention(f, enabled=c.enabled, interval=c.interval, every_steps=c.every_steps, keep=c.keep)
-    failure_split(process_share=f.process_share, node_share=f.node_share)  # the checkpoint tiers' failure shares
 
 
 def _check_metrics(cfg: JobConfig) -> None:

@@ -404,35 +404,15 @@ def check_gemms(device: str, out: Path) -> dict:
     a calibrated `cluster.matmul_tflops[profile_key]`, which holds attention); and an element-wise op's bytes per
     second (`cluster.gpu_hbm_GBps`): the planner's three cited device rates, measured."""
     import torch
-    import torch.nn.functional as F
 
     from jobs.config import compose
-    from jobs.planner.gemm import linear_counts
-    from jobs.planner.hardware import MATMUL_EFFICIENCY, matmul_efficiency, peak_bf16_tflops
 
     model, tp, tokens, dtype_name = GEMMS_CASE[device]
     m = compose([f"model={model}"]).model
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
-    rows, flops, secs = [], 0.0, 0.0
-    for i, o, count in linear_counts(m, tp=tp):
-        grad = torch.randn(tokens, o, device=device, dtype=dtype)
-        t = _fwd_bwd_seconds(F.linear, (rand(tokens, i), rand(o, i)), grad, sync=sync, seconds=0.3)
-        f = 6.0 * tokens * i * o
-        rows.append({"shape": f"{tokens}x{i}@{i}x{o}", "count": count, "tflops": _sig(f / t / 1e12)})
-        flops, secs = flops + count * f, secs + count * t
-    hd, heads = m.dim // m.n_heads, m.n_heads // tp
-    # the kernel alone, on k/v already repeated to every head (jobs/models/model.py's GQA repeat is a memory-bound op)
-    qkv = tuple(rand(1, heads, tokens, hd) for _ in range(3))
-    t_att = _fwd_bwd_seconds(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        qkv,
-        torch.randn(1, heads, tokens, hd, device=device, dtype=dtype),
-        sync=sync,
-        seconds=0.3,
-    )
-    f_att = 3.0 * tokens * tokens * 2 * heads * hd  # steptime.stage_flops: causal, half of QK^T and PV, x3 for training
+    rows, flops, secs = _linear_rates(m, tp=tp, tokens=tokens, device=device, dtype=dtype, sync=sync)
+    f_att, t_att = _attention_flops_seconds(m, tp=tp, tokens=tokens, device=device, dtype=dtype, sync=sync)
     res = {
         "model": model,
         "tp": tp,
@@ -446,17 +426,66 @@ def check_gemms(device: str, out: Path) -> dict:
         "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12),
     }
     if device == "cuda":
-        name = torch.cuda.get_device_properties(0).name
-        peak = peak_bf16_tflops(name)
-        res.update(gpu=name, peak_tflops=peak)
-        if peak:  # the planner's cited GEMM rate for this GPU
-            res["planner_linear_tflops"] = round((matmul_efficiency(name) or MATMUL_EFFICIENCY) * peak, 1)
-            res["linear_over_planner"] = round(res["linear_tflops"] / res["planner_linear_tflops"], 3)
-        h100 = compose(["cluster=h100_ib"]).cluster
-        if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
-            att = h100.gpu_attention_tflops
-            res.update(planner_attention_tflops=att, attention_over_planner=round(res["attention_tflops"] / att, 3))
+        res.update(_against_planner(linear_tflops=res["linear_tflops"], attention_tflops=res["attention_tflops"]))
     res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0 and res["stream_GBps"] > 0
+    return res
+
+
+def _linear_rates(m, *, tp: int, tokens: int, device: str, dtype, sync) -> tuple[list[dict], float, float]:
+    """(a row per distinct nn.Linear shape of one tp rank with its count and TFLOP/s, forward + both gradients;
+    their FLOPs and seconds, each shape times its count)."""
+    import torch
+    import torch.nn.functional as F
+
+    from jobs.planner.gemm import linear_counts
+
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    rows, flops, secs = [], 0.0, 0.0
+    for i, o, count in linear_counts(m, tp=tp):
+        grad = torch.randn(tokens, o, device=device, dtype=dtype)
+        t = _fwd_bwd_seconds(F.linear, (rand(tokens, i), rand(o, i)), grad, sync=sync, seconds=0.3)
+        f = 6.0 * tokens * i * o
+        rows.append({"shape": f"{tokens}x{i}@{i}x{o}", "count": count, "tflops": _sig(f / t / 1e12)})
+        flops, secs = flops + count * f, secs + count * t
+    return rows, flops, secs
+
+
+def _attention_flops_seconds(m, *, tp: int, tokens: int, device: str, dtype, sync) -> tuple[float, float]:
+    """(FLOPs in the planner's count, seconds) of one tp rank's causal attention, forward + backward."""
+    import torch
+    import torch.nn.functional as F
+
+    hd, heads = m.dim // m.n_heads, m.n_heads // tp
+    # the kernel alone, on k/v already repeated to every head (jobs/models/model.py's GQA repeat is a memory-bound op)
+    qkv = tuple(torch.randn(1, heads, tokens, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    t_att = _fwd_bwd_seconds(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        qkv,
+        torch.randn(1, heads, tokens, hd, device=device, dtype=dtype),
+        sync=sync,
+        seconds=0.3,
+    )
+    f_att = 3.0 * tokens * tokens * 2 * heads * hd  # steptime.stage_flops: causal, half of QK^T and PV, x3 for training
+    return f_att, t_att
+
+
+def _against_planner(*, linear_tflops: float, attention_tflops: float) -> dict:
+    """This GPU's name and bf16 peak, and the measured rates over the planner's cited ones where it cites one."""
+    import torch
+
+    from jobs.config import compose
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, matmul_efficiency, peak_bf16_tflops
+
+    name = torch.cuda.get_device_properties(0).name
+    peak = peak_bf16_tflops(name)
+    res = {"gpu": name, "peak_tflops": peak}
+    if peak:  # the planner's cited GEMM rate for this GPU
+        res["planner_linear_tflops"] = round((matmul_efficiency(name) or MATMUL_EFFICIENCY) * peak, 1)
+        res["linear_over_planner"] = round(linear_tflops / res["planner_linear_tflops"], 3)
+    h100 = compose(["cluster=h100_ib"]).cluster
+    if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
+        att = h100.gpu_attention_tflops
+        res.update(planner_attention_tflops=att, attention_over_planner=round(attention_tflops / att, 3))
     return res
 
 

@@ -124,14 +124,7 @@ def classify(
     age = dict(ages) if ages is not None else {r: now - b.time for r, b in beats.items()}
     hint = error_class(error)
     missing = [r for r in range(world_size) if r not in beats]
-    ev = {
-        "error": f"{type(error).__name__}: {error}"[:2000] if error else None,
-        "during": during,
-        "beats": {
-            r: {"step": b.step, "phase": b.phase, "age_s": round(age[r], 2), "idle_s": b.idle_s}
-            for r, b in beats.items()
-        },
-    }
+    ev = _evidence(beats, age=age, error=error, during=during)
     if missing and during == "rendezvous":
         return Incident(
             "rendezvous_failure",
@@ -141,6 +134,36 @@ def classify(
             [{"rank": r, "state": "never_joined"} for r in missing],
             ev,
         )
+    if inc := _dead_or_stale(beats, me=me, attempt=attempt, hint=hint, ev=ev, age=age, stale_s=stale_s):
+        return inc
+    if inc := _stuck_outside_collectives(beats, me=me, attempt=attempt, ev=ev, age=age):
+        return inc
+    return _all_alive(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, age=age)
+
+
+def _evidence(beats: dict[int, Beat], *, age: dict[int, float], error: BaseException | None, during: str) -> dict:
+    return {
+        "error": f"{type(error).__name__}: {error}"[:2000] if error else None,
+        "during": during,
+        "beats": {
+            r: {"step": b.step, "phase": b.phase, "age_s": round(age[r], 2), "idle_s": b.idle_s}
+            for r, b in beats.items()
+        },
+    }
+
+
+def _dead_or_stale(
+    beats: dict[int, Beat],
+    *,
+    me: int,
+    attempt: str,
+    hint: str | None,
+    ev: dict,
+    age: dict[int, float],
+    stale_s: float,
+) -> Incident | None:
+    """`dead_rank` for peers whose process is gone (or, after a peer-gone error, unseen with a stale beat),
+    `hung_rank` for the other peers whose beat is stale; None when every peer's beat is fresh."""
     states = {r: process_state(b) for r, b in beats.items() if r != me}
     dead = [r for r, s in states.items() if s == "dead"]
     stale = [r for r in beats if r != me and age[r] > stale_s and r not in dead]
@@ -165,23 +188,29 @@ def classify(
             [_suspect(beats[r], states.get(r, "unknown"), age[r]) for r in sorted(stale)],
             ev,
         )
+    return None
+
+
+def _stuck_outside_collectives(
+    beats: dict[int, Beat], *, me: int, attempt: str, ev: dict, age: dict[int, float]
+) -> Incident | None:
     # Alive, its beats going on, its main thread stuck outside a collective past its phase's limit while other ranks
     # are not: a device call or a loop that never returns (its peers wait for it). All of them so: everything slow.
     hung = [r for r, b in beats.items() if stuck(b)]
-    if hung and len(hung) < len(beats):
-        return Incident(
-            "hung_rank",
-            attempt,
-            me,
-            _names(
-                "hung (its main thread made no progress outside a collective past its limit; its heartbeat went on)",
-                hung,
-                beats,
-            ),
-            [_suspect(beats[r], "stuck", age[r]) for r in sorted(hung)],
-            ev,
-        )
-    return _all_alive(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, age=age)
+    if not hung or len(hung) >= len(beats):
+        return None
+    return Incident(
+        "hung_rank",
+        attempt,
+        me,
+        _names(
+            "hung (its main thread made no progress outside a collective past its limit; its heartbeat went on)",
+            hung,
+            beats,
+        ),
+        [_suspect(beats[r], "stuck", age[r]) for r in sorted(hung)],
+        ev,
+    )
 
 
 def _all_alive(
@@ -194,21 +223,8 @@ def _all_alive(
     ev: dict,
     age: dict[int, float],
 ) -> Incident:
-    where = {(b.step, b.phase) for b in beats.values()}
-    if len(where) > 1:  # ranks waiting in different places: they cannot be in the same collective
-        groups: dict[tuple, list[int]] = {}
-        for r, b in beats.items():
-            groups.setdefault((b.step, b.phase), []).append(r)
-        minority = min(groups.values(), key=len)
-        return Incident(
-            "collective_mismatch",
-            attempt,
-            me,
-            "ranks stopped in different places: "
-            + "; ".join(f"ranks {sorted(rs)} at step {s} ({p})" for (s, p), rs in sorted(groups.items())),
-            [_suspect(beats[r], "running", age[r]) for r in sorted(minority)],
-            ev,
-        )
+    if len({(b.step, b.phase) for b in beats.values()}) > 1:
+        return _collective_mismatch(beats, me=me, attempt=attempt, ev=ev, age=age)
     if hint == "collective_timeout" or hint == "peer_gone":
         return Incident(
             "collective_timeout",
@@ -218,25 +234,9 @@ def _all_alive(
             [],
             ev,
         )
-    if hint in ("out_of_memory", "checkpoint_error"):
-        return Incident(
-            hint,
-            attempt,
-            me,
-            f"rank {me}: {type(error).__name__}: {error}"[:300],
-            [_suspect(beats[me], hint, age[me])] if me in beats else [],
-            ev,
-        )
     if error is not None:
-        return Incident(
-            "rank_crashed",
-            attempt,
-            me,
-            f"rank {me} raised {type(error).__name__}: {error}"[:300],
-            [_suspect(beats[me], "crashed", age[me])] if me in beats else [],
-            ev,
-        )
-    if error is None and ev["during"].startswith("checkpoint"):  # the watchdog's checkpoint_timeout_s passed
+        return _own_error(beats, me=me, attempt=attempt, hint=hint, error=error, ev=ev, age=age)
+    if ev["during"].startswith("checkpoint"):  # the watchdog's checkpoint_timeout_s passed
         return Incident(
             "checkpoint_error",
             attempt,
@@ -252,6 +252,48 @@ def _all_alive(
         me,
         "every rank is alive, heartbeating and at the same step, but none completed it within failure.hang_timeout_s",
         [],
+        ev,
+    )
+
+
+def _collective_mismatch(beats: dict[int, Beat], *, me: int, attempt: str, ev: dict, age: dict[int, float]) -> Incident:
+    """Ranks waiting in different places cannot be in the same collective; the smallest group is suspect."""
+    groups: dict[tuple, list[int]] = {}
+    for r, b in beats.items():
+        groups.setdefault((b.step, b.phase), []).append(r)
+    minority = min(groups.values(), key=len)
+    return Incident(
+        "collective_mismatch",
+        attempt,
+        me,
+        "ranks stopped in different places: "
+        + "; ".join(f"ranks {sorted(rs)} at step {s} ({p})" for (s, p), rs in sorted(groups.items())),
+        [_suspect(beats[r], "running", age[r]) for r in sorted(minority)],
+        ev,
+    )
+
+
+def _own_error(
+    beats: dict[int, Beat],
+    *,
+    me: int,
+    attempt: str,
+    hint: str | None,
+    error: BaseException,
+    ev: dict,
+    age: dict[int, float],
+) -> Incident:
+    """This rank's own failure with every rank alive: out of memory or a checkpoint error by name, else a crash."""
+    if hint in ("out_of_memory", "checkpoint_error"):
+        cls, state, summary = hint, hint, f"rank {me}: {type(error).__name__}: {error}"
+    else:
+        cls, state, summary = "rank_crashed", "crashed", f"rank {me} raised {type(error).__name__}: {error}"
+    return Incident(
+        cls,
+        attempt,
+        me,
+        summary[:300],
+        [_suspect(beats[me], state, age[me])] if me in beats else [],
         ev,
     )
 

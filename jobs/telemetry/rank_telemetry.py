@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -83,32 +84,37 @@ def build_step_telemetry(
         baseline=read_baseline(path) if on else None,
         groups=[s for _, s in where],
     )
-
-    def gather(vec: np.ndarray) -> np.ndarray:
-        """One all-reduce of a [world x phases] float64 tensor holding this rank's row: every rank's row."""
-        m = torch.zeros(env.world_size, len(vec), dtype=torch.float64, device=device)
-        m[env.rank] = torch.as_tensor(vec, dtype=torch.float64)
-        if env.world_size > 1:
-            dist.all_reduce(m)
-        return m.cpu().numpy()
-
-    def quarantine(bad: list[str], d: Detection) -> None:
-        add_to_quarantine(
-            cfg.run.dir,
-            bad,
-            reason=f"straggler: {d.phase} {d.ratio:.2f}x its peers' median",
-            incident=f"straggler event, attempt {env.attempt}",
-            evidence={n: {"cls": "straggler", **dataclasses.asdict(d)} for n in bad},
-        )
-
+    quarantine = None
+    if f.exclude_stragglers:
+        quarantine = functools.partial(_quarantine_nodes, run_dir=cfg.run.dir, attempt=env.attempt)
     return StepTelemetry(
         timer,
         detector,
         rank=env.rank,
         nodes=nodes,
-        gather=gather,
+        gather=functools.partial(_all_rows, rank=env.rank, world_size=env.world_size, device=device),
         emit=events.emit,
         baseline_path=path,
-        on_straggler=quarantine if f.exclude_stragglers else None,
+        on_straggler=quarantine,
         flush_every_s=cfg.metrics.flush_every_s,
+    )
+
+
+def _all_rows(vec: np.ndarray, *, rank: int, world_size: int, device: torch.device) -> np.ndarray:
+    """One all-reduce of a [world x phases] float64 tensor holding this rank's row: every rank's row."""
+    m = torch.zeros(world_size, len(vec), dtype=torch.float64, device=device)
+    m[rank] = torch.as_tensor(vec, dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(m)
+    return m.cpu().numpy()
+
+
+def _quarantine_nodes(bad: list[str], d: Detection, *, run_dir: str, attempt: str) -> None:
+    """Puts the straggling nodes on the run's quarantine list, the detection as their evidence."""
+    add_to_quarantine(
+        run_dir,
+        bad,
+        reason=f"straggler: {d.phase} {d.ratio:.2f}x its peers' median",
+        incident=f"straggler event, attempt {attempt}",
+        evidence={n: {"cls": "straggler", **dataclasses.asdict(d)} for n in bad},
     )

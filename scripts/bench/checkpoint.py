@@ -145,54 +145,68 @@ def _manager(root: Path, mode: str, rank: int, world: int, steps: int):
 
 
 def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict:
-    t_start = a.t_child_start
-    root = Path(a.dir)
-    out: dict = {}
     model, opt = mlp_stack(a.dim, a.layers, world)
     if a.phase == "bare":
-        # B4 baseline, in a fresh launch like the resume: the documented bare DCP resume (get_state_dict,
-        # dcp.load, set_state_dict; notes section 6) of the same checkpoint, then the first step.
-        path = root / "none" / f"step_{a.resume_step}"
-        dist.barrier() if world > 1 else None
-        t0 = time.perf_counter()
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        msd, osd = get_state_dict(model, opt, options=opts)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, storage_reader=FileSystemReader(str(path)))
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts)
-        out["bare_load_s"] = time.perf_counter() - t0
-        out["bare_first_step_s"] = _step(model, opt, a.dim)
-        out["bare_s"] = time.perf_counter() - t0
-        out["steady_step_s"] = statistics.median(_step(model, opt, a.dim) for _ in range(3))
-        return out
+        return _bare_resume(model, opt, a, Path(a.dir), world)
     if a.phase == "resume":
-        # B4: a fresh start that resumes through the manager, from its construction to the end of the first step.
-        dist.barrier() if world > 1 else None
-        t_model = time.time()
-        ck = _manager(root / "none", "none", rank, world, 10**6)
-        t_mgr = time.time()
-        step = ck.load_latest(model_parts=[model], optimizers=[opt])
-        t_load = time.time()
-        _step(model, opt, a.dim)
-        out["resume_to_first_step_s"] = time.time() - t_launch
-        out["resume_s"] = time.time() - t_model
-        out["resume_breakdown"] = {
-            "rank_start": t_start - t_launch,
-            "pg_and_model": t_model - t_start,
-            "manager_init": t_mgr - t_model,
-            "load_latest": t_load - t_mgr,
-            "first_step": time.time() - t_load,
-        }
-        out["resumed_step"] = step
-        # For reference only: a bare dcp.load in this now warm process (optimizer state already built).
-        path = root / "none" / f"step_{step}"
-        msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        dist.barrier() if world > 1 else None
-        t0 = time.perf_counter()
-        dcp.load({"model": msd, "optim": osd}, storage_reader=FileSystemReader(str(path)))
-        out["warm_bare_load_s"] = time.perf_counter() - t0
-        ck.close()
-        return out
+        return _manager_resume(model, opt, a, Path(a.dir), rank=rank, world=world, t_launch=t_launch)
+    return _save_figures(model, opt, a, Path(a.dir), rank=rank, world=world)
+
+
+def _bare_resume(model, opt, a: argparse.Namespace, root: Path, world: int) -> dict:
+    """B4 baseline, in a fresh launch like the resume: the documented bare DCP resume (get_state_dict,
+    dcp.load, set_state_dict; notes section 6) of the same checkpoint, then the first step."""
+    out: dict = {}
+    path = root / "none" / f"step_{a.resume_step}"
+    dist.barrier() if world > 1 else None
+    t0 = time.perf_counter()
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=opts)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, storage_reader=FileSystemReader(str(path)))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts)
+    out["bare_load_s"] = time.perf_counter() - t0
+    out["bare_first_step_s"] = _step(model, opt, a.dim)
+    out["bare_s"] = time.perf_counter() - t0
+    out["steady_step_s"] = statistics.median(_step(model, opt, a.dim) for _ in range(3))
+    return out
+
+
+def _manager_resume(model, opt, a: argparse.Namespace, root: Path, *, rank: int, world: int, t_launch: float) -> dict:
+    """B4: a fresh start that resumes through the manager, from its construction to the end of the first step."""
+    t_start = a.t_child_start
+    out: dict = {}
+    dist.barrier() if world > 1 else None
+    t_model = time.time()
+    ck = _manager(root / "none", "none", rank, world, 10**6)
+    t_mgr = time.time()
+    step = ck.load_latest(model_parts=[model], optimizers=[opt])
+    t_load = time.time()
+    _step(model, opt, a.dim)
+    out["resume_to_first_step_s"] = time.time() - t_launch
+    out["resume_s"] = time.time() - t_model
+    out["resume_breakdown"] = {
+        "rank_start": t_start - t_launch,
+        "pg_and_model": t_model - t_start,
+        "manager_init": t_mgr - t_model,
+        "load_latest": t_load - t_mgr,
+        "first_step": time.time() - t_load,
+    }
+    out["resumed_step"] = step
+    # For reference only: a bare dcp.load in this now warm process (optimizer state already built).
+    path = root / "none" / f"step_{step}"
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dist.barrier() if world > 1 else None
+    t0 = time.perf_counter()
+    dcp.load({"model": msd, "optim": osd}, storage_reader=FileSystemReader(str(path)))
+    out["warm_bare_load_s"] = time.perf_counter() - t0
+    ck.close()
+    return out
+
+
+def _save_figures(model, opt, a: argparse.Namespace, root: Path, *, rank: int, world: int) -> dict:
+    """The sync and async saves (B3's numerator, B2's denominator), then B2's blocks and B3's raw writes."""
+    out: dict = {}
     for _ in range(1 if a.only == "b3" else 2):  # B3 alone: one step makes the optimizer state, the saves need no more
         _step(model, opt, a.dim)
     out.update(_saves(model, opt, a, root, rank, world))  # the sync save: B3's numerator, B2's denominator
@@ -208,7 +222,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t_launch: float) -> dict
         out["none_steady_s"] = statistics.median(out["none_each_s"][3:] or out["none_each_s"])
         out["raw_steady_s"] = statistics.median(raw[3:] or raw)
         out["none_first_s"], out["raw_first_s"] = out["none_each_s"][0], raw[0]
-    out["t_start"] = t_start
+    out["t_start"] = a.t_child_start
     return out
 
 

@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -202,6 +203,69 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+class _Rotation:
+    """The runners taking turns; each walks the same batches 0, 1, 2, ... and keeps the times it records."""
+
+    def __init__(self, runners: dict[str, Callable[[int], None]]) -> None:
+        self.runners = runners
+        self.cursor = dict.fromkeys(runners, 0)
+        self.times: dict[str, list[float]] = {name: [] for name in runners}
+        self.cpu_times: dict[str, list[float]] = {name: [] for name in runners}  # less sensitive to a loaded machine
+
+    def run(self, name: str, n: int, record: bool) -> list[float]:
+        out = []
+        for _ in range(n):
+            out.append(_timed(self.runners[name], self.cursor[name], self.cpu_times[name] if record else None))
+            self.cursor[name] += 1
+        if record:
+            self.times[name].extend(out)
+        return out
+
+
+def _alternate(rot: _Rotation, *, warmup: int, rounds: int, block: int) -> tuple[list[float], list[float]]:
+    """Warms up every runner, then runs `rounds` rounds of one block each, in ABBA order; (trainer/bare per round,
+    trainer/trainer_off per round, empty without trainer_off), each from the medians of the slowest rank's steps."""
+    for name in rot.runners:
+        rot.run(name, warmup, record=False)
+    round_ratios: list[float] = []
+    tel_ratios: list[float] = []
+    for r in range(rounds):
+        order = tuple(rot.runners) if r % 2 == 0 else tuple(reversed(rot.runners))
+        got = {name: _slowest(rot.run(name, block, record=True)) for name in order}
+        round_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["bare"]))
+        if "trainer_off" in got:
+            tel_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["trainer_off"]))
+    return round_ratios, tel_ratios
+
+
+def _phase_medians(tr: trainer_mod.Trainer, bare: BareLoop, cursor: dict[str, int], *, steps: int) -> dict[str, float]:
+    """The median over `steps` steps of each timed part of both steps (max over ranks), and their `extras`."""
+    rows = []
+    for _ in range(steps):
+        rows.append({**_trainer_phases(tr, cursor["trainer"]), **_bare_phases(bare, cursor["bare"])})
+        cursor["trainer"] += 1
+        cursor["bare"] += 1
+    keys = list(rows[0])
+    mx = _slowest([row[k] for row in rows for k in keys])  # max over ranks, per (step, phase)
+    phases = {k: statistics.median(mx[i :: len(keys)]) for i, k in enumerate(keys)}
+    # What the trainer adds to the bare step (the bare loop has data, forward_backward and AdamW).
+    phases["extras"] = sum(phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip"))
+    return phases
+
+
+def _telemetry_fields(
+    rot: _Rotation, *, med_t: float, off_t: list[float], tel_ratios: list[float], log_every: int
+) -> dict:
+    """The JSON line's fields for trainer (phase timing on) against trainer_off."""
+    return {
+        "telemetry_ratio": med_t / statistics.median(off_t),
+        "median_trainer_off_s": statistics.median(off_t),
+        "telemetry_cpu_ratio": sum(rot.cpu_times["trainer"]) / sum(rot.cpu_times["trainer_off"]),
+        "telemetry_round_ratios": [round(x, 4) for x in tel_ratios],
+        "log_every": log_every,
+    }
+
+
 def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Namespace) -> dict | None:
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=env.rank)
     tr = trainer_mod.Trainer(cfg, derived, env, events=events)
@@ -213,45 +277,11 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         cfg_off.metrics.phase_timing = False
         off = trainer_mod.Trainer(cfg_off, derived, env, events=events)
         runners = {"bare": bare.step, "trainer": _as_in_fit(tr), "trainer_off": _as_in_fit(off)}
-    cursor = dict.fromkeys(runners, 0)  # each runner walks the same batches 0, 1, 2, ...
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    cpu_times: dict[str, list[float]] = {name: [] for name in runners}  # less sensitive to a loaded machine
-    round_ratios: list[float] = []
-
-    def run(name: str, n: int, record: bool) -> list[float]:
-        out = []
-        for _ in range(n):
-            out.append(_timed(runners[name], cursor[name], cpu_times[name] if record else None))
-            cursor[name] += 1
-        if record:
-            times[name].extend(out)
-        return out
-
-    for name in runners:
-        run(name, args.warmup, record=False)
-    tel_ratios: list[float] = []
-    for r in range(args.rounds):
-        order = tuple(runners) if r % 2 == 0 else tuple(reversed(runners))
-        got = {name: _slowest(run(name, args.block, record=True)) for name in order}
-        round_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["bare"]))
-        if off is not None:
-            tel_ratios.append(statistics.median(got["trainer"]) / statistics.median(got["trainer_off"]))
-    bare_t, tr_t = _slowest(times["bare"]), _slowest(times["trainer"])
-    off_t = _slowest(times["trainer_off"]) if off is not None else None
-    phases = None
-    if args.phases:
-        rows = []
-        for _ in range(max(4, args.block * 2)):
-            rows.append({**_trainer_phases(tr, cursor["trainer"]), **_bare_phases(bare, cursor["bare"])})
-            cursor["trainer"] += 1
-            cursor["bare"] += 1
-        keys = list(rows[0])
-        mx = _slowest([row[k] for row in rows for k in keys])  # max over ranks, per (step, phase)
-        phases = {k: statistics.median(mx[i :: len(keys)]) for i, k in enumerate(keys)}
-        # What the trainer adds to the bare step (the bare loop has data, forward_backward and AdamW).
-        phases["extras"] = sum(
-            phases.get(k, 0.0) for k in ("replicate_partial_grads", "grad_norm_loss_all_reduce", "clip")
-        )
+    rot = _Rotation(runners)
+    round_ratios, tel_ratios = _alternate(rot, warmup=args.warmup, rounds=args.rounds, block=args.block)
+    bare_t, tr_t = _slowest(rot.times["bare"]), _slowest(rot.times["trainer"])
+    off_t = _slowest(rot.times["trainer_off"]) if off is not None else None
+    phases = _phase_medians(tr, bare, rot.cursor, steps=max(4, args.block * 2)) if args.phases else None
     tr.close()
     bare.close()
     if off is not None:
@@ -260,13 +290,7 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
         return None
     med_b, med_t = statistics.median(bare_t), statistics.median(tr_t)
     tel = (
-        {
-            "telemetry_ratio": med_t / statistics.median(off_t),
-            "median_trainer_off_s": statistics.median(off_t),
-            "telemetry_cpu_ratio": sum(cpu_times["trainer"]) / sum(cpu_times["trainer_off"]),
-            "telemetry_round_ratios": [round(x, 4) for x in tel_ratios],
-            "log_every": cfg.train.log_every,
-        }
+        _telemetry_fields(rot, med_t=med_t, off_t=off_t, tel_ratios=tel_ratios, log_every=cfg.train.log_every)
         if off_t
         else {}
     )

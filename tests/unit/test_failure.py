@@ -370,6 +370,40 @@ def test_fresh_ranks_at_the_same_step_without_an_error_are_everything_slow(tmp_p
     assert sorted(inc.evidence["beats"]) == [0, 1, 2]
 
 
+@pytest.mark.parametrize(
+    ("error", "cls", "state", "summary"),
+    [
+        (
+            torch.OutOfMemoryError("CUDA out of memory"),
+            "out_of_memory",
+            "out_of_memory",
+            "rank 1: OutOfMemoryError: CUDA out of memory",
+        ),
+        (
+            CheckpointSaveError("disk full"),
+            "checkpoint_error",
+            "checkpoint_error",
+            "rank 1: CheckpointSaveError: disk full",
+        ),
+        (ValueError("bad batch"), "rank_crashed", "crashed", "rank 1 raised ValueError: bad batch"),
+        (RuntimeError("x" * 400), "rank_crashed", "crashed", ("rank 1 raised RuntimeError: " + "x" * 400)[:300]),
+    ],
+)
+def test_this_ranks_own_error_with_every_rank_alive_names_its_class_and_this_rank_alone(error, cls, state, summary):
+    # peers on another host (their pids cannot be looked at), fresh and at the same step: the error decides
+    beats = {
+        r: Beat(
+            rank=r, pid=100 + r, host="elsewhere", node=f"node{r}", time=0.0, step=5, phase="train", progress_time=0.0
+        )
+        for r in range(3)
+    }
+    inc = incident.classify(
+        beats=beats, world_size=3, me=1, attempt="a.0", heartbeat_s=1.0, error=error, ages=dict.fromkeys(beats, 0.1)
+    )
+    assert (inc.cls, inc.summary) == (cls, summary)
+    assert [(s["rank"], s["pid"], s["state"]) for s in inc.suspects] == [(1, 101, state)]
+
+
 # ---------------------------------------------------------------------------------------- incident.error_class
 
 
