@@ -70,7 +70,8 @@ from pathlib import Path
 from jobs.launch.task_exits import watched
 out = Path(sys.argv[1])
 watched(out / "exits")
-(out / "pid").write_text(str(os.getpid()))
+(out / "pid.tmp").write_text(str(os.getpid()))
+(out / "pid.tmp").rename(out / "pid")  # whole: the test polls for it and reads it at once
 while not (out / "go").exists():  # a rank still importing: no handler yet
     time.sleep(0.02)
 from jobs.failure.signals import StopSignals
