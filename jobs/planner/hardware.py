@@ -254,11 +254,9 @@ def _published_links(cl: ClusterConfig) -> dict[str, Link]:
     return {f"{op}.{scope}": (intra if scope == "intra" else inter[op]) for op in OPS for scope in ("intra", "inter")}
 
 
-def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
-    """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
-    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
-    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
-    calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
+def _links(cl: ClusterConfig, calibrated: str) -> dict[str, Link] | None:
+    """Every op's link on both scopes: calibrated where measured, cited otherwise; a scope the calibration could not
+    reach (one node: no inter) borrows the other's figure. None when an op has no intra-node figure."""
     links = _published_links(cl) if cl.intra_node_bw_GBps > 0 else {}
     for key, v in cl.collectives.items():
         links[key] = Link(
@@ -268,6 +266,21 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
             int(v.get("ranks", 0)),
             float(v.get("alpha_hop_s", 0.0)),
         )
+    for op in OPS:
+        for a, b in (("intra", "inter"), ("inter", "intra")):
+            if f"{op}.{a}" not in links and f"{op}.{b}" in links:
+                w = links[f"{op}.{b}"]
+                links[f"{op}.{a}"] = Link(
+                    w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks, w.alpha_hop_s
+                )
+    return links if all(f"{op}.intra" in links for op in OPS) else None
+
+
+def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
+    """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
+    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
+    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
+    calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
     key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
     attention = 0.0  # a calibrated rate was timed on the whole model, attention included
     gemm_sms = 0  # and on the model's own GEMM shapes
@@ -281,14 +294,8 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         attention, gemm_sms = cl.gpu_attention_tflops, cl.gpu_sms
     else:
         return None
-    for op in OPS:  # a scope the calibration could not reach (one node: no inter) borrows the other's figure
-        for a, b in (("intra", "inter"), ("inter", "intra")):
-            if f"{op}.{a}" not in links and f"{op}.{b}" in links:
-                w = links[f"{op}.{b}"]
-                links[f"{op}.{a}"] = Link(
-                    w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks, w.alpha_hop_s
-                )
-    if not all(f"{op}.intra" in links for op in OPS):
+    links = _links(cl, calibrated)
+    if links is None:
         return None
     gpu = cl.gpus_per_node > 0
     cores = os.cpu_count() or 1
