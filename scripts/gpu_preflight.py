@@ -408,7 +408,7 @@ def check_gemms(device: str, out: Path) -> dict:
 
     from jobs.config import compose
     from jobs.planner.gemm import linear_counts
-    from jobs.planner.hardware import MATMUL_EFFICIENCY, matmul_efficiency, peak_bf16_tflops
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, cluster_attention_tflops, matmul_efficiency, peak_bf16_tflops
 
     model, tp, tokens, dtype_name = GEMMS_CASE[device]
     m = compose([f"model={model}"]).model
@@ -454,7 +454,7 @@ def check_gemms(device: str, out: Path) -> dict:
             res["linear_over_planner"] = round(res["linear_tflops"] / res["planner_linear_tflops"], 3)
         h100 = compose(["cluster=h100_ib"]).cluster
         if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
-            att = h100.gpu_attention_tflops
+            att = round(cluster_attention_tflops(h100, tokens), 1)  # at this sequence length
             res.update(planner_attention_tflops=att, attention_over_planner=round(res["attention_tflops"] / att, 3))
     res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0 and res["stream_GBps"] > 0
     return res
