@@ -182,8 +182,13 @@ class ClusterConfig:
     gpu_hbm_GBps: float = 0.0  # HBM bandwidth per GPU from its datasheet (the memory-bound ops' rate); 0 = not modelled
     gpu_sms: int = 0  # streaming multiprocessors per GPU (communication kernels take some; GEMM tile waves fill them); 0 = not modelled
     # achieved TFLOP/s of the attention kernel (SDPA's flash backend), forward + backward, in the planner's count
-    # (causal halved, training = 3 x forward); 0 = attention at the matmul rate
+    # (causal halved, training = 3 x forward), at its best sequence length (gpu_attention_seq_share gives the others);
+    # 0 = attention at the matmul rate
     gpu_attention_tflops: float = 0.0
+    # the share of gpu_attention_tflops the kernel reaches at each sequence length, from the same source (interpolated
+    # in log2 of the length, the nearest end's outside them); null = the rate at every length (one measured at the
+    # model's own length, e.g. the GPU preflight's `gemms` line)
+    gpu_attention_seq_share: dict[int, float] | None = None
     fs_write_GBps: float = 1.0  # aggregate checkpoint write bandwidth of the run filesystem, GB/s
     node_mtbf_hours: float = 50000.0  # one node's mean time between failures
     host_copy_GBps: float = 25.0  # per-GPU device-to-host copy bandwidth (the blocking part of an async save)

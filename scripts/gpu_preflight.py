@@ -426,7 +426,11 @@ def check_gemms(device: str, out: Path) -> dict:
         "block_tflops": _sig((flops + m.n_layers * f_att) / (secs + m.n_layers * t_att) / 1e12),
     }
     if device == "cuda":
-        res.update(_against_planner(linear_tflops=res["linear_tflops"], attention_tflops=res["attention_tflops"]))
+        res.update(
+            _against_planner(
+                linear_tflops=res["linear_tflops"], attention_tflops=res["attention_tflops"], tokens=tokens
+            )
+        )
     res["ok"] = all(r["tflops"] > 0 for r in rows) and res["attention_tflops"] > 0 and res["stream_GBps"] > 0
     return res
 
@@ -469,12 +473,13 @@ def _attention_flops_seconds(m, *, tp: int, tokens: int, device: str, dtype, syn
     return f_att, t_att
 
 
-def _against_planner(*, linear_tflops: float, attention_tflops: float) -> dict:
-    """This GPU's name and bf16 peak, and the measured rates over the planner's cited ones where it cites one."""
+def _against_planner(*, linear_tflops: float, attention_tflops: float, tokens: int) -> dict:
+    """This GPU's name and bf16 peak, and the measured rates over the planner's cited ones where it cites one
+    (attention's at `tokens`, the measured sequence length)."""
     import torch
 
     from jobs.config import compose
-    from jobs.planner.hardware import MATMUL_EFFICIENCY, matmul_efficiency, peak_bf16_tflops
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, cluster_attention_tflops, matmul_efficiency, peak_bf16_tflops
 
     name = torch.cuda.get_device_properties(0).name
     peak = peak_bf16_tflops(name)
@@ -484,7 +489,7 @@ def _against_planner(*, linear_tflops: float, attention_tflops: float) -> dict:
         res["linear_over_planner"] = round(linear_tflops / res["planner_linear_tflops"], 3)
     h100 = compose(["cluster=h100_ib"]).cluster
     if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
-        att = h100.gpu_attention_tflops
+        att = round(cluster_attention_tflops(h100, tokens), 1)  # at this sequence length
         res.update(planner_attention_tflops=att, attention_over_planner=round(attention_tflops / att, 3))
     return res
 

@@ -23,6 +23,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _time_collectives(rank: int, n: int, pair, *, device, seconds: float, sync) -> dict[str, list]:
+    """Every op's (size, seconds) at COLLECTIVE_SIZES over the world and, with more than 2 ranks, over this rank's
+    `pair` too (a ring's latency grows with its hops, fitted from both group sizes); the odd rank out (`pair` None)
+    times the world only."""
+    groups = {n: None}
+    if n > 2:
+        groups[2] = pair
+    timed: dict[str, list] = {}
+    for op in OPS:
+        for g, grp in groups.items():
+            if g != n and grp is None:  # the odd rank out of the pairs
+                continue
+            timed[f"{op}.{g}"] = [
+                (size, time_collective(op, size, n=g, rank=rank, device=device, seconds=seconds, sync=sync, group=grp))
+                for size in COLLECTIVE_SIZES
+            ]
+    return timed
+
+
 def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> None:
     """One calibration rank: the model's rate at every tp shard (all ranks at once), then each collective."""
     import faulthandler
@@ -58,22 +77,7 @@ def _rank(rank: int, n: int, port: int, cfg: JobConfig, tps: list[int], q) -> No
         )
         pairs = [dist.new_group([r, r + 1]) for r in range(0, n - 1, 2)]  # every rank creates every group
         pair = pairs[rank // 2] if rank // 2 < len(pairs) else None  # None: the odd rank out
-        groups = {n: None}
-        if n > 2:  # pairs too: a ring's latency grows with its hops, fitted from both group sizes
-            groups[2] = pair
-        for op in OPS:
-            for g, grp in groups.items():
-                if g != n and grp is None:  # the odd rank out of the pairs
-                    continue
-                out["collectives"][f"{op}.{g}"] = [
-                    (
-                        size,
-                        time_collective(
-                            op, size, n=g, rank=rank, device=device, seconds=secs / 3, sync=sync, group=grp
-                        ),
-                    )
-                    for size in COLLECTIVE_SIZES
-                ]
+        out["collectives"] = _time_collectives(rank, n, pair, device=device, seconds=secs / 3, sync=sync)
         out["optimizer_ns"] = optimizer_ns(cfg, n=n, device=device, seconds=secs / 2, sync=sync)
         out["fsdp_extra_s"] = {tp: fsdp_extra_s(cfg, tp=tp, n=n, device=device, seconds=secs, sync=sync) for tp in tps}
         out["pp_step_s"] = pp_action_seconds(cfg, rank=rank, pair=pair, device=device, seconds=secs / 2, sync=sync)

@@ -65,8 +65,6 @@ def comm_per_step(
     Parameters are gathered and activations sent in the compute dtype: `compute_bytes` 2 (bf16), 4 (fp32).
     """
     blocks = [i for st in stages for i in st.layers]
-    act = compute_bytes * (seq_len // cp) * micro_batch * m.dim  # one microbatch's hidden states on a tp group
-    dt = _dtype_name(compute_bytes)
     recomputed = checkpointed_layers(blocks, mode=activation_checkpointing, every=ac_every)  # forward twice
     items = _fsdp_items(
         m,
@@ -79,6 +77,46 @@ def comm_per_step(
         microbatches=microbatches,
         compute_bytes=compute_bytes,
     )
+    return items + _activation_items(
+        m,
+        stages,
+        blocks,
+        recomputed,
+        pp=pp,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        microbatches=microbatches,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        sequence_parallel=sequence_parallel,
+        nvlink_domain=nvlink_domain,
+        compute_bytes=compute_bytes,
+    )
+
+
+def _activation_items(
+    m: ModelConfig,
+    stages: list[StageShape],
+    blocks: list[int],
+    recomputed: list[int],
+    *,
+    pp: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    microbatches: int,
+    seq_len: int,
+    micro_batch: int,
+    sequence_parallel: bool,
+    nvlink_domain: int,
+    compute_bytes: int,
+) -> list[CommItem]:
+    """The collectives that move activations (`comm_per_step` without FSDP's): tensor parallel's, the pipeline's
+    sends, context parallel's K/V and the MoE all-to-alls."""
+    act = compute_bytes * (seq_len // cp) * micro_batch * m.dim  # one microbatch's hidden states on a tp group
+    dt = _dtype_name(compute_bytes)
+    items: list[CommItem] = []
     if tp > 1:
         items += _tensor_parallel_items(
             m,
@@ -93,18 +131,47 @@ def comm_per_step(
             micro_batch=micro_batch,
         )
     if pp > 1:
-        items.append(
-            _pp_item(
-                stages, pp=pp, microbatches=microbatches, per=act // tp if sequence_parallel and tp > 1 else act, dt=dt
-            )
-        )
+        per = act // tp if sequence_parallel and tp > 1 else act
+        items.append(_pp_item(stages, pp=pp, microbatches=microbatches, per=per, dt=dt))
+    return items + _cp_ep_items(
+        m,
+        blocks,
+        recomputed,
+        microbatches=microbatches,
+        s=seq_len // cp,
+        micro_batch=micro_batch,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        nvlink_domain=nvlink_domain,
+        compute_bytes=compute_bytes,
+    )
+
+
+def _cp_ep_items(
+    m: ModelConfig,
+    blocks: list[int],
+    recomputed: list[int],
+    *,
+    microbatches: int,
+    s: int,
+    micro_batch: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    nvlink_domain: int,
+    compute_bytes: int,
+) -> list[CommItem]:
+    """Context parallel's K/V exchange (`_cp_items`) and the MoE all-to-alls (`_moe_items`) of the rank's `blocks`,
+    `s` tokens of each sequence on it."""
+    items: list[CommItem] = []
     if cp > 1:
         items += _cp_items(
             m,
             blocks=len(blocks),
             recomputed=len(recomputed),
             microbatches=microbatches,
-            s=seq_len // cp,
+            s=s,
             micro_batch=micro_batch,
             tp=tp,
             cp=cp,
@@ -116,7 +183,7 @@ def comm_per_step(
             blocks,
             recomputed=recomputed,
             microbatches=microbatches,
-            s=seq_len // cp,
+            s=s,
             micro_batch=micro_batch,
             tp=tp,
             ep=ep,

@@ -46,6 +46,13 @@ def validate_for_planning(cfg: JobConfig):
 
     mesh, m = cfg.mesh, cfg.model
     d = validate(cfg, training=False)
+    bad = {k: v for k, v in (cfg.cluster.gpu_attention_seq_share or {}).items() if not 0 < v <= 1}
+    if bad:
+        raise ValueError(
+            f"cluster.gpu_attention_seq_share has shares outside (0, 1] at {bad}: each is the attention rate at that "
+            "sequence length over cluster.gpu_attention_tflops (cluster.gpu_attention_seq_share=null: one rate at "
+            "every length)"
+        )
     notes: list[str] = []
     if m.n_routed_experts > 0 or m.attention == "mla":
         notes.append(
@@ -339,7 +346,7 @@ def _step_time(x: _Draft) -> None:
         overlap=hw.overlap_why,
         hbm_GBps=hw.hbm_GBps,
         comm_sm_share=hw.comm_sm_share,
-        attention_tflops=hw.attention_tflops,
+        attention_tflops=hw.attention_at(t.seq_len),
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
         serial_sum_s=parts["compute_s"]
         + parts["recompute_s"]

@@ -30,6 +30,8 @@ __all__ = [
     "MATMUL_EFFICIENCY_BY_GPU",
     "matmul_efficiency",
     "ATTENTION_SOURCE",
+    "seq_share",
+    "cluster_attention_tflops",
     "GEMM_SHAPE_SOURCE",
     "OPTIMIZER_STEP_BYTES",
     "NVLINK_EFFICIENCY",
@@ -96,9 +98,14 @@ GEMM_SHAPE_SOURCE = (
     "tile and wave quantization at 256x128 tiles, one per SM a wave (NVIDIA Matrix Multiplication Background "
     "User's Guide), FLOP-weighted over the rank's GEMMs"
 )
-# Attention runs at cluster.gpu_attention_tflops beside the cited GEMM rate: FlashAttention-2's published rate, the
-# kernel behind SDPA's flash backend (each profile cites it); a calibrated rate holds attention already.
-ATTENTION_SOURCE = "cluster.gpu_attention_tflops (FlashAttention-2's published rate, SDPA's flash backend)"
+# Attention runs at cluster.gpu_attention_tflops beside the cited GEMM rate, times its share at the run's sequence
+# length (cluster.gpu_attention_seq_share): FlashAttention-2's published causal head-dim-128 forward + backward rates
+# by sequence length, the kernel behind SDPA's flash backend (each profile cites them); a calibrated rate holds
+# attention already.
+ATTENTION_SOURCE = (
+    "cluster.gpu_attention_tflops x cluster.gpu_attention_seq_share at the sequence length (FlashAttention-2's "
+    "published causal rates, SDPA's flash backend)"
+)
 # The step tail on a GPU without a calibrated figure: memory-bound, at cluster.gpu_hbm_GBps per local fp32 parameter.
 # The gradient-norm pass reads each gradient (4 B; jobs/trainer.py scales the gradients only when the norm exceeds
 # optim.max_norm); AdamW (torch.optim.AdamW, fused on CUDA) reads the parameter, gradient and both moments and writes
@@ -193,8 +200,14 @@ class Hardware:
         0.0  # the memory-bound ops' rate (GPU datasheet); 0 = not modelled (a calibrated CPU rate holds them)
     )
     comm_sm_share: float = 0.0  # share of the compute a collective takes while hidden behind it; 0 = not modelled
-    attention_tflops: float = 0.0  # the attention kernel's rate (planner's count); 0 = attention at matmul_tflops
+    attention_tflops: float = 0.0  # the attention kernel's best rate (planner's count); 0 = attention at matmul_tflops
+    attention_seq_share: tuple[tuple[int, float], ...] = ()  # (sequence length, share of attention_tflops); () = 1
     gemm_sms: int = 0  # SMs a GEMM's tile waves fill (gemm.wave_efficiency); 0 = every shape at matmul_tflops
+
+    def attention_at(self, seq_len: int) -> float:
+        """The attention kernel's rate at `seq_len` (planner's count): `attention_tflops` times its share at that
+        length (`seq_share`); 0 when attention runs at the matmul rate."""
+        return self.attention_tflops * seq_share(self.attention_seq_share, seq_len)
 
     def link(self, op: str, scope: str, *, ranks_per_node: int = 1) -> Link:
         """The link of `op` on `scope`; across nodes for a group with `ranks_per_node` ranks on each node, whose
@@ -206,6 +219,31 @@ class Hardware:
         bus = min(base.bus_GBps * ranks_per_node, cap)
         why = f"{base.source}; x {ranks_per_node} ranks' NICs per node (nccl-tests#119, nccl#1168), cap intra {cap:.0f}"
         return Link(base.alpha_s, bus, why, base.ranks, base.alpha_hop_s)
+
+
+def seq_share(table: tuple[tuple[int, float], ...], seq_len: int) -> float:
+    """The share at `seq_len` of a (sequence length, share) table, linear in log2 of the length between its
+    lengths, the nearest end's outside them; 1.0 for an empty table."""
+    if not table:
+        return 1.0
+    pts = sorted(table)
+    if seq_len <= pts[0][0]:
+        return pts[0][1]
+    for (s0, v0), (s1, v1) in zip(pts, pts[1:]):
+        if seq_len <= s1:
+            w = math.log2(seq_len / s0) / math.log2(s1 / s0)
+            return v0 + w * (v1 - v0)
+    return pts[-1][1]
+
+
+def _seq_share_table(cl: ClusterConfig) -> tuple[tuple[int, float], ...]:
+    """cluster.gpu_attention_seq_share as sorted (sequence length, share) pairs; () when null."""
+    return tuple(sorted((int(k), float(v)) for k, v in (cl.gpu_attention_seq_share or {}).items()))
+
+
+def cluster_attention_tflops(cl: ClusterConfig, seq_len: int) -> float:
+    """The profile's cited attention rate at `seq_len`: cluster.gpu_attention_tflops x its share there."""
+    return cl.gpu_attention_tflops * seq_share(_seq_share_table(cl), seq_len)
 
 
 def _fsdp_unit_host_s(cl: ClusterConfig, tp: int) -> float:
@@ -254,11 +292,9 @@ def _published_links(cl: ClusterConfig) -> dict[str, Link]:
     return {f"{op}.{scope}": (intra if scope == "intra" else inter[op]) for op in OPS for scope in ("intra", "inter")}
 
 
-def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
-    """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
-    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
-    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
-    calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
+def _links(cl: ClusterConfig, calibrated: str) -> dict[str, Link] | None:
+    """Every op's link on both scopes: calibrated where measured, cited otherwise; a scope the calibration could not
+    reach (one node: no inter) borrows the other's figure. None when an op has no intra-node figure."""
     links = _published_links(cl) if cl.intra_node_bw_GBps > 0 else {}
     for key, v in cl.collectives.items():
         links[key] = Link(
@@ -268,6 +304,21 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
             int(v.get("ranks", 0)),
             float(v.get("alpha_hop_s", 0.0)),
         )
+    for op in OPS:
+        for a, b in (("intra", "inter"), ("inter", "intra")):
+            if f"{op}.{a}" not in links and f"{op}.{b}" in links:
+                w = links[f"{op}.{b}"]
+                links[f"{op}.{a}"] = Link(
+                    w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks, w.alpha_hop_s
+                )
+    return links if all(f"{op}.intra" in links for op in OPS) else None
+
+
+def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1) -> Hardware | None:
+    """The figures for `cl`: calibrated where the profile has them, cited otherwise; None when the
+    profile has neither (no time estimate). A calibrated rate at one tp rank's shapes
+    (`matmul_tflops["<dtype>.tp<tp>"]`) is preferred to the unsharded one."""
+    calibrated = f"calibrated ({cl.calibrated})" if cl.calibrated else "calibrated"
     key = f"{dtype}.tp{tp}" if cl.matmul_tflops.get(f"{dtype}.tp{tp}") else dtype
     attention = 0.0  # a calibrated rate was timed on the whole model, attention included
     gemm_sms = 0  # and on the model's own GEMM shapes
@@ -281,14 +332,8 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         attention, gemm_sms = cl.gpu_attention_tflops, cl.gpu_sms
     else:
         return None
-    for op in OPS:  # a scope the calibration could not reach (one node: no inter) borrows the other's figure
-        for a, b in (("intra", "inter"), ("inter", "intra")):
-            if f"{op}.{a}" not in links and f"{op}.{b}" in links:
-                w = links[f"{op}.{b}"]
-                links[f"{op}.{a}"] = Link(
-                    w.alpha_s, w.bus_GBps, f"{w.source}; {a} not measured, {b} used", w.ranks, w.alpha_hop_s
-                )
-    if not all(f"{op}.intra" in links for op in OPS):
+    links = _links(cl, calibrated)
+    if links is None:
         return None
     gpu = cl.gpus_per_node > 0
     cores = os.cpu_count() or 1
@@ -313,6 +358,7 @@ def hardware(cl: ClusterConfig, *, dtype: str, tasks_per_node: int, tp: int = 1)
         hbm_GBps=cl.gpu_hbm_GBps if gpu else 0.0,
         comm_sm_share=COMM_SMS / cl.gpu_sms if gpu and cl.gpu_sms > COMM_SMS else 0.0,
         attention_tflops=attention if gpu else 0.0,
+        attention_seq_share=_seq_share_table(cl),
         gemm_sms=gemm_sms if gpu else 0,
         bubble_cost=max(0.0, 1.0 - over),
         bubble_why=(

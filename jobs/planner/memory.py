@@ -377,10 +377,7 @@ def rank_memory(
     )
     mb_shape = dict(seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, compute_bytes=compute_bytes)
     return RankMemory(
-        params_elems=params_elems,
-        params_bytes=params_elems * PARAM_BYTES,
-        grads_bytes=params_elems * GRAD_BYTES,
-        optimizer_bytes=params_elems * OPTIM_BYTES,
+        **_sharded_state_fields(params_elems),
         unsharded_bytes=_fsdp_working_set(
             m, stages, tp=tp, ep=ep, fsdp=fsdp, pp=pp, microbatches=microbatches, compute_bytes=compute_bytes
         ),
@@ -399,6 +396,16 @@ def rank_memory(
             activation_checkpointing=activation_checkpointing,
             autocast=autocast,
         ),
+    )
+
+
+def _sharded_state_fields(params_elems: int) -> dict[str, int]:
+    """`RankMemory`'s fields of the rank's sharded training state: fp32 parameters, gradients and AdamW's moments."""
+    return dict(
+        params_elems=params_elems,
+        params_bytes=params_elems * PARAM_BYTES,
+        grads_bytes=params_elems * GRAD_BYTES,
+        optimizer_bytes=params_elems * OPTIM_BYTES,
     )
 
 

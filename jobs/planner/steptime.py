@@ -101,12 +101,14 @@ def attention_flops(m: ModelConfig, *, tokens: float, seq_len: int, tp: int) -> 
     return tokens * 2.0 * seq_len * width / 2.0 / tp
 
 
-def flops_seconds(flops: float, attention: float, hw: Hardware, *, gemm_efficiency: float = 1.0) -> float:
-    """Seconds of `flops`, `attention` of which run in the attention kernel: at its own rate where the profile has
-    one (`Hardware.attention_tflops`), else at the matmul rate; the GEMMs at `gemm_efficiency` of the matmul rate
-    (their shapes' tile and wave quantization, `gemm_efficiency`)."""
+def flops_seconds(
+    flops: float, attention: float, hw: Hardware, *, gemm_efficiency: float = 1.0, seq_len: int = 0
+) -> float:
+    """Seconds of `flops`, `attention` of which run in the attention kernel: at its own rate at `seq_len` where the
+    profile has one (`Hardware.attention_at`), else at the matmul rate; the GEMMs at `gemm_efficiency` of the matmul
+    rate (their shapes' tile and wave quantization, `gemm_efficiency`)."""
     rate = hw.matmul_tflops * 1e12
-    attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops > 0 else rate
+    attention_rate = hw.attention_at(seq_len) * 1e12 if hw.attention_tflops > 0 else rate
     return (flops - attention) / (rate * gemm_efficiency) + attention / attention_rate
 
 
@@ -310,8 +312,8 @@ def _device_s(
     att = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
     att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
     eff = gemm_efficiency(m, stages, hw, tokens=tokens, tp=tp)
-    compute = microbatches * flops_seconds(train, 3.0 * att_fwd, hw, gemm_efficiency=eff)
-    recompute = microbatches * flops_seconds(re, att_re, hw, gemm_efficiency=eff)
+    compute = microbatches * flops_seconds(train, 3.0 * att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len)
+    recompute = microbatches * flops_seconds(re, att_re, hw, gemm_efficiency=eff, seq_len=seq_len)
     nm_fwd, nm_re = memory_bound_s(
         m,
         stages,
@@ -328,7 +330,7 @@ def _device_s(
         compute=compute,
         recompute=recompute,
         memory=memory,
-        fwd_mb=flops_seconds(fwd, att_fwd, hw, gemm_efficiency=eff) + nm_fwd,
+        fwd_mb=flops_seconds(fwd, att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len) + nm_fwd,
         train_mb=(compute + recompute) / max(microbatches, 1) + 3.0 * nm_fwd + nm_re,
         gemm_efficiency=eff,
     )

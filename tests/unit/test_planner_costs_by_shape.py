@@ -48,7 +48,7 @@ def test_the_predicted_compute_divides_the_gemms_by_their_shapes_efficiency_and_
     kw |= dict(recomputed=[], world=64)
     shaped = S.predict_rank(m, stages, [], hw, **kw).parts["compute_s"]
     flat = S.predict_rank(m, stages, [], dataclasses.replace(hw, gemm_sms=0), **kw).parts["compute_s"]
-    attention = 3 * 4 * S.attention_flops(m, tokens=8192, seq_len=8192, tp=1) / (hw.attention_tflops * 1e12)
+    attention = 3 * 4 * S.attention_flops(m, tokens=8192, seq_len=8192, tp=1) / (hw.attention_at(8192) * 1e12)
     eff = S.gemm_efficiency(m, stages, hw, tokens=8192, tp=1)
     assert eff == pytest.approx(0.953, abs=0.0005)
     assert shaped - attention == pytest.approx((flat - attention) / eff)
