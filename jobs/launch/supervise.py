@@ -18,8 +18,9 @@ the parent, a guard that does nothing else, outlives it, so the batch step (and 
 the ranks) does not end. The guard writes a `supervisor_died` failure, sends the ranks' step the first
 of `failure.requeue_signals` (they save at the next step and their decider requeues within the budget,
 as for a preemption), waits for them, and decides itself (`conclude`, cause `supervisor_died`) when no
-rank did; then it ends the allocation as the supervisor would have (the RAM tier's scavenge, `_end_allocation`). When the guard dies as well, the batch step ends and Slurm SIGTERMs the ranks: their decider
-asks Slurm (`policy.slurm_intent`: COMPLETING with reason NonZeroExitCode, not a scancel) and requeues.
+rank did; then it ends the allocation as the supervisor would have (the RAM tier's scavenge,
+`_end_allocation`). When the guard dies as well, the batch step ends and Slurm SIGTERMs the ranks: their
+decider asks Slurm (`policy.slurm_intent`: COMPLETING with reason NonZeroExitCode, not a scancel) and requeues.
 """
 
 from __future__ import annotations
