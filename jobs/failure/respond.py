@@ -112,11 +112,11 @@ def _conclude(
 ) -> Decision:
     """`conclude`, returning the decision. Whatever raises between the claim and the publish (a hand-edited file,
     a full disk, a bug) ends in `_last_resort`: the job is requeued and a decision published all the same."""
-    done: dict = {}  # what has been done so far: slurm (its intent, once asked), requeued
+    done: dict = {}  # what has been done so far: slurm (its intent, once asked), scavenged, requeued
     try:
         d = _decide(ctx, cause=cause, step=step, incident=incident, recorded=recorded, done=done)
         if d.action == "requeue" and ctx.job_id:
-            _before_requeue(ctx)
+            _before_requeue(ctx, done)
             excluded = d.excluded  # an update replaces the job's exclusion: cluster.exclude goes in again
             exclude = list(dict.fromkeys([*excluded, *ctx.always_excluded]))
             ok, said = requeue_excluding(ctx.job_id, exclude) if excluded else requeue_job(ctx.job_id)
@@ -144,9 +144,11 @@ def _conclude(
     return d
 
 
-def _before_requeue(ctx: AttemptContext) -> None:
-    """`ctx.before_requeue`, if any; a failure there is logged and never stops the requeue."""
-    if ctx.before_requeue is not None:
+def _before_requeue(ctx: AttemptContext, done: dict) -> None:
+    """`ctx.before_requeue`, if any, once per decision (`done`: the normal path's, then `_last_resort`'s); a failure
+    there is logged and never stops the requeue."""
+    if ctx.before_requeue is not None and not done.get("scavenged"):
+        done["scavenged"] = True
         try:
             ctx.before_requeue()
         except Exception as e:  # noqa: BLE001 - the requeue must happen
@@ -197,9 +199,10 @@ def _decide(
 
 
 def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dict) -> Decision:
-    """The decision when the decision path raised: a requeue (exit 75) unless Slurm is already cancelling or
-    requeueing the job, or the requeues counted so far spend failure.max_requeues (a path that always
-    fails must not requeue forever); recorded where it can be (the ledger, else the job log)."""
+    """The decision when the decision path raised: a requeue (exit 75, after `ctx.before_requeue` as any requeue)
+    unless Slurm is already cancelling or requeueing the job, or the requeues counted so far spend
+    failure.max_requeues (a path that always fails must not requeue forever); recorded where it can be (the
+    ledger, else the job log)."""
     log, f = get_logger(), ctx.cfg
     log.error("attempt %s: the decision path failed (%s: %s)", ctx.attempt, type(error).__name__, error, exc_info=True)
     why = f"{cause}: the decision path failed ({type(error).__name__}: {error})"
@@ -211,6 +214,7 @@ def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dic
     slurm, d = done.get("slurm"), done.get("decision")
     if d is not None:  # recorded already: only its requeue is left to do
         if d.action == "requeue" and ctx.job_id and not done.get("requeued"):
+            _before_requeue(ctx, done)
             ok, said = requeue_job(ctx.job_id)
             _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
         return d
@@ -228,6 +232,7 @@ def _last_resort(ctx: AttemptContext, *, cause: str, error: Exception, done: dic
     else:
         d = Decision("requeue", f"{why}; requeued as a last resort, without exclusions", exitcodes.REQUEUE, **facts)
         if ctx.job_id:
+            _before_requeue(ctx, done)
             ok, said = requeue_job(ctx.job_id)
             _emit_or_log(ctx, "requeue", job_id=ctx.job_id, ok=ok, scontrol=said, excluded=[])
     _emit_or_log(ctx, "decision", cause=cause, **asdict(d))

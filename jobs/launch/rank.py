@@ -160,27 +160,8 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
         trainer = Trainer(cfg, derived, env, events=events, stop=stop, watchdog=watchdog)
         during = "train"
         outcome = trainer.fit()
-    except LossDiverged as e:  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
-        log.error("%s", e)
-        return _alike_on_every_rank(
-            cfg, env, ctx, events, (watchdog, health), cls=e.cls, error=e, fallback=exitcodes.DIVERGED
-        )
-    except (DataChanged, CheckpointConfigError) as e:  # a data file changed since the checkpoint (jobs/data/cursor.py),
-        # or the RAM checkpoint tier does not fit (checkpoint/memory_tier.py): alike on every rank, no restart cures it
-        log.error("config error: %s", e)
-        return _alike_on_every_rank(
-            cfg, env, ctx, events, (watchdog, health), cls="config_error", error=e, fallback=exitcodes.CONFIG_ERROR
-        )
-    except BaseException as e:  # noqa: BLE001 - every other error ends the attempt through the failure path
-        log.error(
-            "%s during %s: %s",
-            type(e).__name__,
-            during,
-            e,
-            exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"),
-        )
-        # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
-        _fail(ctx, error=e, during=during, step=watchdog.beat.step, incident=getattr(e, "incident", None))
+    except BaseException as e:  # noqa: BLE001 - every error ends the attempt (`_ended_by`)
+        return _ended_by(e, cfg, env, ctx, events, (watchdog, health), during=during)
     watchdog.stop(ended=outcome in ("done", "stopped"))  # peers still in their final save see it ended, not died
     health.stop()
     if outcome == "done":
@@ -193,6 +174,33 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
             _exit_now(code)
         dist.destroy_process_group()
     return code
+
+
+def _ended_by(
+    e: BaseException, cfg: JobConfig, env: DistEnv, ctx: AttemptContext, events: EventLog, guards: tuple, *, during: str
+) -> int:
+    """The end of an attempt that `e` ended while `during`: the exit code of an error every rank meets alike (rank 0
+    decides); any other error goes through the failure path (`_fail`), which ends this process."""
+    log = get_logger()
+    if isinstance(e, LossDiverged):  # jobs/failure/spike.py: past failure.max_rollbacks, or nothing to roll back to
+        log.error("%s", e)
+        return _alike_on_every_rank(cfg, env, ctx, events, guards, cls=e.cls, error=e, fallback=exitcodes.DIVERGED)
+    if isinstance(e, (DataChanged, CheckpointConfigError)):  # a data file changed since the checkpoint
+        # (jobs/data/cursor.py), or the RAM checkpoint tier does not fit (checkpoint/memory_tier.py): alike on every
+        # rank, no restart cures it
+        log.error("config error: %s", e)
+        return _alike_on_every_rank(
+            cfg, env, ctx, events, guards, cls="config_error", error=e, fallback=exitcodes.CONFIG_ERROR
+        )
+    log.error(
+        "%s during %s: %s",
+        type(e).__name__,
+        during,
+        e,
+        exc_info=not isinstance(e, dist.DistError) and not hasattr(e, "incident"),
+    )
+    # An error that classified itself (jobs/failure/sdc.py's SilentCorruption) brings its incident along.
+    _fail(ctx, error=e, during=during, step=guards[0].beat.step, incident=getattr(e, "incident", None))
 
 
 def _guards(

@@ -1,7 +1,8 @@
 """The RAM tier at the edges of a Slurm allocation: SCR's scavenge, then the run's RAM folders removed on every node.
 
-Run at the end of every allocation (the supervisor once its last attempt ended: success, exit 2, 77, a final failure;
-the decider before `scontrol requeue`: after it Slurm starts no step in the job) and at the start of the next one,
+Run at the end of every allocation (the supervisor, or its guard when it died, once the last attempt ended: success,
+exit 2, 77, a final failure; whoever requeues, before `scontrol requeue`: after it Slurm starts no step in the job;
+jobs/launch/supervise.py's `_supervisor_context` and `_end_allocation` are where) and at the start of the next one,
 before any rank (what an allocation that could not scavenge left on these nodes: a requeue by Slurm, a killed batch
 step). Each round is one `srun --overlap` of `python -m checkpoint.scavenge` per node, all at once, each bounded:
     list   every node's committed RAM copies of this run -> `plan_flush`: the newest step every rank holds from one

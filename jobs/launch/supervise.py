@@ -18,8 +18,9 @@ the parent, a guard that does nothing else, outlives it, so the batch step (and 
 the ranks) does not end. The guard writes a `supervisor_died` failure, sends the ranks' step the first
 of `failure.requeue_signals` (they save at the next step and their decider requeues within the budget,
 as for a preemption), waits for them, and decides itself (`conclude`, cause `supervisor_died`) when no
-rank did. When the guard dies as well, the batch step ends and Slurm SIGTERMs the ranks: their decider
-asks Slurm (`policy.slurm_intent`: COMPLETING with reason NonZeroExitCode, not a scancel) and requeues.
+rank did; then it ends the allocation as the supervisor would have (the RAM tier's scavenge,
+`_end_allocation`). When the guard dies as well, the batch step ends and Slurm SIGTERMs the ranks: their
+decider asks Slurm (`policy.slurm_intent`: COMPLETING with reason NonZeroExitCode, not a scancel) and requeues.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     """Runs the ranks until an attempt ends with anything but "restart"; returns that attempt's exit
     code. `logs`: srun's --output and --error patterns; `{attempt}` is replaced per attempt."""
     job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
+    nodes = _allocation_nodes()
     stopping: list[int] = []
     for s in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(s, lambda signum, _f: stopping.append(signum))
@@ -143,8 +144,23 @@ def supervise(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
     edge = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt_name(job_id, restart))
     scavenge_allocation(cfg, nodes, when="allocation_start", events=edge)
     code = _attempts(cfg, logs=logs, job_id=job_id, restart=restart, nodes=nodes, path=path, stopping=stopping)
-    if code != exitcodes.REQUEUE:  # a requeue scavenged before `scontrol requeue` (after it, Slurm starts no step)
-        scavenge_allocation(cfg, nodes, when="allocation_end", events=edge, flush=code != exitcodes.DIVERGED)
+    return _end_allocation(cfg, code, events=edge)
+
+
+def _allocation_nodes() -> list[str]:
+    """Every node of this job's allocation (this host's name outside one)."""
+    return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
+
+
+def _end_allocation(cfg: JobConfig, code: int, *, events: EventLog) -> int:
+    """The end of the allocation with exit `code`, whoever ends it (the supervisor, its guard, the torchrun style's
+    batch step): the RAM tier's scavenge on every node (no flush at 77: a diverged state is never made the newest
+    checkpoint), but after a requeue, whose decider scavenged before `scontrol requeue` (after it Slurm starts no
+    step in the job). Returns `code`."""
+    if code != exitcodes.REQUEUE:
+        scavenge_allocation(
+            cfg, _allocation_nodes(), when="allocation_end", events=events, flush=code != exitcodes.DIVERGED
+        )
     return code
 
 
@@ -165,50 +181,58 @@ def _attempts(
         off = _off_quarantine(cfg, job_id=job_id, restart=restart, nodes=nodes, n=n)
         if off is not None:
             return off
-        attempt = attempt_name(job_id, restart, n)
-        events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
-        ctx = _supervisor_context(
-            cfg,
-            attempt,
-            job_id=job_id,
-            restart=restart,
-            events=events,
-            supervised=True,
-            restart_in_allocation=n,
-            partition=cfg.cluster.partition,
-            nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
-            before_requeue=_scavenger(cfg, nodes, events),
-        )
-        placed = _placement(cfg, nodes)
-        open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
-        cmd = srun_step_command(
-            cfg,
-            path,
-            [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
-            step_nodes=placed.get("step_nodes"),
-            task_exits=exits_dir(cfg.run.dir, attempt),
-        )
-        end = _run_step(
-            cmd,
-            {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
-            cfg.run.dir,
-            attempt,
-            no_decision_s=cfg.failure.hang_timeout_s,  # a decider has long published by then
-            ntasks=cfg.world_size,
-        )
+        ctx, end = _attempt(cfg, logs=logs, job_id=job_id, restart=restart, nodes=nodes, path=path, n=n)
         d = _decided(ctx, end)
         if d is None or d["action"] != "restart":
             return end.job_code if d is None else int(d["exit_code"])
         why = _no_restart_now(cfg, job_id, stopping)
         if why is not None:  # a restarted step would start without the notice, or be killed by the time limit
-            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why, nodes=nodes)
+            return _requeue_instead(cfg, job_id=job_id, restart=restart, n=n + 1, cause=why)
         get_logger().warning(
             "attempt %s ended by a restart decision: starting the ranks again (restart %d inside job %s)",
-            attempt,
+            ctx.attempt,
             n + 1,
             job_id,
         )
         n += 1
+
+
+def _attempt(
+    cfg: JobConfig, *, logs: tuple[str, str], job_id: str, restart: int, nodes: list[str], path: Path, n: int
+) -> tuple[AttemptContext, StepEnd]:
+    """Attempt `n` of this allocation: its `attempt_start`, its ranks' srun step run to its end; its context (the
+    supervisor's, to decide with) and how the step ended."""
+    attempt = attempt_name(job_id, restart, n)
+    events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
+    ctx = _supervisor_context(
+        cfg,
+        attempt,
+        job_id=job_id,
+        restart=restart,
+        events=events,
+        supervised=True,
+        restart_in_allocation=n,
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
+    )
+    placed = _placement(cfg, nodes)
+    open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
+    cmd = srun_step_command(
+        cfg,
+        path,
+        [p.replace("{attempt}", attempt.split(".", 1)[1]) for p in logs],
+        step_nodes=placed.get("step_nodes"),
+        task_exits=exits_dir(cfg.run.dir, attempt),
+    )
+    end = _run_step(
+        cmd,
+        {**os.environ, RESTART_IN_ALLOCATION_VAR: str(n)},
+        cfg.run.dir,
+        attempt,
+        no_decision_s=cfg.failure.hang_timeout_s,  # a decider has long published by then
+        ntasks=cfg.world_size,
+    )
+    return ctx, end
 
 
 def _decided(ctx: AttemptContext, end: StepEnd) -> dict | None:
@@ -243,7 +267,7 @@ def _no_restart_now(cfg: JobConfig, job_id: str, stopping: list[int]) -> str | N
     return None
 
 
-def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str, nodes: list[str]) -> int:
+def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause: str) -> int:
     """The restart that will not happen is decided as the attempt after it (as the guard does): a requeue
     within the budgets, nothing when Slurm is cancelling the job."""
     attempt = attempt_name(job_id, restart, n)
@@ -256,7 +280,6 @@ def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause
         events=events,
         partition=cfg.cluster.partition,
         nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
-        before_requeue=_scavenger(cfg, nodes, events),
     )
     if not _claimed(cfg.run.dir, attempt):
         d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
@@ -264,9 +287,9 @@ def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause
     return conclude(ctx, cause=cause, step=None)
 
 
-def _scavenger(cfg: JobConfig, nodes: list[str], events: EventLog) -> Callable[[], object]:
+def _scavenger(cfg: JobConfig, events: EventLog) -> Callable[[], object]:
     """The RAM tier's scavenge of this allocation, for a requeue decided here (`AttemptContext.before_requeue`)."""
-    return lambda: scavenge_allocation(cfg, nodes, when="requeue", events=events)
+    return lambda: scavenge_allocation(cfg, _allocation_nodes(), when="requeue", events=events)
 
 
 def _step_failed(ctx: AttemptContext, code: int, *, exits_said: str | None) -> dict | None:
@@ -315,6 +338,8 @@ def _off_quarantine(cfg: JobConfig, *, job_id: str, restart: int, nodes: list[st
         return exitcodes.STOPPED
     reason = f"{what}: requeue {used + 1} of failure.max_requeues({f.max_requeues}) without them"
     events.emit("decision", action="requeue", reason=reason, exit_code=exitcodes.REQUEUE, **facts)
+    if n:  # attempts of this allocation ran since its start's scavenge: theirs, before `scontrol requeue`
+        _scavenger(cfg, events)()
     ok, said = requeue_excluding(job_id, list(dict.fromkeys([*listed, *always_excluded(cfg)])))
     events.emit("requeue", job_id=job_id, ok=ok, scontrol=said, excluded=listed)
     log.error("%s (%s)", reason, said)
@@ -555,7 +580,14 @@ def _kill_steps(why: str = f"still running {_GRACE_S:.0f} s after the decision")
 
 def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
     """The guard's part: record the death, stop the ranks as a preemption would (they save and decide),
-    wait for them, and decide here when none did (no step was running, or it had to be killed)."""
+    wait for them, and decide here when none did (no step was running, or it had to be killed); then end the
+    allocation as the dead supervisor would have (`_end_allocation`; a requeue decided here scavenged before it)."""
+    code, events = _guard_decides(cfg, pid=pid, how=how)
+    return _end_allocation(cfg, code, events=events)
+
+
+def _guard_decides(cfg: JobConfig, *, pid: int, how: str) -> tuple[int, EventLog]:
+    """`_after_supervisor_death` up to the end of the allocation: the exit code, and the ledger it recorded in."""
     job_id, restart = slurm_job_id(os.environ), int(os.environ.get("SLURM_RESTART_COUNT", 0))
     attempt, n = _current_attempt(cfg.run.dir, job_id, restart)
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt)
@@ -573,24 +605,18 @@ def _after_supervisor_death(cfg: JobConfig, *, pid: int, how: str) -> int:
         _kill_steps("the supervisor is gone and the ranks did not end")
     d = read_decision(cfg.run.dir, attempt, wait_s=0)
     if d is not None and d["action"] != "restart":
-        return int(d["exit_code"])
+        return int(d["exit_code"]), events
     if d is not None:  # the ranks asked for a restart that nobody will start: the attempt after it decides
         attempt = attempt_name(job_id, restart, n + 1)
         events = EventLog(events.path, rank=-1, restart=restart, attempt=attempt)
-    ctx = _supervisor_context(
-        cfg,
-        attempt,
-        job_id=job_id,
-        restart=restart,
-        events=events,
-    )
+    ctx = _supervisor_context(cfg, attempt, job_id=job_id, restart=restart, events=events)
     if _claimed(cfg.run.dir, attempt):
-        return conclude(ctx, cause="supervisor_died", step=None)
+        return conclude(ctx, cause="supervisor_died", step=None), events
     # A decider claimed it: it publishes soon, or it died as well (the double fault): then decide in its place,
     # as the supervisor would have (`decide_for_lost_decider`: a requeue within the budget), never a bare 75.
     d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
     d = d or decide_for_lost_decider(ctx, step_code=exitcodes.REQUEUE)
-    return int(d["exit_code"]) if d else conclude(ctx, cause="supervisor_died", step=None)
+    return int(d["exit_code"]) if d else conclude(ctx, cause="supervisor_died", step=None), events
 
 
 def _claimed(run_dir: str, attempt: str) -> bool:
@@ -622,11 +648,7 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:
         d = decide_for_silent_attempt(ctx, step_code=step_code, why=f"the agents' srun step exited {step_code}")
-    code = step_code if d is None else int(d["exit_code"])
-    if code != exitcodes.REQUEUE:  # the end of the allocation, as the supervisor's (a requeue scavenged before it)
-        nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", os.uname().nodename))
-        scavenge_allocation(cfg, nodes, when="allocation_end", events=ctx.events, flush=code != exitcodes.DIVERGED)
-    return code
+    return _end_allocation(cfg, step_code if d is None else int(d["exit_code"]), events=ctx.events)
 
 
 def _current_attempt(run_dir: str, job_id: str, restart: int) -> tuple[str, int]:
@@ -659,8 +681,10 @@ def _wait_for_ranks(cfg: JobConfig, attempt: str) -> None:
 def _supervisor_context(
     cfg: JobConfig, attempt: str, *, job_id: str | None, restart: int, events, **facts
 ) -> AttemptContext:
-    """The supervisor's view of `attempt` (rank -1): the run's failure policy and ledger, the job's Slurm facts;
-    `facts`: the rest of `AttemptContext` (its restarts inside the allocation, partition, spares, hooks)."""
+    """The supervisor's view of `attempt` (rank -1): the run's failure policy and ledger, the job's Slurm facts, and,
+    in a job, the allocation's scavenge before any requeue decided with it (the supervisor's, its guard's, the
+    torchrun style's batch step's: every requeue path); `facts`: the rest of `AttemptContext` (its restarts inside
+    the allocation, partition, spares)."""
     return AttemptContext(
         run_dir=cfg.run.dir,
         attempt=attempt,
@@ -671,5 +695,6 @@ def _supervisor_context(
         cfg=cfg.failure,
         events=events,
         always_excluded=always_excluded(cfg),
+        before_requeue=_scavenger(cfg, events) if job_id else None,
         **facts,
     )

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.config import memory_root
+from jobs.launch.rundir import run_id
 from tests.chaos.chaos_helpers import (
     DONE_S,
     SHORT_FAULT_STEP,
@@ -26,6 +28,7 @@ from tests.chaos.chaos_helpers import (
     events,
     host_pid,
     losses,
+    node_path,
     rank_pid,
     submit,
     supervisor_and_guard,
@@ -132,11 +135,13 @@ def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_then_b
     #    place and restarts the ranks (before: the step ended without a decision and the job ended there).
     # 2. In the restarted attempt, rank 1 killed again, then the decider, then the supervisor (the double fault):
     #    the guard decides in their place and requeues (before: the guard returned 75 without requeueing, the job
-    #    ended). The fault followed the rank, on a node that answers: no node is quarantined.
-    job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10")
+    #    ended). The fault followed the rank, on a node that answers: no node is quarantined. With the RAM tier on,
+    #    the guard scavenges before its requeue (before: its context had no `before_requeue`).
+    ram = ["checkpoint.memory_every_steps=5", "checkpoint.memory_replicas=0"]
+    job = submit(run_root, f"train.steps={STEPS}", "checkpoint.every_steps=10", *ram)
     wait_for_step(run_root, 15)
     _kill_rank1_then_its_decider(run_root, f"{job}.0")
-    wait_for_step(run_root, 35)  # the restarted attempt trains (it resumed at 10)
+    wait_for_step(run_root, 35)  # the restarted attempt trains (it resumed from RAM)
     supervisor, _ = supervisor_and_guard(run_root)
     _kill_rank1_then_its_decider(run_root, f"{job}.0.1", then=supervisor)
     recs = wait_job_done(job)
@@ -149,6 +154,16 @@ def test_a_decider_killed_before_publishing_is_replaced_by_the_supervisor_then_b
     assert died == f"{job}.0.1"
     assert not (run_root / "quarantine.json").exists()
     assert sorted(losses(run_root)) == list(range(1, STEPS + 1))
+    scav = events(run_root, "ram_scavenged")
+    assert [(e["when"], e["attempt"], e["rank"]) for e in scav] == [
+        ("allocation_start", f"{job}.0", -1),
+        ("requeue", f"{job}.0.1", -1),  # the guard's, before its `scontrol requeue`
+        ("allocation_start", f"{job}.1", -1),
+        ("allocation_end", f"{job}.1", -1),
+    ], scav
+    assert all(not e.get("failed_nodes") and not e.get("error") for e in scav), scav
+    root = str(memory_root("/dev/shm", run_id(run_root)))
+    assert [n for n in ("node1", "node2", "node3") if node_path(n, root).exists()] == []
 
 
 def _kill_rank1_then_its_decider(run_root: Path, attempt: str, *, then: int | None = None) -> None:

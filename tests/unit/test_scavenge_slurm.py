@@ -20,6 +20,8 @@ from checkpoint.manifest import read_manifest, step_dirs
 from jobs import exitcodes
 from jobs.config import compose
 from jobs.events import EventLog, read_events
+from jobs.failure import policy, quarantine, respond
+from jobs.failure.policy import Decision, publish
 from jobs.failure.respond import conclude
 from jobs.launch import scavenge as scavenge_mod
 from jobs.launch import supervise
@@ -225,3 +227,90 @@ def test_the_torchrun_style_batch_step_scavenges_once_its_agents_ended_but_not_a
     monkeypatch.setattr(supervise, "read_decision", lambda *a, **k: {"exit_code": exitcodes.REQUEUE})
     assert supervise.after_agents(cfg, step_code=exitcodes.REQUEUE) == exitcodes.REQUEUE
     assert calls == [("allocation_end", True), ("allocation_end", False)]
+
+
+@pytest.mark.parametrize("raises", ["decide", "requeue_excluding"])
+def test_a_requeue_as_the_last_resort_scavenges_once_before_scontrol_requeue(
+    tmp_path: Path, slurm: Path, monkeypatch, raises: str
+) -> None:
+    # Before: `_last_resort` (the decision path raised) ran `scontrol requeue` without `before_requeue`.
+    run = tmp_path / "run"
+    run.mkdir()
+    quarantine.add_to_quarantine(run, ["node3"], reason="by hand", incident="8.0")  # requeue_excluding, not _job
+    seen: list[list[str]] = []
+
+    def bug(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(respond, raises, bug)
+    ctx = _ctx(run, before_requeue=lambda: seen.append(_verbs(slurm)))
+    assert conclude(ctx, cause="SIGUSR2", step=12) == exitcodes.REQUEUE
+    # once (requeue_excluding raised after the normal path's scavenge), and before the requeue reached Slurm
+    assert len(seen) == 1 and "scontrol requeue" not in seen[0] and "scontrol requeue" in _verbs(slurm), seen
+    d = json.loads((run / "incidents/9.0/decision.json").read_text())
+    assert d["action"] == "requeue" and (raises != "decide" or "as a last resort" in d["reason"]), d
+
+
+def _scavenges(monkeypatch, tmp_path: Path, *, job: str = "9") -> list:
+    """The supervisor module's scavenges (when, flush) and requeues ("requeue"), in order, in job `job` on node1."""
+    calls: list = []
+    monkeypatch.setattr(
+        supervise, "scavenge_allocation", lambda cfg, nodes, *, when, events, flush=True: calls.append((when, flush))
+    )
+    monkeypatch.setattr(respond, "slurm_intent", lambda job_id, restart_count: None)
+    monkeypatch.setattr(respond, "requeue_job", lambda job_id: calls.append("requeue") or (True, ""))
+    for k, v in {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "node1", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "run").mkdir()
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("ranks_decided", "calls"),
+    [
+        (None, [("requeue", True), "requeue"]),  # it decides: a requeue, scavenged before it
+        (exitcodes.STOPPED, [("allocation_end", True)]),  # the ranks' stop: the end the dead supervisor would run
+        (exitcodes.DIVERGED, [("allocation_end", False)]),
+    ],
+)
+def test_the_guard_scavenges_before_the_requeue_it_decides_and_at_any_other_end_of_the_allocation(
+    tmp_path: Path, monkeypatch, ranks_decided: int | None, calls: list
+) -> None:
+    # Before: the guard's context had no `before_requeue`, and after any other end nobody scavenged.
+    seen = _scavenges(monkeypatch, tmp_path)
+    cfg = _job_cfg(tmp_path)
+    EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0").emit("attempt_start", job_id="9")
+    if ranks_decided is not None:
+        publish(cfg.run.dir, "9.0", Decision("stop", "by the ranks", ranks_decided, 0, 10, 0))
+    monkeypatch.setattr(supervise, "_numbered_steps", lambda: [])
+    code = supervise._after_supervisor_death(cfg, pid=7, how="was killed by SIGKILL")
+    assert (code, seen) == (ranks_decided or exitcodes.REQUEUE, calls)
+
+
+@pytest.mark.parametrize("decider", ["died after its claim", "never claimed"])
+def test_a_requeue_the_torchrun_style_batch_step_decides_is_scavenged_before_it(
+    tmp_path: Path, monkeypatch, decider: str
+) -> None:
+    # Before: `after_agents`' context had no `before_requeue`: neither `decide_for_lost_decider` nor
+    # `decide_for_silent_attempt` scavenged before their `scontrol requeue`.
+    seen = _scavenges(monkeypatch, tmp_path)
+    cfg = _job_cfg(tmp_path)
+    EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=0, attempt="9.0").emit("attempt_start", job_id="9")
+    if decider == "died after its claim":
+        assert policy.claim(cfg.run.dir, "9.0", rank=0)
+    assert supervise.after_agents(cfg, step_code=137) == exitcodes.REQUEUE
+    assert seen == [("requeue", True), "requeue"]
+    assert policy.read_decision(cfg.run.dir, "9.0", wait_s=0)["action"] == "requeue"
+
+
+@pytest.mark.parametrize(("n", "calls"), [(0, ["requeue"]), (1, [("requeue", True), "requeue"])])
+def test_a_requeue_off_a_quarantined_node_after_a_restart_scavenges_the_attempts_before_it(
+    tmp_path: Path, monkeypatch, n: int, calls: list
+) -> None:
+    # Before the first attempt the start's scavenge has just run; after a restart the attempts' RAM steps are there.
+    seen = _scavenges(monkeypatch, tmp_path)
+    monkeypatch.setattr(supervise, "requeue_excluding", lambda job_id, nodes: seen.append("requeue") or (True, ""))
+    cfg = _job_cfg(tmp_path)
+    quarantine.add_to_quarantine(cfg.run.dir, ["node1"], reason="by hand", incident="8.0")
+    code = supervise._off_quarantine(cfg, job_id="9", restart=0, nodes=["node1"], n=n)
+    assert (code, seen) == (exitcodes.REQUEUE, calls)

@@ -61,6 +61,7 @@ def _cfg(tmp_path: Path, **failure) -> SimpleNamespace:
         world_size=2,
         failure=FailureConfig(heartbeat_s=0.05, **failure),
         cluster=SimpleNamespace(exclude=None),
+        checkpoint=SimpleNamespace(enabled=True, memory_on=False),  # no RAM tier: nothing to scavenge
     )
 
 
