@@ -99,3 +99,37 @@ def test_the_next_attempt_removes_earlier_attempts_folders_and_never_its_own(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[4:])  # this attempt's (77.2) stay
     removed = sorted(f["path"].rsplit("/", 1)[1] for k, f in events if k == "checkpoint_tmp_removed")
     assert removed == sorted(names[:4])
+
+
+def test_a_dcp_save_that_fails_on_a_rank_is_described_by_that_ranks_own_error(tmp_path) -> None:
+    """DCP wraps each rank's error in one CheckpointException whose first line names only the ranks
+    ("CheckpointException ranks:dict_keys([1])": a chaos run's reference save failed so, its cause lost)."""
+    import errno
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.errors import describe_error
+
+    class Failing(dcp.FileSystemWriter):
+        def __init__(self, path, err: OSError) -> None:
+            super().__init__(path)
+            self.err = err
+
+        def write_data(self, plan, planner):
+            raise self.err
+
+    def failed(err: OSError) -> BaseException:
+        try:
+            dcp.save({"w": torch.ones(3)}, storage_writer=Failing(tmp_path / "ckpt", err))
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            return e
+        raise AssertionError("the save did not fail")
+
+    e = failed(OSError(errno.EIO, "Input/output error"))
+    assert (
+        describe_error(e, tmp_path)
+        == "CheckpointException on rank(s) [0]: rank 0: OSError: [Errno 5] Input/output error"
+    )
+    # a full disk inside the wrapper is named as such, with the fix
+    assert describe_error(failed(OSError(errno.ENOSPC, "disk")), tmp_path).startswith("no space left on device under ")
