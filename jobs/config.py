@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -22,6 +23,23 @@ from parallel.config import MeshConfig
 
 # conf/ installs as the package jobs._conf (pyproject's package-dir): the same path in a wheel and an editable install
 CONF_DIR = Path(str(files("jobs._conf")))
+# conf/train.yaml's `hydra.searchpath`: the user's config folder (`user_conf_dir`), searched after CONF_DIR
+USER_CONF_RESOLVER = "meshjob.user_conf"
+
+
+def user_conf_dir() -> Path:
+    """The user's own config folder, which composition searches after the package's conf/ (a profile of the same
+    name in the package wins): `$XDG_CONFIG_HOME/meshjob` when XDG_CONFIG_HOME is an absolute path (the XDG base
+    directory spec), else `~/.config/meshjob`. `cluster=NAME` finds `<it>/cluster/NAME.yaml`; jobs.calibrate writes
+    its profiles there (an installed package's conf/ is site-packages: not the user's, and replaced on upgrade)."""
+    xdg = os.environ.get("XDG_CONFIG_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".config") / "meshjob"
+
+
+def _user_searchpath() -> list[str]:
+    """`hydra.searchpath` for `user_conf_dir()`: empty while the folder does not exist (Hydra warns of a missing one)."""
+    d = user_conf_dir()
+    return [f"file://{d}"] if d.is_dir() else []
 
 
 @dataclass
@@ -321,7 +339,7 @@ class PlanConfig:
 @dataclass
 class CalibrateConfig:
     out: str | None = (
-        None  # `python -m jobs.calibrate` writes here; None = conf/cluster/<cluster.name>_calibrated.yaml (updated in place)
+        None  # `python -m jobs.calibrate` writes here; None = ~/.config/meshjob/cluster/<cluster.name>_calibrated.yaml (updated in place; $XDG_CONFIG_HOME/meshjob/... when set)
     )
     seconds: float = 2.0  # seconds spent timing each figure (medians over repeats)
 
@@ -366,11 +384,15 @@ LAUNCHERS = {
 
 
 def register_configs() -> None:
-    """Registers the root schema so `conf/train.yaml` is type-checked on composition, and the meshjob launchers'
-    config nodes: an editable install hides the `hydra_plugins` namespace from Hydra's plugin scan, so they are
-    stored here rather than found (the launcher classes themselves: `jobs.cli.register_launchers`)."""
+    """Registers the root schema so `conf/train.yaml` is type-checked on composition, the resolver of its
+    `hydra.searchpath` (`user_conf_dir`, looked at anew by each composition), and the meshjob launchers' config
+    nodes: an editable install hides the `hydra_plugins` namespace from Hydra's plugin scan, so they are stored here
+    rather than found (the launcher classes themselves: `jobs.cli.register_launchers`)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    if not OmegaConf.has_resolver(USER_CONF_RESOLVER):
+        OmegaConf.register_new_resolver(USER_CONF_RESOLVER, _user_searchpath)
     store = ConfigStore.instance()
     store.store(name="job_schema", node=JobConfig)
     for name, target in LAUNCHERS.items():

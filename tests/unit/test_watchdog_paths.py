@@ -165,11 +165,16 @@ def test_a_peer_that_beats_while_its_main_thread_is_stuck_past_its_limit_is_name
     try:
         wd.progress(5)
         wd.phase("train")
+        # Named in 0.5-0.65 s on an idle box: 1-2 heartbeats to see this rank wait and read the peer's beat, up to 1
+        # to the watchdog's check, then 3.5 gathering the incident before on_hang. Loaded (two busy loops beside the
+        # test on this 2-core box) it took 0.56 s median and 0.85 s at most over 270 runs in one process, and 1.18 s
+        # in 1 of 20 fresh pytest runs (once past the old 1.0 s bound). So the bound is the 5 s wait: a sixth of
+        # the 30 s limits (the peer's and this rank's own), which the no-progress path would have to wait out.
         after = _wait_for(lambda: fired, 5.0)
     finally:
         wd.stop()
         done.set()
-    assert after is not None and after < 1.0, after
+    assert after is not None, wd.fired_because
     assert "rank(s) [1] beat while their main thread is stuck" in wd.fired_because
     assert (wd.incident.cls, [s["rank"] for s in wd.incident.suspects]) == ("hung_rank", [1])
 
