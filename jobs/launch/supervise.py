@@ -212,8 +212,6 @@ def _attempt(
         events=events,
         supervised=True,
         restart_in_allocation=n,
-        partition=cfg.cluster.partition,
-        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
     )
     placed = _placement(cfg, nodes)
     open_attempt(ctx, nodes=nodes, launcher="slurm", restart_in_allocation=n, **placed)
@@ -278,8 +276,6 @@ def _requeue_instead(cfg: JobConfig, *, job_id: str, restart: int, n: int, cause
         job_id=job_id,
         restart=restart,
         events=events,
-        partition=cfg.cluster.partition,
-        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
     )
     if not _claimed(cfg.run.dir, attempt):
         d = read_decision(cfg.run.dir, attempt, wait_s=5 * cfg.failure.heartbeat_s + 10)
@@ -642,8 +638,6 @@ def after_agents(cfg: JobConfig, *, step_code: int) -> int:
         restart=restart,
         events=EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1, restart=restart, attempt=attempt),
         restart_in_allocation=n,
-        partition=cfg.cluster.partition,
-        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
     )
     d = read_decision(cfg.run.dir, attempt, wait_s=0) or decide_for_lost_decider(ctx, step_code=step_code)
     if d is None and step_code != exitcodes.OK:
@@ -681,10 +675,10 @@ def _wait_for_ranks(cfg: JobConfig, attempt: str) -> None:
 def _supervisor_context(
     cfg: JobConfig, attempt: str, *, job_id: str | None, restart: int, events, **facts
 ) -> AttemptContext:
-    """The supervisor's view of `attempt` (rank -1): the run's failure policy and ledger, the job's Slurm facts, and,
-    in a job, the allocation's scavenge before any requeue decided with it (the supervisor's, its guard's, the
-    torchrun style's batch step's: every requeue path); `facts`: the rest of `AttemptContext` (its restarts inside
-    the allocation, partition, spares)."""
+    """The supervisor's view of `attempt` (rank -1): the run's failure policy and ledger, the job's Slurm facts (its
+    partition and the nodes it needs, which a quarantine must leave usable), and, in a job, the allocation's scavenge
+    before any requeue decided with it (the supervisor's, its guard's, the torchrun style's batch step's: every
+    requeue path); `facts`: the rest of `AttemptContext` (its restarts inside the allocation, whether supervised)."""
     return AttemptContext(
         run_dir=cfg.run.dir,
         attempt=attempt,
@@ -695,6 +689,8 @@ def _supervisor_context(
         cfg=cfg.failure,
         events=events,
         always_excluded=always_excluded(cfg),
+        partition=cfg.cluster.partition,
+        nodes_needed=cfg.launcher.nodes + cfg.launcher.spare_nodes,
         before_requeue=_scavenger(cfg, events) if job_id else None,
         **facts,
     )

@@ -60,7 +60,8 @@ def _cfg(tmp_path: Path, **failure) -> SimpleNamespace:
         run=SimpleNamespace(dir=str(tmp_path)),
         world_size=2,
         failure=FailureConfig(heartbeat_s=0.05, **failure),
-        cluster=SimpleNamespace(exclude=None),
+        cluster=SimpleNamespace(exclude=None, partition="gpu"),
+        launcher=SimpleNamespace(nodes=3, spare_nodes=1),
         checkpoint=SimpleNamespace(enabled=True, memory_on=False),  # no RAM tier: nothing to scavenge
     )
 
@@ -172,3 +173,18 @@ def test_when_the_decider_and_then_the_supervisor_die_the_guard_requeues(tmp_pat
         "claimed the decision of attempt 41.0 and died"
         in read_events(tmp_path / "events.jsonl", "failure")[-1]["summary"]
     )
+
+
+def test_the_guard_decides_with_the_jobs_partition_and_the_nodes_it_needs(tmp_path: Path, monkeypatch) -> None:
+    # A quarantine decided here must leave `nodes_needed` usable nodes in the job's partition (respond._quarantine):
+    # the guard's context had neither (None, 1), so a requeue it decided was checked against the default partition
+    # and one node. Every supervisor context now takes both from the config.
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    EventLog(tmp_path / "events.jsonl", rank=-1, restart=0, attempt="41.0").emit("attempt_start", job_id="41")
+    seen: list = []
+    monkeypatch.setattr(supervise, "_numbered_steps", lambda: [])
+    monkeypatch.setattr(supervise, "conclude", lambda ctx, **kw: seen.append(ctx) or exitcodes.REQUEUE)
+    assert supervise._after_supervisor_death(_cfg(tmp_path), pid=7, how="was killed by SIGKILL") == exitcodes.REQUEUE
+    (ctx,) = seen
+    assert (ctx.attempt, ctx.partition, ctx.nodes_needed) == ("41.0", "gpu", 4)
