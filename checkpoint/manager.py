@@ -269,7 +269,9 @@ class CheckpointManager:
         where a rank's own is missing or damaged). Raises once a candidate
         was partly read and none after it loaded: the bound objects may then hold a mix of checkpoints."""
         t0 = time.perf_counter()
-        steps = [(s, FILESYSTEM) for s in self._candidate_steps()] + [(s, MEMORY) for s in self._memory_candidates()]
+        steps = [(s, FILESYSTEM) for s in self.fs_restore.candidates()] + [
+            (s, MEMORY) for s in self._memory_candidates()
+        ]
         steps = sorted(
             [c for c in steps if before_step is None or c[0] < before_step], key=lambda c: (-c[0], c[1] != MEMORY)
         )  # a RAM candidate's tier may turn PARTNER below
@@ -278,7 +280,7 @@ class CheckpointManager:
             if tier == MEMORY:
                 d, problems, manifest, tier = self._validate_memory(step)
             else:
-                d, problems, manifest = self._validate(step)
+                d, problems, manifest = self.fs_restore.validate(step)
             if problems:
                 self._skip(
                     step,
@@ -288,7 +290,9 @@ class CheckpointManager:
                 )
                 continue
             touched = True
-            info, failed = self._load_agreed(d, manifest, load=self._load if tier == FILESYSTEM else self._load_memory)
+            info, failed = self._load_agreed(
+                d, manifest, load=self.fs_restore.load if tier == FILESYSTEM else self._load_memory
+            )
             if info is None:
                 self._skip(step, d, f"load failed on {failed}", tier=tier)
                 continue
@@ -511,17 +515,6 @@ class CheckpointManager:
             err = describe_error(e, self.folder)
         failed = [f"rank {r}: {e}" for r, e in enumerate(self._ctl.all_gather(err)) if e]
         return (None, "; ".join(failed)[:2000]) if failed else (info, "")
-
-    # The filesystem tier's parts of the load (FsRestore), one name each: scripts/bench/tiers.py times them here.
-
-    def _candidate_steps(self) -> list[int]:
-        return self.fs_restore.candidates()
-
-    def _validate(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None]:
-        return self.fs_restore.validate(step)
-
-    def _load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        return self.fs_restore.load(d, manifest)
 
     def _skip(self, step: int, d: Path, reason: str, *, tier: str = FILESYSTEM) -> None:
         if tier == FILESYSTEM:

@@ -60,13 +60,13 @@ from checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
 ARMS = ("plain", "memory", "filesystem")
 # load_latest's parts, timed by wrapping the manager's methods on the instance (the product is unchanged)
 _LOAD_PARTS = {
-    "_candidate_steps": "list",
+    "fs_restore.candidates": "list",
     "_memory_candidates": "list",
-    "_validate": "checksum",
+    "fs_restore.validate": "checksum",
     "_validate_memory": "checksum",
     "state.state_dict": "state_dict",
     "state.apply_loaded": "apply",
-    "_load": "load",
+    "fs_restore.load": "load",
     "_load_memory": "load",
 }
 
@@ -162,8 +162,10 @@ def _time_load_parts(ck) -> dict[str, float]:
     spent = {part: 0.0 for part in _LOAD_PARTS.values()}
 
     def wrap(name: str, part: str):
-        owner = ck.state if name.startswith("state.") else ck
-        name = name.removeprefix("state.")
+        *path, name = name.split(".")  # a part's method: "state.state_dict", "fs_restore.load"
+        owner = ck
+        for attr in path:
+            owner = getattr(owner, attr)
         fn = getattr(owner, name)
 
         def timed(*args, **kwargs):
