@@ -479,7 +479,7 @@ def _against_planner(*, linear_tflops: float, attention_tflops: float, tokens: i
     import torch
 
     from jobs.config import compose
-    from jobs.planner.hardware import MATMUL_EFFICIENCY, cluster_attention_tflops, matmul_efficiency, peak_bf16_tflops
+    from jobs.planner.hardware import MATMUL_EFFICIENCY, hardware, matmul_efficiency, peak_bf16_tflops
 
     name = torch.cuda.get_device_properties(0).name
     peak = peak_bf16_tflops(name)
@@ -489,7 +489,7 @@ def _against_planner(*, linear_tflops: float, attention_tflops: float, tokens: i
         res["linear_over_planner"] = round(linear_tflops / res["planner_linear_tflops"], 3)
     h100 = compose(["cluster=h100_ib"]).cluster
     if peak == h100.gpu_bf16_tflops:  # an H100 SXM's compute (an H200's, an H800's): its FlashAttention-2 figure
-        att = round(cluster_attention_tflops(h100, tokens), 1)  # at this sequence length
+        att = round(hardware(h100, dtype="bf16", tasks_per_node=8).attention_at(tokens), 1)  # at this length
         res.update(planner_attention_tflops=att, attention_over_planner=round(attention_tflops / att, 3))
     return res
 

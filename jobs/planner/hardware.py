@@ -31,7 +31,6 @@ __all__ = [
     "matmul_efficiency",
     "ATTENTION_SOURCE",
     "seq_share",
-    "cluster_attention_tflops",
     "GEMM_SHAPE_SOURCE",
     "OPTIMIZER_STEP_BYTES",
     "NVLINK_EFFICIENCY",
@@ -239,11 +238,6 @@ def seq_share(table: tuple[tuple[int, float], ...], seq_len: int) -> float:
 def _seq_share_table(cl: ClusterConfig) -> tuple[tuple[int, float], ...]:
     """cluster.gpu_attention_seq_share as sorted (sequence length, share) pairs; () when null."""
     return tuple(sorted((int(k), float(v)) for k, v in (cl.gpu_attention_seq_share or {}).items()))
-
-
-def cluster_attention_tflops(cl: ClusterConfig, seq_len: int) -> float:
-    """The profile's cited attention rate at `seq_len`: cluster.gpu_attention_tflops x its share there."""
-    return cl.gpu_attention_tflops * seq_share(_seq_share_table(cl), seq_len)
 
 
 def _fsdp_unit_host_s(cl: ClusterConfig, tp: int) -> float:
