@@ -156,7 +156,7 @@ class LauncherConfig:
         0  # slurm: idle nodes allocated besides `nodes`; one takes a failed node's place in the allocation
     )
     tasks_per_node: int = 8  # ranks per node (= GPUs per node on a GPU cluster)
-    master_port: int = 0  # rendezvous port; 0 = a free port (local) or derived from the job id (Slurm)
+    master_port: int = 0  # rendezvous port; 0 = rank 0 binds one and publishes it in the run dir
     threads_per_rank: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks (at least 1)
     wait: bool = False  # slurm: block after submit until the job ends, relaying progress lines
     array_parallelism: int = 0  # slurm -m sweeps: array elements running at once (sbatch --array=...%N); 0 = all

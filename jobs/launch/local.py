@@ -2,7 +2,8 @@
 
 torch is imported once in the parent and each rank is a fork (about 1 s per rank cheaper than a
 fresh interpreter on 2 cores: `import torch` costs ~1.8 CPU-seconds). The ranks get the same environment
-contract as under Slurm (rank, local rank, world size, master address and a free port). If a rank
+contract as under Slurm (rank, local rank, world size, master address; rank 0 binds the rendezvous port itself
+and publishes it in the run dir, so no port is picked here and taken by another process before rank 0 binds it). If a rank
 dies, the others are stopped and the failure is reported with the rank and how it ended.
 """
 
@@ -16,7 +17,6 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 from jobs import exitcodes
@@ -34,6 +34,7 @@ from jobs.failure.respond import (
 )
 from jobs.failure.signals import StopSignals, parse_signals
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
+from jobs.launch.rendezvous import port_file
 from jobs.launch.rundir import memory_root
 from jobs.log import get_logger
 
@@ -44,6 +45,7 @@ _STOP_GRACE_S = 10.0
 
 
 def free_port() -> int:
+    """A port free now (for benches that pin one); the launcher itself never picks one: see `_launch_once`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -146,14 +148,14 @@ def _launch_once(
             node_rank=r // cfg.launcher.tasks_per_node,
             nodes=cfg.launcher.nodes,
             master_addr="127.0.0.1",
-            master_port=cfg.launcher.master_port or free_port(),
+            master_port=cfg.launcher.master_port,  # 0: rank 0 binds a port and publishes it (jobs.launch.rendezvous)
             restart_count=restart,
             restart_in_allocation=restart_in_allocation,
             hostname=os.uname().nodename,
         )
         for r in range(cfg.world_size)
     ]
-    envs = [replace(e, master_port=envs[0].master_port) for e in envs]
+    port_file(cfg.run.dir, envs[0].attempt).unlink(missing_ok=True)  # a rerun in this run dir names attempts again
     events.restart, events.attempt = restart, envs[0].attempt
     ctx = AttemptContext(
         run_dir=cfg.run.dir,

@@ -1,7 +1,7 @@
 """Rendezvous: the world process group, on a port nobody has to guess.
 
-With a pinned port (the local launcher's free port, torchrun's, or `launcher.master_port`) ranks meet
-through torch's env:// contract. Under Slurm without one, rank 0 opens the TCPStore on a port the
+With a pinned port (torchrun's, or `launcher.master_port`) ranks meet through torch's env:// contract.
+Without one (the local launcher, Slurm), rank 0 opens the TCPStore on a port the
 kernel picks and publishes `host:port` in `RUN_DIR/rendezvous/<attempt>.json` on the shared
 filesystem; the others wait for that file. No port is derived from the job id, so two jobs on one
 node never collide and no port is taken from the ephemeral range by guesswork.

@@ -168,7 +168,12 @@ def test_a_lost_node_s_shards_come_from_their_partner_copies_at_the_newest_ram_s
     assert ref.returncode == 0, ref_err[-3000:]
 
     events = read_events(run_dir / "events.jsonl")
-    assert [d["action"] for d in events if d["kind"] == "decision"] == ["restart"]
+    why = [
+        (e["attempt"], e["kind"], e.get("summary") or e.get("reason"))
+        for e in events
+        if e["kind"] in ("failure", "decision")
+    ]
+    assert [d["action"] for d in events if d["kind"] == "decision"] == ["restart"], why
     # the restart: the newest RAM step, ranks 0 and 1 from the copies their partners (ranks 2, 3) held
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert [(e["step"], e["tier"], e.get("partner_ranks")) for e in loaded] == [(lost_at, "partner", [0, 1])]
