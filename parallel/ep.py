@@ -14,7 +14,7 @@ own tokens within its ep group (the ranks of its tp index), the rows an ep rank 
 before the experts and their partial outputs reduce-scattered over tp after (two all-to-alls on the tp group), so
 the ep all-to-alls carry every token once, not tp times. `apply_expert_fsdp` then shards the
 experts over the expert-data-parallel axis (`edp` = dp_shard / ep) only, so their gradients are reduced among
-the ranks holding the same experts.
+the ranks holding the same experts (on one edp rank in fp32 it only divides their gradients: no FSDP unit).
 """
 
 from __future__ import annotations
@@ -173,22 +173,48 @@ def apply_expert_fsdp(
     dp: int,
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
-) -> None:
+) -> set[nn.Parameter]:
     """FSDP2 over the expert-data-parallel axis for every GroupedExperts module (before the blocks are
     wrapped, so the block's FSDP leaves these weights alone); HSDP when `edp_mesh` is 2-D (dp_replicate, edp).
     Their gradients are reduced over `edp_mesh` only and divided by the whole data-parallel degree `dp` (dp * cp
     with context parallel: each expert's gradient already sums the tokens of the ep ranks it serves), which gives
-    the same mean over the global batch as the dense weights."""
+    the same mean over the global batch as the dense weights.
+
+    On one edp rank without a compute dtype (ep = dp_shard, fp32) FSDP would have nothing to shard, gather,
+    reduce or cast: the experts get no FSDP unit (its hooks and DTensor wrapping cost every layer forward and
+    backward), only the division by `dp` on their gradients (Megatron-Core's expert gradient scaling). Returns
+    the expert weights left so, which the blocks' FSDP must ignore (`apply_fsdp(ignored_params=...)`)."""
+    mp = mp_policy or MixedPrecisionPolicy()
+    unwrapped: set[nn.Parameter] = set()
     for module in model.modules():
-        if is_grouped_experts(module):
-            fully_shard(
-                module,
-                mesh=edp_mesh,
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=mp_policy or MixedPrecisionPolicy(),
-            )
-            module.set_gradient_divide_factor(float(dp))
-            # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank (also under HSDP): torch 2.13's FSDP then
-            # divides its local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).
-            if edp_mesh.size(-1) > 1:
-                module.set_force_sum_reduction_for_comms(True)
+        if not is_grouped_experts(module):
+            continue
+        if edp_mesh.size() == 1 and mp.param_dtype is None:
+            module.register_forward_pre_hook(_GradDivider(dp))
+            unwrapped.update(module.parameters(recurse=False))
+            continue
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        module.set_gradient_divide_factor(float(dp))
+        # SUM, then / dp (gloo has no PREMUL_SUM). Not on one edp rank (also under HSDP): torch 2.13's FSDP then
+        # divides its local copy by the factor and post-divides once more (grads / dp^2; tests/multiproc/test_moe_ep.py).
+        if edp_mesh.size(-1) > 1:
+            module.set_force_sum_reduction_for_comms(True)
+    return unwrapped
+
+
+class _GradDivider:
+    """Forward pre-hook of a GroupedExperts module left without FSDP: every backward's gradient of its weights / dp
+    (microbatches accumulate the same mean as FSDP's). A hook on each weight the forward uses, put there once: the
+    weights are replaced after `parallelize` (`to_empty` off the meta device), so it cannot be put there earlier."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        for param in module.parameters(recurse=False):
+            if not getattr(param, "_grad_divided_by_dp", False):
+                param.register_hook(self._divide)
+                param._grad_divided_by_dp = True
+
+    def _divide(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad / self.dp

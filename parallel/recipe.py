@@ -138,11 +138,12 @@ def _shard_part(
         apply_ep(part, ep_mesh[("ep", "tp")] if dims.tp_enabled else ep_mesh["ep"])
     if compile:
         apply_compile(part, backend=compile_backend)
+    experts_unwrapped = None
     if (
         ep_mesh is not None
     ):  # experts: HSDP over (dp_replicate, edp) like the dense weights over (dp_replicate, dp_shard)
         edp_mesh = ep_mesh[("dp_replicate", "edp")] if dims.hsdp_enabled else ep_mesh["edp"]
-        apply_expert_fsdp(
+        experts_unwrapped = apply_expert_fsdp(
             part,
             edp_mesh,
             dp=dims.dp * dims.cp,
@@ -156,6 +157,7 @@ def _shard_part(
             reshard_after_forward=not dims.pp_enabled,
             per_block=fsdp_per_block,
             mp_policy=fsdp_policy(mixed_precision),
+            ignored_params=experts_unwrapped,
         )
     elif mixed_precision == "bf16":
         apply_autocast(part, device_type=mesh.device_type)

@@ -79,15 +79,11 @@ def test_compiled_moe_blocks_on_ep2_with_microbatches_give_the_eager_loss_and_ev
         assert r["unique_graphs"] >= 1 and r["aot_graphs"] >= 1, (r["unique_graphs"], r["aot_graphs"])
         # Measured 2026-12-06 (CPU, fp32): the same bounds as the eager ep2 parity test.
         # The graph breaks left in a compiled MoE block: the router's check that a forward is not activation
-        # checkpointing's recomputation (the graph task id: "returned non-Tensor"; it must run each time), FSDP2's
-        # hooks of the routed experts (torch runs them eagerly: "marked as skipped") and the dispatch's one host
-        # read of the counts (`.tolist()`: "Data dependent operator"). The padded matmul's max(default=) no
-        # longer breaks the graph.
-        assert set(r["breaks"]) == {
-            "torch.* op returned non-Tensor",
-            "Attempted to call function marked as skipped",
-            "Data dependent operator",
-        }, r["breaks"]
+        # checkpointing's recomputation (the graph task id: "returned non-Tensor"; it must run each time) and the
+        # dispatch's one host read of the counts (`.tolist()`: "Data dependent operator"). The padded matmul's
+        # max(default=) no longer breaks the graph, nor FSDP2's hooks of the routed experts ("marked as skipped"):
+        # on one edp rank (here) the experts have no FSDP unit (parallel/ep.py).
+        assert set(r["breaks"]) == {"torch.* op returned non-Tensor", "Data dependent operator"}, r["breaks"]
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-6)
         assert r["grads"].keys() == ref_grads.keys()
         for name, g in r["grads"].items():

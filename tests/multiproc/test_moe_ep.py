@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from jobs.config import compose
 from jobs.models.moe import moe_layers, update_expert_bias
@@ -112,6 +113,9 @@ def _ep_rank(
         "syncs": dict(syncs.calls),
         "counted": counted,
         "dispatched": dispatched[::2],
+        "expert_units": sum(
+            isinstance(m, FSDPModule) for m in model.modules() if getattr(m, "is_grouped_experts", False)
+        ),
     }
 
 
@@ -183,6 +187,9 @@ def test_expert_parallel_loss_and_every_gradient_equal_the_single_process_run(
             for kind, n in kinds.items()
         }
         assert r["tp_calls"] == (tp_expected if tp > 1 else {}), r["tp_calls"]  # {}: counted only where tp > 1
+        # The routed experts' own FSDP units only where they shard, gather or reduce something: more than one rank
+        # holds each expert (edp > 1, or dp_replicate under HSDP); on one, FSDP would copy and rewrap them for nothing.
+        assert r["expert_units"] == (moe_layers_n if ep > 1 and world // tp // ep > 1 else 0), r["expert_units"]
     assert any(n.endswith("experts.w1") for n in ref_grads)
     assert any(b.abs().sum() > 0 for b in ref_biases.values())  # the update moved the biases
 
@@ -208,6 +215,7 @@ def test_expert_parallel_with_activation_checkpointing_or_bf16_trains_like_one_p
             g, ref = g.float().flatten(), ref_grads[name].flatten()
             assert float(torch.nn.functional.cosine_similarity(g, ref, dim=0)) > 0.95, (rank, name)
             assert float(g.norm() / ref.norm()) == pytest.approx(1.0, abs=0.1), (rank, name)
+        assert r["expert_units"] == (layers if mp == "bf16" else 0)  # FSDP2 casts them to bf16: kept for that
         recompute = ac == "full"  # each MoE layer's forward runs again in backward: its dispatch too
         assert r["syncs"] == {"to_host": layers * (1 + recompute)}, r["syncs"]
         assert r["calls"] == {
