@@ -1,9 +1,12 @@
 """Slurm calls that fail, from outside, on the real local cluster: slurmctld SIGSTOPped past MessageTimeout (10 s,
 scripts/slurm/start) while a restart's srun starts and while the requeue after it is asked for (the restart becomes a
-requeue, the requeue is tried again, the run finishes bitwise)."""
+requeue, the requeue is tried again, the run finishes bitwise); and per-task exit codes: a rank killed by a signal
+while its peer is stopped, so that no rank decides, ends the job with the supervisor's "do not requeue" 76, not the
+137 that srun returns."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -97,3 +100,32 @@ def test_a_stalled_slurmctld_fails_the_restarts_srun_and_its_requeue_once_yet_th
     assert not (run_root / "quarantine.json").exists()
     assert [e["cause"] for e in events(run_root, "attempt_end")] == ["dead_rank", "step_launch_failure", "completed"]
     assert_bitwise_equal_to_reference(run_root, short_reference, tmp_path)
+
+
+@pytest.mark.timeout(bound_s(STEP_S, DONE_S))
+def test_a_rank_killed_by_a_bus_error_while_its_peer_is_stopped_ends_the_job_76_not_srun_s_137(run_root: Path) -> None:
+    # Rank 0 SIGSTOPped (no decider: its watchdog is stopped with it), then rank 1 killed by SIGBUS (srun: "task 1:
+    # Bus error"). The supervisor's no-decision bound (failure.hang_timeout_s, 20 s) starts from rank 1's death
+    # (before: srun's line for a bus error, an FPE, "User defined signal 2" or an OOM started no bound, and the job
+    # waited for the time limit); it kills the step (rank 0: 137) and decides in the ranks' place with no budget
+    # left: stop, 76. srun returns the highest task code (137); the job must end with 76, "do not requeue".
+    job = submit(run_root, "failure.restarts_in_allocation=0", "failure.max_requeues=0", steps=SHORT_STEPS)
+    wait_for_step(run_root, 5)
+    os.kill(rank_pid(run_root, f"{job}.0", 0), signal.SIGSTOP)
+    os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGBUS)
+    recs = wait_job_done(job)
+    assert [(r["State"].split()[0], r["ExitCode"]) for r in recs] == [("FAILED", "76:0")], recs
+    (d,) = events(run_root, "decision")
+    assert (d["attempt"], d["rank"], d["cause"], d["action"], d["exit_code"]) == (
+        f"{job}.0",
+        -1,
+        "dead_rank",
+        "stop",
+        76,
+    )
+    (f,) = events(run_root, "failure")
+    assert (f["rank"], f["cls"]) == (-1, "dead_rank") and "task 1" in f["summary"], f
+    evidence = json.loads((run_root / "incidents" / f"{job}.0" / "incident.json").read_text())["evidence"]
+    assert evidence["task_exit_codes"] == {"0": 137, "1": 128 + signal.SIGBUS}, evidence  # 0: the step's kill
+    log = _job_log(run_root, job)
+    assert "task 1: Bus error" in log and "task 0: Killed" in log, log[-3000:]
