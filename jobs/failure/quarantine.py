@@ -159,9 +159,13 @@ def _add(
 
 # srun's words when it is slurmctld that did not answer (busy, restarting, unreachable), not the node: such a probe
 # says nothing about the node (slurm 22.05: src/common/slurm_protocol_api.c, src/api/step_ctx.c). A communication
-# error counts only at step creation (slurmctld's part); at task launch ("Task launch for StepId=... failed on node
-# X: ...") it is the node's slurmd that did not answer.
-_CONTROLLER = ("Unable to contact slurm controller", "temporarily unable to accept")
+# error counts only at step creation (slurmctld's part: "Unable to create step", or, before it, "Unable to confirm
+# allocation", what 22.05's srun says inside a job when slurmctld stays silent past MessageTimeout); at task launch
+# ("Task launch for StepId=... failed on node X: ...") it is the node's slurmd that did not answer. `scontrol
+# requeue` words slurmctld's silence past MessageTimeout "Unexpected message received for job N" (22.05.8, seen with
+# slurmctld SIGSTOPped), and slurmctld may still carry the request out once it reads it.
+_CONTROLLER = ("Unable to contact slurm controller", "temporarily unable to accept", "Unexpected message received")
+_STEP_CREATION = ("Unable to create step", "Unable to confirm allocation", "slurm_")
 _COMM_ERRORS = (
     "Socket timed out",
     "Zero Bytes were transmitted",
@@ -175,7 +179,7 @@ def _controller_failed(text: str) -> bool:
     """Whether srun's or scontrol's words say that slurmctld, not the node, did not answer."""
     return any(
         any(c in line for c in _CONTROLLER)
-        or (("Unable to create step" in line or "slurm_" in line) and any(c in line for c in _COMM_ERRORS))
+        or (any(c in line for c in _STEP_CREATION) and any(c in line for c in _COMM_ERRORS))
         for line in text.splitlines()
     )
 
@@ -287,7 +291,8 @@ def _scontrol(args: list[str], said: list[str]) -> bool:
     """Runs `scontrol ARGS` ignoring SIGTERM (a requeue SIGTERMs every process of the job, the caller's
     scontrol calls included; the SIGKILL comes KillWait later), again after `_RETRY_PAUSES_S` while slurmctld
     does not answer (busy, restarting: a requeue that fails once must not end the job); appends what it said;
-    True on rc 0."""
+    True on rc 0, and for a requeue that a later try finds done (`_done_before`)."""
+    unanswered = False  # an earlier try went unanswered: slurmctld may have carried it out all the same
     for pause in (*_RETRY_PAUSES_S, None):
         try:
             out = subprocess.run(
@@ -299,14 +304,24 @@ def _scontrol(args: list[str], said: list[str]) -> bool:
         else:
             text = (out.stdout + out.stderr).strip()
             said.append(f"scontrol {args[0]}: rc {out.returncode} {text}".strip())
-            if out.returncode == 0:
+            if out.returncode == 0 or unanswered and _done_before(args, text, said):
                 return True
             transient = _controller_failed(text)
         if not transient or pause is None:
             return False
+        unanswered = True
         get_logger().warning("%s; trying again in %.0f s", said[-1], pause)
         time.sleep(pause)
     return False
+
+
+def _done_before(args: list[str], text: str, said: list[str]) -> bool:
+    """Whether a requeue refused as "Job is pending execution" after a try that went unanswered was that try's,
+    carried out once slurmctld read it (the job is requeued: what was asked); noted in `said`."""
+    if args[0] != "requeue" or "Job is pending execution" not in text:
+        return False
+    said.append("an earlier try reached slurmctld: the job is requeued")
+    return True
 
 
 def requeue_excluding(job_id: str, nodes: list[str]) -> tuple[bool, str]:

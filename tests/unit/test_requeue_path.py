@@ -22,7 +22,8 @@ from jobs.records import load_json
 
 # Slurm 22.05's answers, as seen on the local cluster: `update ExcNodeList=node1,node99` -> rc 1 "Invalid node
 # name specified for job 2"; on a RUNNING job Slurm refuses ExcNodeList; right after `scontrol requeue` the job is
-# PENDING|COMPLETING (shown COMPLETING) and takes it. A held job stays PENDING until `scontrol release`.
+# PENDING|COMPLETING (shown COMPLETING) and takes it, and a second `scontrol requeue` is refused: rc 1 "Job is pending
+# execution for job 2". A held job stays PENDING until `scontrol release`.
 _FAKE = """#!{python}
 import json, os, sys
 d = os.environ["FAKE_SLURM"]
@@ -54,7 +55,12 @@ if verb in ("requeue", "requeuehold"):
     if job.get("requeue_fails"):  # slurmctld busy this many times
         job["requeue_fails"] -= 1
         end(1, "scontrol: error: slurm_requeue error: Socket timed out on send/recv operation")
+    if job["state"] != "RUNNING":  # requeued already (PENDING|COMPLETING)
+        end(1, f"Job is pending execution for job {{job['id']}}")
     job.update(state="COMPLETING", restarts=job["restarts"] + 1, held=verb == "requeuehold")
+    if job.get("requeue_unanswered"):  # slurmctld read it only after scontrol gave up waiting (MessageTimeout)
+        job["requeue_unanswered"] -= 1
+        end(1, f"Unexpected message received for job {{job['id']}}")
     end(0)
 if verb == "update":
     exc = args[2].split("=", 1)[1]

@@ -26,6 +26,30 @@ def test_a_requeue_that_slurmctld_times_out_is_tried_again(slurm: Path, monkeypa
     assert said.count("Socket timed out on send/recv operation") == 2 and said.endswith("scontrol requeue: rc 0")
 
 
+def test_a_requeue_slurmctld_carried_out_after_scontrol_gave_up_waiting_is_tried_again_and_counts_as_done(
+    slurm: Path, monkeypatch
+) -> None:
+    # What 22.05.8 does with slurmctld SIGSTOPped past MessageTimeout (tests/chaos/test_slurm_calls_chaos.py): `scontrol
+    # requeue` exits 1 "Unexpected message received for job N", and slurmctld requeues the job once it runs again;
+    # the next try is refused "Job is pending execution". Before: not taken for slurmctld's silence, never tried
+    # again, and the requeue recorded as failed (a request slurmctld then lost would have ended the job FAILED, 75).
+    monkeypatch.setattr(quarantine, "_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
+    _job(slurm, requeue_unanswered=1)
+    ok, said = policy.requeue_job("9")
+    assert ok and _job(slurm)["restarts"] == 1 and _verbs(slurm) == ["scontrol requeue"] * 2, said
+    assert said == (
+        "scontrol requeue: rc 1 Unexpected message received for job 9; "
+        "scontrol requeue: rc 1 Job is pending execution for job 9; "
+        "an earlier try reached slurmctld: the job is requeued"
+    )
+
+
+def test_a_requeue_refused_as_pending_without_an_unanswered_try_before_is_not_taken_for_done(slurm: Path) -> None:
+    _job(slurm, state="PENDING")
+    ok, said = policy.requeue_job("9")
+    assert not ok and said == "scontrol requeue: rc 1 Job is pending execution for job 9"
+
+
 def test_a_slurmctld_that_never_answers_is_given_up_after_four_tries_and_a_refusal_at_once(
     slurm: Path, monkeypatch
 ) -> None:
