@@ -100,12 +100,19 @@ def test_a_node_that_does_not_answer_is_quarantined_with_the_probes_words(tmp_pa
 
 
 def test_probes_of_several_nodes_run_at_once(tmp_path: Path, slurm: Path) -> None:
-    # Before: one after another, 8 lost nodes took 8 timeouts.
-    slow = slurm / "srun"
-    slow.write_text(f'#!/bin/sh\nsleep 1\nexec {slurm / "scontrol"} "$@"\n')
-    t0 = time.monotonic()
-    found = quarantine.probe_nodes("9", [f"node{i}" for i in range(6)], timeout_s=30)
-    assert time.monotonic() - t0 < 4.0 and len(found) == 6
+    # Before: one after another, 8 lost nodes took 8 timeouts. Each stand-in probe waits (up to 5 s) until all six
+    # have started: run at once they all meet, whatever the machine's load; one after another none does.
+    started, seen = tmp_path / "started", tmp_path / "seen"
+    (slurm / "srun").write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {started}\n"
+        "i=0\n"
+        f'while [ "$(wc -l < {started})" -lt 6 ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done\n'
+        f'if [ "$(wc -l < {started})" -ge 6 ]; then echo met >> {seen}; else echo alone >> {seen}; fi\n'
+        f'exec {slurm / "scontrol"} "$@"\n'
+    )
+    found = quarantine.probe_nodes("9", [f"node{i}" for i in range(6)], timeout_s=60)
+    assert len(found) == 6 and seen.read_text().split() == ["met"] * 6
 
 
 def test_quarantine_entries_expire_after_failure_quarantine_ttl_h(tmp_path: Path) -> None:
