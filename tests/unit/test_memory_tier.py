@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint.memory_tier as memory_mod
+import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.flatread import read_into
@@ -223,3 +224,21 @@ def test_reading_a_ram_copy_into_a_state_of_another_shape_or_dtype_fails_naming_
         1.0,
         1.0,
     ]  # strided: via the map
+
+
+def test_a_ram_save_reuses_the_state_dict_structure_built_once_and_saves_each_steps_state(
+    tmp_path, monkeypatch
+) -> None:
+    built: list[int] = []
+    real = statedict_mod.get_optimizer_state_dict
+    monkeypatch.setattr(statedict_mod, "get_optimizer_state_dict", lambda *a, **k: built.append(1) or real(*a, **k))
+    want, events, _ = _run(tmp_path, steps=4)  # RAM saves at every step, filesystem ones at even steps
+    assert collections.Counter(f["tier"] for k, f in events if k == "checkpoint_saved") == {
+        "memory": 4,
+        "filesystem": 2,
+    }
+    assert len(built) == 1  # the first save builds the structure; every later one, of either tier, only stages
+    monkeypatch.undo()
+    step, got, ev, _ = _resume(tmp_path)
+    assert (step, [f["tier"] for k, f in ev if k == "checkpoint_loaded"]) == (4, ["memory"])
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
