@@ -38,8 +38,7 @@ def read_into(d: Path, tree: dict[str, Any]) -> dict[str, Any]:
     maps: dict[str, _Map] = {}
     try:
         for key, target in flat.items():
-            entry = md.state_dict_metadata[key]
-            info = md.storage_data[_index(key, entry)]
+            info = _where(md, key)
             m = maps.get(info.relative_path)
             if m is None:
                 m = maps[info.relative_path] = _Map(d / info.relative_path)
@@ -54,13 +53,20 @@ def read_into(d: Path, tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _index(key: str, entry: Any) -> MetadataIndex:
-    """Where `key`'s bytes are recorded: a tensor saved with no_dist is one chunk at offset 0, anything else one item."""
+def _where(md: Any, key: str) -> Any:
+    """Where `key`'s bytes lie (file, offset, length): a tensor saved with no_dist is one chunk at offset 0, anything
+    else one item; an item a writer extension transformed (compressed) is not read here."""
+    entry = md.state_dict_metadata[key]
     if not isinstance(entry, TensorStorageMetadata):
-        return MetadataIndex(key)
-    if len(entry.chunks) != 1 or any(entry.chunks[0].offsets):
+        index = MetadataIndex(key)
+    elif len(entry.chunks) != 1 or any(entry.chunks[0].offsets):
         raise ValueError(f"{key} is saved in {len(entry.chunks)} chunks, not as one rank's local tensor")
-    return MetadataIndex(key, entry.chunks[0].offsets, 0)
+    else:
+        index = MetadataIndex(key, entry.chunks[0].offsets, 0)
+    info = md.storage_data[index]
+    if getattr(info, "transform_descriptors", None):
+        raise ValueError(f"{key} is stored transformed ({info.transform_descriptors}), not as torch.save wrote it")
+    return info
 
 
 class _Map:
@@ -90,9 +96,12 @@ class _Map:
             return
         offset = value.data_ptr() - self.storage.data_ptr()
         dst = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
-        n = os.preadv(self.fd, [dst], offset)
-        if n != len(dst):
-            raise ValueError(f"{key}: {n} of its {len(dst)} bytes read from {self.path.name}")
+        done = 0
+        while done < len(dst):  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(self.fd, [dst[done:]], offset + done)
+            if n <= 0:
+                raise ValueError(f"{key}: {done} of its {len(dst)} bytes in {self.path.name}")
+            done += n
 
     def load(self, offset: int, length: int) -> Any:
         """The torch.save'd object at [offset, offset + length): its tensors are views of the map."""

@@ -67,7 +67,8 @@ def _crc32_fd(fd: int) -> int:
     """crc32 of the whole file: a large file in ranges summed by threads at once (zlib releases the GIL), one per core
     this process may run on, up to _MAX_THREADS and one per _MIN_RANGE bytes, their sums combined."""
     size = os.fstat(fd).st_size
-    n = max(1, min(len(os.sched_getaffinity(0)), _MAX_THREADS, size // _MIN_RANGE))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, min(cores, _MAX_THREADS, size // _MIN_RANGE))
     if n == 1:
         return _crc32_range(fd, 0, size)
     bounds = [size * i // n for i in range(n + 1)]
