@@ -1,8 +1,9 @@
 """Reads one rank's RAM folder straight into the tensors already built: the folder is a no_dist DCP save of the rank's
 local state (checkpoint/memory_tier.py), so its `.metadata` says where each item's bytes lie and nothing needs DCP's
-load planner, its per-item read buffers or a resharding step. Each shard file is mapped once (private, read-only use);
-each tensor item (a torch.save record at an offset of the file) is opened in place as a view of the map and copied
-into its target in one pass; the other items (pickled values, a few bytes) are unpickled from the map.
+load planner, its per-item read buffers or a resharding step. Each shard file is mapped once (private, read-only use)
+and opened once; each tensor item (a torch.save record at an offset of the file) is located in place as a view of the
+map, and its bytes are read from the file straight into its target (preadv; a target that is not a contiguous CPU
+tensor is copied from the map); the other items (pickled values, a few bytes) are unpickled from the map.
 
 Only for a folder saved on the same mesh from the same structure (the RAM tier's candidates are filtered so): a key,
 shape or dtype that differs raises ValueError, and the caller treats it as any failed load (the step is skipped on
