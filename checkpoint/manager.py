@@ -419,7 +419,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.memory.wait()
         self._settle_memory_interval()
-        self.memory.save(step, self.state.state_dict, rollbacks=self._rollbacks_in_state(), t0=t0)
+        if self._stager is not None:  # the cached state dict is the filesystem save's too: its staging reads it
+            self._stager.wait()
+        # the structure built once (BoundState.save_state_dict), as the filesystem save's: only the staging copy is left
+        self.memory.save(step, self.state.save_state_dict, rollbacks=self._rollbacks_in_state(), t0=t0)
         if self.cfg.async_mode == "none":
             self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
 

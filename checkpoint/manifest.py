@@ -6,6 +6,7 @@ import json
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 8 << 20
+_MIN_RANGE = 64 << 20  # bytes per crc32 thread at least: below it a thread costs more than it saves
+_MAX_THREADS = 8
 
 
 class ManifestError(Exception):
@@ -61,14 +64,69 @@ def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
 
 
 def _crc32_fd(fd: int) -> int:
-    """crc32 of the whole file, read into one reused buffer (zlib releases the GIL on it)."""
-    buf = bytearray(_CHUNK)
+    """crc32 of the whole file: a large file in ranges summed by threads at once (zlib releases the GIL), one per core
+    this process may run on, up to _MAX_THREADS and one per _MIN_RANGE bytes, their sums combined."""
+    size = os.fstat(fd).st_size
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, min(cores, _MAX_THREADS, size // _MIN_RANGE))
+    if n == 1:
+        return _crc32_range(fd, 0, size)
+    bounds = [size * i // n for i in range(n + 1)]
+    with ThreadPoolExecutor(n, thread_name_prefix="ckpt-crc32") as pool:
+        crcs = list(pool.map(lambda i: _crc32_range(fd, bounds[i], bounds[i + 1]), range(n)))
+    crc = crcs[0]
+    for i in range(1, n):
+        crc = crc32_combine(crc, crcs[i], bounds[i + 1] - bounds[i])
+    return crc
+
+
+def _crc32_range(fd: int, start: int, end: int) -> int:
+    """crc32 of the file's bytes [start, end) (fewer where it ends first), read into one reused buffer."""
+    buf = bytearray(min(_CHUNK, max(end - start, 1)))
     view = memoryview(buf)
-    crc, off = 0, 0
-    while n := os.preadv(fd, [buf], off):
+    crc, off = 0, start
+    while off < end and (n := os.preadv(fd, [view[: min(len(buf), end - off)]], off)):
         crc = zlib.crc32(view[:n], crc)
         off += n
     return crc
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks): crc1
+    advanced over len2 zero bytes by squaring the one-zero-bit operator (a 32x32 matrix over GF(2))."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << i for i in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:  # apply len2 zero bytes (8 bits each), one power of two at a time
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[i]) for i in range(32)]
 
 
 def _crc32_path(path: Path) -> str:

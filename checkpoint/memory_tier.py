@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.config import memory_root
 from checkpoint.errors import describe_error
+from checkpoint.flatread import read_into
 from checkpoint.group import Group
 from checkpoint.manifest import file_record, fsync_dir, step_dirs, write_manifest
 from checkpoint.memory_capacity import check_capacity, memory_available
@@ -391,11 +392,11 @@ class MemoryTier:
 
 def load_local(d: Path, sd: dict[str, Any]) -> dict[str, Any]:
     """Reads one rank's RAM folder `d` into the state dict `sd` (built from the bound objects for `d`'s keys, same
-    mesh only) in place; returns the dict to apply (BoundState.apply_loaded)."""
+    mesh only) in place; returns the dict to apply (BoundState.apply_loaded). The folder is this rank's own no_dist
+    save, so it is read without DCP's load: each tensor's bytes are copied from the mapped file into the tensor the
+    state already holds (checkpoint/flatread.py)."""
     local = _local_tree(sd)  # DTensors as their local shards: views of the same storage, loaded in place
-    with torch.no_grad():
-        dcp.load(local, checkpoint_id=str(d), no_dist=True)
-    return _keep_dtensors(sd, local)
+    return _keep_dtensors(sd, read_into(d, local))
 
 
 def saved_keys(d: Path) -> set[str]:

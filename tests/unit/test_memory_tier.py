@@ -8,10 +8,13 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import checkpoint.memory_tier as memory_mod
+import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
+from checkpoint.flatread import read_into
 from checkpoint.memory_capacity import capacity_error
 from checkpoint.memory_tier import complete_steps
 from jobs.failure import ledger
@@ -185,3 +188,57 @@ def test_the_attempt_summary_says_which_tier_each_attempt_resumed_from() -> None
     lines = ledger.render_summary(ev).splitlines()
     assert " from " in lines[1]
     assert [ln.split()[5] for ln in lines[2:]] == ["-", "ram", "fs"]
+
+
+def test_a_ram_restart_reads_its_copy_without_dcp_load_and_a_filesystem_restart_still_uses_it(
+    tmp_path, monkeypatch
+) -> None:
+    want, _, ck = _run(tmp_path, steps=5)
+    calls: list[str] = []
+    real = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: calls.append(str(k.get("checkpoint_id"))) or real(*a, **k))
+    step, got, ev, _ = _resume(tmp_path)
+    assert (step, [f["tier"] for k, f in ev if k == "checkpoint_loaded"]) == (5, ["memory"])
+    assert calls == []  # the RAM copy went straight into the tensors (checkpoint/flatread.py)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    shutil.rmtree(ck.memory_root)  # the RAM tier lost: the filesystem's step 4 goes through DCP's load
+    step, _, ev, _ = _resume(tmp_path)
+    assert (step, [f["tier"] for k, f in ev if k == "checkpoint_loaded"]) == (4, ["filesystem"])
+    assert [p.rsplit("/", 1)[-1] for p in calls] == ["step_4"]
+
+
+def test_reading_a_ram_copy_into_a_state_of_another_shape_or_dtype_fails_naming_the_key(tmp_path) -> None:
+    dcp.save(
+        {"w": torch.arange(6.0), "h": torch.ones(2, dtype=torch.bfloat16)}, checkpoint_id=str(tmp_path), no_dist=True
+    )
+    with pytest.raises(ValueError, match=r"w: the RAM copy holds \(6,\) torch.float32, the state \(3,\) torch.float32"):
+        read_into(tmp_path, {"w": torch.zeros(3)})
+    with pytest.raises(
+        ValueError, match=r"h: the RAM copy holds \(2,\) torch.bfloat16, the state \(2,\) torch.float16"
+    ):
+        read_into(tmp_path, {"h": torch.zeros(2, dtype=torch.float16)})
+    with pytest.raises(ValueError, match=r"lacks 1 keys of the state to load, e.g. \['x'\]"):
+        read_into(tmp_path, {"x": torch.zeros(1)})
+    got = read_into(tmp_path, {"w": torch.zeros(6)[::1], "h": torch.zeros(4, dtype=torch.bfloat16)[::2]})
+    assert got["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and got["h"].tolist() == [
+        1.0,
+        1.0,
+    ]  # strided: via the map
+
+
+def test_a_ram_save_reuses_the_state_dict_structure_built_once_and_saves_each_steps_state(
+    tmp_path, monkeypatch
+) -> None:
+    built: list[int] = []
+    real = statedict_mod.get_optimizer_state_dict
+    monkeypatch.setattr(statedict_mod, "get_optimizer_state_dict", lambda *a, **k: built.append(1) or real(*a, **k))
+    want, events, _ = _run(tmp_path, steps=4)  # RAM saves at every step, filesystem ones at even steps
+    assert collections.Counter(f["tier"] for k, f in events if k == "checkpoint_saved") == {
+        "memory": 4,
+        "filesystem": 2,
+    }
+    assert len(built) == 1  # the first save builds the structure; every later one, of either tier, only stages
+    monkeypatch.undo()
+    step, got, ev, _ = _resume(tmp_path)
+    assert (step, [f["tier"] for k, f in ev if k == "checkpoint_loaded"]) == (4, ["memory"])
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
