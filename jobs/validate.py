@@ -18,7 +18,12 @@ from jobs.device import (
     resolve_mixed_precision,
     visible_gpus,
 )
+from jobs.failure.signals import parse_signals
+from jobs.failure.spike import check_config as check_spike
+from jobs.failure.spike import check_retention
 from jobs.planner.params import attention_head_dims
+from jobs.telemetry.stragglers import WINDOW_STEPS
+from jobs.telemetry.tensorboard import check_tensorboard
 from parallel.config import CP_IMPLS, MULTI_STAGE_SCHEDULES, checkpointed_layers, cp_shape_error
 from parallel.dims import ParallelDims, stages_per_rank
 from parallel.pipeline import balanced_layers_per_stage, check_layers_per_stage
@@ -326,10 +331,6 @@ def _check_compile(cfg: JobConfig, dims: ParallelDims) -> None:
 
 def _check_failure(cfg: JobConfig) -> None:
     """The failure policy: signals that exist, timeouts that can fire, budgets that can be met."""
-    from jobs.failure.signals import parse_signals
-    from jobs.failure.spike import check_config as check_spike
-    from jobs.failure.spike import check_retention
-
     f = cfg.failure
     parse_signals(f.requeue_signals)
     _check_failure_timeouts(f)
@@ -400,9 +401,6 @@ def _check_failure_budgets(f: FailureConfig) -> None:
 
 def _check_metrics(cfg: JobConfig) -> None:
     """Straggler thresholds that can be met; TensorBoard installed when asked for."""
-    from jobs.telemetry.stragglers import WINDOW_STEPS
-    from jobs.telemetry.tensorboard import check_tensorboard
-
     f = cfg.failure
     if f.straggler_ratio <= 1.0 or f.straggler_intervals < 1 or f.straggler_min_diff_s < 0:
         raise ValueError(

@@ -112,7 +112,11 @@ def guarded(cfg: JobConfig, *, logs: tuple[str, str]) -> int:
         if os.WIFSIGNALED(status)
         else "raised an exception (traceback above)"
     )
-    if stopping:  # the job is being cancelled or requeued anyway: the ranks' decider has it
+    # The job is being cancelled or requeued anyway (SIGTERM: scancel, scontrol requeue, the time limit, the end of a
+    # preemption's grace; SIGUSR2 reaches this step only with scancel -b/-f): the ranks' decider has it, and a
+    # requeue it made scavenged first. No scavenge here: the job is COMPLETING, and Slurm starts no step (the
+    # scavenger's srun --overlap) in it; the next allocation's start scavenges the nodes it lands on.
+    if stopping:
         get_logger().error("the supervisor (pid %d) %s after %s", pid, how, signal.Signals(stopping[0]).name)
         return exitcodes.REQUEUE
     return _after_supervisor_death(cfg, pid=pid, how=how)

@@ -43,7 +43,7 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
     for tp in ranks[0]["tp_seconds"]:
         rates[tp] = tp_rate(cfg, tp, statistics.median(r["tp_seconds"][tp] for r in ranks), collectives)
     fs_bw, fsync = fs_write_and_commit(cfg.cluster.run_root, cfg.calibrate.seconds)
-    pp = [r["pp_step_s"] for r in ranks if r["pp_step_s"] is not None]  # one rank alone has no pipeline probe
+    pp = [r["pp_host_s"] for r in ranks if r["pp_host_s"] is not None]  # one rank alone has no pipeline probe
     when = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     matmul = {dtype: round(rates[1], 6), **{f"{dtype}.tp{tp}": round(v, 6) for tp, v in rates.items() if tp > 1}}
     return {
@@ -54,21 +54,11 @@ def calibrate(cfg: JobConfig, *, command: str) -> dict:
         "optimizer_ns_per_param": round(statistics.median(r["optimizer_ns"] for r in ranks), 4),
         "fsdp_unit_host_s": {
             f"tp{tp}": round(
-                fsdp_unit_host_s(
-                    cfg, tp=tp, collectives=collectives, extra_s=statistics.median(r["fsdp_extra_s"][tp] for r in ranks)
-                ),
-                7,
+                fsdp_unit_host_s(cfg, tp=tp, host_s=statistics.median(r["fsdp_host_s"][tp] for r in ranks)), 7
             )
-            for tp in ranks[0]["fsdp_extra_s"]
+            for tp in ranks[0]["fsdp_host_s"]
         },
-        "pp_action_host_s": round(
-            pp_action_host_s(
-                cfg, statistics.median(p[0] for p in pp), statistics.median(p[1] for p in pp), rate_tflops=rates[1]
-            ),
-            7,
-        )
-        if pp
-        else 0.0,
+        "pp_action_host_s": round(pp_action_host_s(cfg, host_s=statistics.median(pp)), 7) if pp else 0.0,
         "host_copy_GBps": round(host_copy_GBps(cfg.calibrate.seconds), 3),
         "fs_write_GBps": round(fs_bw, 3),
         "fs_fsync_s": round(fsync, 6),

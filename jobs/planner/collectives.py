@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from jobs.planner.timing import timed_together
 
-__all__ = ["COLLECTIVE_SIZES", "time_collective"]
+__all__ = ["COLLECTIVE_SIZES", "collective_call", "sent_bytes", "time_collective"]
 
 COLLECTIVE_SIZES = (1024, 256 * 1024, 2 * 1024 * 1024)  # bytes of the full buffer per call
 
 
-def time_collective(op: str, size: int, *, n: int, rank: int, device, seconds: float, sync, group=None) -> float:
-    """Median seconds of one `op` over a `size`-byte buffer in this rank's group of n ranks (every
-    group of the job runs it at the same time, as the groups of one mesh axis do in training)."""
+def sent_bytes(op: str, size: int, n: int) -> float:
+    """Bytes one rank sends for a collective over a `size`-byte buffer among n ranks (ring algorithms)."""
+    ring = (n - 1) / n
+    return {"all_reduce": 2 * ring * size, "send_recv": float(size)}.get(op, ring * size)
+
+
+def collective_call(op: str, size: int, *, n: int, rank: int, device, group=None):
+    """A function that issues one `op` over a `size`-byte fp32 buffer in this rank's group of n ranks."""
     import torch
     import torch.distributed as dist
 
@@ -40,4 +45,11 @@ def time_collective(op: str, size: int, *, n: int, rank: int, device, seconds: f
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
+    return call
+
+
+def time_collective(op: str, size: int, *, n: int, rank: int, device, seconds: float, sync, group=None) -> float:
+    """Median seconds of one `op` over a `size`-byte buffer in this rank's group of n ranks (every
+    group of the job runs it at the same time, as the groups of one mesh axis do in training)."""
+    call = collective_call(op, size, n=n, rank=rank, device=device, group=group)
     return timed_together(call, seconds=seconds, sync=sync, device=device, group=group)

@@ -8,17 +8,12 @@ import statistics
 
 from jobs.config import ClusterConfig, JobConfig
 from jobs.planner import arith as P
+from jobs.planner.collectives import sent_bytes
 from jobs.planner.hardware import compute_bytes, hardware, hops
 from jobs.planner.probes import PP_PROBE_MICROBATCHES
 from jobs.planner.steptime import stage_flops
 
-__all__ = ["fit_alpha_beta", "fit_op", "fsdp_unit_host_s", "pp_action_host_s", "sent_bytes", "tp_rate"]
-
-
-def sent_bytes(op: str, size: int, n: int) -> float:
-    """Bytes one rank sends for a collective over a `size`-byte buffer among n ranks (ring algorithms)."""
-    ring = (n - 1) / n
-    return {"all_reduce": 2 * ring * size, "send_recv": float(size)}.get(op, ring * size)
+__all__ = ["fit_alpha_beta", "fit_op", "fsdp_unit_host_s", "pp_action_host_s", "tp_rate"]
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> dict[str, float]:
@@ -48,47 +43,35 @@ def fit_op(op: str, ranks: list[dict], n: int) -> dict[str, float]:
     return out
 
 
-def fsdp_unit_host_s(cfg: JobConfig, *, tp: int, extra_s: float, collectives: dict) -> float:
-    """Seconds of one FSDP2 unit per microbatch beyond the alpha-beta time of its collectives: what
-    `fsdp_extra_s` measured less the gathers and reductions of one microbatch over n / tp ranks as
-    the fitted links time them, over the model's units (its blocks and the root). That is the hooks,
-    the copies into and out of the buffers, and what the collectives cost inside a step beyond their
-    time alone (gloo's thread competes with the compute for the cores; peers arrive apart): measured
-    2026-12-03 on the 2-core box, 2 ranks, tiny, 2.3 ms per unit of which 1.6 ms with no bytes moving;
-    at tp 2 on 4 ranks about 4x that (FSDP2 over DTensor parameters)."""
-    m, t, n = cfg.model, cfg.train, cfg.launcher.tasks_per_node
-    stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
-    hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=n)
-    comm = sum(
-        hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=it.group)
-        for it in P.comm_per_step(
-            m,
-            stages,
-            pp=1,
-            dp_replicate=1,
-            fsdp=n // tp,
-            tp=tp,
-            cp=1,
-            ep=1,
-            microbatches=1,
-            seq_len=t.seq_len,
-            micro_batch=t.micro_batch,
-            activation_checkpointing="none",
-            sequence_parallel=cfg.mesh.sequence_parallel,
-            compute_bytes=compute_bytes(cfg),
-        )
-        if it.axis == "dp_shard"
+def fsdp_unit_host_s(cfg: JobConfig, *, tp: int, host_s: float) -> float:
+    """Seconds of one FSDP2 unit per microbatch beyond its collectives' own time: `fsdp_host_s` (the
+    median over ranks) over the model's units (its blocks and the root). That is the hooks, the copies into and
+    out of the buffers, and what the collectives cost inside a step beyond their time alone (gloo's thread
+    competes with the compute for the cores; peers arrive apart): measured 2026-12-03 on the 2-core box, 2
+    ranks, tiny, 2.3 ms per unit of which 1.6 ms with no bytes moving; at tp 2 on 4 ranks about 4x that (FSDP2
+    over DTensor parameters). A figure <= 0 is refused (`_measured`)."""
+    what = f"FSDP2 at tp {tp}: one microbatch under fully_shard less the same without it and less its collectives"
+    return _measured(cfg, f"fsdp_unit_host_s.tp{tp}", host_s, what=what) / (cfg.model.n_layers + 1)
+
+
+def pp_action_host_s(cfg: JobConfig, *, host_s: float) -> float:
+    """Host seconds per pipeline action: `pp_host_s` (the median over the pairs' ranks) over its 2 x
+    microbatches actions (each rank runs a forward and a backward per microbatch). A figure <= 0 is refused."""
+    what = "the pipeline probe: one 1F1B step less its stage's compute and its sends"
+    return _measured(cfg, "pp_action_host_s", host_s, what=what) / (2 * PP_PROBE_MICROBATCHES)
+
+
+def _measured(cfg: JobConfig, key: str, host_s: float, *, what: str) -> float:
+    """`host_s` when it is positive; else a RuntimeError naming the figure: the profile would read 0 as "not
+    modelled" (and a negative time is no time), so nothing is written."""
+    if host_s > 0:
+        return host_s
+    raise RuntimeError(
+        f"{key}: {what}, all timed in the same repeats, came out {host_s * 1e3:.3f} ms (median over ranks) <= 0, "
+        "so no profile is written (0 would read as 'not modelled'): the machine's speed moved under the probe. "
+        f"Rerun on a quieter machine, or with more repeats: calibrate.seconds={2 * cfg.calibrate.seconds:g} "
+        f"(now {cfg.calibrate.seconds:g})"
     )
-    return max(0.0, extra_s - comm) / (m.n_layers + 1)
-
-
-def pp_action_host_s(cfg: JobConfig, step_s: float, exchange_s: float, *, rate_tflops: float) -> float:
-    """Host seconds per pipeline action: the probe's step less its linear layers' FLOPs at the
-    measured rate and its sends (a microbatch's activation out and its gradient back: one exchange per
-    microbatch), over its 2 x microbatches actions (each rank runs a forward and a backward per microbatch)."""
-    m, t, mb = cfg.model, cfg.train, PP_PROBE_MICROBATCHES
-    compute = 3 * 2.0 * mb * t.micro_batch * t.seq_len * m.dim * m.dim / (rate_tflops * 1e12)
-    return max(0.0, step_s - compute - mb * exchange_s) / (2 * mb)
 
 
 def tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> float:

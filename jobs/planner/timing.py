@@ -45,10 +45,12 @@ def timed_together(fn, *, seconds: float, sync, device, group=None, min_reps: in
     return statistics.median(times)
 
 
-def paired_together(a, b, *, seconds: float, sync, device, min_reps: int = 5) -> float:
+def paired_together(a, b, *, seconds: float, sync, device, group=None, min_reps: int = 5) -> float:
     """Median over repeats of (seconds of `b` - seconds of `a`), run back to back in each repeat and
-    every rank at once (a barrier before each pair): the machine's speed, which moves from second to
-    second on a shared box, is the same for both halves of a pair."""
+    every rank of `group` (default: all) at once: the machine's speed, which moves from second to second on a
+    shared box, is the same for both halves of a pair. Each half starts after a barrier: with one barrier per pair,
+    the ranks leaving it apart (milliseconds on a busy box) made the first collective of `a` wait for the last
+    rank, and `b` - `a` came out negative (-10 ms for the pipeline probe with four busy loops beside it)."""
     import torch.distributed as dist
 
     for fn in (a, b, a, b):
@@ -56,24 +58,25 @@ def paired_together(a, b, *, seconds: float, sync, device, min_reps: int = 5) ->
     t0 = time.perf_counter()
     a(), b(), sync()
     reps = int(min(max(seconds / max(time.perf_counter() - t0, 1e-6), min_reps), 200))
-    reps = agreed_min(reps, device=device)
+    reps = agreed_min(reps, device=device, group=group)
     diffs = []
     for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        a(), sync()
-        t1 = time.perf_counter()
-        b(), sync()
-        diffs.append((time.perf_counter() - t1) - (t1 - t0))
+        halves = []
+        for fn in (a, b):  # a barrier before each: the spread of the ranks leaving it lands in both halves alike
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn(), sync()
+            halves.append(time.perf_counter() - t0)
+        diffs.append(halves[1] - halves[0])
     return statistics.median(diffs)
 
 
-def agreed_min(value: int, *, device) -> int:
-    """The smallest of every rank's `value` (a repeat count: each rank makes that many collective calls);
-    on `device`, which NCCL needs."""
+def agreed_min(value: int, *, device, group=None) -> int:
+    """The smallest of every rank's `value` in `group` (default: all; a repeat count: each rank makes that many
+    collective calls); on `device`, which NCCL needs."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())

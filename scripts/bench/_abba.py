@@ -4,17 +4,14 @@ steps after a barrier (the slowest rank's time), warmed up, then in ABBA blocks 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _fork import run_forked_ranks  # scripts/bench is on sys.path when a benchmark runs as a script
+from _fork import join_group, published_port, run_forked_ranks  # scripts/bench is on sys.path when run as a script
 
-from jobs.launch.local import free_port
 from jobs.trainer import cross_entropy
 
 
@@ -57,12 +54,11 @@ def abba_main(
     p.add_argument("--block", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args()
-    port, n = free_port(), world(args)
+    port, n = published_port(), world(args)
 
     def rank_main(rank: int) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timedelta(seconds=300))
+        join_group(rank, n, port, timeout_s=300)
         body(rank, args)
         dist.destroy_process_group()
 

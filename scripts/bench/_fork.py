@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -60,10 +59,7 @@ def gather_forked_ranks(
     returns the results in rank order, and raises a rank's failure here (a RuntimeError with its traceback).
     `teardown=False`: a rank ends without destroying its group, as after kill -9 (nothing of it cleaned up)."""
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    q, port = ctx.Queue(), published_port()
     procs = [
         ctx.Process(target=_gather_child, args=(q, rank, world_size, port, rank_result, timeout_s, teardown))
         for rank in range(world_size)
@@ -80,14 +76,40 @@ def gather_forked_ranks(
     return out
 
 
-def _gather_child(q, rank: int, world: int, port: int, rank_result, timeout_s: float, teardown: bool) -> None:
+def published_port():
+    """Where rank 0 publishes the port it bound (`join_group`): shared memory, made before the ranks fork."""
+    return mp.get_context("fork").Value("i", 0)
+
+
+def join_group(rank: int, world: int, port, *, timeout_s: float) -> None:
+    """gloo's default group over a store that rank 0 opens on a port the kernel picks and publishes in `port`
+    (`published_port`); the others wait for it. A port picked free by the parent and bound later by rank 0 can
+    be taken in between by another process. MASTER_ADDR and MASTER_PORT name the store, as env:// would."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        port.value = store.port
+    else:
+        deadline = time.monotonic() + timeout_s
+        while port.value == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 published no store port within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        store = dist.TCPStore("127.0.0.1", port.value, world, is_master=False, timeout=timeout)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _gather_child(q, rank: int, world: int, port, rank_result, timeout_s: float, teardown: bool) -> None:
     import torch.distributed as dist
 
     started = time.time()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     try:
         if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            join_group(rank, world, port, timeout_s=timeout_s)
         q.put((rank, pickle.dumps(rank_result(rank, started))))
     except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
         q.put((rank, pickle.dumps(RuntimeError(traceback.format_exc()))))

@@ -34,6 +34,7 @@ class RanksResult:
 
 
 def free_port() -> int:
+    """A port free now: only for functions that meet through env:// themselves (`run_ranks(init_pg=False)`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,7 +57,10 @@ def run_ranks(
     """
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    port = free_port()
+    # init_pg: rank 0 binds the store on a port the kernel picks and hands it on here (`_store`); a port picked
+    # free now and bound later by a rank can be taken in between (by a concurrent test's gloo sockets). Without
+    # it, a port for a function that meets through env:// itself (the GPU tests' NCCL groups).
+    port = ctx.Value("i", 0 if init_pg else free_port())
     procs = []
     parent = os.getpid()
     for rank in range(world_size):
@@ -123,23 +127,37 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+_INIT_TIMEOUT = timedelta(seconds=60)
+
+
+def _store(rank: int, world_size: int, port) -> dist.Store:
+    """The group's store: rank 0 opens it on a port the kernel picks and publishes the port in `port` (shared
+    memory); the others wait for it, then connect."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=_INIT_TIMEOUT, wait_for_workers=False)
+        port.value = store.port
+        return store
+    deadline = time.monotonic() + _INIT_TIMEOUT.total_seconds()
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 published no store port within {_INIT_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=_INIT_TIMEOUT)
+
+
 def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs, parent) -> None:  # pragma: no cover - forked
     _die_with_parent(parent)
     os.environ["OMP_NUM_THREADS"] = "1"  # `env` may override it
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **env,
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), **env
     )
     torch.set_num_threads(1)  # 2 cores shared by all ranks: one intra-op thread each
     code = 0
     try:
+        store = _store(rank, world_size, port) if init_pg else None
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value), **env)  # the port actually bound
         if init_pg:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_INIT_TIMEOUT)
         q.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, False, pickle.dumps(traceback.format_exc())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -12,9 +13,11 @@ import pytest
 from jobs.config import CONF_DIR, compose
 from jobs.planner import calibrate_ranks
 from jobs.planner.calibrate import write_profile
-from jobs.planner.fits import fit_alpha_beta, sent_bytes
+from jobs.planner.collectives import sent_bytes
+from jobs.planner.fits import fit_alpha_beta, fsdp_unit_host_s, pp_action_host_s
 from jobs.planner.gate import build_plan
 from jobs.planner.hardware import OPS, hops
+from jobs.planner.probes import PP_PROBE_MICROBATCHES
 
 
 def test_the_fit_recovers_latency_and_bus_bandwidth():
@@ -87,3 +90,60 @@ def test_the_peers_reports_that_come_after_a_rank_died_are_still_read(monkeypatc
     with pytest.raises(RuntimeError) as err:
         calibrate_ranks.run_ranks(compose(["launcher.tasks_per_node=4"]))
     assert str(err.value).count("Connection closed by peer") == 3, str(err.value)
+
+
+def test_a_host_figure_at_or_below_zero_is_refused_naming_the_figure_and_the_knob():
+    # Before, the probes' figures were clamped at 0, which the profile reads as "not modelled": under load a wrong
+    # calibration was written silently (tests/multiproc/test_calibrate_run.py, 5 of 6 runs with four busy loops).
+    cfg = compose(["model=tiny", "calibrate.seconds=0.2"])  # 4 blocks and the root: 5 FSDP units
+    assert fsdp_unit_host_s(cfg, tp=2, host_s=0.005) == pytest.approx(0.001)
+    assert pp_action_host_s(cfg, host_s=0.008) == pytest.approx(0.008 / (2 * PP_PROBE_MICROBATCHES))
+    with pytest.raises(RuntimeError) as err:
+        fsdp_unit_host_s(cfg, tp=2, host_s=-0.0031)
+    assert str(err.value).startswith("fsdp_unit_host_s.tp2: FSDP2 at tp 2:") and "came out -3.100 ms" in str(err.value)
+    assert "calibrate.seconds=0.4 (now 0.2)" in str(err.value)
+    with pytest.raises(RuntimeError, match=r"^pp_action_host_s: .* came out 0\.000 ms .* no profile is written"):
+        pp_action_host_s(cfg, host_s=0.0)
+
+
+def test_a_calibration_whose_probe_came_out_negative_writes_no_profile(tmp_path, monkeypatch, capsys):
+    from jobs import calibrate as entry
+    from jobs.planner import calibrate as assemble
+
+    def ranks(cfg):  # the ranks' raw timings as they report them (3 ranks: the pair 0-1 ran the pipeline probe)
+        coll = {f"{op}.{g}": [(s, 1e-4 + s / 1e9) for s in (1024, 262144)] for op in OPS for g in (3, 2)}
+        raw = {"rates": {1: 0.01}, "collectives": coll, "optimizer_ns": 5.0, "fsdp_host_s": {1: 0.01}}
+        return [{**raw, "pp_host_s": pp, "tp_seconds": {}} for pp in (-0.002, -0.001, None)]
+
+    monkeypatch.setattr(assemble, "run_ranks", ranks)
+    out = tmp_path / "prof.yaml"
+    cfg = compose(
+        ["model=tiny", "launcher.tasks_per_node=3", "calibrate.seconds=0.05", f"calibrate.out={out}"]
+        + [f"cluster.run_root={tmp_path / 'runs'}"]
+    )
+    assert entry.run(cfg) == 1 and not out.exists()
+    assert "calibration failed: pp_action_host_s: " in capsys.readouterr().err
+
+
+def _meets_and_sums(rank: int, n: int, port, cfg, tps, q) -> None:  # pragma: no cover - forked
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=calibrate_ranks._store(rank, n, port), rank=rank, world_size=n)
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    q.put((rank, {"sum": float(t), "port": port.value}))
+    dist.destroy_process_group()
+
+
+def test_the_calibration_ranks_meet_on_the_port_rank_0_bound_even_when_a_picked_one_is_taken(monkeypatch):
+    # Before, the parent picked a free port (bind, close) that rank 0 bound later: another process could take it
+    # in between (the local launcher's race, fixed in jobs/launch/rendezvous.py); here one holds it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(calibrate_ranks, "_free_port", lambda: taken.getsockname()[1], raising=False)
+        monkeypatch.setattr(calibrate_ranks, "_rank", _meets_and_sums)
+        got = calibrate_ranks.run_ranks(compose(["launcher.tasks_per_node=2"]))
+        busy = taken.getsockname()[1]
+    assert [g["sum"] for g in got] == [3.0, 3.0] and got[0]["port"] == got[1]["port"] != busy
