@@ -9,8 +9,8 @@ import statistics
 from jobs.config import ClusterConfig, JobConfig
 from jobs.planner import arith as P
 from jobs.planner.collectives import sent_bytes
-from jobs.planner.hardware import compute_bytes, hardware, hops
-from jobs.planner.probes import PP_PROBE_MICROBATCHES
+from jobs.planner.hardware import hardware, hops
+from jobs.planner.probes import PP_PROBE_MICROBATCHES, one_stage_items
 from jobs.planner.steptime import stage_flops
 
 __all__ = ["fit_alpha_beta", "fit_op", "fsdp_unit_host_s", "pp_action_host_s", "tp_rate"]
@@ -81,22 +81,7 @@ def tp_rate(cfg: JobConfig, tp: int, seconds: float, collectives: dict) -> float
     stages = [P.StageShape(tuple(range(m.n_layers)), True, True)]
     hw = hardware(ClusterConfig(matmul_tflops={"x": 1.0}, collectives=collectives), dtype="x", tasks_per_node=tp)
     comm = 0.0
-    for it in P.comm_per_step(
-        m,
-        stages,
-        pp=1,
-        dp_replicate=1,
-        fsdp=1,
-        tp=tp,
-        cp=1,
-        ep=1,
-        microbatches=1,
-        seq_len=t.seq_len,
-        micro_batch=t.micro_batch,
-        activation_checkpointing="none",
-        sequence_parallel=cfg.mesh.sequence_parallel,
-        compute_bytes=compute_bytes(cfg),
-    ):
+    for it in one_stage_items(cfg, fsdp=1, tp=tp):
         comm += hw.link(it.collective, "intra").seconds(calls=it.count, nbytes=it.bytes, op=it.collective, group=tp)
     _, train, _ = stage_flops(m, stages, tokens=t.micro_batch * t.seq_len, seq_len=t.seq_len, tp=tp, recomputed=[])
     return train / max(seconds - comm, seconds / 4) / 1e12

@@ -15,6 +15,7 @@ __all__ = [
     "PP_MIN_REPS",
     "PP_PROBE_MICROBATCHES",
     "fsdp_collectives",
+    "one_stage_items",
     "fsdp_host_s",
     "matmul_rate",
     "optimizer_ns",
@@ -82,30 +83,32 @@ def optimizer_ns(cfg: JobConfig, *, n: int, device, seconds: float, sync) -> flo
     return timed_together(step, seconds=seconds, sync=sync, device=device) / max(local, 1) * 1e9
 
 
+def one_stage_items(cfg: JobConfig, *, fsdp: int, tp: int) -> list[P.CommItem]:
+    """The planner's communication items of one microbatch through every layer on one stage (no pp, cp, ep), over
+    `fsdp` x `tp` ranks: what the calibration's probes replay or take out of what they time."""
+    m, t = cfg.model, cfg.train
+    return P.comm_per_step(
+        m,
+        [P.StageShape(tuple(range(m.n_layers)), True, True)],
+        pp=1,
+        dp_replicate=1,
+        fsdp=fsdp,
+        tp=tp,
+        cp=1,
+        ep=1,
+        microbatches=1,
+        seq_len=t.seq_len,
+        micro_batch=t.micro_batch,
+        activation_checkpointing="none",
+        sequence_parallel=cfg.mesh.sequence_parallel,
+        compute_bytes=compute_bytes(cfg),
+    )
+
+
 def fsdp_collectives(cfg: JobConfig, *, tp: int, n: int) -> list[P.CommItem]:
     """FSDP2's gathers and reductions of one microbatch over the n / tp ranks of a dp_shard group, as the
     planner counts them (its dp_shard items): what `fsdp_host_s` takes out of what FSDP2 adds."""
-    m, t = cfg.model, cfg.train
-    return [
-        it
-        for it in P.comm_per_step(
-            m,
-            [P.StageShape(tuple(range(m.n_layers)), True, True)],
-            pp=1,
-            dp_replicate=1,
-            fsdp=n // tp,
-            tp=tp,
-            cp=1,
-            ep=1,
-            microbatches=1,
-            seq_len=t.seq_len,
-            micro_batch=t.micro_batch,
-            activation_checkpointing="none",
-            sequence_parallel=cfg.mesh.sequence_parallel,
-            compute_bytes=compute_bytes(cfg),
-        )
-        if it.axis == "dp_shard"
-    ]
+    return [it for it in one_stage_items(cfg, fsdp=n // tp, tp=tp) if it.axis == "dp_shard"]
 
 
 def _replay(items: list[P.CommItem], *, rank: int, device, group):
