@@ -8,10 +8,12 @@ incident goes to `RUN_DIR/incidents/`, beside the stack dumps of the ranks that 
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
+import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,7 @@ __all__ = [
     "classify",
     "classify_settled",
     "dump_stacks",
+    "stacks_text",
     "write_incident",
     "error_class",
     "REQUEUE_CLASSES",
@@ -348,12 +351,26 @@ def dump_stacks(run_dir: str | os.PathLike[str], attempt: str, rank: int) -> Pat
     path = incident_dir(run_dir, attempt) / f"stacks-rank{rank}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        path.write_text(stacks_text())
     except OSError as e:
         get_logger().error("stacks not written to %s: %s", path, e)
         return None
     return path
+
+
+def stacks_text() -> str:
+    """Every Python thread's stack (its name, most recent call first), from `sys._current_frames()`, which reads the
+    thread states under the interpreter's lock. `faulthandler.dump_traceback(all_threads=True)` walks them without
+    it and crashes the process when a thread exits meanwhile (cpython#116008): a healthy rank that dumped its stacks
+    on a peer's failure died of SIGSEGV in it here, and the local launcher then reported a dead rank (exit 4)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me, out = threading.get_ident(), []
+    for ident, frame in sys._current_frames().items():
+        mark = " (the failure path)" if ident == me else ""
+        out.append(f"Thread 0x{ident:x} {names.get(ident, '?')}{mark} (most recent call first):\n")
+        out.extend(reversed(traceback.format_stack(frame)))
+        out.append("\n")
+    return "".join(out)
 
 
 def write_incident(run_dir: str | os.PathLike[str], inc: Incident) -> Path | None:
