@@ -96,22 +96,14 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     advanced over len2 zero bytes by squaring the one-zero-bit operator (a 32x32 matrix over GF(2))."""
     if len2 <= 0:
         return crc1
-    odd = [0xEDB88320] + [1 << i for i in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:  # apply len2 zero bytes (8 bits each), one power of two at a time
-        even = _gf2_square(odd)
+    op = [0xEDB88320] + [1 << i for i in range(31)]  # the operator for one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)  # ... for one zero byte
+    while len2:  # apply len2 zero bytes, one power of two at a time
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        op = _gf2_square(op)
     return crc1 ^ crc2
 
 
