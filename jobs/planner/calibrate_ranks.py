@@ -7,33 +7,14 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from datetime import timedelta
 
 from jobs.config import JobConfig
 from jobs.planner.collectives import COLLECTIVE_SIZES, time_collective
 from jobs.planner.hardware import OPS, compute_dtype
 from jobs.planner.probes import fsdp_host_s, matmul_rate, optimizer_ns, pp_host_s, tp_seconds
+from parallel.store import forked_store
 
 __all__ = ["run_ranks"]
-
-
-def _store(rank: int, n: int, port, *, timeout_s: float = 300.0):
-    """The ranks' store: rank 0 opens it on a port the kernel picks and publishes the port in `port` (shared memory,
-    made before the fork); the others wait for it. A port picked free by the parent and bound later by rank 0 could
-    be taken in between by another process (the local launcher's race, jobs/launch/rendezvous.py)."""
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=timeout, wait_for_workers=False)
-        port.value = store.port
-        return store
-    deadline = time.monotonic() + timeout_s
-    while port.value == 0:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"calibration rank 0 published no store port within {timeout_s:.0f} s")
-        time.sleep(0.01)
-    return dist.TCPStore("127.0.0.1", port.value, n, is_master=False, timeout=timeout)
 
 
 def _time_collectives(rank: int, n: int, pair, *, device, seconds: float, sync) -> dict[str, list]:
@@ -71,7 +52,9 @@ def _rank(rank: int, n: int, port, cfg: JobConfig, tps: list[int], q) -> None:
         if cuda:
             torch.cuda.set_device(device)
         torch.set_num_threads(cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // n))
-        dist.init_process_group("nccl" if cuda else "gloo", store=_store(rank, n, port), rank=rank, world_size=n)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=forked_store(rank, n, port, timeout_s=300.0), rank=rank, world_size=n
+        )
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         secs, t = cfg.calibrate.seconds, cfg.train
         dtype = compute_dtype(t.mixed_precision, gpus_per_node=cfg.cluster.gpus_per_node)
@@ -142,7 +125,7 @@ def run_ranks(cfg: JobConfig) -> list[dict]:
     import torch.distributed.pipelining  # noqa: F401 - torch (and _dynamo) once in the parent, not in every forked rank
 
     ctx = mp.get_context("fork")
-    q, n, port = ctx.Queue(), cfg.launcher.tasks_per_node, ctx.Value("i", 0)  # the port rank 0 binds: `_store`
+    q, n, port = ctx.Queue(), cfg.launcher.tasks_per_node, ctx.Value("i", 0)  # the port rank 0 binds: parallel.store
     procs = [ctx.Process(target=_rank, args=(r, n, port, cfg, _tps(cfg), q)) for r in range(n)]
     for p in procs:
         p.start()

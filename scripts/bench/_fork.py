@@ -87,19 +87,11 @@ def join_group(rank: int, world: int, port, *, timeout_s: float) -> None:
     be taken in between by another process. MASTER_ADDR and MASTER_PORT name the store, as env:// would."""
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        port.value = store.port
-    else:
-        deadline = time.monotonic() + timeout_s
-        while port.value == 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0 published no store port within {timeout_s:.0f} s")
-            time.sleep(0.01)
-        store = dist.TCPStore("127.0.0.1", port.value, world, is_master=False, timeout=timeout)
+    from parallel.store import forked_store
+
+    store = forked_store(rank, world, port, timeout_s=timeout_s)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 def _gather_child(q, rank: int, world: int, port, rank_result, timeout_s: float, teardown: bool) -> None:

@@ -20,6 +20,8 @@ import torch  # imported here, in the parent, so each forked rank skips the ~1 s
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo: lazy in parallel/, needed by every rank
 
+from parallel.store import forked_store
+
 __all__ = ["run_ranks", "RanksResult", "free_port"]
 
 
@@ -57,7 +59,7 @@ def run_ranks(
     """
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    # init_pg: rank 0 binds the store on a port the kernel picks and hands it on here (`_store`); a port picked
+    # init_pg: rank 0 binds the store on a port the kernel picks and hands it on here (parallel.store); a port picked
     # free now and bound later by a rank can be taken in between (by a concurrent test's gloo sockets). Without
     # it, a port for a function that meets through env:// itself (the GPU tests' NCCL groups).
     port = ctx.Value("i", 0 if init_pg else free_port())
@@ -130,21 +132,6 @@ def _die_with_parent(parent: int) -> None:
 _INIT_TIMEOUT = timedelta(seconds=60)
 
 
-def _store(rank: int, world_size: int, port) -> dist.Store:
-    """The group's store: rank 0 opens it on a port the kernel picks and publishes the port in `port` (shared
-    memory); the others wait for it, then connect."""
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=_INIT_TIMEOUT, wait_for_workers=False)
-        port.value = store.port
-        return store
-    deadline = time.monotonic() + _INIT_TIMEOUT.total_seconds()
-    while port.value == 0:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"rank 0 published no store port within {_INIT_TIMEOUT.total_seconds():.0f} s")
-        time.sleep(0.01)
-    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=_INIT_TIMEOUT)
-
-
 def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs, parent) -> None:  # pragma: no cover - forked
     _die_with_parent(parent)
     os.environ["OMP_NUM_THREADS"] = "1"  # `env` may override it
@@ -154,7 +141,7 @@ def _child(q, fn, rank, world_size, port, init_pg, env, args, kwargs, parent) ->
     torch.set_num_threads(1)  # 2 cores shared by all ranks: one intra-op thread each
     code = 0
     try:
-        store = _store(rank, world_size, port) if init_pg else None
+        store = forked_store(rank, world_size, port, timeout_s=_INIT_TIMEOUT.total_seconds()) if init_pg else None
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value), **env)  # the port actually bound
         if init_pg:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_INIT_TIMEOUT)

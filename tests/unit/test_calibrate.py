@@ -129,7 +129,9 @@ def _meets_and_sums(rank: int, n: int, port, cfg, tps, q) -> None:  # pragma: no
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=calibrate_ranks._store(rank, n, port), rank=rank, world_size=n)
+    dist.init_process_group(
+        "gloo", store=calibrate_ranks.forked_store(rank, n, port, timeout_s=60), rank=rank, world_size=n
+    )
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     q.put((rank, {"sum": float(t), "port": port.value}))
