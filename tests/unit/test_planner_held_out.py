@@ -4,6 +4,8 @@ stage, unknown restart costs said to be unknown, and held-out published runs pre
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from jobs.config import compose
@@ -124,38 +126,75 @@ def test_an_unknown_restart_cost_gives_an_unknown_goodput_not_one_that_looks_mea
 # (NVIDIA's Matrix Multiplication Background guide), attention at FlashAttention-2's causal forward + backward rate
 # at the row's sequence length (Dao 2023, Fig. 4(d) and 7(d)), and the bytes FSDP2's copies and AdamW move (torch's
 # source).
-# GPT-3 175B as Megatron-LM trained it, in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of
-# 2/3 x 4h hidden (the same parameters and FLOPs as GeLU's 4h), vocab 51,200, sequence 2,048.
-GPT3_175B_MEGATRON = [
-    "model=llama3_70b",
-    "model.name=gpt3_175b",
-    "model.dim=12288",
-    "model.n_layers=96",
-    "model.n_heads=96",
-    "model.n_kv_heads=96",
-    "model.ffn_dim=32768",
-    "model.vocab_size=51200",
-    "model.max_seq_len=2048",
-    "cluster=a100_ib",
-    "launcher=slurm",
-    "launcher.nodes=48",
-    "launcher.tasks_per_node=8",
-    "mesh.tp=8",
-    "mesh.pp=12",
-    "mesh.dp_replicate=4",
-    "mesh.dp_shard=1",
-    "mesh.pp_schedule=1f1b",
-    "train.seq_len=2048",
-    "train.micro_batch=1",
-    "train.global_batch=1536",
-    "train.activation_checkpointing=full",
-]
+# The Megatron-LM GPT rows in our block's terms: MHA (n_kv_heads = n_heads), and a SwiGLU of 2/3 x 4h hidden (the same
+# parameters and FLOPs as GeLU's 4h; rounded to a multiple of 8 where 8h/3 is not whole), vocab 51,200, sequence 2,048,
+# on a100_ib (Selene: 8 A100 80GB and 8 HDR NICs a node). Two fields as the papers ran them, not as our defaults:
+# - every pipeline rank holds L/p blocks ("a given device only has L/p layers", Korthikanti et al. 2022, arXiv
+#   2205.05198, §4.2.3; MT-NLG 530B: "only three layers per device", §5), where our balanced split gives the first
+#   and last stage fewer (GPT-3 on 12 stages: 9 blocks on pp1, 530B on 35: 4);
+# - sequence parallelism only where the run had it: it was introduced by Korthikanti et al. 2022, so Narayanan et al.
+#   2021's runs ran without (`mesh.sequence_parallel=false`), as did the 2022 paper's "full recompute" column.
+def _megatron(
+    *,
+    h: int,
+    layers: int,
+    heads: int,
+    tp: int = 8,
+    pp: int,
+    dp: int,
+    batch: int,
+    micro_batch: int = 1,
+    ac: str = "full",
+    sp: bool = False,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+) -> list[str]:
+    stages = pp * stages_per_rank
+    return [
+        "model=llama3_70b",
+        f"model.name=gpt_{h}x{layers}",
+        f"model.dim={h}",
+        f"model.n_layers={layers}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads}",
+        f"model.ffn_dim={round(8 * h / 3 / 8) * 8}",
+        "model.vocab_size=51200",
+        "model.max_seq_len=2048",
+        "cluster=a100_ib",
+        "launcher=slurm",
+        f"launcher.nodes={tp * pp * dp // 8}",
+        "launcher.tasks_per_node=8",
+        f"mesh.tp={tp}",
+        f"mesh.pp={pp}",
+        f"mesh.dp_replicate={dp}",
+        "mesh.dp_shard=1",
+        f"mesh.pp_schedule={schedule}",
+        f"mesh.pp_stages_per_rank={stages_per_rank}",
+        f"mesh.sequence_parallel={str(sp).lower()}",
+        "train.seq_len=2048",
+        f"train.micro_batch={micro_batch}",
+        f"train.global_batch={batch}",
+        f"train.activation_checkpointing={ac}",
+    ] + ([f"mesh.pp_layers_per_stage=[{','.join([str(layers // stages)] * stages)}]"] if pp > 1 else [])
 
 
-def _megatron_gpus(gpus: int) -> list[str]:
+GPT3_175B = dict(h=12288, layers=96, heads=96)
+GPT_530B = dict(h=20480, layers=105, heads=128)
+GPT_1T = dict(h=25600, layers=128, heads=160)
+GPT_22B = dict(h=6144, layers=48, heads=64)
+GPT3_175B_MEGATRON = _megatron(**GPT3_175B, pp=12, dp=4, batch=1536)
+
+
+def _megatron_gpus(gpus: int, **kw) -> list[str]:
     """Narayanan et al. 2021 Table 2's strong scaling: the same t8 x p12 model-parallel group (96 GPUs) and batch,
     data parallel over `gpus` / 96."""
-    return [*GPT3_175B_MEGATRON, f"launcher.nodes={gpus // 8}", f"mesh.dp_replicate={gpus // 96}"]
+    return _megatron(**GPT3_175B, pp=12, dp=gpus // 96, batch=1536, **kw)
+
+
+def _megatron_530b(gpus: int, *, batch: int = 2240, **kw) -> list[str]:
+    """Narayanan et al. 2021 Table 2, PTD parallelism: 529.6B, model-parallel size 280 (t8 x p35, Table 1's
+    configuration), batch 2240, microbatch 1, data parallel over `gpus` / 280."""
+    return _megatron(**GPT_530B, pp=35, dp=gpus // 280, batch=batch, **kw)
 
 
 def _megatron_tflops(plan, *, B=1536, s=2048, l=96, h=12288, V=51200) -> float:
@@ -163,6 +202,16 @@ def _megatron_tflops(plan, *, B=1536, s=2048, l=96, h=12288, V=51200) -> float:
     (Narayanan et al. 2021, §5.1: with activation recomputation), over the predicted iteration."""
     flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     return flops / (plan.step["step_s"] * plan.world_size) / 1e12
+
+
+def _tflops(B: int, model: dict):
+    return lambda p: _megatron_tflops(p, B=B, l=model["layers"], h=model["h"])
+
+
+def _per_s(p) -> float:
+    """Iterations per second: a published iteration time enters the table as its inverse, so that the ratio is
+    predicted throughput over published throughput like every other row."""
+    return 1.0 / p.step["step_s"]
 
 
 # torchtitan's Llama 2 on its 64 A100 80GB, FSDP2 over all 64 (tp 1), 4K context (pytorch/torchtitan
@@ -222,30 +271,162 @@ HELD_OUT = {
     ),
     "torchtitan_llama2_70b_full_tok_s": (_torchtitan_llama2(LLAMA2_70B, batch=2, ac="full"), 353, _tok_s_per_gpu),
     # Narayanan et al. 2021 (arXiv 2104.04473) Table 2, PTD parallelism: GPT 174.6B, t8 x p12 on 384 A100,
-    # batch 1536, microbatch 1: 153 teraFLOP/s per GPU
+    # batch 1536, microbatch 1: 153 teraFLOP/s per GPU. Its schedule is not stated (§5.1 says Table 1's runs were
+    # interleaved): an assumption, planned 1F1B, the interleaved alternative (v2, not stated either) in the `_alt` row.
     "megatron_gpt3_175b_384gpu_tflops": (GPT3_175B_MEGATRON, 153, _megatron_tflops),
     # the same table's strong scaling of that run: 768 GPUs 149, 1,536 GPUs 141 teraFLOP/s per GPU (43 and 23 days
     # for 300B tokens against 84 on 384)
     "megatron_gpt3_175b_768gpu_tflops": (_megatron_gpus(768), 149, _megatron_tflops),
     "megatron_gpt3_175b_1536gpu_tflops": (_megatron_gpus(1536), 141, _megatron_tflops),
+    "megatron_gpt3_175b_384gpu_tflops_alt_interleaved_v2": (
+        _megatron_gpus(384, schedule="interleaved_1f1b", stages_per_rank=2),
+        153,
+        _megatron_tflops,
+    ),
+    "megatron_gpt3_175b_768gpu_tflops_alt_interleaved_v2": (
+        _megatron_gpus(768, schedule="interleaved_1f1b", stages_per_rank=2),
+        149,
+        _megatron_tflops,
+    ),
+    "megatron_gpt3_175b_1536gpu_tflops_alt_interleaved_v2": (
+        _megatron_gpus(1536, schedule="interleaved_1f1b", stages_per_rank=2),
+        141,
+        _megatron_tflops,
+    ),
+    # the same Table 2, PTD parallelism: GPT 529.6B, model-parallel size 280, batch 2240, microbatch 1 on 560, 1,120
+    # and 2,240 A100: 171, 167, 159 teraFLOP/s per GPU. Schedule as for 175B (assumed 1F1B; `_alt`: interleaved
+    # with one block per virtual stage, v3, the 2022 paper's choice for this model)
+    "megatron_530b_560gpu_tflops": (_megatron_530b(560), 171, _tflops(2240, GPT_530B)),
+    "megatron_530b_1120gpu_tflops": (_megatron_530b(1120), 167, _tflops(2240, GPT_530B)),
+    "megatron_530b_2240gpu_tflops": (_megatron_530b(2240), 159, _tflops(2240, GPT_530B)),
+    "megatron_530b_560gpu_tflops_alt_interleaved_v3": (
+        _megatron_530b(560, schedule="interleaved_1f1b", stages_per_rank=3),
+        171,
+        _tflops(2240, GPT_530B),
+    ),
+    "megatron_530b_1120gpu_tflops_alt_interleaved_v3": (
+        _megatron_530b(1120, schedule="interleaved_1f1b", stages_per_rank=3),
+        167,
+        _tflops(2240, GPT_530B),
+    ),
+    "megatron_530b_2240gpu_tflops_alt_interleaved_v3": (
+        _megatron_530b(2240, schedule="interleaved_1f1b", stages_per_rank=3),
+        159,
+        _tflops(2240, GPT_530B),
+    ),
+    # Narayanan et al. 2021 Table 1 (weak scaling; "we use the interleaved pipeline schedule", §5.1): 529.6B t8 p35 on
+    # 2,520 GPUs, batch 2520, 163 teraFLOP/s per GPU; 1008.0B (160 heads, 25600, 128 layers) t8 p64 on 3,072, batch
+    # 3072, 163. With L/p = 3 and 2 blocks a rank, equal chunks leave one v each: 3 and 2. The table gives no
+    # microbatch: assumed 1 (as Table 2), `_alt` 2.
+    **{
+        f"megatron_table1_{name}_{gpus}gpu_tflops{alt}": (
+            _megatron(
+                **model,
+                pp=pp,
+                dp=gpus // (8 * pp),
+                batch=gpus,
+                micro_batch=mb,
+                schedule="interleaved_1f1b",
+                stages_per_rank=v,
+            ),
+            163,
+            _tflops(gpus, model),
+        )
+        for alt, mb in (("", 1), ("_alt_microbatch_2", 2))
+        for name, model, pp, gpus, v in (("530b", GPT_530B, 35, 2520, 3), ("1t", GPT_1T, 64, 3072, 2))
+    },
+    # Korthikanti et al. 2022 (arXiv 2205.05198) Table 3 configurations (t8, no data parallelism): 22B (64 heads,
+    # 6144, 48 layers) p1 on 8 GPUs, batch 4, microbatch 4; 175B p8 on 64, batch 64; 530B p35 on 280, batch 280; 1T
+    # p64 on 512, batch 512; microbatch 1. §6: "the interleaving schedule with three interleaving
+    # stages" for 175B and 530B (1T: not named, planned 1F1B; `_alt`: interleaved v2). Table 5's iteration seconds:
+    # "Full Recompute" (no sequence parallelism) 1.42, 18.13, 49.05, 94.42; "Present Work" (sequence parallelism +
+    # selective recompute) 1.10, 13.75, 37.83, 71.49; and §6.3: 530B on 2,240 GPUs (8-way data parallel, batch
+    # 2240) 39.15 s. Their selective recompute re-runs the attention core (QK^T, softmax, dropout, PV: +2.7% and
+    # +1.6% FLOPs for 175B and 530B, §5) and is planned as `none`: FlashAttention's backward recomputes that core
+    # itself, inside the attention rate the profile prices.
+    "korthikanti_22b_full_recompute_per_s": (
+        _megatron(**GPT_22B, pp=1, dp=1, batch=4, micro_batch=4),
+        1 / 1.42,
+        _per_s,
+    ),
+    "korthikanti_175b_full_recompute_per_s": (
+        _megatron(**GPT3_175B, pp=8, dp=1, batch=64, schedule="interleaved_1f1b", stages_per_rank=3),
+        1 / 18.13,
+        _per_s,
+    ),
+    "korthikanti_530b_full_recompute_per_s": (
+        _megatron_530b(280, batch=280, schedule="interleaved_1f1b", stages_per_rank=3),
+        1 / 49.05,
+        _per_s,
+    ),
+    "korthikanti_1t_full_recompute_per_s": (_megatron(**GPT_1T, pp=64, dp=1, batch=512), 1 / 94.42, _per_s),
+    "korthikanti_22b_selective_sp_per_s": (
+        _megatron(**GPT_22B, pp=1, dp=1, batch=4, micro_batch=4, ac="none", sp=True),
+        1 / 1.10,
+        _per_s,
+    ),
+    "korthikanti_175b_selective_sp_per_s": (
+        _megatron(
+            **GPT3_175B, pp=8, dp=1, batch=64, ac="none", sp=True, schedule="interleaved_1f1b", stages_per_rank=3
+        ),
+        1 / 13.75,
+        _per_s,
+    ),
+    "korthikanti_530b_selective_sp_per_s": (
+        _megatron_530b(280, batch=280, ac="none", sp=True, schedule="interleaved_1f1b", stages_per_rank=3),
+        1 / 37.83,
+        _per_s,
+    ),
+    "korthikanti_530b_2240gpu_selective_sp_per_s": (
+        _megatron_530b(2240, ac="none", sp=True, schedule="interleaved_1f1b", stages_per_rank=3),
+        1 / 39.15,
+        _per_s,
+    ),
+    "korthikanti_1t_selective_sp_per_s": (
+        _megatron(**GPT_1T, pp=64, dp=1, batch=512, ac="none", sp=True),
+        1 / 71.49,
+        _per_s,
+    ),
+    "korthikanti_1t_full_recompute_per_s_alt_interleaved_v2": (
+        _megatron(**GPT_1T, pp=64, dp=1, batch=512, schedule="interleaved_1f1b", stages_per_rank=2),
+        1 / 94.42,
+        _per_s,
+    ),
+    "korthikanti_1t_selective_sp_per_s_alt_interleaved_v2": (
+        _megatron(**GPT_1T, pp=64, dp=1, batch=512, ac="none", sp=True, schedule="interleaved_1f1b", stages_per_rank=2),
+        1 / 71.49,
+        _per_s,
+    ),
 }
-# Rows outside 15%, each pinned to its band so that a change in either direction is seen: none since attention runs
-# at FlashAttention-2's published causal head-dim-128 rate at the row's sequence length (cluster.gpu_attention_seq_share:
-# Dao 2023 Fig. 4(d) A100, Fig. 7(d) H100), not at its best non-causal figure. The three rows that read 1.151-1.166
-# then (Llama 3 405B on 8,192 GPUs, torchtitan's 8B selective and Llama 2 13B without AC) read 1.127-1.144.
-KNOWN_GAP: dict[str, tuple[float, float]] = {}
+# Rows outside 15%, each pinned to its measured band (+-0.02 or so) so that a change in either direction is seen. All
+# three are Korthikanti et al.'s sequence-parallel + selective runs, which the plan runs faster than published: per
+# layer of the 22B model (t8, microbatch 4) the plan's forward + backward is 17.4 ms (GEMMs 12.3 at 0.888 of 271
+# TFLOP/s, memory-bound 1.8, tp collectives 3.3) against the measured 20.3 ms (Table 4: 7.2 + 13.1), 1.3 ms of it the
+# selective recompute planned as `none`. The run materialised attention (§5: "QK^T matrix multiply, softmax, softmax
+# dropout, and attention over V"), which the plan prices as FlashAttention-2: 134M scores a rank and layer, ~2.6 ms of
+# HBM traffic (an estimate). Without sequence parallelism the error runs the other way (plan 24.9 ms, measured 19.6:
+# our unfused norms over the whole sequence and per-linear all-reduces), which is why those rows read 0.88-1.04.
+# docs/planner.md "The Megatron rows" has the arithmetic.
+KNOWN_GAP: dict[str, tuple[float, float]] = {
+    "korthikanti_22b_selective_sp_per_s": (1.23, 1.28),
+    "korthikanti_530b_2240gpu_selective_sp_per_s": (1.14, 1.19),
+    "korthikanti_1t_selective_sp_per_s_alt_interleaved_v2": (1.13, 1.18),
+}
 
 
+@functools.cache
 def _ratio(row: str) -> float:
+    """Predicted over published for `row`, planned once per session (the table and the per-row test share it)."""
     overrides, published, metric = HELD_OUT[row]
     plan = build_plan(compose(overrides), measure=False)
-    assert plan.step["memory_bound_s"] > 0 and plan.step["interference_s"] > 0  # GPU profiles: both terms on
+    hidden = sum(c["seconds"] - c["exposed_s"] for c in plan.comm)  # none without data parallelism
+    assert plan.step["memory_bound_s"] > 0 and (plan.step["interference_s"] > 0 or hidden == 0)  # GPU profiles
     return metric(plan) / published
 
 
 def test_the_held_out_table_prints_every_ratio_and_each_stays_in_its_band():
     ratios = {row: _ratio(row) for row in HELD_OUT}
-    table = "\n".join(f"  {row:46s} {r:.3f}" for row, r in ratios.items())
+    table = "\n".join(f"  {row:56s} {r:.3f}" for row, r in ratios.items())
     print("held-out predicted / published:\n" + table)
     for row, r in ratios.items():
         low, high = KNOWN_GAP.get(row, (0.85, 1.15))
@@ -256,7 +437,10 @@ def test_the_held_out_table_prints_every_ratio_and_each_stays_in_its_band():
     "row",
     [
         pytest.param(
-            row, marks=pytest.mark.xfail(strict=True, reason=f"KNOWN_GAP {KNOWN_GAP[row]}: predicted above 1.15x")
+            row,
+            marks=pytest.mark.xfail(
+                strict=True, raises=AssertionError, reason=f"KNOWN_GAP {KNOWN_GAP[row]}: predicted above 1.15x"
+            ),
         )
         if row in KNOWN_GAP
         else row
@@ -327,3 +511,23 @@ def test_llama3_405b_at_131k_is_predicted_as_the_planner_doc_says():
     # with full AC against the paper's 38%
     plan = build_plan(compose(["+experiment=llama3_405b_131k_16384gpu"]), measure=False)
     assert plan.step["mfu"] == pytest.approx(0.255, abs=0.0005)
+
+
+def test_the_megatron_rows_hold_l_over_p_blocks_on_every_rank_and_sequence_parallelism_only_from_2022():
+    # Megatron gives every pipeline rank L/p blocks (Korthikanti et al. 2022 §4.2.3; MT-NLG: "only three layers per
+    # device", §5); our balanced split would give pp1 9 of GPT-3's 96 blocks on 12 stages and 4 of 530B's 105 on 35,
+    # which made the 175B rows read 1.05-1.08 and the 530B rows 0.93-0.95 on one table. Sequence parallelism came
+    # with the 2022 paper: none of Narayanan et al. 2021's runs, nor the 2022 "full recompute" column, had it.
+    from parallel.pipeline import balanced_layers_per_stage
+
+    assert balanced_layers_per_stage(96, 12)[1] == 9 and balanced_layers_per_stage(105, 35)[1] == 4
+    rows = [r for r in HELD_OUT if r.startswith(("megatron", "korthikanti"))]
+    assert len(rows) == 27
+    for row in rows:
+        ov = dict(o.split("=", 1) for o in HELD_OUT[row][0])  # the overrides as written (composing 27 takes 12 s)
+        layers, pp = int(ov["model.n_layers"]), int(ov["mesh.pp"])
+        stages = pp * int(ov["mesh.pp_stages_per_rank"])
+        if pp > 1:
+            assert ov["mesh.pp_layers_per_stage"] == f"[{','.join([str(layers // stages)] * stages)}]", row
+            assert layers % stages == 0, row
+        assert ov["mesh.sequence_parallel"] == ("true" if "selective_sp" in row else "false"), row
