@@ -1,33 +1,19 @@
 """CheckpointManager: sharded DCP save/load with async writes, atomic commit, retention, fallback and the interval.
 
-Layout under `folder` (RUN_DIR/checkpoints):
-    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`, then `manifest.json`)
-    step_<N>/         committed by one atomic rename of the whole folder, manifest included
-The commit, per save: every rank's shards written and fsync'ed once, their sizes and crc32 taken from the
-bytes as they were written -> gathered on rank 0 -> manifest written and fsync'ed in the temporary folder
--> fsync of it -> rename to step_<N> -> fsync of the parent. Checkpoints of the older layout (manifest
-written after the rename) load the same way; a step_<N> without a valid manifest never loads.
-
-Async modes take the state off the blocking path: `save` hands the copy into the CPU staging buffers to
-a thread and returns; the copy overlaps the next forward and backward and is waited for in a step
-pre-hook on every bound optimizer, the first place those tensors change. The state-dict structure is
-built once and rebuilt only when the tensors behind it change. Retention runs in a thread of its own.
-
 The manager is a small facade over parts, each built with exactly what it needs and holding its own state:
-`Committer` (checkpoint/commit.py: the filesystem tier's commit, retention and folder housekeeping), `FsRestore`
+`Committer` (checkpoint/commit.py: the filesystem tier's write, commit, retention and folder housekeeping; its
+docstring has the layout and the commit protocol), `FsRestore`
 (checkpoint/fs_restore.py: the filesystem tier's listing, checks and load), `MemoryTier` (checkpoint/memory_tier.py:
 the RAM tier: when it saves, its saves and loads of the bound state, with its `MemoryRestore` and capacity check),
 `Restore` (checkpoint/restore.py: the choice between the tiers' candidates at a load, the newest step first, the RAM
 tier's at a tie, skipping bad ones), `Cadence` (checkpoint/cadence.py: when each tier saves) and `BoundState`
-(checkpoint/statedict.py: the objects saved and restored). The manager builds and wires them, binds the state, writes
-the filesystem tier's saves and hands the trainer's RAM-tier calls to `MemoryTier` unchanged.
+(checkpoint/statedict.py: the objects saved and restored, the save's state-dict structure built once). The manager
+builds and wires them, binds the state (and the optimizer pre-hooks that wait for the staging copies), starts the
+filesystem tier's saves and hands the trainer's RAM-tier calls to `MemoryTier` unchanged.
 
 Collectives run on gloo groups of the manager's own (checkpoint/group.py): `io` (the commit, possibly in a
 background thread), `ctl` (everything on the caller's thread) and the RAM tier's, so none ever races the training
-collectives.
-Load has no collective inside DCP (each rank reads with no_dist): each candidate is validated, then
-loaded, and after each an all_gather that every rank reaches decides for all, so one rank's failure
-makes every rank skip that checkpoint together.
+collectives. A load agrees on every candidate (checkpoint/restore.py): one rank's failure makes every rank skip it.
 """
 
 from __future__ import annotations
@@ -42,10 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint.cadence import Cadence
+from checkpoint.cadence import Cadence, check_auto
 from checkpoint.commit import Committer
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointSaveError
@@ -55,7 +39,7 @@ from checkpoint.group import Group
 from checkpoint.memory_tier import FILESYSTEM, MemoryTier, place
 from checkpoint.restore import Restore
 from checkpoint.statedict import BoundState
-from checkpoint.writer import RecordingWriter, ThreadStager
+from checkpoint.writer import ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
 
@@ -99,7 +83,7 @@ class CheckpointManager:
         tier_shares: dict[str, float] | None = None,
         domain: str = "",
     ) -> None:
-        _check_auto(cfg, mtbf_s)
+        check_auto(cfg, mtbf_s)
         self.folder, self.cfg, self.rank, self.world_size = Path(folder), cfg, rank, world_size
         self.total_steps = total_steps
         # The bound of every checkpoint collective: this manager's groups (`process_groups`, set by the trainer) and
@@ -166,6 +150,8 @@ class CheckpointManager:
             env=self.fingerprint,
             manifest_extra=self.manifest_extra,
             interval=self.cadence.manifest_entry,
+            stager=self._stager,
+            timeout_s=self.checkpoint_timeout_s,
         )
 
     def _fs_restore(self) -> FsRestore:
@@ -285,38 +271,13 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
-        tmp, final = self.folder / f"step_{step}.{self.attempt}.tmp", self.folder / f"step_{step}"
+        tmp = self.folder / f"step_{step}.{self.attempt}.tmp"
         if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
             if self.rank == 0:
                 self.committer.prepare(tmp)
             self._ctl.barrier()
         sd = self.state.save_state_dict()
-        writer = RecordingWriter(
-            tmp,
-            thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
-            collective_timeout_s=self.checkpoint_timeout_s,
-        )
-        if self.cfg.async_mode == "none":
-            err = None
-            try:
-                dcp.save(sd, storage_writer=writer, process_group=self._io.pg)
-            except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
-                err = e
-            self.cadence.last_save_step = step
-            self.committer.commit(step, tmp, final, None, err, t0, None, writer)
-            blocking = time.perf_counter() - t0
-        else:
-            kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(
-                sd,
-                storage_writer=writer,
-                process_group=self._io.pg,
-                async_checkpointer_type=kind,
-                async_stager=self._stager,
-            )
-            blocking = time.perf_counter() - t0
-            self.cadence.last_save_step = step
-            self.committer.submit(step, tmp, final, resp.upload_completion, None, t0, blocking, writer)
+        blocking = self.committer.save(step, sd, tmp=tmp, t0=t0, written=lambda: self.cadence.started(step))
         self.cadence.saved(step, blocking, overlapped=self.cfg.async_mode != "none")
 
     @property
@@ -392,13 +353,3 @@ class CheckpointManager:
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.rank == 0 and self._emit_fn is not None:
             self._emit_fn(kind, **fields)
-
-
-def _check_auto(cfg: CheckpointConfig, mtbf_s: float | None) -> None:
-    """An auto interval needs the job MTBF: a config error naming the fix when there is none."""
-    for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
-        if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
-            raise ValueError(
-                f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
-                f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
-            )

@@ -113,7 +113,7 @@ class MemoryTier:
     the cleanup. A copy's manifest names this run (`run_id`), the world size, `manifest_extra`'s mesh and config hash
     and the saving `attempt`. `ctl`: the group the ranks agree on at load; `mem`: the tier's own group (the background
     commit, the partner copies); `emit(kind, **fields)`: the ledger (rank 0's); `state`: the objects saved and loaded
-    (BoundState, bound by the manager's load); `cadence`: the tier's interval (Cadence.memory_interval_steps, retuned
+    (BoundState, bound by the manager's load); `cadence`: the tier's interval (Cadence.memory_interval_steps, set anew
     from the saves' costs); `total_steps`: the run's last step (never a RAM save: the filesystem saves it). Holds its
     save in flight, staging buffers and last saved step."""
 
