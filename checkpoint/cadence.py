@@ -14,7 +14,17 @@ from checkpoint.tiers import FILESYSTEM, MEMORY, cadence_share, memory_interval_
 
 log = logging.getLogger("meshjob.checkpoint")
 
-__all__ = ["Cadence"]
+__all__ = ["Cadence", "check_auto"]
+
+
+def check_auto(cfg: Any, mtbf_s: float | None) -> None:
+    """An auto interval needs the job MTBF: a config error naming the fix when there is none."""
+    for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
+        if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
+            raise ValueError(
+                f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
+                f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
+            )
 
 
 class Cadence:
@@ -83,6 +93,10 @@ class Cadence:
         if self.interval_steps is None:
             return True  # nothing measured yet: save once to measure the blocking cost
         return step - self.last_save_step >= self.interval_steps
+
+    def started(self, step: int) -> None:
+        """A filesystem save of `step` was written or handed to its background write: the next is due from it."""
+        self.last_save_step = step
 
     def saved(self, step: int, blocking_s: float, *, overlapped: bool) -> None:
         """A filesystem save of `step` began and blocked `blocking_s`; `overlapped`: its write goes on behind the next

@@ -1,6 +1,20 @@
-"""The filesystem tier's commit and retention: every rank's shard records gathered, rank 0 writes the manifest and
-renames step_<N>.tmp to step_<N>, the outcome agreed on every rank; then older checkpoints retired in a thread of
-their own (a part of CheckpointManager's, checkpoint/manager.py)."""
+"""The filesystem tier's write, commit and retention: the state written with DCP (blocking, or handed to DCP's async
+save), every rank's shard records gathered, rank 0 writes the manifest and renames step_<N>.tmp to step_<N>, the
+outcome agreed on every rank; then older checkpoints retired in a thread of their own (a part of
+CheckpointManager's, checkpoint/manager.py).
+
+Layout under `folder` (RUN_DIR/checkpoints):
+    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`, then `manifest.json`)
+    step_<N>/         committed by one atomic rename of the whole folder, manifest included
+The commit, per save: every rank's shards written and fsync'ed once, their sizes and crc32 taken from the
+bytes as they were written -> gathered on rank 0 -> manifest written and fsync'ed in the temporary folder
+-> fsync of it -> rename to step_<N> -> fsync of the parent. Checkpoints of the older layout (manifest
+written after the rename) load the same way; a step_<N> without a valid manifest never loads.
+
+Async modes take the state off the blocking path: `save` hands the copy into the CPU staging buffers to
+a thread and returns; the copy overlaps the next forward and backward and is waited for in a step
+pre-hook on every bound optimizer, the first place those tensors change. Retention runs in a thread of its own.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +27,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpoint.errors import CheckpointSaveError, describe_error
 from checkpoint.group import Group
@@ -29,7 +46,9 @@ class Committer:
     """Commits the filesystem tier's saves under `folder` and retires the old ones; holds the save in flight and the
     retention pass. `io`: the group the commit agrees on (possibly from its own thread); `emit(kind, **fields)`: the
     ledger (rank 0's); `attempt`: names the folders moved aside; `env`, `manifest_extra` and `interval()` (the
-    interval's entry at commit time): what each manifest records besides its files."""
+    interval's entry at commit time): what each manifest records besides its files; `stager`: the async saves'
+    staging buffers (None: checkpoint.async_mode=none); `timeout_s`: the bound of DCP's background group's
+    collectives (async_mode=process)."""
 
     def __init__(
         self,
@@ -44,8 +63,11 @@ class Committer:
         env: dict[str, Any],
         manifest_extra: dict[str, Any],
         interval: Callable[[], dict[str, Any]],
+        stager: Any | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.folder, self.cfg, self.rank, self.world_size = folder, cfg, rank, world_size
+        self._stager, self._timeout_s = stager, timeout_s
         self._io, self._emit, self._attempt = io, emit, attempt
         self._env, self._manifest_extra, self._interval = env, manifest_extra, interval
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -53,6 +75,39 @@ class Committer:
         self._pending: Future | None = None
         self._retaining: Future | None = None
         self._damaged: set[tuple[int, str]] = set()  # (step, manifest crc32) the load skipped: retention counts none
+
+    def save(self, step: int, sd: dict[str, Any], *, tmp: Path, t0: float, written: Callable[[], None]) -> float:
+        """Writes the state dict `sd` of save `step` into `tmp` with DCP and commits it to step_<N>: blocking, the
+        commit included (checkpoint.async_mode=none), else handed to DCP's async save and committed in the commit's
+        thread; `written()` once the write is over or handed over, before the commit. Returns the seconds it blocked
+        since `t0` (perf_counter when the save was asked for); call `wait` first."""
+        final = self.folder / f"step_{step}"
+        writer = RecordingWriter(
+            tmp,
+            thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
+            collective_timeout_s=self._timeout_s,
+        )
+        if self.cfg.async_mode == "none":
+            err = None
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=self._io.pg)
+            except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
+                err = e
+            written()
+            self.commit(step, tmp, final, None, err, t0, None, writer)
+            return time.perf_counter() - t0
+        kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
+        resp = dcp.async_save(
+            sd,
+            storage_writer=writer,
+            process_group=self._io.pg,
+            async_checkpointer_type=kind,
+            async_stager=self._stager,
+        )
+        blocking = time.perf_counter() - t0
+        written()
+        self.submit(step, tmp, final, resp.upload_completion, None, t0, blocking, writer)
+        return blocking
 
     def submit(self, *args: Any) -> None:
         """Runs `commit(*args)` in the commit's thread (an async save); `wait` raises its failure."""

@@ -1,37 +1,23 @@
 """CheckpointManager: sharded DCP save/load with async writes, atomic commit, retention, fallback and the interval.
 
-Layout under `folder` (RUN_DIR/checkpoints):
-    step_<N>.tmp/     a save in progress (DCP shards `__<rank>_<i>.distcp` + `.metadata`, then `manifest.json`)
-    step_<N>/         committed by one atomic rename of the whole folder, manifest included
-The commit, per save: every rank's shards written and fsync'ed once, their sizes and crc32 taken from the
-bytes as they were written -> gathered on rank 0 -> manifest written and fsync'ed in the temporary folder
--> fsync of it -> rename to step_<N> -> fsync of the parent. Checkpoints of the older layout (manifest
-written after the rename) load the same way; a step_<N> without a valid manifest never loads.
-
-Async modes take the state off the blocking path: `save` hands the copy into the CPU staging buffers to
-a thread and returns; the copy overlaps the next forward and backward and is waited for in a step
-pre-hook on every bound optimizer, the first place those tensors change. The state-dict structure is
-built once and rebuilt only when the tensors behind it change. Retention runs in a thread of its own.
-
 The manager is a small facade over parts, each built with exactly what it needs and holding its own state:
-`Committer` (checkpoint/commit.py: the filesystem tier's commit, retention and folder housekeeping), `FsRestore`
+`Committer` (checkpoint/commit.py: the filesystem tier's write, commit, retention and folder housekeeping; its
+docstring has the layout and the commit protocol), `FsRestore`
 (checkpoint/fs_restore.py: the filesystem tier's listing, checks and load), `MemoryTier` (checkpoint/memory_tier.py:
-the RAM tier, with its `MemoryRestore` and capacity check), `Cadence` (checkpoint/cadence.py: when each tier saves)
-and `BoundState` (checkpoint/statedict.py: the objects saved and restored). The manager builds them, chooses between
-the tiers' candidates at a load (the newest step first, the RAM tier's at a tie) and hands each part what it asks
-for.
+the RAM tier: when it saves, its saves and loads of the bound state, with its `MemoryRestore` and capacity check),
+`Restore` (checkpoint/restore.py: the choice between the tiers' candidates at a load, the newest step first, the RAM
+tier's at a tie, skipping bad ones), `Cadence` (checkpoint/cadence.py: when each tier saves) and `BoundState`
+(checkpoint/statedict.py: the objects saved and restored, the save's state-dict structure built once). The manager
+builds and wires them, binds the state (and the optimizer pre-hooks that wait for the staging copies), starts the
+filesystem tier's saves and hands the trainer's RAM-tier calls to `MemoryTier` unchanged.
 
 Collectives run on gloo groups of the manager's own (checkpoint/group.py): `io` (the commit, possibly in a
 background thread), `ctl` (everything on the caller's thread) and the RAM tier's, so none ever races the training
-collectives.
-Load has no collective inside DCP (each rank reads with no_dist): each candidate is validated, then
-loaded, and after each an all_gather that every rank reaches decides for all, so one rank's failure
-makes every rank skip that checkpoint together.
+collectives. A load agrees on every candidate (checkpoint/restore.py): one rank's failure makes every rank skip it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import time
@@ -42,24 +28,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from checkpoint.cadence import Cadence
+from checkpoint.cadence import Cadence, check_auto
 from checkpoint.commit import Committer
 from checkpoint.config import CheckpointConfig
-from checkpoint.errors import CheckpointSaveError, describe_error
+from checkpoint.errors import CheckpointSaveError
 from checkpoint.fingerprint import env_fingerprint
 from checkpoint.fs_restore import FsRestore
 from checkpoint.group import Group
-from checkpoint.memory_capacity import state_bytes
-from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTier, load_local, place, saved_keys
+from checkpoint.memory_tier import FILESYSTEM, MemoryTier, place
+from checkpoint.restore import Restore
 from checkpoint.statedict import BoundState
-from checkpoint.writer import RecordingWriter, ThreadStager
+from checkpoint.writer import ThreadStager
 
 __all__ = ["CheckpointManager", "CheckpointSaveError"]
 
-log = logging.getLogger("meshjob.checkpoint")
 Emit = Callable[..., Any]  # called as emit(kind, **fields), e.g. jobs.events.EventLog.emit
 
 
@@ -100,7 +83,7 @@ class CheckpointManager:
         tier_shares: dict[str, float] | None = None,
         domain: str = "",
     ) -> None:
-        _check_auto(cfg, mtbf_s)
+        check_auto(cfg, mtbf_s)
         self.folder, self.cfg, self.rank, self.world_size = Path(folder), cfg, rank, world_size
         self.total_steps = total_steps
         # The bound of every checkpoint collective: this manager's groups (`process_groups`, set by the trainer) and
@@ -119,8 +102,6 @@ class CheckpointManager:
         self._stager = ThreadStager() if cfg.async_mode != "none" else None
         self._hooks: list[Any] = []
         self.state = BoundState(rank=rank, stager=self._stager)  # the objects saves write (load_latest binds them)
-        self._known_rollbacks = 0  # rollbacks the run knows at a load (load_latest): fewer = a stale RAM step
-        self._capacity_checked = False
         self.cadence = self._cadence(mtbf_s, tier_shares)
         # Names this attempt's temporary and moved-aside folders (`<job id>.<restart>`, jobs.failure.ledger),
         # rank 0's for all: a later attempt's load removes them, never one a live writer of its own may use.
@@ -129,6 +110,15 @@ class CheckpointManager:
         self.committer = self._committer()
         self.fs_restore = self._fs_restore()
         self.memory = self._memory_tier(domain)
+        self.restore = Restore(
+            self.folder,
+            rank=rank,
+            ctl=self._ctl,
+            fs=self.fs_restore,
+            memory=self.memory,
+            cadence=self.cadence,
+            emit=self._emit,
+        )
 
     def _cadence(self, mtbf_s: float | None, tier_shares: dict[str, float] | None) -> Cadence:
         """When each tier saves. Rank 0's MTBF for everyone: each rank may read the ledger at a slightly different
@@ -160,6 +150,8 @@ class CheckpointManager:
             env=self.fingerprint,
             manifest_extra=self.manifest_extra,
             interval=self.cadence.manifest_entry,
+            stager=self._stager,
+            timeout_s=self.checkpoint_timeout_s,
         )
 
     def _fs_restore(self) -> FsRestore:
@@ -202,6 +194,9 @@ class CheckpointManager:
             ctl=self._ctl,
             mem=self._mem,
             emit=self._emit,
+            state=self.state,
+            cadence=self.cadence,
+            total_steps=self.total_steps,
         )
 
     # ------------------------------------------------------------------ public API
@@ -232,11 +227,9 @@ class CheckpointManager:
         self._bind(model_parts, optimizers, lr_schedulers, train_state)
         if not self.cfg.enabled:
             return 0
-        self._known_rollbacks = int(self._ctl.bcast(rollbacks))
-        if not self._capacity_checked:  # the RAM tier's bytes per node against free memory, once per attempt
-            self.memory.check_capacity(self.local_state_bytes())
-            self._capacity_checked = True
-        step = self._restore_newest(before_step)
+        rollbacks = int(self._ctl.bcast(rollbacks))
+        self.memory.check_capacity()  # the RAM tier's bytes per node against free memory, once per attempt
+        step = self.restore.newest(before_step=before_step, rollbacks=rollbacks)
         if before_step is not None and step > 0:
             self.fs_restore.abandon_above(step)
         return step
@@ -263,70 +256,6 @@ class CheckpointManager:
             staged = self.memory.wait_staged
             self._hooks += [opt.register_step_pre_hook(lambda *_: staged()) for opt in optimizers]
 
-    def _restore_newest(self, before_step: int | None) -> int:
-        """Loads the newest candidate of any tier that validates and loads on every rank and returns its step
-        (0 when none); at the same step the RAM tier comes first (the cheaper read; own copies, or partner copies
-        where a rank's own is missing or damaged). Raises once a candidate
-        was partly read and none after it loaded: the bound objects may then hold a mix of checkpoints."""
-        t0 = time.perf_counter()
-        steps = [(s, FILESYSTEM) for s in self.fs_restore.candidates()] + [
-            (s, MEMORY) for s in self._memory_candidates()
-        ]
-        steps = sorted(
-            [c for c in steps if before_step is None or c[0] < before_step], key=lambda c: (-c[0], c[1] != MEMORY)
-        )  # a RAM candidate's tier may turn PARTNER below
-        touched = False
-        for step, tier in steps:
-            if tier == MEMORY:
-                d, problems, manifest, tier = self._validate_memory(step)
-            else:
-                d, problems, manifest = self.fs_restore.validate(step)
-            if problems:
-                self._skip(
-                    step,
-                    d,
-                    "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
-                    tier=tier,
-                )
-                continue
-            touched = True
-            info, failed = self._load_agreed(
-                d, manifest, load=self.fs_restore.load if tier == FILESYSTEM else self._load_memory
-            )
-            if info is None:
-                self._skip(step, d, f"load failed on {failed}", tier=tier)
-                continue
-            self._loaded(step, d, manifest, info, t0, tier=tier)
-            self.memory.after_load(step)
-            return step
-        if touched:
-            raise RuntimeError(
-                f"every checkpoint under {self.folder} failed to load after one was partly read, so the "
-                "model state is undefined; see checkpoint_skipped in events.jsonl, move the damaged ones aside"
-            )
-        self.memory.after_load(0)
-        self._emit("checkpoint_none", folder=str(self.folder), skipped=len(steps), before_step=before_step)
-        return 0
-
-    def _loaded(
-        self, step: int, d: Path, manifest: dict[str, Any], info: dict[str, Any], t0: float, *, tier: str = FILESYSTEM
-    ) -> None:
-        """Records a successful load (started at perf_counter `t0`) from `tier`: the save cadence resumes from
-        it, and it is reported."""
-        self.cadence.restore(step, manifest)
-        load_s = time.perf_counter() - t0
-        self._emit(
-            "checkpoint_loaded",
-            step=step,
-            tier=tier,
-            path=str(d),
-            load_s=round(load_s, 4),
-            bytes=manifest["bytes"],
-            saved_world_size=manifest["world_size"],
-            **info,
-        )
-        log.info("resumed from %s (%s tier, %.2f s, resharded=%s)", d, tier, load_s, info["resharded"])
-
     def due(self, step: int, *, step_time_s: float | None = None) -> bool:
         """Whether `step` (just finished) should be saved: the last step, every `every_steps`, or
         when the auto interval (Young/Daly) has elapsed. Identical on all ranks."""
@@ -342,38 +271,13 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save before load_latest: call load_latest(...) to bind the state")
         t0 = time.perf_counter()
         self.wait()
-        tmp, final = self.folder / f"step_{step}.{self.attempt}.tmp", self.folder / f"step_{step}"
+        tmp = self.folder / f"step_{step}.{self.attempt}.tmp"
         if self.cfg.lustre_stripe_count > 0:  # striping is set on the empty folder, before any rank writes
             if self.rank == 0:
                 self.committer.prepare(tmp)
             self._ctl.barrier()
         sd = self.state.save_state_dict()
-        writer = RecordingWriter(
-            tmp,
-            thread_count=self.cfg.writer_threads,  # DCP makes the folder on each rank
-            collective_timeout_s=self.checkpoint_timeout_s,
-        )
-        if self.cfg.async_mode == "none":
-            err = None
-            try:
-                dcp.save(sd, storage_writer=writer, process_group=self._io.pg)
-            except Exception as e:  # noqa: BLE001 - handed to the commit, which agrees on it
-                err = e
-            self.cadence.last_save_step = step
-            self.committer.commit(step, tmp, final, None, err, t0, None, writer)
-            blocking = time.perf_counter() - t0
-        else:
-            kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(
-                sd,
-                storage_writer=writer,
-                process_group=self._io.pg,
-                async_checkpointer_type=kind,
-                async_stager=self._stager,
-            )
-            blocking = time.perf_counter() - t0
-            self.cadence.last_save_step = step
-            self.committer.submit(step, tmp, final, resp.upload_completion, None, t0, blocking, writer)
+        blocking = self.committer.save(step, sd, tmp=tmp, t0=t0, written=lambda: self.cadence.started(step))
         self.cadence.saved(step, blocking, overlapped=self.cfg.async_mode != "none")
 
     @property
@@ -393,52 +297,12 @@ class CheckpointManager:
         return self.memory.at.root
 
     def memory_due(self, step: int) -> bool:
-        """Whether `step` (just finished) goes to the RAM tier: every checkpoint.memory_every_steps, or once the tier's
-        own interval (memory_interval=auto, CheckpointManager.memory_interval_steps) has passed since its last save;
-        never the last step (the filesystem tier always saves that one). Identical on all ranks."""
-        if self.cfg.memory_interval == "auto" and self.cadence.memory_steps is None:
-            self.memory.wait()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
-            self._settle_memory_interval()
-        n, last = self.cadence.memory_interval_steps(), self.memory.last_step
-        if not self.cfg.enabled or n <= 0 or step <= last:
-            return False
-        fixed = self.cfg.memory_interval == "steps"
-        if (step % n) if fixed else (step - last < n):
-            return False
-        return self.total_steps is None or step < self.total_steps
+        """Whether `step` (just finished) goes to the RAM tier (MemoryTier.due). Identical on all ranks."""
+        return self.memory.due(step)
 
     def save_memory(self, step: int) -> None:
-        """Saves this rank's state of `step` to the RAM tier (and its partner copy). Blocks only to build the
-        state dict and hand it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next
-        optimizer step waits for the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and
-        the step removed on every rank; training goes on."""
-        if self.state.objects is None:
-            raise RuntimeError(
-                "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
-            )
-        t0 = time.perf_counter()
-        self.memory.wait()
-        self._settle_memory_interval()
-        if self._stager is not None:  # the cached state dict is the filesystem save's too: its staging reads it
-            self._stager.wait()
-        # the structure built once (BoundState.save_state_dict), as the filesystem save's: only the staging copy is left
-        self.memory.save(step, self.state.save_state_dict, rollbacks=self._rollbacks_in_state(), t0=t0)
-        if self.cfg.async_mode == "none":
-            self._settle_memory_interval()  # its cost sets the next gap at once (async: at the next RAM save)
-
-    def _rollbacks_in_state(self) -> int:
-        """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py):
-        the timeline a RAM step belongs to, in its manifest."""
-        health = getattr((self.state.objects or {}).get("train_state"), "health", None) or {}
-        return len(health.get("rollbacks", []))
-
-    def _settle_memory_interval(self) -> None:
-        """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
-        only right after the tier's wait (so at the same step on every rank: `Cadence.retune_memory` is a
-        collective, and the background save may finish at different moments on different ranks)."""
-        cost = self.memory.take_cost()
-        if cost is not None:
-            self.cadence.retune_memory(*cost)
+        """Saves this rank's state of `step` to the RAM tier and its partner copy (MemoryTier.save)."""
+        self.memory.save(step)
 
     def wait_memory(self) -> None:
         """Blocks until the RAM save in flight (if any) is committed or recorded as failed."""
@@ -448,28 +312,9 @@ class CheckpointManager:
         """Deletes this rank's RAM copies and the node's and run's folders once empty (MemoryTier.drop)."""
         self.memory.drop()
 
-    def local_state_bytes(self) -> int:
-        """This rank's bytes in a checkpoint, from the bound objects (memory_capacity.state_bytes)."""
-        assert self.state.objects is not None
-        return state_bytes(self.state.objects)
-
     def memory_available(self) -> int:
         """Bytes this host's checkpoint.memory_dir offers the RAM tier (memory_capacity.memory_available)."""
         return self.memory.available()
-
-    def _memory_candidates(self) -> list[int]:
-        return self.memory.candidates(rollbacks=self._known_rollbacks)
-
-    def _validate_memory(self, step: int) -> tuple[Path, list[str], dict[str, Any] | None, str]:
-        return self.memory.validate(step)
-
-    def _load_memory(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Reads this rank's RAM folder into the bound objects (same mesh only: the candidates are filtered so)."""
-        part_keys: list[list[str]] = []
-        sd = self.state.state_dict(saved_keys(d), part_keys)
-        info = self.state.apply_loaded(load_local(d, sd), part_keys, resharded=False)
-        used = self.memory.partner_used
-        return {**info, "partner_ranks": used} if used else info
 
     @property
     def process_groups(self) -> list[dist.ProcessGroup]:
@@ -503,41 +348,8 @@ class CheckpointManager:
             h.remove()
         self._hooks = []
 
-    # ------------------------------------------------------------------ load helpers
-
-    def _load_agreed(
-        self, d: Path, manifest: dict[str, Any], *, load: Callable[..., dict[str, Any]]
-    ) -> tuple[dict[str, Any] | None, str]:
-        # Either tier's `load` runs no collective (DCP reads with no_dist, set_*_state_dict are local on FSDP2/TP/PP),
-        # so a rank failing anywhere in it cannot leave another blocked inside it; one all_gather
-        # afterwards, reached by every rank, decides for all.
-        err = info = None
-        try:
-            info = load(d, manifest)
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            err = describe_error(e, self.folder)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(self._ctl.all_gather(err)) if e]
-        return (None, "; ".join(failed)[:2000]) if failed else (info, "")
-
-    def _skip(self, step: int, d: Path, reason: str, *, tier: str = FILESYSTEM) -> None:
-        if tier == FILESYSTEM:
-            self.fs_restore.mark_damaged(step, d)
-        self._emit("checkpoint_skipped", step=step, tier=tier, path=str(d), reason=reason)
-        if self.rank == 0:
-            log.warning("skipping checkpoint %s: %s", d, reason)
-
     # ------------------------------------------------------------------ plumbing
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.rank == 0 and self._emit_fn is not None:
             self._emit_fn(kind, **fields)
-
-
-def _check_auto(cfg: CheckpointConfig, mtbf_s: float | None) -> None:
-    """An auto interval needs the job MTBF: a config error naming the fix when there is none."""
-    for key, mode in (("interval", cfg.interval), ("memory_interval", cfg.memory_interval)):
-        if mode == "auto" and (mtbf_s is None or mtbf_s <= 0):
-            raise ValueError(
-                f"checkpoint.{key}=auto needs the job MTBF (got {mtbf_s}); set failure.mtbf_job_hours "
-                f"or failure.mtbf_node_hours, or use checkpoint.{key}=steps"
-            )

@@ -30,8 +30,8 @@ counts only when every rank can get a copy of its state from one and the same sa
 a copy on its own node is read in place (its own save first); else one rank of the holding node sends it (point
 to point on the tier's group), checked by the holder and by the receiver, which commits it into its own folder
 first (`tier: partner` when any rank read anything but its own save on its own node). A copy that fails its check
-is left out and the step planned again; the manager weighs the step against the filesystem's newest
-(`_restore_newest`). Copies in folders no rank of the node uses any more stay until the tier commits a step in the
+is left out and the step planned again; the restart weighs the step against the filesystem's newest
+(checkpoint/restore.py). Copies in folders no rank of the node uses any more stay until the tier commits a step in the
 new places (`Placement.stale_dirs`). The load's side is checkpoint/memory_restore.py (`MemoryRestore`).
 """
 
@@ -52,15 +52,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from checkpoint.cadence import Cadence
 from checkpoint.config import memory_root
 from checkpoint.errors import describe_error
 from checkpoint.flatread import read_into
 from checkpoint.group import Group
 from checkpoint.manifest import file_record, fsync_dir, step_dirs, write_manifest
-from checkpoint.memory_capacity import check_capacity, memory_available
+from checkpoint.memory_capacity import check_capacity, memory_available, state_bytes
 from checkpoint.memory_restore import MemoryRestore, complete_steps, local_steps
 from checkpoint.partner import Placement, partner_ranks, replicas_for, shared_domains
 from checkpoint.scavenge_commit import shard_geometry
+from checkpoint.statedict import BoundState
 from checkpoint.stream import stream_folder
 from checkpoint.tiers import FILESYSTEM, MEMORY, PARTNER  # the `tier` of checkpoint_saved / checkpoint_loaded records
 from checkpoint.writer import RecordingWriter
@@ -106,11 +108,14 @@ def place(cfg: Any, *, run_id: str, node: str, domain: str, rank: int, world_siz
 
 
 class MemoryTier:
-    """The RAM tier of one rank placed at `at`: its saves (in a thread of its own), their commit and retirement, the
-    restart's read (a `MemoryRestore`), the capacity check and the cleanup. A copy's manifest names this run
-    (`run_id`), the world size, `manifest_extra`'s mesh and config hash and the saving `attempt`. `ctl`: the group
-    the ranks agree on at load; `mem`: the tier's own group (the background commit, the partner copies);
-    `emit(kind, **fields)`: the ledger (rank 0's). Holds its save in flight, staging buffers and last saved step."""
+    """The RAM tier of one rank placed at `at`: when it saves, its saves of the bound state (in a thread of its own),
+    their commit and retirement, the restart's read (a `MemoryRestore`) into the bound state, the capacity check and
+    the cleanup. A copy's manifest names this run (`run_id`), the world size, `manifest_extra`'s mesh and config hash
+    and the saving `attempt`. `ctl`: the group the ranks agree on at load; `mem`: the tier's own group (the background
+    commit, the partner copies); `emit(kind, **fields)`: the ledger (rank 0's); `state`: the objects saved and loaded
+    (BoundState, bound by the manager's load); `cadence`: the tier's interval (Cadence.memory_interval_steps, set anew
+    from the saves' costs); `total_steps`: the run's last step (never a RAM save: the filesystem saves it). Holds its
+    save in flight, staging buffers and last saved step."""
 
     def __init__(
         self,
@@ -124,10 +129,15 @@ class MemoryTier:
         ctl: Group,
         mem: Group,
         emit: Callable[..., None],
+        state: BoundState,
+        cadence: Cadence,
+        total_steps: int | None,
     ) -> None:
         self.cfg, self.at, self._run_id, self._world_size, self._attempt = cfg, at, run_id, world_size, attempt
         self._mesh, self._config_hash = manifest_extra.get("mesh"), manifest_extra.get("config_hash")
         self._ctl, self._mem, self._emit = ctl, mem, emit
+        self._state, self._cadence, self._total_steps = state, cadence, total_steps
+        self._capacity_checked = False
         self._restore = MemoryRestore(
             cfg,
             at,
@@ -160,9 +170,23 @@ class MemoryTier:
         """The ranks that read a partner copy in the step validated last."""
         return self._restore.partner_used
 
-    def check_capacity(self, nbytes: int) -> None:
-        """Collective: whether every host holds the tier (memory_capacity.check_capacity; `nbytes`: this rank's)."""
-        check_capacity(self.cfg, self.at, nbytes=nbytes, ctl=self._ctl)
+    def load(self, d: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Reads this rank's RAM folder `d` (validated: `validate`) into the bound objects (same mesh only: the
+        candidates are filtered so); no collective (the caller agrees on the outcome)."""
+        part_keys: list[list[str]] = []
+        sd = self._state.state_dict(saved_keys(d), part_keys)
+        info = self._state.apply_loaded(load_local(d, sd), part_keys, resharded=False)
+        used = self.partner_used
+        return {**info, "partner_ranks": used} if used else info
+
+    def check_capacity(self) -> None:
+        """Collective, once per attempt (the first load): whether every host holds the tier with the bound state's
+        bytes (memory_capacity.check_capacity)."""
+        if self._capacity_checked:
+            return
+        assert self._state.objects is not None
+        check_capacity(self.cfg, self.at, nbytes=state_bytes(self._state.objects), ctl=self._ctl)
+        self._capacity_checked = True
 
     def available(self) -> int:
         """Bytes this host's checkpoint.memory_dir offers the tier (memory_capacity.memory_available)."""
@@ -170,13 +194,61 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ the save's side
 
+    def due(self, step: int) -> bool:
+        """Whether `step` (just finished) goes to the tier: every checkpoint.memory_every_steps, or once the tier's
+        own interval (memory_interval=auto, Cadence.memory_interval_steps) has passed since its last save; never the
+        last step (the filesystem tier always saves that one). Identical on all ranks."""
+        if self.cfg.memory_interval == "auto" and self._cadence.memory_steps is None:
+            self.wait()  # the measuring save, if in flight: its cost sets the interval (every rank alike)
+            self._settle_interval()
+        n, last = self._cadence.memory_interval_steps(), self.last_step
+        if not self.cfg.enabled or n <= 0 or step <= last:
+            return False
+        fixed = self.cfg.memory_interval == "steps"
+        if (step % n) if fixed else (step - last < n):
+            return False
+        return self._total_steps is None or step < self._total_steps
+
+    def save(self, step: int) -> None:
+        """Saves this rank's bound state of `step` and its partner copy. Blocks only to build the state dict and hand
+        it to the tier's thread (checkpoint.async_mode=none: for the whole save); the next optimizer step waits for
+        the staging copy. A failure is recorded (`checkpoint_failed`, tier memory) and the step removed on every
+        rank; training goes on."""
+        if self._state.objects is None:
+            raise RuntimeError(
+                "CheckpointManager.save_memory before load_latest: call load_latest(...) to bind the state"
+            )
+        t0 = time.perf_counter()
+        self.wait()
+        self._settle_interval()
+        if self._state.stager is not None:  # the cached state dict is the filesystem save's too: its staging reads it
+            self._state.stager.wait()
+        # the structure built once (BoundState.save_state_dict), as the filesystem save's: only the staging copy left
+        self.submit(step, self._state.save_state_dict, rollbacks=self._rollbacks_in_state(), t0=t0)
+        if self.cfg.async_mode == "none":
+            self._settle_interval()  # its cost sets the next gap at once (async: at the next RAM save)
+
+    def _rollbacks_in_state(self) -> int:
+        """The rollback records the bound train state holds (`TrainState.health["rollbacks"]`, jobs/failure/spike.py):
+        the timeline a RAM step belongs to, in its manifest."""
+        health = getattr((self._state.objects or {}).get("train_state"), "health", None) or {}
+        return len(health.get("rollbacks", []))
+
+    def _settle_interval(self) -> None:
+        """memory_interval=auto: the interval from the last committed RAM save's cost, on the training thread and
+        only right after `wait` (so at the same step on every rank: `Cadence.retune_memory` is a collective, and the
+        background save may finish at different moments on different ranks)."""
+        cost = self.take_cost()
+        if cost is not None:
+            self._cadence.retune_memory(*cost)
+
     def take_cost(self) -> tuple[int, float] | None:
         """(step, agreed cost in s) of the RAM save committed since the last call, once; None when none was. Call it
         right after `wait`, on the training thread (the same step on every rank)."""
         cost, self._cost = self._cost, None
         return cost
 
-    def save(self, step: int, state_dict: Callable[[], dict[str, Any]], *, rollbacks: int, t0: float) -> None:
+    def submit(self, step: int, state_dict: Callable[[], dict[str, Any]], *, rollbacks: int, t0: float) -> None:
         """Saves this rank's state of `step` (`state_dict()`, built here; `rollbacks`: the rollback records the state
         knows, `t0`: perf_counter when the save was asked for) and its partner copy, in the tier's thread (on the
         caller's with checkpoint.async_mode=none); call `wait` first. A failure is recorded (`checkpoint_failed`,

@@ -61,13 +61,13 @@ ARMS = ("plain", "memory", "filesystem")
 # load_latest's parts, timed by wrapping the manager's methods on the instance (the product is unchanged)
 _LOAD_PARTS = {
     "fs_restore.candidates": "list",
-    "_memory_candidates": "list",
+    "memory.candidates": "list",
     "fs_restore.validate": "checksum",
-    "_validate_memory": "checksum",
+    "memory.validate": "checksum",
     "state.state_dict": "state_dict",
     "state.apply_loaded": "apply",
     "fs_restore.load": "load",
-    "_load_memory": "load",
+    "memory.load": "load",
 }
 
 

@@ -13,10 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint import CheckpointConfig
+from checkpoint.cadence import Cadence
 from checkpoint.commit import Committer
 from checkpoint.fs_restore import FsRestore
 from checkpoint.group import Group
-from checkpoint.memory_tier import MEMORY, MemoryTier, load_local
+from checkpoint.memory_tier import FILESYSTEM, MEMORY, MemoryTier, load_local
 from checkpoint.partner import Placement
 from checkpoint.state import TrainState
 from checkpoint.statedict import BoundState
@@ -126,8 +127,11 @@ def test_the_ram_tier_alone_saves_lists_checks_and_reads_back_its_newest_step_th
     local = Group(None, world_size=1)
     root = tmp_path / "shm" / "meshjob-r" / "a"
     at = Placement(root, rank=0, node="a", nodes=["a"])
+    cfg = CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none")
+    emit = lambda kind, **f: events.append((kind, f))  # noqa: E731
+    cadence = Cadence(cfg=cfg, mtbf_s=None, tier_shares={FILESYSTEM: 1.0}, rank=0, agree_max=local.max, emit=emit)
     tier = MemoryTier(
-        CheckpointConfig(memory_every_steps=1, memory_dir=str(tmp_path / "shm"), async_mode="none"),
+        cfg,
         at,
         run_id="r",
         world_size=1,
@@ -135,10 +139,13 @@ def test_the_ram_tier_alone_saves_lists_checks_and_reads_back_its_newest_step_th
         attempt="7.0",
         ctl=local,
         mem=local,
-        emit=lambda kind, **f: events.append((kind, f)),
+        emit=emit,
+        state=BoundState(rank=0, stager=None),
+        cadence=cadence,
+        total_steps=None,
     )
     for step in (1, 2):
-        tier.save(step, lambda s=step: {"w": torch.full((4,), float(s))}, rollbacks=0, t0=time.perf_counter())
+        tier.submit(step, lambda s=step: {"w": torch.full((4,), float(s))}, rollbacks=0, t0=time.perf_counter())
     assert tier.last_step == 2 and tier.take_cost() is not None and tier.take_cost() is None
     assert [p.name for p in (root / "rank_0").iterdir()] == ["step_2"]  # the older step retired
     assert tier.candidates(rollbacks=0) == [2] and tier.candidates(rollbacks=1) == []  # a step before a rollback

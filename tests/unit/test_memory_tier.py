@@ -15,7 +15,7 @@ import checkpoint.statedict as statedict_mod
 from checkpoint import CheckpointConfig, CheckpointManager
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.flatread import read_into
-from checkpoint.memory_capacity import capacity_error
+from checkpoint.memory_capacity import capacity_error, state_bytes
 from checkpoint.memory_tier import complete_steps
 from jobs.failure import ledger
 
@@ -164,7 +164,7 @@ def test_the_capacity_check_refuses_a_memory_dir_too_small_with_the_override(tmp
         ck.load_latest(model_parts=[model], optimizers=[opt])
     ck.close()
     # 8x8+8 + 8x2+2 = 90 fp32 parameters, and AdamW's two moments of each before the first step
-    assert ck.local_state_bytes() == 90 * 4 * 3
+    assert state_bytes(ck.state.objects) == 90 * 4 * 3
 
 
 def test_drop_memory_removes_the_runs_copies(tmp_path) -> None:
