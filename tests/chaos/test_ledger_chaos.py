@@ -1,4 +1,4 @@
-"""Issue 34 §3 hole 8 from outside: the cluster's three nodes, separate hosts sharing the run directory's disk, add
+"""Several hosts writing one run's ledger, from outside: the cluster's three nodes, separate hosts sharing the run directory's disk, add
 to one run's quarantine list and ledger at once (jobs/failure/quarantine.py, jobs/events.py). Both are written under
 one O_EXCL lock file (jobs.events.exclusive): without it, each adder reads the list, adds its node and renames its
 copy over the others' (here 102-137 of 300 additions were kept in 8 runs). The ledger's other half, O_APPEND records
