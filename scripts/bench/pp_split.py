@@ -20,19 +20,17 @@ import statistics
 import sys
 import tempfile
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
 import torch.distributed as dist  # noqa: E402
-from _fork import run_forked_ranks  # noqa: E402
+from _fork import join_group, published_port, run_forked_ranks  # noqa: E402
 from step_overhead import BareLoop, _slowest, _timed  # noqa: E402
 
 from jobs.config import compose  # noqa: E402
 from jobs.data import ensure_dataset  # noqa: E402
-from jobs.launch.local import free_port  # noqa: E402
 from jobs.validate import validate  # noqa: E402
 
 DEFAULTS = [  # torchtitan llama3 debugmodel-sized, interleaved 1F1B on 2 ranks
@@ -84,12 +82,10 @@ def bench_rank(loops: dict[str, BareLoop], args: argparse.Namespace) -> tuple[di
     return times, ratios
 
 
-def _rank_main(cfg, derived, splits: dict[str, list[int]], rank: int, port: int, args) -> None:
+def _rank_main(cfg, derived, splits: dict[str, list[int]], rank: int, port, args) -> None:
     world = cfg.world_size
     os.environ.update(
         {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
@@ -97,7 +93,7 @@ def _rank_main(cfg, derived, splits: dict[str, list[int]], rank: int, port: int,
         }
     )
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    join_group(rank, world, port, timeout_s=300)  # rank 0 binds the store's port and publishes it
     try:
         loops = {name: BareLoop(cfg, replace(derived, pp_layers_per_stage=tuple(s))) for name, s in splits.items()}
         times, ratios = bench_rank(loops, args)
@@ -146,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "even": even_layers_per_stage(cfg.model.n_layers, derived.num_stages),
     }
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
-    port = free_port()
+    port = published_port()
     failed = run_forked_ranks(cfg.world_size, lambda rank: _rank_main(cfg, derived, splits, rank, port, args))
     return 1 if failed else 0
 

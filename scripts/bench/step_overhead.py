@@ -30,14 +30,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import torch  # noqa: E402 - imported once in the parent, before forking the ranks
 import torch.distributed as dist  # noqa: E402
-from _fork import run_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
+from _fork import join_group, published_port, run_forked_ranks  # noqa: E402 - scripts/bench is on sys.path when run as a script
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
 from jobs import trainer as trainer_mod  # noqa: E402
@@ -45,7 +44,6 @@ from jobs.config import JobConfig, compose  # noqa: E402
 from jobs.data import BatchSource, ensure_dataset  # noqa: E402
 from jobs.events import EventLog  # noqa: E402
 from jobs.launch.env import DistEnv  # noqa: E402
-from jobs.launch.local import free_port  # noqa: E402
 from jobs.models.model import Transformer, init_weights  # noqa: E402
 from jobs.validate import Derived, validate  # noqa: E402
 from parallel.pipeline import build_schedule  # noqa: E402
@@ -317,11 +315,17 @@ def bench_rank(cfg: JobConfig, derived: Derived, env: DistEnv, args: argparse.Na
     }
 
 
-def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: int, args) -> int:
+def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port, parent: int, args) -> int:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         return 1
     world = cfg.world_size
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as jobs.launch.rank does
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(args.threads)
+    join_group(rank, world, port, timeout_s=300)  # rank 0 binds the store's port and publishes it
     env = DistEnv(
         rank=rank,
         local_rank=rank,
@@ -330,15 +334,9 @@ def _rank_main(cfg: JobConfig, derived: Derived, rank: int, port: int, parent: i
         node_rank=0,
         nodes=1,
         master_addr="127.0.0.1",
-        master_port=port,
+        master_port=port.value,
     )
     os.environ.update(env.torch_environ())
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(args.threads)
-    import logging
-
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as jobs.launch.rank does
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         result = bench_rank(cfg, derived, env, args)
         if result is not None:
@@ -382,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.failure.straggler_baseline_root = f"{tmp}/baselines"
     derived = validate(cfg)  # ValueError names the override
     ensure_dataset(cfg.data, vocab_size=cfg.model.vocab_size, sample_len=cfg.model.max_seq_len + 1)
-    port, parent = free_port(), os.getpid()
+    port, parent = published_port(), os.getpid()
     failed = run_forked_ranks(cfg.world_size, lambda rank: _rank_main(cfg, derived, rank, port, parent, args))
     if failed:
         print(f"step_overhead: ranks failed, exit codes {sorted(failed)}", file=sys.stderr)
