@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -65,10 +66,17 @@ def run_ranks(
     port = ctx.Value("i", 0 if init_pg else free_port())
     procs = []
     parent = os.getpid()
-    for rank in range(world_size):
-        p = ctx.Process(target=_child, args=(q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent))
-        p.start()
-        procs.append(p)
+    # What pytest holds (every module and test object so far) is frozen out of the ranks' garbage collector, as the
+    # local launcher does (jobs.launch.local._fork_ranks): their collections would scan it all again in every rank.
+    gc.freeze()
+    try:
+        for rank in range(world_size):
+            args_ = (q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent)
+            p = ctx.Process(target=_child, args=args_)
+            p.start()
+            procs.append(p)
+    finally:
+        gc.unfreeze()
     out = RanksResult()
     errors: dict[int, str] = {}
 
