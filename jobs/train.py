@@ -10,7 +10,7 @@ import signal
 import sys
 
 from jobs import exitcodes
-from jobs.cli import main_for
+from jobs.cli import exit_command, main_for
 from jobs.config import JobConfig
 from jobs.failure.signals import StopSignals
 from jobs.launch.prepare import prepare_inputs, prepare_run
@@ -73,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())
