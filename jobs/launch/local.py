@@ -203,11 +203,13 @@ def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:
                 _run_forked_rank(cfg, env, parent)
             pids[pid] = env.rank
     finally:
-        gc.unfreeze()  # this process collects as before; the ranks keep their frozen copy
+        gc.unfreeze()  # this process collects its own objects again; the ranks keep their frozen copy
+        gc.enable()  # `python -m jobs.train` collects nothing until here (jobs/train.py)
     return pids
 
 
 def _run_forked_rank(cfg: JobConfig, env: DistEnv, parent: int) -> NoReturn:
+    gc.enable()
     code = 1
     try:
         code = _rank_main(cfg, env, parent)

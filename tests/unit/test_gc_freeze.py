@@ -21,20 +21,24 @@ def test_forked_ranks_find_the_launchers_objects_frozen_and_the_launcher_collect
     tmp_path: Path, monkeypatch
 ) -> None:
     def rank_main(cfg, env, parent) -> int:  # runs in the forked rank, in place of the trainer
-        (tmp_path / f"rank{env.rank}.json").write_text(
-            json.dumps({"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count(), "parent": parent})
-        )
+        seen = {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count(), "enabled": gc.isenabled()}
+        (tmp_path / f"rank{env.rank}.json").write_text(json.dumps({**seen, "parent": parent}))
         return 0
 
     monkeypatch.setattr(local, "_rank_main", rank_main)
     before = len(gc.get_objects())  # this pytest process: torch, jobs and every test module imported so far
-    pids = local._fork_ranks(SimpleNamespace(), [SimpleNamespace(rank=r) for r in range(2)])
+    gc.disable()  # as `python -m jobs.train` is until its ranks are forked
+    try:
+        pids = local._fork_ranks(SimpleNamespace(), [SimpleNamespace(rank=r) for r in range(2)])
+        enabled = gc.isenabled()
+    finally:
+        gc.enable()
     codes = {rank: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, rank in pids.items()}
     assert codes == {0: 0, 1: 0}
-    assert gc.get_freeze_count() == 0  # the launcher's own collections go on as before
+    assert gc.get_freeze_count() == 0 and enabled  # the launcher's own collections go on from here
     for r in range(2):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert seen["parent"] == os.getpid()
+        assert seen["parent"] == os.getpid() and seen["enabled"]  # the ranks collect what they make
         # Without the freeze a rank's collector tracks everything the launcher had (~300k objects under jobs.train)
         assert seen["frozen"] >= before > 100 * seen["tracked"], (before, seen)
 
@@ -45,15 +49,16 @@ sys.argv = ["jobs.train", "mesh.tpp=2"]  # a config error: exit 2 after composin
 try:
     runpy.run_module("jobs.train", run_name="__main__", alter_sys=True)
 except SystemExit as e:
-    print(e.code, gc.get_freeze_count())
+    print(e.code, gc.get_freeze_count(), int(gc.isenabled()))
 """
 
 
-def test_python_m_jobs_train_exits_with_its_code_and_its_objects_frozen() -> None:
+def test_python_m_jobs_train_composes_without_collecting_and_exits_with_its_code_and_its_objects_frozen() -> None:
     p = subprocess.run([sys.executable, "-c", _AT_EXIT], cwd=REPO, capture_output=True, text=True, timeout=120)
-    code, frozen = map(int, p.stdout.split())
+    code, frozen, collecting = map(int, p.stdout.split())
     assert code == 2 and "did you mean mesh.tp?" in p.stderr, p.stderr[-2000:]
     assert frozen > 10_000  # hydra, omegaconf and jobs at least; 0 without jobs.cli.exit_command
+    assert collecting == 0  # no collection while it imports and composes (no ranks were forked)
 
 
 def test_every_command_that_composes_exits_through_exit_command() -> None:
