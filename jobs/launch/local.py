@@ -9,6 +9,7 @@ dies, the others are stopped and the failure is reported with the rank and how i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -18,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -185,26 +187,34 @@ def _launch_once(
     return _supervise(pids, ctx), ctx
 
 
+@contextlib.contextmanager
+def frozen_for_fork() -> Iterator[None]:
+    """Around forks without exec: what this process built so far (torch, the trainer's modules: ~300k objects) is
+    frozen out of the garbage collector (gc.freeze, as Python's docs advise), so that a child's full collections,
+    and the one the CPU memory tracker runs at a tracked step, do not scan it all again in every child (0.2-0.35
+    CPU s each) nor write its headers, copying the pages fork shares. Thawed again afterwards here, unless
+    something had frozen objects before (gc.unfreeze would thaw those too)."""
+    before = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not before:
+            gc.unfreeze()
+
+
 def _fork_ranks(cfg: JobConfig, envs: list[DistEnv]) -> dict[int, int]:
-    """Forks one process per rank. What this process built before (torch, the trainer's modules: ~300k objects)
-    is frozen out of the ranks' garbage collector (gc.freeze, as Python's docs advise before a fork without
-    exec): each rank's full collections, and the one the CPU memory tracker runs at a tracked step, would
-    otherwise scan all of it in every rank (0.2-0.35 CPU s each) and write its headers, copying the pages that
-    fork shares."""
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
-    gc.freeze()
-    try:
+    with frozen_for_fork():
         for env in envs:
             pid = os.fork()
             if pid == 0:
                 _run_forked_rank(cfg, env, parent)
             pids[pid] = env.rank
-    finally:
-        gc.unfreeze()  # this process collects its own objects again; the ranks keep their frozen copy
-        gc.enable()  # `python -m jobs.train` collects nothing until here (jobs/train.py)
+    gc.enable()  # `python -m jobs.train` collects nothing until its ranks are forked (jobs/train.py)
     return pids
 
 

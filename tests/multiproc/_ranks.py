@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -21,6 +20,7 @@ import torch  # imported here, in the parent, so each forked rank skips the ~1 s
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo: lazy in parallel/, needed by every rank
 
+from jobs.launch.local import frozen_for_fork
 from parallel.store import forked_store
 
 __all__ = ["run_ranks", "RanksResult", "free_port"]
@@ -67,16 +67,13 @@ def run_ranks(
     procs = []
     parent = os.getpid()
     # What pytest holds (every module and test object so far) is frozen out of the ranks' garbage collector, as the
-    # local launcher does (jobs.launch.local._fork_ranks): their collections would scan it all again in every rank.
-    gc.freeze()
-    try:
+    # local launcher does: their collections would scan it all again in every rank.
+    with frozen_for_fork():
         for rank in range(world_size):
             args_ = (q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent)
             p = ctx.Process(target=_child, args=args_)
             p.start()
             procs.append(p)
-    finally:
-        gc.unfreeze()
     out = RanksResult()
     errors: dict[int, str] = {}
 

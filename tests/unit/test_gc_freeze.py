@@ -26,21 +26,31 @@ def test_forked_ranks_find_the_launchers_objects_frozen_and_the_launcher_collect
         return 0
 
     monkeypatch.setattr(local, "_rank_main", rank_main)
-    before = len(gc.get_objects())  # this pytest process: torch, jobs and every test module imported so far
+    gc.unfreeze()  # a launcher that froze nothing before (tests/conftest.py freezes the session's imports)
     gc.disable()  # as `python -m jobs.train` is until its ranks are forked
     try:
+        before = len(gc.get_objects())  # this pytest process: torch, jobs and every test module imported so far
         pids = local._fork_ranks(SimpleNamespace(), [SimpleNamespace(rank=r) for r in range(2)])
-        enabled = gc.isenabled()
+        after = gc.get_freeze_count(), gc.isenabled()
     finally:
         gc.enable()
+        gc.freeze()
     codes = {rank: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, rank in pids.items()}
     assert codes == {0: 0, 1: 0}
-    assert gc.get_freeze_count() == 0 and enabled  # the launcher's own collections go on from here
+    assert after == (0, True)  # the launcher's own collections go on from here, over everything
     for r in range(2):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert seen["parent"] == os.getpid() and seen["enabled"]  # the ranks collect what they make
         # Without the freeze a rank's collector tracks everything the launcher had (~300k objects under jobs.train)
         assert seen["frozen"] >= before > 100 * seen["tracked"], (before, seen)
+
+
+def test_a_fork_leaves_frozen_what_was_frozen_before() -> None:
+    # gc.unfreeze() thaws everything: after a fork the caller's own freeze (this session's) must still hold
+    frozen = gc.get_freeze_count()
+    with local.frozen_for_fork():
+        pass
+    assert frozen > 0 and gc.get_freeze_count() >= frozen
 
 
 _AT_EXIT = r"""
