@@ -42,7 +42,8 @@ def test_forked_ranks_find_the_launchers_objects_frozen_and_the_launcher_collect
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert seen["parent"] == os.getpid() and seen["enabled"]  # the ranks collect what they make
         # Without the freeze a rank's collector tracks everything the launcher had (~300k objects under jobs.train)
-        assert seen["frozen"] >= before > 100 * seen["tracked"], (before, seen)
+        # (a few of the launcher's objects may be freed between the count and the fork)
+        assert min(seen["frozen"], before) > 100 * seen["tracked"], (before, seen)
 
 
 def test_a_fork_leaves_frozen_what_was_frozen_before() -> None:
