@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -133,6 +134,10 @@ def _tier(item) -> str:
 
 def pytest_collection_finish(session) -> None:
     _tier_of.update({i.nodeid: _tier(i) for i in session.items})
+    # What collection imported (torch, jobs, every test module: ~300k objects, alive to the end) is frozen out of
+    # the garbage collector: each of the session's full collections scanned it all again (2.15 -> 0.87 s of
+    # collections over test_planner_held_out, test_plan and test_moe). Objects the tests create are collected as usual.
+    gc.freeze()
 
 
 def _count(report) -> None:

@@ -20,6 +20,7 @@ import torch  # imported here, in the parent, so each forked rank skips the ~1 s
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo: lazy in parallel/, needed by every rank
 
+from jobs.launch.local import frozen_for_fork
 from parallel.store import forked_store
 
 __all__ = ["run_ranks", "RanksResult", "free_port"]
@@ -65,10 +66,14 @@ def run_ranks(
     port = ctx.Value("i", 0 if init_pg else free_port())
     procs = []
     parent = os.getpid()
-    for rank in range(world_size):
-        p = ctx.Process(target=_child, args=(q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent))
-        p.start()
-        procs.append(p)
+    # What pytest holds (every module and test object so far) is frozen out of the ranks' garbage collector, as the
+    # local launcher does: their collections would scan it all again in every rank.
+    with frozen_for_fork():
+        for rank in range(world_size):
+            args_ = (q, fn, rank, world_size, port, init_pg, env or {}, args, kwargs, parent)
+            p = ctx.Process(target=_child, args=args_)
+            p.start()
+            procs.append(p)
     out = RanksResult()
     errors: dict[int, str] = {}
 

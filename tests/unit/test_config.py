@@ -173,3 +173,16 @@ def test_the_command_line_and_each_sweep_points_overrides_are_recorded_in_the_co
     monkeypatch.chdir(tmp_path)
     assert main_for(lambda cfg: seen.append(cfg) or 0, argv, command="plan") == 0
     assert [c.run.overrides for c in seen[1:]] == [["mesh=single", "train.steps=1"], ["mesh=single", "train.steps=2"]]
+
+
+def test_the_schema_is_stored_once_per_process_not_at_every_compose(monkeypatch) -> None:
+    from hydra.core.config_store import ConfigStore
+
+    compose([])
+    stored: list[str] = []
+    store = ConfigStore.store
+    monkeypatch.setattr(
+        ConfigStore, "store", lambda self, *a, **k: stored.append(k.get("name")) or store(self, *a, **k)
+    )
+    cfg = compose(["mesh.tp=2"])  # OmegaConf.structured of the whole JobConfig tree took 40-50 ms of each
+    assert stored == [] and cfg.mesh.tp == 2
