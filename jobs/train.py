@@ -34,6 +34,7 @@ def run(cfg: JobConfig) -> int:
     if cfg.launcher.name == "slurm":
         from jobs.launch.slurm import submit
 
+        gc.enable()  # no ranks are forked here (see __main__): the submit, and its wait, collect as usual
         return submit(cfg)
     if cfg.launcher.name != "local":
         print(f"config error: launcher={cfg.launcher.name!r} is not one of local, slurm", file=sys.stderr)

@@ -80,3 +80,21 @@ def test_every_command_that_composes_exits_through_exit_command() -> None:
             continue
         (block,) = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
         assert ast.unparse(block.body[-1]) == "exit_command(main())", path.name
+
+
+def test_a_slurm_submit_from_python_m_jobs_train_collects_garbage_again(tmp_path: Path, monkeypatch) -> None:
+    # `python -m jobs.train` composes with the collector off and turns it on where its ranks fork; a submit forks
+    # none, and its wait (`launcher.wait`) may relay the job for days
+    from jobs import train
+    from jobs.config import compose
+    from jobs.launch import slurm
+
+    seen = []
+    monkeypatch.setattr(slurm, "submit", lambda cfg: seen.append(gc.isenabled()) or 0)
+    cfg = compose(["launcher=slurm", f"run.dir={tmp_path / 'run'}", f"cluster.run_root={tmp_path}"])
+    gc.disable()
+    try:
+        assert train.run(cfg) == 0
+    finally:
+        gc.enable()
+    assert seen == [True]
