@@ -27,6 +27,9 @@ STEPS = 100
 # cases need a second fault after the first recovery, the time-limit case stalls every step.
 SHORT_STEPS = 60
 SHORT_FAULT_STEP = 30
+# A shorter failure.hang_timeout_s (conf/failure/debug.yaml: 20 s) for the cases that wait one out: the save held past
+# it, and the supervisor's wait for a decision that no rank can publish. What they prove is relative to it.
+SHORT_HANG_S = 10.0
 # Bounds of the waits (seconds): each fires with its own message, and a test's pytest-timeout marker
 # (bound_s) sits above their sum, so a slow day reports the wait that expired, not pytest-timeout.
 REFERENCE_S, STEP_S, DONE_S = 300, 180, 360

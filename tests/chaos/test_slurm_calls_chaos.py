@@ -18,6 +18,7 @@ import pytest
 from tests.chaos.chaos_helpers import (
     DONE_S,
     SHORT_FAULT_STEP,
+    SHORT_HANG_S,
     SHORT_STEPS,
     SLURM_RUN,
     STEP_S,
@@ -105,11 +106,17 @@ def test_a_stalled_slurmctld_fails_the_restarts_srun_and_its_requeue_once_yet_th
 @pytest.mark.timeout(bound_s(STEP_S, DONE_S))
 def test_a_rank_killed_by_a_bus_error_while_its_peer_is_stopped_ends_the_job_76_not_srun_s_137(run_root: Path) -> None:
     # Rank 0 SIGSTOPped (no decider: its watchdog is stopped with it), then rank 1 killed by SIGBUS (srun: "task 1:
-    # Bus error"). The supervisor's no-decision bound (failure.hang_timeout_s, 20 s) starts from rank 1's death
-    # (before: srun's line for a bus error, an FPE, "User defined signal 2" or an OOM started no bound, and the job
-    # waited for the time limit); it kills the step (rank 0: 137) and decides in the ranks' place with no budget
+    # Bus error"). The supervisor's no-decision bound (failure.hang_timeout_s, SHORT_HANG_S) starts from rank 1's
+    # death (before: srun's line for a bus error, an FPE, "User defined signal 2" or an OOM started no bound, and the
+    # job waited for the time limit); it kills the step (rank 0: 137) and decides in the ranks' place with no budget
     # left: stop, 76. srun returns the highest task code (137); the job must end with 76, "do not requeue".
-    job = submit(run_root, "failure.restarts_in_allocation=0", "failure.max_requeues=0", steps=SHORT_STEPS)
+    job = submit(
+        run_root,
+        "failure.restarts_in_allocation=0",
+        "failure.max_requeues=0",
+        f"failure.hang_timeout_s={SHORT_HANG_S}",
+        steps=SHORT_STEPS,
+    )
     wait_for_step(run_root, 5)
     os.kill(rank_pid(run_root, f"{job}.0", 0), signal.SIGSTOP)
     os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGBUS)
