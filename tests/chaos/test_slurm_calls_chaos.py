@@ -1,4 +1,4 @@
-"""Slurm calls that fail, from outside, on the real local cluster: slurmctld SIGSTOPped past MessageTimeout (10 s,
+"""Slurm calls that fail, from outside, on the real local cluster: slurmctld SIGSTOPped past MessageTimeout (5 s,
 scripts/slurm/start) while a restart's srun starts and while the requeue after it is asked for (the restart becomes a
 requeue, the requeue is tried again, the run finishes bitwise); and per-task exit codes: a rank killed by a signal
 while its peer is stopped, so that no rank decides, ends the job with the supervisor's "do not requeue" 76, not the
@@ -34,9 +34,9 @@ from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
-# Bounds of the waits while slurmctld is stopped. Every Slurm call then waits MessageTimeout (10 s; `scontrol show
-# job` tries twice: 20 s): the decider's restart published -> the supervisor's time-limit check (20 s) -> its srun
-# gives up (10 s) -> its decision asks `scontrol show job` (20 s) -> `scontrol requeue` gives up (10 s) -> tried again.
+# Bounds of the waits while slurmctld is stopped. Every Slurm call then waits MessageTimeout (5 s; `scontrol show
+# job` tries twice: 10 s): the decider's restart published -> the supervisor's time-limit check (10 s) -> its srun
+# gives up (5 s) -> its decision asks `scontrol show job` (10 s) -> `scontrol requeue` gives up (5 s) -> tried again.
 STOPPED_S = 120
 
 
@@ -82,7 +82,7 @@ def test_a_stalled_slurmctld_fails_the_restarts_srun_and_its_requeue_once_yet_th
     os.kill(ctld, signal.SIGSTOP)
     try:
         _wait_for(lambda: _failure_of(run_root, f"{job}.0.1"), STOPPED_S, "the restart's srun did not fail")
-        # Then its decision path asks `scontrol show job` (20 s) and `scontrol requeue` (10 s): let slurmctld go once
+        # Then its decision path asks `scontrol show job` (10 s) and `scontrol requeue` (5 s): let slurmctld go once
         # the requeue is tried again (before: recorded as failed at the first try, while slurmctld was still stopped).
         _wait_for(lambda: _retried(run_root, job) or bool(events(run_root, "requeue")), 60, "no requeue asked for")
     finally:
