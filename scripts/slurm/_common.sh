@@ -8,7 +8,8 @@ SLURM_CI_MEM_MB=${SLURM_CI_MEM_MB:-8000}                 # memory per node
 SLURM_CI_ACCOUNTING=${SLURM_CI_ACCOUNTING:-1}            # 1 = slurmdbd + MariaDB, so that sacct works
 SLURM_CI_CRED_EXPIRE=${SLURM_CI_CRED_EXPIRE:-5}          # credential lifetime (Slurm refuses < 5); a requeued job is held this + 1 s
 SLURM_CI_KILLWAIT=${SLURM_CI_KILLWAIT:-5}                # seconds between SIGTERM and SIGKILL
-SLURM_CI_SLURMD_TIMEOUT=${SLURM_CI_SLURMD_TIMEOUT:-15}   # a node that has not answered this long is set DOWN (pinged every third of it)
+SLURM_CI_SLURMD_TIMEOUT=${SLURM_CI_SLURMD_TIMEOUT:-10}   # a node that has not answered this long is set DOWN (pinged every third of it)
+SLURM_CI_MESSAGE_TIMEOUT=${SLURM_CI_MESSAGE_TIMEOUT:-5} # how long Slurm's clients and daemons wait for an answer (Slurm's default: 10)
 SLURM_CI_GRACETIME=${SLURM_CI_GRACETIME:-30}             # preemption grace time in partition debug
 SLURM_CI_TIMEOUT=${SLURM_CI_TIMEOUT:-60}                 # seconds to wait for any daemon or node
 SLURM_CI_HOSTS=${SLURM_CI_HOSTS:-1}                      # 1 = each node its own host (namespaces, see below); 0 = all on loopback

@@ -97,7 +97,7 @@ def test_a_node_taken_down_is_quarantined_and_the_job_requeued_without_it_finish
     wait_for_step(run_root, SHORT_FAULT_STEP)
     try:
         take_node_down("node2", [rank_pid(run_root, f"{job}.0", 1)])
-        # Slurm sets node2 DOWN itself, SlurmdTimeout (15 s, scripts/slurm/start) after its last answer: the requeued job waits for that.
+        # Slurm sets node2 DOWN itself, SlurmdTimeout (10 s, scripts/slurm/start) after its last answer: the requeued job waits for that.
         # (Not shortened with `scontrol update State=DOWN` as in the spare case: set DOWN once node1 had left the
         # completing job, the requeued job was still allocated before the old batch script's exit was processed,
         # which then ended it FAILED, twice in 8 runs under load.)

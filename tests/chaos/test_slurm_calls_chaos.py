@@ -1,4 +1,4 @@
-"""Slurm calls that fail, from outside, on the real local cluster: slurmctld SIGSTOPped past MessageTimeout (10 s,
+"""Slurm calls that fail, from outside, on the real local cluster: slurmctld SIGSTOPped past MessageTimeout (5 s,
 scripts/slurm/start) while a restart's srun starts and while the requeue after it is asked for (the restart becomes a
 requeue, the requeue is tried again, the run finishes bitwise); and per-task exit codes: a rank killed by a signal
 while its peer is stopped, so that no rank decides, ends the job with the supervisor's "do not requeue" 76, not the
@@ -18,6 +18,7 @@ import pytest
 from tests.chaos.chaos_helpers import (
     DONE_S,
     SHORT_FAULT_STEP,
+    SHORT_HANG_S,
     SHORT_STEPS,
     SLURM_RUN,
     STEP_S,
@@ -33,9 +34,9 @@ from tests.slurm.slurm_helpers import scontrol_job
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
-# Bounds of the waits while slurmctld is stopped. Every Slurm call then waits MessageTimeout (10 s; `scontrol show
-# job` tries twice: 20 s): the decider's restart published -> the supervisor's time-limit check (20 s) -> its srun
-# gives up (10 s) -> its decision asks `scontrol show job` (20 s) -> `scontrol requeue` gives up (10 s) -> tried again.
+# Bounds of the waits while slurmctld is stopped. Every Slurm call then waits MessageTimeout (5 s; `scontrol show
+# job` tries twice: 10 s): the decider's restart published -> the supervisor's time-limit check (10 s) -> its srun
+# gives up (5 s) -> its decision asks `scontrol show job` (10 s) -> `scontrol requeue` gives up (5 s) -> tried again.
 STOPPED_S = 120
 
 
@@ -81,7 +82,7 @@ def test_a_stalled_slurmctld_fails_the_restarts_srun_and_its_requeue_once_yet_th
     os.kill(ctld, signal.SIGSTOP)
     try:
         _wait_for(lambda: _failure_of(run_root, f"{job}.0.1"), STOPPED_S, "the restart's srun did not fail")
-        # Then its decision path asks `scontrol show job` (20 s) and `scontrol requeue` (10 s): let slurmctld go once
+        # Then its decision path asks `scontrol show job` (10 s) and `scontrol requeue` (5 s): let slurmctld go once
         # the requeue is tried again (before: recorded as failed at the first try, while slurmctld was still stopped).
         _wait_for(lambda: _retried(run_root, job) or bool(events(run_root, "requeue")), 60, "no requeue asked for")
     finally:
@@ -105,11 +106,17 @@ def test_a_stalled_slurmctld_fails_the_restarts_srun_and_its_requeue_once_yet_th
 @pytest.mark.timeout(bound_s(STEP_S, DONE_S))
 def test_a_rank_killed_by_a_bus_error_while_its_peer_is_stopped_ends_the_job_76_not_srun_s_137(run_root: Path) -> None:
     # Rank 0 SIGSTOPped (no decider: its watchdog is stopped with it), then rank 1 killed by SIGBUS (srun: "task 1:
-    # Bus error"). The supervisor's no-decision bound (failure.hang_timeout_s, 20 s) starts from rank 1's death
-    # (before: srun's line for a bus error, an FPE, "User defined signal 2" or an OOM started no bound, and the job
-    # waited for the time limit); it kills the step (rank 0: 137) and decides in the ranks' place with no budget
+    # Bus error"). The supervisor's no-decision bound (failure.hang_timeout_s, SHORT_HANG_S) starts from rank 1's
+    # death (before: srun's line for a bus error, an FPE, "User defined signal 2" or an OOM started no bound, and the
+    # job waited for the time limit); it kills the step (rank 0: 137) and decides in the ranks' place with no budget
     # left: stop, 76. srun returns the highest task code (137); the job must end with 76, "do not requeue".
-    job = submit(run_root, "failure.restarts_in_allocation=0", "failure.max_requeues=0", steps=SHORT_STEPS)
+    job = submit(
+        run_root,
+        "failure.restarts_in_allocation=0",
+        "failure.max_requeues=0",
+        f"failure.hang_timeout_s={SHORT_HANG_S}",
+        steps=SHORT_STEPS,
+    )
     wait_for_step(run_root, 5)
     os.kill(rank_pid(run_root, f"{job}.0", 0), signal.SIGSTOP)
     os.kill(rank_pid(run_root, f"{job}.0", 1), signal.SIGBUS)

@@ -36,7 +36,7 @@ from tests.chaos.chaos_helpers import (
 )
 from tests.slurm.slurm_helpers import scontrol_job
 
-SWAP_DONE_S = 600  # Slurm declares the node down SlurmdTimeout (15 s here) after its last answer; the rest is training
+SWAP_DONE_S = 600  # Slurm declares the node down SlurmdTimeout (10 s here) after its last answer; the rest is training
 FS_EVERY = 25  # chaos_helpers.BASE: checkpoint.every_steps
 # A RAM save of every step (checkpoint.memory_every_steps=1), each rank's copied to the other node.
 RAM = ["checkpoint.memory_every_steps=1", "checkpoint.memory_replicas=1"]

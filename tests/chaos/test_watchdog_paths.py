@@ -16,6 +16,7 @@ import pytest
 
 from tests.chaos.chaos_helpers import (
     SHORT_FAULT_STEP,
+    SHORT_HANG_S,
     SHORT_STEPS,
     events,
     losses,
@@ -30,8 +31,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slur
 
 HANG_TIMEOUT_S = 20.0  # conf/failure/debug.yaml (heartbeat_s 1.0)
 # The two tests below that wait out a whole hang timeout (a save held 1.5 of them; the supervisor's wait for a
-# decision after a rank exited) run with this shorter one: what they prove is relative to it, not to 20 s.
-SHORT_HANG_S = 10.0
+# decision after a rank exited) run with chaos_helpers.SHORT_HANG_S.
 # No reference run here: each case runs only as many steps as its fault needs (saves every 25 steps). A rank stopped
 # at SHORT_FAULT_STEP (30), past the save at 25, leaves 30 steps of margin before the end of SHORT_STEPS (60) and 35
 # steps to retrain; the final save is frozen 10 steps before the end, 15 past the save at 25 (as at 90 of 100).

@@ -47,14 +47,14 @@ def sacct(job_id: str, *, steps: bool = False) -> list[dict[str, str]]:
 
 
 def wait_final(job_id: str, *, count: int = 1, timeout: float = 360) -> list[dict[str, str]]:
-    """Polls sacct until `count` allocation records of the job are in a final state; returns them."""
+    """Polls sacct (4 times a second) until `count` allocation records of the job are in a final state; returns them."""
     deadline = time.monotonic() + timeout
     recs: list[dict[str, str]] = []
     while time.monotonic() < deadline:
         recs = [r for r in sacct(job_id) if "[" not in r["JobID"]]
         if len(recs) >= count and all(r["State"].split()[0] in FINAL for r in recs):
             return recs
-        time.sleep(1)
+        time.sleep(0.25)  # sacct answers in ~0.1 s (loaded box): an end is seen within 0.35 s
     raise AssertionError(f"job {job_id} not finished after {timeout} s: {recs}")
 
 
@@ -64,7 +64,7 @@ def wait_ended(job_id: str, *, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while (state := job_state(job_id).state) in ACTIVE_STATES:
         assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout} s"
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
