@@ -99,6 +99,7 @@ def launch(cfg: JobConfig, *, early: StopSignals | None = None) -> int:
     import torch.distributed.pipelining  # noqa: F401 - and torch._dynamo, which every rank imports (meta build, FSDP)
 
     import jobs.launch.rank  # noqa: F401 - import torch and the trainer once, before forking
+    import jobs.trainer  # noqa: F401 - run_rank imports it late (a Slurm rank starts its guards first): 0.2 s a rank
 
     events = EventLog(Path(cfg.run.dir) / "events.jsonl", rank=-1)
     restart, n = _attempt_number(events), 0
