@@ -14,7 +14,7 @@ import torch
 
 from checkpoint.convert import convert
 from jobs.events import read_events
-from tests.conftest import assert_states_bitwise
+from tests.conftest import assert_states_bitwise, run_train
 from tests.slurm.slurm_helpers import FINAL, REPO, cli, sacct, submitted_job_id
 
 # 100 steps: the faults land at step ~40 (past the save at 25) and, for the sbatch case, again at 60; the
@@ -58,54 +58,14 @@ def bound_s(*waits: float) -> float:
     return REFERENCE_S + sum(waits) + 60
 
 
-def start_local_run(overrides: list[str], run_dir: Path, log: Path) -> subprocess.Popen:
-    """`python -m jobs.train launcher=local OVERRIDES` started in the background, as tests.conftest.run_train runs it
-    (its output to `log`): an uninterrupted reference that trains while a test's job waits for Slurm (start-up, a
-    requeue's hold)."""
-    with log.open("w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "jobs.train", f"run.dir={run_dir}", "launcher=local", *overrides],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-
-def wait_local_run(proc: subprocess.Popen, log: Path) -> None:
-    """Until a run from `start_local_run` has ended (REFERENCE_S at most, then it is killed); it must have succeeded."""
-    try:
-        code = proc.wait(timeout=REFERENCE_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert code == 0, log.read_text()[-3000:]
-
-
-class Reference:
-    """The chaos config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data), started
-    when made: it trains while the job of the test that first needs it waits for Slurm. `get()` waits for it and
-    returns every step's loss and the file of its final state, what a recovered run must equal bit for bit. The state
-    stays on disk: the session keeps references, and tensors held by the pytest process are inherited by every rank
+def reference_run(run_dir: Path, tmp: Path, steps: int = STEPS) -> tuple[dict, Path]:
+    """The config run uninterrupted by the local launcher (2 forked ranks, the same mesh and data): every
+    step's loss and the file of its final state, what a recovered run must equal bit for bit. The state stays
+    on disk: the session keeps references, and tensors held by the pytest process are inherited by every rank
     the later tiers fork (tests/multiproc/test_plan_vs_measured.py counts every live tensor)."""
-
-    def __init__(self, run_dir: Path, tmp: Path, steps: int = STEPS) -> None:
-        self.run_dir, self.tmp, self.steps, self.log = run_dir, tmp, steps, tmp / "reference.log"
-        self.proc = start_local_run(common(steps), run_dir, self.log)
-        self.made: tuple[dict, Path] | None = None
-
-    def get(self) -> tuple[dict, Path]:
-        if self.made is None:
-            wait_local_run(self.proc, self.log)
-            self.made = losses(self.run_dir), final_state_file(self.run_dir, self.tmp, steps=self.steps)
-        return self.made
-
-    def stop(self) -> None:
-        """Kills the run if no test waited for it (the session ends after a failure)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    r = run_train(["launcher=local", *common(steps)], run_dir, timeout=REFERENCE_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(run_dir), final_state_file(run_dir, tmp, steps=steps)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -125,10 +85,10 @@ def final_state(run_dir: Path, tmp: Path, *, steps: int = STEPS) -> dict:
     return torch.load(final_state_file(run_dir, tmp, steps=steps), weights_only=False)
 
 
-def assert_bitwise_equal_to_reference(run_dir: Path, reference: Reference, tmp: Path) -> None:
-    """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's (waiting for it
-    to finish, see `Reference`)."""
-    ref_losses, ref_file = reference.get()
+def assert_bitwise_equal_to_reference(run_dir: Path, reference: tuple[dict, Path], tmp: Path) -> None:
+    """Every step's loss and the final parameters and optimizer state are bit-for-bit the reference's
+    (`reference`: its losses and its final state's file, see `reference_run`)."""
+    ref_losses, ref_file = reference
     ref_final = torch.load(ref_file, weights_only=False)
     steps = max(ref_losses)  # the reference's length
     got = losses(run_dir)

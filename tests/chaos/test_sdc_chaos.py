@@ -13,17 +13,8 @@ from pathlib import Path
 import pytest
 
 from jobs.failure.sdc import FLIP_VAR
-from tests.chaos.chaos_helpers import (
-    DONE_S,
-    bound_s,
-    events,
-    losses,
-    rank_node,
-    start_local_run,
-    wait_job_done,
-    wait_local_run,
-)
-from tests.conftest import TrainRun
+from tests.chaos.chaos_helpers import DONE_S, REFERENCE_S, bound_s, events, losses, rank_node, wait_job_done
+from tests.conftest import TrainRun, run_train
 from tests.slurm.slurm_helpers import cli, scontrol_job, submitted_job_id
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -99,23 +90,15 @@ def test_under_pipeline_parallel_flipped_bits_in_stage_0_name_stage_0_and_its_no
 def _run_flipped(
     args: list[str], flip: str, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[TrainRun, str, list[dict[str, str]]]:
-    """The job run uninterrupted by the local launcher, and meanwhile submitted to the cluster with `flip` (FLIP_VAR)
-    until it has left the queue COMPLETED: (the reference, the job id, sacct's records). The reference trains while
-    the job waits for Slurm (start-up, the requeue's hold); it starts before FLIP_VAR is set, so no bit flips in it."""
-    ref_dir, ref_log = tmp_path / "ref", tmp_path / "ref.log"
-    ref_proc = start_local_run(args, ref_dir, ref_log)
-    try:
-        monkeypatch.setenv(FLIP_VAR, flip)  # sbatch passes the submitting environment on to the job
-        r = cli("jobs.train", "launcher=slurm", *args, f"run.dir={run_root}")
-        assert r.returncode == 0, r.stdout + r.stderr
-        job = submitted_job_id(r.stdout)
-        recs = wait_job_done(job, timeout=DONE_S)
-    except BaseException:
-        ref_proc.kill()  # the test has failed already: its reference is not needed
-        ref_proc.wait()
-        raise
-    wait_local_run(ref_proc, ref_log)
-    ref = TrainRun(0, ref_log.read_text(), "", ref_dir)
+    """The job run uninterrupted by the local launcher, then submitted to the cluster with `flip` (FLIP_VAR) until
+    it has left the queue COMPLETED: (the reference, the job id, sacct's records)."""
+    ref = run_train(["launcher=local", *args], tmp_path / "ref", timeout=REFERENCE_S)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    monkeypatch.setenv(FLIP_VAR, flip)  # sbatch passes the submitting environment on to the job
+    r = cli("jobs.train", "launcher=slurm", *args, f"run.dir={run_root}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = submitted_job_id(r.stdout)
+    recs = wait_job_done(job, timeout=DONE_S)
     assert [x["State"].split()[0] for x in recs][-1] == "COMPLETED", recs
     return ref, job, recs
 
