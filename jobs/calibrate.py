@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from jobs import exitcodes
-from jobs.cli import exit_command, main_for
+from jobs.cli import main_for
 from jobs.config import CONF_DIR, JobConfig, user_conf_dir
 from jobs.planner.calibrate import calibrate, write_profile
 
@@ -80,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_command(main())
+    exitcodes.exit_command(main())

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 from jobs import exitcodes
 from jobs.commands import help_text
@@ -20,7 +18,6 @@ __all__ = [
     "split_hydra_argv",
     "sweep_points",
     "main_for",
-    "exit_command",
 ]
 
 # Arguments that only @hydra.main understands (sweeps, --cfg, --help, ...); plain overrides do not need it.
@@ -194,14 +191,3 @@ def main_for(
             return exitcodes.CONFIG_ERROR
     _hydra_main(run, sweep_continues=sweep_continues, point_run_dirs=point_run_dirs)
     return exitcodes.OK
-
-
-def exit_command(code: int) -> NoReturn:
-    """Ends a command's process (`python -m jobs.<command>`) with `code`. What the process built so far (torch
-    alone is ~300k objects) is first frozen out of the garbage collector: the interpreter's finalization scans it
-    all for cycles otherwise, 1-2 s of every `python -m jobs.train` on 2 cores (measured: 0.12-0.3 s frozen).
-    atexit handlers still run, standard streams are flushed and objects are released by reference count; only
-    reference cycles among them are left to the operating system, unfinalized (the events ledger writes each record
-    with its own write(2); log handlers are flushed and closed by logging's atexit handler)."""
-    gc.freeze()
-    sys.exit(code)

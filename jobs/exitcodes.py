@@ -1,4 +1,11 @@
-"""Process exit codes of every meshjob command: what happened, in one number (documented in docs/overrides.md)."""
+"""Process exit codes of every meshjob command: what happened, in one number (documented in docs/overrides.md), and
+`exit_command`, how a command's process ends with one."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import NoReturn
 
 OK = 0  # finished: all steps trained (or the command did what it was asked)
 FAILED = 1  # an unexpected error in a rank (traceback in its log), or a plan check failed
@@ -24,3 +31,15 @@ def most_final(codes: list[int]) -> int:
             return code
     first = next((c for c in codes if c), FAILED)
     return 128 - first if first < 0 else first
+
+
+def exit_command(code: int) -> NoReturn:
+    """Ends a command's process (`python -m jobs.<command>`, each step of a rendered sbatch script) with `code`. What
+    the process built so far (torch alone is ~300k objects) is first frozen out of the garbage collector: the
+    interpreter's finalization scans it all for cycles otherwise, 1-2 s of every `python -m jobs.train` on 2 cores
+    (measured: 0.12-0.3 s frozen). atexit handlers still run, standard streams are flushed and objects are released by
+    reference count; only reference cycles among them are left to the operating system, unfinalized (the events
+    ledger writes each record with its own write(2); log handlers are flushed and closed by logging's atexit
+    handler)."""
+    gc.freeze()
+    sys.exit(code)

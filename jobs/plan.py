@@ -11,7 +11,7 @@ import json
 import sys
 
 from jobs import exitcodes
-from jobs.cli import exit_command, main_for
+from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.planner.gate import build_plan
 from jobs.planner.render import render
@@ -62,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_command(main())
+    exitcodes.exit_command(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from jobs import exitcodes
-from jobs.cli import exit_command, main_for
+from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.extras import MissingExtra
 from jobs.log import setup_logging
@@ -49,4 +49,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_command(main())
+    exitcodes.exit_command(main())

@@ -6,12 +6,11 @@ written); `-m` sweeps and Hydra's own flags (`--cfg`, `--help`, ...) go through 
 
 from __future__ import annotations
 
-import gc
 import signal
 import sys
 
 from jobs import exitcodes
-from jobs.cli import exit_command, main_for
+from jobs.cli import main_for
 from jobs.config import JobConfig
 from jobs.failure.signals import StopSignals
 from jobs.launch.prepare import prepare_inputs, prepare_run
@@ -34,7 +33,6 @@ def run(cfg: JobConfig) -> int:
     if cfg.launcher.name == "slurm":
         from jobs.launch.slurm import submit
 
-        gc.enable()  # no ranks are forked here (see __main__): the submit, and its wait, collect as usual
         return submit(cfg)
     if cfg.launcher.name != "local":
         print(f"config error: launcher={cfg.launcher.name!r} is not one of local, slurm", file=sys.stderr)
@@ -75,8 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # No garbage collection while this process imports torch and composes: ~300k objects that live to the end, and
-    # collecting them as they came cost ~0.5 CPU s (a sixth of the imports). It resumes once the ranks are forked, in
-    # them and here (jobs.launch.local._fork_ranks).
-    gc.disable()
-    exit_command(main())
+    exitcodes.exit_command(main())

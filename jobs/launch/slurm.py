@@ -473,6 +473,4 @@ if __name__ == "__main__":
             file=sys.stderr,
         )
         sys.exit(exitcodes.CONFIG_ERROR)
-    from jobs.cli import exit_command  # this block is an entry point, as jobs.train's
-
-    exit_command(_script_cli(sys.argv[1], sys.argv[2:], _stop))  # every rank, agent and batch step ends here
+    exitcodes.exit_command(_script_cli(sys.argv[1], sys.argv[2:], _stop))  # every rank, agent and batch step ends here

@@ -27,7 +27,6 @@ def test_forked_ranks_find_the_launchers_objects_frozen_and_the_launcher_collect
 
     monkeypatch.setattr(local, "_rank_main", rank_main)
     gc.unfreeze()  # a launcher that froze nothing before (tests/conftest.py freezes the session's imports)
-    gc.disable()  # as `python -m jobs.train` is until its ranks are forked
     try:
         before = len(gc.get_objects())  # this pytest process: torch, jobs and every test module imported so far
         pids = local._fork_ranks(SimpleNamespace(), [SimpleNamespace(rank=r) for r in range(2)])
@@ -64,12 +63,25 @@ except SystemExit as e:
 """
 
 
-def test_python_m_jobs_train_composes_without_collecting_and_exits_with_its_code_and_its_objects_frozen() -> None:
+def test_python_m_jobs_train_exits_with_its_code_and_its_objects_frozen() -> None:
     p = subprocess.run([sys.executable, "-c", _AT_EXIT], cwd=REPO, capture_output=True, text=True, timeout=120)
     code, frozen, collecting = map(int, p.stdout.split())
     assert code == 2 and "did you mean mesh.tp?" in p.stderr, p.stderr[-2000:]
-    assert frozen > 10_000  # hydra, omegaconf and jobs at least; 0 without jobs.cli.exit_command
-    assert collecting == 0  # no collection while it imports and composes (no ranks were forked)
+    assert frozen > 10_000  # hydra, omegaconf and jobs at least; 0 without jobs.exitcodes.exit_command
+    assert collecting == 1  # only the local launcher turns collection off, around its imports (collector_off)
+
+
+def test_the_collector_is_off_only_inside_collector_off_and_stays_off_if_it_was_off_before() -> None:
+    with local.collector_off():  # where the local launcher imports torch and the trainer
+        inside = gc.isenabled()
+    assert not inside and gc.isenabled()
+    gc.disable()
+    try:
+        with local.collector_off():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_every_command_that_composes_exits_through_exit_command() -> None:
@@ -79,22 +91,8 @@ def test_every_command_that_composes_exits_through_exit_command() -> None:
         if "main_for" not in {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}:
             continue
         (block,) = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-        assert ast.unparse(block.body[-1]) == "exit_command(main())", path.name
-
-
-def test_a_slurm_submit_from_python_m_jobs_train_collects_garbage_again(tmp_path: Path, monkeypatch) -> None:
-    # `python -m jobs.train` composes with the collector off and turns it on where its ranks fork; a submit forks
-    # none, and its wait (`launcher.wait`) may relay the job for days
-    from jobs import train
-    from jobs.config import compose
-    from jobs.launch import slurm
-
-    seen = []
-    monkeypatch.setattr(slurm, "submit", lambda cfg: seen.append(gc.isenabled()) or 0)
-    cfg = compose(["launcher=slurm", f"run.dir={tmp_path / 'run'}", f"cluster.run_root={tmp_path}"])
-    gc.disable()
-    try:
-        assert train.run(cfg) == 0
-    finally:
-        gc.enable()
-    assert seen == [True]
+        assert ast.unparse(block.body[-1]) == "exitcodes.exit_command(main())", path.name
+    # and every step of a rendered sbatch script (ranks, agents, batch steps): the module's last `__main__` block
+    tree = ast.parse((REPO / "jobs" / "launch" / "slurm.py").read_text())
+    block = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)][-1]
+    assert ast.unparse(block.body[-1]).startswith("exitcodes.exit_command(_script_cli(")
