@@ -399,19 +399,19 @@ def _tp_items(
 ) -> list[CommItem]:
     """Tensor parallel's activation collectives (notes §3): with SP, per block and microbatch 2 all-gathers +
     2 reduce-scatters forward (again when recomputing) and the mirror image backward, plus one of each for the
-    embedding and for the head (`ends`: how many of the two the rank holds); without SP, 2 all-reduces forward
-    and one per column-parallel linear (5) backward. Of the `moe_blocks` (`moe_recomputed` of them recomputed)
-    only the attention half counts here (SP: 1 + 1 each way; else 1 forward, 3 backward); their FFN half is
-    `_moe_tp_items`."""
+    embedding and for the head (`ends`: how many of the two the rank holds); without SP, the same count of
+    all-reduces: 2 forward (wo, w2) and 2 backward, one per sub-layer's input gradient, where the Partial gradients
+    of wq, wk, wv (and of w1, w3) meet at the sub-layer's input and are summed before one all-reduce
+    (tests/multiproc/test_collective_counts.py counts them). Of the `moe_blocks` (`moe_recomputed` of them
+    recomputed) only the attention half counts here (1 + 1 each way); their FFN half is `_moe_tp_items`."""
     mb, dense, dense_rec = microbatches, blocks - moe_blocks, recomputed - moe_recomputed
+    n = 4 * mb * dense + 2 * mb * dense_rec + 2 * mb * moe_blocks + mb * moe_recomputed + ends * mb
     if sequence_parallel:
-        n = 4 * mb * dense + 2 * mb * dense_rec + 2 * mb * moe_blocks + mb * moe_recomputed + ends * mb
         b = int(n * _ring(tp) * act)
         return [
             CommItem("all_gather", "tp", f"{dt} activations (SP)", n, b, tp),
             CommItem("reduce_scatter", "tp", f"{dt} activations (SP)", n, b, tp),
         ]
-    n = 7 * mb * dense + 2 * mb * dense_rec + 4 * mb * moe_blocks + mb * moe_recomputed + ends * mb
     return [CommItem("all_reduce", "tp", f"{dt} activations", n, int(n * 2 * _ring(tp) * act), tp)]
 
 

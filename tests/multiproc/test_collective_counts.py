@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 from jobs.config import ModelConfig, compose
+from jobs.planner import arith as P
 from jobs.models.model import Transformer, init_weights
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
@@ -84,6 +85,65 @@ def test_tp_block_forward_with_sequence_parallel_gathers_and_scatters_instead_of
     assert tp_counts["block_fwd_sp"] == {ALL_GATHER: 2, REDUCE_SCATTER: 2}
     assert tp_counts["mlp_fwd_sp"] == {ALL_GATHER: 1, REDUCE_SCATTER: 1}
     assert tp_counts["block_out_shape_sp"] == (BATCH, SEQ // 2, 64)  # the output stays sequence-sharded
+
+
+def _model_step_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict[bool, dict[str, int]]:
+    """Tensor parallel's collectives in one forward + backward of the whole real model (embedding, every block,
+    head, loss), without and with sequence parallel; the head's logits gathered (loss_parallel off)."""
+    mesh = _dims(tp=world_size).build_mesh("cpu")
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    out: dict[bool, dict[str, int]] = {}
+    for sp in (False, True):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=False)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=0)
+        with CommDebugMode() as cdm:
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)).backward()
+        out[sp] = _counts(cdm)
+    return out
+
+
+def _planned(cfg: ModelConfig, *, sp: bool) -> dict[str, int]:
+    """The planner's tp collectives for the same step: one stage of every block with both ends, one microbatch."""
+    items = P.comm_per_step(
+        cfg,
+        [P.StageShape(tuple(range(cfg.n_layers)), True, True)],
+        pp=1,
+        dp_replicate=1,
+        fsdp=1,
+        tp=2,
+        cp=1,
+        ep=1,
+        microbatches=1,
+        seq_len=SEQ,
+        micro_batch=BATCH,
+        sequence_parallel=sp,
+        activation_checkpointing="none",
+    )
+    out: dict[str, int] = {}
+    for it in items:
+        if it.axis == "tp" and "MoE" not in it.what:
+            out[it.collective] = out.get(it.collective, 0) + it.count
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
+def test_the_planner_prices_the_tp_collectives_a_whole_step_issues(name: str) -> None:
+    # Without SP a sub-layer all-reduces once each way: wq, wk and wv (w1 and w3) each make a Partial gradient
+    # of the sub-layer's input, and autograd sums them before the one all-reduce that replicates it (Megatron's
+    # f / g pair). tiny (4 dense blocks): 9 forward (2 a block, the embedding) + 9 backward (2 a block, the head's
+    # input), where the planner once priced one all-reduce per column-parallel linear backward: 30.
+    cfg = compose([f"model={name}"]).model
+    res = run_ranks(_model_step_counts, 2, cfg, timeout=240).results
+    assert res[0] == res[1]
+    no_sp, sp = res[0][False], res[0][True]
+    assert no_sp[ALL_REDUCE] == _planned(cfg, sp=False)["all_reduce"] == (18 if name == "tiny" else 12)
+    if name == "tiny":  # with SP: the same count as reduce-scatters, all-gathers + 1 for the logits
+        assert sp[REDUCE_SCATTER] == _planned(cfg, sp=True)["reduce_scatter"] == 18
+        assert sp[ALL_GATHER] == _planned(cfg, sp=True)["all_gather"] + 1 and ALL_REDUCE not in sp
 
 
 _FSDP_VARIANTS = {  # name -> (per_block, reshard_after_forward)
