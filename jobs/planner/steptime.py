@@ -55,6 +55,8 @@ __all__ = [
     "stage_flops",
     "attention_flops",
     "flops_seconds",
+    "executed_attention",
+    "score_traffic_s",
     "predict_rank",
     "predict_step",
     "exposed_axis",
@@ -99,6 +101,14 @@ def attention_flops(m: ModelConfig, *, tokens: float, seq_len: int, tp: int) -> 
     2 * seq_len * width / 2 per token (QK^T and PV, half the positions)."""
     width = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) if m.attention == "mla" else 2 * m.dim
     return tokens * 2.0 * seq_len * width / 2.0 / tp
+
+
+def executed_attention(m: ModelConfig) -> tuple[float, float]:
+    """(FLOPs run beyond the causal count, FLOPs run in the attention kernel), per causal attention FLOP: torch's
+    flash kernels skip the masked half and run at the attention kernel's rate (`model.sdpa_backend=auto`, 0, 1);
+    its math backend computes every score as a GEMM and masks after (`math`: twice the causal FLOPs, all at the
+    GEMM rate, 1, 0)."""
+    return (1.0, 0.0) if m.sdpa_backend == "math" else (0.0, 1.0)
 
 
 def flops_seconds(
@@ -244,6 +254,28 @@ def memory_bound_s(
     return fwd, sum(block(i) for i in recomputed)
 
 
+def score_traffic_s(
+    m: ModelConfig,
+    stages: list[P.StageShape],
+    hw: Hardware,
+    *,
+    tokens: float,
+    seq_len: int,
+    tp: int,
+    recomputed: list[int],
+    compute_bytes: int = 2,
+) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of one microbatch's materialised attention scores on the rank
+    holding `stages` at the HBM rate (`traffic.score_bytes_per_token`); zeros with flash attention or without a
+    profiled HBM rate."""
+    if hw.hbm_GBps <= 0:
+        return 0.0, 0.0, 0.0
+    fwd, bwd = T.score_bytes_per_token(m, seq_len=seq_len, tp=tp, compute_bytes=compute_bytes)
+    per = tokens / (hw.hbm_GBps * 1e9)
+    blocks = sum(len(st.layers) for st in stages)
+    return blocks * fwd * per, blocks * bwd * per, len(recomputed) * fwd * per
+
+
 def fsdp_copy_s(items: list[dict], hw: Hardware, *, compute_bytes: int = 2) -> float:
     """Seconds per step that FSDP2 moves through HBM on the compute stream beside its collectives
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): each all-gather's copy-out into the unsharded
@@ -311,9 +343,11 @@ def _device_s(
     fwd, train, re = stage_flops(m, stages, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed)
     att = attention_flops(m, tokens=tokens, seq_len=seq_len, tp=tp)
     att_fwd, att_re = att * sum(len(st.layers) for st in stages), att * len(recomputed)
+    extra, kernel = executed_attention(m)
+    fwd, train, re = fwd + extra * att_fwd, train + 3.0 * extra * att_fwd, re + extra * att_re
     eff = gemm_efficiency(m, stages, hw, tokens=tokens, tp=tp)
-    compute = microbatches * flops_seconds(train, 3.0 * att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len)
-    recompute = microbatches * flops_seconds(re, att_re, hw, gemm_efficiency=eff, seq_len=seq_len)
+    compute = microbatches * flops_seconds(train, 3.0 * kernel * att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len)
+    recompute = microbatches * flops_seconds(re, kernel * att_re, hw, gemm_efficiency=eff, seq_len=seq_len)
     nm_fwd, nm_re = memory_bound_s(
         m,
         stages,
@@ -324,14 +358,17 @@ def _device_s(
         recomputed=recomputed,
         compute_bytes=compute_bytes,
     )
-    memory = microbatches * (3.0 * nm_fwd + nm_re)  # backward moves twice the forward's bytes
-    memory += fsdp_copy_s(items, hw, compute_bytes=compute_bytes)
+    sc_fwd, sc_bwd, sc_re = score_traffic_s(
+        m, stages, hw, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed, compute_bytes=compute_bytes
+    )
+    nm_fwd, nm_mb = nm_fwd + sc_fwd, 3.0 * nm_fwd + nm_re + sc_fwd + sc_bwd + sc_re
+    memory = microbatches * nm_mb + fsdp_copy_s(items, hw, compute_bytes=compute_bytes)
     return _Device(
         compute=compute,
         recompute=recompute,
         memory=memory,
-        fwd_mb=flops_seconds(fwd, att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len) + nm_fwd,
-        train_mb=(compute + recompute) / max(microbatches, 1) + 3.0 * nm_fwd + nm_re,
+        fwd_mb=flops_seconds(fwd, kernel * att_fwd, hw, gemm_efficiency=eff, seq_len=seq_len) + nm_fwd,
+        train_mb=(compute + recompute) / max(microbatches, 1) + nm_mb,
         gemm_efficiency=eff,
     )
 

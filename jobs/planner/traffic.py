@@ -16,7 +16,13 @@ adds on 1/tp of the tokens under sequence parallelism):
   bytes per logit (vocab / tp with loss parallel).
 Backward moves about twice the forward's bytes (each op reads its saved input and the incoming gradient
 and writes the outgoing one): a step is 3 x the forward's traffic, plus one forward per recomputed block.
-Attention itself (flash / memory-efficient SDPA) is counted as matmul FLOPs. The rate is the GPU's HBM
+Attention itself (flash / memory-efficient SDPA) is counted as matmul FLOPs. With `model.sdpa_backend=math`
+torch's math backend materialises the scores (aten/src/ATen/native/transformers/attention.cpp,
+`_scaled_dot_product_attention_math`, bf16 kept with `allow_fp16_bf16_reduction_math_sdp`), and every score of
+every local head moves through HBM (`score_bytes_per_token`): forward, QK^T writes it (2 bytes), the causal mask's
+add reads and writes it (4), `_safe_softmax` runs softmax (4), `eq` against -inf (2 + 1), `all` over the row (1)
+and `where` (4), and PV reads the probabilities (2); backward, dV's GEMM reads them (2), dP is written (2), the
+softmax backward reads both and writes dS (6), and dQ's and dK's GEMMs read dS (4). The rate is the GPU's HBM
 bandwidth from its datasheet (`cluster.gpu_hbm_GBps`), an upper bound on what the ops reach: the time
 is a lower bound. A fused or compiled block moves less (Megatron-LM's fused kernels, torch.compile).
 
@@ -28,7 +34,7 @@ from __future__ import annotations
 from jobs.config import ModelConfig
 from jobs.planner.params import COMPUTE_BYTES
 
-__all__ = ["block_bytes_per_token", "loss_bytes_per_token"]
+__all__ = ["block_bytes_per_token", "loss_bytes_per_token", "score_bytes_per_token"]
 
 NORM_BYTES = 36  # per element: x.float() 2+4, pow 4+4, mean 4, x*rsqrt 4+4, type_as 4+2, *weight 2+2
 RESIDUAL_BYTES = 6
@@ -37,6 +43,9 @@ REPEAT_BYTES = 2
 COPY_BYTES = 4
 SWIGLU_BYTES = 10
 LOSS_BYTES = 32
+# model.sdpa_backend=math, per score: (elements of the compute dtype read or written, bytes of bool) per pass
+SCORE_FWD = (9, 2)  # QK^T 1, mask add 2, softmax 2, eq 1 (+ its bool), all (its bool), where 2, PV 1
+SCORE_BWD = (7, 0)  # dV's GEMM 1, dP 1, softmax backward 3, dQ's and dK's GEMMs 2
 
 
 def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int, int]:
@@ -75,3 +84,15 @@ def block_bytes_per_token(
 def loss_bytes_per_token(m: ModelConfig, *, tp: int, loss_parallel: bool = True) -> float:
     """HBM bytes the loss moves per token, forward and backward, on the last stage."""
     return LOSS_BYTES * m.vocab_size / (tp if loss_parallel and tp > 1 else 1)
+
+
+def score_bytes_per_token(
+    m: ModelConfig, *, seq_len: int, tp: int, compute_bytes: int = COMPUTE_BYTES
+) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of the materialised attention scores on one tensor-parallel rank:
+    each token's query meets all `seq_len` keys in each of its n_heads / tp heads (the math backend computes the
+    masked half too); zero unless `model.sdpa_backend=math`."""
+    if m.sdpa_backend != "math":
+        return 0.0, 0.0
+    scores = m.n_heads / tp * seq_len
+    return tuple(scores * (n * compute_bytes + flags) for n, flags in (SCORE_FWD, SCORE_BWD))

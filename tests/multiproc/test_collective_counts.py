@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 from jobs.config import ModelConfig, compose
-from jobs.planner import arith as P
 from jobs.models.model import Transformer, init_weights
+from jobs.planner import arith as P
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
 from parallel.tp import apply_tp

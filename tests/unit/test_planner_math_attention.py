@@ -1,0 +1,114 @@
+"""The planner prices `model.sdpa_backend=math` (torch's math backend: the scores materialised) as torch runs it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from jobs.config import compose
+from jobs.planner import traffic as T
+from jobs.planner.gate import build_plan
+
+B, H, S, D = 2, 4, 64, 16
+SCORES = B * H * S * S
+VIEWS = {"view", "_unsafe_view", "expand", "transpose", "detach", "alias", "t"}
+
+
+class _ScoreBytes(TorchDispatchMode):
+    """Bytes of (B, H, S, S)-sized tensors each op reads and writes, views left out (they move nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            read = sum(t.numel() * t.element_size() for t in ins if t.numel() == SCORES)
+            written = sum(t.numel() * t.element_size() for t in outs if t.numel() == SCORES)
+            if read or written:
+                self.ops.append((name, read, written))
+        return out
+
+
+@contextlib.contextmanager
+def _math_in_bf16():
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+
+
+def test_the_score_bytes_are_what_torchs_math_backend_reads_and_writes():
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fwd, bwd = _ScoreBytes(), _ScoreBytes()
+    with _math_in_bf16():
+        with fwd:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with bwd:
+            out.backward(torch.ones_like(out))
+    assert [name for name, _, _ in fwd.ops] == ["bmm", "add", "_safe_softmax", "bmm"]
+    assert [name for name, _, _ in bwd.ops] == ["bmm", "bmm", "_softmax_backward_data", "bmm", "bmm"]
+    # _safe_softmax is one op at the dispatcher; inside it torch runs softmax, isneginf, all and where
+    # (aten/src/ATen/native/transformers/attention.cpp), which the profiler sees
+    with _math_in_bf16(), profile(record_shapes=True) as prof:
+        F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+    inner = next(e for e in prof.events() if e.name == "aten::_safe_softmax").cpu_children
+    assert [e.name for e in inner] == [
+        "aten::softmax",
+        "aten::isneginf",
+        "aten::all",
+        "aten::scalar_tensor",
+        "aten::where",
+    ]
+    # beyond the softmax the dispatcher saw (read 2, write 2): isneginf reads 2 and writes a bool, all reads it,
+    # where reads 2 and writes 2 bytes a score
+    inside = (2 + 1) + 1 + (2 + 2)
+    seen_fwd = sum(r + w for _, r, w in fwd.ops) / SCORES
+    seen_bwd = sum(r + w for _, r, w in bwd.ops) / SCORES
+    m = compose(["model=tiny", "model.sdpa_backend=math", f"model.n_heads={H}"]).model
+    planned = T.score_bytes_per_token(m, seq_len=S, tp=1, compute_bytes=2)
+    assert (seen_fwd + inside, seen_bwd) == (20, 14)
+    assert planned == (H * S * 20, H * S * 14)  # per token: its S scores in each of the H heads
+    assert T.score_bytes_per_token(m, seq_len=S, tp=2) == (H * S * 10, H * S * 7)  # half the heads on a tp rank
+    auto = compose(["model=tiny"]).model
+    assert T.score_bytes_per_token(auto, seq_len=S, tp=1) == (0.0, 0.0)  # flash: no scores in HBM
+
+
+def _korthikanti_22b(*overrides: str):
+    """Korthikanti et al. 2022's 22B model (t8, one microbatch of 4 x 2048, no SP) on A100s."""
+    from tests.unit.test_planner_held_out import GPT_22B, _megatron
+
+    rows = [o for o in _megatron(**GPT_22B, pp=1, dp=1, batch=4, micro_batch=4, ac="none") if "sdpa" not in o]
+    return build_plan(compose([*rows, *overrides]), measure=False)
+
+
+def test_math_attention_runs_every_score_at_the_gemm_rate_and_moves_them_through_hbm():
+    flash, math = _korthikanti_22b(), _korthikanti_22b("model.sdpa_backend=math")
+    f, m = flash.step, math.step
+    # Causal attention FLOPs a rank and step, forward + backward: 3 x 48 blocks x 2 x 8192 tokens x 2048 x 2 x 6144 / 2
+    # / 8. Flash runs them at FlashAttention-2's rate; math runs twice as many (the masked half too) as GEMMs.
+    att = 3 * 48 * 2.0 * 8192 * 2048 * 2 * 6144 / 2 / 8
+    gemm_rate = f["matmul_tflops"] * 1e12 * f["gemm_efficiency"]
+    extra = 2 * att / gemm_rate - att / (f["attention_tflops"] * 1e12)
+    assert m["compute_s"] - f["compute_s"] == pytest.approx(extra, rel=1e-6)
+    # the scores: 8 heads x 2048 keys a token, 8192 tokens, 48 blocks, 20 + 14 bytes each at the HBM rate
+    scores = 48 * 8192 * 8 * 2048 * (20 + 14) / (f["hbm_GBps"] * 1e9)
+    assert m["memory_bound_s"] - f["memory_bound_s"] == pytest.approx(scores, rel=1e-6)
+    assert 2.2 < scores / 48 * 1e3 < 2.3  # ms a layer (2,039 GB/s)
+    # and its memory: the probabilities of each head (2 bytes a score), kept for backward in every block
+    peak = [r["peak_bytes"] for r in math.roles][0] - [r["peak_bytes"] for r in flash.roles][0]
+    assert peak >= 48 * 4 * 8 * 2048 * 2048 * 2
