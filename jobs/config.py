@@ -26,6 +26,8 @@ from parallel.config import MeshConfig
 CONF_DIR = Path(str(files("jobs._conf")))
 # conf/train.yaml's `hydra.searchpath`: the user's config folder (`user_conf_dir`), searched after CONF_DIR
 USER_CONF_RESOLVER = "meshjob.user_conf"
+# model.sdpa_backend: the attention kernels F.scaled_dot_product_attention may pick (jobs/models/sdpa.py)
+SDPA_BACKENDS = ("auto", "math")
 
 
 def user_conf_dir() -> Path:
@@ -70,6 +72,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 alpha: 1e-4); 0 = off
     # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
     attention: str = "gqa"  # gqa | mla
+    sdpa_backend: str = "auto"  # auto (torch picks flash / memory-efficient / cuDNN) | math (torch's math backend: the scores materialised, in the compute dtype)
     q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
     kv_lora_rank: int = 0  # MLA key/value compression rank
     qk_nope_head_dim: int = 0  # MLA per-head query/key dims without RoPE
