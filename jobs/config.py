@@ -26,6 +26,8 @@ from parallel.config import MeshConfig
 CONF_DIR = Path(str(files("jobs._conf")))
 # conf/train.yaml's `hydra.searchpath`: the user's config folder (`user_conf_dir`), searched after CONF_DIR
 USER_CONF_RESOLVER = "meshjob.user_conf"
+# model.sdpa_backend: the attention kernels F.scaled_dot_product_attention may pick (jobs/models/sdpa.py)
+SDPA_BACKENDS = ("auto", "math")
 
 
 def user_conf_dir() -> Path:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from checkpoint.config import replicas_for
 from checkpoint.tiers import failure_split
-from jobs.config import FailureConfig, JobConfig
+from jobs.config import SDPA_BACKENDS, FailureConfig, JobConfig
 from jobs.device import (
     DEVICES,
     MIXED_PRECISIONS,
@@ -116,6 +116,11 @@ def _check_model(cfg: JobConfig, dims: ParallelDims) -> None:
             f"model.vocab_size({m.vocab_size}) % mesh.tp({dims.tp}) != 0 with mesh.loss_parallel=true; "
             "pad the vocabulary or set mesh.loss_parallel=false"
         )
+    if m.sdpa_backend not in SDPA_BACKENDS:
+        raise ValueError(
+            f"model.sdpa_backend={m.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}: set "
+            "model.sdpa_backend=auto (torch picks a fused kernel) or math (the scores materialised)"
+        )
     checkpointed_layers([], mode=t.activation_checkpointing, every=t.ac_every)  # raises naming train.*
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len({t.seq_len}) > model.max_seq_len({m.max_seq_len})")
@@ -133,6 +138,11 @@ def _check_cp(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError(f"mesh.cp_impl={mesh.cp_impl!r} is not one of {', '.join(CP_IMPLS)}")
     if dims.cp == 1:
         return
+    if cfg.model.sdpa_backend == "math":
+        raise ValueError(
+            f"model.sdpa_backend=math with mesh.cp({dims.cp}) > 1: context parallel runs its own attention kernels "
+            "(parallel/cp.py), not the math backend; set model.sdpa_backend=auto or mesh.cp=1"
+        )
     error = cp_shape_error(seq_len=t.seq_len, cp=dims.cp, tp=dims.tp, sequence_parallel=mesh.sequence_parallel)
     if error:
         raise ValueError(error)

@@ -15,10 +15,10 @@ decompressed keys and values (the inference-time absorption of wkv_b into wq/wo 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from jobs.config import ModelConfig
+from jobs.models.sdpa import causal_sdpa
 
 __all__ = ["MLA"]
 
@@ -43,6 +43,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         self._apply_rope = rope
         self.context_parallel = None  # never set: validate refuses mesh.cp > 1 with model.attention=mla
+        self.sdpa_backend = cfg.sdpa_backend  # the kernel of the attention itself (jobs/models/sdpa.py)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "wq_a"):
@@ -61,5 +62,5 @@ class MLA(nn.Module):
         k_rope = self._apply_rope(k_rope.view(bs, seq, 1, self.rope_dim), rope).expand(bs, seq, heads, self.rope_dim)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=self.sdpa_backend)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))

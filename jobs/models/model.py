@@ -10,7 +10,6 @@ import math
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -18,6 +17,7 @@ from jobs.config import ModelConfig
 from jobs.models.ffn import FeedForward
 from jobs.models.mla import MLA
 from jobs.models.moe import MoE
+from jobs.models.sdpa import causal_sdpa
 
 __all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.context_parallel = None  # set by parallel.cp.apply_cp: attention across the cp axis
+        self.sdpa_backend = cfg.sdpa_backend  # the kernel of the attention itself (jobs/models/sdpa.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=self.sdpa_backend)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 

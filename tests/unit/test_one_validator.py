@@ -15,6 +15,8 @@ CONFIGS = [
     CP2,
     [*CP2, "train.compile=true"],  # the planner used to accept it (it validated a copy with cp=1)
     [*CP2, "train.seq_len=100"],  # 2*cp chunks per sample
+    [*CP2, "model.sdpa_backend=math"],  # cp runs its own attention kernels
+    ["model.sdpa_backend=flash"],
     ["mesh.tp=3"],
     ["train.compile=true"],  # tp2
     ["model=tiny_moe", "mesh.ep=2"],
