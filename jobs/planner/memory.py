@@ -140,8 +140,7 @@ def layer_activation_bytes(
     all-gathered input of each column-parallel linear (DTensor keeps the gathered tensor), q and the
     head-repeated k/v that SDPA saves (RoPE's products save only the table), the SDPA output and its
     logsumexp (flash/memory-efficient attention: no seq² scores; torch's math backend, `model.sdpa_backend=math`,
-    keeps instead the scaled q and k of its score GEMM and the seq² probabilities of each head), and the SwiGLU
-    intermediates. Measured on the
+    keeps the seq² probabilities of each head instead of the logsumexp), and the SwiGLU intermediates. Measured on the
     block with saved_tensors_hooks (tests/unit/test_planner_memory_published.py), MHA and GQA alike. The
     per-token MoE term is k routed copies of (input + SwiGLU intermediates + output) plus the shared experts;
     with balanced routing an expert-parallel rank receives as many token copies as it sends, so ep
@@ -162,14 +161,14 @@ def layer_activation_bytes(
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         latents = cb * sb * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) * 2
         heads = cb * sb * m.n_heads * (3 * qk + 2 * m.v_head_dim) // t
-        attn = latents + heads
+        attn = latents + heads + (cb * micro_batch * m.n_heads // t * s * s if m.sdpa_backend == "math" else 0)
     else:
         # q, and k/v repeated to n_heads (repeat_interleave); under context parallelism k/v are the all-gathered
         # whole sequence (cp x this rank's part: Llama 3 §3.3.2), repeated to every head, and SDPA saves them
         sdpa_in = cb * sb * h // t + cb * sb * cp * 2 * h // t
         sdpa_out = cb * sb * h // t + 4 * sb * m.n_heads // t  # output + logsumexp
-        if m.sdpa_backend == "math":  # the score GEMM's scaled q and k, and the probabilities: s x s a head
-            sdpa_out = 2 * cb * sb * h // t + cb * micro_batch * m.n_heads // t * s * s
+        if m.sdpa_backend == "math":  # no logsumexp; the probabilities instead, s x s a head
+            sdpa_out = cb * sb * h // t + cb * micro_batch * m.n_heads // t * s * s
         attn = sdpa_in + sdpa_out
     if m.n_routed_experts > 0 and layer >= m.n_dense_layers:
         ffn = moe_activation_bytes(m, tokens=sb, tp=t, compute_bytes=cb)

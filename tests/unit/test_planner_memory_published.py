@@ -85,13 +85,21 @@ def test_llama2_13b_without_ac_is_predicted_under_80_gib_with_no_fp32_gradient_c
     assert r["peak_bytes"] / GiB == pytest.approx(78.9, abs=0.05)
 
 
+@pytest.mark.parametrize("sdpa_backend", ["auto", "math"])  # math: the probabilities (s x s a head), no logsumexp
 @pytest.mark.parametrize("kv_heads", [8, 2])  # MHA and GQA: q/k before RoPE were counted, the norms' outputs not
-def test_the_saved_tensors_of_our_block_are_what_the_memory_model_counts(kv_heads):
+def test_the_saved_tensors_of_our_block_are_what_the_memory_model_counts(kv_heads, sdpa_backend):
     # Every tensor autograd saves in one block (bf16, as FSDP2's policy runs it), counted once per storage: the
     # fp32 norm input (4 B), the norm's bf16 output and its product with the weight (2 + 2 B), each norm; q, k, v
     # after RoPE and SDPA's output (RoPE's products save only the table); the SwiGLU's four intermediates.
     m = compose(
-        ["model=llama3_8b", "model.dim=512", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=1376"]
+        [
+            "model=llama3_8b",
+            "model.dim=512",
+            "model.n_heads=8",
+            f"model.n_kv_heads={kv_heads}",
+            "model.ffn_dim=1376",
+            f"model.sdpa_backend={sdpa_backend}",
+        ]
     ).model
     block = TransformerBlock(m).to(torch.bfloat16)
     seq, batch = 256, 2
