@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobs.planner import hardware as H
+from jobs.planner import traffic as T
 from jobs.planner.checks import INTERVAL_LOWER_BOUND, goodput_text, restart_text
 from jobs.telemetry.flops import mfu_text
 
@@ -141,6 +142,8 @@ def _comm_lines(plan: Plan) -> list[str]:
             L.append(f"  GEMM shapes at {s['gemm_efficiency']:.3f} of it: {H.GEMM_SHAPE_SOURCE} ({s['gemm_sms']} SMs)")
         if s.get("attention_tflops"):
             L.append(f"  attention at {s['attention_tflops']:.4g} TFLOP/s: {H.ATTENTION_SOURCE}")
+        if s.get("sdpa_backend") == "math":
+            L.append(f"  attention on torch's math backend (model.sdpa_backend=math): {T.SCORES_SOURCE}")
         if s.get("memory_bound_s") or s.get("interference_s"):
             L.append(
                 f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "

@@ -46,6 +46,10 @@ LOSS_BYTES = 32
 # model.sdpa_backend=math, per score: (elements of the compute dtype read or written, bytes of bool) per pass
 SCORE_FWD = (9, 2)  # QK^T 1, mask add 2, softmax 2, eq 1 (+ its bool), all (its bool), where 2, PV 1
 SCORE_BWD = (7, 0)  # dV's GEMM 1, dP 1, softmax backward 3, dQ's and dK's GEMMs 2
+SCORES_SOURCE = (
+    "every score of the causal square computed at the GEMM rate (twice the causal FLOPs), 20 + 14 bytes a score "
+    "through HBM forward + backward, the probabilities kept for backward (torch's _scaled_dot_product_attention_math)"
+)
 
 
 def _widths(m: ModelConfig, layer: int) -> tuple[int, int, int, int]:

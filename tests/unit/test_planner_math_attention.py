@@ -98,3 +98,11 @@ def test_math_attention_runs_every_score_at_the_gemm_rate_and_moves_them_through
     # one a query and head)
     peak = math.roles[0]["peak_bytes"] - flash.roles[0]["peak_bytes"]
     assert peak == 48 * (4 * 8 * 2048 * 2048 * 2 - 4 * 4 * 2048 * 8)
+
+
+def test_the_plan_says_which_attention_it_priced():
+    from jobs.planner.render import render
+
+    flash, math = render(_korthikanti_22b()), render(_korthikanti_22b("model.sdpa_backend=math"))
+    assert "FlashAttention-2" in flash and "math backend" not in flash
+    assert "FlashAttention-2" not in math and "attention on torch's math backend (model.sdpa_backend=math)" in math
