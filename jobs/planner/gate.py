@@ -348,6 +348,7 @@ def _step_time(x: _Draft) -> None:
         comm_sm_share=hw.comm_sm_share,
         attention_tflops=0.0 if x.cfg.model.sdpa_backend == "math" else hw.attention_at(t.seq_len),
         sdpa_backend=x.cfg.model.sdpa_backend,
+        norm_kernel=x.cfg.model.norm_kernel,
         comm_s_unoverlapped=sum(r["seconds"] for r in slow.comm),
         serial_sum_s=parts["compute_s"]
         + parts["recompute_s"]

@@ -136,7 +136,8 @@ def layer_activation_bytes(
     """Bytes one block saves for backward for one microbatch, without activation checkpointing.
 
     Counts the tensors autograd keeps in our block under DTensor TP: the RMSNorm inputs in fp32 and
-    their bf16 outputs that the product with the norm weight saves (sequence-sharded with SP), the
+    their bf16 outputs that the product with the norm weight saves (sequence-sharded with SP; a fused norm,
+    `model.norm_kernel=fused` on CUDA, keeps its input and the rstd: torch's generated FusedRmsNormBackward0), the
     all-gathered input of each column-parallel linear (DTensor keeps the gathered tensor), q and the
     head-repeated k/v that SDPA saves (RoPE's products save only the table), the SDPA output and its
     logsumexp (flash/memory-efficient attention: no seq² scores; torch's math backend, `model.sdpa_backend=math`,
@@ -156,6 +157,8 @@ def layer_activation_bytes(
     cb = compute_bytes
     norm_in = 2 * 4 * sb * h // sharded  # attention_norm and ffn_norm inputs, fp32
     norm_out = 2 * cb * sb * h // sharded  # their outputs (type_as), saved by the product with the weight
+    if m.norm_kernel == "fused":  # FusedRmsNormBackward0 keeps the input and the fp32 rstd, one a row
+        norm_in, norm_out = 2 * cb * sb * h // sharded, 2 * 4 * sb // sharded
     gathered_in = 2 * cb * sb * h  # inputs of wq/wk/wv and w1/w3 (or the MoE input)
     if m.attention == "mla":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim

@@ -144,6 +144,8 @@ def _comm_lines(plan: Plan) -> list[str]:
             L.append(f"  attention at {s['attention_tflops']:.4g} TFLOP/s: {H.ATTENTION_SOURCE}")
         if s.get("sdpa_backend") == "math":
             L.append(f"  attention on torch's math backend (model.sdpa_backend=math): {T.SCORES_SOURCE}")
+        if s.get("norm_kernel") == "fused":
+            L.append(f"  norms fused (model.norm_kernel=fused): {T.FUSED_NORM_SOURCE}")
         if s.get("memory_bound_s") or s.get("interference_s"):
             L.append(
                 f"  memory-bound ops at {s['hbm_GBps']:.4g} GB/s: {H.HBM_SOURCE}; interference: a hidden collective "

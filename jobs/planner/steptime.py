@@ -56,7 +56,7 @@ __all__ = [
     "attention_flops",
     "flops_seconds",
     "executed_attention",
-    "score_traffic_s",
+    "two_way_traffic_s",
     "predict_rank",
     "predict_step",
     "exposed_axis",
@@ -254,7 +254,7 @@ def memory_bound_s(
     return fwd, sum(block(i) for i in recomputed)
 
 
-def score_traffic_s(
+def two_way_traffic_s(
     m: ModelConfig,
     stages: list[P.StageShape],
     hw: Hardware,
@@ -262,15 +262,18 @@ def score_traffic_s(
     tokens: float,
     seq_len: int,
     tp: int,
+    sequence_parallel: bool,
     recomputed: list[int],
     compute_bytes: int = 2,
 ) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of one microbatch's materialised attention scores on the rank
-    holding `stages` at the HBM rate (`traffic.score_bytes_per_token`); zeros with flash attention or without a
-    profiled HBM rate."""
+    """(forward, backward, recompute) seconds of one microbatch's materialised attention scores and fused norms on
+    the rank holding `stages` at the HBM rate (`traffic.two_way_bytes_per_token`); zeros with flash attention and
+    eager norms, or without a profiled HBM rate."""
     if hw.hbm_GBps <= 0:
         return 0.0, 0.0, 0.0
-    fwd, bwd = T.score_bytes_per_token(m, seq_len=seq_len, tp=tp, compute_bytes=compute_bytes)
+    fwd, bwd = T.two_way_bytes_per_token(
+        m, seq_len=seq_len, tp=tp, sequence_parallel=sequence_parallel, compute_bytes=compute_bytes
+    )
     per = tokens / (hw.hbm_GBps * 1e9)
     blocks = sum(len(st.layers) for st in stages)
     return blocks * fwd * per, blocks * bwd * per, len(recomputed) * fwd * per
@@ -358,8 +361,16 @@ def _device_s(
         recomputed=recomputed,
         compute_bytes=compute_bytes,
     )
-    sc_fwd, sc_bwd, sc_re = score_traffic_s(
-        m, stages, hw, tokens=tokens, seq_len=seq_len, tp=tp, recomputed=recomputed, compute_bytes=compute_bytes
+    sc_fwd, sc_bwd, sc_re = two_way_traffic_s(
+        m,
+        stages,
+        hw,
+        tokens=tokens,
+        seq_len=seq_len,
+        tp=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        recomputed=recomputed,
+        compute_bytes=compute_bytes,
     )
     nm_fwd, nm_mb = nm_fwd + sc_fwd, 3.0 * nm_fwd + nm_re + sc_fwd + sc_bwd + sc_re
     memory = microbatches * nm_mb + fsdp_copy_s(items, hw, compute_bytes=compute_bytes)

@@ -22,7 +22,11 @@ torch's math backend materialises the scores (aten/src/ATen/native/transformers/
 every local head moves through HBM (`score_bytes_per_token`): forward, QK^T writes it (2 bytes), the causal mask's
 add reads and writes it (4), `_safe_softmax` runs softmax (4), `eq` against -inf (2 + 1), `all` over the row (1)
 and `where` (4), and PV reads the probabilities (2); backward, dV's GEMM reads them (2), dP is written (2), the
-softmax backward reads both and writes dS (6), and dQ's and dK's GEMMs read dS (4). The rate is the GPU's HBM
+softmax backward reads both and writes dS (6), and dQ's and dK's GEMMs read dS (4). With `model.norm_kernel=fused`
+each RMSNorm is torch's fused kernel on CUDA (`F.rms_norm` -> `_fused_rms_norm`, which shares the layer norm kernels
+of aten/src/ATen/native/cuda/layer_norm_kernel.cu): forward it reads x and writes y once (2 elements), backward the
+input-gradient kernel reads dy and x and writes dx and the weight-gradient kernel reads dy and x again (5); the fp32
+rstd, 4 bytes a row, is left out. These two have their own forward and backward bytes (`two_way_bytes_per_token`). The rate is the GPU's HBM
 bandwidth from its datasheet (`cluster.gpu_hbm_GBps`), an upper bound on what the ops reach: the time
 is a lower bound. A fused or compiled block moves less (Megatron-LM's fused kernels, torch.compile).
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 from jobs.config import ModelConfig
 from jobs.planner.params import COMPUTE_BYTES
 
-__all__ = ["block_bytes_per_token", "loss_bytes_per_token", "score_bytes_per_token"]
+__all__ = ["block_bytes_per_token", "loss_bytes_per_token", "score_bytes_per_token", "two_way_bytes_per_token"]
 
 NORM_BYTES = 36  # per element: x.float() 2+4, pow 4+4, mean 4, x*rsqrt 4+4, type_as 4+2, *weight 2+2
 RESIDUAL_BYTES = 6
@@ -44,8 +48,15 @@ COPY_BYTES = 4
 SWIGLU_BYTES = 10
 LOSS_BYTES = 32
 # model.sdpa_backend=math, per score: (elements of the compute dtype read or written, bytes of bool) per pass
-SCORE_FWD = (9, 2)  # QK^T 1, mask add 2, softmax 2, eq 1 (+ its bool), all (its bool), where 2, PV 1
+SCORE_FWD = (9, 2)  # QK^T 1, mask add 2, softmax 2, isneginf 1 (+ its bool), all (its bool), where 2, PV 1
 SCORE_BWD = (7, 0)  # dV's GEMM 1, dP 1, softmax backward 3, dQ's and dK's GEMMs 2
+# model.norm_kernel=fused, per element of each of the block's two norms: elements of the compute dtype moved
+FUSED_NORM_FWD = 2  # x read, y written
+FUSED_NORM_BWD = 5  # dy and x read, dx written (input gradient); dy and x read again (weight gradient)
+FUSED_NORM_SOURCE = (
+    "torch's fused RMSNorm, 2 + 5 elements a norm element forward + backward (aten/src/ATen/native/cuda/"
+    "layer_norm_kernel.cu, _fused_rms_norm)"
+)
 SCORES_SOURCE = (
     "every score of the causal square computed at the GEMM rate (twice the causal FLOPs), 20 + 14 bytes a score "
     "through HBM forward + backward, the probabilities kept for backward (torch's _scaled_dot_product_attention_math)"
@@ -73,11 +84,11 @@ def block_bytes_per_token(
     m: ModelConfig, *, layer: int, tp: int, sequence_parallel: bool, compute_bytes: int = COMPUTE_BYTES
 ) -> float:
     """HBM bytes one block's forward moves per token on one tensor-parallel rank (see the module docstring);
-    `compute_bytes` scales the bf16 parts for an fp32 run."""
+    `compute_bytes` scales the bf16 parts for an fp32 run. Fused norms are in `two_way_bytes_per_token`."""
     q, kv, rope, f = _widths(m, layer)
     scale = compute_bytes / COMPUTE_BYTES
     n = m.dim / (tp if sequence_parallel and tp > 1 else 1)
-    per = 2 * NORM_BYTES * n + 2 * RESIDUAL_BYTES * n * scale
+    per = (2 * NORM_BYTES * n if m.norm_kernel == "eager" else 0.0) + 2 * RESIDUAL_BYTES * n * scale
     per += ROPE_BYTES * rope / tp
     if kv < q:
         per += 2 * REPEAT_BYTES * (kv + q) / tp * scale
@@ -100,3 +111,16 @@ def score_bytes_per_token(
         return 0.0, 0.0
     scores = m.n_heads / tp * seq_len
     return tuple(scores * (n * compute_bytes + flags) for n, flags in (SCORE_FWD, SCORE_BWD))
+
+
+def two_way_bytes_per_token(
+    m: ModelConfig, *, seq_len: int, tp: int, sequence_parallel: bool, compute_bytes: int = COMPUTE_BYTES
+) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of one block's ops whose backward is not twice their forward: the
+    materialised scores (`score_bytes_per_token`) and the two fused norms (`model.norm_kernel=fused`, over 1/tp
+    of the tokens with sequence parallelism)."""
+    fwd, bwd = score_bytes_per_token(m, seq_len=seq_len, tp=tp, compute_bytes=compute_bytes)
+    if m.norm_kernel == "fused":
+        n = 2 * m.dim / (tp if sequence_parallel and tp > 1 else 1) * compute_bytes
+        fwd, bwd = fwd + FUSED_NORM_FWD * n, bwd + FUSED_NORM_BWD * n
+    return fwd, bwd

@@ -1,4 +1,5 @@
-"""The planner prices `model.sdpa_backend=math` (torch's math backend: the scores materialised) as torch runs it."""
+"""The planner prices the attention and norm kernels a run picks as torch runs them: `model.sdpa_backend=math` (torch's
+math backend: the scores materialised) and `model.norm_kernel=fused` (torch's fused RMSNorm on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from jobs.config import compose
 from jobs.models.sdpa import causal_sdpa
 from jobs.planner import traffic as T
 from jobs.planner.gate import build_plan
+from jobs.planner.render import render
 
 B, H, S, D = 2, 4, 64, 16
 SCORES = B * H * S * S
@@ -77,7 +79,8 @@ def _korthikanti_22b(*overrides: str):
     """Korthikanti et al. 2022's 22B model (t8, one microbatch of 4 x 2048, no SP) on A100s."""
     from tests.unit.test_planner_held_out import GPT_22B, _megatron
 
-    rows = [o for o in _megatron(**GPT_22B, pp=1, dp=1, batch=4, micro_batch=4, ac="none") if "sdpa" not in o]
+    run = _megatron(**GPT_22B, pp=1, dp=1, batch=4, micro_batch=4, ac="none")
+    rows = [o for o in run if not o.startswith(("model.sdpa_backend", "model.norm_kernel"))]
     return build_plan(compose([*rows, *overrides]), measure=False)
 
 
@@ -101,8 +104,22 @@ def test_math_attention_runs_every_score_at_the_gemm_rate_and_moves_them_through
 
 
 def test_the_plan_says_which_attention_it_priced():
-    from jobs.planner.render import render
-
     flash, math = render(_korthikanti_22b()), render(_korthikanti_22b("model.sdpa_backend=math"))
     assert "FlashAttention-2" in flash and "math backend" not in flash
     assert "FlashAttention-2" not in math and "attention on torch's math backend (model.sdpa_backend=math)" in math
+
+
+def test_fused_norms_move_2_plus_5_elements_and_keep_their_input_and_rstd():
+    eager, fused = _korthikanti_22b(), _korthikanti_22b("model.norm_kernel=fused")
+    e, f = eager.step, fused.step
+    # two norms a block over the whole sequence (no SP): eager 36 bytes an element forward, 3x that a step; fused
+    # 2 x 2 bytes forward and 5 x 2 backward (aten/src/ATen/native/cuda/layer_norm_kernel.cu)
+    elements = 48 * 8192 * 2 * 6144
+    assert e["memory_bound_s"] - f["memory_bound_s"] == pytest.approx(
+        elements * (3 * 36 - (2 + 5) * 2) / (e["hbm_GBps"] * 1e9), rel=1e-6
+    )
+    # memory: eager keeps each norm's fp32 input and bf16 output (6 bytes an element), fused its bf16 input and one
+    # fp32 rstd a row (torch's generated FusedRmsNormBackward0 saves input, weight and result1)
+    rows = 48 * 8192 * 2
+    assert eager.roles[0]["peak_bytes"] - fused.roles[0]["peak_bytes"] == elements * (6 - 2) - rows * 4
+    assert "norms fused (model.norm_kernel=fused)" in render(fused) and "norms fused" not in render(eager)
