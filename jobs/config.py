@@ -28,6 +28,8 @@ CONF_DIR = Path(str(files("jobs._conf")))
 USER_CONF_RESOLVER = "meshjob.user_conf"
 # model.sdpa_backend: the attention kernels F.scaled_dot_product_attention may pick (jobs/models/sdpa.py)
 SDPA_BACKENDS = ("auto", "math")
+# model.norm_kernel: how RMSNorm runs (jobs/models/model.py)
+NORM_KERNELS = ("eager", "fused")
 
 
 def user_conf_dir() -> Path:
@@ -55,6 +57,7 @@ class ModelConfig:
     vocab_size: int = MISSING  # tokens in the vocabulary
     ffn_dim: int = MISSING  # SwiGLU hidden size
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm_kernel: str = "eager"  # eager (our RMSNorm's elementwise ops) | fused (F.rms_norm: one fused kernel each way on CUDA; the same elementwise ops on CPU)
     rope_theta: float = 10000.0  # RoPE base
     max_seq_len: int = 2048  # longest sequence RoPE tables are built for
     # Mixture of experts (DeepSeek-V3 style; jobs/models/moe.py trains it, jobs.plan plans it).

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from checkpoint.config import replicas_for
 from checkpoint.tiers import failure_split
-from jobs.config import SDPA_BACKENDS, FailureConfig, JobConfig
+from jobs.config import NORM_KERNELS, SDPA_BACKENDS, FailureConfig, JobConfig
 from jobs.device import (
     DEVICES,
     MIXED_PRECISIONS,
@@ -120,6 +120,11 @@ def _check_model(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError(
             f"model.sdpa_backend={m.sdpa_backend!r} is not one of {', '.join(SDPA_BACKENDS)}: set "
             "model.sdpa_backend=auto (torch picks a fused kernel) or math (the scores materialised)"
+        )
+    if m.norm_kernel not in NORM_KERNELS:
+        raise ValueError(
+            f"model.norm_kernel={m.norm_kernel!r} is not one of {', '.join(NORM_KERNELS)}: set "
+            "model.norm_kernel=eager (our RMSNorm's elementwise ops) or fused (F.rms_norm's fused kernel)"
         )
     checkpointed_layers([], mode=t.activation_checkpointing, every=t.ac_every)  # raises naming train.*
     if t.seq_len > m.max_seq_len:

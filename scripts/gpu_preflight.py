@@ -5,8 +5,8 @@ full check shows up before it spends its window: this torch's API gaps, disk wri
 with bf16 autocast + full activation checkpointing + fused AdamW run twice bitwise, a one-rank
 `cuda:nccl,cpu:gloo` world with the 5-axis mesh, its timeouts read back, FSDP2 in bf16 and a flight-recorder
 dump, the straggler clock (profiled compute kernels, NCCL's apart), the achieved rate of Llama 3 405B's matmuls
-and attention as one tp8 rank runs them (against the planner's 0.80 of peak), then the real trainer saving and
-resuming bitwise. A check runs as `python scripts/gpu_preflight.py
+and attention as one tp8 rank runs them (against the planner's 0.80 of peak), `model.norm_kernel=fused` running
+torch's fused RMSNorm kernel, then the real trainer saving and resuming bitwise. A check runs as `python scripts/gpu_preflight.py
 CHECK --device D --out DIR` and prints one JSON object as its last line; `run_preflight` runs them all.
 """
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 # Model widths of the full check's 1B model on CUDA, two layers (the kernels it runs; fits any GPU); tiny on CPU.
 WIDE = ["model.dim=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=8192", "model.vocab_size=32000"]
-CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "cp_ring", "gemms", "trainer")
+CHECKS = ("torch", "disk", "kernels", "world", "stragglers", "cp_ring", "gemms", "norm_kernel", "trainer")
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -492,6 +492,82 @@ def _against_planner(*, linear_tflops: float, attention_tflops: float, tokens: i
         att = round(hardware(h100, dtype="bf16", tasks_per_node=8).attention_at(tokens), 1)  # at this length
         res.update(planner_attention_tflops=att, attention_over_planner=round(attention_tflops / att, 3))
     return res
+
+
+def _norm_profile(kernel: str, *, device: str, dtype_name: str, dim: int = 2048, tokens: int = 4096) -> dict:
+    """One RMSNorm on `kernel` (bf16 or fp32 input and weight, as FSDP's bf16 parameters give it), forward and
+    backward (autograd.grad to input and weight) each profiled alone after a warm-up: the host ops and the device
+    work (kernels, memsets, copies) of each."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jobs.models.model import RMSNorm
+    from jobs.telemetry.kernels import from_kineto
+
+    dtype = getattr(torch, dtype_name)
+    norm = RMSNorm(dim, 1e-5, kernel=kernel).to(device=device, dtype=dtype)
+    x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, dim, device=device, dtype=dtype)
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    res = {}
+    for _ in range(2):  # the second pass is the one kept: the first loads the kernels
+        with profile(activities=acts) as fwd:
+            y = norm(x)
+            sync()
+        with profile(activities=acts) as bwd:
+            torch.autograd.grad(y, (x, norm.weight), grad)
+            sync()
+        for phase, prof in (("forward", fwd), ("backward", bwd)):
+            events = from_kineto(prof.profiler.kineto_results.events())
+            res[phase] = {
+                "ops": sorted({e.name for e in events if e.kind == "op"}),
+                "kernels": [e.name[:80] for e in events if e.kind == "kernel"],
+            }
+    return res
+
+
+def _norm_losses(device: str) -> dict[str, float]:
+    """The loss of one forward of the same two-layer model and tokens under each model.norm_kernel, bf16 autocast
+    (the one-rank trainer's precision: the block norms see the fp32 residual stream)."""
+    import torch
+
+    from jobs.config import compose
+    from jobs.models.model import Transformer, init_weights
+    from parallel.precision import apply_autocast
+
+    overrides, seq = _shape(device, layers=2)
+    losses = {}
+    for kernel in ("eager", "fused"):
+        m = compose([*overrides, f"model.norm_kernel={kernel}"]).model
+        model = Transformer(m).to(device)
+        init_weights(model, seed=0)
+        apply_autocast(model, device_type=device)
+        tok = torch.randint(0, m.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
+        with torch.no_grad():
+            logits = model(tok[:, :-1]).float()
+        losses[kernel] = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tok[:, 1:].flatten()).item()
+        del model
+    return losses
+
+
+def check_norm_kernel(device: str, out: Path) -> dict:
+    """`model.norm_kernel=fused` runs torch's fused RMSNorm: on CUDA its forward is one kernel under
+    aten::_fused_rms_norm with none of eager's pow / mean ops, its backward aten::_fused_rms_norm_backward with
+    fewer kernels than eager's (bf16 input and weight at dim 2048); and a model's loss under fused equals eager's
+    within bf16 autocast's tolerance. On CPU F.rms_norm decomposes into eager's ops (no kernels to count): the op
+    and the losses only (bitwise there)."""
+    losses = _norm_losses(device)
+    rel = abs(losses["fused"] - losses["eager"]) / abs(losses["eager"])
+    runs = {k: _norm_profile(k, device=device, dtype_name="bfloat16") for k in ("eager", "fused")}
+    fwd, bwd = runs["fused"]["forward"], runs["fused"]["backward"]
+    ok = "aten::_fused_rms_norm" in fwd["ops"] and rel < (1e-3 if device == "cuda" else 1e-7)
+    if device == "cuda":
+        ok = ok and len(fwd["kernels"]) == 1 and not {"aten::pow", "aten::mean"} & set(fwd["ops"])
+        ok = ok and "aten::_fused_rms_norm_backward" in bwd["ops"]
+        ok = ok and len(bwd["kernels"]) < len(runs["eager"]["backward"]["kernels"])
+    counts = {k: {p: len(r[p]["kernels"]) for p in ("forward", "backward")} for k, r in runs.items()}
+    return {"ok": ok, "losses": losses, "loss_rel_diff": rel, "kernel_counts": counts, "fused": runs["fused"]}
 
 
 def check_trainer(device: str, out: Path) -> dict:

@@ -6,14 +6,16 @@ pipeline stage is this same module with the layers it does not own removed (FQNs
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from jobs.config import ModelConfig
+from jobs.config import NORM_KERNELS, ModelConfig
 from jobs.models.ffn import FeedForward
 from jobs.models.mla import MLA
 from jobs.models.moe import MoE
@@ -23,12 +25,21 @@ __all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, on `kernel` (a `model.norm_kernel` value): `eager`
+    runs the elementwise ops below; `fused` calls F.rms_norm (one kernel forward, one backward on CUDA). The fused
+    kernel needs the input's dtype for the weight (else torch falls back to the elementwise ops), so it gets the
+    weight in that dtype: under autocast, MLA's latent norms (bf16 inputs, fp32 weights) then return bf16."""
+
+    def __init__(self, dim: int, eps: float, *, kernel: str) -> None:
         super().__init__()
-        self.eps = eps
+        if kernel not in NORM_KERNELS:
+            raise ValueError(f"model.norm_kernel={kernel!r} is not one of {', '.join(NORM_KERNELS)}")
+        self.eps, self.kernel, self.normalized_shape = eps, kernel, (dim,)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "fused":
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -84,7 +95,7 @@ def rope_head_dim(cfg: ModelConfig) -> int:
 def attention_block(cfg: ModelConfig) -> nn.Module:
     """GQA (model.attention=gqa) or multi-head latent attention (mla, jobs/models/mla.py)."""
     if cfg.attention == "mla":
-        return MLA(cfg, rope=apply_rope, norm=RMSNorm)
+        return MLA(cfg, rope=apply_rope, norm=functools.partial(RMSNorm, kernel=cfg.norm_kernel))
     return Attention(cfg)
 
 
@@ -98,9 +109,9 @@ def ffn_block(cfg: ModelConfig, layer: int) -> nn.Module:
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernel=cfg.norm_kernel)
         self.attention = attention_block(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernel=cfg.norm_kernel)
         self.feed_forward = ffn_block(cfg, layer)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -119,7 +130,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, kernel=cfg.norm_kernel)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_positions: torch.Tensor | None = None  # RoPE rows of a cp rank's chunks (parallel.cp.apply_cp)
         self.register_buffer("rope", rope_table(rope_head_dim(cfg), cfg.max_seq_len, cfg.rope_theta), persistent=False)

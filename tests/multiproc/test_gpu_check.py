@@ -144,6 +144,7 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
         "stragglers",
         "cp_ring",
         "gemms",
+        "norm_kernel",
         "trainer",
     ], p.stdout[-3000:]
     assert p.returncode == 0 and lines[-1]["gpu_check"] == "preflight ok", p.stdout[-3000:] + p.stderr[-2000:]
@@ -154,6 +155,9 @@ def test_preflight_on_cpu_prints_one_json_line_per_check_and_every_check_passes(
     assert checks["disk"]["write_GBps"] > 0
     assert "no kernels on CPU" in checks["stragglers"]["skipped"]  # the GPU straggler clock: CUDA only
     assert "CUDA kernels only" in checks["cp_ring"]["skipped"]  # the ring's flash / memory-efficient CUDA kernels
+    norm = checks["norm_kernel"]  # on CPU F.rms_norm decomposes into eager's ops: the same loss, bitwise
+    assert norm["losses"]["fused"] == norm["losses"]["eager"]
+    assert "aten::_fused_rms_norm" in norm["fused"]["forward"]["ops"]
     gemms = checks["gemms"]  # on CPU the tiny model at tp 2: the mechanics; on a GPU Llama 3 405B's tp8 shards
     assert (gemms["model"], gemms["tp"]) == ("tiny", 2) and sum(r["count"] for r in gemms["linears"]) == 7 * 4 + 1
     rates = [r["tflops"] for r in gemms["linears"]] + [gemms["attention_tflops"]]

@@ -17,6 +17,8 @@ CONFIGS = [
     [*CP2, "train.seq_len=100"],  # 2*cp chunks per sample
     [*CP2, "model.sdpa_backend=math"],  # cp runs its own attention kernels
     ["model.sdpa_backend=flash"],
+    ["model.norm_kernel=apex"],
+    ["model.norm_kernel=fused"],
     ["mesh.tp=3"],
     ["train.compile=true"],  # tp2
     ["model=tiny_moe", "mesh.ep=2"],
