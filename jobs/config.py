@@ -76,7 +76,6 @@ class ModelConfig:
     # Attention: grouped-query (Llama) or multi-head latent attention (DeepSeek-V2/V3, analytic only).
     attention: str = "gqa"  # gqa | mla
     sdpa_backend: str = "auto"  # auto (torch picks flash / memory-efficient / cuDNN) | math (torch's math backend: the scores materialised, in the compute dtype)
-    norm_kernel: str = "eager"  # eager (our RMSNorm's elementwise ops) | fused (F.rms_norm: one fused kernel each way on CUDA; the same elementwise ops on CPU)
     q_lora_rank: int = 0  # MLA query compression rank; 0 = no query compression
     kv_lora_rank: int = 0  # MLA key/value compression rank
     qk_nope_head_dim: int = 0  # MLA per-head query/key dims without RoPE
