@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from parallel.config import CP_IMPLS, ring_kernel
 
@@ -257,6 +256,10 @@ class ContextParallelAttention:
     def _bias(self, c: int, t: int):
         """The lower-right causal bias of c queries over t keys (each query sees the keys up to its own position)."""
         if (c, t) not in self.biases:
+            # lazy: torch.nn.attention.bias imports torch._dynamo (~0.6 s, and torch._inductor), which a rank
+            # without context parallel never needs; it dispatches no op, so it may come under any dispatch mode
+            from torch.nn.attention.bias import causal_lower_right
+
             self.biases[c, t] = causal_lower_right(c, t)
         return self.biases[c, t]
 

@@ -37,6 +37,7 @@ from jobs.failure.respond import (
     open_attempt,
 )
 from jobs.failure.signals import StopSignals, parse_signals
+from jobs.launch.collector import collector_off
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv
 from jobs.launch.rendezvous import port_file
 from jobs.launch.rundir import memory_root
@@ -188,18 +189,6 @@ def _launch_once(
         for p in pids:
             _kill(p, signal.SIGUSR2)
     return _supervise(pids, ctx), ctx
-
-
-@contextlib.contextmanager
-def collector_off() -> Iterator[None]:
-    """No garbage collection inside (on again afterwards, unless it was off before)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @contextlib.contextmanager

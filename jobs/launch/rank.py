@@ -30,6 +30,7 @@ from jobs.failure.respond import AttemptContext, conclude, on_failure
 from jobs.failure.signals import StopSignals
 from jobs.failure.spike import LossDiverged
 from jobs.failure.watchdog import Watchdog
+from jobs.launch.collector import imports_frozen
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, always_excluded, expand_nodelist
 from jobs.launch.rendezvous import rendezvous
 from jobs.launch.scavenge import scavenge_allocation
@@ -153,7 +154,8 @@ def run_rank(cfg: JobConfig, env: DistEnv, *, stop: StopSignals) -> int:
                 nodes=env.nodes,
                 job_id=env.job_id,
             )
-        from jobs.trainer import Trainer
+        with imports_frozen():  # a Slurm rank's first import of the trainer (a local rank's was before its fork)
+            from jobs.trainer import Trainer
 
         during = "build"
         watchdog.phase(during)

@@ -54,6 +54,7 @@ from jobs.failure.policy import read_decision
 from jobs.failure.quarantine import known_nodes, quarantined
 from jobs.failure.respond import open_attempt
 from jobs.failure.signals import StopSignals, parse_signals
+from jobs.launch.collector import imports_frozen
 from jobs.launch.env import RESTART_IN_ALLOCATION_VAR, DistEnv, attempt_name, expand_nodelist, slurm_job_id
 from jobs.launch.prepare import prepare_inputs, prepare_run
 from jobs.launch.rundir import claim_run_dir, record_job
@@ -108,7 +109,8 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
     environ = rank_environ(cfg)
     os.environ.clear()
     os.environ.update(environ)  # before init_process_group: NCCL/torch read these at init
-    from jobs.launch.rendezvous import agreed_torchrun_restart
+    with imports_frozen():  # torch (and the rank's modules below): imported once, kept to the end
+        from jobs.launch.rendezvous import agreed_torchrun_restart
 
     env = agreed_torchrun_restart(DistEnv.from_environ(environ), timeout_s=cfg.failure.init_timeout_s)
     print(
@@ -116,7 +118,8 @@ def rank_main(cfg: JobConfig, stop: StopSignals | None = None) -> int:
         f"node {env.hostname} ({env.node_rank}/{env.nodes}) pid {os.getpid()} run.dir {cfg.run.dir}",
         flush=True,
     )
-    from jobs.launch.rank import attempt_context, run_rank
+    with imports_frozen():
+        from jobs.launch.rank import attempt_context, run_rank
 
     if RESTART_IN_ALLOCATION_VAR not in environ:  # torchrun scripts: no supervisor of ours
         ended = _ended_for_good(cfg, env)

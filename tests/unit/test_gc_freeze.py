@@ -68,7 +68,7 @@ def test_python_m_jobs_train_exits_with_its_code_and_its_objects_frozen() -> Non
     code, frozen, collecting = map(int, p.stdout.split())
     assert code == 2 and "did you mean mesh.tp?" in p.stderr, p.stderr[-2000:]
     assert frozen > 10_000  # hydra, omegaconf and jobs at least; 0 without jobs.exitcodes.exit_command
-    assert collecting == 1  # only the local launcher turns collection off, around its imports (collector_off)
+    assert collecting == 1  # on: only the launchers and ranks turn it off, around their imports, and on again
 
 
 def test_the_collector_is_off_only_inside_collector_off_and_stays_off_if_it_was_off_before() -> None:

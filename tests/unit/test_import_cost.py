@@ -44,3 +44,19 @@ def test_jobs_status_imports_neither_numpy_nor_h5py() -> None:
         "print(json.dumps([m for m in ('numpy', 'h5py', 'torch') if m in sys.modules]))"
     )
     assert _imported(code) == []
+
+
+# A Slurm rank's modules (`python -m jobs.launch.slurm --rank-config PATH`: rank_main, run_rank, the checks and the
+# trainer it imports late), in a fresh interpreter as srun starts it.
+_SLURM_RANK = """
+import json, sys
+import jobs.launch.slurm, jobs.launch.supervise, jobs.launch.rank, jobs.validate, jobs.trainer, parallel.recipe
+print(json.dumps([m for m in ("torch._dynamo", "torch._inductor", "torch.distributed.pipelining") if m in sys.modules]))
+"""
+
+
+def test_a_slurm_ranks_modules_import_neither_dynamo_nor_pipelining() -> None:
+    # Imports only: torch itself imports torch._dynamo (with torch._inductor) at the first optimizer, FSDP2's
+    # fully_shard and a meta-device init, so a training rank pays it there; what imports the trainer without
+    # training does not (parallel.cp's causal bias pulled it in: ~0.5 s; the pipeline schedules ~1 s more).
+    assert _imported(_SLURM_RANK) == []
