@@ -34,16 +34,22 @@ def _dims(*, tp: int = 1, dp_shard: int = 1) -> ParallelDims:
     return ParallelDims(pp=1, dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, ep=1, world_size=tp * dp_shard)
 
 
+def _tp_model(cfg: ModelConfig, mesh, *, sp: bool) -> Transformer:
+    """The real model under apply_tp on `mesh`'s tp axis, initialised (the head's logits gathered: no loss parallel)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=False)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    return model
+
+
 def _tp_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict[str, dict[str, int]]:
     """One block of the real model under apply_tp, without and with sequence parallel."""
     mesh = _dims(tp=world_size).build_mesh("cpu")
     out: dict[str, dict[str, int]] = {}
     for sp in (False, True):
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=False)
-        model.to_empty(device="cpu")
-        init_weights(model, seed=0)
+        model = _tp_model(cfg, mesh, sp=sp)
         block = model.layers["0"]
         # Without SP a block takes the whole sequence; with SP each tp rank holds its Shard(1) slice.
         x = torch.randn(BATCH, SEQ // world_size if sp else SEQ, cfg.dim, generator=torch.Generator().manual_seed(1))
@@ -94,11 +100,7 @@ def _model_step_counts(rank: int, world_size: int, cfg: ModelConfig) -> dict[boo
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     out: dict[bool, dict[str, int]] = {}
     for sp in (False, True):
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=False)
-        model.to_empty(device="cpu")
-        init_weights(model, seed=0)
+        model = _tp_model(cfg, mesh, sp=sp)
         with CommDebugMode() as cdm:
             logits = model(tokens[:, :-1])
             F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)).backward()
