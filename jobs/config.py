@@ -57,7 +57,7 @@ class ModelConfig:
     vocab_size: int = MISSING  # tokens in the vocabulary
     ffn_dim: int = MISSING  # SwiGLU hidden size
     norm_eps: float = 1e-5  # RMSNorm epsilon
-    norm_kernel: str = "eager"  # eager (our RMSNorm's elementwise ops) | fused (F.rms_norm: one fused kernel each way on CUDA; the same elementwise ops on CPU)
+    norm_kernel: str = "eager"  # eager (our RMSNorm's elementwise ops) | fused (F.rms_norm: torch's fused RMSNorm kernels on CUDA; the same elementwise ops on CPU)
     rope_theta: float = 10000.0  # RoPE base
     max_seq_len: int = 2048  # longest sequence RoPE tables are built for
     # Mixture of experts (DeepSeek-V3 style; jobs/models/moe.py trains it, jobs.plan plans it).

@@ -26,7 +26,7 @@ __all__ = ["Transformer", "init_weights", "full_init_tensor"]
 
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, on `kernel` (a `model.norm_kernel` value): `eager`
-    runs the elementwise ops below; `fused` calls F.rms_norm (one kernel forward, one backward on CUDA). The fused
+    runs the elementwise ops below; `fused` calls F.rms_norm (torch's fused kernels on CUDA). The fused
     kernel needs the input's dtype for the weight (else torch falls back to the elementwise ops), so it gets the
     weight in that dtype: under autocast, MLA's latent norms (bf16 inputs, fp32 weights) then return bf16."""
 
